@@ -1,0 +1,27 @@
+"""Codecs: the pure tensor math under the replicators (DCT-II blocks, top-k, sign, casts, packing).
+
+Nothing here communicates or keeps state beyond caches; everything is vectorised over all
+parameters of a step.
+"""
+
+from .dct import BlockGroup, BlockLayout, dct_basis
+from .pack import nbytes, pack, unpack
+from .quantize import TRANSFER_DTYPES, apply_sign, cast_for_transfer, transfer_dtype
+from .topk import densify, index_dtype, scatter_mean, topk_per_block
+
+__all__ = [
+    "BlockGroup",
+    "BlockLayout",
+    "dct_basis",
+    "nbytes",
+    "pack",
+    "unpack",
+    "TRANSFER_DTYPES",
+    "apply_sign",
+    "cast_for_transfer",
+    "transfer_dtype",
+    "densify",
+    "index_dtype",
+    "scatter_mean",
+    "topk_per_block",
+]
