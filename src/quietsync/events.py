@@ -1,0 +1,140 @@
+"""What happened, when, and how many bytes it moved: timed spans for timelines and a byte meter.
+
+Every collective the transport runs is recorded as a :class:`Span` on the ``comm`` lane, and strategies
+record ``compute`` and ``idle`` spans of the main thread, so a timeline (and a test) can see whether
+computation really ran while the network was busy. The :class:`ByteMeter` counts bytes per group and per
+direction from the collective's algorithm (see :mod:`quietsync.link`), not from sniffing sockets.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+LANES = ("compute", "comm", "idle")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One timed interval on a lane (``perf_counter`` seconds)."""
+
+    lane: str
+    name: str
+    t0: float
+    t1: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.t1 - self.t0
+
+    def overlaps(self, other: Span) -> float:
+        """Seconds during which both spans were open."""
+        return max(0.0, min(self.t1, other.t1) - max(self.t0, other.t0))
+
+
+class EventRecorder:
+    """A bounded, thread-safe log of spans.
+
+    Args:
+        capacity: spans kept (oldest dropped first).
+        enabled: record at all; when off, :meth:`span` costs one branch.
+    """
+
+    def __init__(self, capacity: int = 100_000, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._spans: deque[Span] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+
+    def add(self, lane: str, name: str, t0: float, t1: float, **meta: Any) -> None:
+        if self.enabled:
+            with self._lock:
+                self._spans.append(Span(lane, name, t0, t1, meta))
+
+    @contextmanager
+    def span(self, lane: str, name: str, **meta: Any) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(lane, name, t0, time.perf_counter(), **meta)
+
+    def spans(self, lane: str | None = None, since: float = float("-inf")) -> list[Span]:
+        with self._lock:
+            return [s for s in self._spans if (lane is None or s.lane == lane) and s.t1 >= since]
+
+    def busy(self, lane: str, since: float = float("-inf"), until: float = float("inf")) -> float:
+        """Seconds the lane was busy in ``[since, until]``, overlapping spans merged."""
+        total, end = 0.0, float("-inf")
+        for s in sorted(self.spans(lane, since), key=lambda s: s.t0):
+            t0, t1 = max(s.t0, since, end), min(s.t1, until)
+            if t1 > t0:
+                total += t1 - t0
+            end = max(end, min(s.t1, until))
+        return total
+
+    def clear(self) -> None:
+        with self._lock:
+            self._spans.clear()
+
+
+class ByteMeter:
+    """Thread-safe counters of bytes sent and received, per group and per collective kind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sent: dict[str, int] = defaultdict(int)
+        self._recv: dict[str, int] = defaultdict(int)
+        self._by_kind: dict[tuple[str, str], int] = defaultdict(int)
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    def add(self, group: str, kind: str, sent: int, recv: int, seconds: float = 0.0) -> None:
+        with self._lock:
+            self._sent[group] += sent
+            self._recv[group] += recv
+            self._by_kind[(group, kind)] += sent
+            self._seconds[group] += seconds
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """``{group: {"sent": bytes, "recv": bytes, "seconds": comm seconds}}``."""
+        with self._lock:
+            groups = set(self._sent) | set(self._recv)
+            return {
+                g: {"sent": self._sent[g], "recv": self._recv[g], "seconds": self._seconds[g]} for g in groups
+            }
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes sent per ``"group/kind"``."""
+        with self._lock:
+            return {f"{g}/{k}": v for (g, k), v in self._by_kind.items()}
+
+    @property
+    def sent(self) -> int:
+        with self._lock:
+            return sum(self._sent.values())
+
+    @property
+    def recv(self) -> int:
+        with self._lock:
+            return sum(self._recv.values())
+
+    def reset(self) -> None:
+        with self._lock:
+            self._sent.clear()
+            self._recv.clear()
+            self._by_kind.clear()
+            self._seconds.clear()
+
+
+def diff_snapshots(new: dict[str, dict[str, float]], old: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per-group difference of two :meth:`ByteMeter.snapshot` results."""
+    out = {}
+    for g, v in new.items():
+        o = old.get(g, {})
+        out[g] = {k: v[k] - o.get(k, 0) for k in v}
+    return out

@@ -1,0 +1,20 @@
+"""Strategies: how and when gradients or parameters cross the network, and when the optimizer runs.
+
+One module per strategy; importing this package imports them all, which registers each under its name
+(``quietsync.strategies.available()``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from .base import StepMetrics, Strategy, StrategyConfig
+from .registry import available, get, make_strategy, register
+
+_SKIP = {"base", "registry"}
+for _mod in pkgutil.iter_modules(__path__):
+    if _mod.name not in _SKIP and not _mod.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_mod.name}")
+
+__all__ = ["StepMetrics", "Strategy", "StrategyConfig", "available", "get", "make_strategy", "register"]

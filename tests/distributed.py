@@ -1,0 +1,108 @@
+"""Run a function on N local gloo workers, with a hard timeout, for multi-process tests.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (forkserver, torch preloaded), sets
+the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), calls
+``fn(rank, world_size, *args)`` in each and returns the list of results by rank. A worker that raises
+fails the test with its traceback; a worker that hangs (or a peer waiting on it) fails it at ``timeout``
+— every process is killed, nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "quietsync"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, nodes: int, port: int, fn: Callable[..., Any], args: tuple,
+            results: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world // nodes),
+        "LOCAL_RANK": str(rank % (world // nodes)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        out = fn(rank, world, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0, nodes: int | None = None,
+              env: dict[str, str] | None = None, expect_failure: bool = False) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo workers; results by rank.
+
+    Args:
+        nodes: how many nodes the workers stand for (default: one node per worker).
+        env: extra environment variables for the workers.
+        expect_failure: return ``{rank: ("ok", result) | ("error", traceback) | ("missing", None)}`` instead
+            of raising when a worker fails (for tests of failure handling).
+    """
+    nodes = world_size if nodes is None else nodes
+    results = _CTX.Queue()
+    port = free_port()
+    procs = [
+        _CTX.Process(target=_worker, args=(r, world_size, nodes, port, fn, args, results, dict(env or {})),
+                     daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 0.5))
+                got[rank] = (status, value)
+                if status == "error" and not expect_failure:
+                    break
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if len(got) < world_size else 5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if expect_failure:
+        return {r: got.get(r, ("missing", None)) for r in range(world_size)}  # type: ignore[return-value]
+    errors = {r: v for r, (s, v) in got.items() if s == "error"}
+    if errors:
+        r = min(errors)
+        raise AssertionError(f"rank {r} of {world_size} failed:\n{errors[r]}")
+    missing = [r for r in range(world_size) if r not in got]
+    if missing:
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:g}s")
+    return [got[r][1] for r in range(world_size)]
