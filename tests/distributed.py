@@ -9,6 +9,7 @@ fails the test with its traceback; a worker that hangs (or a peer waiting on it)
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_mod
 import socket
@@ -41,7 +42,9 @@ def _worker(rank: int, world: int, nodes: int, port: int, fn: Callable[..., Any]
     torch.set_num_threads(1)
     try:
         out = fn(rank, world, *args)
-        results.put((rank, "ok", out))
+        buf = io.BytesIO()
+        torch.save(out, buf)  # tensors travel as bytes: no shared-memory handles outliving this process
+        results.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -97,7 +100,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.kill()
                 p.join(5)
     if expect_failure:
-        return {r: got.get(r, ("missing", None)) for r in range(world_size)}  # type: ignore[return-value]
+        out = {}
+        for r in range(world_size):
+            status, value = got.get(r, ("missing", None))
+            out[r] = (status, _load(value) if status == "ok" else value)
+        return out  # type: ignore[return-value]
     errors = {r: v for r, (s, v) in got.items() if s == "error"}
     if errors:
         r = min(errors)
@@ -105,4 +112,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     missing = [r for r in range(world_size) if r not in got]
     if missing:
         raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:g}s")
-    return [got[r][1] for r in range(world_size)]
+    return [_load(got[r][1]) for r in range(world_size)]
+
+
+def _load(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)

@@ -34,6 +34,10 @@ from .topology import GROUPS, Topology
 
 OPS = ("sum", "avg", "max", "min")
 
+# torch 2.13 renamed the flat collectives; keep older releases working.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class Work:
     """Handle of a (possibly asynchronous) collective. :meth:`wait` is idempotent."""
@@ -226,7 +230,7 @@ class Transport:
         red, post = self._op(op, n, output)
         handle = None
         if n > 1:
-            handle = dist.reduce_scatter_tensor(output, input, op=red, group=self._groups[group], async_op=True)
+            handle = _reduce_scatter_flat(output, input, op=red, group=self._groups[group], async_op=True)
         elif output.data_ptr() != input.data_ptr():
             output.copy_(input.view_as(output))
         return self._issue(handle, "reduce_scatter", group, _nbytes(input), name, post, async_op)
@@ -243,7 +247,7 @@ class Transport:
             )
         handle = None
         if n > 1:
-            handle = dist.all_gather_into_tensor(output, input, group=self._groups[group], async_op=True)
+            handle = _all_gather_flat(output, input, group=self._groups[group], async_op=True)
         elif output.data_ptr() != input.data_ptr():
             output.copy_(input.view_as(output))
         return self._issue(handle, "all_gather", group, _nbytes(output), name, None, async_op)
@@ -310,6 +314,8 @@ class Transport:
             work = self.all_reduce(buf, group, async_op=True, name="ddp_bucket")
             return work.get_future().then(lambda _f: buf)
 
+        # DDP inspects the hook's annotations; give it real types (this module uses postponed annotations).
+        hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
         return hook
 
     # ------------------------------------------------------------------ internals
