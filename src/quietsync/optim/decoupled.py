@@ -1,0 +1,167 @@
+"""The decoupled-momentum optimizer step shared by DeMo-SGD and decoupled AdamW (paper 001).
+
+Every step, for all parameters that have a gradient, together:
+
+1. ``delta <- beta * delta + s * g``  (decoupled momentum, local to the worker; ``s`` is the lr for
+   DeMo-SGD as in the DeMo reference, 1 for decoupled AdamW),
+2. the replicator extracts ``q`` from ``delta``, removes it (``delta <- delta - decode(q)``) and
+   exchanges it with the replicate group in one collective, returning the average ``Q``,
+3. the base rule applies ``Q`` (optionally its sign) to the parameters.
+
+Periodic replication: step ``t`` (1-based) replicates iff ``t % replicate_every == 0`` and not
+``t % skip_every == 0``; on other steps the momentum is left alone and the local gradient
+(``s * g``) is applied, as in the DeToNATION reference.
+
+All parameters' momenta live in one flat fp32 buffer (each ``state[p]["delta"]`` is a view of it),
+so the replicator encodes them in one vectorised pass; the buffer is rebuilt only when the set of
+parameters with gradients changes. ``state_dict()`` holds the momenta, the step counter and the
+replicator's counters, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..replicators import Replicator, Segments, make_replicator
+
+__all__ = ["DecoupledOptimizer"]
+
+
+class DecoupledOptimizer(torch.optim.Optimizer):
+    """Base class of the decoupled optimizers (see the module docstring).
+
+    Args:
+        params: parameters or parameter groups (torch style).
+        defaults: per-group defaults (``lr``, ``beta``, ``sign``, ``weight_decay``, ...).
+        replicator: a :class:`~quietsync.replicators.Replicator` or its name (then built with
+            ``replicator_kwargs``).
+        transport: the :class:`~quietsync.transport.Transport`; None = a world of one.
+        group: transport group to replicate over (``world`` for DeMo, ``replicate`` for FlexDeMo).
+        replicate_every / skip_every: periodic replication (``skip_every=0``: never skip).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        replicator: Replicator | str = "dct",
+        transport: Any = None,
+        group: str = "world",
+        replicate_every: int = 1,
+        skip_every: int = 0,
+        replicator_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if defaults.get("lr", 0.0) < 0:
+            raise ValueError(f"lr must be >= 0, got {defaults['lr']}")
+        if not 0.0 <= defaults.get("beta", 0.0) <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {defaults['beta']}")
+        if not isinstance(replicate_every, int) or replicate_every < 1:
+            raise ValueError(f"replicate_every must be an integer >= 1, got {replicate_every!r}")
+        if not isinstance(skip_every, int) or skip_every < 0 or skip_every == 1:
+            raise ValueError(f"skip_every must be 0 (never skip) or an integer >= 2, got {skip_every!r}")
+        super().__init__(params, defaults)
+        if isinstance(replicator, str):
+            replicator = make_replicator(replicator, **(replicator_kwargs or {}))
+        if not isinstance(replicator, Replicator):
+            raise TypeError(f"replicator must be a Replicator or a name, got {type(replicator).__name__}")
+        if transport is not None:
+            replicator.bind(transport, group)
+        self.replicator = replicator
+        self.replicate_every = replicate_every
+        self.skip_every = skip_every
+        self.decoupled_step = 0
+        self._flat: torch.Tensor | None = None
+        self._flat_key: tuple[int, ...] | None = None
+        self.last_replicated = False
+
+    # ------------------------------------------------------------------ hooks for the base rules
+    @abstractmethod
+    def _delta_scale(self, group: dict[str, Any]) -> float:
+        """``s`` in ``delta <- beta * delta + s * g``."""
+
+    @abstractmethod
+    def _apply(self, group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+        """Apply the replicated (already sign-ed if asked) updates to ``params`` of ``group``."""
+
+    # ------------------------------------------------------------------ the step
+    def replicates_at(self, step: int) -> bool:
+        """Whether 1-based step ``step`` replicates."""
+        if step % self.replicate_every:
+            return False
+        return not (self.skip_every and step % self.skip_every == 0)
+
+    def _flat_delta(self, params: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple(id(p) for p in params)
+        if key == self._flat_key and self._flat is not None:
+            return self._flat
+        numel = sum(p.numel() for p in params)
+        device = params[0].device if params else torch.device("cpu")
+        flat = torch.zeros(numel, dtype=torch.float32, device=device)
+        at = 0
+        for p in params:
+            view = flat[at : at + p.numel()].view(p.shape)
+            old = self.state[p].get("delta")
+            if old is not None:
+                view.copy_(old)
+            self.state[p]["delta"] = view
+            at += p.numel()
+        self._flat, self._flat_key = flat, key
+        return flat
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.decoupled_step += 1
+        groups = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
+        params = [p for _, ps in groups for p in ps]
+        segments = Segments([p.shape for p in params])
+        flat = self._flat_delta(params)
+        self.last_replicated = self.replicates_at(self.decoupled_step)
+        if self.last_replicated:
+            for g, ps in groups:
+                if not ps:
+                    continue
+                deltas = [self.state[p]["delta"] for p in ps]
+                grads = [p.grad.to(torch.float32) for p in ps]
+                if g["beta"] != 1.0:
+                    torch._foreach_mul_(deltas, g["beta"])
+                torch._foreach_add_(deltas, grads, alpha=self._delta_scale(g))
+            update = self.replicator.replicate(flat, segments)
+        else:
+            update = torch.cat(
+                [p.grad.reshape(-1).to(torch.float32) * self._delta_scale(g) for g, ps in groups for p in ps]
+            ) if params else flat.new_zeros(0)
+        at = 0
+        for g, ps in groups:
+            if not ps:
+                continue
+            ups = []
+            for p in ps:
+                ups.append(update[at : at + p.numel()].view(p.shape))
+                at += p.numel()
+            if g["sign"]:
+                torch._foreach_sign_(ups)
+            self._apply(g, ps, ups)
+        return loss
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["decoupled"] = {"step": self.decoupled_step, "replicator": self.replicator.state_dict()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("decoupled", None)
+        super().load_state_dict(state_dict)
+        self._flat, self._flat_key = None, None  # momenta are new tensors now; rebuild the flat buffer
+        if extra is not None:
+            self.decoupled_step = int(extra["step"])
+            self.replicator.load_state_dict(extra["replicator"])

@@ -1,0 +1,69 @@
+"""DeMo-SGD: SGD on the replicated decoupled momentum (paper 001; DeMo, Peng et al. 2024).
+
+``delta <- beta * delta + lr * g``; the replicator sends part of ``delta`` and returns the average
+``Q``; then ``theta <- theta * (1 - lr * wd) - lr * sign(Q)`` (``sign=True``, DeMo's default) or
+``theta <- theta * (1 - lr * wd) - Q`` (``sign=False``: ``Q`` already carries the lr). With the
+``full`` replicator, ``beta=0`` and no sign this is exactly SGD on the all-reduced gradient.
+
+Usable in a plain loop::
+
+    opt = DeMoSGD(model.parameters(), lr=1e-3, replicator="dct", transport=transport,
+                  replicator_kwargs={"compression": 1/32, "chunk": 64})
+    loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..replicators import Replicator
+from .decoupled import DecoupledOptimizer
+
+__all__ = ["DeMoSGD"]
+
+
+class DeMoSGD(DecoupledOptimizer):
+    """DeMo-SGD (see the module docstring).
+
+    Args:
+        params: parameters or groups; groups may override ``lr``, ``beta``, ``sign``, ``weight_decay``.
+        lr: learning rate.
+        beta: decay of the decoupled momentum (DeMo's ``compression_decay``).
+        sign: apply ``sign`` to the replicated update.
+        weight_decay: decoupled weight decay.
+        replicator, transport, group, replicate_every, skip_every, replicator_kwargs:
+            see :class:`~quietsync.optim.decoupled.DecoupledOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        beta: float = 0.999,
+        sign: bool = True,
+        weight_decay: float = 0.0,
+        replicator: Replicator | str = "dct",
+        transport: Any = None,
+        group: str = "world",
+        replicate_every: int = 1,
+        skip_every: int = 0,
+        replicator_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        defaults = {"lr": lr, "beta": beta, "sign": sign, "weight_decay": weight_decay}
+        super().__init__(params, defaults, replicator, transport, group, replicate_every, skip_every,
+                         replicator_kwargs)
+
+    def _delta_scale(self, group: dict[str, Any]) -> float:
+        return float(group["lr"])
+
+    def _apply(self, group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        ups = [u.to(p.dtype) for p, u in zip(params, updates)]
+        torch._foreach_add_(params, ups, alpha=-lr if group["sign"] else -1.0)

@@ -1,0 +1,79 @@
+"""``random``: values at positions every rank draws from a shared seed -- no indices travel.
+
+Paper 001's Random replicator. Every worker seeds a generator with ``(seed, counter)`` and draws
+the same positions, so only the values are sent and they can be **all-reduced** (bytes do not
+grow with the replicate group, unlike DeMo's all-gather), and for the same bandwidth twice as
+many values travel as with DeMo-DCT.
+
+Positions are drawn by *stratified* sampling: the buffer, rotated by a random offset, is cut
+into ``m`` equal strata and one uniform position is drawn in each. That gives exactly ``m``
+distinct positions, every element equally likely, in O(m) work -- a full ``randperm`` of a
+10M-element buffer costs about 1.6 s on one CPU core, longer than the step it serves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Message, Replicator, Segments
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+class RandomReplicator(Replicator):
+    """Random positions from a shared seed; values only; all-reduce.
+
+    Args:
+        seed: shared by every rank (same default everywhere).
+        (others as :class:`~quietsync.replicators.base.Replicator`)
+    """
+
+    name = "random"
+
+    def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Any = None,
+                 group: str = "replicate", seed: int = 0) -> None:
+        super().__init__(compression, transfer_dtype, transport, group)
+        self.seed = int(seed)
+        self.counter = 0
+
+    def count(self, segments: Segments, dtype: torch.dtype = torch.float32) -> int:
+        """Number of values sent per step."""
+        eb = torch.empty((), dtype=dtype).element_size()
+        m = int(self.compression * segments.numel * eb // self.value_bytes)
+        return max(1, min(segments.numel, m))
+
+    def indices(self, segments: Segments, counter: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The positions of step ``counter`` (identical on every rank)."""
+        n, m = segments.numel, self.count(segments)
+        gen = torch.Generator().manual_seed((self.seed * _MIX + counter) % (2**63))
+        stride = n // m
+        jitter = torch.randint(0, stride, (m,), generator=gen)
+        rot = int(torch.randint(0, n, (1,), generator=gen))
+        idx = (torch.arange(m) * stride + jitter + rot) % n
+        return idx.to(device)
+
+    def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
+        idx = self.indices(segments, self.counter, delta.device)
+        self.counter += 1
+        payload = delta[idx].to(self.transfer_dtype)
+        sent = torch.zeros_like(delta)
+        sent[idx] = payload.to(delta.dtype)
+        return Message(payload, sent, idx)
+
+    def exchange(self, msg: Message, segments: Segments) -> torch.Tensor:
+        self.transport.all_reduce(msg.payload, self.group, op="avg", name=f"replicate/{self.name}")
+        update = torch.zeros_like(msg.sent)
+        update[msg.meta] = msg.payload.to(update.dtype)
+        return update
+
+    def payload_bytes(self, segments: Segments, dtype: torch.dtype = torch.float32) -> int:
+        return self.count(segments, dtype) * self.value_bytes
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counter": self.counter, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counter = int(state["counter"])
+        self.seed = int(state.get("seed", self.seed))

@@ -1,0 +1,95 @@
+"""Replicators across gloo workers: shared indices, per-coefficient averaging, metered bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quietsync.replicators import Segments, make_replicator
+from quietsync.topology import Topology
+from quietsync.transport import Transport
+from tests.distributed import run_ranks
+
+SEG = Segments([(24, 40), (19,), (2, 3, 7)])
+NOPAD = Segments([(24, 40), (16,), (2, 3, 8)])  # multiples of chunk 8: re-encoding `sent` is exact
+
+
+def _delta(rank: int, seg: Segments = SEG) -> torch.Tensor:
+    return torch.randn(seg.numel, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _exchange(rank: int, world: int, name: str, kw: dict, seg: Segments = SEG) -> dict:
+    transport = Transport(Topology.from_env())
+    rep = make_replicator(name, transport=transport, group="replicate", **kw)
+    delta = _delta(rank, seg)
+    before = delta.clone()
+    msg = rep.extract(delta, seg)
+    out = {"sent": msg.sent, "meta": msg.meta if name in ("random", "striding") else None, "payload": msg.payload}
+    rep.counter = 0 if hasattr(rep, "counter") else None
+    transport.meter.reset()
+    update = rep.replicate(delta, seg)
+    out.update(update=update, residual=delta, before=before, meter=transport.meter.snapshot(),
+               by_kind=transport.meter.by_kind(), payload_bytes=rep.payload_bytes(seg))
+    transport.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["random", "striding"])
+def test_shared_indices_values_only_all_reduce(name):
+    world = 3
+    res = run_ranks(_exchange, world, name, {"compression": 1 / 8, "transfer_dtype": "bf16"})
+    idx = res[0]["meta"]
+    for r in res:
+        assert torch.equal(r["meta"], idx)  # identical positions on every rank
+        # no indices travel: the payload is values only, in the transfer dtype
+        assert r["payload"].dtype == torch.bfloat16 and r["payload"].numel() == idx.numel()
+        b = r["payload_bytes"]
+        assert b == (SEG.numel * 4 // 8 // 2) * 2
+        assert r["by_kind"] == {"replicate/all_reduce": 2 * (world - 1) * b // world}
+    # the update is the average of every rank's (bf16) values at the shared positions, zero elsewhere
+    want = torch.zeros(SEG.numel)
+    want[idx] = torch.stack([r["before"][idx].to(torch.bfloat16).float() for r in res]).mean(0)
+    for r in res:
+        torch.testing.assert_close(r["update"], want, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(r["residual"] + r["sent"], r["before"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_dct_all_gather_averages_per_coefficient():
+    world = 3
+    kw = {"compression": 1 / 8, "chunk": 8}
+    res = run_ranks(_exchange, world, "dct", kw, NOPAD)
+    rep = make_replicator("dct", **kw)
+    layout = rep.layout(NOPAD)
+    # oracle: coefficient-wise mean over the ranks that sent it, from each rank's own sent part
+    sums = [torch.zeros_like(c) for c in layout.encode(res[0]["sent"])]
+    counts = [torch.zeros_like(c) for c in sums]
+    for r in res:
+        for s, c, coef in zip(sums, counts, layout.encode(r["sent"])):
+            nz = coef.abs() > 1e-6
+            s += torch.where(nz, coef, 0)
+            c += nz.float()
+    want = layout.decode([s / c.clamp_min(1) for s, c in zip(sums, counts)])
+    for r in res:
+        torch.testing.assert_close(r["update"], want, rtol=1e-4, atol=1e-5)
+        b = r["payload_bytes"]
+        # by hand: 15 blocks 8x8 (k=round(960*4/8/(15*5))=6), 2 of 8 (k=1), 3 of 2x8 (k=2); 4+1 bytes each
+        assert b == rep.payload_bytes(NOPAD) == 15 * 6 * 5 + 2 * 1 * 5 + 3 * 2 * 5
+        assert r["by_kind"] == {"replicate/all_gather": (world - 1) * b}  # grows with the group
+        torch.testing.assert_close(r["residual"] + r["sent"], r["before"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_full_is_the_mean_and_none_sends_nothing():
+    world = 2
+    res = run_ranks(_exchange, world, "full", {})
+    mean = (res[0]["before"] + res[1]["before"]) / 2
+    for r in res:
+        torch.testing.assert_close(r["update"], mean)
+        assert r["by_kind"] == {"replicate/all_reduce": SEG.numel * 4}
+        assert r["residual"].count_nonzero() == 0
+    res = run_ranks(_exchange, world, "none", {})
+    for r in res:
+        assert r["by_kind"] == {}
+        torch.testing.assert_close(r["update"], r["before"])
