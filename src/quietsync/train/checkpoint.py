@@ -1,0 +1,73 @@
+"""Checkpoints of a training job: one file per worker and step.
+
+Layout: ``OUT/checkpoints/step-0000100/rank{R}.pt``, each holding that worker's ``strategy.state_dict()``
+(model, optimizer shard, pending buffers), its data-stream position, its token count and RNG state.
+Files are written to a temporary name and renamed, so a file that exists is complete; a step folder is
+complete when every expected rank file is in it. ``--resume`` without a folder takes the newest complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_root(out: str | os.PathLike) -> Path:
+    """``OUT/checkpoints``."""
+    return Path(out) / "checkpoints"
+
+
+def rank_file(folder: str | os.PathLike, rank: int) -> Path:
+    """``FOLDER/rank{rank}.pt``."""
+    return Path(folder) / f"rank{rank}.pt"
+
+
+def save_checkpoint(out: str | os.PathLike, step: int, rank: int, payload: dict[str, Any]) -> Path:
+    """Write this worker's checkpoint for ``step`` atomically and return its path."""
+    folder = checkpoint_root(out) / f"step-{step:07d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = rank_file(folder, rank)
+    tmp = path.with_name(f"{path.name}.tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def latest_checkpoint(out: str | os.PathLike, ranks: Iterable[int]) -> Path | None:
+    """Newest step folder under ``OUT/checkpoints`` holding a file for each of ``ranks`` (None if none)."""
+    root = checkpoint_root(out)
+    if not root.is_dir():
+        return None
+    ranks = list(ranks)
+    found = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir() and all(rank_file(d, r).is_file() for r in ranks):
+            found.append((int(m.group(1)), d))
+    return max(found)[1] if found else None
+
+
+def resolve_resume(resume: str, out: str | os.PathLike, ranks: Iterable[int]) -> Path:
+    """The folder ``--resume`` names: ``latest`` (newest complete under OUT) or an explicit folder."""
+    if resume == "latest":
+        folder = latest_checkpoint(out, ranks)
+        if folder is None:
+            raise ValueError(f"resume found no complete checkpoint under {checkpoint_root(out)}")
+        return folder
+    folder = Path(resume)
+    missing = [r for r in ranks if not rank_file(folder, r).is_file()]
+    if missing:
+        raise ValueError(f"resume folder {folder} lacks rank files for ranks {missing}")
+    return folder
+
+
+def load_checkpoint(folder: str | os.PathLike, rank: int) -> dict[str, Any]:
+    """This worker's checkpoint payload from ``folder``."""
+    return torch.load(rank_file(folder, rank), map_location="cpu", weights_only=False)

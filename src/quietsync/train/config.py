@@ -1,0 +1,125 @@
+"""The configuration of one `quietsync train` job (the strategy's own knobs live in its config class).
+
+Every field is a command-line flag (see :mod:`quietsync.train.config_flags`); the defaults are the embedded
+default job: a small GPT-Neo on the King James Bible, 2 local workers, ZeRO-1, about five minutes on a
+2-core CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..link import parse_links
+from .corpus import DEFAULT_DATASET
+from .slow_worker import SlowWorker, parse_slow_worker
+
+DEFAULT_STRATEGY = "zero1"
+"""Strategy of `quietsync train` when ``--strategy`` is not given."""
+
+ModelName = Literal["tiny", "default", "10m"]
+
+
+@dataclass
+class TrainConfig:
+    """One training job (rank-independent; every worker receives the same)."""
+
+    strategy: str = DEFAULT_STRATEGY
+    """Strategy name (see `quietsync train --help` for the registered ones)."""
+    nproc: int = 2
+    """Local worker processes to spawn when not under torchrun (1 = train in this process)."""
+    nodes: int | None = None
+    """Nodes for the topology; default: WORLD_SIZE/LOCAL_WORLD_SIZE under torchrun, and with local workers one node per worker (so --link inter=... applies between them)."""
+    max_steps: int = 400
+    """Committed optimizer steps to train for."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch on each worker."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    lr: float = 2e-3
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (norms, biases and embeddings get none)."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps; default: 5% of --max-steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of --lr."""
+    link: list[str] = field(default_factory=list, metadata={"flag": {"metavar": "NAME=BW[,LAT]"}})
+    """Emulated link, repeatable: inter=100mbit,5ms (between nodes) or intra=10gbit,0.05ms (inside one)."""
+    slow_worker: str | None = field(default=None, metadata={"flag": {"metavar": "RANK:FACTOR"}})
+    """Make worker RANK FACTOR times slower: after each micro-batch it sleeps (FACTOR-1)x its compute time."""
+    out: str = "runs/train"
+    """Output folder: metrics-rank{R}.jsonl, summary.json, loss.png, checkpoints/."""
+    dataset: str = DEFAULT_DATASET
+    """Corpus: 'kjv' (embedded King James Bible), a text file, a folder of .txt files, or a hub dataset name."""
+    eval_fraction: float = 0.02
+    """Fraction of the documents held out for evaluation (every k-th one)."""
+    seed: int = 0
+    """Seed of the model initialisation and of the data order."""
+    model: ModelName = "default"
+    """Model size preset: tiny (~1M parameters), default (~2.6M), 10m (~10.6M)."""
+    vocab_size: int = 4096
+    """Size of the byte-level BPE vocabulary trained on the corpus."""
+    eval_every: int = 50
+    """Evaluate the held-out loss every N steps (and before the first and after the last); 0 = only at the end."""
+    eval_windows: int = 48
+    """Held-out sequences per evaluation."""
+    save_every: int = 0
+    """Save a checkpoint every N steps under OUT/checkpoints (0 = never)."""
+    resume: str | None = field(default=None, metadata={"flag": {"nargs": "?", "const": "latest", "metavar": "DIR"}})
+    """Resume from a checkpoint folder; bare --resume takes the latest complete one under OUT/checkpoints."""
+    cache_dir: str | None = None
+    """Tokenizer and token cache folder (default: ~/.cache/quietsync)."""
+    threads: int = 0
+    """torch threads per worker (0 = CPU cores / local workers)."""
+    timeout_s: float = 300.0
+    """Seconds a collective may wait for its peers before the job fails."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    plot: bool = True
+    """Draw loss.png at the end."""
+
+    def __post_init__(self) -> None:
+        positive = ("nproc", "max_steps", "micro_batch_size", "vocab_size", "eval_windows")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("eval_every", "save_every", "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.nodes is not None and self.nodes < 1:
+            raise ValueError(f"nodes must be an integer >= 1, got {self.nodes!r}")
+        if not isinstance(self.seq_len, int) or self.seq_len < 2:
+            raise ValueError(f"seq_len must be an integer >= 2, got {self.seq_len!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not 0.0 < self.eval_fraction < 0.5:
+            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.model not in ("tiny", "default", "10m"):
+            raise ValueError(f"model must be one of tiny, default, 10m, got {self.model!r}")
+        try:
+            parse_links(self.link)
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith("--link") else f"link {msg}") from None
+        if self.slow_worker is not None:
+            parse_slow_worker(self.slow_worker)
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps in effect."""
+        return self.warmup_steps if self.warmup_steps is not None else max(1, self.max_steps // 20)
+
+    def slow(self) -> SlowWorker | None:
+        """The parsed --slow-worker, if any."""
+        return parse_slow_worker(self.slow_worker) if self.slow_worker else None

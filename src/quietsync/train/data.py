@@ -1,0 +1,158 @@
+"""Token streams cut into fixed-length sequences, sharded across workers.
+
+* :func:`encode_split` turns the documents of one split into one token stream (an end-of-text token
+  after each document), cached on disk next to the tokenizer.
+* :class:`ShardedSequences` is the infinite training iterator of one worker: every epoch it draws a
+  seeded random offset and permutation of the non-overlapping ``seq_len`` windows and gives worker
+  ``r`` the windows ``perm[r::world_size]`` (truncated so every worker has as many), so the workers'
+  shards are disjoint and depend only on ``seed``, the epoch and the world size. Its position is in
+  ``state_dict()`` for exact resume.
+* :func:`eval_batches` gives each worker its fixed, disjoint part of the held-out windows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cache import DEFAULT_CACHE_DIR, build_once
+
+
+def _documents_digest(documents: tuple[str, ...] | list[str]) -> str:
+    h = hashlib.sha256()
+    for doc in documents:
+        data = doc.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def encode_documents(tokenizer, documents, eos: int) -> np.ndarray:
+    """Token ids of ``documents``, each followed by ``eos``, as one 1-D array."""
+    out: list[int] = []
+    for enc in tokenizer.encode_batch(list(documents)):
+        out.extend(enc.ids)
+        out.append(eos)
+    dtype = np.uint16 if tokenizer.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.int32
+    return np.asarray(out, dtype=dtype)
+
+
+def encode_split(
+    tokenizer, documents, eos: int, cache_dir: str | os.PathLike | None = None
+) -> torch.Tensor:
+    """The token stream of ``documents`` (cached on disk, keyed by tokenizer and text), as int64."""
+    root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    key = hashlib.sha256(
+        (tokenizer.to_str() + _documents_digest(documents) + str(eos)).encode("utf-8")
+    ).hexdigest()[:24]
+    path = root / f"tokens-{key}.npy"
+
+    def build(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, encode_documents(tokenizer, documents, eos))
+
+    build_once(path, build)
+    return torch.from_numpy(np.load(path).astype(np.int64))
+
+
+class ShardedSequences:
+    """Infinite, seeded iterator over one worker's micro-batches of ``[micro_batch_size, seq_len]`` ids."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        seq_len: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ) -> None:
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        # one window of slack for the per-epoch random offset
+        self.num_windows = (tokens.numel() - seq_len) // seq_len
+        self.windows_per_rank = self.num_windows // world_size
+        if self.windows_per_rank < micro_batch_size:
+            raise ValueError(
+                f"the training text ({tokens.numel()} tokens) is too short for {world_size} worker(s) with "
+                f"micro_batch_size {micro_batch_size} and seq_len {seq_len}"
+            )
+        self.epoch = 0
+        self.index = 0
+        self._order_epoch = -1
+        self._offset = 0
+        self._mine = torch.empty(0, dtype=torch.long)
+
+    def _order(self) -> None:
+        if self._order_epoch == self.epoch:
+            return
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        self._offset = int(torch.randint(0, self.seq_len, (1,), generator=g))
+        perm = torch.randperm(self.num_windows, generator=g)
+        self._mine = perm[self.rank :: self.world_size][: self.windows_per_rank]
+        self._order_epoch = self.epoch
+
+    def window_starts(self) -> torch.Tensor:
+        """Start offsets (in tokens) of this worker's windows in the current epoch."""
+        self._order()
+        return self._offset + self._mine * self.seq_len
+
+    def __iter__(self) -> ShardedSequences:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.index + self.micro_batch_size > self.windows_per_rank:
+            self.epoch += 1
+            self.index = 0
+        starts = self.window_starts()[self.index : self.index + self.micro_batch_size]
+        self.index += self.micro_batch_size
+        idx = starts[:, None] + torch.arange(self.seq_len)[None, :]
+        return self.tokens[idx]
+
+    def state_dict(self) -> dict[str, int]:
+        """Position in the stream (epoch and index); the rest is derived from the constructor."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a position saved by :meth:`state_dict` (same seed and world size)."""
+        if state["seed"] != self.seed or state["world_size"] != self.world_size:
+            raise ValueError(
+                f"data state was saved with seed {state['seed']} and world size {state['world_size']}, "
+                f"now {self.seed} and {self.world_size}"
+            )
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def eval_batches(
+    tokens: torch.Tensor,
+    seq_len: int,
+    micro_batch_size: int,
+    max_windows: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[torch.Tensor]:
+    """This worker's part of the first ``max_windows`` held-out windows, in batches.
+
+    Windows are non-overlapping from offset 0; worker ``r`` takes windows ``r::world_size``.
+    """
+    n = min((tokens.numel()) // seq_len, max_windows)
+    if n < 1:
+        raise ValueError(f"the held-out text ({tokens.numel()} tokens) is shorter than seq_len {seq_len}")
+    mine = torch.arange(n)[rank::world_size]
+    batches = []
+    for i in range(0, mine.numel(), micro_batch_size):
+        starts = mine[i : i + micro_batch_size] * seq_len
+        batches.append(tokens[starts[:, None] + torch.arange(seq_len)[None, :]])
+    return batches

@@ -1,0 +1,285 @@
+"""The training loop of `quietsync train`, run by every worker, written on the strategy contract.
+
+Per worker: build the topology and transport from the environment, load the corpus and the cached
+tokenizer, build the GPT-Neo preset (same seed on every worker) and the strategy, then::
+
+    while strategy.steps < max_steps:
+        loss = model(batch).loss; strategy.backward(loss)     # (+ --slow-worker sleep)
+        if strategy.step():                                  # a committed step: log, eval, checkpoint
+            ...
+    with strategy.committed_params(): evaluate
+
+Evaluation needs no communication: every worker evaluates the same held-out windows on its committed
+parameters (identical across workers for synchronous strategies) and logs the result; rank 0's is the one
+reported. The only collective the loop issues itself is one all-reduce of the totals after
+``strategy.close()``, for the summary. Only rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..link import parse_links
+from ..strategies import StrategyConfig, make_strategy
+from ..topology import GROUPS, Topology
+from ..transport import Transport
+from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from .config import TrainConfig
+from .corpus import load_corpus
+from .data import ShardedSequences, encode_split, eval_batches
+from .metrics import MetricsWriter, format_summary, write_summary
+from .model import build_model, count_parameters, param_groups
+from .schedule import warmup_cosine
+from .slow_worker import MicroBatchTimer
+from .tokenizer import eos_id, load_or_train_tokenizer
+
+ADAMW_BETAS = (0.9, 0.95)
+"""AdamW betas of the trainer (GPT-style)."""
+
+
+def _local_ranks(topology: Topology) -> list[int]:
+    """Ranks whose files share this worker's disk: its torchrun node (all ranks for local workers)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
+    local_rank = int(os.environ.get("LOCAL_RANK", topology.rank % max(1, local_world)))
+    first = topology.rank - local_rank
+    return list(range(first, first + local_world))
+
+
+def _set_threads(cfg: TrainConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    elif "LOCAL_WORLD_SIZE" in os.environ:
+        local_world = max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
+    """Mean next-token loss of ``model`` over ``batches`` (model left in train mode)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        batch = batch.to(device, non_blocking=True)
+        total += float(model(input_ids=batch, labels=batch).loss) * batch.shape[0]
+        count += batch.shape[0]
+    model.train(was_training)
+    return total / max(1, count)
+
+
+class _Printer:
+    """Rank-0-only printing that does not tear the progress bar."""
+
+    def __init__(self, rank: int, bar: Any) -> None:
+        self.enabled = rank == 0
+        self.bar = bar
+
+    def __call__(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None and not self.bar.disable:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+
+def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: int | None = None) -> dict | None:
+    """Train as one worker of the job described by the environment; rank 0 returns the summary."""
+    t_setup = time.perf_counter()
+    _set_threads(cfg)
+    topology = Topology.from_env(nodes=nodes if nodes is not None else cfg.nodes)
+    rank, world = topology.rank, topology.world_size
+    slow = cfg.slow()
+    if slow is not None and slow.rank >= world:
+        raise ValueError(f"--slow-worker rank must be < the world size {world}, got {slow.rank}")
+    transport = Transport(topology, links=parse_links(cfg.link), timeout_s=cfg.timeout_s)
+    device = transport.device
+    strategy = None
+    try:
+        corpus = load_corpus(cfg.dataset, cfg.eval_fraction)
+        tokenizer = load_or_train_tokenizer(corpus, cfg.vocab_size, cfg.cache_dir)
+        eos = eos_id(tokenizer)
+        train_tokens = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir)
+        eval_tokens = encode_split(tokenizer, corpus.eval_documents, eos, cfg.cache_dir)
+        model = build_model(cfg.model, tokenizer.get_vocab_size(), eos, seed=cfg.seed)
+        if cfg.seq_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"--seq-len must be <= {model.config.max_position_embeddings} for model {cfg.model}, got {cfg.seq_len}"
+            )
+        model.to(device)
+        n_params = count_parameters(model)
+        strategy = make_strategy(
+            cfg.strategy, model, torch.optim.AdamW,
+            param_groups=param_groups(model, cfg.weight_decay),
+            transport=transport, config=strategy_config,
+            lr_schedule=warmup_cosine(cfg.warmup, cfg.max_steps, cfg.min_lr_ratio),
+            lr=cfg.lr, weight_decay=cfg.weight_decay, betas=ADAMW_BETAS,
+        )
+        stream = ShardedSequences(train_tokens, cfg.seq_len, cfg.micro_batch_size, rank, world, cfg.seed)
+        held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
+        tokens_total = 0
+        resume_step = None
+        if cfg.resume:
+            folder = resolve_resume(cfg.resume, cfg.out, _local_ranks(topology))
+            state = load_checkpoint(folder, rank)
+            strategy.load_state_dict(state["strategy"])
+            stream.load_state_dict(state["data"])
+            tokens_total = int(state["tokens_total"])
+            torch.set_rng_state(state["rng"])
+            resume_step = strategy.steps
+        result = _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_step, slow, t_setup)
+        strategy.close()
+        totals = _gather_totals(transport, result)
+        summary = None
+        if rank == 0:
+            summary = _summary(cfg, strategy, strategy_config, topology, n_params, result, totals)
+            write_summary(cfg.out, summary)
+            if cfg.plot:
+                from .plots import plot_loss
+
+                plot_loss(cfg.out, world, title=f"{cfg.strategy}, {world} workers, {cfg.model} model")
+            print(format_summary(summary), flush=True)
+            print(f"results in {os.path.abspath(cfg.out)}", flush=True)
+        return summary
+    finally:
+        if strategy is not None:
+            strategy.close()
+        transport.close()
+        if world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_step, slow, t_setup) -> dict:
+    from tqdm.auto import tqdm
+
+    metrics = MetricsWriter(cfg.out, rank, resume_step)
+    timer = MicroBatchTimer(slow, rank, device)
+    bar = tqdm(total=cfg.max_steps, initial=strategy.steps, unit="step", dynamic_ncols=True,
+               disable=rank != 0 or not cfg.progress, desc=f"{cfg.strategy}")
+    say = _Printer(rank, bar)
+    evals = [r for r in metrics.kept if r.get("event") == "eval"]
+    sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in ("compute_s", "comm_s", "idle_s")}
+    t0 = time.perf_counter()
+    setup_s = t0 - t_setup
+
+    def run_eval() -> None:
+        t = time.perf_counter()
+        with strategy.committed_params() as model:
+            loss = evaluate(model, held_out, device)
+        now = time.perf_counter()
+        evals.append(metrics.eval(strategy.steps, loss, tokens_total, now - t, now - t0))
+        bar.set_postfix(eval=f"{loss:.3f}", refresh=False)
+        if bar.disable:
+            say(f"step {strategy.steps:>6}  eval loss {loss:.4f}")
+
+    say(f"quietsync train: strategy {cfg.strategy}, {strategy.world_size} worker(s), model {cfg.model} "
+        f"({count_parameters(strategy.module) / 1e6:.2f} M parameters), {cfg.max_steps} steps, out {cfg.out}")
+    try:
+        if resume_step is None:
+            run_eval()
+        losses: list[torch.Tensor] = []
+        step_tokens = 0
+        while strategy.steps < cfg.max_steps:
+            batch = next(stream).to(device, non_blocking=True)
+            timer.start()
+            loss = strategy.model(input_ids=batch, labels=batch).loss
+            strategy.backward(loss)
+            timer.stop()
+            losses.append(loss.detach())
+            step_tokens += batch.numel()
+            tokens_total += batch.numel()
+            if not strategy.step():
+                continue
+            m = strategy.last_step_metrics()
+            step_loss = float(torch.stack(losses).mean())
+            record = {
+                "step": m.step, "rank": rank, "loss": step_loss, "lr": m.lr, "tokens": step_tokens,
+                "tokens_total": tokens_total, "micro_batches": m.micro_batches, "compute_s": m.compute_s,
+                "comm_s": m.comm_s, "idle_s": m.idle_s, "bytes_sent": m.bytes_sent, "bytes_recv": m.bytes_recv,
+                "bytes_by_group": m.bytes_by_group, "slow_sleep_s": timer.slept_s,
+                "time_s": time.perf_counter() - t0,
+            }
+            if m.extra:
+                record["extra"] = m.extra
+            metrics.step(record)
+            for k in sums:
+                sums[k] += record[k]
+            timer.slept_s = 0.0
+            losses, step_tokens = [], 0
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{m.lr:.2e}", refresh=False)
+            last = strategy.steps >= cfg.max_steps
+            if last or (cfg.eval_every and strategy.steps % cfg.eval_every == 0):
+                run_eval()
+            if cfg.save_every and (strategy.steps % cfg.save_every == 0 or last):
+                save_checkpoint(cfg.out, strategy.steps, rank, {
+                    "strategy": strategy.state_dict(), "data": stream.state_dict(),
+                    "tokens_total": tokens_total, "rng": torch.get_rng_state(),
+                    "config": dataclasses.asdict(cfg),
+                })
+    finally:
+        bar.close()
+        metrics.close()
+    return {
+        "wall_s": time.perf_counter() - t0, "setup_s": setup_s, "tokens_total": tokens_total,
+        "evals": evals, "micro_batches": strategy.micro_batches, **sums,
+    }
+
+
+def _gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
+    """Sum the workers' counters with one all-reduce (after the strategy is closed)."""
+    snap = transport.meter.snapshot()
+    keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
+    lanes = [float(result[k]) for k in ("compute_s", "comm_s", "idle_s")]
+    values = [float(result["tokens_total"]), float(result["micro_batches"]), *lanes]
+    values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
+    t = torch.tensor(values, dtype=torch.float64, device=transport.device)
+    transport.all_reduce(t, group="world", op="sum", name="summary")
+    v = t.tolist()
+    by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}
+    for (g, d), x in zip(keys, v[5:]):
+        by_group[g][d] = int(x)
+    return {
+        "tokens": int(v[0]), "micro_batches": int(v[1]), "compute_s": v[2], "comm_s": v[3], "idle_s": v[4],
+        "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]},
+    }
+
+
+def _summary(cfg, strategy, strategy_config, topology, n_params, result, totals) -> dict[str, Any]:
+    evals = result["evals"]
+    busy = totals["compute_s"] + totals["idle_s"]
+    sent = sum(c["sent"] for c in totals["bytes_by_group"].values())
+    recv = sum(c["recv"] for c in totals["bytes_by_group"].values())
+    return {
+        "strategy": cfg.strategy,
+        "world_size": topology.world_size,
+        "nodes": topology.nodes,
+        "model": cfg.model,
+        "parameters": n_params,
+        "steps": strategy.steps,
+        "micro_batches": totals["micro_batches"],
+        "tokens": totals["tokens"],
+        "wall_s": result["wall_s"],
+        "setup_s": result["setup_s"],
+        "tokens_per_s": totals["tokens"] / max(result["wall_s"], 1e-9),
+        "first_eval_loss": evals[0]["loss"] if evals else None,
+        "last_eval_loss": evals[-1]["loss"] if evals else None,
+        "eval": [{"step": e["step"], "loss": e["loss"]} for e in evals],
+        "bytes_sent": sent,
+        "bytes_recv": recv,
+        "bytes_by_group": totals["bytes_by_group"],
+        "bytes_sent_per_step": sent / max(1, strategy.steps),
+        "compute_s": totals["compute_s"],
+        "comm_s": totals["comm_s"],
+        "idle_s": totals["idle_s"],
+        "compute_fraction": totals["compute_s"] / busy if busy > 0 else 0.0,
+        "links": list(cfg.link),
+        "slow_worker": cfg.slow_worker,
+        "config": dataclasses.asdict(cfg),
+        "strategy_config": dataclasses.asdict(strategy_config) if strategy_config is not None else None,
+    }

@@ -1,0 +1,146 @@
+"""Per-step metrics files, the run summary and the summary table.
+
+Files under ``--out`` (schema documented in ``docs/train.md``):
+
+* ``metrics-rank{R}.jsonl``: one JSON object per committed step of worker ``R`` (:data:`STEP_FIELDS`), and an
+  ``{"event": "eval", ...}`` object (:data:`EVAL_FIELDS`) whenever evaluation runs;
+* ``summary.json``: the run as a whole (:data:`SUMMARY_FIELDS`), written by rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+STEP_FIELDS = (
+    "step", "rank", "loss", "lr", "tokens", "tokens_total", "micro_batches", "compute_s", "comm_s", "idle_s",
+    "bytes_sent", "bytes_recv", "bytes_by_group", "slow_sleep_s", "time_s",
+)
+"""Keys of every per-step record (``extra`` is added when the strategy reports strategy-specific numbers)."""
+
+EVAL_FIELDS = ("event", "step", "rank", "loss", "perplexity", "tokens_total", "eval_s", "time_s")
+"""Keys of every ``{"event": "eval"}`` record."""
+
+SUMMARY_FIELDS = (
+    "strategy", "world_size", "nodes", "model", "parameters", "steps", "micro_batches", "tokens", "wall_s",
+    "setup_s", "tokens_per_s", "first_eval_loss", "last_eval_loss", "eval", "bytes_sent", "bytes_recv",
+    "bytes_by_group", "bytes_sent_per_step", "compute_s", "comm_s", "idle_s", "compute_fraction",
+    "links", "slow_worker", "config", "strategy_config",
+)
+"""Keys of ``summary.json``."""
+
+
+def metrics_path(out: str | os.PathLike, rank: int) -> Path:
+    """``OUT/metrics-rank{rank}.jsonl``."""
+    return Path(out) / f"metrics-rank{rank}.jsonl"
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a JSONL file (a torn last line, from a crash, is skipped)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+class MetricsWriter:
+    """Appends this worker's records to ``metrics-rank{R}.jsonl``, one flushed line each.
+
+    With ``resume_step`` the file is first cut back to the records of steps ``<= resume_step`` (a crashed
+    run may have logged steps after its last checkpoint); otherwise it starts empty.
+    """
+
+    def __init__(self, out: str | os.PathLike, rank: int, resume_step: int | None = None) -> None:
+        self.path = metrics_path(out, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        kept: list[dict[str, Any]] = []
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in read_jsonl(self.path) if int(r.get("step", 0)) <= resume_step]
+        self.kept = kept
+        """Records carried over from before the resume point."""
+        self._f = open(self.path, "w", encoding="utf-8")
+        for record in kept:
+            self._write(record)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Write one committed step (must hold every key of :data:`STEP_FIELDS`)."""
+        missing = [k for k in STEP_FIELDS if k not in record]
+        if missing:
+            raise ValueError(f"step record lacks {missing}")
+        self._write(record)
+
+    def eval(self, step: int, loss: float, tokens_total: int, eval_s: float, time_s: float) -> dict[str, Any]:
+        """Write an ``{"event": "eval"}`` record and return it."""
+        record = {
+            "event": "eval", "step": step, "rank": self.rank, "loss": loss,
+            "perplexity": math.exp(min(loss, 50.0)), "tokens_total": tokens_total,
+            "eval_s": eval_s, "time_s": time_s,
+        }
+        self._write(record)
+        return record
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def write_summary(out: str | os.PathLike, summary: dict[str, Any]) -> Path:
+    """Write ``OUT/summary.json`` (atomically)."""
+    path = Path(out) / "summary.json"
+    tmp = path.with_name("summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as an aligned two-column table for the terminal."""
+    first, last = summary.get("first_eval_loss"), summary.get("last_eval_loss")
+    evals = f"{first:.3f} -> {last:.3f}" if first is not None and last is not None else "n/a"
+    steps = max(1, summary["steps"])
+    rows = [
+        ("strategy", summary["strategy"]),
+        ("workers x nodes", f"{summary['world_size']} workers, {summary['nodes']} node(s)"),
+        ("model", f"{summary['model']} ({summary['parameters'] / 1e6:.2f} M parameters)"),
+        ("steps / micro-batches", f"{summary['steps']} / {summary['micro_batches']}"),
+        ("tokens", f"{summary['tokens']:,}"),
+        ("wall time", f"{summary['wall_s']:.1f} s (+ {summary['setup_s']:.1f} s setup)"),
+        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s"),
+        ("eval loss first -> last", evals),
+        ("bytes sent / recv (all)", f"{_mb(summary['bytes_sent'])} / {_mb(summary['bytes_recv'])}"),
+        ("bytes sent per step", _mb(summary["bytes_sent"] / steps)),
+        ("compute / comm / idle", "{:.1f} / {:.1f} / {:.1f} s (summed over workers)".format(
+            summary["compute_s"], summary["comm_s"], summary["idle_s"])),
+        ("compute-busy fraction", f"{summary['compute_fraction']:.1%}"),
+    ]
+    for group, v in sorted(summary.get("bytes_by_group", {}).items()):
+        if v.get("sent") or v.get("recv"):
+            rows.append((f"  bytes {group}", f"{_mb(v['sent'])} sent / {_mb(v['recv'])} recv"))
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(str(v)) for _, v in rows))
+    return "\n".join([line] + [f"{k:<{width}} | {v}" for k, v in rows] + [line])

@@ -1,0 +1,88 @@
+"""GPT-Neo presets for `quietsync train` and the optimizer parameter groups.
+
+The papers' architecture, ``transformers.GPTNeoForCausalLM``, at sizes a CPU can train: ``tiny`` for tests,
+``default`` for the out-of-the-box job, ``10m`` for benchmarks. Dropout is off (the runs are short and the
+oracles compare strategies step by step); the output embedding is tied to the input one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """Shape of a GPT-Neo model (the vocabulary size comes from the tokenizer)."""
+
+    hidden_size: int
+    """Width of the residual stream."""
+    num_layers: int
+    """Transformer blocks."""
+    num_heads: int
+    """Attention heads per block (must divide ``hidden_size``)."""
+    max_positions: int
+    """Longest sequence the learned position embedding covers (``--seq-len`` may not exceed it)."""
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "tiny": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, max_positions=256),
+    "default": ModelPreset(hidden_size=192, num_layers=4, num_heads=4, max_positions=256),
+    "10m": ModelPreset(hidden_size=384, num_layers=5, num_heads=6, max_positions=512),
+}
+"""Named sizes; parameter counts at vocabulary 4096: tiny ≈ 1.0 M, default ≈ 2.6 M, 10m ≈ 10.6 M."""
+
+
+def build_model(preset: str | ModelPreset, vocab_size: int, eos_id: int = 0, seed: int | None = None):
+    """A freshly initialised ``GPTNeoForCausalLM`` of ``preset`` (seeded with ``seed`` when given)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"model must be one of {', '.join(PRESETS)}, got {preset!r}")
+        preset = PRESETS[preset]
+    config = GPTNeoConfig(
+        vocab_size=vocab_size,
+        max_position_embeddings=preset.max_positions,
+        hidden_size=preset.hidden_size,
+        num_layers=preset.num_layers,
+        num_heads=preset.num_heads,
+        attention_types=[[["global"], preset.num_layers]],
+        intermediate_size=4 * preset.hidden_size,
+        window_size=preset.max_positions,
+        embed_dropout=0.0,
+        attention_dropout=0.0,
+        resid_dropout=0.0,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+    if seed is not None:
+        torch.manual_seed(seed)
+    return GPTNeoForCausalLM(config)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct trainable parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two torch parameter groups: matrices with ``weight_decay``; norms, biases and embeddings without.
+
+    Embeddings are found by module type (``nn.Embedding``), so a tied output head (the same tensor)
+    lands in the no-decay group once.
+    """
+    embedding_ids = {
+        id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)
+    }
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():  # named_parameters de-duplicates tied tensors
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or id(p) in embedding_ids else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]

@@ -1,0 +1,82 @@
+"""Loss curves from the metrics files: ``loss.png`` (train and eval loss vs step and vs tokens).
+
+Reads every ``metrics-rank*.jsonl`` under the output folder. The train curve is the mean over the
+workers' per-step losses; the token axis sums the workers' cumulative token counts at each step (on a
+multi-node run whose other nodes' files are elsewhere it scales the present ones up to the world size).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from .metrics import read_jsonl
+
+
+def loss_curves(out: str | os.PathLike, world_size: int | None = None) -> dict[str, list[float]]:
+    """``{"step", "loss", "tokens", "eval_step", "eval_loss", "eval_tokens"}`` from the metrics files."""
+    numbered = []
+    for p in Path(out).glob("metrics-rank*.jsonl"):
+        m = re.fullmatch(r"metrics-rank(\d+)", p.stem)
+        if m:
+            numbered.append((int(m.group(1)), p))
+    files = [p for _, p in sorted(numbered)]
+    losses: dict[int, list[float]] = defaultdict(list)
+    tokens: dict[int, list[int]] = defaultdict(list)
+    evals: dict[int, float] = {}
+    for path in files:
+        for r in read_jsonl(path):
+            if r.get("event") == "eval":
+                evals.setdefault(r["step"], r["loss"])  # the lowest rank's evaluation wins
+            elif "loss" in r:
+                losses[r["step"]].append(r["loss"])
+                tokens[r["step"]].append(r["tokens_total"])
+    scale = (world_size / len(files)) if world_size and files else 1.0
+    steps = sorted(losses)
+    step_tokens = {s: sum(tokens[s]) * scale for s in steps}
+    eval_steps = sorted(evals)
+
+    def tokens_at(step: int) -> float:
+        if step in step_tokens:
+            return step_tokens[step]
+        before = [s for s in steps if s <= step]
+        return step_tokens[before[-1]] if before else 0.0
+
+    return {
+        "step": [float(s) for s in steps],
+        "loss": [sum(losses[s]) / len(losses[s]) for s in steps],
+        "tokens": [step_tokens[s] for s in steps],
+        "eval_step": [float(s) for s in eval_steps],
+        "eval_loss": [evals[s] for s in eval_steps],
+        "eval_tokens": [tokens_at(s) for s in eval_steps],
+    }
+
+
+def plot_loss(out: str | os.PathLike, world_size: int | None = None, title: str = "") -> Path:
+    """Draw ``OUT/loss.png`` and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = loss_curves(out, world_size)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    for ax, x, ex, label in (
+        (axes[0], c["step"], c["eval_step"], "step"),
+        (axes[1], c["tokens"], c["eval_tokens"], "tokens (all workers)"),
+    ):
+        ax.plot(x, c["loss"], lw=1, alpha=0.8, label="train (mean over workers)")
+        if c["eval_loss"]:
+            ax.plot(ex, c["eval_loss"], "o-", lw=1.5, ms=4, label="eval (held out)")
+        ax.set_xlabel(label)
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    path = Path(out) / "loss.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,64 @@
+"""A byte-level BPE tokenizer trained locally on the corpus and cached on disk.
+
+Nothing is downloaded: the tokenizer is trained with the ``tokenizers`` library on the training
+documents of the corpus (never on the held-out part). The result is cached as
+``<cache_dir>/tokenizer-<corpus fingerprint>-v<vocab size>.json``; concurrent workers build it once
+(see :mod:`quietsync.train.cache`). Byte-level BPE round-trips any text exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .cache import DEFAULT_CACHE_DIR, build_once
+from .corpus import Corpus
+
+EOS_TOKEN = "<|endoftext|>"
+"""Special token put between documents (also used as BOS/EOS/pad id of the model)."""
+
+MIN_VOCAB = 256 + 1
+"""Smallest vocabulary: the 256 byte symbols plus the end-of-text token."""
+
+
+def tokenizer_path(corpus: Corpus, vocab_size: int, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Cache path for the tokenizer of ``corpus`` with ``vocab_size`` entries."""
+    root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    return root / f"tokenizer-{corpus.fingerprint()[:20]}-v{vocab_size}.json"
+
+
+def train_tokenizer(corpus: Corpus, vocab_size: int):
+    """Train a byte-level BPE with ``vocab_size`` entries on the training documents of ``corpus``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be at least {MIN_VOCAB}, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus.documents, trainer=trainer, length=len(corpus.documents))
+    return tok
+
+
+def load_or_train_tokenizer(corpus: Corpus, vocab_size: int, cache_dir: str | os.PathLike | None = None):
+    """The cached tokenizer for ``corpus`` and ``vocab_size``, trained on first use."""
+    from tokenizers import Tokenizer
+
+    path = tokenizer_path(corpus, vocab_size, cache_dir)
+    build_once(path, lambda tmp: train_tokenizer(corpus, vocab_size).save(str(tmp)))
+    return Tokenizer.from_file(str(path))
+
+
+def eos_id(tokenizer) -> int:
+    """Id of the end-of-text token."""
+    idx = tokenizer.token_to_id(EOS_TOKEN)
+    if idx is None:
+        raise ValueError(f"tokenizer has no {EOS_TOKEN} token")
+    return idx
