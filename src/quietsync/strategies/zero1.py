@@ -58,6 +58,7 @@ class ShardedBase(Strategy):
         self.sharded = ShardedOptimizer(self.flat, self.optimizer_factory, self.optimizer_kwargs,
                                         self.transport.group_rank(self.group), n)
         self.optimizer = self.sharded.optimizer
+        self._reset_step_accounting()  # the initial broadcast is set-up, not step 1's traffic
 
     def reduce_scatter_grads(self, grads: torch.Tensor, divisor: float, name: str = "grads") -> None:
         """``sharded.grad`` ← (Σ over workers of ``grads``, this worker's shard) / ``divisor``."""

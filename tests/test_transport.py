@@ -1,0 +1,174 @@
+"""The transport: bytes equal a hand computation, the link model stretches collectives, failures surface."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import quietsync
+from quietsync import LinkModel, Topology, Transport
+from tests.distributed import run_ranks
+from tests.strategies.common import loss_fn, micro_batch, param_groups, tiny_model
+
+
+def _every_collective(rank: int, world: int) -> dict:
+    t = Transport(Topology.from_env(nodes=2))
+    x = torch.ones(1000)  # 4000 bytes
+    t.all_reduce(x, "world")
+    assert torch.all(x == world)
+    out = torch.empty(250)
+    t.reduce_scatter(out, torch.ones(1000), "world")
+    assert torch.all(out == world)
+    gathered = torch.empty(4000)
+    t.all_gather(gathered, torch.full((1000,), float(rank)), "world")
+    assert torch.equal(gathered.view(world, -1)[:, 0], torch.arange(world, dtype=torch.float32))
+    b = torch.full((1000,), float(rank))
+    t.broadcast(b, src=1, group="world")
+    assert torch.all(b == 1)
+    s = torch.ones(1000)
+    t.all_reduce(s, "shard", op="avg")
+    r = torch.ones(1000)
+    t.all_reduce(r, "replicate")
+    parts = t.all_gather_uneven(torch.arange(rank + 1, dtype=torch.float32), "world")
+    assert [p.numel() for p in parts] == [1, 2, 3, 4]
+    return {"meter": t.meter.snapshot(), "kinds": t.meter.by_kind()}
+
+
+@pytest.mark.timeout(120)
+def test_bytes_equal_a_hand_computation():
+    results = run_ranks(_every_collective, 4, nodes=2)
+    B = 4000
+    for rank, res in enumerate(results):
+        kinds = res["kinds"]
+        assert kinds["world/all_reduce"] == 2 * 3 * B // 4          # ring: 2(n-1)/n of the buffer
+        assert kinds["world/reduce_scatter"] == 3 * B // 4          # (n-1)/n of the input
+        assert kinds["shard/all_reduce"] == 2 * 1 * B // 2          # a node of 2 workers
+        assert kinds["replicate/all_reduce"] == 2 * 1 * B // 2      # 2 nodes
+        # chain broadcast from group rank 1: 1 -> 2 -> 3 -> 0; the last one (rank 0) forwards nothing
+        assert kinds["world/broadcast"] == (0 if rank == 0 else B)
+        # all-gather: (n-1)/n of the 16000-byte output, plus the uneven gather's sizes and padded values
+        sizes, values = 3 * 4 * 8 // 4, 3 * 4 * 4 * 4 // 4
+        assert kinds["world/all_gather"] == 3 * 16000 // 4 + sizes + values
+        meter = res["meter"]
+        recv_broadcast = 0 if rank == 1 else B
+        sent_broadcast = 0 if rank == 0 else B
+        assert meter["world"]["recv"] - recv_broadcast == meter["world"]["sent"] - sent_broadcast
+
+
+def _timed_all_reduce(rank: int, world: int, numel: int) -> dict:
+    link = LinkModel.parse("10mbit,5ms")
+    t = Transport(Topology.from_env(), links={"inter": link})
+    x = torch.ones(numel)
+    t.barrier()
+    t0 = time.perf_counter()
+    t.all_reduce(x)
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    a, b = t.all_reduce(torch.ones(numel), async_op=True), t.all_reduce(torch.ones(numel), async_op=True)
+    a.wait()
+    b.wait()
+    two = time.perf_counter() - t0
+    spans = t.recorder.spans("comm")
+    return {"one": one, "two": two, "modeled": link.time("all_reduce", numel * 4, world), "spans": len(spans)}
+
+
+@pytest.mark.timeout(120)
+def test_link_model_stretches_a_collective_to_its_modeled_time():
+    numel = 125_000  # 0.5 MB: 2 messages x 5 ms + 0.5 MB / 1.25 MB/s = 0.41 s on 2 workers
+    for res in run_ranks(_timed_all_reduce, 2, numel):
+        assert res["modeled"] == pytest.approx(2 * 0.005 + 500_000 / 1.25e6)
+        assert res["one"] >= res["modeled"] * 0.99
+        assert res["one"] < res["modeled"] + 2.0  # generous: loaded CI machines
+        # the link is serial: two collectives issued together take twice as long
+        assert res["two"] >= 2 * res["modeled"] * 0.99
+        assert res["spans"] >= 4
+
+
+def _ddp_and_zero1_bytes(rank: int, world: int, name: str) -> dict:
+    model = tiny_model()
+    strategy = quietsync.make_strategy(name, model, torch.optim.SGD, param_groups=param_groups(model), lr=0.1)
+    strategy.backward(loss_fn(strategy.model, micro_batch(0, rank, 0)))
+    assert strategy.step()
+    m = strategy.last_step_metrics()
+    strategy.close()
+    return m.bytes_by_group
+
+
+@pytest.mark.timeout(120)
+def test_strategies_are_metered_ddp_through_its_comm_hook():
+    params = 174 * 4
+    for by_group in run_ranks(_ddp_and_zero1_bytes, 4, "ddp"):
+        ring = 2 * 3 * params // 4  # ring all-reduce of every gradient bucket, n=4
+        assert by_group["world"] == {"sent": ring, "recv": ring}
+    padded = 176 * 4  # 174 parameters padded to a multiple of 4 workers
+    for by_group in run_ranks(_ddp_and_zero1_bytes, 4, "zero1"):
+        half = 3 * padded // 4  # reduce-scatter + all-gather, each (n-1)/n of the padded buffer
+        assert by_group["world"] == {"sent": 2 * half, "recv": 2 * half}
+
+
+def _raise_or_reduce(rank: int, world: int) -> str:
+    t = Transport(Topology.from_env(), timeout_s=20)
+    if rank == 1:
+        raise RuntimeError("worker 1 crashed")
+    t0 = time.perf_counter()
+    try:
+        t.all_reduce(torch.ones(10))
+    except RuntimeError as exc:
+        return f"{time.perf_counter() - t0:.1f}s {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_crashed_rank_fails_the_others_fast():
+    results = run_ranks(_raise_or_reduce, 2, expect_failure=True, timeout=60)
+    assert results[1][0] == "error" and "worker 1 crashed" in results[1][1]
+    status, message = results[0]
+    assert status == "ok" and message != "no error"
+    assert "quietsync: all_reduce" in message and "failed on rank 0" in message
+
+
+def _hang_or_reduce(rank: int, world: int) -> str:
+    t = Transport(Topology.from_env(), timeout_s=2)
+    if rank == 1:
+        time.sleep(6)  # alive but never joins the collective
+        return "slept"
+    t0 = time.perf_counter()
+    try:
+        t.all_reduce(torch.ones(10))
+    except RuntimeError as exc:
+        return f"error after {time.perf_counter() - t0:.1f}s: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_fails_the_others_within_the_timeout():
+    results = run_ranks(_hang_or_reduce, 2, expect_failure=True, timeout=60)
+    status, message = results[0]
+    assert status == "ok" and message.startswith("error after"), message
+    assert float(message.split()[2].rstrip("s:")) < 6
+
+
+def test_world_of_one_is_local_and_free():
+    t = Transport(Topology.single(), links={"inter": LinkModel(1.0, 1.0)})
+    x = torch.arange(4.0)
+    t.all_reduce(x)
+    out = torch.empty(4)
+    t.reduce_scatter(out, x)
+    assert torch.equal(out, x)
+    assert t.meter.sent == 0 and t.recorder.spans("comm") == []
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="links keys must be in"):
+        Transport(Topology.single(), links={"wan": LinkModel(1.0)})
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        Transport(Topology.single(), timeout_s=0)
+    with pytest.raises(ValueError, match="backend must be"):
+        Transport(Topology.single(), backend="mpi")
+    t = Transport(Topology.single())
+    with pytest.raises(ValueError, match="group must be one of"):
+        t.all_reduce(torch.ones(1), "planet")
+    with pytest.raises(ValueError, match="op must be one of"):
+        t.all_reduce(torch.ones(1), op="product")
