@@ -159,6 +159,10 @@ def _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_s
 
     metrics = MetricsWriter(cfg.out, rank, resume_step)
     timer = MicroBatchTimer(slow, rank, device)
+    if rank == 0:
+        print(f"quietsync train: strategy {cfg.strategy}, {strategy.world_size} worker(s), model {cfg.model} "
+              f"({count_parameters(strategy.module) / 1e6:.2f} M parameters), {cfg.max_steps} steps, "
+              f"out {cfg.out}", flush=True)
     bar = tqdm(total=cfg.max_steps, initial=strategy.steps, unit="step", dynamic_ncols=True,
                disable=rank != 0 or not cfg.progress, desc=f"{cfg.strategy}")
     say = _Printer(rank, bar)
@@ -177,8 +181,6 @@ def _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_s
         if bar.disable:
             say(f"step {strategy.steps:>6}  eval loss {loss:.4f}")
 
-    say(f"quietsync train: strategy {cfg.strategy}, {strategy.world_size} worker(s), model {cfg.model} "
-        f"({count_parameters(strategy.module) / 1e6:.2f} M parameters), {cfg.max_steps} steps, out {cfg.out}")
     try:
         if resume_step is None:
             run_eval()

@@ -1,0 +1,87 @@
+"""End to end: `quietsync train` on 2 local workers (embedded corpus, tiny model), and exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from quietsync.train.checkpoint import latest_checkpoint, resolve_resume
+from quietsync.train.metrics import EVAL_FIELDS, STEP_FIELDS, SUMMARY_FIELDS, read_jsonl
+
+from .conftest import synthetic_text
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.mark.timeout(240)
+def test_cli_two_workers_smoke(tmp_path):
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env.update(OFFLINE)
+    cmd = [
+        sys.executable, "-m", "quietsync.train.cli", "train", "--nproc", "2", "--model", "tiny",
+        "--max-steps", "4", "--eval-every", "2", "--eval-windows", "8", "--micro-batch-size", "2",
+        "--seq-len", "32", "--vocab-size", "512", "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
+        "--link", "inter=1gbit,1ms", "--slow-worker", "1:1.5", "--no-progress",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval loss first -> last" in proc.stdout and proc.stdout.count("strategy ") == 2  # rank 0 only
+    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "metrics-rank0.jsonl", "metrics-rank1.jsonl",
+                                                     "summary.json"]
+    for rank in (0, 1):
+        rows = read_jsonl(out / f"metrics-rank{rank}.jsonl")
+        steps = [r for r in rows if "event" not in r]
+        evals = [r for r in rows if r.get("event") == "eval"]
+        assert [r["step"] for r in steps] == [1, 2, 3, 4]
+        assert [r["step"] for r in evals] == [0, 2, 4]
+        for r in steps:
+            assert set(STEP_FIELDS) <= set(r) and r["rank"] == rank
+            assert r["micro_batches"] == 1 and r["tokens"] == 2 * 32
+            assert r["bytes_sent"] > 0 and r["bytes_sent"] == sum(g["sent"] for g in r["bytes_by_group"].values())
+            assert r["lr"] > 0 and r["loss"] > 0
+        assert (steps[-1]["slow_sleep_s"] > 0) == (rank == 1)  # --slow-worker 1:1.5
+        assert all(set(EVAL_FIELDS) <= set(e) for e in evals)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(SUMMARY_FIELDS) <= set(summary)
+    assert summary["strategy"] == "zero1" and summary["world_size"] == 2 and summary["nodes"] == 2
+    assert summary["steps"] == 4 and summary["tokens"] == 2 * 4 * 2 * 32
+    assert summary["last_eval_loss"] < summary["first_eval_loss"]
+    rank_bytes = sum(r["bytes_sent"] for k in (0, 1) for r in read_jsonl(out / f"metrics-rank{k}.jsonl")
+                     if "event" not in r)
+    assert summary["bytes_sent"] >= rank_bytes  # plus the initial parameter broadcast
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(240)
+def test_resume_continues_exactly(tmp_path, monkeypatch):
+    from quietsync.strategies import get
+    from quietsync.train.config import TrainConfig
+    from quietsync.train.loop import run
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    data = tmp_path / "text.txt"
+    data.write_text(synthetic_text(3000))
+    common = dict(strategy="zero1", nproc=1, model="tiny", max_steps=6, micro_batch_size=2, seq_len=32,
+                  vocab_size=300, dataset=str(data), cache_dir=str(tmp_path / "cache"), eval_every=0,
+                  eval_windows=4, progress=False, plot=False)
+    scfg = get("zero1")[1](accumulation=2)
+    full = run(TrainConfig(out=str(tmp_path / "a"), save_every=3, **common), scfg)
+    assert full["steps"] == 6
+    ckpt = latest_checkpoint(tmp_path / "a", [0])
+    assert ckpt is not None and ckpt.name == "step-0000006"
+    step3 = resolve_resume(str(tmp_path / "a" / "checkpoints" / "step-0000003"), tmp_path / "a", [0])
+    resumed = run(TrainConfig(out=str(tmp_path / "b"), resume=str(step3), **common), scfg)
+    a = [r for r in read_jsonl(tmp_path / "a" / "metrics-rank0.jsonl") if "event" not in r]
+    b = [r for r in read_jsonl(tmp_path / "b" / "metrics-rank0.jsonl") if "event" not in r]
+    assert [r["step"] for r in b] == [4, 5, 6]
+    assert [r["loss"] for r in b] == [r["loss"] for r in a[3:]]  # bit-identical continuation
+    assert [r["tokens_total"] for r in b] == [r["tokens_total"] for r in a[3:]]
+    assert resumed["last_eval_loss"] == full["last_eval_loss"]
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        resolve_resume("latest", tmp_path / "b", [0])

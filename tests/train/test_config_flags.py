@@ -1,0 +1,154 @@
+"""Flags generated from config dataclasses, and one-line errors naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from quietsync.strategies import available, get
+from quietsync.train.cli import parse_train_args
+from quietsync.train.config import DEFAULT_STRATEGY, TrainConfig
+from quietsync.train.config_flags import (
+    FlagError,
+    add_dataclass_flags,
+    build_config,
+    field_docs,
+    flag_message,
+    given_values,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Base:
+    alpha_beta: int = 3
+    """How many alphas per beta.
+
+    A second paragraph that the help leaves out."""
+
+
+@dataclass
+class Knobs(Base):
+    use_thing: bool = True
+    """Use the thing."""
+    mode: Literal["fast", "slow"] = "fast"
+    """Which mode."""
+    rate: float | None = None
+    """A rate; default: derived."""
+    names: list[str] = field(default_factory=list)
+    """Repeatable name."""
+    undocumented: str = "x"
+
+    def __post_init__(self) -> None:
+        if self.alpha_beta < 1:
+            raise ValueError(f"alpha_beta must be >= 1, got {self.alpha_beta}")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    names = add_dataclass_flags(p, Knobs)
+    return p, names, p.parse_args(argv)
+
+
+def test_field_docs_reads_attribute_docstrings_through_bases():
+    docs = field_docs(Knobs)
+    assert docs["alpha_beta"] == "How many alphas per beta."
+    assert docs["use_thing"] == "Use the thing." and "undocumented" not in docs
+
+
+def test_generated_flags():
+    p, names, args = _parse(["--alpha-beta", "5", "--no-use-thing", "--mode", "slow", "--names", "a",
+                             "--names", "b"])
+    assert names == ["alpha_beta", "use_thing", "mode", "rate", "names", "undocumented"]
+    assert given_values(args, names) == {"alpha_beta": 5, "use_thing": False, "mode": "slow",
+                                         "names": ["a", "b"]}
+    assert build_config(Knobs, given_values(args, names)).names == ["a", "b"]
+    help_text = p.format_help()
+    assert "How many alphas per beta (default: 3)" in " ".join(help_text.split())
+    assert "second paragraph" not in help_text
+    assert "--use-thing, --no-use-thing" in help_text
+    assert "derived" in help_text and "(default: none)" not in " ".join(help_text.split()).split("derived")[1][:20]
+    _, _, defaults = _parse([])
+    assert given_values(defaults, names) == {}  # nothing given: the dataclass keeps its defaults
+
+
+def test_bad_choice_is_an_argparse_error():
+    with pytest.raises(SystemExit):
+        _parse(["--mode", "medium"])
+
+
+def test_build_config_names_the_flag():
+    with pytest.raises(FlagError) as e:
+        build_config(Knobs, {"alpha_beta": 0})
+    assert str(e.value) == "--alpha-beta must be >= 1, got 0" and e.value.flag == "--alpha-beta"
+    assert flag_message("--link must look like x", ["link"]) == ("--link", "--link must look like x")
+    assert flag_message("something else failed", ["link"]) == (None, "something else failed")
+
+
+def test_train_config_defaults_are_the_embedded_job():
+    cfg = TrainConfig()
+    assert cfg.strategy == DEFAULT_STRATEGY == "zero1" and cfg.dataset == "kjv" and cfg.nproc == 2
+    assert cfg.warmup == cfg.max_steps // 20
+
+
+def test_parse_train_args_builds_both_configs():
+    cfg, scfg, nodes = parse_train_args([
+        "--max-steps", "7", "--accumulation", "3", "--link", "inter=100mbit,5ms", "--link", "intra=10gbit",
+        "--slow-worker", "1:2", "--nproc", "2", "--seed", "5", "--no-progress",
+    ])
+    assert cfg.max_steps == 7 and cfg.seed == 5 and cfg.progress is False
+    assert cfg.link == ["inter=100mbit,5ms", "intra=10gbit"] and cfg.slow().factor == 2.0
+    assert type(scfg) is get(DEFAULT_STRATEGY)[1] and scfg.accumulation == 3
+    assert nodes == 2  # local workers: one node each
+
+
+def test_every_registered_strategy_gets_its_flags():
+    for name in available():
+        cfg, scfg, _ = parse_train_args(["--strategy", name, "--max-steps", "1"])
+        assert cfg.strategy == name and type(scfg) is get(name)[1]
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--max-steps", "0"], "--max-steps must be an integer >= 1, got 0"),
+    (["--max-steps", "ten"], "--max-steps: invalid int value: 'ten'"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--accumulation", "0"], "--accumulation must be an integer >= 1"),
+    (["--link", "inter=fast"], "--link bandwidth must be a number with a unit"),
+    (["--link", "wan=1gbit"], "--link must look like 'inter=100mbit,5ms'"),
+    (["--slow-worker", "1"], "--slow-worker must look like RANK:FACTOR"),
+    (["--slow-worker", "5:2"], "--slow-worker RANK must be < the 2 workers, got 5"),
+    (["--strategy", "nope"], "--strategy must be one of"),
+    (["--model", "huge"], "--model: invalid choice: 'huge'"),
+    (["--seq-len", "4096"], "--seq-len must be <= 256 for --model default"),
+    (["--nproc", "4", "--nodes", "3"], "--nodes must be a positive divisor of the 4 workers, got 3"),
+    (["--dataset", "./no/such/file.txt"], "--dataset: no such file or folder"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_values_are_one_line_errors(argv, expect, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("quietsync train: error: ")
+    assert expect in err, err
+
+
+def test_flag_of_another_strategy_is_named(capsys):
+    import dataclasses
+
+    names = available()
+    own = {n: {f.name for f in dataclasses.fields(get(n)[1])} for n in names}
+    for name in names:
+        for other in names:
+            extra = sorted(own[other] - own[name])
+            if extra:
+                flag = "--" + extra[0].replace("_", "-")
+                with pytest.raises(SystemExit):
+                    parse_train_args(["--strategy", name, flag, "1"])
+                assert f"{flag} is not a flag of strategy {name}" in capsys.readouterr().err
+                return
+    pytest.skip("no two registered strategies with different flags")

@@ -1,0 +1,41 @@
+"""Local worker spawning: torchrun-like environment, and one failing worker ends the job with its error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from quietsync.train.launch import WorkerFailed, launch
+
+from . import _workers
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_spawned_workers_get_a_torchrun_environment(tmp_path, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert launch(_workers.record_env, (str(tmp_path),), nproc=2) is None
+    envs = sorted((tmp_path / f"env-{r}").read_text().split() for r in range(2))
+    assert envs[0][:5] == ["0", "2", "0", "2", "127.0.0.1"] and envs[1][:5] == ["1", "2", "1", "2", "127.0.0.1"]
+    assert envs[0][5] == envs[1][5] and int(envs[0][5]) > 0
+
+
+def test_one_failing_worker_terminates_the_others(tmp_path, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as e:
+        launch(_workers.fail_on_rank_one, (str(tmp_path),), nproc=2)
+    assert time.monotonic() - t0 < 60  # rank 0 (sleeping 120 s) was terminated
+    assert e.value.rank == 1
+    assert "rank one broke on purpose" in str(e.value) and "Traceback" in e.value.details
+
+
+def test_in_process_when_single_or_under_torchrun(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert launch(lambda x: x + 1, (1,), nproc=1) == 2
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert launch(lambda x: x * 3, (2,), nproc=4) == 6  # under torchrun: run unchanged, --nproc ignored

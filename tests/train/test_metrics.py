@@ -1,0 +1,86 @@
+"""Metrics files, summary table and loss plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quietsync.train.metrics import (
+    EVAL_FIELDS,
+    STEP_FIELDS,
+    MetricsWriter,
+    format_summary,
+    read_jsonl,
+    write_summary,
+)
+from quietsync.train.plots import loss_curves, plot_loss
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def step_record(step: int, rank: int, loss: float) -> dict:
+    return {
+        "step": step, "rank": rank, "loss": loss, "lr": 1e-3, "tokens": 100, "tokens_total": 100 * step,
+        "micro_batches": 1, "compute_s": 0.1, "comm_s": 0.01, "idle_s": 0.0, "bytes_sent": 10,
+        "bytes_recv": 10, "bytes_by_group": {"world": {"sent": 10, "recv": 10}}, "slow_sleep_s": 0.0,
+        "time_s": 0.1 * step,
+    }
+
+
+def test_writer_schema_and_resume_truncation(tmp_path):
+    with MetricsWriter(tmp_path, 1) as w:
+        w.eval(0, 8.0, 0, 0.1, 0.0)
+        for s in range(1, 6):
+            w.step(step_record(s, 1, 8.0 - s))
+        w.eval(5, 3.0, 500, 0.1, 0.5)
+        with pytest.raises(ValueError, match="lacks"):
+            w.step({"step": 6})
+    rows = read_jsonl(tmp_path / "metrics-rank1.jsonl")
+    assert [r.get("event") for r in rows] == ["eval", None, None, None, None, None, "eval"]
+    assert set(EVAL_FIELDS) <= set(rows[0]) and rows[0]["perplexity"] == pytest.approx(2980.96, rel=1e-3)
+    assert all(set(STEP_FIELDS) <= set(r) for r in rows[1:6])
+    with MetricsWriter(tmp_path, 1, resume_step=3) as w:
+        assert [r["step"] for r in w.kept] == [0, 1, 2, 3]
+        w.step(step_record(4, 1, 1.0))
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics-rank1.jsonl")] == [0, 1, 2, 3, 4]
+    with MetricsWriter(tmp_path, 1):  # a fresh run starts empty
+        pass
+    assert read_jsonl(tmp_path / "metrics-rank1.jsonl") == []
+
+
+def test_torn_last_line_is_skipped(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2, "lo')
+    assert read_jsonl(p) == [{"step": 1}]
+
+
+def test_summary_file_and_table(tmp_path):
+    summary = {
+        "strategy": "zero1", "world_size": 2, "nodes": 2, "model": "tiny", "parameters": 950_000, "steps": 10,
+        "micro_batches": 20, "tokens": 20_480, "wall_s": 12.5, "setup_s": 3.0, "tokens_per_s": 1638.4,
+        "first_eval_loss": 8.3, "last_eval_loss": 6.1, "bytes_sent": 8_000_000, "bytes_recv": 8_000_000,
+        "bytes_by_group": {"world": {"sent": 8_000_000, "recv": 8_000_000}}, "compute_s": 20.0, "comm_s": 2.0,
+        "idle_s": 2.5, "compute_fraction": 20 / 22.5,
+    }
+    path = write_summary(tmp_path, summary)
+    assert json.loads(path.read_text())["last_eval_loss"] == 6.1
+    table = format_summary(summary)
+    assert "8.300 -> 6.100" in table and "zero1" in table and "88.9%" in table and "bytes world" in table
+
+
+def test_loss_curves_and_plot(tmp_path):
+    for rank in (0, 1):
+        with MetricsWriter(tmp_path, rank) as w:
+            w.eval(0, 8.0 + rank, 0, 0.1, 0.0)
+            for s in range(1, 4):
+                w.step(step_record(s, rank, 5.0 + rank))
+            w.eval(3, 4.0 + rank, 300, 0.1, 0.3)
+    c = loss_curves(tmp_path)
+    assert c["step"] == [1.0, 2.0, 3.0] and c["loss"] == [5.5, 5.5, 5.5]
+    assert c["tokens"] == [200.0, 400.0, 600.0]  # summed over workers
+    assert c["eval_step"] == [0.0, 3.0] and c["eval_loss"] == [8.0, 4.0]  # rank 0's evaluation
+    assert c["eval_tokens"] == [0.0, 600.0]
+    assert loss_curves(tmp_path, world_size=4)["tokens"] == [400.0, 800.0, 1200.0]
+    png = plot_loss(tmp_path, title="t")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000

@@ -1,0 +1,91 @@
+"""The local byte-level BPE round-trips text and is trained once, then read from the cache."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from quietsync.train import tokenizer as tokmod
+from quietsync.train.cache import build_once
+from quietsync.train.tokenizer import EOS_TOKEN, eos_id, load_or_train_tokenizer, tokenizer_path
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_round_trip_and_vocab(small_corpus, tmp_path):
+    tok = load_or_train_tokenizer(small_corpus, 300, tmp_path)
+    assert tok.get_vocab_size() == 300
+    assert tok.token_to_id(EOS_TOKEN) == eos_id(tok)
+    for text in ["The quick brown fox.", "  tabs\tand\nnewlines  ", "Unicode: héllo wörld — ∑ 🙂", ""]:
+        assert tok.decode(tok.encode(text).ids) == text
+    # merges learned from the corpus make its own words short
+    assert len(tok.encode(" the miller grinds wheat").ids) < len(" the miller grinds wheat") / 2
+
+
+def test_cached_once(small_corpus, tmp_path, monkeypatch):
+    load_or_train_tokenizer(small_corpus, 300, tmp_path)
+    path = tokenizer_path(small_corpus, 300, tmp_path)
+    assert path.is_file() and small_corpus.fingerprint()[:20] in path.name and path.name.endswith("-v300.json")
+
+    def boom(*a, **k):
+        raise AssertionError("retrained although cached")
+
+    monkeypatch.setattr(tokmod, "train_tokenizer", boom)
+    tok = load_or_train_tokenizer(small_corpus, 300, tmp_path)
+    assert tok.get_vocab_size() == 300
+    with pytest.raises(AssertionError, match="retrained"):  # another vocab size is another cache entry
+        load_or_train_tokenizer(small_corpus, 320, tmp_path)
+
+
+def test_training_is_deterministic(small_corpus):
+    a = tokmod.train_tokenizer(small_corpus, 300)
+    b = tokmod.train_tokenizer(small_corpus, 300)
+    assert a.to_str() == b.to_str()
+
+
+def test_vocab_too_small(small_corpus):
+    with pytest.raises(ValueError, match="vocab_size must be at least"):
+        tokmod.train_tokenizer(small_corpus, 100)
+
+
+def test_build_once_concurrent(tmp_path):
+    calls = []
+
+    def build(tmp):
+        calls.append(1)
+        time.sleep(0.2)
+        tmp.write_text("built")
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(build_once(tmp_path / "f", build))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(calls) == 1 and len(results) == 4
+    assert (tmp_path / "f").read_text() == "built"
+    assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_build_once_takes_over_stale_lock(tmp_path):
+    (tmp_path / "f.lock").write_text("12345")
+    build_once(tmp_path / "f", lambda tmp: tmp.write_text("x"), stale_s=0.0)
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_build_once_times_out_on_live_lock(tmp_path):
+    (tmp_path / "f.lock").write_text("12345")
+    with pytest.raises(TimeoutError):
+        build_once(tmp_path / "f", lambda tmp: tmp.write_text("x"), timeout_s=0.2, stale_s=60)
+
+
+def test_failed_build_leaves_no_file(tmp_path):
+    def bad(tmp):
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        build_once(tmp_path / "f", bad)
+    assert not (tmp_path / "f").exists() and not list(tmp_path.iterdir())
