@@ -47,7 +47,7 @@ def build_once(
                 lock.unlink(missing_ok=True)  # its builder died: take over
                 continue
             if time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout_s:.0f}s for {path} (lock {lock} held by another process)")
+                raise TimeoutError(f"waited {timeout_s:.0f}s for {path} (lock {lock} held by another process)") from None
             time.sleep(poll_s)
             continue
         try:

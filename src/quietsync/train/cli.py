@@ -1,4 +1,4 @@
-"""The ``quietsync`` command line: ``quietsync train`` (the main job).
+"""The ``quietsync`` command line: ``quietsync train`` (the main job) and ``quietsync compare``.
 
 ``quietsync train`` takes the flags of :class:`~quietsync.train.config.TrainConfig` plus the flags of the
 chosen strategy's config dataclass (generated, see :mod:`quietsync.train.config_flags`), checks them all
@@ -156,7 +156,17 @@ def train_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": (train_main, "train a model with a strategy (the main job)")}
+def compare_main(argv: list[str]) -> int:
+    """``quietsync compare`` (see :mod:`quietsync.train.compare`)."""
+    from .compare import compare_main as run_compare
+
+    return run_compare(argv)
+
+
+COMMANDS = {
+    "train": (train_main, "train a model with a strategy (the main job)"),
+    "compare": (compare_main, "run several strategies on the same job; loss-vs-time, bytes and busy-time plots"),
+}
 """Sub-commands: name -> (function(argv) -> exit status, one-line description)."""
 
 

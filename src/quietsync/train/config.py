@@ -30,7 +30,7 @@ class TrainConfig:
     """Local worker processes to spawn when not under torchrun (1 = train in this process)."""
     nodes: int | None = None
     """Nodes for the topology; default: WORLD_SIZE/LOCAL_WORLD_SIZE under torchrun, and with local workers one node per worker (so --link inter=... applies between them)."""
-    max_steps: int = 400
+    max_steps: int = 300
     """Committed optimizer steps to train for."""
     micro_batch_size: int = 8
     """Sequences per micro-batch on each worker."""

@@ -1,0 +1,154 @@
+"""`quietsync compare`: several strategies on the same work, side by side.
+
+Runs `quietsync train` once per strategy with the same job flags (model, data, seed, steps, links,
+slow worker), each into ``OUT/<label>``, then writes:
+
+* ``OUT/compare.json`` and ``OUT/compare.md``: one row per strategy (final eval loss, wall time, tokens/s,
+  bytes sent per step, compute / idle / comm seconds per worker, compute-busy fraction);
+* ``OUT/compare.png``: eval loss vs wall-clock time, bytes sent per step per group, and the per-worker
+  compute / idle time of each run.
+
+A strategy may carry its own flags: ``--strategies zero1 ddp:accumulation=2`` (``NAME[:FIELD=VALUE,...]``,
+field names as in the strategy's ``--help``, dashes or underscores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .metrics import read_jsonl
+
+
+def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
+    """``"ddp:accumulation=2"`` → ``("ddp", "ddp-accumulation2", ["--accumulation", "2"])``."""
+    name, _, rest = spec.partition(":")
+    flags: list[str] = []
+    label = name
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--strategies items must look like NAME[:FIELD=VALUE,...], got {spec!r}")
+        flag = "--" + key.strip().lstrip("-").replace("_", "-")
+        flags += [flag, value.strip()]
+        label += f"-{key.strip().lstrip('-').replace('_', '-')}{value.strip()}"
+    return name, label, flags
+
+
+def _rows(out: Path, labels: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for label in labels:
+        s = json.loads((out / label / "summary.json").read_text())
+        world = max(1, s["world_size"])
+        rows.append({
+            "label": label, "strategy": s["strategy"], "workers": world, "steps": s["steps"],
+            "first_eval_loss": s["first_eval_loss"], "last_eval_loss": s["last_eval_loss"],
+            "wall_s": s["wall_s"], "tokens_per_s": s["tokens_per_s"],
+            "bytes_sent_per_step": s["bytes_sent_per_step"],
+            "compute_s_per_worker": s["compute_s"] / world, "idle_s_per_worker": s["idle_s"] / world,
+            "comm_s_per_worker": s["comm_s"] / world, "compute_fraction": s["compute_fraction"],
+            "bytes_by_group": s["bytes_by_group"],
+        })
+    return rows
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| run | eval loss first → last | wall s | tokens/s | MB sent/step (all workers) | compute s/worker "
+            "| idle s/worker | comm s/worker | compute-busy |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['first_eval_loss']:.3f} → {r['last_eval_loss']:.3f} | {r['wall_s']:.1f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['bytes_sent_per_step'] / 1e6:.2f} | {r['compute_s_per_worker']:.1f} | "
+            f"{r['idle_s_per_worker']:.1f} | {r['comm_s_per_worker']:.1f} | {r['compute_fraction']:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
+    """Draw ``OUT/compare.png`` (loss vs time, bytes per step by group, compute/idle per worker)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_bytes, ax_busy) = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
+    for r in rows:
+        evals = [e for e in read_jsonl(out / r["label"] / "metrics-rank0.jsonl") if e.get("event") == "eval"]
+        ax_loss.plot([e["time_s"] for e in evals], [e["loss"] for e in evals], "o-", ms=3, label=r["label"])
+    ax_loss.set(xlabel="wall-clock seconds (training)", ylabel="held-out loss", title="loss vs time")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend()
+    labels = [r["label"] for r in rows]
+    groups = sorted({g for r in rows for g in r["bytes_by_group"]})
+    bottom = [0.0] * len(rows)
+    for g in groups:
+        vals = [r["bytes_by_group"].get(g, {}).get("sent", 0) / max(1, r["steps"]) / 1e6 for r in rows]
+        ax_bytes.bar(labels, vals, bottom=bottom, label=g)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax_bytes.set(ylabel="MB sent per step (all workers)", title="bytes per step")
+    if groups:
+        ax_bytes.legend()
+    compute = [r["compute_s_per_worker"] for r in rows]
+    idle = [r["idle_s_per_worker"] for r in rows]
+    ax_busy.bar(labels, compute, label="compute")
+    ax_busy.bar(labels, idle, bottom=compute, label="idle (blocked on comm)")
+    for i, r in enumerate(rows):
+        ax_busy.text(i, compute[i] + idle[i], f"{r['compute_fraction']:.0%} busy", ha="center", va="bottom")
+    ax_busy.set(ylabel="seconds per worker", title="busy time")
+    ax_busy.legend()
+    for ax in (ax_bytes, ax_busy):
+        ax.tick_params(axis="x", rotation=20)
+    path = out / "compare.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def compare_main(argv: list[str]) -> int:
+    """``quietsync compare --strategies A B ... [job flags]``."""
+    from .cli import OneLineParser, parse_train_args, train_main
+
+    parser = OneLineParser(
+        prog="quietsync compare",
+        description="Run several strategies on the same job (any `quietsync train` job flag) and compare them.",
+        epilog="Job flags are those of `quietsync train --help`; results in OUT/compare.{md,json,png}.",
+    )
+    parser.add_argument("--strategies", nargs="+", required=True, metavar="NAME[:FIELD=VALUE,...]",
+                        help="strategies to run, e.g. zero1 ddp:accumulation=2")
+    parser.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
+    args, job = parser.parse_known_args(argv)
+    if "--strategy" in job or "--resume" in job:
+        parser.error("--strategy and --resume are set per run by quietsync compare; use --strategies")
+    try:
+        specs = [parse_strategy_spec(s) for s in args.strategies]
+    except ValueError as e:
+        parser.error(str(e))
+    labels = [label for _, label, _ in specs]
+    if len(set(labels)) != len(labels):
+        parser.error(f"--strategies has duplicate runs: {' '.join(labels)}")
+    out = Path(args.out)
+    runs = []
+    for name, label, flags in specs:  # check every run's flags before starting the first
+        run_argv = [*job, "--strategy", name, *flags, "--out", str(out / label)]
+        parse_train_args(run_argv)
+        runs.append((label, run_argv))
+    for label, run_argv in runs:
+        print(f"== quietsync compare: {label}", flush=True)
+        rc = train_main(run_argv)
+        if rc != 0:
+            print(f"quietsync compare: error: run {label} failed (exit {rc})", file=sys.stderr)
+            return rc
+    if "RANK" in os.environ and os.environ.get("RANK") != "0":
+        return 0
+    rows = _rows(out, labels)
+    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = _markdown(rows)
+    (out / "compare.md").write_text(table)
+    plot_compare(out, rows)
+    print(table, end="")
+    print(f"results in {os.path.abspath(out)} (compare.md, compare.json, compare.png)")
+    return 0

@@ -1,0 +1,50 @@
+"""`quietsync compare`: two strategies on the same small job, table and plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quietsync.train.compare import compare_main, parse_strategy_spec
+
+from .conftest import synthetic_text
+
+
+def test_parse_strategy_spec():
+    assert parse_strategy_spec("zero1") == ("zero1", "zero1", [])
+    assert parse_strategy_spec("ddp:accumulation=2,bucket_cap_mb=1") == (
+        "ddp", "ddp-accumulation2-bucket-cap-mb1", ["--accumulation", "2", "--bucket-cap-mb", "1"])
+    with pytest.raises(ValueError, match="NAME"):
+        parse_strategy_spec("ddp:accumulation")
+
+
+@pytest.mark.timeout(240)
+def test_compare_two_strategies(tmp_path, monkeypatch, capsys):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    data = tmp_path / "text.txt"
+    data.write_text(synthetic_text(2000))
+    out = tmp_path / "cmp"
+    rc = compare_main([
+        "--strategies", "zero1", "ddp:accumulation=2", "--out", str(out), "--nproc", "1", "--model", "tiny",
+        "--max-steps", "3", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
+        "--dataset", str(data), "--cache-dir", str(tmp_path / "cache"), "--eval-windows", "4",
+        "--no-progress", "--no-plot",
+    ])
+    assert rc == 0
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["label"] for r in rows] == ["zero1", "ddp-accumulation2"]
+    assert all(r["steps"] == 3 for r in rows)
+    ddp_steps = [r for r in (out / "ddp-accumulation2" / "metrics-rank0.jsonl").read_text().splitlines()
+                 if '"event"' not in r]
+    assert all(json.loads(r)["micro_batches"] == 2 for r in ddp_steps)
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| zero1 |" in (out / "compare.md").read_text()
+
+
+def test_compare_checks_flags_first(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compare_main(["--strategies", "zero1", "nope", "--out", str(tmp_path)])
+    assert "--strategy must be one of" in capsys.readouterr().err
+    assert not (tmp_path / "zero1").exists()  # nothing ran
