@@ -9,7 +9,9 @@ Conventions shared with the distributed tests:
 
 * ``batches[i]`` is an iterator over worker ``i``'s micro-batches, consumed in order.
 * ``counts(i)`` is the number of micro-batches worker ``i`` accumulates in one stage (deterministic mode);
-  the same count is used for the initial stage (Algorithm 1, line 2) and for each warm-up step.
+  the same count is used for the initial stage (Algorithm 1, line 2) and for each warm-up step. ``counts``
+  may instead be a sequence with one entry per stage, in the order the stages are computed, each a list of
+  per-worker counts (to replay an adaptive run whose counts varied).
 * A micro-batch gradient is the gradient of the micro-batch's mean loss; a stage's gradient is the sum of
   the micro-batch gradients of all workers divided by the global micro-batch count (ΣᵢNᵢ).
 * ``lr(s)`` is the learning rate used by an optimizer step taken when ``s`` steps have been committed.
@@ -40,18 +42,24 @@ LossFn = Callable[[Params, object], torch.Tensor]
 # ----------------------------------------------------------------------------------------------------------
 # Pure optimizers (torch.optim semantics, written out)
 # ----------------------------------------------------------------------------------------------------------
+def _per_param(value: float | list[float], params: Params) -> list[float]:
+    return list(value) if isinstance(value, (list, tuple)) else [value] * len(params)
+
+
 @dataclass
 class SGDRef:
     """SGD with momentum and L2 weight decay, as torch.optim.SGD (dampening 0, no Nesterov)."""
 
     momentum: float = 0.0
-    weight_decay: float = 0.0
+    weight_decay: float | list[float] = 0.0
+    """One value, or one per parameter (to mirror parameter groups)."""
 
     def init(self, params: Params) -> dict:
         return {"buf": None}
 
     def step(self, params: Params, grad: Params, state: dict, lr: float) -> tuple[Params, dict]:
-        d = [g + self.weight_decay * p if self.weight_decay else g.clone() for p, g in zip(params, grad)]
+        wd = _per_param(self.weight_decay, params)
+        d = [g + w * p if w else g.clone() for p, g, w in zip(params, grad, wd)]
         if self.momentum:
             if state["buf"] is None:
                 buf = [x.clone() for x in d]
@@ -68,7 +76,8 @@ class AdamWRef:
 
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.01
+    weight_decay: float | list[float] = 0.01
+    """One value, or one per parameter (to mirror parameter groups)."""
 
     def init(self, params: Params) -> dict:
         return {
@@ -85,8 +94,8 @@ class AdamWRef:
         bc1 = 1 - b1**step
         bc2 = 1 - b2**step
         out = []
-        for p, mi, vi in zip(params, m, v):
-            p = p * (1 - lr * self.weight_decay)
+        for p, mi, vi, w in zip(params, m, v, _per_param(self.weight_decay, params)):
+            p = p * (1 - lr * w)
             denom = vi.sqrt() / math.sqrt(bc2) + self.eps
             out.append(p - (lr / bc1) * mi / denom)
         return out, {"step": step, "m": m, "v": v}
@@ -104,14 +113,34 @@ class Trace:
     counts: list[int] = field(default_factory=list)
 
 
+class _Counts:
+    """Per-stage micro-batch counts: a fixed ``counts(i)`` or one list of per-worker counts per stage."""
+
+    def __init__(self, counts) -> None:
+        self.counts = counts
+        self.stage = 0
+
+    def next(self) -> Callable[[int], int]:
+        k = self.stage
+        self.stage += 1
+        if callable(self.counts):
+            return self.counts
+        if k >= len(self.counts):  # a stage whose gradient is never applied: its count does not matter
+            return lambda i: 1
+        row = self.counts[k]
+        return lambda i: int(row[i])
+
+
 def stage_gradient(
     params: Params,
     loss_fn: LossFn,
     batches: Sequence[Iterator],
-    counts: Callable[[int], int],
+    counts,
     trace: Trace | None = None,
 ) -> tuple[Params, int]:
     """Σᵢ Σₖ ∇F(θ, ξᵢₖ) over workers i and their ``counts(i)`` micro-batches, and ΣᵢNᵢ."""
+    if isinstance(counts, _Counts):
+        counts = counts.next()
     total = [torch.zeros_like(p) for p in params]
     n = 0
     leaf = [p.detach().clone().requires_grad_(True) for p in params]
@@ -147,6 +176,7 @@ def synchronous_reference(
 ) -> Trace:
     """DDP / ZeRO-1: θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ(θ⁽ᵗ⁾))."""
     trace = Trace()
+    counts = _Counts(counts)
     theta, state = _copy(params0), opt.init(params0)
     for t in range(steps):
         g, n = stage_gradient(theta, loss_fn, batches, counts, trace)
@@ -172,6 +202,7 @@ def dpu_reference(
     θ⁽ᵗ⁾ in the first overlapped round) while θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, previous round's gradient).
     """
     trace = Trace()
+    counts = _Counts(counts)
     theta, state = _copy(params0), opt.init(params0)
     t = 0
     while t < min(warmup, steps):
@@ -212,7 +243,12 @@ def acco_reference(
     ``counts`` gives each worker's micro-batches in stage 1 and in the initial stage, ``stage2_counts``
     (default: the same) in stage 2.
     """
-    stage2_counts = stage2_counts or counts
+    if stage2_counts is not None and callable(counts):
+        c1, c2 = counts, stage2_counts
+        counts = _Counts(lambda i: c1(i))
+        stage2_counts = _Counts(lambda i: c2(i))
+    else:
+        counts = stage2_counts = _Counts(counts)
     trace = Trace()
     theta, state = _copy(params0), opt.init(params0)
     g_tilde, n_tilde = stage_gradient(theta, loss_fn, batches, counts, trace)  # g̃⁽⁰⁾ at θ⁽⁰⁾
