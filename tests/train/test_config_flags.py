@@ -63,7 +63,8 @@ def test_field_docs_reads_attribute_docstrings_through_bases():
 def test_generated_flags():
     p, names, args = _parse(["--alpha-beta", "5", "--no-use-thing", "--mode", "slow", "--names", "a",
                              "--names", "b"])
-    assert names == ["alpha_beta", "use_thing", "mode", "rate", "names", "undocumented"]
+    assert list(names) == ["alpha_beta", "use_thing", "mode", "rate", "names", "undocumented"]
+    assert names["use_thing"] == "--use-thing"
     assert given_values(args, names) == {"alpha_beta": 5, "use_thing": False, "mode": "slow",
                                          "names": ["a", "b"]}
     assert build_config(Knobs, given_values(args, names)).names == ["a", "b"]
@@ -152,3 +153,29 @@ def test_flag_of_another_strategy_is_named(capsys):
                 assert f"{flag} is not a flag of strategy {name}" in capsys.readouterr().err
                 return
     pytest.skip("no two registered strategies with different flags")
+
+
+def test_colliding_field_gets_a_prefixed_flag():
+    p = argparse.ArgumentParser()
+    flags = add_dataclass_flags(p, Knobs, prefix_for={"mode"}, prefix="knobs_")
+    assert flags["mode"] == "--knobs-mode" and flags["alpha_beta"] == "--alpha-beta"
+    args = p.parse_args(["--knobs-mode", "slow"])
+    assert given_values(args, flags) == {"mode": "slow"}
+    with pytest.raises(FlagError, match="^--knobs-alpha must"):
+        build_config(Knobs, {"alpha_beta": 0}, flags={"alpha_beta": "--knobs-alpha"})
+
+
+def test_strategy_fields_named_like_job_flags_are_prefixed():
+    import dataclasses
+
+    job = {f.name for f in dataclasses.fields(TrainConfig)}
+    found = False
+    for name in available():
+        for f in dataclasses.fields(get(name)[1]):
+            if f.name in job and f.type in (int, "int"):
+                found = True
+                flag = f"--{name}-{f.name}".replace("_", "-")
+                cfg, scfg, _ = parse_train_args(["--strategy", name, flag, "7", f"--{f.name}".replace("_", "-"), "5"])
+                assert getattr(scfg, f.name) == 7 and getattr(cfg, f.name) == 5
+    if not found:
+        pytest.skip("no registered strategy has an int field named like a job flag")

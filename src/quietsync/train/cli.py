@@ -44,8 +44,11 @@ def _pre_parse_strategy(argv: list[str]) -> str:
     return known.strategy
 
 
-def train_parser(strategy: str) -> tuple[OneLineParser, list[str], list[str]]:
-    """The ``quietsync train`` parser for ``strategy``: (parser, TrainConfig fields, strategy config fields)."""
+def train_parser(strategy: str) -> tuple[OneLineParser, dict[str, str], dict[str, str]]:
+    """The ``quietsync train`` parser for ``strategy``: (parser, job ``{field: flag}``, strategy ``{field: flag}``).
+
+    A strategy field whose name a job flag already uses (e.g. ``seed``) is spelled ``--<strategy>-<field>``.
+    """
     names, get = _strategies()
     parser = OneLineParser(
         prog=f"{PROG} train",
@@ -57,22 +60,24 @@ def train_parser(strategy: str) -> tuple[OneLineParser, list[str], list[str]]:
         ),
     )
     train_fields = add_dataclass_flags(parser.add_argument_group("job"), TrainConfig)
-    strategy_fields: list[str] = []
+    strategy_fields: dict[str, str] = {}
     if strategy in names:
         _, config_cls = get(strategy)
         group = parser.add_argument_group(f"{strategy} strategy ({config_cls.__name__})")
-        strategy_fields = add_dataclass_flags(group, config_cls, skip=train_fields)
+        strategy_fields = add_dataclass_flags(group, config_cls, prefix_for=train_fields, prefix=f"{strategy}_")
     return parser, train_fields, strategy_fields
 
 
 def _flags_elsewhere(flag: str) -> list[str]:
-    """Strategies (other than the chosen one) whose config has ``flag``."""
+    """Strategies whose generated flags include ``flag``."""
     import dataclasses
 
     names, get = _strategies()
+    job = {f.name for f in dataclasses.fields(TrainConfig)}
     owners = []
     for name in names:
-        if any(flag_name(f.name) == flag for f in dataclasses.fields(get(name)[1])):
+        fields = [f.name for f in dataclasses.fields(get(name)[1]) if f.init and not f.name.startswith("_")]
+        if flag in {flag_name(f"{name}_{f}" if f in job else f) for f in fields}:
             owners.append(name)
     return owners
 
@@ -120,7 +125,9 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     try:
         cfg = build_config(TrainConfig, given_values(args, train_fields))
         _, config_cls = get(strategy)
-        strategy_config = build_config(config_cls, given_values(args, strategy_fields), f"--strategy {strategy}: ")
+        strategy_config = build_config(
+            config_cls, given_values(args, strategy_fields), f"--strategy {strategy}: ", strategy_fields
+        )
     except FlagError as e:
         parser.error(str(e))
     from .launch import under_torchrun

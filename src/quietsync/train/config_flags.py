@@ -123,46 +123,75 @@ def add_dataclass_flags(
     cls: type,
     *,
     skip: typing.Iterable[str] = (),
-) -> list[str]:
-    """Add one flag per field of dataclass ``cls`` (except ``skip``); return the field names added."""
+    prefix_for: typing.Iterable[str] = (),
+    prefix: str = "",
+) -> dict[str, str]:
+    """Add one flag per field of dataclass ``cls`` (except ``skip``); return ``{field: flag}``.
+
+    Fields in ``prefix_for`` (e.g. names another config already uses) get the flag ``--<prefix><field>``
+    instead of ``--<field>``. The parsed value of field ``f`` is ``args.<dest_name(f, ...)>``.
+    """
     hints = typing.get_type_hints(cls, include_extras=False)
     docs = field_docs(cls)
-    skip = set(skip)
-    added = []
+    skip, prefix_for = set(skip), set(prefix_for)
+    added: dict[str, str] = {}
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.init or f.name.startswith("_"):
             continue
-        parser.add_argument(flag_name(f.name), **_kwargs_for(f, hints.get(f.name, str), docs.get(f.name, "")))
-        added.append(f.name)
+        name = prefix + f.name if f.name in prefix_for else f.name
+        kwargs = _kwargs_for(f, hints.get(f.name, str), docs.get(f.name, ""))
+        kwargs["dest"] = name
+        parser.add_argument(flag_name(name), **kwargs)
+        added[f.name] = flag_name(name)
     return added
 
 
-def given_values(args: argparse.Namespace, names: typing.Iterable[str]) -> dict[str, Any]:
-    """The fields among ``names`` whose flag was given on the command line (value not None)."""
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def given_values(args: argparse.Namespace, flags: dict[str, str] | typing.Iterable[str]) -> dict[str, Any]:
+    """``{field: value}`` for the fields whose flag was given on the command line (value not None).
+
+    ``flags`` is what :func:`add_dataclass_flags` returned (or plain field names).
+    """
+    mapping = flags if isinstance(flags, dict) else {n: flag_name(n) for n in flags}
+    values = {f: getattr(args, _dest(flag), None) for f, flag in mapping.items()}
+    return {f: v for f, v in values.items() if v is not None}
 
 
 _LEADING_NAME = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)(.*)$", re.S)
 
 
-def flag_message(message: str, fields: typing.Iterable[str]) -> tuple[str | None, str]:
-    """Rewrite ``"<field> must be ..."`` as ``"--<field> must be ..."``; return ``(flag or None, text)``."""
+def flag_message(message: str, fields: dict[str, str] | typing.Iterable[str]) -> tuple[str | None, str]:
+    """Rewrite ``"<field> must be ..."`` as ``"--<flag> must be ..."``; return ``(flag or None, text)``.
+
+    ``fields`` maps field names to their flags (or lists field names whose flag is ``--<field>``).
+    """
+    mapping = fields if isinstance(fields, dict) else {n: flag_name(n) for n in fields}
     message = " ".join(str(message).split())
     if message.startswith("--"):
         return message.split()[0].rstrip(":,"), message
     m = _LEADING_NAME.match(message)
-    if m and m.group(1) in set(fields):
-        flag = flag_name(m.group(1))
+    if m and m.group(1) in mapping:
+        flag = mapping[m.group(1)]
         return flag, flag + m.group(2)
     return None, message
 
 
-def build_config(cls: type, values: dict[str, Any], context: str = "") -> Any:
-    """``cls(**values)``, turning its ``ValueError``/``TypeError`` into a :class:`FlagError` naming the flag."""
+def build_config(
+    cls: type, values: dict[str, Any], context: str = "", flags: dict[str, str] | None = None
+) -> Any:
+    """``cls(**values)``, turning its ``ValueError``/``TypeError`` into a :class:`FlagError` naming the flag.
+
+    ``flags`` maps field names to flag spellings when they are not ``--<field>`` (see ``prefix_for``).
+    """
     try:
         return cls(**values)
     except (ValueError, TypeError) as e:
-        flag, text = flag_message(str(e), [f.name for f in dataclasses.fields(cls)])
+        mapping = {f.name: flag_name(f.name) for f in dataclasses.fields(cls)}
+        mapping.update(flags or {})
+        flag, text = flag_message(str(e), mapping)
         if flag is None:
             text = f"{context}{text}" if context else text
         raise FlagError(flag or "", text) from None
