@@ -70,6 +70,11 @@ def run_deterministic(rank: int, world: int, name: str, opt: str, steps: int, ex
     return out
 
 
+def run_many(rank: int, world: int, name: str, runs: list[tuple[str, dict]], steps: int) -> list[dict[str, Any]]:
+    """Worker body: several deterministic runs ``(optimizer, extra config)`` in one launch of the workers."""
+    return [run_deterministic(rank, world, name, opt, steps, extra) for opt, extra in runs]
+
+
 def reference(kind: str, world: int, opt: str, steps: int, counts=None, **kw) -> ref.Trace:
     """The single-process reference of ``kind`` (acco, dpu, wp, sync) on the same data and optimizer."""
     model = tiny_model()
