@@ -175,10 +175,12 @@ def _median_time(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_codec(preset: str = "10m", micro_batch: int = 8, seq_len: int = 128, repeats: int = 5) -> None:
+def bench_codec(preset: str = "10m", micro_batch: int = 8, seq_len: int = 128, repeats: int = 5,
+                threads: int = 1) -> None:
     from quietsync.optim import DeMoSGD
     from quietsync.train.model import build_model
 
+    torch.set_num_threads(threads)  # one worker per core, as the trainer runs them; steadier on a shared box
     model = build_model(preset, 4096, seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
@@ -199,7 +201,6 @@ def bench_codec(preset: str = "10m", micro_batch: int = 8, seq_len: int = 128, r
                       replicator_kwargs={"compression": 1 / 32, "chunk": chunk})
         opt.step()  # builds the flat buffer and the block layout once
         t_step = _median_time(opt.step, repeats)
-        rep = opt.replicator
         rows.append([name, chunk if name == "dct" else "-", t_step * 1e3, t_step / t_fb, (t_step - t_adamw) / t_fb])
     notes = (
         f"Model `{preset}`: {n_params:,} parameters; one micro-batch = {micro_batch} x {seq_len} tokens; "

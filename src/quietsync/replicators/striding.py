@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .random import RandomReplicator
 from .base import Segments
+from .random import RandomReplicator
 
 
 class StridingReplicator(RandomReplicator):
