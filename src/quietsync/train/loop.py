@@ -173,8 +173,8 @@ def _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_s
 
     def run_eval() -> None:
         t = time.perf_counter()
-        with strategy.committed_params() as model:
-            loss = evaluate(model, held_out, device)
+        with strategy.committed_params():  # the raw module: no wrapper hooks or collectives in eval
+            loss = evaluate(strategy.module, held_out, device)
         now = time.perf_counter()
         evals.append(metrics.eval(strategy.steps, loss, tokens_total, now - t, now - t0))
         bar.set_postfix(eval=f"{loss:.3f}", refresh=False)
