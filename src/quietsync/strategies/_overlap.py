@@ -161,6 +161,8 @@ class OverlapBase(ShardedBase):
     """Base of ACCO / DPU / WP: stage machinery, jobs, bookkeeping, checkpoints (see the module docstring)."""
 
     config: OverlapConfig
+    uses_estimate = False
+    """Whether jobs run uncommitted optimizer steps (ACCO's estimate, WP's prediction): keeps a scratch copy."""
     keeps_snapshot = False
     """Whether the model may hold something other than θ after a commit (then a shard snapshot of θ is kept
     so :meth:`committed_params` can rebuild it)."""
@@ -171,7 +173,8 @@ class OverlapBase(ShardedBase):
         self.grads = self.flat.new_grad_buffer()  # G
         self.flat.attach_grads(self.grads)
         self.comm_buf = self.flat.new_grad_buffer()  # B
-        self.estimator = EstimatingOptimizer(self.sharded, self.optimizer_factory, self.optimizer_kwargs)
+        self.estimator = (EstimatingOptimizer(self.sharded, self.optimizer_factory, self.optimizer_kwargs)
+                          if self.uses_estimate else None)
         self.snapshot = self.sharded.master.clone() if self.keeps_snapshot else None
         self._snapshot_step = 0
         self._master_step = 0
@@ -346,7 +349,7 @@ class OverlapBase(ShardedBase):
         report.update({
             "grads": size(self.grads),
             "comm_buffer": size(self.comm_buf),
-            "estimate_scratch": self.estimator.nbytes(),
+            "estimate_scratch": 0 if self.estimator is None else self.estimator.nbytes(),
             "committed_snapshot": size(self.snapshot),
         })
         report.update(self._extra_memory())

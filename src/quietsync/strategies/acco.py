@@ -48,6 +48,7 @@ class ACCO(OverlapBase):
     """ACCO on the flat sharded substrate; see the module docstring."""
 
     config: ACCOConfig
+    uses_estimate = True
     keeps_snapshot = True
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:

@@ -33,4 +33,5 @@ class WP(DelayedBase):
 
     config: WPConfig
     predict = True
+    uses_estimate = True
     keeps_snapshot = True
