@@ -27,19 +27,43 @@ def all_replicators(**kw):
     ]
 
 
+class Loopback:
+    """A replicate group of 2 in which the other worker sends exactly what this one sends."""
+
+    def group_size(self, group):
+        return 2
+
+    def all_gather(self, out, inp, group, **_):
+        out.view(2, -1).copy_(inp.view(1, -1).expand(2, -1))
+
+    def all_reduce(self, t, group, op="sum", **_):
+        if op == "sum":
+            t.mul_(2)
+
+
 @pytest.mark.parametrize("rep", all_replicators(compression=1 / 16) + all_replicators(transfer_dtype="bf16"),
                          ids=lambda r: f"{r.name}-{r.transfer_dtype}")
 def test_sent_plus_residual_is_accumulated(rep):
+    rep.bind(Loopback(), "replicate")
     delta = torch.randn(SEG.numel)
     before = delta.clone()
-    msg = rep.extract(delta, SEG)
-    assert torch.equal(delta, before)  # extract is pure
-    residual = delta - msg.sent  # what replicate() leaves in delta
-    torch.testing.assert_close(msg.sent + residual, before, rtol=1e-6, atol=1e-6)
-    # and what was sent is a real part of delta, not zero, not all of it (unless full)
+    msg = rep.extract(before.clone(), SEG)  # what replicate() is about to send
+    if hasattr(rep, "counter"):
+        rep.counter -= 1
+    update = rep.replicate(delta, SEG)  # delta is now the residual
+    torch.testing.assert_close(delta + msg.sent, before, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(update, msg.sent, rtol=1e-6, atol=1e-6)  # both workers sent the same
     assert msg.sent.abs().sum() > 0
-    if rep.name != "full":
-        assert residual.abs().sum() > 0
+    if rep.name in ("random", "striding"):
+        idx = msg.meta
+        assert torch.count_nonzero(delta[idx] - (before[idx] - before[idx].to(rep.transfer_dtype).float())) == 0
+        untouched = torch.ones(SEG.numel, dtype=torch.bool)
+        untouched[idx] = False
+        assert torch.equal(delta[untouched], before[untouched])
+    elif rep.name == "dct":
+        assert delta.abs().sum() > 0.5 * before.abs().sum()  # 1/16 of the bytes leaves most behind
+    else:
+        assert delta.abs().max() <= (2e-2 if rep.transfer_dtype == torch.bfloat16 else 0)
 
 
 def test_dct_sent_is_exactly_decoded_topk():
