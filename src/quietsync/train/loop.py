@@ -41,6 +41,9 @@ from .tokenizer import eos_id, load_or_train_tokenizer
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW betas of the trainer (GPT-style)."""
 
+_STEP_SUMS = ("compute_s", "comm_s", "idle_s", "bytes_sent", "bytes_recv")
+"""Per-step record keys summed over steps and workers for the summary."""
+
 
 def _local_ranks(topology: Topology) -> list[int]:
     """Ranks whose files share this worker's disk: its torchrun node (all ranks for local workers)."""
@@ -167,7 +170,7 @@ def _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_s
                disable=rank != 0 or not cfg.progress, desc=f"{cfg.strategy}")
     say = _Printer(rank, bar)
     evals = [r for r in metrics.kept if r.get("event") == "eval"]
-    sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in ("compute_s", "comm_s", "idle_s")}
+    sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in _STEP_SUMS}
     t0 = time.perf_counter()
     setup_s = t0 - t_setup
 
@@ -237,17 +240,16 @@ def _gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
     """Sum the workers' counters with one all-reduce (after the strategy is closed)."""
     snap = transport.meter.snapshot()
     keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
-    lanes = [float(result[k]) for k in ("compute_s", "comm_s", "idle_s")]
-    values = [float(result["tokens_total"]), float(result["micro_batches"]), *lanes]
+    values = [float(result["tokens_total"]), float(result["micro_batches"]), *(float(result[k]) for k in _STEP_SUMS)]
     values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
     t = torch.tensor(values, dtype=torch.float64, device=transport.device)
     transport.all_reduce(t, group="world", op="sum", name="summary")
     v = t.tolist()
     by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}
-    for (g, d), x in zip(keys, v[5:]):
+    for (g, d), x in zip(keys, v[2 + len(_STEP_SUMS):]):
         by_group[g][d] = int(x)
     return {
-        "tokens": int(v[0]), "micro_batches": int(v[1]), "compute_s": v[2], "comm_s": v[3], "idle_s": v[4],
+        "tokens": int(v[0]), "micro_batches": int(v[1]), **dict(zip(_STEP_SUMS, v[2:2 + len(_STEP_SUMS)])),
         "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]},
     }
 
@@ -275,7 +277,7 @@ def _summary(cfg, strategy, strategy_config, topology, n_params, result, totals)
         "bytes_sent": sent,
         "bytes_recv": recv,
         "bytes_by_group": totals["bytes_by_group"],
-        "bytes_sent_per_step": sent / max(1, strategy.steps),
+        "bytes_sent_per_step": totals["bytes_sent"] / max(1, strategy.steps),
         "compute_s": totals["compute_s"],
         "comm_s": totals["comm_s"],
         "idle_s": totals["idle_s"],
