@@ -49,6 +49,18 @@ def test_writer_schema_and_resume_truncation(tmp_path):
     assert read_jsonl(tmp_path / "metrics-rank1.jsonl") == []
 
 
+def test_extra_with_tensors_is_written_as_json(tmp_path):
+    import numpy as np
+    import torch
+
+    record = step_record(1, 0, 1.0)
+    record["extra"] = {"per_worker": torch.tensor([2, 3]), "ratio": np.float32(0.5), "stage": (1, 2)}
+    with MetricsWriter(tmp_path, 0) as w:
+        w.step(record)
+    assert read_jsonl(tmp_path / "metrics-rank0.jsonl")[0]["extra"] == {
+        "per_worker": [2, 3], "ratio": 0.5, "stage": [1, 2]}
+
+
 def test_torn_last_line_is_skipped(tmp_path):
     p = tmp_path / "m.jsonl"
     p.write_text('{"step": 1}\n{"step": 2, "lo')

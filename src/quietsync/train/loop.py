@@ -166,7 +166,7 @@ def _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_s
         print(f"quietsync train: strategy {cfg.strategy}, {strategy.world_size} worker(s), model {cfg.model} "
               f"({count_parameters(strategy.module) / 1e6:.2f} M parameters), {cfg.max_steps} steps, "
               f"out {cfg.out}", flush=True)
-    bar = tqdm(total=cfg.max_steps, initial=strategy.steps, unit="step", dynamic_ncols=True,
+    bar = tqdm(total=cfg.max_steps, initial=strategy.steps, unit="step", dynamic_ncols=True, mininterval=0.5,
                disable=rank != 0 or not cfg.progress, desc=f"{cfg.strategy}")
     say = _Printer(rank, bar)
     evals = [r for r in metrics.kept if r.get("event") == "eval"]

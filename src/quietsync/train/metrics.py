@@ -33,6 +33,15 @@ SUMMARY_FIELDS = (
 """Keys of ``summary.json``."""
 
 
+def _jsonable(value: Any) -> Any:
+    """JSON form of what strategies may put in ``StepMetrics.extra`` (tensors, numpy scalars, tuples)."""
+    if hasattr(value, "tolist"):  # torch tensors, numpy arrays and scalars
+        return value.tolist()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
+
+
 def metrics_path(out: str | os.PathLike, rank: int) -> Path:
     """``OUT/metrics-rank{rank}.jsonl``."""
     return Path(out) / f"metrics-rank{rank}.jsonl"
@@ -74,7 +83,7 @@ class MetricsWriter:
             self._write(record)
 
     def _write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._f.write(json.dumps(record, separators=(",", ":"), default=_jsonable) + "\n")
         self._f.flush()
 
     def step(self, record: dict[str, Any]) -> None:
