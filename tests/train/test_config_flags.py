@@ -107,6 +107,16 @@ def test_parse_train_args_builds_both_configs():
     assert nodes == 2  # local workers: one node each
 
 
+def test_nodes_default_and_override(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert parse_train_args(["--nproc", "4"])[2] == 4  # local workers: one node each
+    assert parse_train_args(["--nproc", "4", "--nodes", "2"])[2] == 2
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert parse_train_args([])[2] is None  # under torchrun: WORLD_SIZE / LOCAL_WORLD_SIZE
+
+
 def test_every_registered_strategy_gets_its_flags():
     for name in available():
         cfg, scfg, _ = parse_train_args(["--strategy", name, "--max-steps", "1"])

@@ -13,8 +13,10 @@ and the split never depends on a seed or on the number of workers. The Bible's d
 Sources (``--dataset``):
   * ``kjv`` (default): the embedded King James Bible;
   * a path to a text file, or to a folder whose ``*.txt`` files (recursively, sorted) are read;
-  * any other name: a Hugging Face hub dataset through the optional ``datasets`` package (needs a
-    network; uses its ``validation``/``test`` split for evaluation when it has one).
+  * any other name: a Hugging Face hub dataset through the optional ``datasets`` package, spelled
+    ``owner/name`` or ``name:config`` (e.g. ``wikitext:wikitext-2-raw-v1``); needs a network; its
+    ``validation``/``test`` split is used for evaluation when it has one, and at most ``max_chars``
+    characters are read per split.
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ def load_hub(name: str, eval_fraction: float, max_chars: int) -> Corpus:  # prag
             f"dataset {name!r} is neither 'kjv' nor an existing path; hub datasets need "
             "`pip install datasets` and a network"
         ) from e
-    splits = datasets.load_dataset(name)
+    path, _, config = name.partition(":")
+    splits = datasets.load_dataset(path, config or None)
 
     def take(split) -> list[str]:
         column = _text_column(split)
