@@ -26,13 +26,16 @@ def test_cli_two_workers_smoke(tmp_path):
         sys.executable, "-m", "quietsync.train.cli", "train", "--nproc", "2", "--model", "tiny",
         "--max-steps", "4", "--eval-every", "2", "--eval-windows", "8", "--micro-batch-size", "2",
         "--seq-len", "32", "--vocab-size", "512", "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
-        "--link", "inter=1gbit,1ms", "--slow-worker", "1:1.5", "--no-progress",
+        "--link", "inter=1gbit,1ms", "--slow-worker", "1:1.5", "--no-progress", "--trace",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval loss first -> last" in proc.stdout and proc.stdout.count("strategy ") == 2  # rank 0 only
-    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "metrics-rank0.jsonl", "metrics-rank1.jsonl",
-                                                     "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "loss.png", "metrics-rank0.jsonl", "metrics-rank1.jsonl", "summary.json", "timeline.png",
+        "trace-rank0.json", "trace-rank1.json"]
+    lanes = {e.get("cat") for e in json.loads((out / "trace-rank1.json").read_text())["traceEvents"]}
+    assert {"compute", "comm"} <= lanes
     for rank in (0, 1):
         rows = read_jsonl(out / f"metrics-rank{rank}.jsonl")
         steps = [r for r in rows if "event" not in r]

@@ -78,6 +78,8 @@ class TrainConfig:
     """Show a progress bar on rank 0."""
     plot: bool = True
     """Draw loss.png at the end."""
+    trace: bool = False
+    """Write trace-rank{R}.json (Chrome/Perfetto trace of compute, comm and idle spans) and timeline.png."""
 
     def __post_init__(self) -> None:
         positive = ("nproc", "max_steps", "micro_batch_size", "vocab_size", "eval_windows")

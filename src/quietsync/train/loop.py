@@ -135,8 +135,13 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             tokens_total = int(state["tokens_total"])
             torch.set_rng_state(state["rng"])
             resume_step = strategy.steps
+        clock_offset = time.time() - time.perf_counter()
         result = _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_step, slow, t_setup)
         strategy.close()
+        if cfg.trace:
+            from .trace import write_trace
+
+            write_trace(cfg.out, rank, transport.recorder.spans(), clock_offset)
         totals = _gather_totals(transport, result)
         summary = None
         if rank == 0:
@@ -146,6 +151,10 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
                 from .plots import plot_loss
 
                 plot_loss(cfg.out, world, title=f"{cfg.strategy}, {world} workers, {cfg.model} model")
+            if cfg.trace and cfg.plot:
+                from .trace import plot_timeline
+
+                plot_timeline(cfg.out, strategy.steps, title=f"{cfg.strategy}, {world} workers")
             print(format_summary(summary), flush=True)
             print(f"results in {os.path.abspath(cfg.out)}", flush=True)
         return summary
