@@ -80,12 +80,20 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
     ckpt = latest_checkpoint(tmp_path / "a", [0])
     assert ckpt is not None and ckpt.name == "step-0000006"
     step3 = resolve_resume(str(tmp_path / "a" / "checkpoints" / "step-0000003"), tmp_path / "a", [0])
-    resumed = run(TrainConfig(out=str(tmp_path / "b"), resume=str(step3), **common), scfg)
-    a = [r for r in read_jsonl(tmp_path / "a" / "metrics-rank0.jsonl") if "event" not in r]
-    b = [r for r in read_jsonl(tmp_path / "b" / "metrics-rank0.jsonl") if "event" not in r]
-    assert [r["step"] for r in b] == [4, 5, 6]
-    assert [r["loss"] for r in b] == [r["loss"] for r in a[3:]]  # bit-identical continuation
-    assert [r["tokens_total"] for r in b] == [r["tokens_total"] for r in a[3:]]
+    a = read_jsonl(tmp_path / "a" / "metrics-rank0.jsonl")
+    # resume into the same folder: the metrics file is cut back to step 3 and continues from there
+    resumed = run(TrainConfig(out=str(tmp_path / "a"), resume=str(step3), **common), scfg)
+    b = read_jsonl(tmp_path / "a" / "metrics-rank0.jsonl")
+    a_steps = [r for r in a if "event" not in r]
+    b_steps = [r for r in b if "event" not in r]
+    assert [r["step"] for r in b_steps] == [1, 2, 3, 4, 5, 6]
+    assert b_steps[:3] == a_steps[:3]  # kept as they were
+    assert [r["loss"] for r in b_steps[3:]] == [r["loss"] for r in a_steps[3:]]  # bit-identical continuation
+    assert [r["tokens_total"] for r in b_steps] == [r["tokens_total"] for r in a_steps]
+    assert b_steps[3]["time_s"] > b_steps[2]["time_s"]  # the clock continues
+    assert [r["step"] for r in b if r.get("event") == "eval"] == [0, 6]
     assert resumed["last_eval_loss"] == full["last_eval_loss"]
+    assert resumed["first_eval_loss"] == full["first_eval_loss"]
+    assert resumed["tokens"] == full["tokens"]
     with pytest.raises(ValueError, match="no complete checkpoint"):
         resolve_resume("latest", tmp_path / "b", [0])

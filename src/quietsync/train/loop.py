@@ -180,8 +180,9 @@ def _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_s
     say = _Printer(rank, bar)
     evals = [r for r in metrics.kept if r.get("event") == "eval"]
     sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in _STEP_SUMS}
-    t0 = time.perf_counter()
-    setup_s = t0 - t_setup
+    setup_s = time.perf_counter() - t_setup
+    # time_s continues across a resume (the clock restarts where the kept records end)
+    t0 = time.perf_counter() - max((r.get("time_s", 0.0) for r in metrics.kept), default=0.0)
 
     def run_eval() -> None:
         t = time.perf_counter()
