@@ -60,6 +60,10 @@ def train_parser(strategy: str) -> tuple[OneLineParser, dict[str, str], dict[str
         ),
     )
     train_fields = add_dataclass_flags(parser.add_argument_group("job"), TrainConfig)
+    for action in parser._actions:  # list the registered strategies in --strategy's help
+        if action.dest == "strategy":
+            action.help = f"strategy, one of {', '.join(names)} (default: {DEFAULT_STRATEGY})"
+            action.metavar = "NAME"
     strategy_fields: dict[str, str] = {}
     if strategy in names:
         _, config_cls = get(strategy)

@@ -25,7 +25,7 @@ class TrainConfig:
     """One training job (rank-independent; every worker receives the same)."""
 
     strategy: str = DEFAULT_STRATEGY
-    """Strategy name (see `quietsync train --help` for the registered ones)."""
+    """Registered strategy name (quietsync.strategies.available())."""
     nproc: int = 2
     """Local worker processes to spawn when not under torchrun (1 = train in this process)."""
     nodes: int | None = None
