@@ -73,12 +73,13 @@ def test_summary_file_and_table(tmp_path):
         "micro_batches": 20, "tokens": 20_480, "wall_s": 12.5, "setup_s": 3.0, "tokens_per_s": 1638.4,
         "first_eval_loss": 8.3, "last_eval_loss": 6.1, "bytes_sent": 8_000_000, "bytes_recv": 8_000_000,
         "bytes_by_group": {"world": {"sent": 8_000_000, "recv": 8_000_000}}, "compute_s": 20.0, "comm_s": 2.0,
-        "idle_s": 2.5, "compute_fraction": 20 / 22.5,
+        "idle_s": 2.5, "compute_fraction": 20 / 22.5, "bytes_sent_per_step": 700_000,
     }
     path = write_summary(tmp_path, summary)
     assert json.loads(path.read_text())["last_eval_loss"] == 6.1
     table = format_summary(summary)
     assert "8.300 -> 6.100" in table and "zero1" in table and "88.9%" in table and "bytes world" in table
+    assert "0.70 MB (all workers)" in table
 
 
 def test_loss_curves_and_plot(tmp_path):

@@ -131,7 +131,6 @@ def format_summary(summary: dict[str, Any]) -> str:
     """The summary as an aligned two-column table for the terminal."""
     first, last = summary.get("first_eval_loss"), summary.get("last_eval_loss")
     evals = f"{first:.3f} -> {last:.3f}" if first is not None and last is not None else "n/a"
-    steps = max(1, summary["steps"])
     rows = [
         ("strategy", summary["strategy"]),
         ("workers x nodes", f"{summary['world_size']} workers, {summary['nodes']} node(s)"),
@@ -141,8 +140,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("wall time", f"{summary['wall_s']:.1f} s (+ {summary['setup_s']:.1f} s setup)"),
         ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s"),
         ("eval loss first -> last", evals),
-        ("bytes sent / recv (all)", f"{_mb(summary['bytes_sent'])} / {_mb(summary['bytes_recv'])}"),
-        ("bytes sent per step", _mb(summary["bytes_sent"] / steps)),
+        ("bytes sent / recv (total)", f"{_mb(summary['bytes_sent'])} / {_mb(summary['bytes_recv'])}"),
+        ("bytes sent per step", _mb(summary["bytes_sent_per_step"]) + " (all workers)"),
         ("compute / comm / idle", "{:.1f} / {:.1f} / {:.1f} s (summed over workers)".format(
             summary["compute_s"], summary["comm_s"], summary["idle_s"])),
         ("compute-busy fraction", f"{summary['compute_fraction']:.1%}"),
