@@ -40,18 +40,26 @@ def make(name: str, opt: str, config: dict[str, Any], transport=None) -> quietsy
 
 
 def train(strategy, rank: int, steps: int, start_index: int = 0, sleep_factor: float = 1.0,
-          stop_after: int | None = None) -> int:
+          stop_after: int | None = None, base_s: float = 0.0) -> int:
     """Feed micro-batches until ``steps`` committed steps (or ``stop_after`` micro-batches); returns the next
-    micro-batch index. ``sleep_factor`` > 1 makes this worker slower as in the paper (App. C): after each
-    micro-batch it sleeps (factor − 1) × the micro-batch's measured compute time."""
+    micro-batch index.
+
+    ``base_s`` adds that many seconds of simulated compute to every micro-batch (a sleep, so timings hold on a
+    loaded machine); ``sleep_factor`` > 1 makes this worker slower as in the paper (App. C): it sleeps
+    (factor − 1) × the micro-batch's measured compute time. Both sleeps happen before ``backward`` returns, so
+    the strategy accounts them as compute, like a slower device.
+    """
     index = start_index
     while strategy.steps < steps:
         if stop_after is not None and index >= stop_after:
             break
         t0 = time.perf_counter()
-        strategy.backward(loss_fn(strategy.model, batch(rank, index)))
+        loss = loss_fn(strategy.model, batch(rank, index))
+        if base_s:
+            time.sleep(base_s)
         if sleep_factor > 1:
             time.sleep((sleep_factor - 1) * (time.perf_counter() - t0))
+        strategy.backward(loss)
         index += 1
         strategy.step()
     return index

@@ -88,7 +88,7 @@ def _overlap(rank: int, world: int, name: str) -> dict:
     transport = Transport(Topology.from_env(), links={"inter": link})
     config = {} if name == "acco" else {"accumulation": 2}
     strategy = make(name, "adamw", config, transport=transport)
-    train(strategy, rank, 5)
+    train(strategy, rank, 5, base_s=0.002)
     rec = transport.recorder
     out = {
         "history": getattr(strategy, "stage_history", None),
@@ -124,9 +124,10 @@ def test_acco_overlaps_computation_with_collectives_under_a_slow_link():
 
 
 def _slow_worker(rank: int, world: int, steps: int) -> dict:
-    transport = Transport(Topology.from_env(), links={"inter": LinkModel(bandwidth=1e9, latency=0.004)})
+    # a job takes ~40 ms of link latency; a micro-batch ~4 ms (simulated), ~16 ms on the slow worker
+    transport = Transport(Topology.from_env(), links={"inter": LinkModel(bandwidth=1e9, latency=0.010)})
     strategy = make("acco", "adamw", {}, transport=transport)
-    train(strategy, rank, steps, sleep_factor=4.0 if rank == world - 1 else 1.0)
+    train(strategy, rank, steps, base_s=0.004, sleep_factor=4.0 if rank == world - 1 else 1.0)
     out = {"theta": flat_params(strategy.module), "history": strategy.stage_history,
            "metrics": strategy.last_step_metrics().to_dict()}
     strategy.close()
