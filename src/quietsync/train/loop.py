@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..link import parse_links
-from ..strategies import StrategyConfig, make_strategy
+from ..strategies import Strategy, StrategyConfig, make_strategy
 from ..topology import GROUPS, Topology
 from ..transport import Transport
 from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
@@ -35,7 +35,7 @@ from .data import ShardedSequences, encode_split, eval_batches
 from .metrics import MetricsWriter, format_summary, write_summary
 from .model import build_model, count_parameters, param_groups
 from .schedule import warmup_cosine
-from .slow_worker import MicroBatchTimer
+from .slow_worker import MicroBatchTimer, SlowWorker
 from .tokenizer import eos_id, load_or_train_tokenizer
 
 ADAMW_BETAS = (0.9, 0.95)
@@ -166,7 +166,19 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             torch.distributed.destroy_process_group()
 
 
-def _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_step, slow, t_setup) -> dict:
+def _train(
+    cfg: TrainConfig,
+    strategy: Strategy,
+    stream: ShardedSequences,
+    held_out: list[torch.Tensor],
+    device: torch.device,
+    rank: int,
+    tokens_total: int,
+    resume_step: int | None,
+    slow: SlowWorker | None,
+    t_setup: float,
+) -> dict[str, Any]:
+    """The step loop of one worker: micro-batches until ``cfg.max_steps`` committed steps; logs, evals, saves."""
     from tqdm.auto import tqdm
 
     metrics = MetricsWriter(cfg.out, rank, resume_step)
@@ -264,7 +276,16 @@ def _gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
     }
 
 
-def _summary(cfg, strategy, strategy_config, topology, n_params, result, totals) -> dict[str, Any]:
+def _summary(
+    cfg: TrainConfig,
+    strategy: Strategy,
+    strategy_config: StrategyConfig | None,
+    topology: Topology,
+    n_params: int,
+    result: dict[str, Any],
+    totals: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``summary.json`` object (rank 0)."""
     evals = result["evals"]
     busy = totals["compute_s"] + totals["idle_s"]
     sent = sum(c["sent"] for c in totals["bytes_by_group"].values())
