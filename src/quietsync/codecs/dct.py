@@ -117,6 +117,15 @@ class BlockLayout:
         self.groups = [
             BlockGroup(bs, torch.cat(parts[bs]).to(device), reals[bs]) for bs in sorted(parts, reverse=True)
         ]
+        # inverse map for decoding: flat position -> position in the concatenated blocks of all groups
+        # (a gather is several times cheaper than scattering into the flat buffer)
+        self.inverse = torch.empty(self.numel, dtype=torch.long, device=device)
+        at = 0
+        for g in self.groups:
+            idx = g.index.reshape(-1)
+            real = idx < self.numel
+            self.inverse[idx[real]] = torch.arange(at, at + idx.numel(), device=device)[real]
+            at += idx.numel()
 
     # -- transforms ---------------------------------------------------------------------------
     def _extended(self, flat: torch.Tensor) -> torch.Tensor:
@@ -135,13 +144,10 @@ class BlockLayout:
 
     def decode(self, coeffs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse of :meth:`encode`: a flat buffer with padding dropped."""
-        dtype = coeffs[0].dtype if coeffs else torch.float32
-        device = self.groups[0].index.device if self.groups else None
-        ext = torch.zeros(self.numel + 1, dtype=dtype, device=device)
-        for g, c in zip(self.groups, coeffs):
-            blocks = self.transform(c, g.block_shape, inverse=True)
-            ext[g.index.reshape(-1)] = blocks.reshape(-1)
-        flat = ext[: self.numel]
+        if not self.groups:
+            return torch.zeros(0) if out is None else out
+        blocks = [self.transform(c, g.block_shape, inverse=True).reshape(-1) for g, c in zip(self.groups, coeffs)]
+        flat = torch.cat(blocks)[self.inverse]
         if out is not None:
             out.copy_(flat)
             return out
