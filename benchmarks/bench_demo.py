@@ -221,8 +221,8 @@ def bench_codec(preset: str = "10m", micro_batch: int = 8, seq_len: int = 128, r
 
 # ----------------------------------------------------------------------------- 3. paper 001 miniature
 def bench_paper(steps: int = 40, model: str = "default", micro_batch: int = 4, seq_len: int = 64,
-                compression: float = 1 / 32, appendix: bool = True) -> None:
-    base = ["--nproc", "4", "--nodes", "2", "--link", "inter=100mbit,5ms", "--link", "intra=10gbit,0.05ms",
+                compression: float = 1 / 32, appendix: bool = True, inter: str = "100mbit,5ms") -> None:
+    base = ["--nproc", "4", "--nodes", "2", "--link", f"inter={inter}", "--link", "intra=10gbit,0.05ms",
             "--model", model, "--max-steps", str(steps), "--micro-batch-size", str(micro_batch),
             "--seq-len", str(seq_len), "--eval-every", str(steps)]
     comp = ["--compression", str(compression)]
@@ -256,7 +256,7 @@ def bench_paper(steps: int = 40, model: str = "default", micro_batch: int = 4, s
     rows = [[k, v["step_s"], ref["step_s"] / v["step_s"], v["idle_s"], v["inter_bytes"], v["first_eval"],
              v["last_eval"]] for k, v in results.items()]
     notes = (
-        f"2 nodes x 2 workers (local processes), emulated links inter=100mbit,5ms and intra=10gbit,0.05ms; model "
+        f"2 nodes x 2 workers (local processes), emulated links inter={inter} and intra=10gbit,0.05ms; model "
         f"`{model}`, {steps} steps, micro-batch {micro_batch} x {seq_len} tokens per worker, trainer lr schedule "
         f"(warm-up + cosine, same lr for all), compression 1/{round(1 / compression)}, chunk 64 unless noted. "
         "HSDP AdamW = flexdemo with the full replicator, decoupled AdamW, beta 0, no sign, which is exactly "
@@ -264,11 +264,12 @@ def bench_paper(steps: int = 40, model: str = "default", micro_batch: int = 4, s
         "workers). *inter B/step* = replicate-group bytes sent per worker per step. One run each, a loaded 2-core "
         "machine: differences of a few percent in time or ~0.02 in loss are noise."
     )
-    path = write_markdown("demo_paper", "Paper 001 in miniature: FlexDeMo vs hybrid-sharded AdamW",
+    name = "demo_paper" if inter == "100mbit,5ms" else f"demo_paper_{inter.split(',')[0]}"
+    path = write_markdown(name, f"Paper 001 in miniature: FlexDeMo vs hybrid-sharded AdamW (inter link {inter})",
                           ["config", "step s", "speed-up", "idle s/step", "inter B/step", "eval first",
                            "eval last"], rows, notes)
-    (RESULTS / "demo_paper.json").write_text(json.dumps(results, indent=1, default=str))
-    _plot_paper(results, RESULTS / "demo_paper.png")
+    (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1, default=str))
+    _plot_paper(results, RESULTS / f"{name}.png")
     print(path.read_text())
 
 
@@ -299,13 +300,14 @@ def main() -> None:
     ap.add_argument("what", choices=["bytes", "codec", "paper", "all"])
     ap.add_argument("--steps", type=int, default=40, help="steps of each paper job")
     ap.add_argument("--no-appendix", action="store_true", help="skip the sign / chunk-size jobs")
+    ap.add_argument("--inter", default="100mbit,5ms", help="emulated inter-node link of the paper jobs")
     args = ap.parse_args()
     if args.what in ("bytes", "all"):
         bench_bytes()
     if args.what in ("codec", "all"):
         bench_codec()
     if args.what in ("paper", "all"):
-        bench_paper(steps=args.steps, appendix=not args.no_appendix)
+        bench_paper(steps=args.steps, appendix=not args.no_appendix, inter=args.inter)
 
 
 if __name__ == "__main__":
