@@ -121,7 +121,7 @@ def _resume(rank: int, world: int, kind: str, rep: str) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind,rep", [("sgd", "dct"), ("sgd", "random"), ("adamw", "striding")])
+@pytest.mark.parametrize("kind,rep", [("sgd", "random")])  # dct / striding+adamw: tests/strategies/test_demo.py
 def test_resume_is_exact(kind, rep):
     for straight, resumed in run_ranks(_resume, 2, kind, rep):
         assert torch.equal(straight, resumed)

@@ -46,12 +46,17 @@ class DCTReplicator(Replicator):
         self.chunk = int(chunk)
         self.topk = topk
         self._layouts: dict[tuple[Segments, str], BlockLayout] = {}
+        self._any_layout: dict[Segments, BlockLayout] = {}
 
-    def layout(self, segments: Segments, device: torch.device | str = "cpu") -> BlockLayout:
-        """Block layout of ``segments`` (cached)."""
-        key = (segments, str(device))
+    def layout(self, segments: Segments, device: torch.device | str | None = None) -> BlockLayout:
+        """Block layout of ``segments`` on ``device`` (cached); ``None``: any device already built (for
+        metadata only), else CPU."""
+        if device is None and segments in self._any_layout:
+            return self._any_layout[segments]
+        key = (segments, str(device or "cpu"))
         if key not in self._layouts:
-            self._layouts[key] = BlockLayout(segments.shapes, self.chunk, device)
+            self._layouts[key] = BlockLayout(segments.shapes, self.chunk, device or "cpu")
+            self._any_layout.setdefault(segments, self._layouts[key])
         return self._layouts[key]
 
     def ks(self, segments: Segments, dtype: torch.dtype = torch.float32) -> list[int]:
