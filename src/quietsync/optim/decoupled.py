@@ -121,6 +121,9 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         self.decoupled_step += 1
         groups = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         params = [p for _, ps in groups for p in ps]
+        if not params:
+            self.last_replicated = False
+            return loss
         segments = Segments([p.shape for p in params])
         flat = self._flat_delta(params)
         self.last_replicated = self.replicates_at(self.decoupled_step)
@@ -137,7 +140,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         else:
             update = torch.cat(
                 [p.grad.reshape(-1).to(torch.float32) * self._delta_scale(g) for g, ps in groups for p in ps]
-            ) if params else flat.new_zeros(0)
+            )
         at = 0
         for g, ps in groups:
             if not ps:
