@@ -142,3 +142,18 @@ def test_cli_flags_exist_for_the_knobs():
 
     names = {flag_name(f) for f in DecoupledConfig.__dataclass_fields__}
     assert {"--replicator", "--compression", "--chunk", "--topk", "--sign", "--transfer-dtype"} <= names
+
+
+def test_base_optimizer_choice_and_unknown_arguments():
+    from quietsync.optim import DecoupledAdamW, DeMoSGD
+
+    def make(optimizer, base, **kw):
+        model = tiny_model()
+        return quietsync.make_strategy("demo", model, optimizer, config={"base": base}, lr=1e-2, **kw)
+
+    assert isinstance(make(torch.optim.AdamW, "sgd", betas=(0.9, 0.95)).optimizer, DeMoSGD)  # betas dropped
+    assert isinstance(make(torch.optim.AdamW, "auto").optimizer, DecoupledAdamW)
+    assert isinstance(make(torch.optim.SGD, "auto").optimizer, DeMoSGD)
+    assert make(torch.optim.AdamW, "adamw", betas=(0.8, 0.9)).optimizer.param_groups[0]["betas"] == (0.8, 0.9)
+    with pytest.raises(ValueError, match="not understood"):
+        make(torch.optim.AdamW, "sgd", lookahead=3)
