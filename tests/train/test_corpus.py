@@ -91,3 +91,45 @@ def test_missing_path_and_empty_folder(tmp_path):
 def test_looks_like_path():
     assert looks_like_path("./x") and looks_like_path("/data/x") and looks_like_path("book.txt")
     assert not looks_like_path("roneneldan/TinyStories") and not looks_like_path("wikitext")
+
+
+class _FakeFeature:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+class _FakeSplit(list):
+    def __init__(self, rows, column="body"):
+        super().__init__({column: r, "id": i} for i, r in enumerate(rows))
+        self.column_names = ["id", column]
+        self.features = {"id": _FakeFeature("int64"), column: _FakeFeature("string")}
+
+
+def _fake_datasets(monkeypatch, splits, calls):
+    import types
+
+    def load_dataset(path, config=None):
+        calls.append((path, config))
+        return splits
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+
+
+def test_hub_dataset_through_datasets(monkeypatch):
+    """The hub path, with a stand-in for the `datasets` package (the real one needs a network)."""
+    calls = []
+    rows = [f"story number {i} " * 20 for i in range(40)] + ["", "   "]
+    _fake_datasets(monkeypatch, {"train": _FakeSplit(rows)}, calls)
+    c = load_corpus("someone/stories", eval_fraction=0.1)
+    assert calls == [("someone/stories", None)]
+    assert len(c.documents) == 36 and len(c.eval_documents) == 4  # empty rows dropped, every 10th held out
+    _fake_datasets(monkeypatch, {"train": _FakeSplit(rows[:10]), "validation": _FakeSplit(["held out"])}, calls)
+    c = load_corpus("wikitext:wikitext-2-raw-v1", max_chars=1000)
+    assert calls[-1] == ("wikitext", "wikitext-2-raw-v1")
+    assert c.eval_documents == ("held out",) and 1000 <= sum(map(len, c.documents)) < 1000 + len(rows[0])
+
+
+def test_hub_dataset_without_datasets_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
+    with pytest.raises(ValueError, match="pip install datasets"):
+        load_corpus("someone/stories")

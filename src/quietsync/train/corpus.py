@@ -155,18 +155,22 @@ def load_local(path: str | os.PathLike, eval_fraction: float, chunk_chars: int) 
     return Corpus(str(p), train, held)
 
 
-def _text_column(ds) -> str:  # pragma: no cover - needs the hub
+def _text_column(ds) -> str:
     names = list(ds.column_names)
     if "text" in names:
         return "text"
     for name in names:
-        if getattr(ds.features[name], "dtype", None) == "string":
+        if getattr(ds.features[name], "dtype", None) in ("string", "large_string"):
             return name
     raise ValueError(f"dataset has no text column (columns: {names})")
 
 
-def load_hub(name: str, eval_fraction: float, max_chars: int) -> Corpus:  # pragma: no cover - needs the hub
-    """A Hugging Face hub dataset (optional ``datasets`` package; needs a network)."""
+def load_hub(name: str, eval_fraction: float, max_chars: int) -> Corpus:
+    """A Hugging Face hub dataset (optional ``datasets`` package; needs a network).
+
+    ``name`` is ``owner/name`` or ``name:config``. Each non-empty row of the text column is a document;
+    at most ``max_chars`` characters are read per split.
+    """
     try:
         import datasets
     except ImportError as e:
