@@ -157,3 +157,14 @@ def test_base_optimizer_choice_and_unknown_arguments():
     assert make(torch.optim.AdamW, "adamw", betas=(0.8, 0.9)).optimizer.param_groups[0]["betas"] == (0.8, 0.9)
     with pytest.raises(ValueError, match="not understood"):
         make(torch.optim.AdamW, "sgd", lookahead=3)
+
+
+@pytest.mark.timeout(120)
+def test_periodic_replication_sends_only_on_replicating_steps():
+    cfg = {"replicator": "random", "compression": 1 / 4, "replicate_every": 2}
+    results = run_ranks(_train, 2, "demo", cfg, 4, {"lr": 1e-2})
+    for _, metrics in results:
+        assert [m.extra["replicated"] for m in metrics] == [False, True, False, True]
+        assert [m.bytes_by_group["world"]["sent"] > 0 for m in metrics] == [False, True, False, True]
+    # local steps use each worker's own gradient: the replicas differ
+    assert not torch.equal(results[0][0], results[1][0])
