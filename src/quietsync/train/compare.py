@@ -38,6 +38,20 @@ def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
     return name, label, flags
 
 
+def _step_bytes_by_group(run: Path) -> dict[str, dict[str, int]]:
+    """Bytes of the committed steps per group, summed over the workers' metrics files of ``run``."""
+    totals: dict[str, dict[str, int]] = {}
+    for path in run.glob("metrics-rank*.jsonl"):
+        for r in read_jsonl(path):
+            if "event" in r:
+                continue
+            for group, v in r["bytes_by_group"].items():
+                t = totals.setdefault(group, {"sent": 0, "recv": 0})
+                t["sent"] += v["sent"]
+                t["recv"] += v["recv"]
+    return totals
+
+
 def _rows(out: Path, labels: list[str]) -> list[dict[str, Any]]:
     rows = []
     for label in labels:
@@ -50,7 +64,7 @@ def _rows(out: Path, labels: list[str]) -> list[dict[str, Any]]:
             "bytes_sent_per_step": s["bytes_sent_per_step"],
             "compute_s_per_worker": s["compute_s"] / world, "idle_s_per_worker": s["idle_s"] / world,
             "comm_s_per_worker": s["comm_s"] / world, "compute_fraction": s["compute_fraction"],
-            "bytes_by_group": s["bytes_by_group"],
+            "step_bytes_by_group": _step_bytes_by_group(out / label),
         })
     return rows
 
@@ -83,10 +97,10 @@ def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()
     labels = [r["label"] for r in rows]
-    groups = sorted({g for r in rows for g in r["bytes_by_group"]})
+    groups = sorted({g for r in rows for g in r["step_bytes_by_group"]})
     bottom = [0.0] * len(rows)
     for g in groups:
-        vals = [r["bytes_by_group"].get(g, {}).get("sent", 0) / max(1, r["steps"]) / 1e6 for r in rows]
+        vals = [r["step_bytes_by_group"].get(g, {}).get("sent", 0) / max(1, r["steps"]) / 1e6 for r in rows]
         ax_bytes.bar(labels, vals, bottom=bottom, label=g)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax_bytes.set(ylabel="MB sent per step (all workers)", title="bytes per step")
