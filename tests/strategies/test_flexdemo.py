@@ -121,3 +121,14 @@ def test_resume_is_exact_two_by_two():
     cfg = {"replicator": "random", "compression": 1 / 4, "base": "adamw", "transfer_dtype": "bf16"}
     for straight, resumed in run_ranks(_resume, 4, cfg, nodes=2):
         assert torch.equal(straight, resumed)
+
+
+@pytest.mark.timeout(120)
+def test_full_replicator_two_by_two_is_hybrid_sharded_adamw():
+    """The benchmarks' HSDP baseline: full + decoupled AdamW + beta 0 + no sign == AdamW on the global mean."""
+    cfg = {"base": "adamw", "sign": False, "beta": 0.0, "replicator": "full"}
+    results = run_ranks(_train, 4, "flexdemo", cfg, 3, ADAMW, nodes=2)
+    want = reference_run(4, 1, 3, **ADAMW)
+    for params, metrics, _ in results:
+        torch.testing.assert_close(params, want, rtol=1e-5, atol=1e-6)
+        assert metrics[-1].bytes_by_group["replicate"]["sent"] == 98 * 4  # 2 nodes: 2(n-1)/n of the fp32 shard
