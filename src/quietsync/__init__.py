@@ -15,12 +15,13 @@ from .comm_worker import CommWorker, CommWorkerError
 from .events import ByteMeter, EventRecorder, Span
 from .flat import DTypePolicy, FlatParams
 from .link import LinkModel, parse_links
+from .optim import DecoupledAdamW, DeMoSGD
 from .strategies import StepMetrics, Strategy, StrategyConfig, available, make_strategy
 from .topology import Topology
 from .transport import Transport, Work
 
 __all__ = [
-    "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "EventRecorder", "FlatParams", "LinkModel",
+    "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "DeMoSGD", "DecoupledAdamW", "EventRecorder", "FlatParams", "LinkModel",
     "Span", "StepMetrics", "Strategy", "StrategyConfig", "Topology", "Transport", "Work", "__version__",
     "available", "make_strategy", "parse_links",
 ]
