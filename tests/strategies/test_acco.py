@@ -91,7 +91,7 @@ def _overlap(rank: int, world: int, name: str) -> dict:
     train(strategy, rank, 5, base_s=0.002)
     rec = transport.recorder
     out = {
-        "history": getattr(strategy, "stage_history", None),
+        "history": list(getattr(strategy, "stage_history", [])),
         "compute": [(s.t0, s.t1) for s in rec.spans("compute") if s.name == "micro_batch"],
         "comm": [(s.t0, s.t1, s.name) for s in rec.spans("comm")],
         "idle": [(s.t0, s.t1, s.name) for s in rec.spans("idle")],
@@ -128,7 +128,7 @@ def _slow_worker(rank: int, world: int, steps: int) -> dict:
     transport = Transport(Topology.from_env(), links={"inter": LinkModel(bandwidth=1e9, latency=0.010)})
     strategy = make("acco", "adamw", {}, transport=transport)
     train(strategy, rank, steps, base_s=0.004, sleep_factor=4.0 if rank == world - 1 else 1.0)
-    out = {"theta": flat_params(strategy.module), "history": strategy.stage_history,
+    out = {"theta": flat_params(strategy.module), "history": list(strategy.stage_history),
            "metrics": strategy.last_step_metrics().to_dict()}
     strategy.close()
     transport.close()

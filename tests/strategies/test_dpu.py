@@ -66,7 +66,7 @@ def _overlap(rank: int, world: int) -> dict:
     strategy = make("dpu", "adamw", {"sync_warmup_steps": 1}, transport=transport)
     train(strategy, rank, 5, base_s=0.002)
     rec = transport.recorder
-    out = {"history": strategy.stage_history,
+    out = {"history": list(strategy.stage_history),
            "idle": [s.name for s in rec.spans("idle")],
            "inside": sum(1 for c in rec.spans("compute") if c.name == "micro_batch"
                          for m in rec.spans("comm") if m.t0 <= c.t0 and c.t1 <= m.t1)}

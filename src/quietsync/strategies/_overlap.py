@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ from ..flat import parse_dtype
 from ..sharded import build_optimizer
 from .base import StrategyConfig
 from .zero1 import ShardedBase
+
+HISTORY = 100_000
+"""Stages kept in :attr:`OverlapBase.stage_history`."""
 
 
 def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
@@ -186,8 +190,9 @@ class OverlapBase(ShardedBase):
         self._last_job_end: float | None = None
         self._comm_wait_s = 0.0  # the communication worker's idle time waiting for a hand-over, this step
         self._compute_wait_s = 0.0
-        self.stage_history: list[list[int]] = []
-        """Per-worker micro-batch counts of every stage whose gradients were communicated, in order."""
+        self.stage_history: deque[list[int]] = deque(maxlen=HISTORY)
+        """Per-worker micro-batch counts of each stage whose gradients were communicated, in order (the
+        latest ``HISTORY``)."""
         self._pending_counts: list[list[int]] = []  # counts of stages consumed since the last commit
 
     # ------------------------------------------------------------------ knobs
