@@ -40,8 +40,6 @@ def _measure(rank: int, world: int) -> dict:
             strategy.backward(strategy.model(input_ids=x, labels=x).loss)
             strategy.step()
         report = strategy.memory_report()
-        if name == "zero1":  # zero1's own report leaves out its gradient buffer
-            report.setdefault("grads", strategy.grads.numel() * strategy.grads.element_size())
         out[name] = {"report": report, "psi": strategy.flat.numel,
                      "padded": strategy.flat.padded_numel}
         strategy.close()

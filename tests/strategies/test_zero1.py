@@ -147,3 +147,26 @@ def test_replacing_owned_gradients_is_an_error():
     model.zero_grad(set_to_none=True)
     with pytest.raises(RuntimeError, match="the strategy owns the gradients"):
         strategy.backward(loss_fn(strategy.model, micro_batch(0, 0, 0)))
+
+
+def test_memory_report_counts_every_buffer():
+    model = tiny_model()
+    strategy = quietsync.make_strategy("zero1", model, torch.optim.AdamW, lr=1e-3)
+    strategy.backward(loss_fn(strategy.model, micro_batch(0, 0, 0)))
+    strategy.step()
+    report = strategy.memory_report()
+    psi = strategy.flat.padded_numel * 4
+    # world of one: the shard is everything; AdamW keeps two moments (+ a scalar step per group)
+    assert report["params"] == report["grads"] == report["master_shard"] == report["grad_shard"] == psi
+    assert 2 * psi <= report["optimizer_state"] <= 2 * psi + 64
+
+
+def test_time_between_calls_counts_as_compute():
+    import time
+
+    model = tiny_model()
+    strategy = quietsync.make_strategy("zero1", model, torch.optim.SGD, lr=0.1)
+    strategy.backward(loss_fn(strategy.model, micro_batch(0, 0, 0)))
+    time.sleep(0.2)  # e.g. a simulated slow worker sleeping after its micro-batch
+    assert strategy.step()
+    assert strategy.last_step_metrics().compute_s >= 0.2

@@ -169,9 +169,12 @@ class Strategy(ABC):
     def step(self) -> bool:
         """Called after every :meth:`backward`; returns True when a committed optimizer step happened."""
         self._check_open()
-        committed = self._step()
+        # Main-thread time since the last strategy call (e.g. a simulated slow worker's sleep) is compute.
         now = time.perf_counter()
+        self._compute_s += now - self._t_mark
         self._t_mark = now
+        committed = self._step()
+        self._t_mark = time.perf_counter()
         return committed
 
     def last_step_metrics(self) -> StepMetrics | None:

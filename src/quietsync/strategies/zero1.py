@@ -135,6 +135,9 @@ class Zero1(ShardedBase):
         self._commit()
         return True
 
+    def memory_report(self) -> dict[str, int]:
+        return {**super().memory_report(), "grads": self.grads.numel() * self.grads.element_size()}
+
     def _state(self) -> dict[str, Any]:
         return {**self._sharded_state(), "grads": self.grads.clone(), "round": self._round}
 
