@@ -170,3 +170,15 @@ def test_time_between_calls_counts_as_compute():
     time.sleep(0.2)  # e.g. a simulated slow worker sleeping after its micro-batch
     assert strategy.step()
     assert strategy.last_step_metrics().compute_s >= 0.2
+
+
+def test_paused_time_is_not_compute():
+    import time
+
+    model = tiny_model()
+    strategy = quietsync.make_strategy("zero1", model, torch.optim.SGD, lr=0.1)
+    strategy.backward(loss_fn(strategy.model, micro_batch(0, 0, 0)))
+    with strategy.paused():
+        time.sleep(0.3)  # e.g. evaluation or a checkpoint between micro-batches
+    assert strategy.step()
+    assert strategy.last_step_metrics().compute_s < 0.3

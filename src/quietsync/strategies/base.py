@@ -187,6 +187,20 @@ class Strategy(ABC):
         with nullcontext():
             yield self.model
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the enclosed main-thread time (evaluation, checkpointing, logging) out of ``compute_s``.
+
+        Background communication keeps running; only the accounting of the main thread pauses.
+        """
+        self._check_open()
+        now = time.perf_counter()
+        self._compute_s += now - self._t_mark
+        try:
+            yield
+        finally:
+            self._t_mark = time.perf_counter()
+
     def current_lr(self) -> float:
         """The lr the next committed step uses for the first parameter group."""
         base = self.param_groups[0].get("lr", self.optimizer_kwargs.get("lr", 0.0))

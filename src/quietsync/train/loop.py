@@ -198,7 +198,8 @@ def _train(
 
     def run_eval() -> None:
         t = time.perf_counter()
-        with strategy.committed_params():  # the raw module: no wrapper hooks or collectives in eval
+        # the raw module: no wrapper hooks or collectives in eval; its time is not the next step's compute
+        with strategy.paused(), strategy.committed_params():
             loss = evaluate(strategy.module, held_out, device)
         now = time.perf_counter()
         evals.append(metrics.eval(strategy.steps, loss, tokens_total, now - t, now - t0))
@@ -244,11 +245,8 @@ def _train(
             if last or (cfg.eval_every and strategy.steps % cfg.eval_every == 0):
                 run_eval()
             if cfg.save_every and (strategy.steps % cfg.save_every == 0 or last):
-                save_checkpoint(cfg.out, strategy.steps, rank, {
-                    "strategy": strategy.state_dict(), "data": stream.state_dict(),
-                    "tokens_total": tokens_total, "rng": torch.get_rng_state(),
-                    "config": dataclasses.asdict(cfg),
-                })
+                with strategy.paused():
+                    _save(cfg, strategy, stream, rank, tokens_total)
     finally:
         bar.close()
         metrics.close()
@@ -256,6 +254,14 @@ def _train(
         "wall_s": time.perf_counter() - t0, "setup_s": setup_s, "tokens_total": tokens_total,
         "evals": evals, "micro_batches": strategy.micro_batches, **sums,
     }
+
+
+def _save(cfg: TrainConfig, strategy: Any, stream: Any, rank: int, tokens_total: int) -> None:
+    save_checkpoint(cfg.out, strategy.steps, rank, {
+        "strategy": strategy.state_dict(), "data": stream.state_dict(),
+        "tokens_total": tokens_total, "rng": torch.get_rng_state(),
+        "config": dataclasses.asdict(cfg),
+    })
 
 
 def _gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
