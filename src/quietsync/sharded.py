@@ -50,8 +50,7 @@ class ShardedOptimizer:
 
     def set_lr_scale(self, scale: float) -> None:
         """Set every group's lr to ``base_lr * scale``."""
-        for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-            g["lr"] = base * scale
+        scale_lrs(self.optimizer, self.base_lrs, scale)
 
     def step(self, lr_scale: float = 1.0) -> None:
         """One optimizer step of the master shard with the gradient in :attr:`grad`."""
@@ -75,6 +74,12 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.base_lrs = list(state["base_lrs"])
         # load_state_dict may replace the param-group dicts; the param tensors (views of master) stay.
+
+
+def scale_lrs(optimizer: torch.optim.Optimizer, base_lrs: list[float], scale: float) -> None:
+    """Set each parameter group's lr to its base lr times ``scale`` (how strategies apply ``lr_schedule``)."""
+    for g, base in zip(optimizer.param_groups, base_lrs):
+        g["lr"] = base * scale
 
 
 def build_optimizer(optimizer: Callable[..., torch.optim.Optimizer], groups: list[dict[str, Any]],

@@ -42,7 +42,7 @@ import torch
 
 from ..comm_worker import CommWorker, Job
 from ..flat import parse_dtype
-from ..sharded import build_optimizer
+from ..sharded import build_optimizer, scale_lrs
 from .base import StrategyConfig
 from .zero1 import ShardedBase
 
@@ -150,8 +150,7 @@ class EstimatingOptimizer:
                     dst[k] = copy.deepcopy(v)
             for k in [k for k in dst if k not in src]:
                 del dst[k]
-        for g, base in zip(self.optimizer.param_groups, self.sharded.base_lrs):
-            g["lr"] = base * lr_scale
+        scale_lrs(self.optimizer, self.sharded.base_lrs, lr_scale)
         self.optimizer.step()
         return self.master
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..sharded import build_optimizer
+from ..sharded import build_optimizer, scale_lrs
 from .base import Strategy, StrategyConfig
 from .registry import register
 
@@ -92,9 +92,7 @@ class DDP(Strategy):
             self._set_sync_for_next()
             return False
         t0 = time.perf_counter()
-        scale = self._lr_scale(self.steps)
-        for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-            g["lr"] = base * scale
+        scale_lrs(self.optimizer, self.base_lrs, self._lr_scale(self.steps))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         self._add_compute(time.perf_counter() - t0)

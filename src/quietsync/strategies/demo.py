@@ -28,6 +28,7 @@ import torch
 
 from ..optim import DecoupledAdamW, DecoupledOptimizer, DeMoSGD
 from ..replicators import REPLICATORS, make_replicator
+from ..sharded import scale_lrs
 from .base import Strategy, StrategyConfig
 from .registry import register
 
@@ -170,9 +171,7 @@ class DeMo(DecoupledStrategy):
     def _step(self) -> bool:
         if self._round < self.config.accumulation:
             return False
-        scale = self._lr_scale(self.steps)
-        for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-            g["lr"] = base * scale
+        scale_lrs(self.optimizer, self.base_lrs, self._lr_scale(self.steps))
         self._timed_optimizer_step(self.optimizer.step)
         self.optimizer.zero_grad(set_to_none=True)
         self._round = 0

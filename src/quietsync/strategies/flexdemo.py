@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..sharded import scale_lrs
 from .demo import DecoupledConfig, DecoupledStrategy, build_decoupled_optimizer
 from .registry import register
 
@@ -132,9 +133,7 @@ class FlexDeMo(DecoupledStrategy):
         for p, master, grad in zip(self.params, self.master_views, self.grad_views):
             master.grad = None if p.grad is None else grad
         # 2. the decoupled optimizer on the shard; replication across nodes happens inside
-        scale = self._lr_scale(self.steps)
-        for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-            g["lr"] = base * scale
+        scale_lrs(self.optimizer, self.base_lrs, self._lr_scale(self.steps))
         self._timed_optimizer_step(self.optimizer.step)
         # 3. all-gather the updated shards inside the node into the model's parameters
         with self._idle("all_gather"):
