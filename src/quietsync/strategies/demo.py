@@ -121,6 +121,12 @@ class DecoupledStrategy(Strategy):
     """Shared plumbing of ``demo`` and ``flexdemo``: accumulation, lr schedule, accounting."""
 
     config: DecoupledConfig
+    _round: int
+    """Micro-batches accumulated in the current step (subclasses set it to 0 at construction)."""
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss / self.config.accumulation).backward()
+        self._round += 1
 
     def _timed_optimizer_step(self, fn: Any) -> None:
         """Run ``fn`` (the optimizer step); its collectives' seconds count as idle, the rest as compute."""
@@ -163,10 +169,6 @@ class DeMo(DecoupledStrategy):
                 torch._foreach_copy_(params, [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in params]),
                                                                              params)])
         self._reset_step_accounting()
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        (loss / self.config.accumulation).backward()
-        self._round += 1
 
     def _step(self) -> bool:
         if self._round < self.config.accumulation:

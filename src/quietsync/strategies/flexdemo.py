@@ -119,10 +119,6 @@ class FlexDeMo(DecoupledStrategy):
         self._round = 0
         self._reset_step_accounting()
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        (loss / self.config.accumulation).backward()
-        self._round += 1
-
     def _step(self) -> bool:
         if self._round < self.config.accumulation:
             return False
