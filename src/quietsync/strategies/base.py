@@ -5,9 +5,8 @@ runs. The user loop stays an ordinary PyTorch loop::
 
     strategy = quietsync.make_strategy("zero1", model, torch.optim.AdamW, lr=6e-4, weight_decay=0.1)
     for batch in loader:
-        loss = loss_fn(strategy.model, batch)
-        strategy.backward(loss)            # one micro-batch: accumulate locally
-        if strategy.step():                # a committed optimizer step happened
+        strategy.forward_backward(batch, loss_fn)  # one micro-batch: loss_fn(strategy.model, batch), backward
+        if strategy.step():                        # a committed optimizer step happened
             log(strategy.last_step_metrics())
     with strategy.committed_params():      # evaluation and checkpoints see the real parameters
         evaluate(strategy.model)
@@ -40,6 +39,9 @@ from ..transport import Transport
 
 LRSchedule = Callable[[int], float]
 """``f(committed_steps) -> multiplier`` of each parameter group's base learning rate."""
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+"""``loss_fn(model, batch) -> scalar loss`` of one micro-batch (see :meth:`Strategy.forward_backward`)."""
 
 
 @dataclasses.dataclass
@@ -152,6 +154,18 @@ class Strategy(ABC):
     @property
     def rank(self) -> int:
         return self.transport.topology.rank
+
+    def forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor | None:
+        """Run one micro-batch: ``loss = loss_fn(self.model, batch)``, then :meth:`backward`.
+
+        This is the call a trainer makes per micro-batch. The default is the ordinary forward-then-backward;
+        a strategy that must schedule forward and backward itself (Cyclic DP runs different micro-batches at
+        different stages at once) overrides it. Returns the detached loss of the micro-batch(es) whose
+        backward completed in this call, or None when none did (a strategy filling its pipeline).
+        """
+        loss = loss_fn(self.model, batch)
+        self.backward(loss)
+        return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss and accumulate its gradient locally."""

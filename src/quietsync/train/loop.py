@@ -4,7 +4,7 @@ Per worker: build the topology and transport from the environment, load the corp
 tokenizer, build the GPT-Neo preset (same seed on every worker) and the strategy, then::
 
     while strategy.steps < max_steps:
-        loss = model(batch).loss; strategy.backward(loss)     # (+ --slow-worker sleep)
+        strategy.forward_backward(batch, lm_loss)            # (+ --slow-worker sleep)
         if strategy.step():                                  # a committed step: log, eval, checkpoint
             ...
     with strategy.committed_params(): evaluate
@@ -59,6 +59,11 @@ def _set_threads(cfg: TrainConfig) -> None:
     elif "LOCAL_WORLD_SIZE" in os.environ:
         local_world = max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token loss of one micro-batch of token ids (the trainer's ``loss_fn``)."""
+    return model(input_ids=batch, labels=batch).loss
 
 
 @torch.no_grad()
@@ -215,16 +220,16 @@ def _train(
         while strategy.steps < cfg.max_steps:
             batch = next(stream).to(device, non_blocking=True)
             timer.start()
-            loss = strategy.model(input_ids=batch, labels=batch).loss
-            strategy.backward(loss)
+            loss = strategy.forward_backward(batch, lm_loss)
             timer.stop()
-            losses.append(loss.detach())
+            if loss is not None:
+                losses.append(loss)
             step_tokens += batch.numel()
             tokens_total += batch.numel()
             if not strategy.step():
                 continue
             m = strategy.last_step_metrics()
-            step_loss = float(torch.stack(losses).mean())
+            step_loss = float(torch.stack(losses).mean()) if losses else float("nan")
             record = {
                 "step": m.step, "rank": rank, "loss": step_loss, "lr": m.lr, "tokens": step_tokens,
                 "tokens_total": tokens_total, "micro_batches": m.micro_batches, "compute_s": m.compute_s,
