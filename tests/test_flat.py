@@ -5,6 +5,7 @@ import torch
 
 from quietsync import FlatParams
 from quietsync.sharded import ShardedOptimizer
+from quietsync.strategies.lr import LRScaler
 from tests.strategies.common import param_groups, tiny_model
 
 
@@ -53,7 +54,8 @@ def test_sharded_optimizer_keeps_group_options():
     flat = FlatParams(param_groups(model, weight_decay=0.5), pad_to=4)
     opt = ShardedOptimizer(flat, torch.optim.AdamW, {"lr": 1e-3}, index=3, count=4)
     assert [g["weight_decay"] for g in opt.optimizer.param_groups] == [0.5, 0.0]
-    opt.step(lr_scale=0.5)
+    LRScaler(opt.optimizer).apply(0.5)
+    opt.step()
     assert [g["lr"] for g in opt.optimizer.param_groups] == [5e-4, 5e-4]
 
 

@@ -139,6 +139,14 @@ class FlatParams:
         return all(self.params[i].grad is not None
                    and self.params[i].grad.data_ptr() == base + self.offsets[i] * size for i in ends)
 
+    def require_grads_attached(self, buffer: torch.Tensor) -> None:
+        """Raise if the user replaced the ``p.grad`` views of ``buffer`` (the strategy owns the gradients)."""
+        if not self.grads_attached_to(buffer):
+            raise RuntimeError(
+                "parameter .grad tensors were replaced (e.g. by zero_grad(set_to_none=True)); the strategy "
+                "owns the gradients — do not zero them yourself"
+            )
+
     # ------------------------------------------------------------------ shards
     def shard_bounds(self, index: int, count: int) -> tuple[int, int]:
         """``[lo, hi)`` of shard ``index`` of ``count`` equal shards."""
@@ -186,3 +194,8 @@ def normalize_param_groups(params: Iterable[torch.Tensor] | Iterable[dict[str, A
     if all(isinstance(i, torch.Tensor) for i in items):
         return [{"params": list(items)}]
     raise TypeError("params must be all tensors or all dicts")
+
+
+def nbytes(tensor: torch.Tensor | None) -> int:
+    """Bytes a tensor's elements take (0 for None): the unit of every ``memory_report``."""
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

@@ -9,7 +9,8 @@ parameter buffer. :class:`ShardedOptimizer` holds
   parameter group keeps its options (a group that misses this shard gets an empty view, which keeps the
   group count — and the state-dict layout — the same on every worker).
 
-Learning-rate schedules are applied as a multiplier of each group's base lr before every step.
+Learning rates are set by the caller before :meth:`ShardedOptimizer.step` (strategies hold an
+:class:`~quietsync.strategies.lr.LRScaler` for that).
 """
 
 from __future__ import annotations
@@ -46,15 +47,9 @@ class ShardedOptimizer:
             view.grad = self.grad[a:b]
             groups.append({**layout.options, "params": [view]})
         self.optimizer = build_optimizer(optimizer, groups, optimizer_kwargs)
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
 
-    def set_lr_scale(self, scale: float) -> None:
-        """Set every group's lr to ``base_lr * scale``."""
-        scale_lrs(self.optimizer, self.base_lrs, scale)
-
-    def step(self, lr_scale: float = 1.0) -> None:
-        """One optimizer step of the master shard with the gradient in :attr:`grad`."""
-        self.set_lr_scale(lr_scale)
+    def step(self) -> None:
+        """One optimizer step of the master shard with the gradient in :attr:`grad` (lrs as set by the caller)."""
         self.optimizer.step()
 
     def params_out(self, dtype: torch.dtype) -> torch.Tensor:
@@ -62,7 +57,7 @@ class ShardedOptimizer:
         return self.master if self.master.dtype == dtype else self.master.to(dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"master": self.master.clone(), "optimizer": self.optimizer.state_dict(), "base_lrs": self.base_lrs}
+        return {"master": self.master.clone(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["master"].shape != self.master.shape:
@@ -72,14 +67,7 @@ class ShardedOptimizer:
             )
         self.master.copy_(state["master"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.base_lrs = list(state["base_lrs"])
         # load_state_dict may replace the param-group dicts; the param tensors (views of master) stay.
-
-
-def scale_lrs(optimizer: torch.optim.Optimizer, base_lrs: list[float], scale: float) -> None:
-    """Set each parameter group's lr to its base lr times ``scale`` (how strategies apply ``lr_schedule``)."""
-    for g, base in zip(optimizer.param_groups, base_lrs):
-        g["lr"] = base * scale
 
 
 def build_optimizer(optimizer: Callable[..., torch.optim.Optimizer], groups: list[dict[str, Any]],

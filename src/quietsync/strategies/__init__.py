@@ -1,7 +1,11 @@
 """Strategies: how and when gradients or parameters cross the network, and when the optimizer runs.
 
 One module per strategy; importing this package imports them all, which registers each under its name
-(``quietsync.strategies.available()``).
+(``quietsync.strategies.available()``). The other modules are **parts** that strategies hold, and register
+nothing: ``accounting`` (time and bytes per step), ``lr`` (LR scaling), ``broadcast`` (the initial
+broadcast), ``accumulation`` (fixed accumulation), ``sharded_state`` (flat parameters + ZeRO-1 optimizer
+shard); family parts beside their family: ``overlap`` (acco, dpu, wp), ``decoupled`` (demo, flexdemo). A
+strategy module never imports another strategy module.
 """
 
 from __future__ import annotations
@@ -9,7 +13,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import StepMetrics, Strategy, StrategyConfig
+from .accounting import StepMetrics
+from .base import Strategy, StrategyConfig
 from .registry import available, get, make_strategy, register
 
 _SKIP = {"base", "registry"}

@@ -27,91 +27,113 @@ computation when the link allows; memory is ZeRO-1's plus one communication buff
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._overlap import OverlapBase, OverlapConfig
+from .base import Strategy
+from .overlap import Overlap, OverlapConfig
 from .registry import register
+from .sharded_state import ShardedState
 
 STAGES = ("init", "stage1", "stage2")
 
 
 @dataclass
 class ACCOConfig(OverlapConfig):
-    """Knobs of ``acco`` (accumulation per stage; see :class:`~quietsync.strategies._overlap.OverlapConfig`)."""
+    """Knobs of ``acco`` (accumulation per stage; see :class:`~quietsync.strategies.overlap.OverlapConfig`)."""
 
 
 @register("acco", ACCOConfig)
-class ACCO(OverlapBase):
+class ACCO(Strategy):
     """ACCO on the flat sharded substrate; see the module docstring."""
 
     config: ACCOConfig
-    uses_estimate = True
-    keeps_snapshot = True
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
+        sharded = ShardedState(self.param_groups, optimizer, self.optimizer_kwargs, self.transport, "world",
+                               self.config.reduce_dtype)
+        self.overlap = self.hold("overlap", Overlap(
+            sharded, self.config, self.accounting, name="acco", estimate=True, snapshot=True,
+            optimizer=optimizer, optimizer_kwargs=self.optimizer_kwargs))
+        self.flat, self.shard = sharded.flat, sharded.shard
         self.stage = "init"
         """``init`` (computing g̃⁽⁰⁾ at θ⁽⁰⁾), ``stage1`` (computing g at θ) or ``stage2`` (g̃ at θ̃)."""
-        self.tilde_sum = torch.zeros_like(self.sharded.grad)  # shard of Σᵢg̃ᵢ⁽ᵗ⁾, kept from stage 1 to stage 2
+        self.tilde_sum = torch.zeros_like(self.shard.grad)  # shard of Σᵢg̃ᵢ⁽ᵗ⁾, kept from stage 1 to stage 2
         self._tilde_count = 0.0  # ΣᵢÑᵢ⁽ᵗ⁾
+        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
 
     # ------------------------------------------------------------------ main thread
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.overlap.backward(loss)
+
     def _step(self) -> bool:
-        self.worker.check()
+        o = self.overlap
+        o.worker.check()
         if self.stage == "init":
-            if self._stage_count < self.blocking_count:
+            if not o.blocking_stage_full():
                 return False
-            count = self._hand_over(install=False)
-            self._submit(self._estimate_job, count, self.steps)
+            count = o.hand_over(install=False)
+            o.submit(self._estimate_job, count, self.steps)
             self.stage = "stage1"
             return False
-        if not self._stage_ready():
+        if not o.stage_ready():
             return False
         if self.stage == "stage1":
-            self._wait("acco/estimate")
-            count = self._hand_over(install=True)  # P ← θ̃⁽ᵗ⁺¹⁾, B ← gᵢ⁽ᵗ⁾
-            self._holds_committed = False
-            self._submit(self._commit_job, count, self.steps)
+            o.wait("acco/estimate")
+            count = o.hand_over(install=True)  # P ← θ̃⁽ᵗ⁺¹⁾, B ← gᵢ⁽ᵗ⁾
+            o.holds_committed = False
+            o.submit(self._commit_job, count, self.steps)
             self.stage = "stage2"
             return False
-        self._wait("acco/commit")
-        count = self._hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾, B ← g̃ᵢ⁽ᵗ⁺¹⁾
-        self._holds_committed = True
-        self._commit_step()
-        self._submit(self._estimate_job, count, self.steps)
+        o.wait("acco/commit")
+        count = o.hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾, B ← g̃ᵢ⁽ᵗ⁺¹⁾
+        o.holds_committed = True
+        self._commit(*o.step_record())
+        o.submit(self._estimate_job, count, self.steps)
         self.stage = "stage1"
         return True
 
     # ------------------------------------------------------------------ communication worker
     def _estimate_job(self, local_count: int, step: int) -> dict[str, Any]:
         """Stage 1: θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg̃/ΣÑ) on the shard (state not committed), all-gathered into B."""
-        counts, total = self._reduce(local_count, "acco_tilde")
-        self.tilde_sum.copy_(self.sharded.grad)
+        counts, total = self.overlap.reduce(local_count, "acco_tilde")
+        self.tilde_sum.copy_(self.shard.grad)
         self._tilde_count = total
-        self.sharded.grad.div_(total)
-        estimate = self.estimator.estimate(self._lr_scale(step))
-        self._gather(estimate, "acco_estimate")
+        self.shard.grad.div_(total)
+        estimate = self.overlap.estimator.estimate(self._lr_scale(step))
+        self.overlap.gather(estimate, "acco_estimate")
         return {"kind": "estimate", "counts": counts}
 
     def _commit_job(self, local_count: int, step: int) -> dict[str, Any]:
         """Stage 2: θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, (Σg + Σg̃)/(ΣN + ΣÑ)), committed, all-gathered into B."""
-        counts, total = self._reduce(local_count, "acco_grad")
-        self.sharded.grad.add_(self.tilde_sum).div_(total + self._tilde_count)
-        self._commit_shard(step)
-        self._gather(self.sharded.master, "acco_params")
+        counts, total = self.overlap.reduce(local_count, "acco_grad")
+        self.shard.grad.add_(self.tilde_sum).div_(total + self._tilde_count)
+        self.overlap.commit_shard(self._lr_scale(step))
+        self.overlap.gather(self.shard.master, "acco_params")
         return {"kind": "commit", "counts": counts}
 
-    # ------------------------------------------------------------------ bookkeeping
-    def _extra_memory(self) -> dict[str, int]:
+    # ------------------------------------------------------------------ contract
+    @contextmanager
+    def committed_params(self) -> Iterator[torch.nn.Module]:
+        """θ, not θ̃: free right after a committed step; during stage 2 all-gathered (all workers enter)."""
+        with self.overlap.committed_params(self.model, self.steps) as model:
+            yield model
+
+    def _position(self) -> dict[str, int]:
+        return {"stage": STAGES.index(self.stage), "hand_overs": self.overlap.hand_overs}
+
+    def _memory(self) -> dict[str, int]:
         return {"tilde_grad_shard": self.tilde_sum.numel() * self.tilde_sum.element_size()}
 
-    def _algo_state(self) -> dict[str, Any]:
+    def _state(self) -> dict[str, Any]:
         return {"stage": self.stage, "tilde_sum": self.tilde_sum.clone(), "tilde_count": self._tilde_count}
 
-    def _load_algo_state(self, state: dict[str, Any]) -> None:
+    def _load_state(self, state: dict[str, Any]) -> None:
         if state["stage"] not in STAGES:
             raise ValueError(f"checkpoint stage must be one of {STAGES}, got {state['stage']!r}")
         self.stage = state["stage"]

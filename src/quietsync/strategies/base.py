@@ -15,11 +15,21 @@ runs. The user loop stays an ordinary PyTorch loop::
 Gradient convention: the gradient a step applies is the **sum over micro-batches of the per-micro-batch
 loss gradients, divided by the global micro-batch count**, so workers that contributed more weigh more.
 
-Subclasses implement :meth:`_backward`, :meth:`_step`, and optionally :meth:`_state`/:meth:`_load_state`,
-:meth:`committed_params` and :meth:`_close`. Time and bytes are accounted here: ``compute_s`` is the main
-thread's time between strategy calls plus inside ``backward`` (forward, backward, data loading), ``idle_s``
-the time it spent blocked on communication (subclasses wrap such waits in :meth:`_idle`), ``comm_s`` the
-seconds collectives took (on any thread), bytes from the transport's meter.
+Subclasses implement :meth:`_backward` and :meth:`_step`, and optionally :meth:`_state`/:meth:`_load_state`,
+:meth:`_position`, :meth:`committed_params`, :meth:`forward_backward` and :meth:`_close`. What several
+strategies share is not inherited but **held**: small parts (the sharded flat state, the overlap machinery,
+an LR scaler, an accumulator) registered with :meth:`hold` are checkpointed, reported in
+:meth:`memory_report` and closed with the strategy. Time and bytes are accounted by the
+:class:`~quietsync.strategies.accounting.StepAccounting` every strategy holds as ``self.accounting``:
+``compute_s`` is the main thread's time between strategy calls plus inside ``backward`` (forward, backward,
+data loading), ``idle_s`` the time it spent blocked on communication (strategies wrap such waits in
+``self.accounting.idle(...)``), ``comm_s`` the seconds collectives took (on any thread), bytes from the
+transport's meter.
+
+Checkpoints: :meth:`state_dict` records the worker's :meth:`position` (committed steps and the strategy's
+stage counters); :meth:`load_state_dict` compares it across workers and refuses, on every worker, a
+checkpoint whose files were saved at different positions. Take checkpoints at the same position on every
+worker — right after ``step()`` returned True on all of them, as the trainer does.
 """
 
 from __future__ import annotations
@@ -28,49 +38,22 @@ import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from typing import Any, ClassVar
+from contextlib import contextmanager
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from ..events import diff_snapshots
 from ..flat import normalize_param_groups
 from ..transport import Transport
+from .accounting import StepAccounting, StepMetrics
 
 LRSchedule = Callable[[int], float]
 """``f(committed_steps) -> multiplier`` of each parameter group's base learning rate."""
 
+P = TypeVar("P")
+
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(model, batch) -> scalar loss`` of one micro-batch (see :meth:`Strategy.forward_backward`)."""
-
-
-@dataclasses.dataclass
-class StepMetrics:
-    """What one committed step cost on this worker."""
-
-    step: int
-    """Committed steps so far, this one included."""
-    micro_batches: int
-    """Micro-batches this worker computed for this step."""
-    compute_s: float
-    """Main-thread seconds spent computing (forward, backward, data, optimizer on the main thread)."""
-    comm_s: float
-    """Seconds this worker's collectives took (on any thread, emulated link time included)."""
-    idle_s: float
-    """Main-thread seconds spent blocked on communication."""
-    bytes_sent: int
-    """Bytes this worker sent during the step (all groups)."""
-    bytes_recv: int
-    """Bytes this worker received during the step (all groups)."""
-    bytes_by_group: dict[str, dict[str, int]]
-    """``{group: {"sent": ..., "recv": ...}}``."""
-    lr: float = 0.0
-    """Learning rate of the first parameter group at this step."""
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Strategy-specific numbers (e.g. ACCO's micro-batches per worker)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -137,9 +120,11 @@ class Strategy(ABC):
         """Committed optimizer steps."""
         self.micro_batches = 0
         """Micro-batches this worker has computed in total."""
+        self.accounting = StepAccounting(self.transport)
+        """Time and bytes of the current step (see :mod:`~quietsync.strategies.accounting`)."""
+        self._parts: dict[str, Any] = {}
         self._closed = False
         self._last_metrics: StepMetrics | None = None
-        self._reset_step_accounting()
 
     # ------------------------------------------------------------------ the contract
     @property
@@ -173,22 +158,16 @@ class Strategy(ABC):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("loss must be a scalar tensor")
         self._backward(loss)
-        now = time.perf_counter()
-        self._compute_s += now - self._t_mark
-        self.transport.recorder.add("compute", "micro_batch", self._t_mark, now)
-        self._t_mark = now
+        self.accounting.micro_batch_done()
         self.micro_batches += 1
-        self._step_micro_batches += 1
 
     def step(self) -> bool:
         """Called after every :meth:`backward`; returns True when a committed optimizer step happened."""
         self._check_open()
         # Main-thread time since the last strategy call (e.g. a simulated slow worker's sleep) is compute.
-        now = time.perf_counter()
-        self._compute_s += now - self._t_mark
-        self._t_mark = now
+        self.accounting.lap()
         committed = self._step()
-        self._t_mark = time.perf_counter()
+        self.accounting.mark = time.perf_counter()
         return committed
 
     def last_step_metrics(self) -> StepMetrics | None:
@@ -198,8 +177,7 @@ class Strategy(ABC):
     @contextmanager
     def committed_params(self) -> Iterator[torch.nn.Module]:
         """Within this context ``self.model`` holds the committed parameters θ (not an estimate)."""
-        with nullcontext():
-            yield self.model
+        yield self.model
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -208,38 +186,73 @@ class Strategy(ABC):
         Background communication keeps running; only the accounting of the main thread pauses.
         """
         self._check_open()
-        now = time.perf_counter()
-        self._compute_s += now - self._t_mark
+        self.accounting.lap()
         try:
             yield
         finally:
-            self._t_mark = time.perf_counter()
+            self.accounting.mark = time.perf_counter()
 
     def current_lr(self) -> float:
         """The lr the next committed step uses for the first parameter group."""
-        base = self.param_groups[0].get("lr", self.optimizer_kwargs.get("lr", 0.0))
-        return float(base) * self._lr_scale(self.steps)
+        return self._base_lr() * self._lr_scale(self.steps)
+
+    def position(self) -> dict[str, int]:
+        """Where this worker is in the algorithm: committed steps plus the strategy's own stage counters.
+
+        Workers of one job must save checkpoints at the same position (e.g. right after ``step()`` returned
+        True on all of them); :meth:`load_state_dict` checks that across workers.
+        """
+        return {"steps": self.steps, **self._position()}
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of every buffer this worker holds for the strategy (parameters, gradients, optimizer state,
+        communication buffers), one entry each."""
+        report: dict[str, int] = {}
+        for part in self._parts.values():
+            if hasattr(part, "memory_report"):
+                report.update(part.memory_report())
+        report.update(self._memory())
+        return report
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume this worker exactly (model, optimizer shard, pending buffers)."""
+        """Everything needed to resume this worker exactly (model, optimizer shard, pending buffers).
+
+        Held parts save first, in reverse order of holding (a part holding background work quiesces it before
+        the parts it builds on are read), then the strategy's own :meth:`_state`.
+        """
+        parts = {name: self._parts[name].state_dict() for name in reversed(self._parts)
+                 if hasattr(self._parts[name], "state_dict")}
         return {
             "strategy": self.name,
             "world_size": self.world_size,
             "steps": self.steps,
             "micro_batches": self.micro_batches,
+            "position": self.position(),
             "config": dataclasses.asdict(self.config),
+            "parts": parts,
             "state": self._state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`. Every worker of the job must call it (it checks, with one collective
+        over ``world``, that all workers saved at the same :meth:`position`); a rejected checkpoint raises on
+        every worker, never hangs the others."""
+        problem = None
         if state.get("strategy") != self.name:
-            raise ValueError(f"checkpoint is for strategy {state.get('strategy')!r}, not {self.name!r}")
-        if state.get("world_size") != self.world_size:
-            raise ValueError(
-                f"checkpoint was saved with world size {state.get('world_size')}, this run has {self.world_size}"
-            )
+            problem = f"checkpoint is for strategy {state.get('strategy')!r}, not {self.name!r}"
+        elif state.get("world_size") != self.world_size:
+            problem = (f"checkpoint was saved with world size {state.get('world_size')}, "
+                       f"this run has {self.world_size}")
+        elif set(state.get("position", {})) != set(self.position()):
+            problem = (f"checkpoint position {state.get('position')} does not have this strategy's counters "
+                       f"{sorted(self.position())}")
+        position = state.get("position", {}) if problem is None else {}
+        check_positions_agree(self.transport, self.position(), position, problem)
         self.steps = int(state["steps"])
         self.micro_batches = int(state["micro_batches"])
+        for name, part in self._parts.items():
+            if hasattr(part, "load_state_dict"):
+                part.load_state_dict(state["parts"][name])
         self._load_state(state["state"])
 
     def close(self) -> None:
@@ -249,6 +262,9 @@ class Strategy(ABC):
         self._closed = True
         try:
             self._close()
+            for part in reversed(list(self._parts.values())):
+                if hasattr(part, "close"):
+                    part.close()
         finally:
             if self._owns_transport:
                 self.transport.close()
@@ -266,11 +282,26 @@ class Strategy(ABC):
     @abstractmethod
     def _step(self) -> bool: ...
 
+    def hold(self, name: str, part: P) -> P:
+        """Hold ``part`` (a component with any of ``state_dict``/``load_state_dict``, ``memory_report``,
+        ``close``): it is checkpointed under ``name``, reported and closed with the strategy. Returns it."""
+        if name in self._parts:
+            raise ValueError(f"part {name!r} is held twice")
+        self._parts[name] = part
+        return part
+
     def _state(self) -> dict[str, Any]:
         return {}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         pass
+
+    def _position(self) -> dict[str, int]:
+        """The strategy's own position counters (stage, phase, micro-batches of an open round, ...)."""
+        return {}
+
+    def _memory(self) -> dict[str, int]:
+        return {}
 
     def _close(self) -> None:
         pass
@@ -278,51 +309,15 @@ class Strategy(ABC):
     def _lr_scale(self, step: int) -> float:
         return 1.0 if self.lr_schedule is None else float(self.lr_schedule(step))
 
-    @contextmanager
-    def _idle(self, name: str = "wait") -> Iterator[None]:
-        """Account the enclosed time as the main thread blocked on communication."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            t1 = time.perf_counter()
-            self._idle_s += t1 - t0
-            self._excluded_s += t1 - t0
-            self.transport.recorder.add("idle", name, t0, t1)
-
-    def _add_compute(self, seconds: float) -> None:
-        """Count main-thread work done inside :meth:`step` (e.g. a local optimizer step) as compute."""
-        self._compute_s += seconds
+    def _base_lr(self) -> float:
+        return float(self.param_groups[0].get("lr", self.optimizer_kwargs.get("lr", 0.0)))
 
     def _commit(self, extra: dict[str, Any] | None = None, micro_batches: int | None = None) -> StepMetrics:
         """Record a committed step: bump the counter and close this step's accounting."""
         self.steps += 1
-        snap = self.transport.meter.snapshot()
-        delta = diff_snapshots(snap, self._meter_mark)
-        by_group = {g: {"sent": int(v["sent"]), "recv": int(v["recv"])} for g, v in delta.items()}
-        self._last_metrics = StepMetrics(
-            step=self.steps,
-            micro_batches=self._step_micro_batches if micro_batches is None else micro_batches,
-            compute_s=self._compute_s,
-            comm_s=float(sum(v.get("seconds", 0.0) for v in delta.values())),
-            idle_s=self._idle_s,
-            bytes_sent=sum(v["sent"] for v in by_group.values()),
-            bytes_recv=sum(v["recv"] for v in by_group.values()),
-            bytes_by_group=by_group,
-            lr=float(self.param_groups[0].get("lr", self.optimizer_kwargs.get("lr", 0.0)))
-            * self._lr_scale(self.steps - 1),
-            extra=dict(extra or {}),
-        )
-        self._reset_step_accounting(snap)
+        self._last_metrics = self.accounting.close_step(
+            self.steps, self._base_lr() * self._lr_scale(self.steps - 1), extra, micro_batches)
         return self._last_metrics
-
-    def _reset_step_accounting(self, snap: dict[str, dict[str, float]] | None = None) -> None:
-        self._meter_mark = snap if snap is not None else self.transport.meter.snapshot()
-        self._compute_s = 0.0
-        self._idle_s = 0.0
-        self._excluded_s = 0.0
-        self._step_micro_batches = 0
-        self._t_mark = time.perf_counter()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -339,3 +334,33 @@ class Strategy(ABC):
                 if id(p) not in owned:
                     raise ValueError(f"param_groups[{i}] holds a tensor that is not a parameter of model")
         return groups
+
+
+def check_positions_agree(transport: Transport, keys: dict[str, int], position: dict[str, Any],
+                          problem: str | None) -> None:
+    """Check across ``world`` that every worker loads a checkpoint taken at the same position.
+
+    ``keys`` fixes the counters' order; ``problem`` is this worker's own reason to reject its checkpoint
+    (then it sends a flag instead of a position). Every worker learns every other's verdict from one
+    all-gather, so all raise together.
+    """
+    names = sorted(keys)
+    mine = torch.tensor([0 if problem else 1] + [int(position.get(k, -1)) for k in names], dtype=torch.int64,
+                        device=transport.device)
+    n = transport.group_size("world")
+    every = torch.empty(n * mine.numel(), dtype=torch.int64, device=transport.device)
+    transport.all_gather(every, mine, "world", name="all_gather/checkpoint_position")
+    rows = every.view(n, -1).tolist()
+    if problem:
+        raise ValueError(problem)
+    rejected = [r for r, row in enumerate(rows) if row[0] == 0]
+    if rejected:
+        raise ValueError(f"the checkpoint of worker(s) {rejected} was rejected there (see their error)")
+    positions = [dict(zip(names, row[1:])) for row in rows]
+    if any(p != positions[0] for p in positions):
+        described = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in p.items())
+                              for r, p in enumerate(positions))
+        raise ValueError(
+            "workers saved this checkpoint at different positions, so resuming would continue a wrong "
+            f"trajectory ({described}). Take checkpoints at the same position on every worker: right after "
+            "step() returned True on all of them, as `quietsync train` does.")

@@ -22,47 +22,52 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..sharded import build_optimizer, scale_lrs
-from .base import Strategy, StrategyConfig
+from ..sharded import build_optimizer
+from ..validate import check_float
+from .accumulation import AccumulationConfig, Accumulator
+from .base import Strategy
 from .registry import register
+from .lr import LRScaler
 
 
 @dataclass
-class DDPConfig(StrategyConfig):
+class DDPConfig(AccumulationConfig):
     """Knobs of the ``ddp`` strategy."""
 
-    accumulation: int = 1
-    """Micro-batches per step on each worker (gradient accumulation)."""
     bucket_cap_mb: float = 25.0
     """Size of DDP's gradient buckets (MB): smaller buckets start communicating earlier."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.accumulation, int) or self.accumulation < 1:
-            raise ValueError(f"accumulation must be an integer >= 1, got {self.accumulation!r}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        super().__post_init__()
+        check_float("bucket_cap_mb", self.bucket_cap_mb, 0, low_open=True)
 
 
 @register("ddp", DDPConfig)
 class DDP(Strategy):
-    """torch DDP + local gradient accumulation; see the module docstring."""
+    """torch DDP + local gradient accumulation; see the module docstring.
+
+    ``group`` is the group DDP averages over: ``world`` (default), or ``shard`` when another strategy
+    (hierarchical DiLoCo) runs DDP inside each node.
+    """
 
     config: DDPConfig
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, *, group: str = "world",
+                 **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
+        self.group = group
         self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self._round = 0
+        self.lr = self.hold("lr", LRScaler(self.optimizer))
+        self.round = self.hold("round", Accumulator(self.config.accumulation))
         self._ddp: DistributedDataParallel | None = None
-        if self.world_size > 1:
-            pg = self.transport.process_group("world")
+        if self.transport.group_size(group) > 1:
+            pg = self.transport.process_group(group)
             device_ids = [self.transport.device.index] if self.transport.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(
                 model, process_group=pg, device_ids=device_ids, bucket_cap_mb=self.config.bucket_cap_mb,
                 gradient_as_bucket_view=True,
             )
-            self._ddp.register_comm_hook(None, self.transport.ddp_comm_hook("world"))
+            self._ddp.register_comm_hook(None, self.transport.ddp_comm_hook(group))
         self._set_sync_for_next()
 
     @property
@@ -71,46 +76,43 @@ class DDP(Strategy):
 
     def _set_sync_for_next(self) -> None:
         if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = self._round == self.config.accumulation - 1
+            self._ddp.require_backward_grad_sync = self.round.next_is_last
 
     def _backward(self, loss: torch.Tensor) -> None:
-        last = self._round == self.config.accumulation - 1
+        last = self.round.next_is_last
         t0 = time.perf_counter()
         (loss / self.config.accumulation).backward()
         if last and self._ddp is not None:
             t1 = time.perf_counter()
             issued = [s.t0 for s in self.transport.recorder.spans("comm", since=t0) if s.name == "ddp_bucket"]
-            if issued:
-                idle = max(0.0, t1 - max(issued))
-                self._idle_s += idle
-                self._compute_s -= idle  # backward() adds the whole interval as compute
-                self.transport.recorder.add("idle", "ddp_wait", t1 - idle, t1)
-        self._round += 1
+            if issued:  # backward() counts the whole interval as compute; the tail after the last bucket is idle
+                self.accounting.move_to_idle(max(0.0, t1 - max(issued)), t1, "ddp_wait")
+        self.round.add()
 
     def _step(self) -> bool:
-        if self._round < self.config.accumulation:
+        if not self.round.full:
             self._set_sync_for_next()
             return False
         t0 = time.perf_counter()
-        scale_lrs(self.optimizer, self.base_lrs, self._lr_scale(self.steps))
+        self.lr.apply(self._lr_scale(self.steps))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
-        self._add_compute(time.perf_counter() - t0)
-        self._round = 0
+        self.accounting.add_compute(time.perf_counter() - t0)
+        self.round.reset()
         self._commit()
         self._set_sync_for_next()
         return True
 
+    def _position(self) -> dict[str, int]:
+        return {"round": self.round.count}
+
     def _state(self) -> dict[str, Any]:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "base_lrs": self.base_lrs, "round": self._round,
                 "grads": [None if p.grad is None else p.grad.clone() for p in self.module.parameters()]}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.base_lrs = list(state["base_lrs"])
-        self._round = int(state["round"])
         with torch.no_grad():
             for p, g in zip(self.module.parameters(), state["grads"]):
                 if g is not None:

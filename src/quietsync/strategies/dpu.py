@@ -13,7 +13,7 @@ computed at the current θ, so the first delayed-mode update is not stale.
 
 ``step()`` returns True each time an update is collected and the new θ installed; the model always holds
 the committed θ (``committed_params()`` is free). Accumulation per stage: see
-:class:`~quietsync.strategies._overlap.OverlapConfig`.
+:class:`~quietsync.strategies.overlap.OverlapConfig`.
 """
 
 from __future__ import annotations
@@ -23,85 +23,47 @@ from typing import Any
 
 import torch
 
-from ._overlap import OverlapBase, OverlapConfig, _check_int
+from .base import Strategy
+from .overlap import PHASES, DelayedConfig, DelayedPipeline, Overlap
 from .registry import register
+from .sharded_state import ShardedState
 
 
 @dataclass
-class DPUConfig(OverlapConfig):
-    """Knobs of ``dpu``."""
-
-    sync_warmup_steps: int = 0
-    """Non-delayed (blocking ZeRO-1) steps before the delayed updates start; 0 = none."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
-
-
-class DelayedBase(OverlapBase):
-    """DPU, and WP when :attr:`predict` is set: one overlapped sharded update per round."""
-
-    config: DPUConfig
-    predict = False
-    """Compute the next round's gradients at θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, same gradient) (WP) instead of θ⁽ᵗ⁺¹⁾."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
-        super().__init__(model, optimizer, **kwargs)
-        self.phase = "warmup" if self.config.sync_warmup_steps > 0 else "fill"
-        """``warmup`` (blocking steps), ``fill`` (first overlapped stage, nothing in flight) or ``overlap``."""
-
-    def _step(self) -> bool:
-        self.worker.check()
-        if self.phase == "warmup":
-            if self._stage_count < self.blocking_count:
-                return False
-            count = self._hand_over(install=False)
-            self._submit(self._update_job, count, self.steps, False)
-            self._wait("sync_update")
-            self._install()
-            self._holds_committed = True
-            self._commit_step()
-            if self.steps >= self.config.sync_warmup_steps:
-                self.phase = "fill"
-            return True
-        if self.phase == "fill":
-            if self._stage_count < self.blocking_count:
-                return False
-            count = self._hand_over(install=False)
-            self._submit(self._update_job, count, self.steps, self.predict)
-            self.phase = "overlap"
-            return False
-        if not self._stage_ready():
-            return False
-        self._wait("delayed_update")
-        count = self._hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾ (WP: θ̃⁽ᵗ⁺¹⁾), B ← gradients computed at the old P
-        self._holds_committed = not self.predict
-        self._commit_step()
-        self._submit(self._update_job, count, self.steps, self.predict)
-        return True
-
-    def _update_job(self, local_count: int, step: int, predict: bool) -> dict[str, Any]:
-        """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg/ΣN) committed; B ← θ⁽ᵗ⁺¹⁾, or with ``predict`` the uncommitted
-        θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, Σg/ΣN) (WP's second step with the same gradient)."""
-        counts, total = self._reduce(local_count, "grads")
-        self.sharded.grad.div_(total)
-        self._commit_shard(step)
-        if predict:
-            self._gather(self.estimator.estimate(self._lr_scale(step + 1)), "wp_prediction")
-        else:
-            self._gather(self.sharded.master, "params")
-        return {"kind": "update", "counts": counts}
-
-    def _algo_state(self) -> dict[str, Any]:
-        return {"phase": self.phase}
-
-    def _load_algo_state(self, state: dict[str, Any]) -> None:
-        if state["phase"] not in ("warmup", "fill", "overlap"):
-            raise ValueError(f"checkpoint phase must be warmup, fill or overlap, got {state['phase']!r}")
-        self.phase = state["phase"]
+class DPUConfig(DelayedConfig):
+    """Knobs of ``dpu`` (see :class:`~quietsync.strategies.overlap.DelayedConfig`)."""
 
 
 @register("dpu", DPUConfig)
-class DPU(DelayedBase):
+class DPU(Strategy):
     """Delayed Parameter Update; see the module docstring."""
+
+    config: DPUConfig
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
+        super().__init__(model, optimizer, **kwargs)
+        sharded = ShardedState(self.param_groups, optimizer, self.optimizer_kwargs, self.transport, "world",
+                               self.config.reduce_dtype)
+        self.overlap = self.hold("overlap", Overlap(sharded, self.config, self.accounting, name="dpu",
+                                                    estimate=False, snapshot=False))
+        self.pipeline = self.hold("pipeline", DelayedPipeline(self.overlap, self.config.sync_warmup_steps,
+                                                              predicts=False))
+        self.flat, self.shard = sharded.flat, sharded.shard
+        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.overlap.backward(loss)
+
+    def _step(self) -> bool:
+        return self.pipeline.step(self._update_job, self.steps, lambda: self._commit(*self.overlap.step_record()))
+
+    def _update_job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
+        """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg/ΣN), committed and all-gathered into B (the same job, overlapped or not)."""
+        counts, total = self.overlap.reduce(local_count, "grads")
+        self.shard.grad.div_(total)
+        self.overlap.commit_shard(self._lr_scale(step))
+        self.overlap.gather(self.shard.master, "params")
+        return {"kind": "update", "counts": counts}
+
+    def _position(self) -> dict[str, int]:
+        return {"phase": PHASES.index(self.pipeline.phase), "hand_overs": self.overlap.hand_overs}

@@ -35,8 +35,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..sharded import scale_lrs
-from .demo import DecoupledConfig, DecoupledStrategy, build_decoupled_optimizer
+from ..flat import nbytes
+from .accumulation import Accumulator
+from .base import Strategy
+from .broadcast import broadcast_parameters
+from .decoupled import DecoupledConfig, GradsCheckpoint, build_decoupled_optimizer
+from .lr import LRScaler
 from .registry import register
 
 
@@ -90,20 +94,17 @@ class DimZeroShards:
 
 
 @register("flexdemo", DecoupledConfig)
-class FlexDeMo(DecoupledStrategy):
+class FlexDeMo(Strategy):
     """Hybrid-sharded decoupled momentum; see the module docstring."""
+
+    config: DecoupledConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
         self.params = [p for g in self.param_groups for p in g["params"]]
         self.n = self.transport.group_size("shard")
         self.index = self.transport.group_rank("shard")
-        if self.world_size > 1:  # replicas start identical: rank 0's parameters win
-            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-            self.transport.broadcast(flat, src=0, group="world", name="init_params")
-            with torch.no_grad():
-                for p, t in zip(self.params, flat.split([p.numel() for p in self.params])):
-                    p.copy_(t.view_as(p))
+        broadcast_parameters(self.transport, self.params, "world")
         self.shards = DimZeroShards([p.shape for p in self.params], self.n)
         packed = self.shards.pack(list(self.params), torch.float32)
         self.master = packed.view(self.n, -1)[self.index].clone()
@@ -113,49 +114,52 @@ class FlexDeMo(DecoupledStrategy):
         owner = {id(p): v for p, v in zip(self.params, self.master_views)}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [owner[id(p)] for p in g["params"]]}
                   for g in self.param_groups]
-        self.optimizer = build_decoupled_optimizer(
-            self.config, self.optimizer_factory, groups, self.optimizer_kwargs, self.transport, "replicate")
-        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self._round = 0
-        self._reset_step_accounting()
+        self.optimizer = self.hold("optimizer", build_decoupled_optimizer(
+            self.config, self.optimizer_factory, groups, self.optimizer_kwargs, self.transport, "replicate"))
+        self.lr = self.hold("lr", LRScaler(self.optimizer))
+        self.round = self.hold("round", Accumulator(self.config.accumulation))
+        self.hold("grads", GradsCheckpoint(list(model.parameters())))
+        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss / self.config.accumulation).backward()
+        self.round.add()
 
     def _step(self) -> bool:
-        if self._round < self.config.accumulation:
+        if not self.round.full:
             return False
         # 1. reduce-scatter inside the node: this worker's shard of the node-averaged gradient
-        with self._idle("reduce_scatter"):
+        with self.accounting.idle("reduce_scatter"):
             packed = self.shards.pack([p.grad for p in self.params], torch.float32)
             self.transport.reduce_scatter(self.grad, packed, "shard", op="avg", name="reduce_scatter/grads")
         for p, master, grad in zip(self.params, self.master_views, self.grad_views):
             master.grad = None if p.grad is None else grad
         # 2. the decoupled optimizer on the shard; replication across nodes happens inside
-        scale_lrs(self.optimizer, self.base_lrs, self._lr_scale(self.steps))
-        self._timed_optimizer_step(self.optimizer.step)
+        self.lr.apply(self._lr_scale(self.steps))
+        self.accounting.timed(self.optimizer.step, "replicate")
         # 3. all-gather the updated shards inside the node into the model's parameters
-        with self._idle("all_gather"):
+        with self.accounting.idle("all_gather"):
             gathered = self.master.new_empty(self.n * self.master.numel())
             self.transport.all_gather(gathered, self.master, "shard", name="all_gather/params")
             with torch.no_grad():
                 self.shards.unpack_into(gathered, self.params)
         for p in self.params:
             p.grad = None
-        self._round = 0
+        self.round.reset()
         self._commit(extra={"replicated": self.optimizer.last_replicated})
         return True
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of the sharded state this worker holds (master shard, grad shard, optimizer state)."""
-        def size(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
+    def _position(self) -> dict[str, int]:
+        return {"round": self.round.count}
 
-        opt_state = sum(size(v) for st in self.optimizer.state.values() for v in st.values()
+    def _memory(self) -> dict[str, int]:
+        """Bytes of the sharded state this worker holds (master shard, grad shard, optimizer state)."""
+        opt_state = sum(nbytes(v) for st in self.optimizer.state.values() for v in st.values()
                         if isinstance(v, torch.Tensor) and v.dim() > 0)
-        return {"master_shard": size(self.master), "grad_shard": size(self.grad), "optimizer_state": opt_state}
+        return {"master_shard": nbytes(self.master), "grad_shard": nbytes(self.grad), "optimizer_state": opt_state}
 
     def _state(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict(), "master": self.master.clone(),
-                "optimizer": self.optimizer.state_dict(), "base_lrs": list(self.base_lrs),
-                "round": self._round, "grads": self._grads_state()}
+        return {"model": self.module.state_dict(), "master": self.master.clone()}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         if state["master"].shape != self.master.shape:
@@ -163,7 +167,3 @@ class FlexDeMo(DecoupledStrategy):
         self.module.load_state_dict(state["model"])
         with torch.no_grad():
             self.master.copy_(state["master"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.base_lrs = list(state["base_lrs"])
-        self._round = int(state["round"])
-        self._load_grads(state["grads"])

@@ -16,22 +16,65 @@ worker must enter it at the same committed step (the trainer does, right after `
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from .dpu import DelayedBase, DPUConfig
+import torch
+
+from .base import Strategy
+from .overlap import PHASES, DelayedConfig, DelayedPipeline, Overlap
 from .registry import register
+from .sharded_state import ShardedState
 
 
 @dataclass
-class WPConfig(DPUConfig):
-    """Knobs of ``wp`` (same as ``dpu``)."""
+class WPConfig(DelayedConfig):
+    """Knobs of ``wp`` (see :class:`~quietsync.strategies.overlap.DelayedConfig`)."""
 
 
 @register("wp", WPConfig)
-class WP(DelayedBase):
+class WP(Strategy):
     """Weight prediction; see the module docstring."""
 
     config: WPConfig
-    predict = True
-    uses_estimate = True
-    keeps_snapshot = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
+        super().__init__(model, optimizer, **kwargs)
+        sharded = ShardedState(self.param_groups, optimizer, self.optimizer_kwargs, self.transport, "world",
+                               self.config.reduce_dtype)
+        self.overlap = self.hold("overlap", Overlap(
+            sharded, self.config, self.accounting, name="wp", estimate=True, snapshot=True,
+            optimizer=optimizer, optimizer_kwargs=self.optimizer_kwargs))
+        self.pipeline = self.hold("pipeline", DelayedPipeline(self.overlap, self.config.sync_warmup_steps,
+                                                              predicts=True))
+        self.flat, self.shard = sharded.flat, sharded.shard
+        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.overlap.backward(loss)
+
+    def _step(self) -> bool:
+        return self.pipeline.step(self._predict_job, self.steps, lambda: self._commit(*self.overlap.step_record()))
+
+    def _predict_job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
+        """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁾) committed; B ← the prediction θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, ḡ⁽ᵗ⁾), a second step
+        with the same gradient on the scratch state (uncommitted) — or θ⁽ᵗ⁺¹⁾ itself in a blocking warm-up step."""
+        counts, total = self.overlap.reduce(local_count, "grads")
+        self.shard.grad.div_(total)
+        self.overlap.commit_shard(self._lr_scale(step))
+        if overlapped:
+            self.overlap.gather(self.overlap.estimator.estimate(self._lr_scale(step + 1)), "wp_prediction")
+        else:
+            self.overlap.gather(self.shard.master, "params")
+        return {"kind": "update", "counts": counts}
+
+    @contextmanager
+    def committed_params(self) -> Iterator[torch.nn.Module]:
+        """θ, all-gathered from the master shards (or their snapshot): every worker must enter it."""
+        with self.overlap.committed_params(self.model, self.steps) as model:
+            yield model
+
+    def _position(self) -> dict[str, int]:
+        return {"phase": PHASES.index(self.pipeline.phase), "hand_overs": self.overlap.hand_overs}
