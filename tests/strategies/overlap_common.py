@@ -72,7 +72,7 @@ def run_deterministic(rank: int, world: int, name: str, opt: str, steps: int, ex
     train(strategy, rank, steps)
     with strategy.committed_params() as model:
         theta = flat_params(model)
-    out = {"theta": theta, "history": list(strategy.stage_history), "steps": strategy.steps,
+    out = {"theta": theta, "history": list(strategy.overlap.stage_history), "steps": strategy.steps,
            "micro_batches": strategy.micro_batches}
     strategy.close()
     return out

@@ -60,7 +60,7 @@ def test_world_of_one_every_step_and_estimate_never_commits_state():
         commits += committed
         if strategy.stage == "stage1":
             # the estimate job of this round is in flight: let it finish, then look at the real state
-            strategy._drain()
+            strategy.overlap._drain()
             state = [s for s in strategy.optimizer.state.values() if s]
             if commits == 0:
                 assert state == []  # even the very first estimate left the optimizer state empty
@@ -91,7 +91,7 @@ def _overlap(rank: int, world: int, name: str) -> dict:
     train(strategy, rank, 5, base_s=0.002)
     rec = transport.recorder
     out = {
-        "history": list(getattr(strategy, "stage_history", [])),
+        "history": list(getattr(getattr(strategy, "overlap", None), "stage_history", [])),
         "compute": [(s.t0, s.t1) for s in rec.spans("compute") if s.name == "micro_batch"],
         "comm": [(s.t0, s.t1, s.name) for s in rec.spans("comm")],
         "idle": [(s.t0, s.t1, s.name) for s in rec.spans("idle")],
@@ -128,7 +128,7 @@ def _slow_worker(rank: int, world: int, steps: int) -> dict:
     transport = Transport(Topology.from_env(), links={"inter": LinkModel(bandwidth=1e9, latency=0.010)})
     strategy = make("acco", "adamw", {}, transport=transport)
     train(strategy, rank, steps, base_s=0.004, sleep_factor=4.0 if rank == world - 1 else 1.0)
-    out = {"theta": flat_params(strategy.module), "history": list(strategy.stage_history),
+    out = {"theta": flat_params(strategy.module), "history": list(strategy.overlap.stage_history),
            "metrics": strategy.last_step_metrics().to_dict()}
     strategy.close()
     transport.close()
@@ -177,7 +177,7 @@ def _peer_fails(rank: int, world: int) -> int:
     if rank == 1:
         def broken(*args, **kwargs):
             raise RuntimeError("rank 1 lost its link")
-        strategy.estimator.estimate = broken
+        strategy.overlap.estimator.estimate = broken
     try:
         train(strategy, rank, 5)
     finally:
@@ -222,12 +222,17 @@ def test_state_dict_holds_stage_buffers_and_shard_state():
     strategy = make("acco", "adamw", {"deterministic_accumulation": 2})
     train(strategy, 0, 2, stop_after=7)
     sd = strategy.state_dict()
-    st = sd["state"]
+    st, overlap = sd["state"], sd["parts"]["overlap"]
     assert sd["strategy"] == "acco" and sd["steps"] == strategy.steps
-    assert st["stage"] in ("stage1", "stage2") and st["pending_job"] is not None
-    for key in ("params", "grads", "comm_buf", "tilde_sum", "sharded", "stage_count", "tilde_count"):
+    assert sd["position"] == {"steps": strategy.steps, "stage": 1 + (st["stage"] == "stage2"),
+                              "hand_overs": overlap["hand_overs"]}
+    assert st["stage"] in ("stage1", "stage2") and overlap["pending_job"] is not None
+    for key in ("tilde_sum", "tilde_count"):
         assert key in st
-    assert st["sharded"]["optimizer"]["state"]  # AdamW moments of the shard
+    for key in ("grads", "comm_buf", "sharded", "stage_count", "hand_overs"):
+        assert key in overlap
+    assert overlap["sharded"]["params"].numel() == strategy.flat.padded_numel
+    assert overlap["sharded"]["shard"]["optimizer"]["state"]  # AdamW moments of the shard
     strategy.close()
     other = make("dpu", "adamw", {})
     with pytest.raises(ValueError, match="checkpoint is for strategy 'acco'"):
@@ -283,7 +288,7 @@ def test_acco_on_cuda_side_stream_equals_reference():
                                        param_groups=param_groups(model, WEIGHT_DECAY),
                                        config={"deterministic_accumulation": 1}, lr_schedule=lr_schedule,
                                        **ADAMW)
-    assert strategy.worker.stream is not None
+    assert strategy.overlap.worker.stream is not None
     index = 0
     while strategy.steps < 4:
         x, y = batch(0, index)

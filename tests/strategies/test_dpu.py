@@ -55,7 +55,7 @@ def test_world_of_one_every_step_and_warmup_is_not_delayed():
             with strategy.committed_params() as model:  # DPU's model always holds θ: nothing to gather
                 assert model is strategy.model
                 torch.testing.assert_close(flat_params(model), theta, rtol=0, atol=0)
-            assert strategy.phase == ("warmup" if commits < warmup else "fill" if commits == warmup else "overlap")
+            assert strategy.pipeline.phase == ("warmup" if commits < warmup else "fill" if commits == warmup else "overlap")
     # warm-up: 1 micro-batch per step; then the pipeline fill holds one more before the first delayed commit
     assert index == warmup + 1 + (5 - warmup)
     strategy.close()
@@ -66,7 +66,7 @@ def _overlap(rank: int, world: int) -> dict:
     strategy = make("dpu", "adamw", {"sync_warmup_steps": 1}, transport=transport)
     train(strategy, rank, 5, base_s=0.002)
     rec = transport.recorder
-    out = {"history": list(strategy.stage_history),
+    out = {"history": list(strategy.overlap.stage_history),
            "idle": [s.name for s in rec.spans("idle")],
            "inside": sum(1 for c in rec.spans("compute") if c.name == "micro_batch"
                          for m in rec.spans("comm") if m.t0 <= c.t0 and c.t1 <= m.t1)}

@@ -52,7 +52,7 @@ def test_world_of_one_prediction_in_the_model_committed_params_gives_theta():
         if commits + 1 < len(expected.compute_params):
             torch.testing.assert_close(prediction, flat(expected.compute_params[commits + 1]), rtol=RTOL,
                                        atol=ATOL)
-        strategy._drain()
+        strategy.overlap._drain()
         assert {int(s["step"]) for s in strategy.optimizer.state.values() if s} == {commits + 1}
     strategy.close()
 

@@ -60,7 +60,7 @@ class ACCO(Strategy):
         self.overlap = self.hold("overlap", Overlap(
             sharded, self.config, self.accounting, name="acco", estimate=True, snapshot=True,
             optimizer=optimizer, optimizer_kwargs=self.optimizer_kwargs))
-        self.flat, self.shard = sharded.flat, sharded.shard
+        self.flat, self.shard, self.optimizer = sharded.flat, sharded.shard, sharded.optimizer
         self.stage = "init"
         """``init`` (computing g̃⁽⁰⁾ at θ⁽⁰⁾), ``stage1`` (computing g at θ) or ``stage2`` (g̃ at θ̃)."""
         self.tilde_sum = torch.zeros_like(self.shard.grad)  # shard of Σᵢg̃ᵢ⁽ᵗ⁾, kept from stage 1 to stage 2

@@ -48,7 +48,7 @@ class DPU(Strategy):
                                                     estimate=False, snapshot=False))
         self.pipeline = self.hold("pipeline", DelayedPipeline(self.overlap, self.config.sync_warmup_steps,
                                                               predicts=False))
-        self.flat, self.shard = sharded.flat, sharded.shard
+        self.flat, self.shard, self.optimizer = sharded.flat, sharded.shard, sharded.optimizer
         self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
 
     def _backward(self, loss: torch.Tensor) -> None:

@@ -1,0 +1,171 @@
+"""The strategy contract: forward_backward is the trainer's one call; a checkpoint taken at different positions
+on different workers is refused on every worker (never resumed onto a wrong trajectory); the house is built
+from parts, not ladders (no strategy module imports another, no class more than two levels below Strategy)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import quietsync
+from quietsync.strategies import Strategy, available, get
+from tests.distributed import run_ranks
+from tests.strategies.common import flat_params, loss_fn, micro_batch, tiny_model
+from tests.strategies.overlap_common import batch, make
+
+STRATEGIES_DIR = Path(quietsync.strategies.__file__).parent
+
+
+# ---------------------------------------------------------------------------------------------- forward_backward
+def test_forward_backward_is_loss_fn_then_backward():
+    a, b = tiny_model(), tiny_model()
+    sa = quietsync.make_strategy("zero1", a, torch.optim.SGD, lr=0.1)
+    sb = quietsync.make_strategy("zero1", b, torch.optim.SGD, lr=0.1)
+    data = micro_batch(0, 0, 0)
+    loss = sa.forward_backward(data, loss_fn)
+    sb.backward(loss_fn(sb.model, data))
+    assert not loss.requires_grad and loss.item() == pytest.approx(loss_fn(b, data).item())
+    assert sa.micro_batches == sb.micro_batches == 1
+    assert sa.step() and sb.step()
+    assert torch.equal(flat_params(a), flat_params(b))
+    sa.close()
+    sb.close()
+
+
+def test_forward_backward_calls_the_strategy_model():
+    seen = []
+    strategy = quietsync.make_strategy("ddp", tiny_model(), torch.optim.SGD, lr=0.1)
+
+    def fn(model, data):
+        seen.append(model)
+        return loss_fn(model, data)
+
+    strategy.forward_backward(micro_batch(0, 0, 0), fn)
+    assert seen == [strategy.model]
+    strategy.close()
+
+
+# ---------------------------------------------------------------------------------------------- positions
+def _acco_saves(rank: int, world: int, which: tuple[str, str]) -> dict:
+    """Run acco (one micro-batch per stage) and keep two checkpoints taken in step on both workers: right
+    after commit 1 (stage 1) and one micro-batch later (stage 2). Then fresh strategies load ``which[rank]``."""
+    strategy = make("acco", "adamw", {"deterministic_accumulation": 1})
+    saved = {}
+    for index in range(4):
+        strategy.backward(loss_fn(strategy.model, batch(rank, index)))
+        strategy.step()
+        if index == 2:
+            saved["commit"] = strategy.state_dict()
+        if index == 3:
+            saved["stage2"] = strategy.state_dict()
+    strategy.close()
+    assert saved["commit"]["steps"] == saved["stage2"]["steps"] == 1
+    fresh = make("acco", "adamw", {"deterministic_accumulation": 1})
+    try:
+        fresh.load_state_dict(saved[which[rank]])
+        out = {"ok": fresh.position()}
+    except ValueError as exc:
+        out = {"error": str(exc)}
+    fresh.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_saved_at_different_stages_is_refused_on_every_worker():
+    results = run_ranks(_acco_saves, 2, ("commit", "stage2"))
+    for out in results:
+        assert "error" in out, out
+        assert "different positions" in out["error"]
+        assert "rank 0: hand_overs=3, stage=1, steps=1" in out["error"]
+        assert "rank 1: hand_overs=4, stage=2, steps=1" in out["error"]
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_saved_at_the_same_stage_loads():
+    results = run_ranks(_acco_saves, 2, ("stage2", "stage2"))
+    assert results[0] == results[1] == {"ok": {"steps": 1, "stage": 2, "hand_overs": 4}}
+
+
+def _zero1_saves(rank: int, world: int, which: tuple[int, int]) -> dict:
+    """zero1 with accumulation 2: checkpoints after micro-batch 2 (round 0) and 3 (round 1) on both workers."""
+    model = tiny_model()
+    strategy = quietsync.make_strategy("zero1", model, torch.optim.SGD, config={"accumulation": 2}, lr=0.1)
+    saved = []
+    for index in range(3):
+        strategy.forward_backward(micro_batch(0, rank, index), loss_fn)
+        strategy.step()
+        if index >= 1:
+            saved.append(strategy.state_dict())
+    strategy.close()
+    fresh = quietsync.make_strategy("zero1", tiny_model(), torch.optim.SGD, config={"accumulation": 2}, lr=0.1)
+    try:
+        fresh.load_state_dict(saved[which[rank]])
+        out = {"ok": fresh.position()}
+    except ValueError as exc:
+        out = {"error": str(exc)}
+    fresh.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_zero1_checkpoint_of_different_rounds_is_refused():
+    results = run_ranks(_zero1_saves, 2, (0, 1))
+    assert all("round=0" in r["error"] and "round=1" in r["error"] for r in results), results
+    assert run_ranks(_zero1_saves, 2, (1, 1)) == [{"ok": {"steps": 1, "round": 1}}] * 2
+
+
+def _one_rejects(rank: int, world: int) -> str:
+    strategy = quietsync.make_strategy("zero1", tiny_model(), torch.optim.SGD, lr=0.1)
+    sd = strategy.state_dict()
+    if rank == 1:
+        sd["strategy"] = "acco"
+    try:
+        strategy.load_state_dict(sd)
+        return "loaded"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        strategy.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_rejected_on_one_worker_fails_on_all_without_hanging():
+    r0, r1 = run_ranks(_one_rejects, 2)
+    assert "worker(s) [1] was rejected" in r0
+    assert "checkpoint is for strategy 'acco'" in r1
+
+
+# ---------------------------------------------------------------------------------------------- parts, not ladders
+def _strategy_modules() -> set[str]:
+    return {get(name)[0].__module__.rsplit(".", 1)[1] for name in available()}
+
+
+def test_no_strategy_module_imports_another_strategy_module():
+    strategy_modules = _strategy_modules()
+    assert {"acco", "dpu", "wp", "zero1", "ddp", "demo", "flexdemo"} <= strategy_modules
+    offenders = []
+    for name in sorted(strategy_modules):
+        tree = ast.parse((STRATEGIES_DIR / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported = (node.module or "").split(".")[0]
+                targets = [imported] if imported else [a.name for a in node.names]
+                offenders += [f"{name} imports {t}" for t in targets if t in strategy_modules and t != name]
+    assert not offenders
+
+
+def test_no_strategy_is_more_than_two_levels_below_strategy():
+    for name in available():
+        cls = get(name)[0]
+        depth = cls.__mro__.index(Strategy)
+        assert depth <= 2, f"{name}: {[c.__name__ for c in cls.__mro__[:depth + 1]]}"
+
+
+def test_parts_register_no_strategy():
+    for part in ("accounting", "lr", "broadcast", "accumulation", "sharded_state", "overlap", "decoupled"):
+        module = importlib.import_module(f"quietsync.strategies.{part}")
+        assert part not in _strategy_modules(), module
