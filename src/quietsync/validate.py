@@ -11,22 +11,31 @@ from collections.abc import Iterable
 from typing import Any
 
 
+def _interval(low: float | None, high: float | None, low_open: bool = False, high_open: bool = False) -> str:
+    """``"in [a, b]"``, ``">= a"``, ``"<= b"`` or ``""`` for the bounds given."""
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return ""
+
+
+def _inside(value: float, low: float | None, high: float | None, low_open: bool = False,
+            high_open: bool = False) -> bool:
+    above = low is None or (value > low if low_open else value >= low)
+    below = high is None or (value < high if high_open else value <= high)
+    return above and below
+
+
 def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None, *,
               allow_none: bool = False) -> None:
     """``value`` is an integer in ``[minimum, maximum]`` (either bound optional), or None if allowed."""
     if value is None and allow_none:
         return
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    ok = ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
-    if not ok:
-        if minimum is not None and maximum is not None:
-            want = f"an integer in [{minimum}, {maximum}]"
-        elif minimum is not None:
-            want = f"an integer >= {minimum}"
-        elif maximum is not None:
-            want = f"an integer <= {maximum}"
-        else:
-            want = "an integer"
+    if not (isinstance(value, int) and not isinstance(value, bool) and _inside(value, minimum, maximum)):
+        want = " ".join(w for w in ("an integer", _interval(minimum, maximum)) if w)
         raise ValueError(f"{name} must be {want}{' or None' if allow_none else ''}, got {value!r}")
 
 
@@ -36,19 +45,8 @@ def check_float(name: str, value: Any, low: float | None = None, high: float | N
     if value is None and allow_none:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if not ok:
-        if low is not None and high is not None:
-            want = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        elif low is not None:
-            want = f"{'>' if low_open else '>='} {low:g}"
-        elif high is not None:
-            want = f"{'<' if high_open else '<='} {high:g}"
-        else:
-            want = "a finite number"
+    if not (ok and _inside(value, low, high, low_open, high_open)):
+        want = _interval(low, high, low_open, high_open) or "a finite number"
         raise ValueError(f"{name} must be {want}{' or None' if allow_none else ''}, got {value!r}")
 
 

@@ -231,7 +231,7 @@ def test_state_dict_holds_stage_buffers_and_shard_state():
         assert key in st
     for key in ("grads", "comm_buf", "sharded", "stage_count", "hand_overs"):
         assert key in overlap
-    assert overlap["sharded"]["params"].numel() == strategy.flat.padded_numel
+    assert overlap["sharded"]["params"].numel() == strategy.overlap.sharded.flat.padded_numel
     assert overlap["sharded"]["shard"]["optimizer"]["state"]  # AdamW moments of the shard
     strategy.close()
     other = make("dpu", "adamw", {})
@@ -244,7 +244,7 @@ def test_memory_report_lists_every_buffer():
     strategy = make("acco", "adamw", {"deterministic_accumulation": 1})
     train(strategy, 0, 2)
     mem = strategy.memory_report()
-    psi = strategy.flat.padded_numel * 4
+    psi = strategy.overlap.sharded.flat.padded_numel * 4
     assert mem["params"] == mem["grads"] == mem["comm_buffer"] == psi
     assert mem["master_shard"] == mem["grad_shard"] == mem["tilde_grad_shard"] == mem["committed_snapshot"] == psi
     assert mem["optimizer_state"] >= 2 * psi  # exp_avg, exp_avg_sq (+ step)

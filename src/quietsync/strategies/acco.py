@@ -37,7 +37,6 @@ import torch
 from .base import Strategy
 from .overlap import Overlap, OverlapConfig
 from .registry import register
-from .sharded_state import ShardedState
 
 STAGES = ("init", "stage1", "stage2")
 
@@ -55,17 +54,12 @@ class ACCO(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
-        sharded = ShardedState(self.param_groups, optimizer, self.optimizer_kwargs, self.transport, "world",
-                               self.config.reduce_dtype)
-        self.overlap = self.hold("overlap", Overlap(
-            sharded, self.config, self.accounting, name="acco", estimate=True, snapshot=True,
-            optimizer=optimizer, optimizer_kwargs=self.optimizer_kwargs))
-        self.flat, self.shard, self.optimizer = sharded.flat, sharded.shard, sharded.optimizer
+        self.overlap = self.hold("overlap", Overlap.for_strategy(self, estimate=True, snapshot=True))
+        self.shard, self.optimizer = self.overlap.sharded.shard, self.overlap.sharded.optimizer
         self.stage = "init"
         """``init`` (computing g̃⁽⁰⁾ at θ⁽⁰⁾), ``stage1`` (computing g at θ) or ``stage2`` (g̃ at θ̃)."""
         self.tilde_sum = torch.zeros_like(self.shard.grad)  # shard of Σᵢg̃ᵢ⁽ᵗ⁾, kept from stage 1 to stage 2
         self._tilde_count = 0.0  # ΣᵢÑᵢ⁽ᵗ⁾
-        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
 
     # ------------------------------------------------------------------ main thread
     def _backward(self, loss: torch.Tensor) -> None:

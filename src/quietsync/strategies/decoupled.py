@@ -4,8 +4,8 @@
   transfer dtype, momentum decay, periodic replication, accumulation);
 * :func:`build_decoupled_optimizer` — the decoupled optimizer (DeMo-SGD or decoupled AdamW) with its
   replicator, from a config and the user's optimizer choice;
-* :class:`GradsCheckpoint` — the per-parameter ``.grad`` tensors of an open accumulation round, saved and
-  restored (both strategies let autograd accumulate into ordinary ``p.grad``).
+* :class:`DecoupledRound` — the round both run: accumulation into ordinary ``p.grad``, the optimizer step at
+  the scheduled lr with replication time counted as idle, and the checkpoint of all of it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from ..optim import DecoupledAdamW, DecoupledOptimizer, DeMoSGD
 from ..replicators import REPLICATORS, make_replicator
 from ..transport import Transport
 from ..validate import check_choice, check_float, check_int
-from .accumulation import AccumulationConfig
+from .accounting import StepAccounting
+from .accumulation import AccumulationConfig, Accumulator
+from .lr import LRScaler
 
 _TRANSFER = ("fp32", "bf16", "fp16")
 _BASES = ("sgd", "adamw", "auto")
@@ -97,16 +99,49 @@ def build_decoupled_optimizer(
                group=group, replicate_every=config.replicate_every, skip_every=config.skip_every, **opt_kwargs)
 
 
-class GradsCheckpoint:
-    """Saves and restores the ``.grad`` of ``params`` (None stays None): an open round's accumulation."""
+class DecoupledRound:
+    """One round of a decoupled strategy (a part): ``accumulation`` micro-batches accumulate into the model's
+    ``p.grad``, then the decoupled optimizer steps at the scheduled lr, its replication's collective time
+    counted as idle. Checkpoints hold the optimizer (momenta, counters), the base lrs, the round's count and
+    its open ``p.grad`` accumulation.
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    Args:
+        optimizer: the decoupled optimizer (:func:`build_decoupled_optimizer`).
+        accumulation: micro-batches per round.
+        params: the model parameters autograd accumulates into.
+    """
+
+    def __init__(self, optimizer: DecoupledOptimizer, accumulation: int, params: list[torch.nn.Parameter]) -> None:
+        self.optimizer = optimizer
+        self.lr = LRScaler(optimizer)
+        self.accumulator = Accumulator(accumulation)
         self.params = params
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch: its share ``loss / accumulation`` of the round's mean gradient."""
+        (loss / self.accumulator.size).backward()
+        self.accumulator.add()
+
+    @property
+    def full(self) -> bool:
+        return self.accumulator.full
+
+    def optimizer_step(self, lr_scale: float, accounting: StepAccounting) -> dict[str, Any]:
+        """The decoupled optimizer's step (replication inside); closes the round; returns the step's extras."""
+        self.lr.apply(lr_scale)
+        accounting.timed(self.optimizer.step, "replicate")
+        self.accumulator.reset()
+        return {"replicated": self.optimizer.last_replicated}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"grads": [None if p.grad is None else p.grad.clone() for p in self.params]}
+        return {"optimizer": self.optimizer.state_dict(), "lr": self.lr.state_dict(),
+                "round": self.accumulator.state_dict(),
+                "grads": [None if p.grad is None else p.grad.clone() for p in self.params]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr.load_state_dict(state["lr"])
+        self.accumulator.load_state_dict(state["round"])
         with torch.no_grad():
             for p, g in zip(self.params, state["grads"]):
                 p.grad = None if g is None else g.clone()

@@ -23,11 +23,9 @@ from typing import Any
 
 import torch
 
-from .accumulation import Accumulator
 from .base import Strategy
 from .broadcast import broadcast_parameters
-from .decoupled import DecoupledConfig, GradsCheckpoint, build_decoupled_optimizer
-from .lr import LRScaler
+from .decoupled import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 from .registry import register
 
 
@@ -39,30 +37,26 @@ class DeMo(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
-        self.optimizer = self.hold("optimizer", build_decoupled_optimizer(
-            self.config, self.optimizer_factory, self.param_groups, self.optimizer_kwargs, self.transport, "world"))
-        self.lr = self.hold("lr", LRScaler(self.optimizer))
-        self.round = self.hold("round", Accumulator(self.config.accumulation))
-        self.hold("grads", GradsCheckpoint(list(model.parameters())))
+        self.optimizer = build_decoupled_optimizer(
+            self.config, self.optimizer_factory, self.param_groups, self.optimizer_kwargs, self.transport, "world")
+        self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation,
+                                                       list(model.parameters())))
         broadcast_parameters(self.transport, list(model.parameters()), "world")
         self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
 
     def _backward(self, loss: torch.Tensor) -> None:
-        (loss / self.config.accumulation).backward()
-        self.round.add()
+        self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:
             return False
-        self.lr.apply(self._lr_scale(self.steps))
-        self.accounting.timed(self.optimizer.step, "replicate")
+        extra = self.round.optimizer_step(self._lr_scale(self.steps), self.accounting)
         self.optimizer.zero_grad(set_to_none=True)
-        self.round.reset()
-        self._commit(extra={"replicated": self.optimizer.last_replicated})
+        self._commit(extra=extra)
         return True
 
     def _position(self) -> dict[str, int]:
-        return {"round": self.round.count}
+        return {"round": self.round.accumulator.count}
 
     def _state(self) -> dict[str, Any]:
         return {"model": self.module.state_dict()}

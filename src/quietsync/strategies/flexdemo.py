@@ -36,11 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from ..flat import nbytes
-from .accumulation import Accumulator
 from .base import Strategy
 from .broadcast import broadcast_parameters
-from .decoupled import DecoupledConfig, GradsCheckpoint, build_decoupled_optimizer
-from .lr import LRScaler
+from .decoupled import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 from .registry import register
 
 
@@ -114,16 +112,14 @@ class FlexDeMo(Strategy):
         owner = {id(p): v for p, v in zip(self.params, self.master_views)}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [owner[id(p)] for p in g["params"]]}
                   for g in self.param_groups]
-        self.optimizer = self.hold("optimizer", build_decoupled_optimizer(
-            self.config, self.optimizer_factory, groups, self.optimizer_kwargs, self.transport, "replicate"))
-        self.lr = self.hold("lr", LRScaler(self.optimizer))
-        self.round = self.hold("round", Accumulator(self.config.accumulation))
-        self.hold("grads", GradsCheckpoint(list(model.parameters())))
+        self.optimizer = build_decoupled_optimizer(
+            self.config, self.optimizer_factory, groups, self.optimizer_kwargs, self.transport, "replicate")
+        self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation,
+                                                       list(model.parameters())))
         self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
 
     def _backward(self, loss: torch.Tensor) -> None:
-        (loss / self.config.accumulation).backward()
-        self.round.add()
+        self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:
@@ -135,8 +131,7 @@ class FlexDeMo(Strategy):
         for p, master, grad in zip(self.params, self.master_views, self.grad_views):
             master.grad = None if p.grad is None else grad
         # 2. the decoupled optimizer on the shard; replication across nodes happens inside
-        self.lr.apply(self._lr_scale(self.steps))
-        self.accounting.timed(self.optimizer.step, "replicate")
+        extra = self.round.optimizer_step(self._lr_scale(self.steps), self.accounting)
         # 3. all-gather the updated shards inside the node into the model's parameters
         with self.accounting.idle("all_gather"):
             gathered = self.master.new_empty(self.n * self.master.numel())
@@ -145,12 +140,11 @@ class FlexDeMo(Strategy):
                 self.shards.unpack_into(gathered, self.params)
         for p in self.params:
             p.grad = None
-        self.round.reset()
-        self._commit(extra={"replicated": self.optimizer.last_replicated})
+        self._commit(extra=extra)
         return True
 
     def _position(self) -> dict[str, int]:
-        return {"round": self.round.count}
+        return {"round": self.round.accumulator.count}
 
     def _memory(self) -> dict[str, int]:
         """Bytes of the sharded state this worker holds (master shard, grad shard, optimizer state)."""

@@ -50,7 +50,7 @@ from ..flat import nbytes, parse_dtype
 from ..sharded import ShardedOptimizer, build_optimizer
 from ..validate import check_int
 from .accounting import StepAccounting
-from .base import StrategyConfig
+from .base import Strategy, StrategyConfig
 from .lr import LRScaler
 from .sharded_state import ShardedState
 
@@ -208,6 +208,21 @@ class Overlap:
         """Per-worker micro-batch counts of each stage whose gradients were communicated, in order (the
         latest ``HISTORY``)."""
         self._pending_counts: list[list[int]] = []  # counts of stages consumed since the last commit
+
+    @classmethod
+    def for_strategy(cls, strategy: Strategy, *, estimate: bool, snapshot: bool) -> Overlap:
+        """The machinery of ``strategy`` over ``world``: its sharded state (rank 0's parameters broadcast) and
+        buffers, built from the strategy's parameter groups, optimizer and config; the broadcast is set-up
+        traffic, so the strategy's step accounting restarts after it."""
+        config = strategy.config
+        assert isinstance(config, OverlapConfig)
+        sharded = ShardedState(strategy.param_groups, strategy.optimizer_factory, strategy.optimizer_kwargs,
+                               strategy.transport, "world", config.reduce_dtype)
+        overlap = cls(sharded, config, strategy.accounting, name=strategy.name, estimate=estimate,
+                      snapshot=snapshot, optimizer=strategy.optimizer_factory,
+                      optimizer_kwargs=strategy.optimizer_kwargs)
+        strategy.accounting.reset()
+        return overlap
 
     # ------------------------------------------------------------------ main thread
     def backward(self, loss: torch.Tensor) -> None:

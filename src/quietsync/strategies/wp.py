@@ -26,7 +26,6 @@ import torch
 from .base import Strategy
 from .overlap import PHASES, DelayedConfig, DelayedPipeline, Overlap
 from .registry import register
-from .sharded_state import ShardedState
 
 
 @dataclass
@@ -42,15 +41,10 @@ class WP(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
-        sharded = ShardedState(self.param_groups, optimizer, self.optimizer_kwargs, self.transport, "world",
-                               self.config.reduce_dtype)
-        self.overlap = self.hold("overlap", Overlap(
-            sharded, self.config, self.accounting, name="wp", estimate=True, snapshot=True,
-            optimizer=optimizer, optimizer_kwargs=self.optimizer_kwargs))
+        self.overlap = self.hold("overlap", Overlap.for_strategy(self, estimate=True, snapshot=True))
         self.pipeline = self.hold("pipeline", DelayedPipeline(self.overlap, self.config.sync_warmup_steps,
                                                               predicts=True))
-        self.flat, self.shard, self.optimizer = sharded.flat, sharded.shard, sharded.optimizer
-        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
+        self.shard, self.optimizer = self.overlap.sharded.shard, self.overlap.sharded.optimizer
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.overlap.backward(loss)
