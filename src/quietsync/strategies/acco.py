@@ -54,7 +54,8 @@ class ACCO(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
-        self.overlap = self.hold("overlap", Overlap.for_strategy(self, estimate=True, snapshot=True))
+        self.overlap = self.hold("overlap", Overlap.for_strategy(self, estimate=True, snapshot=True),
+                                 takes_micro_batches=True)
         self.shard, self.optimizer = self.overlap.sharded.shard, self.overlap.sharded.optimizer
         self.stage = "init"
         """``init`` (computing g̃⁽⁰⁾ at θ⁽⁰⁾), ``stage1`` (computing g at θ) or ``stage2`` (g̃ at θ̃)."""
@@ -62,18 +63,11 @@ class ACCO(Strategy):
         self._tilde_count = 0.0  # ΣᵢÑᵢ⁽ᵗ⁾
 
     # ------------------------------------------------------------------ main thread
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.overlap.backward(loss)
-
     def _step(self) -> bool:
         o = self.overlap
-        o.worker.check()
-        if self.stage == "init":
-            if not o.blocking_stage_full():
-                return False
-            count = o.hand_over(install=False)
-            o.submit(self._estimate_job, count, self.steps)
-            self.stage = "stage1"
+        if self.stage == "init":  # g̃⁽⁰⁾ at θ⁽⁰⁾, nothing to overlap with yet
+            if o.start(self._estimate_job, self.steps):
+                self.stage = "stage1"
             return False
         if not o.stage_ready():
             return False
@@ -119,7 +113,7 @@ class ACCO(Strategy):
             yield model
 
     def _position(self) -> dict[str, int]:
-        return {"stage": STAGES.index(self.stage), "hand_overs": self.overlap.hand_overs}
+        return {"stage": STAGES.index(self.stage)}
 
     def _memory(self) -> dict[str, int]:
         return {"tilde_grad_shard": self.tilde_sum.numel() * self.tilde_sum.element_size()}

@@ -48,6 +48,9 @@ class Accumulator:
     def reset(self) -> None:
         self.count = 0
 
+    def position(self) -> dict[str, int]:
+        return {"round": self.count}
+
     def state_dict(self) -> dict[str, Any]:
         return {"count": self.count}
 

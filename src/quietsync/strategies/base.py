@@ -15,7 +15,7 @@ runs. The user loop stays an ordinary PyTorch loop::
 Gradient convention: the gradient a step applies is the **sum over micro-batches of the per-micro-batch
 loss gradients, divided by the global micro-batch count**, so workers that contributed more weigh more.
 
-Subclasses implement :meth:`_backward` and :meth:`_step`, and optionally :meth:`_state`/:meth:`_load_state`,
+Subclasses implement :meth:`_step`, and optionally :meth:`_backward`, :meth:`_state`/:meth:`_load_state`,
 :meth:`_position`, :meth:`committed_params`, :meth:`forward_backward` and :meth:`_close`. What several
 strategies share is not inherited but **held**: small parts (the sharded flat state, the overlap machinery,
 an LR scaler, an accumulator) registered with :meth:`hold` are checkpointed, reported in
@@ -123,6 +123,7 @@ class Strategy(ABC):
         self.accounting = StepAccounting(self.transport)
         """Time and bytes of the current step (see :mod:`~quietsync.strategies.accounting`)."""
         self._parts: dict[str, Any] = {}
+        self._micro_batch_part: Any = None
         self._closed = False
         self._last_metrics: StepMetrics | None = None
 
@@ -202,17 +203,12 @@ class Strategy(ABC):
         Workers of one job must save checkpoints at the same position (e.g. right after ``step()`` returned
         True on all of them); :meth:`load_state_dict` checks that across workers.
         """
-        return {"steps": self.steps, **self._position()}
+        return {"steps": self.steps, **self._from_parts("position"), **self._position()}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of every buffer this worker holds for the strategy (parameters, gradients, optimizer state,
         communication buffers), one entry each."""
-        report: dict[str, int] = {}
-        for part in self._parts.values():
-            if hasattr(part, "memory_report"):
-                report.update(part.memory_report())
-        report.update(self._memory())
-        return report
+        return {**self._from_parts("memory_report"), **self._memory()}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this worker exactly (model, optimizer shard, pending buffers).
@@ -276,18 +272,37 @@ class Strategy(ABC):
         self.close()
 
     # ------------------------------------------------------------------ for subclasses
-    @abstractmethod
-    def _backward(self, loss: torch.Tensor) -> None: ...
+    def _backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch's backward: by the part that takes micro-batches, else plain autograd."""
+        if self._micro_batch_part is not None:
+            self._micro_batch_part.backward(loss)
+        else:
+            loss.backward()
 
     @abstractmethod
     def _step(self) -> bool: ...
 
-    def hold(self, name: str, part: P) -> P:
+    def _from_parts(self, method: str) -> dict[str, Any]:
+        """The merged dicts ``part.<method>()`` of the held parts that have it, in holding order."""
+        merged: dict[str, Any] = {}
+        for part in self._parts.values():
+            if hasattr(part, method):
+                merged.update(getattr(part, method)())
+        return merged
+
+    def hold(self, name: str, part: P, *, takes_micro_batches: bool = False) -> P:
         """Hold ``part`` (a component with any of ``state_dict``/``load_state_dict``, ``memory_report``,
-        ``close``): it is checkpointed under ``name``, reported and closed with the strategy. Returns it."""
+        ``position``, ``close``): it is checkpointed under ``name``, its position counters join
+        :meth:`position`, its buffers :meth:`memory_report`, and it is closed with the strategy. With
+        ``takes_micro_batches`` its ``backward(loss)`` receives every micro-batch (the default
+        :meth:`_backward`). Returns it."""
         if name in self._parts:
             raise ValueError(f"part {name!r} is held twice")
         self._parts[name] = part
+        if takes_micro_batches:
+            if self._micro_batch_part is not None:
+                raise ValueError("only one part can take the micro-batches")
+            self._micro_batch_part = part
         return part
 
     def _state(self) -> dict[str, Any]:
@@ -297,7 +312,7 @@ class Strategy(ABC):
         pass
 
     def _position(self) -> dict[str, int]:
-        """The strategy's own position counters (stage, phase, micro-batches of an open round, ...)."""
+        """The strategy's own position counters beyond its parts' (e.g. ACCO's stage)."""
         return {}
 
     def _memory(self) -> dict[str, int]:

@@ -26,8 +26,8 @@ from ..sharded import build_optimizer
 from ..validate import check_float
 from .accumulation import AccumulationConfig, Accumulator
 from .base import Strategy
-from .registry import register
 from .lr import LRScaler
+from .registry import register
 
 
 @dataclass
@@ -103,8 +103,6 @@ class DDP(Strategy):
         self._set_sync_for_next()
         return True
 
-    def _position(self) -> dict[str, int]:
-        return {"round": self.round.count}
 
     def _state(self) -> dict[str, Any]:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -133,6 +133,9 @@ class DecoupledRound:
         self.accumulator.reset()
         return {"replicated": self.optimizer.last_replicated}
 
+    def position(self) -> dict[str, int]:
+        return self.accumulator.position()
+
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "lr": self.lr.state_dict(),
                 "round": self.accumulator.state_dict(),

@@ -39,13 +39,10 @@ class DeMo(Strategy):
         super().__init__(model, optimizer, **kwargs)
         self.optimizer = build_decoupled_optimizer(
             self.config, self.optimizer_factory, self.param_groups, self.optimizer_kwargs, self.transport, "world")
-        self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation,
-                                                       list(model.parameters())))
+        self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation, list(model.parameters())),
+                               takes_micro_batches=True)
         broadcast_parameters(self.transport, list(model.parameters()), "world")
         self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:
@@ -55,8 +52,6 @@ class DeMo(Strategy):
         self._commit(extra=extra)
         return True
 
-    def _position(self) -> dict[str, int]:
-        return {"round": self.round.accumulator.count}
 
     def _state(self) -> dict[str, Any]:
         return {"model": self.module.state_dict()}

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .base import Strategy
-from .overlap import PHASES, DelayedConfig, DelayedPipeline, Overlap
+from .overlap import DelayedConfig, DelayedPipeline, Overlap
 from .registry import register
 
 
@@ -41,13 +41,11 @@ class DPU(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
-        self.overlap = self.hold("overlap", Overlap.for_strategy(self, estimate=False, snapshot=False))
+        self.overlap = self.hold("overlap", Overlap.for_strategy(self, estimate=False, snapshot=False),
+                                 takes_micro_batches=True)
         self.pipeline = self.hold("pipeline", DelayedPipeline(self.overlap, self.config.sync_warmup_steps,
                                                               predicts=False))
         self.shard, self.optimizer = self.overlap.sharded.shard, self.overlap.sharded.optimizer
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.overlap.backward(loss)
 
     def _step(self) -> bool:
         return self.pipeline.step(self._update_job, self.steps, lambda: self._commit(*self.overlap.step_record()))
@@ -60,5 +58,3 @@ class DPU(Strategy):
         self.overlap.gather(self.shard.master, "params")
         return {"kind": "update", "counts": counts}
 
-    def _position(self) -> dict[str, int]:
-        return {"phase": PHASES.index(self.pipeline.phase), "hand_overs": self.overlap.hand_overs}

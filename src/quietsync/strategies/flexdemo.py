@@ -114,12 +114,9 @@ class FlexDeMo(Strategy):
                   for g in self.param_groups]
         self.optimizer = build_decoupled_optimizer(
             self.config, self.optimizer_factory, groups, self.optimizer_kwargs, self.transport, "replicate")
-        self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation,
-                                                       list(model.parameters())))
+        self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation, list(model.parameters())),
+                               takes_micro_batches=True)
         self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:
@@ -143,8 +140,6 @@ class FlexDeMo(Strategy):
         self._commit(extra=extra)
         return True
 
-    def _position(self) -> dict[str, int]:
-        return {"round": self.round.accumulator.count}
 
     def _memory(self) -> dict[str, int]:
         """Bytes of the sharded state this worker holds (master shard, grad shard, optimizer state)."""

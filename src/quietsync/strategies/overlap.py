@@ -238,12 +238,18 @@ class Overlap:
         det = self.config.deterministic_accumulation
         return det if det is not None else self.config.min_accumulation
 
-    def blocking_stage_full(self) -> bool:
-        """Whether a stage with no job to overlap holds its micro-batches."""
-        return self.stage_count >= self.blocking_count
+    def start(self, job: Callable[..., dict[str, Any]], *args: Any) -> bool:
+        """A stage with no job to overlap: once it holds its micro-batches, hand its gradients over and submit
+        ``job(count, *args)``. Returns whether it did."""
+        self.worker.check()
+        if self.stage_count < self.blocking_count:
+            return False
+        self.submit(job, self.hand_over(install=False), *args)
+        return True
 
     def stage_ready(self) -> bool:
         """Whether the current stage may end now (called after each micro-batch while a job runs)."""
+        self.worker.check()
         cfg, n = self.config, self.stage_count
         if n < cfg.min_accumulation:
             return False
@@ -389,6 +395,9 @@ class Overlap:
             result = job.wait()
             self.job = _Done(result, job.t_start, job.t_end)
 
+    def position(self) -> dict[str, int]:
+        return {"hand_overs": self.hand_overs}
+
     def state_dict(self) -> dict[str, Any]:
         """Drains the running job first (its result is part of the state), then saves every buffer."""
         self._drain()
@@ -467,12 +476,9 @@ class DelayedPipeline:
         """Advance after a micro-batch; ``job(local_count, step, overlapped)`` is the strategy's update job,
         ``commit()`` records a committed step. Returns True when one happened."""
         o = self.overlap
-        o.worker.check()
         if self.phase == "warmup":
-            if not o.blocking_stage_full():
+            if not o.start(job, steps, False):
                 return False
-            count = o.hand_over(install=False)
-            o.submit(job, count, steps, False)
             o.wait("sync_update")
             o.install()
             o.holds_committed = True
@@ -481,11 +487,8 @@ class DelayedPipeline:
                 self.phase = "fill"
             return True
         if self.phase == "fill":
-            if not o.blocking_stage_full():
-                return False
-            count = o.hand_over(install=False)
-            o.submit(job, count, steps, True)
-            self.phase = "overlap"
+            if o.start(job, steps, True):
+                self.phase = "overlap"
             return False
         if not o.stage_ready():
             return False
@@ -495,6 +498,9 @@ class DelayedPipeline:
         commit()
         o.submit(job, count, steps + 1, True)
         return True
+
+    def position(self) -> dict[str, int]:
+        return {"phase": PHASES.index(self.phase)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"phase": self.phase}

@@ -85,8 +85,6 @@ class Zero1(Strategy):
         self._commit()
         return True
 
-    def _position(self) -> dict[str, int]:
-        return {"round": self.round.count}
 
     def _memory(self) -> dict[str, int]:
         return {"grads": nbytes(self.grads)}
