@@ -4,11 +4,13 @@ Layout: ``OUT/checkpoints/step-0000100/rank{R}.pt``, each holding that worker's 
 (model, optimizer shard, pending buffers), its data-stream position, its token count and RNG state.
 Files are written to a temporary name and renamed, so a file that exists is complete; a step folder is
 complete when every expected rank file is in it. ``--resume`` without a folder takes the newest complete one.
+Files are read back with ``weights_only=True``: tensors and plain data only, so loading never runs code.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -69,5 +71,22 @@ def resolve_resume(resume: str, out: str | os.PathLike, ranks: Iterable[int]) ->
 
 
 def load_checkpoint(folder: str | os.PathLike, rank: int) -> dict[str, Any]:
-    """This worker's checkpoint payload from ``folder``."""
-    return torch.load(rank_file(folder, rank), map_location="cpu", weights_only=False)
+    """This worker's checkpoint payload from ``folder``, read safely.
+
+    Loaded with ``weights_only=True``: a checkpoint may hold tensors and plain data (dicts, lists, numbers,
+    strings) and nothing else, so a crafted file cannot run code. Raises ``ValueError`` naming the file when it
+    holds anything else, is truncated or is not a checkpoint at all.
+    """
+    path = rank_file(folder, rank)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(
+            f"refusing to load checkpoint {path}: it holds objects other than tensors and plain data "
+            f"(quietsync never writes such files; was it crafted or written by other code?): "
+            f"{str(exc).splitlines()[-1] if str(exc) else exc}") from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise ValueError(f"checkpoint {path} cannot be read (truncated or not a quietsync checkpoint): {exc}") from None
+    if not isinstance(payload, dict) or "strategy" not in payload:
+        raise ValueError(f"checkpoint {path} is not a quietsync checkpoint (no strategy state in it)")
+    return payload

@@ -1,0 +1,56 @@
+"""Checkpoints are read safely: a crafted pickle is refused before it can run code; a truncated or foreign
+file gets one clear error naming it; a real checkpoint round-trips."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+
+from quietsync.train.checkpoint import load_checkpoint, rank_file, save_checkpoint
+
+
+class _Exploit:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_pickle_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "checkpoints" / "step-0000001"
+    folder.mkdir(parents=True)
+    torch.save({"strategy": _Exploit(str(marker))}, rank_file(folder, 0))
+    with pytest.raises(ValueError, match="refusing to load checkpoint .*rank0.pt"):
+        load_checkpoint(folder, 0)
+    assert not marker.exists()
+    # the same file loaded the unsafe way would have run the command: the test can fail
+    torch.load(rank_file(folder, 0), weights_only=False)
+    assert marker.exists()
+
+
+def test_truncated_and_foreign_files_get_one_clear_error(tmp_path):
+    path = save_checkpoint(tmp_path, 3, 1, {"strategy": {"steps": torch.tensor(3)}, "data": [1, 2]})
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_checkpoint(path.parent, 1)
+    torch.save({"weights": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match="not a quietsync checkpoint"):
+        load_checkpoint(path.parent, 1)
+    path.write_bytes(pickle.dumps([1, 2, 3]))
+    with pytest.raises(ValueError):
+        load_checkpoint(path.parent, 1)
+
+
+def test_plain_checkpoint_round_trips(tmp_path):
+    payload = {"strategy": {"steps": 2, "w": torch.arange(4.0)}, "rng": torch.get_rng_state(),
+               "config": {"link": ["inter=1mbit"], "lr": 1e-3, "resume": None}}
+    path = save_checkpoint(tmp_path, 2, 0, payload)
+    got = load_checkpoint(path.parent, 0)
+    assert got["strategy"]["steps"] == 2 and torch.equal(got["strategy"]["w"], payload["strategy"]["w"])
+    assert got["config"] == payload["config"]
