@@ -97,3 +97,22 @@ def test_loss_curves_and_plot(tmp_path):
     assert loss_curves(tmp_path, world_size=4)["tokens"] == [400.0, 800.0, 1200.0]
     png = plot_loss(tmp_path, title="t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_non_finite_numbers_are_written_as_strict_json_null(tmp_path):
+    import json
+    import math
+
+    from quietsync.train.metrics import STEP_FIELDS, MetricsWriter, metrics_path, write_summary
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+
+    path = write_summary(tmp_path, {"last_eval_loss": math.nan, "eval": [{"loss": math.inf}], "steps": 2})
+    assert strict(path.read_text()) == {"last_eval_loss": None, "eval": [{"loss": None}], "steps": 2}
+    with MetricsWriter(tmp_path, 0, None) as w:
+        w.step({**{k: 0 for k in STEP_FIELDS}, "step": 1, "loss": float("nan"), "extra": {"x": -math.inf}})
+    (line,) = metrics_path(tmp_path, 0).read_text().splitlines()
+    assert strict(line)["loss"] is None and strict(line)["extra"] == {"x": None}
+    # plain json.dumps would have written the invalid token NaN: the test can fail
+    assert "NaN" in json.dumps({"loss": math.nan})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,24 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return str(value)
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±inf) replaced by None, so ``json.dumps(...,
+    allow_nan=False)`` writes strict JSON (``NaN`` is not JSON; a diverged run's loss becomes ``null``)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """Strict JSON of a record or summary (non-finite floats become null; tensors and sets converted)."""
+    plain = json.loads(json.dumps(value, default=_jsonable, allow_nan=True))
+    return json.dumps(finite_json(plain), allow_nan=False, **kwargs)
 
 
 def metrics_path(out: str | os.PathLike, rank: int) -> Path:
@@ -83,7 +102,7 @@ class MetricsWriter:
             self._write(record)
 
     def _write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, separators=(",", ":"), default=_jsonable) + "\n")
+        self._f.write(dumps(record, separators=(",", ":")) + "\n")
         self._f.flush()
 
     def step(self, record: dict[str, Any]) -> None:
@@ -118,7 +137,7 @@ def write_summary(out: str | os.PathLike, summary: dict[str, Any]) -> Path:
     """Write ``OUT/summary.json`` (atomically)."""
     path = Path(out) / "summary.json"
     tmp = path.with_name("summary.json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.write_text(dumps(summary, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
 
