@@ -76,7 +76,9 @@ def test_build_once_takes_over_stale_lock(tmp_path):
 
 
 def test_build_once_times_out_on_live_lock(tmp_path):
-    (tmp_path / "f.lock").write_text("12345")
+    import os
+
+    (tmp_path / "f.lock").write_text(str(os.getpid()))  # a live builder (this process)
     with pytest.raises(TimeoutError):
         build_once(tmp_path / "f", lambda tmp: tmp.write_text("x"), timeout_s=0.2, stale_s=60)
 
@@ -89,3 +91,37 @@ def test_failed_build_leaves_no_file(tmp_path):
     with pytest.raises(RuntimeError):
         build_once(tmp_path / "f", bad)
     assert not (tmp_path / "f").exists() and not list(tmp_path.iterdir())
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_build_once_takes_over_a_lock_whose_builder_is_gone_at_once(tmp_path):
+    import socket
+    import time
+
+    for holder in (f"{socket.gethostname()}:{_dead_pid()}", str(_dead_pid())):  # current and older lock format
+        target = tmp_path / holder.replace(":", "_")
+        target.with_name(target.name + ".lock").write_text(holder)
+        t0 = time.monotonic()
+        build_once(target, lambda tmp: tmp.write_text("x"), stale_s=300.0)  # the age rule alone would wait 300 s
+        assert target.read_text() == "x" and time.monotonic() - t0 < 5
+
+
+def test_build_once_says_whom_it_waits_for(tmp_path, capsys):
+    import os
+    import socket
+
+    target = tmp_path / "f"
+    holder = f"{socket.gethostname()}:{os.getpid()}"  # alive: this very process
+    target.with_name("f.lock").write_text(holder)
+    with pytest.raises(TimeoutError, match=f"held by {holder}"):
+        build_once(target, lambda tmp: tmp.write_text("x"), timeout_s=0.3)
+    err = capsys.readouterr().err
+    assert err.count("waiting for") == 1 and holder in err
