@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import math
 import os
 from pathlib import Path
 from typing import Any
