@@ -18,3 +18,24 @@ def fail_on_rank_one(marker_dir: str) -> None:
 def record_env(marker_dir: str) -> None:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     Path(marker_dir, f"env-{os.environ['RANK']}").write_text(" ".join(os.environ[k] for k in keys))
+
+
+def root_cause_on_rank_one_then_slow_cleanup() -> None:
+    """Rank 1 fails first but lingers in its clean-up; rank 0 fails later with a peer's symptom and exits first."""
+    from quietsync.train.launch import note_failure
+
+    if int(os.environ["RANK"]) == 1:
+        try:
+            raise ValueError("the real cause on rank one")
+        except ValueError:
+            note_failure()
+            raise
+        finally:
+            time.sleep(3)  # e.g. tearing down process groups
+    time.sleep(0.5)
+    raise RuntimeError("Connection closed by peer")
+
+
+def sleep_forever(marker_dir: str) -> None:
+    Path(marker_dir, f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(600)

@@ -39,3 +39,44 @@ def test_in_process_when_single_or_under_torchrun(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert launch(lambda x: x * 3, (2,), nproc=4) == 6  # under torchrun: run unchanged, --nproc ignored
+
+
+def test_the_worker_that_failed_first_is_blamed(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(WorkerFailed) as e:
+        launch(_workers.root_cause_on_rank_one_then_slow_cleanup, (), nproc=2)
+    assert e.value.rank == 1 and "the real cause on rank one" in str(e.value)
+
+
+def test_sigint_to_the_launcher_stops_every_worker(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys; from quietsync.train.launch import launch; from tests.train import _workers\n"
+            "try:\n    launch(_workers.sleep_forever, (sys.argv[1],), nproc=2)\n"
+            "except KeyboardInterrupt:\n    sys.exit(130)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    assert len(pids) == 2
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert time.monotonic() - t0 < 15
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    while any(alive(p) for p in pids) and time.monotonic() - t0 < 15:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)

@@ -4,17 +4,29 @@
   unchanged, across as many nodes as torchrun spans; ``--nproc`` is ignored.
 * Otherwise, with ``nproc > 1``, :func:`launch` spawns ``nproc`` local workers (``torch.multiprocessing``,
   *spawn* start method) on a free local port, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun would; gloo on CPU. If one
-  worker fails, the others are terminated and :class:`WorkerFailed` carries the failed worker's traceback.
+  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun would; gloo on CPU, bound to
+  the loopback interface. If one worker fails, the others are terminated and :class:`WorkerFailed` names
+  the worker that failed **first** (the root cause — its peers typically fail a moment later with a broken
+  connection) with its traceback. An interrupt (SIGINT) of the launcher stops every worker within seconds
+  (SIGTERM, then SIGKILL after a grace period); checkpoints are written atomically, so one cut short is
+  simply absent.
 * With ``nproc == 1`` the job runs in this process as a world of one (no process group).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+GRACE_S = 5.0
+"""Seconds workers get to exit after SIGTERM before they are killed."""
 
 
 class WorkerFailed(RuntimeError):
@@ -39,30 +51,83 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int) -> None:
+ERRORS_ENV = "QUIETSYNC_LAUNCH_ERRORS"
+"""Set in local workers: the folder where each failing worker notes when and why it failed."""
+
+
+def note_failure() -> None:
+    """Call in an ``except`` block of a local worker, *before* cleanup that may block: records the time and
+    traceback of the failure, so the launcher blames the worker that failed first (no-op elsewhere)."""
+    folder = os.environ.get(ERRORS_ENV)
+    rank = os.environ.get("RANK")
+    if folder and rank is not None:
+        path = Path(folder, f"rank{rank}")
+        if not path.exists():
+            path.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+
+
+def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, errors: str) -> None:
     os.environ.update({
         "RANK": str(local_rank), "WORLD_SIZE": str(nproc),
         "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
-    fn(*args)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local workers talk over loopback only
+    os.environ[ERRORS_ENV] = errors
+    try:
+        fn(*args)
+    except BaseException:
+        note_failure()  # when it failed, and why, unless fn noted it earlier
+        raise
 
 
 def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
     """Run ``fn(*args)`` in every worker; return its result when it ran in this process (else None).
 
-    ``fn`` and ``args`` must be picklable (module-level function, dataclass arguments).
+    ``fn`` and ``args`` must be picklable (module-level function, dataclass arguments). Raises
+    :class:`WorkerFailed` for the worker that failed first; re-raises ``KeyboardInterrupt`` after stopping
+    every worker.
     """
     if under_torchrun() or nproc <= 1:
         return fn(*args)
     import torch.multiprocessing as mp
 
-    try:
-        mp.start_processes(
-            _worker, args=(fn, args, nproc, free_port()), nprocs=nproc, join=True, start_method="spawn"
-        )
-    except mp.ProcessRaisedException as e:
-        raise WorkerFailed(e.error_index, e.msg) from None
-    except mp.ProcessExitedException as e:
-        raise WorkerFailed(e.error_index, str(e)) from None
+    with tempfile.TemporaryDirectory(prefix="quietsync-launch-") as errors:
+        context = mp.start_processes(_worker, args=(fn, args, nproc, free_port(), errors), nprocs=nproc,
+                                     join=False, start_method="spawn")
+        try:
+            while not context.join(timeout=0.5):
+                pass
+        except mp.ProcessRaisedException as e:  # join has terminated the other workers
+            raise _first_failure(errors, e.error_index, e.msg) from None
+        except mp.ProcessExitedException as e:
+            raise _first_failure(errors, e.error_index, str(e)) from None
+        except KeyboardInterrupt:
+            stop_workers(context.processes)
+            raise
     return None
+
+
+def _first_failure(errors: str, rank: int, details: str) -> WorkerFailed:
+    """The :class:`WorkerFailed` of the worker whose error came first (else the one torch reported)."""
+    reports = []
+    for path in Path(errors).glob("rank*"):
+        stamp, _, trace = path.read_text().partition("\n")
+        reports.append((float(stamp), int(path.name[4:]), trace))
+    if reports:
+        _, rank, details = min(reports)
+    return WorkerFailed(rank, details)
+
+
+def stop_workers(processes: list[Any], grace_s: float = GRACE_S) -> None:
+    """SIGTERM every live worker, wait up to ``grace_s`` for all, then SIGKILL the rest."""
+    for p in processes:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(5)

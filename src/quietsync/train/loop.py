@@ -32,6 +32,7 @@ from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from .config import TrainConfig
 from .corpus import load_corpus
 from .data import ShardedSequences, encode_split, eval_batches
+from .launch import note_failure
 from .metrics import MetricsWriter, format_summary, write_summary
 from .model import build_model, count_parameters, param_groups
 from .schedule import warmup_cosine
@@ -163,6 +164,9 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             print(format_summary(summary), flush=True)
             print(f"results in {os.path.abspath(cfg.out)}", flush=True)
         return summary
+    except BaseException:
+        note_failure()  # before the clean-up below, which may block on peers: the launcher blames the first
+        raise
     finally:
         if strategy is not None:
             strategy.close()
