@@ -89,7 +89,7 @@ class DiLoCoConfig(AccumulationConfig):
         check_float("outer_momentum", self.outer_momentum, 0, 1, high_open=True)
         check_int("fragments", self.fragments, 1, self.sync_every)
         if self.sync_every % self.fragments:
-            raise ValueError(f"fragments must divide sync_every ({self.sync_every}), got {self.fragments}")
+            raise ValueError(f"fragments must be a divisor of sync_every ({self.sync_every}), got {self.fragments}")
         check_int("overlap_delay", self.overlap_delay, 0, self.sync_every // self.fragments)
         check_float("mixing", self.mixing, 0, 1)
         check_choice("pseudo_grad_dtype", self.pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)

@@ -83,7 +83,7 @@ class OuterSync:
         check_int("sync_every", sync_every, 1)
         check_int("fragments", fragments, 1, len(params))
         if sync_every % fragments:
-            raise ValueError(f"fragments must divide sync_every ({sync_every}), got {fragments}")
+            raise ValueError(f"fragments must be a divisor of sync_every ({sync_every}), got {fragments}")
         check_int("overlap_delay", overlap_delay, 0, sync_every // fragments)
         check_float("mixing", mixing, 0, 1)
         check_choice("pseudo_grad_dtype", pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
