@@ -14,8 +14,8 @@ staggered by H/F between fragments (the :class:`~quietsync.strategies.outer.Oute
 
 The τ > 0 merge is Streaming DiLoCo's mixing of the local parameters, which moved on for τ steps, with the
 freshly agreed global ones (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication: towards a
-distributed free lunch", the overlapping-communication section; α = ``mixing``, 0.5 by default; α = 0 discards
-the τ local steps). With τ = 0 replicas are identical after every sync; with τ > 0 they agree on θ_global but
+distributed free lunch", arXiv 2501.18512, the overlapping-communication section; α = ``mixing``, 0.5 by default,
+an even blend not tuned here; α = 0 discards the τ local steps). With τ = 0 replicas are identical after every sync; with τ > 0 they agree on θ_global but
 keep α·(their own drift).
 
 **Hierarchical** (``inner``): ``local`` — each worker trains alone and the sync group is ``world``; ``ddp`` /
