@@ -7,12 +7,11 @@ import os
 import pytest
 import torch
 
+import quietsync
 from tests.distributed import run_ranks
 from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
-from tests.strategies.local_common import ADAMW, SGD, train, train_many
+from tests.strategies.local_common import ADAMW, train, train_many
 from tests.strategies.reference_local import reference_localsgd
-
-import quietsync
 
 
 def _accelerate_local_sgd(rank: int, world: int, sync_every: int, steps: int) -> list[torch.Tensor]:
