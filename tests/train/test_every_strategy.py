@@ -11,6 +11,10 @@ from quietsync.train.metrics import STEP_FIELDS, read_jsonl
 
 from .conftest import synthetic_text
 
+# Strategies whose committed parameters only move at a sync (localsgd, diloco: the globally agreed θ) sync
+# within the 3 steps, so the evaluation after step 3 sees trained parameters.
+STRATEGY_FLAGS = {"localsgd": ["--sync-every", "3"], "diloco": ["--sync-every", "3"]}
+
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", available())
@@ -23,6 +27,7 @@ def test_loop_runs_strategy(strategy, tmp_path, monkeypatch):
         "--strategy", strategy, "--nproc", "1", "--model", "tiny", "--max-steps", "3", "--micro-batch-size", "2",
         "--seq-len", "32", "--vocab-size", "300", "--dataset", str(data), "--cache-dir", str(tmp_path / "c"),
         "--out", str(tmp_path / "out"), "--eval-windows", "4", "--no-progress", "--no-plot",
+        *STRATEGY_FLAGS.get(strategy, []),
     ])
     summary = run(cfg, scfg, nodes)
     assert summary["steps"] == 3 and summary["strategy"] == strategy

@@ -1,0 +1,109 @@
+"""Single-process reference recurrences of Local SGD and (Streaming, hierarchical) DiLoCo, written from the
+equations (docs/local.md) with plain torch — nothing here calls quietsync.
+
+Replicas: ``nodes`` model copies; replica k's gradient at inner step s is the mean over its workers
+``r = k·W .. k·W + W − 1`` (W = world/nodes, node-major as torchrun lays ranks out) and their ``accumulation``
+micro-batches ``micro_batch(s, r, a)`` — i.e. synchronous data parallelism inside a node; with ``nodes = world``
+each worker is its own replica.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
+
+
+def _replicas(nodes: int, make_opt: Callable) -> tuple[list[torch.nn.Module], list[torch.optim.Optimizer]]:
+    base = tiny_model()
+    models = [copy.deepcopy(base) for _ in range(nodes)]
+    return models, [make_opt(param_groups(m)) for m in models]
+
+
+def _inner_step(model: torch.nn.Module, opt: torch.optim.Optimizer, s: int, ranks: range, accumulation: int) -> None:
+    opt.zero_grad()
+    total = sum(loss_fn(model, micro_batch(s, r, a)) for r in ranks for a in range(accumulation))
+    (total / (len(ranks) * accumulation)).backward()
+    opt.step()
+
+
+def reference_localsgd(world: int, sync_every: int, steps: int, make_opt: Callable, accumulation: int = 1,
+                       average_state: bool = False) -> list[torch.Tensor]:
+    """Each worker: θ_i ← Opt_i(θ_i, g_i); after every K-th step θ_i ← mean_j θ_j (and the moments, if asked).
+    Returns every worker's flat parameters after ``steps``."""
+    models, opts = _replicas(world, make_opt)
+    for s in range(steps):
+        for i in range(world):
+            _inner_step(models[i], opts[i], s, range(i, i + 1), accumulation)
+        if (s + 1) % sync_every == 0:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in models)):
+                    mean = torch.stack([p for p in ps]).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+                if average_state:
+                    for ps in zip(*(m.parameters() for m in models)):
+                        states = [o.state[p] for o, p in zip(opts, ps)]
+                        for key in states[0]:
+                            if states[0][key].dim() > 0:
+                                mean = torch.stack([st[key] for st in states]).mean(0)
+                                for st in states:
+                                    st[key].copy_(mean)
+    return [flat_params(m) for m in models]
+
+
+def reference_diloco(world: int, nodes: int, sync_every: int, steps: int, make_opt: Callable, *,
+                     outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                     fragments: list[list[int]] | None = None, delay: int = 0, alpha: float = 0.5,
+                     accumulation: int = 1, record: dict | None = None) -> list[torch.Tensor]:
+    """DiLoCo with staggered fragments and delayed merge; returns every replica's flat parameters.
+
+    Fragment f (a list of parameter indices) launches after inner step s (1-based) when
+    ``s mod H == ((f+1)·H/F) mod H``: Δ = mean_k(θ_g − θ_k); b ← μ·b + Δ (b = Δ the first time);
+    θ_g ← θ_g − lr·(Δ + μ·b if Nesterov else b); merged after step s + τ: θ_k ← θ_g if τ = 0 else
+    α·θ_k + (1−α)·θ_g. ``record`` (optional) receives ``{"global": flat θ_g}`` at the end.
+    """
+    per = world // nodes
+    models, opts = _replicas(nodes, make_opt)
+    n_params = len(list(models[0].parameters()))
+    fragments = fragments or [list(range(n_params))]
+    F = len(fragments)
+    theta_g = [p.detach().clone() for p in models[0].parameters()]
+    buf: dict[int, torch.Tensor] = {}
+    pending: list[tuple[int, int]] = []  # (fragment, apply after step)
+
+    def merge(f: int, a: float) -> None:
+        with torch.no_grad():
+            for m in models:
+                ps = list(m.parameters())
+                for i in fragments[f]:
+                    ps[i].mul_(a).add_(theta_g[i], alpha=1 - a)
+
+    for s in range(1, steps + 1):
+        for k in range(nodes):
+            _inner_step(models[k], opts[k], s - 1, range(k * per, (k + 1) * per), accumulation)
+        for f, at in [x for x in pending if x[1] == s]:
+            merge(f, alpha)
+            pending.remove((f, at))
+        for f in range(F):
+            if s % sync_every != ((f + 1) * sync_every // F) % sync_every:
+                continue
+            with torch.no_grad():
+                for i in fragments[f]:
+                    delta = torch.stack([theta_g[i] - list(m.parameters())[i] for m in models]).mean(0)
+                    if outer_momentum > 0:
+                        buf[i] = delta.clone() if i not in buf else outer_momentum * buf[i] + delta
+                        d = delta + outer_momentum * buf[i] if nesterov else buf[i]
+                    else:
+                        d = delta
+                    theta_g[i] = theta_g[i] - outer_lr * d
+            if delay == 0:
+                merge(f, 0.0)
+            else:
+                pending.append((f, s + delay))
+    if record is not None:
+        record["global"] = torch.cat([t.reshape(-1) for t in theta_g])
+    return [flat_params(m) for m in models]
