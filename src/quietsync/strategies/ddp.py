@@ -24,9 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..sharded import build_optimizer
 from ..validate import check_float
-from .accumulation import AccumulationConfig, Accumulator
+from .accumulation import AccumulationConfig, OptimizerRound
 from .base import Strategy
-from .lr import LRScaler
 from .registry import register
 
 
@@ -57,8 +56,8 @@ class DDP(Strategy):
         super().__init__(model, optimizer, **kwargs)
         self.group = group
         self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
-        self.lr = self.hold("lr", LRScaler(self.optimizer))
-        self.round = self.hold("round", Accumulator(self.config.accumulation))
+        self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation,
+                                                       list(model.parameters())))
         self._ddp: DistributedDataParallel | None = None
         if self.transport.group_size(group) > 1:
             pg = self.transport.process_group(group)
@@ -76,48 +75,30 @@ class DDP(Strategy):
 
     def _set_sync_for_next(self) -> None:
         if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = self.round.next_is_last
+            self._ddp.require_backward_grad_sync = self.round.accumulator.next_is_last
 
     def _backward(self, loss: torch.Tensor) -> None:
-        last = self.round.next_is_last
+        last = self.round.accumulator.next_is_last
         t0 = time.perf_counter()
-        (loss / self.config.accumulation).backward()
+        self.round.backward(loss)
         if last and self._ddp is not None:
             t1 = time.perf_counter()
             issued = [s.t0 for s in self.transport.recorder.spans("comm", since=t0) if s.name == "ddp_bucket"]
             if issued:  # backward() counts the whole interval as compute; the tail after the last bucket is idle
                 self.accounting.move_to_idle(max(0.0, t1 - max(issued)), t1, "ddp_wait")
-        self.round.add()
 
     def _step(self) -> bool:
         if not self.round.full:
             self._set_sync_for_next()
             return False
-        t0 = time.perf_counter()
-        self.lr.apply(self._lr_scale(self.steps))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-        self.accounting.add_compute(time.perf_counter() - t0)
-        self.round.reset()
+        self.round.step(self._lr_scale(self.steps), self.accounting)
         self._commit()
         self._set_sync_for_next()
         return True
 
-
     def _state(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "grads": [None if p.grad is None else p.grad.clone() for p in self.module.parameters()]}
+        return {"model": self.module.state_dict()}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        with torch.no_grad():
-            for p, g in zip(self.module.parameters(), state["grads"]):
-                if g is not None:
-                    if p.grad is None:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.copy_(g)
-                elif p.grad is not None:
-                    p.grad.zero_()
         self._set_sync_for_next()

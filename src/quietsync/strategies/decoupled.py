@@ -21,8 +21,7 @@ from ..replicators import REPLICATORS, make_replicator
 from ..transport import Transport
 from ..validate import check_choice, check_float, check_int
 from .accounting import StepAccounting
-from .accumulation import AccumulationConfig, Accumulator
-from .lr import LRScaler
+from .accumulation import AccumulationConfig, OptimizerRound
 
 _TRANSFER = ("fp32", "bf16", "fp16")
 _BASES = ("sgd", "adamw", "auto")
@@ -99,52 +98,15 @@ def build_decoupled_optimizer(
                group=group, replicate_every=config.replicate_every, skip_every=config.skip_every, **opt_kwargs)
 
 
-class DecoupledRound:
-    """One round of a decoupled strategy (a part): ``accumulation`` micro-batches accumulate into the model's
-    ``p.grad``, then the decoupled optimizer steps at the scheduled lr, its replication's collective time
-    counted as idle. Checkpoints hold the optimizer (momenta, counters), the base lrs, the round's count and
-    its open ``p.grad`` accumulation.
+class DecoupledRound(OptimizerRound):
+    """One round of a decoupled strategy (a part): an :class:`OptimizerRound` whose optimizer is the decoupled
+    one, so the step's collective (the replication) is counted as idle time and the step reports whether it
+    replicated. Gradients are left to the strategy (demo drops them; flexdemo's live on its shard)."""
 
-    Args:
-        optimizer: the decoupled optimizer (:func:`build_decoupled_optimizer`).
-        accumulation: micro-batches per round.
-        params: the model parameters autograd accumulates into.
-    """
-
-    def __init__(self, optimizer: DecoupledOptimizer, accumulation: int, params: list[torch.nn.Parameter]) -> None:
-        self.optimizer = optimizer
-        self.lr = LRScaler(optimizer)
-        self.accumulator = Accumulator(accumulation)
-        self.params = params
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch: its share ``loss / accumulation`` of the round's mean gradient."""
-        (loss / self.accumulator.size).backward()
-        self.accumulator.add()
-
-    @property
-    def full(self) -> bool:
-        return self.accumulator.full
-
-    def optimizer_step(self, lr_scale: float, accounting: StepAccounting) -> dict[str, Any]:
+    def step(self, lr_scale: float, accounting: StepAccounting) -> dict[str, Any]:
         """The decoupled optimizer's step (replication inside); closes the round; returns the step's extras."""
         self.lr.apply(lr_scale)
         accounting.timed(self.optimizer.step, "replicate")
         self.accumulator.reset()
         return {"replicated": self.optimizer.last_replicated}
 
-    def position(self) -> dict[str, int]:
-        return self.accumulator.position()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "lr": self.lr.state_dict(),
-                "round": self.accumulator.state_dict(),
-                "grads": [None if p.grad is None else p.grad.clone() for p in self.params]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr.load_state_dict(state["lr"])
-        self.accumulator.load_state_dict(state["round"])
-        with torch.no_grad():
-            for p, g in zip(self.params, state["grads"]):
-                p.grad = None if g is None else g.clone()

@@ -47,7 +47,7 @@ class DeMo(Strategy):
     def _step(self) -> bool:
         if not self.round.full:
             return False
-        extra = self.round.optimizer_step(self._lr_scale(self.steps), self.accounting)
+        extra = self.round.step(self._lr_scale(self.steps), self.accounting)
         self.optimizer.zero_grad(set_to_none=True)
         self._commit(extra=extra)
         return True

@@ -29,7 +29,6 @@ DiLoCo is Local SGD with K = H.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,13 +36,11 @@ from typing import Any, Literal
 
 import torch
 
-from ..flat import nbytes
 from ..sharded import build_optimizer
 from ..validate import check_choice, check_float, check_int
-from .accumulation import AccumulationConfig, Accumulator
+from .accumulation import AccumulationConfig, OptimizerRound
 from .base import Strategy
 from .broadcast import broadcast_parameters
-from .lr import LRScaler
 from .outer import PSEUDO_GRAD_DTYPES, PSEUDO_GRAD_REPLICATORS, OuterSync
 from .registry import get, register
 
@@ -116,15 +113,15 @@ class DiLoCo(Strategy):
         if cfg.inner == "local":
             self.sync_group = "world"
             self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
-            self.lr = self.hold("lr", LRScaler(self.optimizer))
-            self.round = self.hold("round", Accumulator(cfg.accumulation))
+            self.round = self.hold("round", OptimizerRound(self.optimizer, cfg.accumulation, self.params),
+                                   takes_micro_batches=True)
         else:
             self.sync_group = "replicate"
             cls, _ = get(cfg.inner)
             self.inner = self.hold("inner", cls(
                 model, self.optimizer_factory, param_groups=self.param_groups, transport=self.transport,
                 config={"accumulation": cfg.accumulation}, lr_schedule=self.lr_schedule, group="shard",
-                **self.optimizer_kwargs))
+                **self.optimizer_kwargs), takes_micro_batches=True)
             self.optimizer = self.inner.optimizer
         self.outer = self.hold("outer", OuterSync(
             self.params, self.transport, self.sync_group, sync_every=cfg.sync_every, fragments=cfg.fragments,
@@ -149,13 +146,6 @@ class DiLoCo(Strategy):
                 shard.master.copy_(sharded.flat.data[shard.lo:shard.hi])
 
     # ------------------------------------------------------------------ inner steps
-    def _backward(self, loss: torch.Tensor) -> None:
-        if self.inner is not None:
-            self.inner.backward(loss)
-            return
-        (loss / self.config.accumulation).backward()
-        self.round.add()
-
     def _step(self) -> bool:
         if self.inner is not None:
             if not self.inner.step():
@@ -166,12 +156,7 @@ class DiLoCo(Strategy):
         else:
             if not self.round.full:
                 return False
-            t0 = time.perf_counter()
-            self.lr.apply(self._lr_scale(self.steps))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)
-            self.accounting.add_compute(time.perf_counter() - t0)
-            self.round.reset()
+            self.round.step(self._lr_scale(self.steps), self.accounting)
         extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
         self._commit(extra=extra)
         return True
@@ -184,29 +169,11 @@ class DiLoCo(Strategy):
             yield self.model
 
     def _position(self) -> dict[str, int]:
-        round_count = self.round.count if self.inner is None else self.inner.position().get("round", 0)
-        return {"round": round_count, "pending_fragment": self.outer.pending_fragment}
-
-    def _memory(self) -> dict[str, int]:
-        if hasattr(self.inner, "sharded"):
-            return {}  # ZeRO-1 reports its own flat parameters, shard and gradients
-        opt_state = sum(nbytes(v) for st in self.optimizer.state.values() for v in st.values()
-                        if isinstance(v, torch.Tensor))
-        return {"params": sum(nbytes(p) for p in self.params),
-                "grads": sum(nbytes(p.grad) for p in self.params if p.grad is not None),
-                "optimizer_state": opt_state}
+        return {"pending_fragment": self.outer.pending_fragment}
 
     def _state(self) -> dict[str, Any]:
-        if self.inner is not None:
-            return {}
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "grads": [None if p.grad is None else p.grad.clone() for p in self.params]}
+        return {} if self.inner is not None else {"model": self.module.state_dict()}  # an inner strategy saves its own
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        if self.inner is not None:
-            return
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        with torch.no_grad():
-            for p, g in zip(self.params, state["grads"]):
-                p.grad = None if g is None else g.clone()
+        if self.inner is None:
+            self.module.load_state_dict(state["model"])

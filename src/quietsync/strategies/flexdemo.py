@@ -128,7 +128,7 @@ class FlexDeMo(Strategy):
         for p, master, grad in zip(self.params, self.master_views, self.grad_views):
             master.grad = None if p.grad is None else grad
         # 2. the decoupled optimizer on the shard; replication across nodes happens inside
-        extra = self.round.optimizer_step(self._lr_scale(self.steps), self.accounting)
+        extra = self.round.step(self._lr_scale(self.steps), self.accounting)
         # 3. all-gather the updated shards inside the node into the model's parameters
         with self.accounting.idle("all_gather"):
             gathered = self.master.new_empty(self.n * self.master.numel())

@@ -19,7 +19,6 @@ The oracle peer is HF Accelerate's ``accelerate.local_sgd.LocalSGD`` (tested equ
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,10 +29,9 @@ import torch
 from ..flat import nbytes
 from ..sharded import build_optimizer
 from ..validate import check_int
-from .accumulation import AccumulationConfig, Accumulator
+from .accumulation import AccumulationConfig, OptimizerRound
 from .base import Strategy
 from .broadcast import broadcast_parameters
-from .lr import LRScaler
 from .registry import register
 
 
@@ -60,27 +58,18 @@ class LocalSGD(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
         self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
-        self.lr = self.hold("lr", LRScaler(self.optimizer))
-        self.round = self.hold("round", Accumulator(self.config.accumulation))
         self.params = [p for g in self.param_groups for p in g["params"]]
+        self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation, self.params),
+                               takes_micro_batches=True)
         broadcast_parameters(self.transport, self.params, "world")
         self.synced = [p.detach().clone() for p in self.params]
         """θ of the last sync (the committed parameters)."""
         self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        (loss / self.config.accumulation).backward()
-        self.round.add()
-
     def _step(self) -> bool:
         if not self.round.full:
             return False
-        t0 = time.perf_counter()
-        self.lr.apply(self._lr_scale(self.steps))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-        self.accounting.add_compute(time.perf_counter() - t0)
-        self.round.reset()
+        self.round.step(self._lr_scale(self.steps), self.accounting)
         sync = (self.steps + 1) % self.config.sync_every == 0
         if sync:
             self.accounting.timed(self._average, "average")
@@ -125,25 +114,13 @@ class LocalSGD(Strategy):
             with torch.no_grad():
                 torch._foreach_copy_([p.data for p in self.params], local)
 
-    def _position(self) -> dict[str, int]:
-        return {"round": self.round.count}
-
     def _memory(self) -> dict[str, int]:
-        opt_state = sum(nbytes(v) for st in self.optimizer.state.values() for v in st.values()
-                        if isinstance(v, torch.Tensor))
-        return {"params": sum(nbytes(p) for p in self.params), "grads": sum(nbytes(p.grad) for p in self.params
-                                                                             if p.grad is not None),
-                "optimizer_state": opt_state, "synced_params": sum(nbytes(t) for t in self.synced)}
+        return {"synced_params": sum(nbytes(t) for t in self.synced)}
 
     def _state(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "synced": [t.clone() for t in self.synced],
-                "grads": [None if p.grad is None else p.grad.clone() for p in self.params]}
+        return {"model": self.module.state_dict(), "synced": [t.clone() for t in self.synced]}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             torch._foreach_copy_(self.synced, state["synced"])
-            for p, g in zip(self.params, state["grads"]):
-                p.grad = None if g is None else g.clone()
