@@ -20,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .args import OneLineParser, parse_train_args
 from .metrics import read_jsonl
+from .run_job import run_job
 
 
 def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
@@ -124,8 +126,6 @@ def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
 
 def compare_main(argv: list[str]) -> int:
     """``quietsync compare --strategies A B ... [job flags]``."""
-    from .cli import OneLineParser, parse_train_args, train_main
-
     parser = OneLineParser(
         prog="quietsync compare",
         description="Run several strategies on the same job (any `quietsync train` job flag) and compare them.",
@@ -148,11 +148,10 @@ def compare_main(argv: list[str]) -> int:
     runs = []
     for name, label, flags in specs:  # check every run's flags before starting the first
         run_argv = [*job, "--strategy", name, *flags, "--out", str(out / label)]
-        parse_train_args(run_argv)
-        runs.append((label, run_argv))
-    for label, run_argv in runs:
+        runs.append((label, parse_train_args(run_argv)))
+    for label, (cfg, strategy_config, nodes) in runs:
         print(f"== quietsync compare: {label}", flush=True)
-        rc = train_main(run_argv)
+        rc = run_job(cfg, strategy_config, nodes, nproc_given="--nproc" in job)
         if rc != 0:
             print(f"quietsync compare: error: run {label} failed (exit {rc})", file=sys.stderr)
             return rc
