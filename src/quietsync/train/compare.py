@@ -22,6 +22,7 @@ from typing import Any
 
 from .args import OneLineParser, parse_train_args
 from .metrics import read_jsonl
+from .plots import pyplot, save_figure
 from .run_job import run_job
 
 
@@ -86,10 +87,7 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
 
 def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
     """Draw ``OUT/compare.png`` (loss vs time, bytes per step by group, compute/idle per worker)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_loss, ax_bytes, ax_busy) = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
     for r in rows:
@@ -118,10 +116,7 @@ def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
     ax_busy.legend()
     for ax in (ax_bytes, ax_busy):
         ax.tick_params(axis="x", rotation=20)
-    path = out / "compare.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "compare.png")
 
 
 def compare_main(argv: list[str]) -> int:
