@@ -7,12 +7,12 @@ what it got — the CLI turns that into ``--<flag> must be ...``. Booleans are n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-def _interval(low: float | None, high: float | None, low_open: bool = False, high_open: bool = False) -> str:
-    """``"in [a, b]"``, ``">= a"``, ``"<= b"`` or ``""`` for the bounds given."""
+def _bounds(low: float | None, high: float | None, low_open: bool = False, high_open: bool = False) -> str:
+    """``"in [low, high)"``, ``">= low"``, ``"< high"``... or ``""`` when unbounded."""
     if low is not None and high is not None:
         return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
     if low is not None:
@@ -22,21 +22,28 @@ def _interval(low: float | None, high: float | None, low_open: bool = False, hig
     return ""
 
 
-def _inside(value: float, low: float | None, high: float | None, low_open: bool = False,
-            high_open: bool = False) -> bool:
-    above = low is None or (value > low if low_open else value >= low)
-    below = high is None or (value < high if high_open else value <= high)
-    return above and below
+def _fail(name: str, want: str, value: Any, allow_none: bool) -> None:
+    raise ValueError(f"{name} must be {want}{' or None' if allow_none else ''}, got {value!r}")
 
 
 def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None, *,
-              allow_none: bool = False) -> None:
-    """``value`` is an integer in ``[minimum, maximum]`` (either bound optional), or None if allowed."""
+              allow_none: bool = False, special: Mapping[int, str] | None = None) -> None:
+    """``value`` is an integer in ``[minimum, maximum]`` (either bound optional), or None if allowed.
+
+    ``special`` maps integers outside the range that are accepted too to what they mean, e.g.
+    ``check_int("skip_every", v, 2, special={0: "never skip"})`` reads
+    ``skip_every must be 0 (never skip) or an integer >= 2, got 1``.
+    """
     if value is None and allow_none:
         return
-    if not (isinstance(value, int) and not isinstance(value, bool) and _inside(value, minimum, maximum)):
-        want = " ".join(w for w in ("an integer", _interval(minimum, maximum)) if w)
-        raise ValueError(f"{name} must be {want}{' or None' if allow_none else ''}, got {value!r}")
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if is_int and special and value in special:
+        return
+    if not (is_int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)):
+        want = f"an integer {_bounds(minimum, maximum)}".rstrip()
+        if special:
+            want = " or ".join([*(f"{k} ({meaning})" for k, meaning in special.items()), want])
+        _fail(name, want, value, allow_none)
 
 
 def check_float(name: str, value: Any, low: float | None = None, high: float | None = None, *,
@@ -45,13 +52,16 @@ def check_float(name: str, value: Any, low: float | None = None, high: float | N
     if value is None and allow_none:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not (ok and _inside(value, low, high, low_open, high_open)):
-        want = _interval(low, high, low_open, high_open) or "a finite number"
-        raise ValueError(f"{name} must be {want}{' or None' if allow_none else ''}, got {value!r}")
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        _fail(name, _bounds(low, high, low_open, high_open) or "a finite number", value, allow_none)
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
-    """``value`` is one of ``choices``."""
+    """``value`` is one of ``choices`` (``True``/``False`` do not stand for ``1``/``0``)."""
     choices = tuple(choices)
-    if value not in choices:
+    if not any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in choices):
         raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")

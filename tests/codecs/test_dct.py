@@ -71,7 +71,9 @@ def test_energy_preserved_without_padding():
 
 
 def test_wrong_size_and_bad_chunk_fail():
-    with pytest.raises(ValueError, match="chunk"):
+    with pytest.raises(ValueError, match="^chunk must be an integer >= 1, got 0$"):
         BlockLayout([(4, 4)], chunk=0)
+    with pytest.raises(ValueError, match="^n must be an integer >= 1, got 0$"):
+        dct_basis(0)
     with pytest.raises(ValueError, match="elements"):
         BlockLayout([(4, 4)], chunk=2).encode(torch.zeros(15))

@@ -46,7 +46,7 @@ def test_topk_of_every_coefficient_is_identity():
 
 
 def test_topk_rejects_k_above_block():
-    with pytest.raises(ValueError, match="k must be"):
+    with pytest.raises(ValueError, match=r"^k must be an integer in \[1, 4\], got 5$"):
         topk_per_block(torch.zeros(2, 4), 5)
 
 
@@ -71,7 +71,9 @@ def test_pack_unpack_round_trip_mixed_dtypes():
 
 def test_transfer_dtype_names_and_sign():
     assert transfer_dtype("bf16") == torch.bfloat16
-    with pytest.raises(ValueError, match="transfer_dtype"):
+    with pytest.raises(ValueError, match="^transfer_dtype must be one of fp32, bf16, fp16, got 'int8'$"):
         transfer_dtype("int8")
+    with pytest.raises(ValueError, match="^transfer_dtype must be one of .*, got torch.int8$"):
+        transfer_dtype(torch.int8)
     assert apply_sign(torch.tensor([-2.0, 0.0, 3.0])).tolist() == [-1.0, 0.0, 1.0]
     assert apply_sign(torch.tensor([-2.0]), enabled=False).tolist() == [-2.0]

@@ -94,6 +94,41 @@ def test_periodic_replication_schedule():
         DeMoSGD([p], replicator="gossip")
 
 
+@pytest.mark.parametrize("every, skip, message", [
+    (0, 0, "replicate_every must be an integer >= 1, got 0"),
+    (2.0, 0, "replicate_every must be an integer >= 1, got 2.0"),
+    (True, 0, "replicate_every must be an integer >= 1, got True"),
+    (1, 1, "skip_every must be 0 (never skip) or an integer >= 2, got 1"),
+    (1, -2, "skip_every must be 0 (never skip) or an integer >= 2, got -2"),
+    (1, None, "skip_every must be 0 (never skip) or an integer >= 2, got None"),
+])
+def test_replication_schedule_is_checked_in_one_place(every, skip, message):
+    from quietsync.optim import check_replication_schedule
+
+    with pytest.raises(ValueError) as e:
+        check_replication_schedule(every, skip)
+    assert str(e.value) == message
+    with pytest.raises(ValueError) as e:  # the optimizers run the same check
+        DecoupledAdamW([torch.nn.Parameter(torch.zeros(3))], replicate_every=every, skip_every=skip)
+    assert str(e.value) == message
+    check_replication_schedule(3, 0)
+    check_replication_schedule(1, 2)
+
+
+@pytest.mark.parametrize("cls, kwargs, message", [
+    (DeMoSGD, {"lr": -1.0}, "lr must be >= 0, got -1.0"),
+    (DeMoSGD, {"beta": 1.5}, "beta must be in [0, 1], got 1.5"),
+    (DeMoSGD, {"weight_decay": -0.1}, "weight_decay must be >= 0, got -0.1"),
+    (DecoupledAdamW, {"weight_decay": float("nan")}, "weight_decay must be >= 0, got nan"),
+    (DecoupledAdamW, {"betas": (0.9, 1.0)}, "betas[1] must be in [0, 1), got 1.0"),
+    (DecoupledAdamW, {"eps": -1e-8}, "eps must be >= 0, got -1e-08"),
+])
+def test_bad_hyperparameters_fail_clearly(cls, kwargs, message):
+    with pytest.raises(ValueError) as e:
+        cls([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+    assert str(e.value) == message
+
+
 def _resume(rank: int, world: int, kind: str, rep: str) -> tuple[torch.Tensor, torch.Tensor]:
     transport = Transport(Topology.from_env())
     kw = {"lr": 0.01, "beta": 0.9, "replicator": rep,

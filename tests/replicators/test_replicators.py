@@ -157,9 +157,52 @@ def test_bad_knobs_fail_clearly():
         RandomReplicator(compression=0)
     with pytest.raises(ValueError, match="compression must be in"):
         DCTReplicator(compression=1.5)
-    with pytest.raises(ValueError, match="topk must be in"):
+    with pytest.raises(ValueError, match=r"topk must be an integer in \[1, 16\] or None, got 17"):
         DCTReplicator(chunk=4, topk=17)
+    with pytest.raises(ValueError, match="chunk must be an integer >= 1, got 0"):
+        DCTReplicator(chunk=0)
+    with pytest.raises(ValueError, match="seed must be an integer, got 1.5"):
+        RandomReplicator(seed=1.5)
     with pytest.raises(ValueError, match="transfer_dtype"):
         FullReplicator(transfer_dtype="int8")
     with pytest.raises(ValueError, match="replicator must be one of"):
         make_replicator("gossip")
+
+
+def test_each_replicator_declares_the_knobs_its_init_takes():
+    import inspect
+
+    from quietsync.replicators import REPLICATORS
+
+    for cls in REPLICATORS.values():
+        params = set(inspect.signature(cls.__init__).parameters) - {"self"}
+        assert set(cls.knobs) <= params, cls
+
+
+def test_make_replicator_passes_each_class_its_own_knobs():
+    knobs = {"compression": 1 / 8, "transfer_dtype": "bf16", "chunk": 4, "topk": 3, "seed": 7}
+    dct = make_replicator("dct", **knobs)
+    assert (dct.chunk, dct.topk, dct.compression, dct.transfer_dtype) == (4, 3, 1 / 8, torch.bfloat16)
+    rnd = make_replicator("random", **knobs)
+    assert rnd.seed == 7 and rnd.compression == 1 / 8
+    assert make_replicator("striding", **knobs).seed == 0  # striding has no seed: not passed on
+    assert make_replicator("full", **knobs).transfer_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="got colour$"):  # a knob no replicator declares
+        make_replicator("full", colour="red")
+
+
+def test_make_replicator_reads_knobs_from_the_class(monkeypatch):
+    from quietsync.replicators import REPLICATORS
+
+    class Gossip(FullReplicator):
+        name = "gossip"
+        knobs = (*FullReplicator.knobs, "fanout")
+
+        def __init__(self, fanout: int = 1, **kw):
+            super().__init__(**kw)
+            self.fanout = fanout
+
+    monkeypatch.setitem(REPLICATORS, "gossip", Gossip)
+    rep = make_replicator("gossip", fanout=3, chunk=4, compression=1 / 2)
+    assert rep.fanout == 3 and rep.compression == 1 / 2
+    assert not hasattr(make_replicator("dct", fanout=3), "fanout")

@@ -50,3 +50,23 @@ def test_compare_checks_flags_first(tmp_path, capsys):
         compare_main(["--strategies", "zero1", "nope", "--out", str(tmp_path)])
     assert "--strategy must be one of" in capsys.readouterr().err
     assert not (tmp_path / "zero1").exists()  # nothing ran
+
+
+def test_cli_and_compare_do_not_import_each_other():
+    """Parsing lives in train/args.py and running a job in train/run_job.py; compare needs neither cli."""
+    import ast
+    from pathlib import Path
+
+    import quietsync.train as train
+
+    root = Path(train.__file__).parent
+
+    def imported(module: str) -> set[str]:
+        tree = ast.parse((root / f"{module}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+
+    assert "cli" not in imported("compare") | imported("args") | imported("run_job")
+    assert "compare" not in imported("args") | imported("run_job")
+    from quietsync.train import cli, compare
+
+    assert cli.compare_main is compare.compare_main and cli.parse_train_args is compare.parse_train_args

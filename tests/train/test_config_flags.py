@@ -136,6 +136,11 @@ def test_every_registered_strategy_gets_its_flags():
     (["--model", "huge"], "--model: invalid choice: 'huge'"),
     (["--seq-len", "4096"], "--seq-len must be <= 256 for --model default"),
     (["--nproc", "4", "--nodes", "3"], "--nodes must be a positive divisor of the 4 workers, got 3"),
+    (["--nodes", "0"], "--nodes must be an integer >= 1 or None, got 0"),
+    (["--vocab-size", "100"], "--vocab-size must be an integer >= 257, got 100"),
+    (["--eval-fraction", "0.5"], "--eval-fraction must be in (0, 0.5), got 0.5"),
+    (["--timeout-s", "nan"], "--timeout-s must be > 0, got nan"),
+    (["--slow-worker", "1:0.5"], "--slow-worker factor must be >= 1, got 0.5"),
     (["--dataset", "./no/such/file.txt"], "--dataset: no such file or folder"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
@@ -189,3 +194,20 @@ def test_strategy_fields_named_like_job_flags_are_prefixed():
                 assert getattr(scfg, f.name) == 7 and getattr(cfg, f.name) == 5
     if not found:
         pytest.skip("no registered strategy has an int field named like a job flag")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_steps", True, "max_steps must be an integer >= 1, got True"),
+    ("eval_every", -1, "eval_every must be an integer >= 0, got -1"),
+    ("seq_len", 1, "seq_len must be an integer >= 2, got 1"),
+    ("warmup_steps", 2.5, "warmup_steps must be an integer >= 0 or None, got 2.5"),
+    ("seed", "0", "seed must be an integer, got '0'"),
+    ("lr", float("inf"), "lr must be > 0, got inf"),
+    ("min_lr_ratio", 1.5, "min_lr_ratio must be in [0, 1], got 1.5"),
+    ("weight_decay", None, "weight_decay must be >= 0, got None"),
+    ("model", "huge", "model must be one of tiny, default, 10m, got 'huge'"),
+])
+def test_train_config_checks_its_fields(field, value, message):
+    with pytest.raises(ValueError) as e:
+        TrainConfig(**{field: value})
+    assert str(e.value) == message

@@ -69,6 +69,10 @@ def test_epochs_roll_over_and_resume_exactly():
 def test_too_short_text():
     with pytest.raises(ValueError, match="too short"):
         ShardedSequences(torch.arange(100), 16, 4, 0, 2)
+    with pytest.raises(ValueError, match=r"^rank must be an integer in \[0, 1\], got 2$"):
+        ShardedSequences(torch.arange(1_000), 16, 4, 2, 2)
+    with pytest.raises(ValueError, match="^world_size must be an integer >= 1, got 0$"):
+        ShardedSequences(torch.arange(1_000), 16, 4, 0, 0)
 
 
 def test_eval_batches_split_fixed_windows():

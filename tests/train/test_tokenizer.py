@@ -46,7 +46,7 @@ def test_training_is_deterministic(small_corpus):
 
 
 def test_vocab_too_small(small_corpus):
-    with pytest.raises(ValueError, match="vocab_size must be at least"):
+    with pytest.raises(ValueError, match="vocab_size must be an integer >= 257, got 100"):
         tokmod.train_tokenizer(small_corpus, 100)
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validate import check_int
+
 __all__ = ["dct_basis", "BlockGroup", "BlockLayout"]
 
 
@@ -39,9 +41,8 @@ def _dct_basis_cached(n: int, dtype: torch.dtype, device: torch.device) -> torch
 
 def dct_basis(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """Orthonormal DCT-II matrix of size ``n x n`` (row k = frequency k). Cached; do not modify."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    return _dct_basis_cached(int(n), dtype, torch.device(device))
+    check_int("n", n, 1)
+    return _dct_basis_cached(n, dtype, torch.device(device))
 
 
 @dataclass
@@ -91,10 +92,9 @@ class BlockLayout:
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], chunk: int, device: torch.device | str = "cpu") -> None:
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        check_int("chunk", chunk, 1)
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
-        self.chunk = int(chunk)
+        self.chunk = chunk
         self.numel = sum(math.prod(s) for s in self.shapes)
         sentinel = self.numel
         parts: dict[tuple[int, ...], list[torch.Tensor]] = {}

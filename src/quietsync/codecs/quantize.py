@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..validate import check_choice
+
 __all__ = ["TRANSFER_DTYPES", "transfer_dtype", "cast_for_transfer", "apply_sign"]
 
 TRANSFER_DTYPES: dict[str, torch.dtype] = {
@@ -21,11 +23,9 @@ TRANSFER_DTYPES: dict[str, torch.dtype] = {
 def transfer_dtype(name: str | torch.dtype) -> torch.dtype:
     """The torch dtype of a transfer-dtype name (``fp32``, ``bf16``, ``fp16``)."""
     if isinstance(name, torch.dtype):
-        if name not in TRANSFER_DTYPES.values():
-            raise ValueError(f"transfer_dtype must be one of {sorted(TRANSFER_DTYPES)}, got {name}")
+        check_choice("transfer_dtype", name, TRANSFER_DTYPES.values())
         return name
-    if name not in TRANSFER_DTYPES:
-        raise ValueError(f"transfer_dtype must be one of {sorted(TRANSFER_DTYPES)}, got {name!r}")
+    check_choice("transfer_dtype", name, TRANSFER_DTYPES)
     return TRANSFER_DTYPES[name]
 
 

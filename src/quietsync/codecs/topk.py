@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..validate import check_int
+
 __all__ = ["index_dtype", "topk_per_block", "scatter_mean", "densify"]
 
 
@@ -34,8 +36,7 @@ def topk_per_block(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     if x.dim() != 2:
         raise ValueError(f"x must be (blocks, block_numel), got shape {tuple(x.shape)}")
     n = x.shape[1]
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in [1, {n}] (the block size), got {k}")
+    check_int("k", k, 1, n)  # at most the block size
     if k == n:
         pos = torch.arange(n, device=x.device).expand(x.shape[0], n)
         return x.clone(), pos.to(index_dtype(n))

@@ -27,8 +27,16 @@ from typing import Any
 import torch
 
 from ..replicators import Replicator, Segments, make_replicator
+from ..validate import check_float, check_int
 
-__all__ = ["DecoupledOptimizer"]
+__all__ = ["DecoupledOptimizer", "check_replication_schedule"]
+
+
+def check_replication_schedule(replicate_every: int, skip_every: int) -> None:
+    """Raise ``ValueError`` unless ``replicate_every`` is an integer >= 1 and ``skip_every`` is 0 (never
+    skip) or an integer >= 2 (skipping every step would never replicate)."""
+    check_int("replicate_every", replicate_every, 1)
+    check_int("skip_every", skip_every, 2, special={0: "never skip"})
 
 
 class DecoupledOptimizer(torch.optim.Optimizer):
@@ -36,12 +44,14 @@ class DecoupledOptimizer(torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups (torch style).
-        defaults: per-group defaults (``lr``, ``beta``, ``sign``, ``weight_decay``, ...).
+        defaults: per-group defaults (``lr``, ``beta``, ``sign``, ``weight_decay``, ...); ``lr``,
+            ``beta`` and ``weight_decay`` are checked here for every subclass.
         replicator: a :class:`~quietsync.replicators.Replicator` or its name (then built with
             ``replicator_kwargs``).
         transport: the :class:`~quietsync.transport.Transport`; None = a world of one.
         group: transport group to replicate over (``world`` for DeMo, ``replicate`` for FlexDeMo).
-        replicate_every / skip_every: periodic replication (``skip_every=0``: never skip).
+        replicate_every / skip_every: periodic replication (``skip_every=0``: never skip); see
+            :func:`check_replication_schedule`.
     """
 
     def __init__(
@@ -55,14 +65,10 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         skip_every: int = 0,
         replicator_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if defaults.get("lr", 0.0) < 0:
-            raise ValueError(f"lr must be >= 0, got {defaults['lr']}")
-        if not 0.0 <= defaults.get("beta", 0.0) <= 1.0:
-            raise ValueError(f"beta must be in [0, 1], got {defaults['beta']}")
-        if not isinstance(replicate_every, int) or replicate_every < 1:
-            raise ValueError(f"replicate_every must be an integer >= 1, got {replicate_every!r}")
-        if not isinstance(skip_every, int) or skip_every < 0 or skip_every == 1:
-            raise ValueError(f"skip_every must be 0 (never skip) or an integer >= 2, got {skip_every!r}")
+        check_float("lr", defaults.get("lr", 0.0), 0)
+        check_float("beta", defaults.get("beta", 0.0), 0, 1)
+        check_float("weight_decay", defaults.get("weight_decay", 0.0), 0)
+        check_replication_schedule(replicate_every, skip_every)
         super().__init__(params, defaults)
         if isinstance(replicator, str):
             replicator = make_replicator(replicator, **(replicator_kwargs or {}))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..replicators import Replicator
+from ..validate import check_float
 from .decoupled import DecoupledOptimizer
 
 __all__ = ["DecoupledAdamW"]
@@ -48,10 +49,9 @@ class DecoupledAdamW(DecoupledOptimizer):
         skip_every: int = 0,
         replicator_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if eps < 0 or weight_decay < 0:
-            raise ValueError(f"eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
+        for i, b in enumerate(betas):
+            check_float(f"betas[{i}]", b, 0, 1, high_open=True)
+        check_float("eps", eps, 0)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, "beta": beta,
                     "sign": sign}
         super().__init__(params, defaults, replicator, transport, group, replicate_every, skip_every,

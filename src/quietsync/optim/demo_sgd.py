@@ -52,8 +52,6 @@ class DeMoSGD(DecoupledOptimizer):
         skip_every: int = 0,
         replicator_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         defaults = {"lr": lr, "beta": beta, "sign": sign, "weight_decay": weight_decay}
         super().__init__(params, defaults, replicator, transport, group, replicate_every, skip_every,
                          replicator_kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..validate import check_choice
 from .base import Message, Replicator, Segments
 from .dct import DCTReplicator
 from .full import FullReplicator
@@ -25,19 +26,25 @@ REPLICATORS: dict[str, type[Replicator]] = {
 }
 
 
-def make_replicator(name: str, **kwargs: Any) -> Replicator:
-    """Build a replicator by name; keyword arguments a replicator does not take are ignored
-    (``chunk``/``topk`` only matter to ``dct``, ``seed`` to ``random``)."""
-    if name not in REPLICATORS:
-        raise ValueError(f"replicator must be one of {sorted(REPLICATORS)}, got {name!r}")
+def replicator_knobs() -> frozenset[str]:
+    """Every knob some registered replicator declares (see :attr:`Replicator.knobs`)."""
+    return frozenset(k for cls in REPLICATORS.values() for k in cls.knobs)
+
+
+def make_replicator(name: str, **knobs: Any) -> Replicator:
+    """Build the replicator registered as ``name``, passing it the ``knobs`` its class declares.
+
+    Knobs only another replicator declares are ignored (``chunk``/``topk`` matter to ``dct`` alone,
+    ``seed`` to ``random``), so one call can serve every replicator; a knob no replicator declares is a
+    ``ValueError`` naming it.
+    """
+    check_choice("replicator", name, REPLICATORS)
+    unknown = sorted(set(knobs) - replicator_knobs())
+    if unknown:
+        raise ValueError(f"make_replicator knobs must be among {', '.join(sorted(replicator_knobs()))}, "
+                         f"got {', '.join(unknown)}")
     cls = REPLICATORS[name]
-    common = {k: kwargs[k] for k in ("compression", "transfer_dtype", "transport", "group") if k in kwargs}
-    extra: dict[str, Any] = {}
-    if cls is DCTReplicator:
-        extra = {k: kwargs[k] for k in ("chunk", "topk") if k in kwargs}
-    elif cls is RandomReplicator:
-        extra = {k: kwargs[k] for k in ("seed",) if k in kwargs}
-    return cls(**common, **extra)
+    return cls(**{k: v for k, v in knobs.items() if k in cls.knobs})
 
 
 __all__ = [
@@ -51,4 +58,5 @@ __all__ = [
     "StridingReplicator",
     "REPLICATORS",
     "make_replicator",
+    "replicator_knobs",
 ]

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..codecs import transfer_dtype as _transfer_dtype
+from ..validate import check_float
 
 __all__ = ["Segments", "Message", "Replicator"]
 
@@ -77,6 +78,9 @@ class Replicator(ABC):
     name: ClassVar[str] = ""
     sends_indices: ClassVar[bool] = False
     collective: ClassVar[str] = "all_reduce"
+    knobs: ClassVar[tuple[str, ...]] = ("compression", "transfer_dtype", "transport", "group")
+    """The keyword arguments of ``__init__`` that :func:`~quietsync.replicators.make_replicator` passes on;
+    a subclass with knobs of its own extends this tuple."""
 
     def __init__(
         self,
@@ -85,8 +89,7 @@ class Replicator(ABC):
         transport: Any = None,
         group: str = "replicate",
     ) -> None:
-        if not 0 < compression <= 1:
-            raise ValueError(f"compression must be in (0, 1], got {compression}")
+        check_float("compression", compression, 0, 1, low_open=True)
         self.compression = float(compression)
         self.transfer_dtype = _transfer_dtype(transfer_dtype)
         self.transport = transport

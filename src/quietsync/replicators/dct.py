@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..codecs import BlockLayout, densify, index_dtype, nbytes, pack, scatter_mean, topk_per_block, unpack
+from ..validate import check_int
 from .base import Message, Replicator, Segments
 
 
@@ -35,15 +36,14 @@ class DCTReplicator(Replicator):
     name = "dct"
     sends_indices = True
     collective = "all_gather"
+    knobs = (*Replicator.knobs, "chunk", "topk")
 
     def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Any = None,
                  group: str = "replicate", chunk: int = 64, topk: int | None = None) -> None:
         super().__init__(compression, transfer_dtype, transport, group)
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
-        if topk is not None and not 1 <= topk <= chunk * chunk:
-            raise ValueError(f"topk must be in [1, chunk**2 = {chunk * chunk}], got {topk}")
-        self.chunk = int(chunk)
+        check_int("chunk", chunk, 1)
+        check_int("topk", topk, 1, chunk * chunk, allow_none=True)  # at most chunk**2 per block
+        self.chunk = chunk
         self.topk = topk
         self._layouts: dict[tuple[Segments, str], BlockLayout] = {}
         self._any_layout: dict[Segments, BlockLayout] = {}

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..validate import check_int
 from .base import Message, Replicator, Segments
 
 _MIX = 0x9E3779B97F4A7C15
@@ -31,11 +32,13 @@ class RandomReplicator(Replicator):
     """
 
     name = "random"
+    knobs = (*Replicator.knobs, "seed")
 
     def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Any = None,
                  group: str = "replicate", seed: int = 0) -> None:
         super().__init__(compression, transfer_dtype, transport, group)
-        self.seed = int(seed)
+        check_int("seed", seed)
+        self.seed = seed
         self.counter = 0
 
     def count(self, segments: Segments, dtype: torch.dtype = torch.float32) -> int:

@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 
-from .base import Segments
+from .base import Replicator, Segments
 from .random import RandomReplicator
 
 
 class StridingReplicator(RandomReplicator):
-    """Strided positions with a rotating offset; values only; all-reduce."""
+    """Strided positions with a rotating offset; values only; all-reduce (no seed: the pattern is fixed)."""
 
     name = "striding"
+    knobs = Replicator.knobs
 
     def indices(self, segments: Segments, counter: int, device: torch.device | str = "cpu") -> torch.Tensor:
         n, m = segments.numel, self.count(segments)

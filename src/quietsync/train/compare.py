@@ -20,7 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .args import OneLineParser, parse_train_args
 from .metrics import read_jsonl
+from .plots import pyplot, save_figure
+from .run_job import run_job
 
 
 def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
@@ -84,10 +87,7 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
 
 def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
     """Draw ``OUT/compare.png`` (loss vs time, bytes per step by group, compute/idle per worker)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_loss, ax_bytes, ax_busy) = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
     for r in rows:
@@ -116,16 +116,11 @@ def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
     ax_busy.legend()
     for ax in (ax_bytes, ax_busy):
         ax.tick_params(axis="x", rotation=20)
-    path = out / "compare.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "compare.png")
 
 
 def compare_main(argv: list[str]) -> int:
     """``quietsync compare --strategies A B ... [job flags]``."""
-    from .cli import OneLineParser, parse_train_args, train_main
-
     parser = OneLineParser(
         prog="quietsync compare",
         description="Run several strategies on the same job (any `quietsync train` job flag) and compare them.",
@@ -148,11 +143,10 @@ def compare_main(argv: list[str]) -> int:
     runs = []
     for name, label, flags in specs:  # check every run's flags before starting the first
         run_argv = [*job, "--strategy", name, *flags, "--out", str(out / label)]
-        parse_train_args(run_argv)
-        runs.append((label, run_argv))
-    for label, run_argv in runs:
+        runs.append((label, parse_train_args(run_argv)))
+    for label, (cfg, strategy_config, nodes) in runs:
         print(f"== quietsync compare: {label}", flush=True)
-        rc = train_main(run_argv)
+        rc = run_job(cfg, strategy_config, nodes, nproc_given="--nproc" in job)
         if rc != 0:
             print(f"quietsync compare: error: run {label} failed (exit {rc})", file=sys.stderr)
             return rc

@@ -8,11 +8,13 @@ default job: a small GPT-Neo on the King James Bible, 2 local workers, ZeRO-1, a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from ..link import parse_links
+from ..validate import check_choice, check_float, check_int
 from .corpus import DEFAULT_DATASET
 from .slow_worker import SlowWorker, parse_slow_worker
+from .tokenizer import MIN_VOCAB
 
 DEFAULT_STRATEGY = "zero1"
 """Strategy of `quietsync train` when ``--strategy`` is not given."""
@@ -59,7 +61,7 @@ class TrainConfig:
     model: ModelName = "default"
     """Model size preset: tiny (~1M parameters), default (~2.6M), 10m (~10.6M)."""
     vocab_size: int = 4096
-    """Size of the byte-level BPE vocabulary trained on the corpus."""
+    """Size of the byte-level BPE vocabulary trained on the corpus (at least 257: the 256 bytes and end-of-text)."""
     eval_every: int = 50
     """Evaluate the held-out loss every N steps (and before the first and after the last); 0 = only at the end."""
     eval_windows: int = 48
@@ -82,33 +84,21 @@ class TrainConfig:
     """Write trace-rank{R}.json (Chrome/Perfetto trace of compute, comm and idle spans) and timeline.png."""
 
     def __post_init__(self) -> None:
-        positive = ("nproc", "max_steps", "micro_batch_size", "vocab_size", "eval_windows")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("nproc", "max_steps", "micro_batch_size", "eval_windows"):
+            check_int(name, getattr(self, name), 1)
         for name in ("eval_every", "save_every", "threads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.nodes is not None and self.nodes < 1:
-            raise ValueError(f"nodes must be an integer >= 1, got {self.nodes!r}")
-        if not isinstance(self.seq_len, int) or self.seq_len < 2:
-            raise ValueError(f"seq_len must be an integer >= 2, got {self.seq_len!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if not 0.0 < self.eval_fraction < 0.5:
-            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if self.model not in ("tiny", "default", "10m"):
-            raise ValueError(f"model must be one of tiny, default, 10m, got {self.model!r}")
+            check_int(name, getattr(self, name), 0)
+        check_int("nodes", self.nodes, 1, allow_none=True)
+        check_int("seq_len", self.seq_len, 2)
+        check_int("vocab_size", self.vocab_size, MIN_VOCAB)
+        check_int("warmup_steps", self.warmup_steps, 0, allow_none=True)
+        check_int("seed", self.seed)
+        check_float("lr", self.lr, 0, low_open=True)
+        check_float("weight_decay", self.weight_decay, 0)
+        check_float("min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_float("eval_fraction", self.eval_fraction, 0, 0.5, low_open=True, high_open=True)
+        check_float("timeout_s", self.timeout_s, 0, low_open=True)
+        check_choice("model", self.model, get_args(ModelName))
         try:
             parse_links(self.link)
         except ValueError as e:

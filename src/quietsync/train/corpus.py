@@ -28,6 +28,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..validate import check_float
+
 DEFAULT_DATASET = "kjv"
 """Name of the embedded default corpus."""
 
@@ -68,8 +70,7 @@ def split_documents(
 
     Raises ``ValueError`` when there are too few documents to hold one out.
     """
-    if not 0.0 < eval_fraction < 0.5:
-        raise ValueError(f"eval_fraction must be in (0, 0.5), got {eval_fraction}")
+    check_float("eval_fraction", eval_fraction, 0, 0.5, low_open=True, high_open=True)
     k = max(2, round(1.0 / eval_fraction))
     if len(documents) < 2:
         raise ValueError(

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..validate import check_int
 from .cache import DEFAULT_CACHE_DIR, build_once
 
 
@@ -73,8 +74,8 @@ class ShardedSequences:
     ) -> None:
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        check_int("world_size", world_size, 1)
+        check_int("rank", rank, 0, world_size - 1)
         self.tokens = tokens
         self.seq_len = seq_len
         self.micro_batch_size = micro_batch_size

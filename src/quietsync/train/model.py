@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validate import check_choice
+
 
 @dataclass(frozen=True)
 class ModelPreset:
@@ -39,8 +41,7 @@ def build_model(preset: str | ModelPreset, vocab_size: int, eos_id: int = 0, see
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
     if isinstance(preset, str):
-        if preset not in PRESETS:
-            raise ValueError(f"model must be one of {', '.join(PRESETS)}, got {preset!r}")
+        check_choice("model", preset, PRESETS)
         preset = PRESETS[preset]
     config = GPTNeoConfig(
         vocab_size=vocab_size,

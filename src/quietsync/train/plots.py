@@ -11,8 +11,30 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from .metrics import read_jsonl
+
+DPI = 110
+"""Resolution of every figure quietsync writes."""
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend (imported on first use: training needs no plots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, out: str | os.PathLike, name: str) -> Path:
+    """Write ``fig`` to ``out/name``, close it, return the path."""
+    path = Path(out) / name
+    fig.savefig(path, dpi=DPI)
+    pyplot().close(fig)
+    return path
 
 
 def loss_curves(out: str | os.PathLike, world_size: int | None = None) -> dict[str, list[float]]:
@@ -56,11 +78,7 @@ def loss_curves(out: str | os.PathLike, world_size: int | None = None) -> dict[s
 
 def plot_loss(out: str | os.PathLike, world_size: int | None = None, title: str = "") -> Path:
     """Draw ``OUT/loss.png`` and return its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     c = loss_curves(out, world_size)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for ax, x, ex, label in (
@@ -76,7 +94,4 @@ def plot_loss(out: str | os.PathLike, world_size: int | None = None, title: str 
         ax.legend()
     if title:
         fig.suptitle(title)
-    path = Path(out) / "loss.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "loss.png")

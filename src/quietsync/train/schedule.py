@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..validate import check_float, check_int
+
 
 @dataclass(frozen=True)
 class WarmupCosine:
@@ -26,12 +28,9 @@ class WarmupCosine:
     """Final multiplier (fraction of the base lr)."""
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
-        if not 0.0 <= self.min_ratio <= 1.0:
-            raise ValueError(f"min_ratio must be in [0, 1], got {self.min_ratio}")
+        check_int("warmup_steps", self.warmup_steps, 0)
+        check_int("total_steps", self.total_steps, 1)
+        check_float("min_ratio", self.min_ratio, 0, 1)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:

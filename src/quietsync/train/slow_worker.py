@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validate import check_float, check_int
+
 
 @dataclass(frozen=True)
 class SlowWorker:
@@ -23,10 +25,8 @@ class SlowWorker:
     """Slow-down factor (>= 1; 1 means no slow-down)."""
 
     def __post_init__(self) -> None:
-        if self.rank < 0:
-            raise ValueError(f"slow_worker rank must be >= 0, got {self.rank}")
-        if not self.factor >= 1.0:
-            raise ValueError(f"slow_worker factor must be >= 1, got {self.factor}")
+        check_int("slow_worker rank", self.rank, 0)
+        check_float("slow_worker factor", self.factor, 1)
 
 
 def parse_slow_worker(spec: str) -> SlowWorker:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..validate import check_int
 from .cache import DEFAULT_CACHE_DIR, build_once
 from .corpus import Corpus
 
@@ -31,8 +32,7 @@ def train_tokenizer(corpus: Corpus, vocab_size: int):
     """Train a byte-level BPE with ``vocab_size`` entries on the training documents of ``corpus``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < MIN_VOCAB:
-        raise ValueError(f"vocab_size must be at least {MIN_VOCAB}, got {vocab_size}")
+    check_int("vocab_size", vocab_size, MIN_VOCAB)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

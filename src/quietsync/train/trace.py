@@ -19,6 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .plots import pyplot, save_figure
+
 LANE_ORDER = ("compute", "comm", "idle")
 """Lanes, top to bottom."""
 
@@ -70,10 +72,7 @@ def plot_timeline(out: str | os.PathLike, steps: int, title: str = "", window_st
     all_events = [e for evs in traces.values() for e in evs]
     if not all_events:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     start = min(e["ts"] for e in all_events)
     end = max(e["ts"] + e["dur"] for e in all_events)
@@ -93,7 +92,4 @@ def plot_timeline(out: str | os.PathLike, steps: int, title: str = "", window_st
     ax.grid(axis="x", alpha=0.3)
     if title:
         ax.set_title(title)
-    path = Path(out) / "timeline.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out, "timeline.png")

