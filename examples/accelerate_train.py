@@ -64,7 +64,8 @@ def main() -> None:
 
     accelerator = QuietAccelerator(strategy=args.strategy, gradient_accumulation_steps=args.accumulation)
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=32, n_layer=2, n_head=2)
+    config = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     optim_cls = torch.optim.SGD if args.sgd else torch.optim.AdamW
     optimizer = optim_cls(model.parameters(), lr=args.lr)
