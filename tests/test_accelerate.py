@@ -141,8 +141,13 @@ def test_single_process_schedule_and_sgd_match_plain_torch():
     plain_sched = torch.optim.lr_scheduler.LambdaLR(plain, _factor)
     for batch in _batches(5, 4):
         assert quiet.backward(_loss(quiet.model, batch))
-        quiet.step(); sched.step(); quiet.zero_grad()
-        plain.zero_grad(); _loss(plain_model, batch).backward(); plain.step(); plain_sched.step()
+        quiet.step()
+        sched.step()
+        quiet.zero_grad()
+        plain.zero_grad()
+        _loss(plain_model, batch).backward()
+        plain.step()
+        plain_sched.step()
         assert quiet.last_step_metrics().lr == pytest.approx(0.1 * _factor(quiet.steps - 1))
     for p, q in zip(quiet_model.parameters(), plain_model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
@@ -181,7 +186,8 @@ def test_optimizer_state_dict_round_trip_resumes_exactly(strategy):
         torch.testing.assert_close(p, q, atol=0, rtol=0)
     with pytest.raises(ValueError, match="not saved by a QuietOptimizer"):
         opt2.load_state_dict(sched.state_dict())
-    opt.close(); opt2.close()
+    opt.close()
+    opt2.close()
 
 
 def test_specification_keeps_user_options_and_base_lr():

@@ -58,13 +58,11 @@ from typing import Any
 
 import torch
 
-from .strategies import Strategy, StepMetrics, StrategyConfig, make_strategy
+from .strategies import StepMetrics, Strategy, StrategyConfig, make_strategy
 from .strategies.registry import get as get_strategy
 from .transport import Transport
 
 __all__ = ["QuietAccelerator", "QuietOptimizer", "strategy_kwargs_from_optimizer"]
-
-_MISSING = object()
 
 
 def _same(a: Any, b: Any) -> bool:
