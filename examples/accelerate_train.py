@@ -1,0 +1,113 @@
+"""An ordinary 🤗 Accelerate training loop of a tiny causal LM, with a quietsync strategy in place of DDP.
+
+The only quietsync-specific line is the ``QuietAccelerator(strategy=...)`` construction; everything else is
+the usual Accelerate idiom (prepare, accumulate, backward, optimizer/scheduler step). Run::
+
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --strategy zero1
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --strategy acco --steps 20
+
+(on a CPU-only machine ``--multi_gpu`` starts gloo workers). ``--strategy`` takes any registered name
+(``quietsync.strategies.available()``). ``--out FILE`` writes one JSON line per rank (for the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, get_cosine_schedule_with_warmup
+
+import quietsync
+from quietsync.accelerate import QuietAccelerator
+
+
+def corpus_bytes() -> bytes:
+    """Training text as bytes (the byte is the token): the embedded KJV corpus when installed, else a filler."""
+    try:
+        from quietsync.train.corpus import kjv_chapters
+
+        return "".join(kjv_chapters()[:40]).encode()
+    except (ImportError, FileNotFoundError):
+        return (" ".join(f"line {i} of a small offline corpus about gradients and networks." for i in range(4000))).encode()
+
+
+class ByteWindows(torch.utils.data.IterableDataset):
+    """An endless stream of random ``seq_len + 1``-byte windows (seeded: every process sees the same stream,
+    Accelerate hands each process its own batches of it)."""
+
+    def __init__(self, data: bytes, seq_len: int, seed: int = 0) -> None:
+        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.seq_len, self.seed = seq_len, seed
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(self.seed)
+        while True:
+            i = int(torch.randint(0, len(self.data) - self.seq_len - 1, (1,), generator=gen))
+            window = self.data[i : i + self.seq_len + 1]
+            yield {"input_ids": window[:-1], "labels": window[:-1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--strategy", default="zero1", choices=quietsync.available())
+    parser.add_argument("--steps", type=int, default=20, help="committed optimizer steps")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--sgd", action="store_true", help="torch.optim.SGD instead of AdamW")
+    parser.add_argument("--out", default=None, help="append one JSON line per rank with the outcome")
+    args = parser.parse_args()
+
+    accelerator = QuietAccelerator(strategy=args.strategy, gradient_accumulation_steps=args.accumulation)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    optim_cls = torch.optim.SGD if args.sgd else torch.optim.AdamW
+    optimizer = optim_cls(model.parameters(), lr=args.lr)
+    # Accelerate steps a scheduler once per process per optimizer step, hence the factor.
+    scheduler = get_cosine_schedule_with_warmup(optimizer, 2 * accelerator.num_processes,
+                                                args.steps * accelerator.num_processes)
+    loader = torch.utils.data.DataLoader(ByteWindows(corpus_bytes(), args.seq_len), batch_size=args.batch_size)
+
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    bytes_sent, losses, lrs = 0, [], []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+        if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # a committed step
+            m = optimizer.last_step_metrics()
+            bytes_sent += m.bytes_sent
+            lrs.append(m.lr)
+            accelerator.print(f"step {m.step:3d}  loss {sum(losses[-m.micro_batches:]) / m.micro_batches:.4f}  "
+                              f"lr {m.lr:.2e}  sent {m.bytes_sent / 1e3:.1f} kB  micro-batches {m.micro_batches}")
+            if optimizer.steps >= args.steps:
+                break
+
+    with optimizer.committed_params() as committed:  # evaluation sees θ, not a strategy's estimate
+        flat = torch.cat([p.detach().float().flatten() for p in accelerator.unwrap_model(committed).parameters()])
+        checksum = hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()
+        param_sum = float(flat.double().sum())
+    accelerator.print(f"done: {optimizer.steps} steps, {bytes_sent / 1e6:.3f} MB sent by rank 0")
+    if args.out:
+        record = {"rank": accelerator.process_index, "world": accelerator.num_processes, "strategy": args.strategy,
+                  "steps": optimizer.steps, "micro_batches": len(losses), "bytes_sent": bytes_sent,
+                  "final_loss": losses[-1], "lrs": lrs, "checksum": checksum, "param_sum": param_sum,
+                  "pid": os.getpid()}
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

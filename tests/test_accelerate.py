@@ -1,0 +1,255 @@
+"""quietsync.accelerate: QuietOptimizer / QuietAccelerator against plain training, and the example under
+the real ``accelerate launch``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+import torch  # noqa: E402
+
+from quietsync.accelerate import QuietOptimizer, strategy_kwargs_from_optimizer  # noqa: E402
+
+from .distributed import free_port, run_ranks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _batches(n: int, size: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 6, generator=g), torch.randn(size, 2, generator=g)) for _ in range(n)]
+
+
+def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _factor(step: int) -> float:
+    """The LambdaLR factor the tests schedule with (warm-up, then decay)."""
+    return min(1.0, (step + 1) / 3) * 0.8 ** max(0, step - 2)
+
+
+def _reference(steps: int, micro: int, world: int, lr: float, sched_per_step: int) -> list[torch.Tensor]:
+    """Plain single-process SGD: each step on the concatenation of every worker's micro-batches."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _factor)
+    data = [_batches(steps * micro, 4, seed=10 + r) for r in range(world)]
+    for s in range(steps):
+        chunk = [data[r][s * micro + m] for r in range(world) for m in range(micro)]
+        x = torch.cat([c[0] for c in chunk])
+        y = torch.cat([c[1] for c in chunk])
+        opt.zero_grad()
+        _loss(model, (x, y)).backward()
+        opt.step()
+        for _ in range(sched_per_step):
+            sched.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ---------------------------------------------------------------------------------- workers (2 gloo ranks)
+def _accelerate_worker(rank: int, world: int, strategy: str, steps: int, micro: int, lr: float) -> dict:
+    """An ordinary Accelerate loop with a QuietAccelerator; rank r trains on its own micro-batches."""
+    from quietsync.accelerate import QuietAccelerator
+
+    accelerator = QuietAccelerator(strategy=strategy, gradient_accumulation_steps=micro)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _factor)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    assert not isinstance(model, torch.nn.parallel.DistributedDataParallel) or strategy == "ddp"
+    commits, applied, scheduled = [], [], []
+    for batch in _batches(steps * micro, 4, seed=10 + rank):
+        with accelerator.accumulate(model):
+            loss = _loss(model, batch)
+            lr_now = optimizer.param_groups[0]["lr"]
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        committed = accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped
+        commits.append(committed)
+        if committed:
+            scheduled.append(lr_now)
+            applied.append(optimizer.strategy.optimizer.param_groups[0]["lr"])  # what the strategy stepped with
+    with optimizer.committed_params() as m:
+        params = [p.detach().clone() for p in accelerator.unwrap_model(m).parameters()]
+    out = {"params": params, "commits": commits, "applied": applied, "scheduled": scheduled,
+           "steps": optimizer.steps, "bytes": optimizer.last_step_metrics().bytes_sent,
+           "ddp_wrapped_by_accelerate": any(isinstance(x, torch.nn.parallel.DistributedDataParallel)
+                                            and x is not optimizer.model for x in accelerator._models)}
+    accelerator.end_training()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_zero1_sgd_under_accelerate_equals_single_process_training_on_the_concatenated_batch():
+    steps, lr = 4, 0.2
+    results = run_ranks(_accelerate_worker, 2, "zero1", steps, 1, lr, timeout=55)
+    # Accelerate steps a scheduler once per process per optimizer step: 2 factor steps per step here.
+    ref = _reference(steps, 1, 2, lr, sched_per_step=2)
+    for r in results:
+        assert r["steps"] == steps and r["bytes"] > 0 and not r["ddp_wrapped_by_accelerate"]
+        for p, q in zip(r["params"], ref):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    assert not torch.equal(ref[0], _model()[0].weight)  # training moved the parameters
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_accumulate_with_two_steps_commits_every_second_micro_batch(strategy):
+    steps, lr = 3, 0.2
+    results = run_ranks(_accelerate_worker, 2, strategy, steps, 2, lr, timeout=55)
+    ref = _reference(steps, 2, 2, lr, sched_per_step=2)
+    for r in results:
+        assert r["commits"] == [False, True] * steps
+        for p, q in zip(r["params"], ref):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(60)
+def test_the_lr_the_strategy_applies_follows_the_scheduler():
+    results = run_ranks(_accelerate_worker, 2, "zero1", 4, 1, 0.2, timeout=55)
+    expected = [0.2 * _factor(2 * s) for s in range(4)]
+    for r in results:
+        assert r["scheduled"] == pytest.approx(expected)
+        assert r["applied"] == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------------------- single process
+def test_single_process_schedule_and_sgd_match_plain_torch():
+    """World of one, no Accelerate: QuietOptimizer + LambdaLR = torch SGD + LambdaLR, step by step."""
+    quiet_model, plain_model = _model(), _model()
+    quiet = QuietOptimizer(quiet_model, torch.optim.SGD(quiet_model.parameters(), lr=0.1), "zero1")
+    sched = torch.optim.lr_scheduler.LambdaLR(quiet, _factor)  # built on the QuietOptimizer
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
+    plain_sched = torch.optim.lr_scheduler.LambdaLR(plain, _factor)
+    for batch in _batches(5, 4):
+        assert quiet.backward(_loss(quiet.model, batch))
+        quiet.step()
+        sched.step()
+        quiet.zero_grad()
+        plain.zero_grad()
+        _loss(plain_model, batch).backward()
+        plain.step()
+        plain_sched.step()
+        assert quiet.last_step_metrics().lr == pytest.approx(0.1 * _factor(quiet.steps - 1))
+    for p, q in zip(quiet_model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    quiet.close()
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "ddp"])
+def test_optimizer_state_dict_round_trip_resumes_exactly(strategy):
+    def make():
+        model = _model()
+        opt = QuietOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), strategy, accumulation=2)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _factor)
+
+    data = _batches(8, 4)
+    model, opt, sched = make()
+
+    def train(opt, sched, batches):
+        for b in batches:
+            opt.backward(_loss(opt.model, b))
+            opt.step()
+            if not opt.step_was_skipped:
+                sched.step()
+
+    train(opt, sched, data[:3])  # a step and a half: a pending micro-batch is part of the state
+    saved_opt, saved_sched = copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict())
+    train(opt, sched, data[3:])
+    final = [p.detach().clone() for p in model.parameters()]
+
+    model2, opt2, sched2 = make()
+    opt2.load_state_dict(saved_opt)
+    sched2.load_state_dict(saved_sched)
+    assert opt2.steps == 1 and opt2.param_groups[0]["lr"] == pytest.approx(1e-2 * _factor(1))
+    train(opt2, sched2, data[3:])
+    assert opt2.steps == opt.steps == 4
+    for p, q in zip(model2.parameters(), final):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not saved by a QuietOptimizer"):
+        opt2.load_state_dict(sched.state_dict())
+    opt.close()
+    opt2.close()
+
+
+def test_specification_keeps_user_options_and_base_lr():
+    model = _model()
+    groups = [{"params": list(model[0].parameters()), "weight_decay": 0.0},
+              {"params": list(model[2].parameters())}]
+    opt = torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)  # warm-up from 0: lr is 0 now, initial_lr kept
+    spec = strategy_kwargs_from_optimizer(opt)
+    assert spec["optimizer"] is torch.optim.AdamW
+    assert spec["lr"] == 3e-3 and spec["weight_decay"] == 0.1 and spec["betas"] == (0.9, 0.95)
+    assert "eps" not in spec and "amsgrad" not in spec  # left at the class defaults
+    assert spec["param_groups"][0]["weight_decay"] == 0.0 and "weight_decay" not in spec["param_groups"][1]
+    assert [g["lr"] for g in spec["param_groups"]] == [3e-3, 3e-3]
+
+
+def test_misuse_fails_early_and_clearly():
+    model = _model()
+    with pytest.raises(ValueError, match="strategy must be one of .*zero1"):
+        QuietOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "nope")
+    with pytest.raises(ValueError, match="decides its own accumulation"):
+        QuietOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "acco", accumulation=2)
+    with pytest.raises(ValueError, match="conflicts"):
+        QuietOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "zero1",
+                       config={"accumulation": 3}, accumulation=2)
+    with pytest.raises(ValueError, match="learning rate of parameter group 0 is 0"):
+        QuietOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.0), "zero1")
+    quiet = QuietOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "zero1")
+    with pytest.raises(ValueError, match="closures"):
+        quiet.step(lambda: 0.0)
+    quiet.close()
+
+
+def test_quiet_accelerator_rejects_unknown_strategy_before_touching_accelerate():
+    from quietsync.accelerate import QuietAccelerator
+
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        QuietAccelerator(strategy="nope")
+
+
+# ---------------------------------------------------------------------------------- the real launcher
+def launch_example(script: str, strategy: str, out: Path, *extra: str, timeout: float = 120.0) -> list[dict]:
+    """Run ``script`` under ``accelerate launch --multi_gpu --num_processes 2`` (no config file)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+           str(ROOT / "examples" / script), "--strategy", strategy, "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("strategy", ["zero1", "ddp"])
+def test_example_under_accelerate_launch(strategy, tmp_path):
+    records = launch_example("accelerate_train.py", strategy, tmp_path / "out.jsonl", "--steps", "3",
+                             "--accumulation", "2")
+    assert [r["rank"] for r in records] == [0, 1] and all(r["world"] == 2 for r in records)
+    assert records[0]["checksum"] == records[1]["checksum"]  # replicas identical
+    assert all(r["steps"] == 3 and r["micro_batches"] == 6 for r in records)
+    assert all(r["bytes_sent"] > 0 and math.isfinite(r["final_loss"]) for r in records)
+    assert records[0]["final_loss"] != records[1]["final_loss"]  # each process got its own data
