@@ -170,3 +170,22 @@ def test_parts_register_no_strategy():
                  "outer"):
         module = importlib.import_module(f"quietsync.strategies.{part}")
         assert part not in _strategy_modules(), module
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "demo", "localsgd", "diloco", "acco"])
+def test_step_metrics_report_the_scheduled_lr(name):
+    # The optimizer rescales its (shared) group dicts; the reported lr must still be base * schedule(step).
+    model = tiny_model()
+    groups = [{"params": list(model.parameters()), "lr": 0.2}]
+    strategy = quietsync.make_strategy(name, model, torch.optim.SGD, param_groups=groups, lr=0.2,
+                                       lr_schedule=lambda step: 0.5 ** step)
+    reported = []
+    index = 0
+    while strategy.steps < 3:
+        strategy.forward_backward(micro_batch(0, 0, index), loss_fn)
+        index += 1
+        if strategy.step():
+            reported.append(strategy.last_step_metrics().lr)
+    assert reported == pytest.approx([0.2, 0.1, 0.05])
+    assert strategy.current_lr() == pytest.approx(0.025)
+    strategy.close()

@@ -116,6 +116,8 @@ class Strategy(ABC):
         self._owns_transport = transport is None
         self.transport = transport if transport is not None else Transport()
         self.lr_schedule = lr_schedule
+        self.base_lr = float(self.param_groups[0].get("lr", self.optimizer_kwargs.get("lr", 0.0)))
+        """The first group's lr before any schedule (optimizers share and rescale the group dicts later)."""
         self.steps = 0
         """Committed optimizer steps."""
         self.micro_batches = 0
@@ -195,7 +197,7 @@ class Strategy(ABC):
 
     def current_lr(self) -> float:
         """The lr the next committed step uses for the first parameter group."""
-        return self._base_lr() * self._lr_scale(self.steps)
+        return self.base_lr * self._lr_scale(self.steps)
 
     def position(self) -> dict[str, int]:
         """Where this worker is in the algorithm: committed steps plus the strategy's own stage counters.
@@ -324,14 +326,11 @@ class Strategy(ABC):
     def _lr_scale(self, step: int) -> float:
         return 1.0 if self.lr_schedule is None else float(self.lr_schedule(step))
 
-    def _base_lr(self) -> float:
-        return float(self.param_groups[0].get("lr", self.optimizer_kwargs.get("lr", 0.0)))
-
     def _commit(self, extra: dict[str, Any] | None = None, micro_batches: int | None = None) -> StepMetrics:
         """Record a committed step: bump the counter and close this step's accounting."""
         self.steps += 1
         self._last_metrics = self.accounting.close_step(
-            self.steps, self._base_lr() * self._lr_scale(self.steps - 1), extra, micro_batches)
+            self.steps, self.base_lr * self._lr_scale(self.steps - 1), extra, micro_batches)
         return self._last_metrics
 
     def _check_open(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..optim import DecoupledAdamW, DecoupledOptimizer, DeMoSGD
+from ..optim import DecoupledAdamW, DecoupledOptimizer, DeMoSGD, check_replication_schedule
 from ..replicators import REPLICATORS, make_replicator
 from ..transport import Transport
 from ..validate import check_choice, check_float, check_int
@@ -63,10 +63,7 @@ class DecoupledConfig(AccumulationConfig):
         check_int("topk", self.topk, 1, self.chunk**2, allow_none=True)
         check_choice("transfer_dtype", self.transfer_dtype, _TRANSFER)
         check_float("beta", self.beta, 0, 1)
-        check_int("replicate_every", self.replicate_every, 1)
-        check_int("skip_every", self.skip_every, 0)
-        if self.skip_every == 1:
-            raise ValueError("skip_every must be 0 (never) or an integer >= 2, got 1")
+        check_replication_schedule(self.replicate_every, self.skip_every)
 
 
 def build_decoupled_optimizer(
