@@ -5,6 +5,8 @@ the usual Accelerate idiom (prepare, accumulate, backward, optimizer/scheduler s
 
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --strategy zero1
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --strategy acco --steps 20
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --strategy diloco \
+        --strategy-config '{"sync_every": 4}'
 
 (on a CPU-only machine ``--multi_gpu`` starts gloo workers). ``--strategy`` takes any registered name
 (``quietsync.strategies.available()``). ``--out FILE`` writes one JSON line per rank (for the tests).
@@ -59,10 +61,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--sgd", action="store_true", help="torch.optim.SGD instead of AdamW")
+    parser.add_argument("--strategy-config", type=json.loads, default=None,
+                        help='the strategy\'s knobs as JSON, e.g. \'{"sync_every": 16}\' for diloco')
     parser.add_argument("--out", default=None, help="append one JSON line per rank with the outcome")
     args = parser.parse_args()
 
-    accelerator = QuietAccelerator(strategy=args.strategy, gradient_accumulation_steps=args.accumulation)
+    accelerator = QuietAccelerator(strategy=args.strategy, strategy_config=args.strategy_config,
+                                   gradient_accumulation_steps=args.accumulation)
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=32, n_layer=2, n_head=2,
                         bos_token_id=0, eos_token_id=0)

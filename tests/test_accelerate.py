@@ -244,10 +244,11 @@ def launch_example(script: str, strategy: str, out: Path, *extra: str, timeout: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["zero1", "ddp"])
-def test_example_under_accelerate_launch(strategy, tmp_path):
+@pytest.mark.parametrize(("strategy", "knobs"), [("zero1", None), ("ddp", None), ("diloco", {"sync_every": 2})])
+def test_example_under_accelerate_launch(strategy, knobs, tmp_path):
+    extra = ["--strategy-config", json.dumps(knobs)] if knobs else []
     records = launch_example("accelerate_train.py", strategy, tmp_path / "out.jsonl", "--steps", "3",
-                             "--accumulation", "2")
+                             "--accumulation", "2", *extra)
     assert [r["rank"] for r in records] == [0, 1] and all(r["world"] == 2 for r in records)
     assert records[0]["checksum"] == records[1]["checksum"]  # replicas identical
     assert all(r["steps"] == 3 and r["micro_batches"] == 6 for r in records)
