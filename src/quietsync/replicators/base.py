@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..codecs import transfer_dtype as _transfer_dtype
+from ..transport import Collectives
 
 __all__ = ["Segments", "Message", "Replicator"]
 
@@ -82,7 +83,7 @@ class Replicator(ABC):
         self,
         compression: float = 1 / 32,
         transfer_dtype: str | torch.dtype = "fp32",
-        transport: Any = None,
+        transport: Collectives | None = None,
         group: str = "replicate",
     ) -> None:
         if not 0 < compression <= 1:
@@ -93,7 +94,7 @@ class Replicator(ABC):
         self.group = group
 
     # ------------------------------------------------------------------ wiring
-    def bind(self, transport: Any, group: str) -> Replicator:
+    def bind(self, transport: Collectives | None, group: str) -> Replicator:
         """Attach the transport and group name (strategies do this; plain users pass them to __init__)."""
         self.transport, self.group = transport, group
         return self

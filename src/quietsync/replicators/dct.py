@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..codecs import BlockLayout, densify, index_dtype, nbytes, pack, scatter_mean, topk_per_block, unpack
+from ..transport import Collectives
 from .base import Message, Replicator, Segments
 
 
@@ -36,7 +37,7 @@ class DCTReplicator(Replicator):
     sends_indices = True
     collective = "all_gather"
 
-    def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Any = None,
+    def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Collectives | None = None,
                  group: str = "replicate", chunk: int = 64, topk: int | None = None) -> None:
         super().__init__(compression, transfer_dtype, transport, group)
         if chunk < 1:

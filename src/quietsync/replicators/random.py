@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..transport import Collectives
 from .base import Message, Replicator, Segments
 
 _MIX = 0x9E3779B97F4A7C15
@@ -32,7 +33,7 @@ class RandomReplicator(Replicator):
 
     name = "random"
 
-    def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Any = None,
+    def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Collectives | None = None,
                  group: str = "replicate", seed: int = 0) -> None:
         super().__init__(compression, transfer_dtype, transport, group)
         self.seed = int(seed)
