@@ -202,7 +202,8 @@ class Transport:
         backend: ``gloo`` or ``nccl``; default nccl when CUDA is available, else gloo.
 
     ``torch.distributed`` is initialised from the environment (``env://``, as torchrun sets it) when the
-    world has more than one worker and it is not initialised yet.
+    world has more than one worker and it is not initialised yet; :meth:`close` then takes it down again
+    (see :attr:`initialized_default_group`).
     """
 
     def __init__(
