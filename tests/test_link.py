@@ -49,3 +49,16 @@ def test_bad_link_specs(spec, match):
 def test_same_link_twice():
     with pytest.raises(ValueError, match="given twice"):
         parse_links(["inter=1gbit", "inter=2gbit"])
+
+
+def test_link_is_full_duplex_collectives_book_both_directions():
+    link = LinkModel(1000.0, 0.0)
+    assert link.reserve(1.0, start=10.0, tx=True, rx=False) == 11.0  # a send
+    assert link.reserve(1.0, start=10.0, tx=False, rx=True) == 11.0  # a receive at the same time overlaps
+    assert link.reserve(1.0, start=10.0, tx=True, rx=False) == 12.0  # a second send queues behind the first
+    assert link.reserve(1.0, start=10.0) == 13.0  # a collective waits for both queues and holds both
+    assert link.reserve(1.0, start=10.0, tx=False, rx=True) == 14.0
+    link.reset()
+    assert link.reserve(1.0, start=0.0, tx=False, rx=True) == 1.0
+    with pytest.raises(ValueError, match="at least one of tx and rx"):
+        link.reserve(1.0, tx=False, rx=False)

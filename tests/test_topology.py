@@ -37,3 +37,10 @@ def test_bad_topologies():
         Topology(4, 4, 1)
     with pytest.raises(ValueError, match="group must be one of"):
         Topology().ranks("galaxy")
+
+
+def test_node_of_a_rank():
+    t = Topology(rank=0, world_size=6, nodes=3)
+    assert [t.node_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match=r"rank must be a global rank in \[0, 6\), got 6"):
+        t.node_of(6)

@@ -3,7 +3,8 @@
 Every collective the transport runs is recorded as a :class:`Span` on the ``comm`` lane, and strategies
 record ``compute`` and ``idle`` spans of the main thread, so a timeline (and a test) can see whether
 computation really ran while the network was busy. The :class:`ByteMeter` counts bytes per group and per
-direction from the collective's algorithm (see :mod:`quietsync.link`), not from sniffing sockets.
+direction from the collective's algorithm (see :mod:`quietsync.link`), not from sniffing sockets, and, for
+point-to-point operations (send, recv, exchange), also per peer.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class EventRecorder:
 
 
 class ByteMeter:
-    """Thread-safe counters of bytes sent and received, per group and per collective kind."""
+    """Thread-safe counters of bytes sent and received, per group and per collective kind, and per peer for
+    point-to-point traffic."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -92,6 +94,8 @@ class ByteMeter:
         self._recv: dict[str, int] = defaultdict(int)
         self._by_kind: dict[tuple[str, str], int] = defaultdict(int)
         self._seconds: dict[str, float] = defaultdict(float)
+        self._peer_sent: dict[int, int] = defaultdict(int)
+        self._peer_recv: dict[int, int] = defaultdict(int)
 
     def add(self, group: str, kind: str, sent: int, recv: int, seconds: float = 0.0) -> None:
         with self._lock:
@@ -99,6 +103,19 @@ class ByteMeter:
             self._recv[group] += recv
             self._by_kind[(group, kind)] += sent
             self._seconds[group] += seconds
+
+    def add_peer(self, peer: int, sent: int = 0, recv: int = 0) -> None:
+        """Count point-to-point bytes sent to / received from global rank ``peer`` (on top of :meth:`add`)."""
+        with self._lock:
+            self._peer_sent[peer] += sent
+            self._peer_recv[peer] += recv
+
+    def peer_snapshot(self) -> dict[int, dict[str, int]]:
+        """``{peer global rank: {"sent": bytes, "recv": bytes}}`` of point-to-point traffic (send, recv,
+        exchange); collectives are not attributed to peers."""
+        with self._lock:
+            peers = set(self._peer_sent) | set(self._peer_recv)
+            return {p: {"sent": self._peer_sent[p], "recv": self._peer_recv[p]} for p in sorted(peers)}
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """``{group: {"sent": bytes, "recv": bytes, "seconds": comm seconds}}``."""
@@ -129,6 +146,8 @@ class ByteMeter:
             self._recv.clear()
             self._by_kind.clear()
             self._seconds.clear()
+            self._peer_sent.clear()
+            self._peer_recv.clear()
 
 
 def diff_snapshots(new: dict[str, dict[str, float]], old: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

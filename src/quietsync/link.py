@@ -10,11 +10,24 @@ all-reduce         2(n−1)                 2(n−1)/n · B   (B = the whole buf
 reduce-scatter     n−1                    (n−1)/n · B    (B = the unscattered input)
 all-gather         n−1                    (n−1)/n · B    (B = the gathered output)
 broadcast (chain)  n−1                    B (every worker but the last forwards it)
-send / recv        1                      B
+send / recv        1                      B (sent, or received)
 =================  =====================  ======================================
 
-so the modeled time is ``messages·α + bytes/β``. The transport stretches each real collective to at least
-this time; links are serial, so back-to-back collectives queue behind each other like on a real wire.
+so the modeled time is ``messages·α + bytes/β``. The transport stretches each real operation to at least
+this time.
+
+**A link is one worker's network interface, full duplex.** A :class:`LinkModel` has a transmit queue and a
+receive queue, each FIFO (serial): transfers booked on the same queue wait for each other like on a real wire,
+transfers on different queues overlap. A ``send`` books the transmit queue, a ``recv`` the receive queue, and
+a point-to-point *exchange* (send B to one peer while receiving B from another) books both at once, so it
+takes B/β, not 2B/β. A collective moves the same ring traffic in both directions at every step, so it books
+both queues for its whole modeled time: back-to-back collectives queue behind each other and also behind
+(or in front of) any send or receive.
+
+Each process holds one link object per kind (``inter``: to workers of other nodes, ``intra``: to workers of
+its own node); the transport picks the kind per operation: a collective uses ``inter`` iff its group spans
+nodes, a point-to-point operation uses the kind of the peer (its node against this worker's). Modeling both
+kinds as separate interfaces means an intra-node copy never queues behind inter-node traffic.
 
 Spelled on the command line as ``inter=100mbit,5ms`` or ``intra=10gbit,0.05ms``.
 """
@@ -28,7 +41,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 LINK_NAMES = ("inter", "intra")
-"""``inter``: collectives whose group spans several nodes; ``intra``: collectives inside one node."""
+"""``inter``: collectives whose group spans several nodes and point-to-point traffic with a worker of another
+node; ``intra``: collectives inside one node and point-to-point traffic with a worker of the same node."""
 
 _RATE_UNITS = {
     "bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8,
@@ -61,13 +75,18 @@ def traffic(kind: str, nbytes: int, n: int) -> tuple[int, int]:
 
 @dataclass
 class LinkModel:
-    """A serial link with bandwidth and latency; thread-safe."""
+    """A full-duplex link with bandwidth and latency: a FIFO transmit queue and a FIFO receive queue.
+
+    Thread-safe. The bandwidth holds in each direction (a 100 Mbit/s link sends 100 Mbit/s while it
+    receives 100 Mbit/s).
+    """
 
     bandwidth: float
     """Bytes per second."""
     latency: float = 0.0
     """Seconds per message (α)."""
-    _free_at: float = field(default=0.0, init=False, repr=False)
+    _tx_free_at: float = field(default=0.0, init=False, repr=False)
+    _rx_free_at: float = field(default=0.0, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,21 +100,36 @@ class LinkModel:
         messages, sent = traffic(kind, nbytes, n)
         return messages * self.latency + sent / self.bandwidth
 
-    def reserve(self, seconds: float, start: float | None = None) -> float:
+    def reserve(self, seconds: float, start: float | None = None, tx: bool = True, rx: bool = True) -> float:
         """Book ``seconds`` of wire time starting no earlier than ``start``; return the finish time.
 
-        The link is FIFO: a transfer booked while another is on the wire starts when that one ends.
+        Args:
+            seconds: how long the transfer occupies the queues it books.
+            start: earliest start (``perf_counter`` seconds); now by default.
+            tx: book the transmit queue (a send; collectives book both).
+            rx: book the receive queue (a receive; collectives book both).
+
+        Each queue is FIFO: a transfer booked while another holds one of its queues starts when that one
+        ends. A transfer booking both queues starts when both are free and holds both until it ends.
         """
+        if not (tx or rx):
+            raise ValueError("reserve must book at least one of tx and rx")
+        if seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds}")
         now = time.perf_counter() if start is None else start
         with self._lock:
-            begin = max(now, self._free_at)
-            self._free_at = begin + seconds
-            return self._free_at
+            begin = max(now, self._tx_free_at if tx else now, self._rx_free_at if rx else now)
+            end = begin + seconds
+            if tx:
+                self._tx_free_at = end
+            if rx:
+                self._rx_free_at = end
+            return end
 
     def reset(self) -> None:
         """Forget queued transfers (for tests and benchmarks that reuse a link)."""
         with self._lock:
-            self._free_at = 0.0
+            self._tx_free_at = self._rx_free_at = 0.0
 
     @classmethod
     def parse(cls, spec: str) -> LinkModel:

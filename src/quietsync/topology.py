@@ -108,6 +108,12 @@ class Topology:
             return self.replicate_ranks
         raise ValueError(f"group must be one of {GROUPS}, got {group!r}")
 
+    def node_of(self, rank: int) -> int:
+        """Index of the node holding global rank ``rank``."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be a global rank in [0, {self.world_size}), got {rank!r}")
+        return rank // self.workers_per_node
+
     def spans_nodes(self, group: str) -> bool:
         """Whether a collective on ``group`` crosses the inter-node link."""
         ranks = self.ranks(group)

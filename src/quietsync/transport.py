@@ -1,29 +1,40 @@
-"""The one door to ``torch.distributed``: every collective quietsync runs goes through :class:`Transport`.
+"""The one door to ``torch.distributed``: every collective and point-to-point transfer quietsync runs goes
+through :class:`Transport`.
 
 Because there is one door, three things hold for every algorithm, baselines included:
 
 * **metering** — bytes sent and received are counted per group and per direction from the collective's
-  algorithm (:func:`quietsync.link.traffic`), together with the seconds each group's collectives took;
-* **timelines** — every collective becomes a ``comm`` span in the :class:`~quietsync.events.EventRecorder`;
-* **link emulation** — with a :class:`~quietsync.link.LinkModel` for the ``inter`` (groups spanning nodes)
-  or ``intra`` link, each collective is stretched to at least its modeled time, FIFO per link, so a
-  laptop behaves like two nodes on a 100 Mbit/s network. The stretch happens in :meth:`Work.wait`, i.e. on
-  whichever thread waits: the communication worker's in overlapped strategies, the main thread otherwise.
+  algorithm (:func:`quietsync.link.traffic`), together with the seconds each group's operations took;
+  point-to-point traffic (``send``, ``recv``, ``exchange``) is also counted per peer
+  (:meth:`~quietsync.events.ByteMeter.peer_snapshot`);
+* **timelines** — every operation becomes one ``comm`` span in the :class:`~quietsync.events.EventRecorder`;
+* **link emulation** — with a :class:`~quietsync.link.LinkModel` for the ``inter`` and ``intra`` links, each
+  operation is stretched to at least its modeled time, so a laptop behaves like two nodes on a 100 Mbit/s
+  network. A collective uses ``inter`` iff its group spans nodes and books both directions of the link; a
+  point-to-point operation uses the link of its peer's node (``inter`` iff the peer is on another node) and
+  books the transmit queue (send) or the receive queue (recv) — links are full duplex, so an ``exchange``
+  that sends and receives B bytes takes B/β. The stretch happens in :meth:`Work.wait`, i.e. on whichever
+  thread waits: the communication worker's in overlapped strategies, the main thread otherwise.
 
 Groups are named ``world``, ``shard`` (inside a node) and ``replicate`` (across nodes); the transport
-creates its own process group for each (all ranks, same order), so collectives issued from the
+creates its own process group for each (all ranks, same order), so operations issued from the
 communication worker thread never interleave with another thread's on the same group. A group of one
-never touches the network. Failures do not hang: collectives wait at most ``timeout_s`` and a dead peer
-surfaces as an error on the others.
+never touches the network. Failures do not hang: operations wait at most ``timeout_s`` and a dead peer
+surfaces as an error on the others. :meth:`Transport.close` tears down what the transport created,
+torch.distributed's default process group included when a transport initialised it.
+
+Optimizers and replicators depend only on :class:`Collectives`, the part of the transport they use.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -39,64 +50,145 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class Work:
-    """Handle of a (possibly asynchronous) collective. :meth:`wait` is idempotent."""
+class _DefaultGroupRecord:
+    """Process-wide record of a default process group initialised by a transport.
 
-    def __init__(
-        self,
-        transport: Transport,
-        handle: Any,
-        kind: str,
-        group: str,
-        nbytes: int,
-        name: str,
-        finish: Callable[[], None] | None = None,
-    ) -> None:
-        self._transport = transport
-        self._handle = handle
-        self.kind, self.group, self.nbytes, self.name = kind, group, nbytes, name
-        self._finish = finish
-        self.t_issue = time.perf_counter()
-        n = transport.group_size(group)
-        link = transport.link_for(group)
-        self.modeled_s = link.time(kind, nbytes, n) if link is not None else 0.0
-        self._deadline = link.reserve(self.modeled_s, self.t_issue) if link is not None and n > 1 else 0.0
-        self._done = False
+    ``generation`` counts the default groups transports have initialised in this process; ``users`` the open
+    transports on the current one. The last of them to close destroys it, so closing one transport never
+    pulls the default group from under another one still open.
+
+    The rendezvous store outlives the default groups, and each generation rendezvouses under its own key
+    prefix: a worker that closes and re-initialises before a slower peer has closed then waits for that peer
+    on the same live store, instead of joining the peer's old store just before it is torn down (with
+    ``env://`` re-run each time, the store server lives on rank 0 and dies with rank 0's default group).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.generation = 0
+        self.owned = False
+        self.users = 0
+        self.store: Any = None
+        """The ``env://`` rendezvous store, kept for the life of the process (see :meth:`Transport._init_groups`)."""
+
+
+_DEFAULT_GROUP = _DefaultGroupRecord()
+
+
+class PendingWork(Protocol):
+    """What a caller may do with the handle of an asynchronous operation."""
+
+    def wait(self) -> None: ...
+
+    def is_completed(self) -> bool: ...
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """What optimizers and replicators need of a transport: group queries and blocking or async collectives.
+
+    :class:`Transport` implements it; a test double or another backend only has to provide these.
+    """
+
+    device: torch.device
+    """Where communication buffers live (``cuda`` with NCCL, ``cpu`` with gloo)."""
+
+    def group_size(self, group: str) -> int: ...
+
+    def group_rank(self, group: str) -> int: ...
+
+    def all_reduce(self, tensor: torch.Tensor, group: str = "world", op: str = "sum", async_op: bool = False,
+                   name: str = "all_reduce") -> PendingWork: ...
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: str = "world", async_op: bool = False,
+                   name: str = "all_gather") -> PendingWork: ...
+
+    def all_gather_uneven(self, tensor: torch.Tensor, group: str = "world",
+                          name: str = "all_gather_uneven") -> list[torch.Tensor]: ...
+
+
+@dataclass(eq=False)
+class Work:
+    """Handle of a (possibly asynchronous) transport operation. :meth:`wait` is idempotent.
+
+    Every field is fixed when the operation is issued; the transport fills them in.
+    """
+
+    transport: Transport = field(repr=False)
+    """The transport that issued the operation (it meters and records it on completion)."""
+    handles: tuple[Any, ...]
+    """The torch.distributed request handles; empty when nothing goes on the network (a group of one)."""
+    kind: str
+    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``send``, ``recv`` or ``exchange``."""
+    group: str
+    """Transport group name."""
+    nbytes: int
+    """``B`` of the traffic table in :mod:`quietsync.link` (for ``exchange``: the bytes sent)."""
+    name: str
+    """Label of the ``comm`` span."""
+    sent: int
+    """Bytes this worker sends, as metered."""
+    recv: int
+    """Bytes this worker receives, as metered."""
+    src: int | None = None
+    """Group rank of the broadcast root, or of the peer received from (``recv``, ``exchange``)."""
+    dst: int | None = None
+    """Group rank of the peer sent to (``send``, ``exchange``)."""
+    modeled_s: float = 0.0
+    """Modeled wire seconds on idle links (0 without link emulation)."""
+    t_issue: float = field(default_factory=time.perf_counter)
+    """``perf_counter`` time the operation was issued."""
+    deadline: float = 0.0
+    """``perf_counter`` time its emulated wire time ends (queueing behind earlier transfers included)."""
+    finish: Callable[[], None] | None = field(default=None, repr=False)
+    """Run once the data has arrived (e.g. the division of an ``avg`` all-reduce)."""
+    _done: bool = field(default=False, init=False, repr=False)
 
     def wait(self) -> None:
-        """Block until the collective (and its emulated wire time) is over; re-raise its error."""
+        """Block until the operation (and its emulated wire time) is over; re-raise its error."""
         if self._done:
             return
-        if self._handle is not None:
-            self._transport._wait_handle(self._handle, self)
+        for handle in self.handles:
+            self.transport._wait_handle(handle, self)
         self._complete()
 
     def _complete(self) -> None:
-        remaining = self._deadline - time.perf_counter()
+        if self._done:
+            return
+        remaining = self.deadline - time.perf_counter()
         if remaining > 0:
-            time.sleep(remaining)
-        if self._finish is not None:
-            self._finish()
+            time.sleep(remaining)  # the link emulation
+        if self.finish is not None:
+            self.finish()
         t1 = time.perf_counter()
         self._done = True
-        self._transport._account(self, t1)
+        self.transport._account(self, t1)
 
     def is_completed(self) -> bool:
         return self._done
 
     def get_future(self) -> torch.futures.Future:
         """A future that resolves after the emulated wire time, for DDP communication hooks."""
-        if self._handle is None:
+        if not self.handles:
             self._complete()
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result(None)
             return fut
+        if len(self.handles) == 1:
+            inner = self.handles[0].get_future()
 
-        def then(_f: torch.futures.Future) -> None:
-            _f.value()  # re-raise a failure
-            self._complete()
+            def then(_f: torch.futures.Future) -> None:
+                _f.value()  # re-raise a failure
+                self._complete()
+        else:
+            inner = torch.futures.collect_all([h.get_future() for h in self.handles])
 
-        return self._handle.get_future().then(then)
+            def then(_f: torch.futures.Future) -> None:
+                for f in _f.value():
+                    f.value()  # re-raise a failure of any part
+                self._complete()
+
+        return inner.then(then)
 
 
 class Transport:
@@ -110,7 +202,8 @@ class Transport:
         backend: ``gloo`` or ``nccl``; default nccl when CUDA is available, else gloo.
 
     ``torch.distributed`` is initialised from the environment (``env://``, as torchrun sets it) when the
-    world has more than one worker and it is not initialised yet.
+    world has more than one worker and it is not initialised yet; :meth:`close` then takes it down again
+    (see :attr:`initialized_default_group`).
     """
 
     def __init__(
@@ -145,19 +238,36 @@ class Transport:
         )
         self._groups: dict[str, Any] = {}
         self._global_ranks: dict[str, tuple[int, ...]] = {g: self.topology.ranks(g) for g in GROUPS}
+        self.initialized_default_group = False
+        """Whether this transport initialised torch.distributed's default process group."""
+        self._default_generation: int | None = None  # the default group this transport counts as a user of
+        self._closed = False
         if self.topology.world_size > 1:
             self._init_groups()
 
     # ------------------------------------------------------------------ setup
     def _init_groups(self) -> None:
         topo = self.topology
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            if self.backend == "nccl":
-                torch.cuda.set_device(self.device)
-            dist.init_process_group(
-                self.backend, rank=topo.rank, world_size=topo.world_size, timeout=self._timeout
-            )
+        with _DEFAULT_GROUP.lock:
+            if not dist.is_initialized():
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                if self.backend == "nccl":
+                    torch.cuda.set_device(self.device)
+                if _DEFAULT_GROUP.store is None:
+                    _DEFAULT_GROUP.store, _, _ = next(
+                        dist.rendezvous("env://", rank=topo.rank, world_size=topo.world_size, timeout=self._timeout)
+                    )
+                _DEFAULT_GROUP.generation += 1
+                store = dist.PrefixStore(f"quietsync/default{_DEFAULT_GROUP.generation}/", _DEFAULT_GROUP.store)
+                dist.init_process_group(
+                    self.backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=self._timeout
+                )
+                self.initialized_default_group = True
+                _DEFAULT_GROUP.owned = True
+                _DEFAULT_GROUP.users = 0
+            if _DEFAULT_GROUP.owned:
+                _DEFAULT_GROUP.users += 1
+                self._default_generation = _DEFAULT_GROUP.generation
         if dist.get_world_size() != topo.world_size or dist.get_rank() != topo.rank:
             raise RuntimeError(
                 f"torch.distributed has rank {dist.get_rank()}/{dist.get_world_size()} but the topology says "
@@ -172,13 +282,35 @@ class Transport:
                     self._groups[name] = pg
 
     def close(self) -> None:
-        """Destroy this transport's process groups (the default group stays, owned by the caller)."""
-        for pg in set(g for g in self._groups.values() if g is not None):
+        """Tear down what this transport created; idempotent, local (no collective), safe after a peer died.
+
+        Destroys the process groups this transport created, then torch.distributed's default process group
+        if a transport initialised it and no other open transport of this process still uses it (so the
+        transport that set torch.distributed up also takes it down, deferred to the last of its users).
+        A default group initialised by someone else (a launcher, the user) is left alone.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for pg in {id(g): g for g in self._groups.values() if g is not None}.values():
             try:
                 dist.destroy_process_group(pg)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
+            except Exception:  # noqa: BLE001 - best effort at shutdown (a dead peer, an already destroyed group)
                 pass
         self._groups.clear()
+        with _DEFAULT_GROUP.lock:
+            if self._default_generation is None or self._default_generation != _DEFAULT_GROUP.generation:
+                return
+            self._default_generation = None
+            _DEFAULT_GROUP.users -= 1
+            if _DEFAULT_GROUP.users > 0 or not _DEFAULT_GROUP.owned:
+                return
+            _DEFAULT_GROUP.owned = False
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
 
     # ------------------------------------------------------------------ queries
     def group_size(self, group: str) -> int:
@@ -196,7 +328,14 @@ class Transport:
         return self._groups.get(group)
 
     def link_for(self, group: str) -> LinkModel | None:
+        """The link a collective over ``group`` uses: ``inter`` iff the group spans nodes, else ``intra``."""
+        self._ranks(group)
         return self.links.get("inter" if self.topology.spans_nodes(group) else "intra")
+
+    def link_to(self, peer: int) -> LinkModel | None:
+        """The link point-to-point traffic with global rank ``peer`` uses: ``inter`` iff it is on another node."""
+        other_node = self.topology.node_of(peer) != self.topology.node
+        return self.links.get("inter" if other_node else "intra")
 
     def _ranks(self, group: str) -> tuple[int, ...]:
         try:
@@ -215,7 +354,7 @@ class Transport:
         handle = None
         if n > 1:
             handle = dist.all_reduce(tensor, op=red, group=self._groups[group], async_op=True)
-        return self._issue(handle, "all_reduce", group, _nbytes(tensor), name, post, async_op)
+        return self._collective(handle, "all_reduce", group, _nbytes(tensor), name, post, async_op)
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: str = "world", op: str = "sum",
@@ -233,7 +372,7 @@ class Transport:
             handle = _reduce_scatter_flat(output, input, op=red, group=self._groups[group], async_op=True)
         elif output.data_ptr() != input.data_ptr():
             output.copy_(input.view_as(output))
-        return self._issue(handle, "reduce_scatter", group, _nbytes(input), name, post, async_op)
+        return self._collective(handle, "reduce_scatter", group, _nbytes(input), name, post, async_op)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: str = "world", async_op: bool = False,
@@ -250,7 +389,7 @@ class Transport:
             handle = _all_gather_flat(output, input, group=self._groups[group], async_op=True)
         elif output.data_ptr() != input.data_ptr():
             output.copy_(input.view_as(output))
-        return self._issue(handle, "all_gather", group, _nbytes(output), name, None, async_op)
+        return self._collective(handle, "all_gather", group, _nbytes(output), name, None, async_op)
 
     def all_gather_uneven(self, tensor: torch.Tensor, group: str = "world", name: str = "all_gather_uneven"
                           ) -> list[torch.Tensor]:
@@ -274,26 +413,93 @@ class Transport:
                   name: str = "broadcast") -> Work:
         """``tensor`` ← the one of group rank ``src``."""
         n = self.group_size(group)
+        self._check_group_rank(group, src, "src")
         handle = None
         if n > 1:
             handle = dist.broadcast(tensor, src=self.global_rank(group, src), group=self._groups[group], async_op=True)
-        work = self._issue(handle, "broadcast", group, _nbytes(tensor), name, None, True)
-        work.src = src  # type: ignore[attr-defined]
-        if not async_op:
-            work.wait()
-        return work
+        # chain broadcast: every worker but the last forwards B; every worker but the source receives B
+        pos = (self.group_rank(group) - src) % n
+        nbytes = _nbytes(tensor)
+        sent = nbytes if n > 1 and pos < n - 1 else 0
+        recv = nbytes if n > 1 and pos > 0 else 0
+        return self._collective(handle, "broadcast", group, nbytes, name, None, async_op, sent, recv, src=src)
 
     def send(self, tensor: torch.Tensor, dst: int, group: str = "world", async_op: bool = False,
              name: str = "send") -> Work:
-        """Point-to-point send to group rank ``dst``."""
-        handle = dist.isend(tensor, dst=self.global_rank(group, dst), group=self._groups.get(group))
-        return self._issue(handle, "send", group, _nbytes(tensor), name, None, async_op, peers=2)
+        """Point-to-point send to group rank ``dst`` (another worker), matched by its :meth:`recv`."""
+        peer = self._peer(group, dst, "dst")
+        _check_p2p_tensor(tensor, "tensor")
+        handle = dist.isend(tensor, group=self._groups[group], group_dst=dst)
+        link = self.link_to(peer)
+        seconds = link.time("send", _nbytes(tensor), 2) if link is not None else 0.0
+        return self._p2p((handle,), "send", group, _nbytes(tensor), name, async_op, sent=_nbytes(tensor), recv=0,
+                         dst=dst, bookings=[(link, seconds, True, False)])
 
     def recv(self, tensor: torch.Tensor, src: int, group: str = "world", async_op: bool = False,
              name: str = "recv") -> Work:
-        """Point-to-point receive from group rank ``src``."""
-        handle = dist.irecv(tensor, src=self.global_rank(group, src), group=self._groups.get(group))
-        return self._issue(handle, "recv", group, _nbytes(tensor), name, None, async_op, peers=2)
+        """Point-to-point receive from group rank ``src`` (another worker), matched by its :meth:`send`."""
+        peer = self._peer(group, src, "src")
+        _check_p2p_tensor(tensor, "tensor")
+        handle = dist.irecv(tensor, group=self._groups[group], group_src=src)
+        link = self.link_to(peer)
+        seconds = link.time("recv", _nbytes(tensor), 2) if link is not None else 0.0
+        return self._p2p((handle,), "recv", group, _nbytes(tensor), name, async_op, sent=0, recv=_nbytes(tensor),
+                         src=src, bookings=[(link, seconds, False, True)])
+
+    def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: str = "world",
+                 async_op: bool = False, name: str = "exchange") -> Work:
+        """Send ``send`` to group rank ``dst`` while receiving ``recv`` from group rank ``src``, at once.
+
+        Both are posted together (``torch.distributed.batch_isend_irecv``), so a ring step costs one
+        transfer time on a full-duplex link (B/β), not two. Metered as ``exchange`` on ``group`` and per peer
+        (bytes of ``send`` sent to ``dst``, bytes of ``recv`` received from ``src``), link-emulated on the
+        transmit queue of ``dst``'s link and the receive queue of ``src``'s link, recorded as one ``comm`` span.
+
+        Matching rules (point-to-point operations are matched, not collective):
+
+        * every ``exchange`` (or :meth:`send`) to a peer must be matched by that peer's ``exchange`` (or
+          :meth:`recv`) from this worker, with a tensor of the same number of elements and dtype;
+        * operations between the same two workers in the same direction are matched in the order issued,
+          so issue them in the same order on both sides, from one thread per group;
+        * in a ring every worker calls ``exchange(x, right, y, left)`` in the same step
+          (``right = (r + 1) % n``, ``left = (r - 1) % n``); a ring of 2 is fine (``right == left``);
+        * with NCCL, if this is the first operation on ``group``, all of its workers must take part.
+
+        ``dst == src == this worker`` (e.g. a ring of one) copies ``send`` into ``recv`` with no network.
+        """
+        n = self.group_size(group)
+        me = self.group_rank(group)
+        self._check_group_rank(group, dst, "dst")
+        self._check_group_rank(group, src, "src")
+        if (dst == me) != (src == me):
+            raise ValueError(
+                f"dst and src must both be this worker (group rank {me}: a local copy) or both other workers, "
+                f"got dst={dst}, src={src}"
+            )
+        _check_p2p_tensor(send, "send")
+        _check_p2p_tensor(recv, "recv")
+        sent_b, recv_b = _nbytes(send), _nbytes(recv)
+        if dst == me:
+            if send.numel() != recv.numel() or send.dtype != recv.dtype:
+                raise ValueError(
+                    f"recv must match send in elements and dtype for an exchange with oneself, got "
+                    f"{recv.numel()} {recv.dtype} vs {send.numel()} {send.dtype}"
+                )
+            if recv.data_ptr() != send.data_ptr():
+                recv.copy_(send.view_as(recv))
+            return self._p2p((), "exchange", group, sent_b, name, async_op, sent=0, recv=0, src=src, dst=dst,
+                             bookings=[])
+        assert n > 1
+        pg = self._groups[group]
+        handles = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, send, group=pg, group_peer=dst),
+            dist.P2POp(dist.irecv, recv, group=pg, group_peer=src),
+        ])
+        tx_link, rx_link = self.link_to(self.global_rank(group, dst)), self.link_to(self.global_rank(group, src))
+        tx_s = tx_link.time("send", sent_b, 2) if tx_link is not None else 0.0
+        rx_s = rx_link.time("recv", recv_b, 2) if rx_link is not None else 0.0
+        return self._p2p(tuple(handles), "exchange", group, sent_b, name, async_op, sent=sent_b, recv=recv_b,
+                         src=src, dst=dst, bookings=[(tx_link, tx_s, True, False), (rx_link, rx_s, False, True)])
 
     def barrier(self, group: str = "world") -> None:
         """Wait for every worker of ``group`` (a tiny all-reduce, metered like any other)."""
@@ -312,7 +518,12 @@ class Transport:
             buf = bucket.buffer()
             buf.div_(n)
             work = self.all_reduce(buf, group, async_op=True, name="ddp_bucket")
-            return work.get_future().then(lambda _f: buf)
+
+            def bucket_done(f: torch.futures.Future) -> torch.Tensor:
+                f.value()  # re-raise a failure of the all-reduce or of its accounting
+                return buf
+
+            return work.get_future().then(bucket_done)
 
         # DDP inspects the hook's annotations; give it real types (this module uses postponed annotations).
         hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
@@ -327,14 +538,50 @@ class Transport:
         post = (lambda: target.div_(n)) if op == "avg" and n > 1 else None
         return red, post
 
-    def _issue(self, handle: Any, kind: str, group: str, nbytes: int, name: str,
-               finish: Callable[[], None] | None, async_op: bool, peers: int | None = None) -> Work:
-        work = Work(self, handle, kind, group, nbytes, name, finish)
-        if peers is not None:  # point-to-point: a two-party exchange whatever the group size
-            work.peers = peers  # type: ignore[attr-defined]
+    def _collective(self, handle: Any, kind: str, group: str, nbytes: int, name: str,
+                    finish: Callable[[], None] | None, async_op: bool, sent: int | None = None,
+                    recv: int | None = None, src: int | None = None) -> Work:
+        """Wrap a collective: ring traffic both ways, booked on both queues of the group's link."""
+        t_issue = time.perf_counter()
+        n = self.group_size(group)
+        link = self.link_for(group)
+        modeled = link.time(kind, nbytes, n) if link is not None else 0.0
+        deadline = link.reserve(modeled, t_issue) if link is not None and n > 1 else 0.0
+        if sent is None or recv is None:
+            sent = recv = traffic(kind, nbytes, n)[1]
+        work = Work(self, (handle,) if handle is not None else (), kind, group, nbytes, name, sent, recv,
+                    src=src, modeled_s=modeled, t_issue=t_issue, deadline=deadline, finish=finish)
         if not async_op:
             work.wait()
         return work
+
+    def _p2p(self, handles: tuple[Any, ...], kind: str, group: str, nbytes: int, name: str, async_op: bool,
+             sent: int, recv: int, bookings: Sequence[tuple[LinkModel | None, float, bool, bool]],
+             src: int | None = None, dst: int | None = None) -> Work:
+        """Wrap a point-to-point operation: each ``(link, seconds, tx, rx)`` booking runs on its own queue."""
+        t_issue = time.perf_counter()
+        deadline, modeled = 0.0, 0.0
+        for link, seconds, tx, rx in bookings:
+            if link is not None:
+                deadline = max(deadline, link.reserve(seconds, t_issue, tx=tx, rx=rx))
+                modeled = max(modeled, seconds)
+        work = Work(self, handles, kind, group, nbytes, name, sent, recv, src=src, dst=dst, modeled_s=modeled,
+                    t_issue=t_issue, deadline=deadline)
+        if not async_op:
+            work.wait()
+        return work
+
+    def _peer(self, group: str, group_rank: int, what: str) -> int:
+        """Global rank of the point-to-point peer ``group_rank`` (validated: in the group, not this worker)."""
+        self._check_group_rank(group, group_rank, what)
+        if group_rank == self.group_rank(group):
+            raise ValueError(f"{what} must be another worker's rank in group '{group}', got {group_rank} (this worker)")
+        return self.global_rank(group, group_rank)
+
+    def _check_group_rank(self, group: str, group_rank: int, what: str) -> None:
+        n = self.group_size(group)
+        if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not 0 <= group_rank < n:
+            raise ValueError(f"{what} must be a rank of group '{group}' in [0, {n}), got {group_rank!r}")
 
     def _wait_handle(self, handle: Any, work: Work) -> None:
         try:
@@ -346,27 +593,21 @@ class Transport:
             ) from exc
 
     def _account(self, work: Work, t1: float) -> None:
-        n = getattr(work, "peers", None) or self.group_size(work.group)
-        _, sent = traffic(work.kind, work.nbytes, n)
-        if work.kind == "send":
-            s, r = sent, 0
-        elif work.kind == "recv":
-            s, r = 0, sent
-        elif work.kind == "broadcast":
-            # chain broadcast: every worker but the last forwards B; every worker but the source receives B
-            size = self.group_size(work.group)
-            me = self.group_rank(work.group)
-            src = getattr(work, "src", 0)
-            pos = (me - src) % size
-            s = work.nbytes if size > 1 and pos < size - 1 else 0
-            r = work.nbytes if size > 1 and pos > 0 else 0
-        else:
-            s = r = sent
-        self.meter.add(work.group, work.kind, s, r, t1 - work.t_issue)
-        if n > 1:
-            self.recorder.add("comm", work.name, work.t_issue, t1, group=work.group, kind=work.kind,
-                              bytes=s, modeled_s=work.modeled_s)
+        self.meter.add(work.group, work.kind, work.sent, work.recv, t1 - work.t_issue)
+        if not work.handles:
+            return  # nothing went on the network (a group of one, an exchange with oneself): no span
+        if work.dst is not None:
+            self.meter.add_peer(self.global_rank(work.group, work.dst), sent=work.sent)
+        if work.src is not None and work.kind != "broadcast":
+            self.meter.add_peer(self.global_rank(work.group, work.src), recv=work.recv)
+        self.recorder.add("comm", work.name, work.t_issue, t1, group=work.group, kind=work.kind,
+                          bytes=work.sent, modeled_s=work.modeled_s)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _check_p2p_tensor(t: torch.Tensor, what: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous tensor for point-to-point transfer")

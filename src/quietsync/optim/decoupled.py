@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..replicators import Replicator, Segments, make_replicator
+from ..transport import Collectives
 from ..validate import check_float, check_int
 
 __all__ = ["DecoupledOptimizer", "check_replication_schedule"]
@@ -59,7 +60,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         params: Iterable[Any],
         defaults: dict[str, Any],
         replicator: Replicator | str = "dct",
-        transport: Any = None,
+        transport: Collectives | None = None,
         group: str = "world",
         replicate_every: int = 1,
         skip_every: int = 0,

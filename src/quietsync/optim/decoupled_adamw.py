@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..replicators import Replicator
+from ..transport import Collectives
 from ..validate import check_float
 from .decoupled import DecoupledOptimizer
 
@@ -43,7 +44,7 @@ class DecoupledAdamW(DecoupledOptimizer):
         beta: float = 0.999,
         sign: bool = False,
         replicator: Replicator | str = "dct",
-        transport: Any = None,
+        transport: Collectives | None = None,
         group: str = "world",
         replicate_every: int = 1,
         skip_every: int = 0,

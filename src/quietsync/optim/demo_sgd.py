@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..replicators import Replicator
+from ..transport import Collectives
 from .decoupled import DecoupledOptimizer
 
 __all__ = ["DeMoSGD"]
@@ -46,7 +47,7 @@ class DeMoSGD(DecoupledOptimizer):
         sign: bool = True,
         weight_decay: float = 0.0,
         replicator: Replicator | str = "dct",
-        transport: Any = None,
+        transport: Collectives | None = None,
         group: str = "world",
         replicate_every: int = 1,
         skip_every: int = 0,

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..codecs import transfer_dtype as _transfer_dtype
+from ..transport import Collectives
 from ..validate import check_float
 
 __all__ = ["Segments", "Message", "Replicator"]
@@ -86,7 +87,7 @@ class Replicator(ABC):
         self,
         compression: float = 1 / 32,
         transfer_dtype: str | torch.dtype = "fp32",
-        transport: Any = None,
+        transport: Collectives | None = None,
         group: str = "replicate",
     ) -> None:
         check_float("compression", compression, 0, 1, low_open=True)
@@ -96,7 +97,7 @@ class Replicator(ABC):
         self.group = group
 
     # ------------------------------------------------------------------ wiring
-    def bind(self, transport: Any, group: str) -> Replicator:
+    def bind(self, transport: Collectives | None, group: str) -> Replicator:
         """Attach the transport and group name (strategies do this; plain users pass them to __init__)."""
         self.transport, self.group = transport, group
         return self

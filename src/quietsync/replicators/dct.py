@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..codecs import BlockLayout, densify, index_dtype, nbytes, pack, scatter_mean, topk_per_block, unpack
+from ..transport import Collectives
 from ..validate import check_int
 from .base import Message, Replicator, Segments
 
@@ -38,7 +39,7 @@ class DCTReplicator(Replicator):
     collective = "all_gather"
     knobs = (*Replicator.knobs, "chunk", "topk")
 
-    def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Any = None,
+    def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Collectives | None = None,
                  group: str = "replicate", chunk: int = 64, topk: int | None = None) -> None:
         super().__init__(compression, transfer_dtype, transport, group)
         check_int("chunk", chunk, 1)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..transport import Collectives
 from ..validate import check_int
 from .base import Message, Replicator, Segments
 
@@ -34,7 +35,7 @@ class RandomReplicator(Replicator):
     name = "random"
     knobs = (*Replicator.knobs, "seed")
 
-    def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Any = None,
+    def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Collectives | None = None,
                  group: str = "replicate", seed: int = 0) -> None:
         super().__init__(compression, transfer_dtype, transport, group)
         check_int("seed", seed)

@@ -170,9 +170,7 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
     finally:
         if strategy is not None:
             strategy.close()
-        transport.close()
-        if world > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        transport.close()  # also takes down torch.distributed's default group when the transport set it up
 
 
 def _train(
