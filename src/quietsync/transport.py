@@ -74,6 +74,10 @@ class _DefaultGroupRecord:
 
 _DEFAULT_GROUP = _DefaultGroupRecord()
 
+RENDEZVOUS_ENV = "QUIETSYNC_RENDEZVOUS"
+"""Environment variable naming the rendezvous URL (default ``env://``, torchrun's); the local launcher sets a
+``file://`` URL, so a run on one machine listens on no network interface for its rendezvous."""
+
 
 class PendingWork(Protocol):
     """What a caller may do with the handle of an asynchronous operation."""
@@ -254,8 +258,9 @@ class Transport:
                 if self.backend == "nccl":
                     torch.cuda.set_device(self.device)
                 if _DEFAULT_GROUP.store is None:
+                    url = os.environ.get(RENDEZVOUS_ENV, "env://")
                     _DEFAULT_GROUP.store, _, _ = next(
-                        dist.rendezvous("env://", rank=topo.rank, world_size=topo.world_size, timeout=self._timeout)
+                        dist.rendezvous(url, rank=topo.rank, world_size=topo.world_size, timeout=self._timeout)
                     )
                 _DEFAULT_GROUP.generation += 1
                 store = dist.PrefixStore(f"quietsync/default{_DEFAULT_GROUP.generation}/", _DEFAULT_GROUP.store)

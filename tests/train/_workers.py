@@ -39,3 +39,19 @@ def root_cause_on_rank_one_then_slow_cleanup() -> None:
 def sleep_forever(marker_dir: str) -> None:
     Path(marker_dir, f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
     time.sleep(600)
+
+
+def listening_addresses() -> list[str]:
+    """Local addresses this worker listens on after setting up its transport (``ss -ltnp``)."""
+    import subprocess
+
+    from quietsync.transport import Transport
+
+    transport = Transport()
+    transport.barrier()
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    mine = [line.split()[3] for line in out.splitlines() if f"pid={os.getpid()}," in line]
+    transport.barrier()
+    transport.close()
+    Path(os.environ["QUIETSYNC_TEST_OUT"], f"listen-{os.environ['RANK']}").write_text("\n".join(mine))
+    return mine

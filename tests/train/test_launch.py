@@ -80,3 +80,15 @@ def test_sigint_to_the_launcher_stops_every_worker(tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() - t0 < 15:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+@pytest.mark.skipif(__import__("shutil").which("ss") is None, reason="needs ss (iproute2)")
+def test_local_workers_listen_on_loopback_only(tmp_path, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("QUIETSYNC_TEST_OUT", str(tmp_path))
+    launch(_workers.listening_addresses, (), nproc=2)
+    for r in range(2):
+        addresses = (tmp_path / f"listen-{r}").read_text().split()
+        assert addresses, "expected gloo's own sockets"
+        assert all(a.startswith(("127.0.0.1:", "[::1]:")) for a in addresses), addresses

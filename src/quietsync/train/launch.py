@@ -5,7 +5,7 @@
 * Otherwise, with ``nproc > 1``, :func:`launch` spawns ``nproc`` local workers (``torch.multiprocessing``,
   *spawn* start method) on a free local port, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun would; gloo on CPU, bound to
-  the loopback interface. If one worker fails, the others are terminated and :class:`WorkerFailed` names
+  the loopback interface, with a file-based rendezvous (no store listening on the network). If one worker fails, the others are terminated and :class:`WorkerFailed` names
   the worker that failed **first** (the root cause — its peers typically fail a moment later with a broken
   connection) with its traceback. An interrupt (SIGINT) of the launcher stops every worker within seconds
   (SIGTERM, then SIGKILL after a grace period); checkpoints are written atomically, so one cut short is
@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ..transport import RENDEZVOUS_ENV
 
 GRACE_S = 5.0
 """Seconds workers get to exit after SIGTERM before they are killed."""
@@ -72,7 +74,8 @@ def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, po
         "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local workers talk over loopback only
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local workers talk over loopback only ...
+    os.environ.setdefault(RENDEZVOUS_ENV, f"file://{errors}/rendezvous")  # ... and meet through a file
     os.environ[ERRORS_ENV] = errors
     try:
         fn(*args)
