@@ -13,6 +13,10 @@ are not counted.
 schedule. On CUDA, :meth:`sample` also records ``torch.cuda.memory_allocated`` and the allocator's peak
 (``torch.cuda.max_memory_allocated``, reset at each sample) — the device's own view, which includes
 everything the allocator holds, not only saved tensors.
+
+Release is seen when autograd frees a saved tensor, i.e. after the backward that used it. A graph dropped
+*without* backward can keep its saved outputs alive through a reference cycle (output → grad_fn → saved
+handle → output); the meter then keeps counting them, as the memory is indeed still held until ``gc``.
 """
 
 from __future__ import annotations

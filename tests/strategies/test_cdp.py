@@ -146,18 +146,18 @@ def test_cdp_peak_activation_memory_is_about_n_plus_1_over_2n_of_dp(n):
 
 
 # ---------------------------------------------------------------------------------------------- N workers
-def _hand_count(n: int, stage_bytes: list[int], w: int, cycles: int) -> dict[int, int]:
-    """CDP (v1/v2) with one worker per slot: worker r < N-1 sends stage j's partial sum right after its backward
-    of j, at 2Nc + 2r + 2N - 1 - j; the root (N-1) sends the mean gradient after its own, at
-    T = 2Nc + 4N - 3 - j, to the first of the chain [N-1-j .. N-2] + [0 .. N-2-j] (0-based j), each of which but
-    the last relays it one step later."""
+def _hand_count(n: int, stage_bytes: list[int], w: int, cycles: int, rule: str) -> dict[int, int]:
+    """CDP with one worker per slot: worker r < N-1 sends stage j's partial sum right after its backward of j, at
+    2Nc + 2r + 2N - 1 - j; the root (N-1) sends the mean gradient after its own, at T = 2Nc + 4N - 3 - j, to the
+    first of the chain — v2: [N-1-j .. N-2] + [0 .. N-2-j] (0-based j: who reads the new version first), v1:
+    [0 .. N-2] — each of which but the last relays it one step later."""
     out: dict[int, int] = {}
     for c in range(cycles):
         for j in range(n):
             if w < n - 1:
                 t = 2 * n * c + 2 * w + 2 * n - 1 - j
                 out[t] = out.get(t, 0) + stage_bytes[j]
-            chain = list(range(n - 1 - j, n - 1)) + list(range(0, n - 1 - j))
+            chain = list(range(n - 1 - j, n - 1)) + list(range(0, n - 1 - j)) if rule == "v2" else list(range(n - 1))
             senders = [n - 1] + chain[:-1]
             for k, sender in enumerate(senders):
                 if sender == w:
@@ -198,7 +198,7 @@ def test_workers_match_the_recurrence_stay_identical_and_send_the_hand_count(n, 
             torch.testing.assert_close(per_rank[0]["thetas"][step], want[step], atol=1e-6, rtol=0)
         horizon = min(r["t"] for r in per_rank)
         for w, r in enumerate(per_rank):
-            hand = _hand_count(n, r["stage_bytes"], w, 8)
+            hand = _hand_count(n, r["stage_bytes"], w, 8, rule)
             assert {t: b for t, b in r["sent"].items() if t < horizon} == {t: b for t, b in hand.items() if t < horizon}
             assert set(r["kinds"]) <= {"world/send", "world/recv"}, r["kinds"]  # no collective at all
             init = sum(r["stage_bytes"]) if w < n - 1 else 0  # the initial parameter chain

@@ -664,8 +664,14 @@ class CDP(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
 
     def _close(self) -> None:
+        """Workers leave the loop at different time steps: a peer may still need a message this worker has
+        sent. Sends are never waited here (the schedule's tail is never received by peers that stopped first);
+        when this strategy owns its transport, one barrier keeps the groups alive until every peer is done
+        (the trainer passes its transport and ends with its own all-reduce of the totals, which does the same)."""
         self._retire_sends(self.t)
-        self._sends.clear()  # peers that stopped earlier never receive the in-flight tail; nothing to wait for
+        if self._owns_transport and self.world_size > 1:
+            self.transport.barrier()
+        self._sends.clear()
         self._posted.clear()
 
 

@@ -188,7 +188,7 @@ def segment_flops(view: SequentialView, sample_args: tuple, sample_kwargs: dict,
 
     The graph is cut between segments (each segment's input is a fresh leaf), so each count is the segment's
     own; ``last(output)`` turns the last segment's output into a scalar to back-propagate (default: its
-    ``.loss`` when it has one, else the sum). Parameters are used through detached leaves: no ``.grad`` of the
+    ``.loss`` when it has one, else the sum of the output or of its ``.logits``). Parameters are used through detached leaves: no ``.grad`` of the
     model is touched.
     """
     from torch.utils.flop_counter import FlopCounterMode
@@ -218,7 +218,10 @@ def _default_scalar(out: Any) -> torch.Tensor:
         return loss
     if isinstance(out, torch.Tensor):
         return out.float().sum()
-    raise TypeError("the last segment returned neither a tensor nor an object with .loss")
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits.float().sum()
+    raise TypeError("the last segment returned neither a tensor nor an object with .loss or .logits")
 
 
 def _owned(stages: list[list[Segment]]) -> tuple[list[list[nn.Parameter]], list[int]]:
