@@ -85,7 +85,7 @@ def tiny_vit(classes: int = 10, size: int = 16, patch: int = 4, dim: int = 32, d
 
 
 def synthetic_digits(n: int, seed: int = 0, size: int = 16, classes: int = 10,
-                     noise: float = 0.6) -> tuple[torch.Tensor, torch.Tensor]:
+                     noise: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` images ``(n, 1, size, size)`` and labels; the class templates are fixed (seed 1234), ``seed`` draws
     the samples, so train and test sets come from the same distribution."""
     tg = torch.Generator().manual_seed(1234)

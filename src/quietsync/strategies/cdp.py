@@ -364,6 +364,7 @@ class CDP(Strategy):
         self.prev: list[tuple[int, list[torch.Tensor]] | None] = [None] * self.n
         self.stage_numel = [sum(p.numel() for p in ps) for ps in self.owned]
         self.stage_bytes = [sum(p.numel() * p.element_size() for p in ps) for ps in self.owned]
+        self._refresh_param_ptrs()
 
     def _initial_copy(self) -> None:
         """Replicas start from worker 0's parameters, passed down a point-to-point chain 0 → 1 → … → W−1."""
@@ -625,10 +626,10 @@ class CDP(Strategy):
         return t.untyped_storage().data_ptr() in self._param_ptrs
 
     def _refresh_param_ptrs(self) -> None:
-        if self.meter is None:
+        if getattr(self, "meter", None) is None:
             return
         ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        for prev in self.prev:
+        for prev in getattr(self, "prev", []):
             if prev is not None:
                 ptrs.update(x.untyped_storage().data_ptr() for x in prev[1])
         for mb in self._inflight.values():
