@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "src"))
 
-import quietsync  # noqa: E402
 from cdp_models import synthetic_digits, tiny_resnet, tiny_vit  # noqa: E402
+
+import quietsync  # noqa: E402
 from quietsync.strategies.cdp import Schedule  # noqa: E402
 from quietsync.train.model import ModelPreset, build_model  # noqa: E402
 

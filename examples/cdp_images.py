@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quietsync  # noqa: E402
 from cdp_models import synthetic_digits, tiny_resnet, tiny_vit  # noqa: E402
+
+import quietsync  # noqa: E402
 
 
 def ce_loss(model, batch):

@@ -169,7 +169,12 @@ class Work:
         self.transport._account(self, t1)
 
     def is_completed(self) -> bool:
+        """Whether :meth:`wait` has completed the operation (metered and recorded)."""
         return self._done
+
+    def ready(self) -> bool:
+        """Whether the data has moved, so :meth:`wait` would only sit out emulated wire time; never blocks."""
+        return self._done or all(h.is_completed() for h in self.handles)
 
     def get_future(self) -> torch.futures.Future:
         """A future that resolves after the emulated wire time, for DDP communication hooks."""

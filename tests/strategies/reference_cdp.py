@@ -42,7 +42,7 @@ def reference_cdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stag
             leaves = {k: (p.detach() if uses_new(rule, i, stage_of[k], n) else prev[k]).clone().requires_grad_()
                       for k, p in params.items()}
 
-            def call(*args: Any, **kwargs: Any) -> Any:
+            def call(*args: Any, leaves: dict = leaves, **kwargs: Any) -> Any:
                 return torch.func.functional_call(model, leaves, args, kwargs)
 
             value = loss(call, data(t, i - 1)) / n

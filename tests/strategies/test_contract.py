@@ -166,7 +166,7 @@ def test_no_strategy_is_more_than_two_levels_below_strategy():
 
 
 def test_parts_register_no_strategy():
-    for part in ("accounting", "lr", "broadcast", "accumulation", "sharded_state", "overlap", "decoupled",
+    for part in ("accounting", "lr", "broadcast", "accumulation", "sharded_state", "overlap", "decoupled", "stages",
                  "outer"):
         module = importlib.import_module(f"quietsync.strategies.{part}")
         assert part not in _strategy_modules(), module

@@ -143,6 +143,7 @@ def test_every_registered_strategy_gets_its_flags():
     (["--slow-worker", "1:0.5"], "--slow-worker factor must be >= 1, got 0.5"),
     (["--dataset", "./no/such/file.txt"], "--dataset: no such file or folder"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--strategy", "cdp", "--save-every", "5"], "--save-every is not supported with --strategy cdp"),
 ])
 def test_bad_values_are_one_line_errors(argv, expect, capsys):
     with pytest.raises(SystemExit) as e:

@@ -5,8 +5,8 @@ One module per strategy; importing this package imports them all, which register
 nothing: ``accounting`` (time and bytes per step), ``lr`` (LR scaling), ``broadcast`` (the initial
 broadcast), ``accumulation`` (fixed accumulation), ``sharded_state`` (flat parameters + ZeRO-1 optimizer
 shard); family parts beside their family: ``overlap`` (acco, dpu, wp), ``decoupled`` (demo, flexdemo),
-``outer`` (diloco's θ_global, outer optimizer and fragment schedule). A strategy module never imports another
-strategy module.
+``outer`` (diloco's θ_global, outer optimizer and fragment schedule), ``stages`` (cdp's model cut into
+stages). A strategy module never imports another strategy module.
 """
 
 from __future__ import annotations

@@ -84,6 +84,9 @@ class Strategy(ABC):
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type[StrategyConfig]] = StrategyConfig
+    resumable: ClassVar[bool] = True
+    """Whether :meth:`state_dict` works between committed steps of a running job (the trainer's
+    ``--save-every``/``--resume``); a strategy that keeps micro-batches in flight across steps sets False."""
 
     def __init__(
         self,

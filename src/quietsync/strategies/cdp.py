@@ -176,7 +176,7 @@ class Schedule:
         return max(v, 0)  # θ_{-1} := θ_0
 
     # --- communication
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 - a schedule is immutable and lives as long as its strategy
     def reduce_times(self, c: int, j: int, period: int | None = None) -> tuple[int, ...]:
         """When slot ``i`` adds its gradient of stage ``j`` to the chain's partial sum (end of that step)."""
         out: list[int] = []
@@ -195,13 +195,13 @@ class Schedule:
         return min(self.fwd(c, i, j, period) for c in range(max(0, v - 1), v + 3) for i in self.slots(w)
                    if self.version(c, i, j) >= v)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 - a schedule is immutable and lives as long as its strategy
     def chain(self, j: int, period: int | None = None) -> list[int]:
         """Workers other than the root, in the order they first need the new version of stage ``j``."""
         others = [w for w in range(self.world) if w != self.root()]
         return sorted(others, key=lambda w: (self.need(w, 2, j, period), w))
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 - a schedule is immutable and lives as long as its strategy
     def arrivals(self, c: int, j: int, period: int | None = None) -> dict[int, int]:
         """Time step at whose start each worker applies the update of cycle ``c`` to stage ``j`` (the root: at the
         end of the step given)."""
@@ -231,7 +231,7 @@ class Schedule:
         lo = max(0, -(-(t - self.horizon) // self.period))
         return range(lo, t // self.period + 1)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 - a schedule is immutable and lives as long as its strategy
     def messages_sent(self, c: int, j: int) -> tuple[Message, ...]:
         """Every transfer of stage ``j``'s gradient in cycle ``c``."""
         out = []
@@ -314,6 +314,8 @@ class _MicroBatch:
 class CDP(Strategy):
     """Cyclic Data Parallelism; see the module docstring."""
 
+    resumable = False  # micro-batches of the next step are in flight when a step commits
+
     config: CDPConfig
 
     def __init__(self, model: nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
@@ -391,7 +393,9 @@ class CDP(Strategy):
     def measure_flops(self, batch: Any, loss_fn: LossFn) -> list[int]:
         """Per-segment forward+backward FLOPs on ``batch`` (adds them to the stage plan's report)."""
         args, kwargs = self._capture(batch, loss_fn)
-        replay_fn = (lambda out: loss_fn(_Replay(self.module, out), batch))
+        def replay_fn(out: Any) -> torch.Tensor:
+            return loss_fn(_Replay(self.module, out), batch)
+
         flops = segment_flops(self.view, args, kwargs, replay_fn)
         if self.plan is not None:
             self.plan = partition(self.view, self.n, self.plan.partition, self.config.manual_names, flops)
@@ -584,8 +588,7 @@ class CDP(Strategy):
         posts the receive of the schedule's tail."""
         keep = []
         for ts, work, tensor in self._sends:
-            handle = getattr(work, "_handle", None)
-            if handle is None or handle.is_completed():
+            if work.ready():
                 work.wait()
                 self.sent_completed += tensor.numel() * tensor.element_size()
             else:

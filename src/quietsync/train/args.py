@@ -87,9 +87,14 @@ def _flags_elsewhere(flag: str) -> list[str]:
 
 
 def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | None, world: int | None) -> None:
+    from ..strategies import get
     from .corpus import DEFAULT_DATASET, looks_like_path
     from .model import PRESETS
 
+    if not get(cfg.strategy)[0].resumable and (cfg.save_every or cfg.resume):
+        flag = "--save-every" if cfg.save_every else "--resume"
+        parser.error(f"{flag} is not supported with --strategy {cfg.strategy} (it keeps micro-batches in flight "
+                     "across steps, so it cannot checkpoint mid-run yet)")
     limit = PRESETS[cfg.model].max_positions
     if cfg.seq_len > limit:
         parser.error(f"--seq-len must be <= {limit} for --model {cfg.model}, got {cfg.seq_len}")
