@@ -453,7 +453,7 @@ class CDP(Strategy):
                     chain = s.chain(j)
                     k = chain.index(me)
                     if k + 1 < len(chain):
-                        self._send(buf, chain[k + 1], t, "dist")
+                        self._send(buf, chain[k + 1], t, "dist", c)
         # 3. forwards, then 4. backwards (activations of a step's forwards count before its backwards free theirs)
         mine = [(c, i) for c in cycles for i in s.slots(me) if (c, i) in self._inflight]
         for c, i in mine:
@@ -538,12 +538,12 @@ class CDP(Strategy):
             if s.worker(i + 1) == self.me:
                 self._partial[(c, j)] = acc
             else:
-                self._send(acc, s.worker(i + 1), t, "partial")
+                self._send(acc, s.worker(i + 1), t, "partial", c)
             return
         self._apply(c, j, acc)  # the root: the stage's mean gradient is complete
         chain = s.chain(j)
         if chain:
-            self._send(acc, chain[0], t, "dist")
+            self._send(acc, chain[0], t, "dist", c)
 
     def _apply(self, c: int, j: int, flat: torch.Tensor) -> None:
         """θ^j_{c+1} = Opt(θ^j_c, mean gradient of cycle c); θ^j_c is kept as the previous version."""
@@ -570,9 +570,9 @@ class CDP(Strategy):
 
     # ------------------------------------------------------------------ point-to-point (one door: switch to
     # the transport's batched ``exchange`` here when it lands)
-    def _send(self, tensor: torch.Tensor, dst: int, t: int, kind: str) -> None:
+    def _send(self, tensor: torch.Tensor, dst: int, t: int, kind: str, cycle: int) -> None:
         work = self.transport.send(tensor, dst, async_op=True, name=f"cdp/{kind}")
-        self._sends.append((t, work, tensor))
+        self._sends.append((cycle, work, tensor))
         self.sent_per_step[t] += tensor.numel() * tensor.element_size()
 
     def _wait(self, key: tuple) -> torch.Tensor:
@@ -584,15 +584,16 @@ class CDP(Strategy):
         return buf
 
     def _retire_sends(self, t: int) -> None:
-        """Close (and meter) the sends that completed. Never blocks: a peer that already left the loop never
-        posts the receive of the schedule's tail."""
+        """Complete (and so meter) the sends of cycles this worker has committed. Every worker commits the same
+        cycles, so their receivers post those receives: waiting cannot hang. Sends of later cycles stay open
+        (gloo cannot poll a send): a peer that stops first never receives the schedule's tail."""
         keep = []
-        for ts, work, tensor in self._sends:
-            if work.ready():
+        for cycle, work, tensor in self._sends:
+            if cycle < self.steps or work.ready():
                 work.wait()
                 self.sent_completed += tensor.numel() * tensor.element_size()
             else:
-                keep.append((ts, work, tensor))
+                keep.append((cycle, work, tensor))
         self._sends = keep
 
     # ------------------------------------------------------------------ contract
