@@ -437,24 +437,30 @@ class Transport:
     def send(self, tensor: torch.Tensor, dst: int, group: str = "world", async_op: bool = False,
              name: str = "send") -> Work:
         """Point-to-point send to group rank ``dst`` (another worker), matched by its :meth:`recv`."""
-        peer = self._peer(group, dst, "dst")
-        _check_p2p_tensor(tensor, "tensor")
-        handle = dist.isend(tensor, group=self._groups[group], group_dst=dst)
-        link = self.link_to(peer)
-        seconds = link.time("send", _nbytes(tensor), 2) if link is not None else 0.0
-        return self._p2p((handle,), "send", group, _nbytes(tensor), name, async_op, sent=_nbytes(tensor), recv=0,
-                         dst=dst, bookings=[(link, seconds, True, False)])
+        return self._one_way("send", tensor, dst, group, async_op, name)
 
     def recv(self, tensor: torch.Tensor, src: int, group: str = "world", async_op: bool = False,
              name: str = "recv") -> Work:
         """Point-to-point receive from group rank ``src`` (another worker), matched by its :meth:`send`."""
-        peer = self._peer(group, src, "src")
+        return self._one_way("recv", tensor, src, group, async_op, name)
+
+    def _one_way(self, kind: str, tensor: torch.Tensor, peer_rank: int, group: str, async_op: bool,
+                 name: str) -> Work:
+        """A send (``kind="send"``, to ``peer_rank``) or a receive (from it): metered, booked on the transmit or
+        the receive queue of the peer's link."""
+        sending = kind == "send"
+        peer = self._peer(group, peer_rank, "dst" if sending else "src")
         _check_p2p_tensor(tensor, "tensor")
-        handle = dist.irecv(tensor, group=self._groups[group], group_src=src)
+        if sending:
+            handle = dist.isend(tensor, group=self._groups[group], group_dst=peer_rank)
+        else:
+            handle = dist.irecv(tensor, group=self._groups[group], group_src=peer_rank)
         link = self.link_to(peer)
-        seconds = link.time("recv", _nbytes(tensor), 2) if link is not None else 0.0
-        return self._p2p((handle,), "recv", group, _nbytes(tensor), name, async_op, sent=0, recv=_nbytes(tensor),
-                         src=src, bookings=[(link, seconds, False, True)])
+        nbytes = _nbytes(tensor)
+        seconds = link.time(kind, nbytes, 2) if link is not None else 0.0
+        return self._p2p((handle,), kind, group, nbytes, name, async_op, sent=nbytes if sending else 0,
+                         recv=0 if sending else nbytes, dst=peer_rank if sending else None,
+                         src=None if sending else peer_rank, bookings=[(link, seconds, sending, not sending)])
 
     def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: str = "world",
                  async_op: bool = False, name: str = "exchange") -> Work:
