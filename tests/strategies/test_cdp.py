@@ -211,3 +211,27 @@ def test_schedule_needs_no_wait_for_cdp_rules():
             assert Schedule(n, n, rule).period == 2 * n
         assert Schedule(n, 1, "dp").period == 2 * n
     assert Schedule(4, 4, "dp").period > 8  # lock-step DP over a point-to-point chain needs a barrier
+
+
+def _loop_then_close(rank, world, rule, steps):
+    s = quietsync.make_strategy("cdp", mlp(world), torch.optim.SGD, config={"rule": rule, "stages": world}, lr=0.1)
+    c = 0
+    while s.steps < steps:  # stop as soon as the target is committed: workers stop at different time steps
+        s.forward_backward(data(c, rank), loss_fn)
+        c += 1
+        s.step()
+    stopped_at = s.t
+    s.close()
+    return {"stopped_at": stopped_at, "closed_at": s.t, "drained": s.drained_bytes}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n,rule,steps,needs_zeros", [(4, "v2", 10, True), (4, "v2", 5, True), (3, "v1", 7, False)])
+def test_close_drains_so_a_worker_still_finishing_its_last_step_is_never_left_waiting(n, rule, steps, needs_zeros):
+    """A worker that commits the last step early still owes its peers the partial sums of the next cycle; on
+    close it keeps the schedule's communication going (zeros, no compute) until the last worker is done."""
+    results = run_ranks(_loop_then_close, n, rule, steps, timeout=200)
+    stopped = [r["stopped_at"] for r in results]
+    assert len(set(stopped)) > 1  # the case that needs it: workers leave the loop at different time steps
+    assert {r["closed_at"] for r in results} == {max(stopped)}
+    assert any(r["drained"] > 0 for r in results) == needs_zeros

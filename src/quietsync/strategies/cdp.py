@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -346,7 +347,7 @@ class CDP(Strategy):
         self._own: dict[tuple[int, int, int], torch.Tensor] = {}
         self._partial: dict[tuple[int, int], torch.Tensor] = {}
         self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}
-        self._sends: list[tuple[int, Any, torch.Tensor]] = []
+        self._sends: list[tuple[int, int, Any, torch.Tensor]] = []  # (time step, cycle, work, tensor)
         self._updates: dict[int, int] = defaultdict(int)
         self._pending_commits: list[int] = []
         self._done_losses: list[torch.Tensor] = []
@@ -354,6 +355,8 @@ class CDP(Strategy):
         """Bytes this worker handed to the transport at each time step."""
         self.sent_completed = 0
         """Bytes of those sends that completed (what the transport's meter has counted)."""
+        self.drained_bytes = 0
+        """Zeros sent on close so a peer still finishing its last step is not left waiting (see ``_drain``)."""
         self._initial_copy()
         self._refresh_param_ptrs()
 
@@ -438,12 +441,7 @@ class CDP(Strategy):
         me = self.me
         cycles = s.cycles_at(t)
         # 1. post the receives of everything sent to me at t-1, in the senders' order
-        incoming = sorted((m for c in s.cycles_at(t - 1) for j in range(self.n) for m in s.messages_sent(c, j)
-                           if m.dst == me and m.key[0] == t - 1), key=lambda m: m.key)
-        for m in incoming:
-            buf = torch.empty(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
-            work = self.transport.recv(buf, m.src, async_op=True, name=f"cdp/{m.kind}")
-            self._posted[(m.kind, m.cycle, m.stage, m.key[4])] = (work, buf)
+        self._post_receives(t)
         # 2. new versions arriving now (distribution chain): apply, relay
         for c in cycles:
             for j in range(self.n):
@@ -474,6 +472,56 @@ class CDP(Strategy):
         self._retire_sends(t)
         if self.meter is not None:
             self.meter.sample(t)
+
+    def _messages_at(self, t: int, *, to: int | None = None, by: int | None = None) -> list[Message]:
+        """The schedule's transfers sent at time step ``t`` (to or by one worker), in key order."""
+        s = self.schedule
+        return sorted((m for c in s.cycles_at(t) for j in range(self.n) for m in s.messages_sent(c, j)
+                       if m.key[0] == t and (to is None or m.dst == to) and (by is None or m.src == by)),
+                      key=lambda m: m.key)
+
+    def _post_receives(self, t: int) -> None:
+        for m in self._messages_at(t - 1, to=self.me):
+            buf = torch.empty(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
+            work = self.transport.recv(buf, m.src, async_op=True, name=f"cdp/{m.kind}")
+            self._posted[(m.kind, m.cycle, m.stage, m.key[4])] = (work, buf)
+
+    def _feed_end(self, w: int, steps: int) -> int:
+        """``self.t`` of worker ``w`` when a loop that stops once ``steps`` cycles are committed stops: the start
+        of the first micro-batch it would have fed after the time step that commits cycle ``steps - 1``."""
+        s = self.schedule
+        commit = max(s.arrivals(steps - 1, j)[w] for j in range(self.n))
+        c0 = commit // s.period
+        return min(b for c in range(max(0, c0 - 1), c0 + 3) for i in s.slots(w) if (b := s.start(c, i)) > commit)
+
+    def _drain(self) -> int:
+        """Workers commit cycle ``steps - 1`` at different time steps, and a worker still finishing it needs the
+        messages its peers would have sent in the time steps after they stopped (partial sums of the next cycle
+        pass through it). So on close each worker keeps the schedule's communication going, without compute,
+        until the last worker's last time step: it receives (and drops) what is sent to it, and sends zeros
+        where it would have sent a partial sum or a new version of a cycle nobody commits. Assumes the loop
+        stops as soon as ``steps`` cycles are committed (the trainer, Accelerate and the Trainer glue do)."""
+        if self.plan is None or self.world_size == 1 or self.steps == 0:
+            return self.t
+        end = max(self._feed_end(w, self.steps) for w in range(self.world_size))
+        if self.t > end:
+            warnings.warn(f"cdp: close() at time step {self.t}, after the last worker's last step ({end}): the loop "
+                          f"fed micro-batches past the commit of step {self.steps}; peers may not receive its tail",
+                          stacklevel=3)
+            return self.t
+        for t in range(self.t, end):
+            self._post_receives(t)
+            for work, _ in self._posted.values():
+                work.wait()
+            self._posted.clear()
+            if t + 1 < end:  # what is sent at end - 1 is received by nobody
+                for m in self._messages_at(t, by=self.me):
+                    buf = torch.zeros(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
+                    work = self.transport.send(buf, m.dst, async_op=True, name="cdp/drain")
+                    self._sends.append((t, m.cycle, work, buf))
+                    self.drained_bytes += buf.numel() * buf.element_size()
+        self.t = end
+        return end
 
     def _forward(self, mb: _MicroBatch, j: int) -> None:
         v = self.schedule.version(mb.cycle, mb.slot, j)
@@ -572,7 +620,7 @@ class CDP(Strategy):
     # the transport's batched ``exchange`` here when it lands)
     def _send(self, tensor: torch.Tensor, dst: int, t: int, kind: str, cycle: int) -> None:
         work = self.transport.send(tensor, dst, async_op=True, name=f"cdp/{kind}")
-        self._sends.append((cycle, work, tensor))
+        self._sends.append((t, cycle, work, tensor))
         self.sent_per_step[t] += tensor.numel() * tensor.element_size()
 
     def _wait(self, key: tuple) -> torch.Tensor:
@@ -588,13 +636,17 @@ class CDP(Strategy):
         cycles, so their receivers post those receives: waiting cannot hang. Sends of later cycles stay open
         (gloo cannot poll a send): a peer that stops first never receives the schedule's tail."""
         keep = []
-        for cycle, work, tensor in self._sends:
-            if cycle < self.steps or work.ready():
-                work.wait()
-                self.sent_completed += tensor.numel() * tensor.element_size()
+        for sent in self._sends:
+            if sent[1] < self.steps or sent[2].ready():
+                self._complete(sent)
             else:
-                keep.append((cycle, work, tensor))
+                keep.append(sent)
         self._sends = keep
+
+    def _complete(self, sent: tuple[int, int, Any, torch.Tensor]) -> None:
+        sent[2].wait()
+        if sent[2].name != "cdp/drain":  # the drain's zeros are counted in drained_bytes
+            self.sent_completed += sent[3].numel() * sent[3].element_size()
 
     # ------------------------------------------------------------------ contract
     def _step(self) -> bool:
@@ -669,11 +721,14 @@ class CDP(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
 
     def _close(self) -> None:
-        """Workers leave the loop at different time steps: a peer may still need a message this worker has
-        sent. Sends are never waited here (the schedule's tail is never received by peers that stopped first);
-        when this strategy owns its transport, one barrier keeps the groups alive until every peer is done
+        """Workers leave the loop at different time steps: each keeps the schedule's communication going until
+        the last one is done (``_drain``), then completes the sends of committed cycles. Sends of the very last
+        time step are never received and never waited; when this strategy owns its transport, one barrier keeps the groups alive until every peer is done
         (the trainer passes its transport and ends with its own all-reduce of the totals, which does the same)."""
-        self._retire_sends(self.t)
+        end = self._drain()
+        for sent in self._sends:  # a send is dropped only once it completed: gloo cancels a dropped pending send
+            if sent[0] < end - 1:  # received at sent[0] + 1 <= end - 1 by a peer in its loop or its drain
+                self._complete(sent)
         if self._owns_transport and self.world_size > 1:
             self.transport.barrier()
         self._sends.clear()
