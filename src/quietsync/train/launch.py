@@ -9,15 +9,18 @@
   the worker that failed **first** (the root cause — its peers typically fail a moment later with a broken
   connection) with its traceback. An interrupt (SIGINT) of the launcher stops every worker within seconds
   (SIGTERM, then SIGKILL after a grace period); checkpoints are written atomically, so one cut short is
-  simply absent.
+  simply absent. A launcher killed outright (``kill -9``) takes its workers with it (Linux: the kernel
+  sends each worker SIGTERM when its parent dies).
 * With ``nproc == 1`` the job runs in this process as a world of one (no process group).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -68,7 +71,23 @@ def note_failure() -> None:
             path.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
 
 
-def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, errors: str) -> None:
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Ask the kernel to SIGTERM this worker when its launcher dies (Linux ``PR_SET_PDEATHSIG``), so a
+    ``kill -9`` of ``quietsync train`` leaves no worker training on; exit at once if it is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # no libc prctl: the peers' timeout still ends the job
+            pass
+    if os.getppid() != launcher_pid:
+        os._exit(1)
+
+
+def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, errors: str,
+            launcher_pid: int) -> None:
+    _die_with_launcher(launcher_pid)
     os.environ.update({
         "RANK": str(local_rank), "WORLD_SIZE": str(nproc),
         "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc),
@@ -95,11 +114,12 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
         return fn(*args)
     import torch.multiprocessing as mp
 
+    _quiet_teardown()
     with tempfile.TemporaryDirectory(prefix="quietsync-launch-") as errors:
-        context = mp.start_processes(_worker, args=(fn, args, nproc, free_port(), errors), nprocs=nproc,
-                                     join=False, start_method="spawn")
+        worker_args = (fn, args, nproc, free_port(), errors, os.getpid())
+        context = mp.start_processes(_worker, args=worker_args, nprocs=nproc, join=False, start_method="spawn")
         try:
-            while not context.join(timeout=0.5):
+            while not context.join(timeout=0.5, grace_period=GRACE_S):  # then SIGTERM, then SIGKILL
                 pass
         except mp.ProcessRaisedException as e:  # join has terminated the other workers
             raise _first_failure(errors, e.error_index, e.msg) from None
@@ -111,14 +131,26 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
     return None
 
 
+def _quiet_teardown() -> None:
+    """Keep a failed job's report to its one line: torch's log of each worker it terminates, and the
+    resource tracker's warning about the semaphores of a killed worker (which it cleans up), are noise."""
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    quiet = "ignore:resource_tracker:UserWarning"  # read by the tracker process, started at the first spawn
+    if quiet not in sys.warnoptions:
+        sys.warnoptions.append(quiet)
+
+
 def _first_failure(errors: str, rank: int, details: str) -> WorkerFailed:
-    """The :class:`WorkerFailed` of the worker whose error came first (else the one torch reported)."""
-    reports = []
+    """The :class:`WorkerFailed` of the root cause. ``rank`` is the worker torch saw exit first: if it died
+    without noting an error (killed by a signal, or an ``os._exit``), its peers' errors are the consequence
+    and it is blamed; otherwise the worker whose noted error came first is."""
+    reports = {}
     for path in Path(errors).glob("rank*"):
         stamp, _, trace = path.read_text().partition("\n")
-        reports.append((float(stamp), int(path.name[4:]), trace))
-    if reports:
-        _, rank, details = min(reports)
+        reports[int(path.name[4:])] = (float(stamp), trace)
+    if reports and rank in reports:
+        rank = min(reports, key=lambda r: reports[r][0])
+        details = reports[rank][1]
     return WorkerFailed(rank, details)
 
 
