@@ -41,3 +41,25 @@ def test_exported_model_and_tokenizer_load_with_auto_classes_and_match(small_cor
 def test_export_refuses_a_plain_module(tmp_path, small_corpus):
     with pytest.raises(TypeError, match="PreTrainedModel"):
         export_model(torch.nn.Linear(2, 2), train_tokenizer(small_corpus, 300), tmp_path / "m")
+
+
+def test_a_run_can_start_from_an_exported_folder(small_corpus, tmp_path):
+    """--model and --tokenizer take a Hugging Face folder (here one quietsync exported)."""
+    from quietsync.train.model import is_pretrained, load_pretrained
+    from quietsync.train.tokenizer import load_pretrained_tokenizer
+
+    tok = train_tokenizer(small_corpus, 300)
+    model = build_model("tiny", tok.get_vocab_size(), eos_id(tok), seed=0)
+    folder = export_model(model, tok, tmp_path / "model")
+    assert is_pretrained(str(folder)) and not is_pretrained("tiny")
+    tok2, eos = load_pretrained_tokenizer(str(folder))
+    assert eos == eos_id(tok) and tok2.encode("In the beginning").ids == tok.encode("In the beginning").ids
+    again = load_pretrained(str(folder), tok2.get_vocab_size())
+    assert again.training
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+    with pytest.raises(ValueError, match="--model: .* is not a Hugging Face model folder"):
+        load_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="embeds only"):
+        load_pretrained(str(folder), 10_000)
+    with pytest.raises(ValueError, match="--tokenizer: cannot load"):
+        load_pretrained_tokenizer(str(tmp_path / "missing"))

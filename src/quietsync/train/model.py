@@ -1,8 +1,12 @@
-"""GPT-Neo presets for `quietsync train` and the optimizer parameter groups.
+"""Models of `quietsync train`: GPT-Neo presets, pretrained causal LMs, and the optimizer parameter groups.
 
 The papers' architecture, ``transformers.GPTNeoForCausalLM``, at sizes a CPU can train: ``tiny`` for tests,
 ``default`` for the out-of-the-box job, ``10m`` for benchmarks. Dropout is off (the runs are short and the
 oracles compare strategies step by step); the output embedding is tied to the input one.
+
+``--model`` also takes a local Hugging Face model folder (one with a ``config.json``, e.g. a previous run's
+``OUT/model``) or, where a network exists, a hub name: any causal-LM architecture transformers knows, loaded
+with ``AutoModelForCausalLM.from_pretrained`` (:func:`load_pretrained`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,37 @@ PRESETS: dict[str, ModelPreset] = {
     "10m": ModelPreset(hidden_size=384, num_layers=5, num_heads=6, max_positions=512),
 }
 """Named sizes; parameter counts at vocabulary 4096: tiny ≈ 1.0 M, default ≈ 2.6 M, 10m ≈ 10.6 M."""
+
+
+def is_pretrained(name: str) -> bool:
+    """Whether ``--model name`` names a pretrained model (a local folder or a hub name), not a preset."""
+    return name not in PRESETS
+
+
+def load_pretrained(name: str, vocab_size: int | None = None):
+    """``AutoModelForCausalLM.from_pretrained(name)`` in train mode; checks the tokenizer's vocabulary fits.
+
+    Raises ``ValueError`` (one line, naming ``--model``) when ``name`` is neither a local model folder nor a
+    loadable hub model, or when the tokenizer has more tokens than the model's embedding."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(name)
+    if folder.exists() and not (folder / "config.json").is_file():
+        raise ValueError(f"--model: {name} is not a Hugging Face model folder (no config.json); "
+                         f"presets: {', '.join(PRESETS)}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--model: cannot load {name!r} as a causal LM ({first}); presets: "
+                         f"{', '.join(PRESETS)}") from None
+    embed = model.get_input_embeddings().num_embeddings
+    if vocab_size is not None and vocab_size > embed:
+        raise ValueError(f"--model: the tokenizer has {vocab_size} tokens but {name} embeds only {embed}")
+    model.train()
+    return model
 
 
 def build_model(preset: str | ModelPreset, vocab_size: int, eos_id: int = 0, seed: int | None = None):

@@ -4,12 +4,16 @@ Nothing is downloaded: the tokenizer is trained with the ``tokenizers`` library 
 documents of the corpus (never on the held-out part). The result is cached as
 ``<cache_dir>/tokenizer-<corpus fingerprint>-v<vocab size>.json``; concurrent workers build it once
 (see :mod:`quietsync.train.cache`). Byte-level BPE round-trips any text exactly.
+
+``--tokenizer`` instead takes a pretrained tokenizer (a local folder with ``tokenizer.json``, e.g. a previous
+run's ``OUT/model``, or a hub name): :func:`load_pretrained_tokenizer`.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from ..validate import check_int
 from .cache import DEFAULT_CACHE_DIR, build_once
@@ -54,6 +58,26 @@ def load_or_train_tokenizer(corpus: Corpus, vocab_size: int, cache_dir: str | os
     path = tokenizer_path(corpus, vocab_size, cache_dir)
     build_once(path, lambda tmp: train_tokenizer(corpus, vocab_size).save(str(tmp)))
     return Tokenizer.from_file(str(path))
+
+
+def load_pretrained_tokenizer(name: str) -> tuple[Any, int]:
+    """(the ``tokenizers.Tokenizer`` behind ``AutoTokenizer.from_pretrained(name)``, its end-of-text id).
+    ``ValueError`` naming ``--tokenizer`` when it cannot be loaded or has no fast version or no end token."""
+    from transformers import AutoTokenizer
+
+    try:
+        fast = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--tokenizer: cannot load {name!r} ({first})") from None
+    if not getattr(fast, "is_fast", False):
+        raise ValueError(f"--tokenizer: {name!r} has no fast (tokenizers) version")
+    eos = fast.eos_token if fast.eos_token is not None else EOS_TOKEN
+    tok = fast.backend_tokenizer
+    idx = tok.token_to_id(eos)
+    if idx is None:
+        raise ValueError(f"--tokenizer: {name!r} has no end-of-text token (eos_token, or {EOS_TOKEN})")
+    return tok, idx
 
 
 def eos_id(tokenizer) -> int:
