@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from quietsync.train import launch as launch_module
-from quietsync.train.cli import main
-
+from ._run import refused as refused_line
+from ._run import small_job
 from .conftest import synthetic_text
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,35 +19,15 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def refused(tmp_path, monkeypatch, capsys):
-    """``refused(*flags)``: run ``quietsync train`` in this process with a small job plus ``flags``; assert exit
-    status 2 with one line on stderr and no worker started; return that line."""
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-
-    def no_workers(*args, **kwargs):
-        raise AssertionError("a worker was started")
-
-    monkeypatch.setattr(launch_module, "launch", no_workers)
-    data = tmp_path / "text.txt"
-    if not data.exists():
-        data.write_text(synthetic_text(400))
+    """``refused(*flags)``: ``quietsync train`` of a small job plus ``flags``, in this process; asserts exit
+    status 2 with one line on stderr, no worker started, within seconds; returns the line."""
+    job = small_job(tmp_path) + ["--max-steps", "2", "--out", str(tmp_path / "out")]
 
     def run(*flags: str) -> str:
-        argv = ["train", "--model", "tiny", "--max-steps", "2", "--micro-batch-size", "2", "--seq-len", "32",
-                "--vocab-size", "300", "--dataset", str(data), "--cache-dir", str(tmp_path / "cache"),
-                "--out", str(tmp_path / "out"), "--no-progress", "--no-plot", *flags]
-        capsys.readouterr()
         t0 = time.monotonic()
-        try:
-            rc = main(argv)
-        except SystemExit as e:
-            rc = e.code
-        err = capsys.readouterr().err
-        assert rc == 2, err
+        line = refused_line(monkeypatch, capsys, *job, *flags)
         assert time.monotonic() - t0 < 10
-        lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("quietsync train: error: --"), err
-        return lines[0]
+        return line
 
     return run
 
