@@ -80,14 +80,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _value(value: Any) -> str:
+    if value is None or value == []:
+        return "(unset)"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
 def _show(flag: str, value: Any) -> str:
     if isinstance(value, bool):
         return flag if value else f"--no-{flag[2:]}"
-    if value is None or value == []:
-        return f"{flag} (none)"
-    if isinstance(value, list):
-        return f"{flag} {','.join(map(str, value))}"
-    return f"{flag} {value}"
+    return f"{flag} {_value(value)}"
 
 
 def _strategy_flags(strategy: str) -> dict[str, str]:
@@ -100,8 +104,15 @@ def _warmup(max_steps: int, warmup_steps: int | None) -> int:
     return warmup_steps if warmup_steps is not None else max(1, max_steps // 20)
 
 
+def _strategy_state(payload: dict[str, Any]) -> dict[str, Any]:
+    state = payload.get("strategy")
+    if not isinstance(state, dict):
+        raise ResumeMismatch("--resume: the checkpoint is not a quietsync checkpoint (its strategy state is not a dict)")
+    return state
+
+
 def _topology_problem(payload: dict[str, Any], world: int, nodes: int | None, where: str) -> str | None:
-    saved_world = payload.get("world_size", payload["strategy"].get("world_size"))
+    saved_world = payload.get("world_size", _strategy_state(payload).get("world_size"))
     if saved_world is not None and saved_world != world:
         return (f"--resume: the checkpoint {where} was written by {saved_world} workers; this run has {world}; "
                 f"resume it with {saved_world} workers (--nproc {saved_world}): a checkpoint cannot be resharded yet")
@@ -129,7 +140,7 @@ def check_checkpoint(
         return ["the checkpoint holds no config (written by an older quietsync); its flags were not compared"]
     now = _plain(dataclasses.asdict(cfg))
     saved = _plain(saved)
-    step = int(payload["strategy"].get("steps", 0))
+    step = int(_strategy_state(payload).get("steps", 0))
     was, has, notes = [], [], []
     for name in now:
         if name not in saved or name in SAFE or name in TOPOLOGY or saved[name] == now[name]:
@@ -141,11 +152,11 @@ def check_checkpoint(
                 w_old, w_new = _warmup(saved[name], saved.get("warmup_steps")), _warmup(now[name], None)
                 if w_old != w_new:
                     effect += f" (its default warm-up is {w_new} steps instead of {w_old})"
-            notes.append(f"--resume: {_show(flag, saved[name])} -> {now[name]}: {effect}")
+            notes.append(f"--resume: {_show(flag, saved[name])} -> {_value(now[name])}: {effect}")
         else:
             was.append(_show(flag, saved[name]))
             has.append(_show(flag, now[name]))
-    saved_strategy = payload["strategy"].get("config")
+    saved_strategy = _strategy_state(payload).get("config")
     if saved.get("strategy") == now["strategy"] and isinstance(saved_strategy, dict) and strategy_config:
         flags = _strategy_flags(cfg.strategy)
         current = _plain(dataclasses.asdict(strategy_config))
