@@ -13,6 +13,8 @@ from quietsync.train.outputs import out_problem, remove_outputs
 
 from ._run import refused, small_job, train
 
+pytestmark = pytest.mark.timeout(60)
+
 
 def test_out_problem_rules(tmp_path):
     out = tmp_path / "run"

@@ -21,6 +21,8 @@ from quietsync.train.resume_check import (
 
 from ._run import refused, small_job, train
 
+pytestmark = pytest.mark.timeout(60)
+
 
 def _payload(cfg: TrainConfig, scfg, world: int = 2, nodes: int = 2, step: int = 4) -> dict:
     return {"config": dataclasses.asdict(cfg), "world_size": world, "nodes": nodes,
