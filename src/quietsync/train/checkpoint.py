@@ -70,16 +70,17 @@ def resolve_resume(resume: str, out: str | os.PathLike, ranks: Iterable[int]) ->
     return folder
 
 
-def load_checkpoint(folder: str | os.PathLike, rank: int) -> dict[str, Any]:
+def load_checkpoint(folder: str | os.PathLike, rank: int, *, mmap: bool = False) -> dict[str, Any]:
     """This worker's checkpoint payload from ``folder``, read safely.
 
     Loaded with ``weights_only=True``: a checkpoint may hold tensors and plain data (dicts, lists, numbers,
     strings) and nothing else, so a crafted file cannot run code. Raises ``ValueError`` naming the file when it
-    holds anything else, is truncated or is not a checkpoint at all.
+    holds anything else, is truncated or is not a checkpoint at all. ``mmap=True`` maps the tensors instead
+    of reading them (to look at the config only).
     """
     path = rank_file(folder, rank)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise ValueError(
             f"refusing to load checkpoint {path}: it holds objects other than tensors and plain data "

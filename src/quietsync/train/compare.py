@@ -1,7 +1,8 @@
 """`quietsync compare`: several strategies on the same work, side by side.
 
 Runs `quietsync train` once per strategy with the same job flags (model, data, seed, steps, links,
-slow worker), each into ``OUT/<label>``, then writes:
+slow worker), each into ``OUT/<label>``, then writes the files below. A non-empty ``OUT`` is refused unless
+``--overwrite`` is given (then each run replaces its own outputs, see :mod:`quietsync.train.outputs`):
 
 * ``OUT/compare.json`` and ``OUT/compare.md``: one row per strategy (final eval loss, wall time, tokens/s,
   bytes sent per step, compute / idle / comm seconds per worker, compute-busy fraction);
@@ -22,6 +23,7 @@ from typing import Any
 
 from .args import OneLineParser, parse_train_args
 from .metrics import read_jsonl
+from .outputs import COMPARE_OUTPUTS, compare_out_problem, remove_outputs
 from .plots import pyplot, save_figure
 from .run_job import run_job
 
@@ -144,6 +146,11 @@ def compare_main(argv: list[str]) -> int:
     for name, label, flags in specs:  # check every run's flags before starting the first
         run_argv = [*job, "--strategy", name, *flags, "--out", str(out / label)]
         runs.append((label, parse_train_args(run_argv)))
+    problem = compare_out_problem(out, runs[0][1][0].overwrite)
+    if problem is not None:
+        parser.error(problem)
+    if runs[0][1][0].overwrite and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        remove_outputs(out, COMPARE_OUTPUTS)
     for label, (cfg, strategy_config, nodes) in runs:
         print(f"== quietsync compare: {label}", flush=True)
         rc = run_job(cfg, strategy_config, nodes, nproc_given="--nproc" in job)

@@ -52,6 +52,8 @@ class TrainConfig:
     """Make worker RANK FACTOR times slower: after each micro-batch it sleeps (FACTOR-1)x its compute time."""
     out: str = "runs/train"
     """Output folder: metrics-rank{R}.jsonl, summary.json, loss.png, checkpoints/."""
+    overwrite: bool = False
+    """Let a new run replace an earlier run's outputs in --out (a non-empty --out is refused otherwise)."""
     dataset: str = DEFAULT_DATASET
     """Corpus: 'kjv' (embedded King James Bible), a text file, a folder of .txt files, or a hub dataset name."""
     eval_fraction: float = 0.02

@@ -32,9 +32,11 @@ from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from .config import TrainConfig
 from .corpus import load_corpus
 from .data import ShardedSequences, encode_split, eval_batches
-from .launch import note_failure
+from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
 from .model import build_model, count_parameters, param_groups
+from .preflight import data_problem
+from .resume_check import check_checkpoint
 from .schedule import warmup_cosine
 from .slow_worker import MicroBatchTimer, SlowWorker
 from .tokenizer import eos_id, load_or_train_tokenizer
@@ -115,6 +117,9 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         eos = eos_id(tokenizer)
         train_tokens = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir)
         eval_tokens = encode_split(tokenizer, corpus.eval_documents, eos, cfg.cache_dir)
+        too_small = data_problem(train_tokens.numel(), eval_tokens.numel(), cfg, world)
+        if too_small:
+            raise ValueError(too_small)
         model = build_model(cfg.model, tokenizer.get_vocab_size(), eos, seed=cfg.seed)
         if cfg.seq_len > model.config.max_position_embeddings:
             raise ValueError(
@@ -136,6 +141,9 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         if cfg.resume:
             folder = resolve_resume(cfg.resume, cfg.out, _local_ranks(topology))
             state = load_checkpoint(folder, rank)
+            for note in check_checkpoint(state, cfg, strategy_config, world, topology.nodes, folder):
+                if rank == 0 and under_torchrun() and ERRORS_ENV not in os.environ:  # else the launcher did
+                    print(f"quietsync train: {note}", flush=True)
             strategy.load_state_dict(state["strategy"])
             stream.load_state_dict(state["data"])
             tokens_total = int(state["tokens_total"])
@@ -267,7 +275,8 @@ def _save(cfg: TrainConfig, strategy: Any, stream: Any, rank: int, tokens_total:
     save_checkpoint(cfg.out, strategy.steps, rank, {
         "strategy": strategy.state_dict(), "data": stream.state_dict(),
         "tokens_total": tokens_total, "rng": torch.get_rng_state(),
-        "config": dataclasses.asdict(cfg),
+        "config": dataclasses.asdict(cfg),  # the strategy's config is in strategy.state_dict()["config"]
+        "world_size": strategy.world_size, "nodes": strategy.transport.topology.nodes,
     })
 
 

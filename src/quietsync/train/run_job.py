@@ -12,13 +12,41 @@ from typing import Any
 
 from .args import PROG
 from .config import TrainConfig
+from .config_flags import FlagError
 
 __all__ = ["run_job"]
 
 
+def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -> list[str]:
+    """The checks that need the file system, before any worker starts; then ``--overwrite``'s clean-up.
+
+    Returns the notes to print; raises :class:`FlagError` (one line). Under torchrun every process runs
+    this, and the checkpoint and data checks are left to the workers (files may be on other nodes).
+    """
+    from .launch import under_torchrun
+    from .outputs import out_problem, remove_outputs
+    from .preflight import check_data
+    from .resume_check import check_resume
+
+    torchrun = under_torchrun()
+    problem = out_problem(cfg)
+    if problem is not None:
+        raise FlagError("--out", problem)
+    notes: list[str] = []
+    if cfg.resume is not None and not torchrun:
+        notes += check_resume(cfg, strategy_config, cfg.nproc, nodes)
+    if not torchrun:
+        check_data(cfg, cfg.nproc)
+    if cfg.overwrite and os.environ.get("LOCAL_RANK", "0") == "0":
+        removed = remove_outputs(cfg.out)
+        if removed:
+            notes.append(f"--overwrite: removed {', '.join(removed)} from {cfg.out}")
+    return notes
+
+
 def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_given: bool = False) -> int:
     """Run the job (see :mod:`quietsync.train.launch`); return the exit status: 0, 1 (a worker failed,
-    its traceback printed) or 130 (interrupted). ``nproc_given``: ``--nproc`` was on the command line
+    its traceback printed), 2 (refused before any worker started: one line) or 130 (interrupted). ``nproc_given``: ``--nproc`` was on the command line
     (under torchrun rank 0 then says it is ignored)."""
     from .launch import WorkerFailed, launch, under_torchrun
     from .loop import run
@@ -26,6 +54,14 @@ def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_
     if under_torchrun() and nproc_given and int(os.environ.get("RANK", "0")) == 0:
         print(f"{PROG} train: under torchrun, --nproc is ignored (WORLD_SIZE={os.environ['WORLD_SIZE']})",
               file=sys.stderr)
+    try:
+        notes = _before_workers(cfg, strategy_config, nodes)
+    except FlagError as e:
+        print(f"{PROG} train: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in notes:
+            print(f"{PROG} train: {note}", flush=True)
     try:
         launch(run, (cfg, strategy_config, nodes), nproc=cfg.nproc)
     except WorkerFailed as e:

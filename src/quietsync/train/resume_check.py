@@ -1,0 +1,208 @@
+"""What a resumed run may change: the checkpoint's config against this run's flags, in one place.
+
+Every checkpoint holds the job config (``config``), the strategy's config (``strategy.config``), the world
+size and the node count. On ``--resume`` each job field falls in one of three classes:
+
+* :data:`INCOMPATIBLE` — the run would not be a continuation of the checkpointed one (the data, the model,
+  the optimizer's own hyper-parameters, which the checkpoint restores and would silently keep). Changing
+  any of these, any strategy flag, the strategy, the world size or the node count is refused with one
+  line listing all of them.
+* :data:`NOTED` — allowed; a note says what changes (e.g. a new ``--max-steps`` changes the cosine
+  learning-rate schedule after the resumed step).
+* :data:`SAFE` — allowed silently: they change where things are written, when, and how they are shown.
+
+A field in no class (say, one added later) counts as incompatible. The launcher runs
+:func:`check_resume` before any worker starts; every worker runs :func:`check_checkpoint` again on the
+payload it loads (under torchrun there is no launcher).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import checkpoint_root, latest_checkpoint, load_checkpoint, rank_file, resolve_resume
+from .config import TrainConfig
+from .config_flags import FlagError, flag_name
+
+__all__ = ["INCOMPATIBLE", "NOTED", "SAFE", "TOPOLOGY", "ResumeMismatch", "check_checkpoint", "check_resume"]
+
+INCOMPATIBLE: dict[str, str] = {
+    "strategy": "the checkpoint holds that strategy's state",
+    "micro_batch_size": "the data position counts windows of the old micro-batch size",
+    "seq_len": "the data stream is cut into windows of the old length",
+    "lr": "the checkpoint's optimizer keeps its own learning rate",
+    "weight_decay": "the checkpoint's optimizer keeps its own weight decay",
+    "dataset": "other text",
+    "eval_fraction": "another train/held-out split",
+    "seed": "another data order",
+    "model": "another model",
+    "vocab_size": "another tokenizer",
+}
+"""Job fields a resumed run may not change, with why."""
+
+NOTED: dict[str, str] = {
+    "max_steps": "the run now ends at step {new}; the cosine learning-rate schedule after step {step} is that "
+                 "of a {new}-step run",
+    "warmup_steps": "the learning-rate schedule after step {step} has the new warm-up",
+    "min_lr_ratio": "the learning-rate schedule after step {step} decays to the new final ratio",
+    "eval_windows": "held-out losses after step {step} average another number of windows (not comparable "
+                    "with earlier ones)",
+    "threads": "kernels may sum in another order, so the continuation need not be bit-identical",
+    "link": "only the emulated link timing changes",
+    "slow_worker": "only the slowed worker's timing changes",
+}
+"""Job fields a resumed run may change, with a note of what it changes (``{step}``, ``{old}``, ``{new}``)."""
+
+SAFE = frozenset({
+    "out", "overwrite", "eval_every", "save_every", "resume", "cache_dir", "timeout_s", "progress", "plot",
+    "trace",
+})
+"""Job fields a resumed run may change without a word."""
+
+TOPOLOGY = frozenset({"nproc", "nodes"})
+"""Job fields compared through what they resolve to: the world size and the node count."""
+
+
+class ResumeMismatch(FlagError):
+    """The checkpoint cannot be continued with this run's flags (one line)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("--resume", message)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _value(value: Any) -> str:
+    if value is None or value == []:
+        return "(unset)"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _show(flag: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {_value(value)}"
+
+
+def _strategy_flags(strategy: str) -> dict[str, str]:
+    from .args import train_parser
+
+    return train_parser(strategy)[2]
+
+
+def _warmup(max_steps: int, warmup_steps: int | None) -> int:
+    return warmup_steps if warmup_steps is not None else max(1, max_steps // 20)
+
+
+def _strategy_state(payload: dict[str, Any]) -> dict[str, Any]:
+    state = payload.get("strategy")
+    if not isinstance(state, dict):
+        raise ResumeMismatch("--resume: the checkpoint is not a quietsync checkpoint (its strategy state is not a dict)")
+    return state
+
+
+def _topology_problem(payload: dict[str, Any], world: int, nodes: int | None, where: str) -> str | None:
+    saved_world = payload.get("world_size", _strategy_state(payload).get("world_size"))
+    if saved_world is not None and saved_world != world:
+        return (f"--resume: the checkpoint {where} was written by {saved_world} workers; this run has {world}; "
+                f"resume it with {saved_world} workers (--nproc {saved_world}): a checkpoint cannot be resharded yet")
+    saved_nodes = payload.get("nodes")
+    if saved_nodes is not None and nodes is not None and saved_nodes != nodes:
+        return (f"--resume: the checkpoint {where} was written on {saved_nodes} nodes; this run has {nodes} "
+                f"(--nodes {nodes}); resume with --nodes {saved_nodes}")
+    return None
+
+
+def check_checkpoint(
+    payload: dict[str, Any], cfg: TrainConfig, strategy_config: Any, world: int, nodes: int | None,
+    where: str | Path = "",
+) -> list[str]:
+    """Compare a loaded checkpoint ``payload`` with this run; return the notes of allowed changes.
+
+    Raises :class:`ResumeMismatch` (one line) for another world size or node count, for incompatible
+    changes (listing all of them) and for a ``--max-steps`` the checkpoint has already reached.
+    """
+    problem = _topology_problem(payload, world, nodes, str(where))
+    if problem:
+        raise ResumeMismatch(problem)
+    saved = payload.get("config")
+    if not isinstance(saved, dict):
+        return ["the checkpoint holds no config (written by an older quietsync); its flags were not compared"]
+    now = _plain(dataclasses.asdict(cfg))
+    saved = _plain(saved)
+    step = int(_strategy_state(payload).get("steps", 0))
+    was, has, notes = [], [], []
+    for name in now:
+        if name not in saved or name in SAFE or name in TOPOLOGY or saved[name] == now[name]:
+            continue
+        flag = flag_name(name)
+        if name in NOTED:
+            effect = NOTED[name].format(step=step, old=saved[name], new=now[name])
+            if name == "max_steps" and now.get("warmup_steps") is None:
+                w_old, w_new = _warmup(saved[name], saved.get("warmup_steps")), _warmup(now[name], None)
+                if w_old != w_new:
+                    effect += f" (its default warm-up is {w_new} steps instead of {w_old})"
+            notes.append(f"--resume: {_show(flag, saved[name])} -> {_value(now[name])}: {effect}")
+        else:
+            was.append(_show(flag, saved[name]))
+            has.append(_show(flag, now[name]))
+    saved_strategy = _strategy_state(payload).get("config")
+    if saved.get("strategy") == now["strategy"] and isinstance(saved_strategy, dict) and strategy_config:
+        flags = _strategy_flags(cfg.strategy)
+        current = _plain(dataclasses.asdict(strategy_config))
+        saved_strategy = _plain(saved_strategy)
+        for name, value in current.items():
+            if name in saved_strategy and saved_strategy[name] != value:
+                flag = flags.get(name, flag_name(name))
+                was.append(_show(flag, saved_strategy[name]))
+                has.append(_show(flag, value))
+    if was:
+        raise ResumeMismatch(
+            f"--resume: the checkpoint was written with {', '.join(was)}; this run has {', '.join(has)} "
+            "(these cannot change on resume: use the checkpoint's values, or start a new run)")
+    if cfg.max_steps <= step:
+        raise ResumeMismatch(f"--max-steps must be > the checkpoint's step {step} to resume it, got {cfg.max_steps}")
+    return notes
+
+
+def _resume_folder(cfg: TrainConfig, world: int) -> Path:
+    """The checkpoint folder ``--resume`` names, for a world of ``world`` (another world's is found too)."""
+    if cfg.resume == "latest":
+        folder = latest_checkpoint(cfg.out, range(world)) or latest_checkpoint(cfg.out, [0])
+        if folder is None:
+            raise ResumeMismatch(f"--resume found no complete checkpoint under {checkpoint_root(cfg.out)} "
+                                 "(a run saves them with --save-every N)")
+        return folder
+    folder = Path(str(cfg.resume))
+    if not rank_file(folder, 0).is_file():
+        raise ResumeMismatch(f"--resume: {folder} is not a checkpoint folder (no {rank_file(folder, 0).name})")
+    return folder
+
+
+def check_resume(cfg: TrainConfig, strategy_config: Any, world: int, nodes: int | None) -> list[str]:
+    """The launcher's check of ``--resume``, before any worker starts: reads rank 0's file of the checkpoint
+    (tensors memory-mapped, not read) and compares it with this run; returns the notes to print.
+
+    Raises :class:`ResumeMismatch` (one line) when there is nothing to resume or it cannot be continued.
+    """
+    folder = _resume_folder(cfg, world)
+    try:
+        payload = load_checkpoint(folder, 0, mmap=True)
+    except ValueError as e:
+        raise ResumeMismatch(f"--resume: {e}") from None
+    notes = check_checkpoint(payload, cfg, strategy_config, world, nodes, folder)
+    try:
+        resolve_resume(str(folder), cfg.out, range(world))
+    except ValueError as e:
+        raise ResumeMismatch(f"--resume: {e}") from None
+    return notes

@@ -1,0 +1,92 @@
+"""Resume compares the checkpoint's config with the flags: incompatible changes are refused in one line
+listing them, safe ones pass (with a note of what they change), another world size is one line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from quietsync.strategies import get
+from quietsync.train.config import TrainConfig
+from quietsync.train.metrics import read_jsonl
+from quietsync.train.resume_check import (
+    INCOMPATIBLE,
+    NOTED,
+    SAFE,
+    TOPOLOGY,
+    ResumeMismatch,
+    check_checkpoint,
+)
+
+from ._run import refused, small_job, train
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _payload(cfg: TrainConfig, scfg, world: int = 2, nodes: int = 2, step: int = 4) -> dict:
+    return {"config": dataclasses.asdict(cfg), "world_size": world, "nodes": nodes,
+            "strategy": {"steps": step, "world_size": world, "config": dataclasses.asdict(scfg)}}
+
+
+def test_every_job_field_is_classified_once():
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    classes = [set(INCOMPATIBLE), set(NOTED), set(SAFE), set(TOPOLOGY)]
+    for name in fields:
+        assert sum(name in c for c in classes) == 1, f"TrainConfig.{name}: classify it in resume_check.py"
+    assert set().union(*classes) == set(fields)
+
+
+def test_incompatible_changes_are_listed_in_one_line():
+    scfg = get("zero1")[1]()
+    saved = _payload(TrainConfig(seq_len=128, lr=2e-3, max_steps=8), scfg)
+    now = TrainConfig(seq_len=64, lr=1e-3, max_steps=8)
+    with pytest.raises(ResumeMismatch) as e:
+        check_checkpoint(saved, now, get("zero1")[1](accumulation=2), 2, 2)
+    msg = str(e.value)
+    assert msg == ("--resume: the checkpoint was written with --seq-len 128, --lr 0.002, --accumulation 1; "
+                   "this run has --seq-len 64, --lr 0.001, --accumulation 2 (these cannot change on resume: use "
+                   "the checkpoint's values, or start a new run)")
+    with pytest.raises(ResumeMismatch, match=r"--strategy zero1; this run has --strategy ddp"):
+        check_checkpoint(saved, TrainConfig(strategy="ddp", seq_len=128, max_steps=8), get("ddp")[1](), 2, 2)
+
+
+def test_safe_changes_pass_and_schedule_changes_get_a_note():
+    scfg = get("zero1")[1]()
+    saved = _payload(TrainConfig(max_steps=8, out="a", eval_every=50, progress=True), scfg)
+    assert check_checkpoint(saved, TrainConfig(max_steps=8, out="b", eval_every=2, progress=False,
+                                               resume="latest", timeout_s=9.0, save_every=3), scfg, 2, 2) == []
+    notes = check_checkpoint(saved, TrainConfig(max_steps=40), scfg, 2, 2)
+    assert len(notes) == 1 and notes[0].startswith("--resume: --max-steps 8 -> 40:")
+    assert "cosine learning-rate schedule after step 4" in notes[0] and "warm-up is 2 steps instead of 1" in notes[0]
+    with pytest.raises(ResumeMismatch, match="--max-steps must be > the checkpoint's step 4"):
+        check_checkpoint(saved, TrainConfig(max_steps=4), scfg, 2, 2)
+
+
+def test_another_world_size_is_one_line():
+    scfg = get("zero1")[1]()
+    saved = _payload(TrainConfig(max_steps=8), scfg, world=2)
+    with pytest.raises(ResumeMismatch, match=r"written by 2 workers; this run has 4; .*--nproc 2"):
+        check_checkpoint(saved, TrainConfig(max_steps=8), scfg, 4, 4)
+    with pytest.raises(ResumeMismatch, match=r"written on 2 nodes; this run has 1"):
+        check_checkpoint(saved, TrainConfig(max_steps=8), scfg, 2, 1)
+
+
+@pytest.mark.timeout(300)
+def test_resume_from_the_command_line(tmp_path, monkeypatch, capsys):
+    job, out = small_job(tmp_path), tmp_path / "run"
+    first = train(*job, "--max-steps", "4", "--save-every", "2", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    step2 = out / "checkpoints" / "step-0000002"
+    line = refused(monkeypatch, capsys, *job, "--max-steps", "4", "--out", str(out), "--resume", str(step2),
+                   "--seq-len", "16")
+    assert "the checkpoint was written with --seq-len 32; this run has --seq-len 16" in line
+    for nproc in ("1", "4"):  # bare --resume: the newest checkpoint, written by 2 workers
+        line = refused(monkeypatch, capsys, *job, "--max-steps", "6", "--out", str(out), "--resume",
+                       "--nproc", nproc)
+        assert f"written by 2 workers; this run has {nproc}" in line
+    resumed = train(*job, "--max-steps", "6", "--out", str(out), "--resume", str(step2))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "--resume: --max-steps 4 -> 6:" in resumed.stdout and "schedule after step 2" in resumed.stdout
+    steps = [r["step"] for r in read_jsonl(out / "metrics-rank0.jsonl") if "event" not in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
