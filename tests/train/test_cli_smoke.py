@@ -32,7 +32,7 @@ def test_cli_two_workers_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval loss first -> last" in proc.stdout and proc.stdout.count("strategy ") == 2  # rank 0 only
     assert sorted(p.name for p in out.iterdir()) == [
-        "loss.png", "metrics-rank0.jsonl", "metrics-rank1.jsonl", "summary.json", "timeline.png",
+        "loss.png", "metrics-rank0.jsonl", "metrics-rank1.jsonl", "model", "summary.json", "timeline.png",
         "trace-rank0.json", "trace-rank1.json"]
     lanes = {e.get("cat") for e in json.loads((out / "trace-rank1.json").read_text())["traceEvents"]}
     assert {"compute", "comm"} <= lanes

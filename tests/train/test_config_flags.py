@@ -133,7 +133,8 @@ def test_every_registered_strategy_gets_its_flags():
     (["--slow-worker", "1"], "--slow-worker must look like RANK:FACTOR"),
     (["--slow-worker", "5:2"], "--slow-worker RANK must be < the 2 workers, got 5"),
     (["--strategy", "nope"], "--strategy must be one of"),
-    (["--model", "huge"], "--model: invalid choice: 'huge'"),
+    (["--model", "huge"], "--model must be one of tiny, default, 10m, a Hugging Face model folder or a hub name "
+                          "(the hub is offline here), got 'huge'"),
     (["--seq-len", "4096"], "--seq-len must be <= 256 for --model default"),
     (["--nproc", "4", "--nodes", "3"], "--nodes must be a positive divisor of the 4 workers, got 3"),
     (["--nodes", "0"], "--nodes must be an integer >= 1 or None, got 0"),
@@ -145,7 +146,8 @@ def test_every_registered_strategy_gets_its_flags():
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--strategy", "cdp", "--save-every", "5"], "--save-every is not supported with --strategy cdp"),
 ])
-def test_bad_values_are_one_line_errors(argv, expect, capsys):
+def test_bad_values_are_one_line_errors(argv, expect, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as e:
         parse_train_args(argv)
     assert e.value.code == 2
@@ -206,9 +208,11 @@ def test_strategy_fields_named_like_job_flags_are_prefixed():
     ("lr", float("inf"), "lr must be > 0, got inf"),
     ("min_lr_ratio", 1.5, "min_lr_ratio must be in [0, 1], got 1.5"),
     ("weight_decay", None, "weight_decay must be >= 0, got None"),
-    ("model", "huge", "model must be one of tiny, default, 10m, got 'huge'"),
+    ("model", "huge", "model must be one of tiny, default, 10m, a Hugging Face model folder or a hub name (the hub "
+                      "is offline here), got 'huge'"),
 ])
-def test_train_config_checks_its_fields(field, value, message):
+def test_train_config_checks_its_fields(field, value, message, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError) as e:
         TrainConfig(**{field: value})
     assert str(e.value) == message

@@ -63,3 +63,37 @@ def test_a_run_can_start_from_an_exported_folder(small_corpus, tmp_path):
         load_pretrained(str(folder), 10_000)
     with pytest.raises(ValueError, match="--tokenizer: cannot load"):
         load_pretrained_tokenizer(str(tmp_path / "missing"))
+
+
+@pytest.mark.timeout(240)
+def test_a_run_ends_with_a_model_from_pretrained_loads_and_the_next_run_starts_from_it(tmp_path, monkeypatch):
+    """OUT/model holds the committed parameters: loaded with the Auto classes it gives the run's last eval loss,
+    and `--model OUT/model` (tokenizer from the same folder) starts a run at exactly that loss."""
+    from transformers import AutoModelForCausalLM
+
+    from quietsync.train.config import TrainConfig
+    from quietsync.train.corpus import load_corpus
+    from quietsync.train.data import encode_split, eval_batches
+    from quietsync.train.loop import evaluate, run
+    from quietsync.train.tokenizer import load_pretrained_tokenizer
+
+    from .conftest import synthetic_text
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    data = tmp_path / "text.txt"
+    data.write_text(synthetic_text(3000))
+    common = dict(strategy="acco", nproc=1, max_steps=4, micro_batch_size=2, seq_len=32, vocab_size=300,
+                  dataset=str(data), cache_dir=str(tmp_path / "cache"), eval_every=0, eval_windows=4,
+                  progress=False, plot=False)
+    first = run(TrainConfig(out=str(tmp_path / "a"), model="tiny", **common))
+    folder = tmp_path / "a" / "model"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tok, eos = load_pretrained_tokenizer(str(folder))
+    corpus = load_corpus(str(data), TrainConfig().eval_fraction)
+    held_out = eval_batches(encode_split(tok, corpus.eval_documents, eos, str(tmp_path / "cache")), 32, 2, 4)
+    assert evaluate(model, held_out, torch.device("cpu")) == pytest.approx(first["last_eval_loss"], abs=1e-6)
+
+    second = run(TrainConfig(out=str(tmp_path / "b"), model=str(folder), **common))
+    assert second["first_eval_loss"] == pytest.approx(first["last_eval_loss"], abs=1e-6)
+    assert second["last_eval_loss"] < second["first_eval_loss"]

@@ -88,6 +88,6 @@ def test_compare_overwrite_replaces_its_runs(tmp_path, monkeypatch):
     rc = compare_main(["--strategies", "zero1", "--out", str(out), "--overwrite", "--max-steps", "2",
                        *small_job(tmp_path, nproc=1)])
     assert rc == 0
-    assert sorted(p.name for p in (out / "zero1").iterdir()) == ["metrics-rank0.jsonl", "summary.json"]
+    assert sorted(p.name for p in (out / "zero1").iterdir()) == ["metrics-rank0.jsonl", "model", "summary.json"]
     assert json.loads((out / "compare.json").read_text())[0]["steps"] == 2
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"

@@ -7,11 +7,13 @@ default job: a small GPT-Neo on the King James Bible, 2 local workers, ZeRO-1, a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, get_args
 
 from ..link import parse_links
-from ..validate import check_choice, check_float, check_int
+from ..validate import check_float, check_int
 from .corpus import DEFAULT_DATASET
 from .slow_worker import SlowWorker, parse_slow_worker
 from .tokenizer import MIN_VOCAB
@@ -20,6 +22,11 @@ DEFAULT_STRATEGY = "zero1"
 """Strategy of `quietsync train` when ``--strategy`` is not given."""
 
 ModelName = Literal["tiny", "default", "10m"]
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 @dataclass
@@ -60,8 +67,10 @@ class TrainConfig:
     """Fraction of the documents held out for evaluation (every k-th one)."""
     seed: int = 0
     """Seed of the model initialisation and of the data order."""
-    model: ModelName = "default"
-    """Model size preset: tiny (~1M parameters), default (~2.6M), 10m (~10.6M)."""
+    model: str = "default"
+    """Model: a size preset, tiny (~1M parameters), default (~2.6M), 10m (~10.6M); or a Hugging Face causal-LM folder (e.g. a previous run's OUT/model) or hub name (needs a network)."""
+    tokenizer: str | None = None
+    """Pretrained tokenizer: a folder with tokenizer.json (e.g. OUT/model) or a hub name; default: the --model folder's own, else a byte-level BPE of --vocab-size trained on the corpus."""
     vocab_size: int = 4096
     """Size of the byte-level BPE vocabulary trained on the corpus (at least 257: the 256 bytes and end-of-text)."""
     eval_every: int = 50
@@ -84,6 +93,8 @@ class TrainConfig:
     """Draw loss.png at the end."""
     trace: bool = False
     """Write trace-rank{R}.json (Chrome/Perfetto trace of compute, comm and idle spans) and timeline.png."""
+    export: bool = True
+    """Write OUT/model/ at the end: the committed model (safetensors) and its tokenizer, for AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_steps", "micro_batch_size", "eval_windows"):
@@ -100,7 +111,21 @@ class TrainConfig:
         check_float("min_lr_ratio", self.min_lr_ratio, 0, 1)
         check_float("eval_fraction", self.eval_fraction, 0, 0.5, low_open=True, high_open=True)
         check_float("timeout_s", self.timeout_s, 0, low_open=True)
-        check_choice("model", self.model, get_args(ModelName))
+        presets = get_args(ModelName)
+        if self.model not in presets:
+            folder = Path(self.model)
+            if folder.exists():
+                if not (folder / "config.json").is_file():
+                    raise ValueError(f"model must be one of {', '.join(presets)} or a Hugging Face model folder "
+                                     f"(with config.json), got {self.model!r}")
+                if self.tokenizer is None and not (folder / "tokenizer.json").is_file():
+                    raise ValueError(f"tokenizer is needed with model {self.model!r} (it has no tokenizer.json): "
+                                     "a folder with tokenizer.json or a hub name")
+            elif _hub_offline():
+                raise ValueError(f"model must be one of {', '.join(presets)}, a Hugging Face model folder or a hub "
+                                 f"name (the hub is offline here), got {self.model!r}")
+            if self.tokenizer is None:  # the model's own: its folder's tokenizer.json, or the hub repo's
+                self.tokenizer = self.model
         try:
             parse_links(self.link)
         except ValueError as e:

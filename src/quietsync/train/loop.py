@@ -34,12 +34,13 @@ from .corpus import load_corpus
 from .data import ShardedSequences, encode_split, eval_batches
 from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
-from .model import build_model, count_parameters, param_groups
+from .export import MODEL_DIR, export_model
+from .model import build_model, count_parameters, is_pretrained, load_pretrained, param_groups
 from .preflight import data_problem
 from .resume_check import check_checkpoint
 from .schedule import warmup_cosine
 from .slow_worker import MicroBatchTimer, SlowWorker
-from .tokenizer import eos_id, load_or_train_tokenizer
+from .tokenizer import job_tokenizer
 
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW betas of the trainer (GPT-style)."""
@@ -113,14 +114,16 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
     strategy = None
     try:
         corpus = load_corpus(cfg.dataset, cfg.eval_fraction)
-        tokenizer = load_or_train_tokenizer(corpus, cfg.vocab_size, cfg.cache_dir)
-        eos = eos_id(tokenizer)
+        tokenizer, eos = job_tokenizer(cfg.tokenizer, corpus, cfg.vocab_size, cfg.cache_dir)
         train_tokens = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir)
         eval_tokens = encode_split(tokenizer, corpus.eval_documents, eos, cfg.cache_dir)
         too_small = data_problem(train_tokens.numel(), eval_tokens.numel(), cfg, world)
         if too_small:
             raise ValueError(too_small)
-        model = build_model(cfg.model, tokenizer.get_vocab_size(), eos, seed=cfg.seed)
+        if is_pretrained(cfg.model):
+            model = load_pretrained(cfg.model, tokenizer.get_vocab_size())
+        else:
+            model = build_model(cfg.model, tokenizer.get_vocab_size(), eos, seed=cfg.seed)
         if cfg.seq_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"--seq-len must be <= {model.config.max_position_embeddings} for model {cfg.model}, got {cfg.seq_len}"
@@ -151,6 +154,9 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             resume_step = strategy.steps
         clock_offset = time.time() - time.perf_counter()
         result = _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_step, slow, t_setup)
+        if cfg.export and rank == 0:  # the committed parameters, as from_pretrained loads them
+            with strategy.paused(), strategy.committed_params() as module:
+                export_model(module, tokenizer, os.path.join(cfg.out, MODEL_DIR))
         strategy.close()
         if cfg.trace:
             from .trace import write_trace

@@ -2,7 +2,7 @@
 
 * A **new run** (no ``--resume``) needs an empty or missing ``--out``. A non-empty one is refused before any
   worker starts, unless ``--overwrite`` is given: then the files a run writes (:data:`RUN_OUTPUTS`:
-  metrics, summary, plots, traces, checkpoints) are removed first. Anything else in the folder is left
+  metrics, summary, plots, traces, checkpoints, the exported model) are removed first. Anything else in the folder is left
   alone — ``--overwrite`` never empties a folder it did not fill.
 * A **resumed run** continues the run in ``--out`` when its checkpoint lies under ``OUT/checkpoints``
   (bare ``--resume`` always does); ``--overwrite`` would delete that checkpoint and is refused. A checkpoint
@@ -23,7 +23,7 @@ __all__ = ["RUN_OUTPUTS", "COMPARE_OUTPUTS", "out_problem", "compare_out_problem
 
 RUN_OUTPUTS = (
     "metrics-rank*.jsonl", "summary.json", "summary.json.tmp", "loss.png", "trace-rank*.json", "timeline.png",
-    "checkpoints",
+    "checkpoints", "model",
 )
 """Glob patterns of what ``quietsync train`` writes under ``--out`` (what ``--overwrite`` removes)."""
 

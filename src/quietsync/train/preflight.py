@@ -85,15 +85,14 @@ def check_data(cfg: TrainConfig, world: int) -> None:
     """
     from .corpus import load_corpus
     from .data import encode_split
-    from .tokenizer import eos_id, load_or_train_tokenizer
+    from .tokenizer import job_tokenizer
 
     try:
         corpus = load_corpus(cfg.dataset, cfg.eval_fraction)
     except (ValueError, OSError) as e:
         flag, text = flag_message(str(e), ["dataset", "eval_fraction"])
         raise FlagError(flag or "--dataset", text if flag else f"--dataset {cfg.dataset}: {text}") from None
-    tokenizer = load_or_train_tokenizer(corpus, cfg.vocab_size, cfg.cache_dir)
-    eos = eos_id(tokenizer)
+    tokenizer, eos = job_tokenizer(cfg.tokenizer, corpus, cfg.vocab_size, cfg.cache_dir)
     train = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir).numel()
     held = encode_split(tokenizer, corpus.eval_documents, eos, cfg.cache_dir).numel()
     problem = data_problem(train, held, cfg, world)

@@ -39,6 +39,7 @@ INCOMPATIBLE: dict[str, str] = {
     "seed": "another data order",
     "model": "another model",
     "vocab_size": "another tokenizer",
+    "tokenizer": "another tokenizer",
 }
 """Job fields a resumed run may not change, with why."""
 
@@ -57,7 +58,7 @@ NOTED: dict[str, str] = {
 
 SAFE = frozenset({
     "out", "overwrite", "eval_every", "save_every", "resume", "cache_dir", "timeout_s", "progress", "plot",
-    "trace",
+    "trace", "export",
 })
 """Job fields a resumed run may change without a word."""
 

@@ -80,6 +80,15 @@ def load_pretrained_tokenizer(name: str) -> tuple[Any, int]:
     return tok, idx
 
 
+def job_tokenizer(pretrained: str | None, corpus: Corpus, vocab_size: int,
+                  cache_dir: str | os.PathLike | None = None) -> tuple[Any, int]:
+    """(tokenizer, end-of-text id) of a job: the ``--tokenizer`` given, else the cached BPE of the corpus."""
+    if pretrained:
+        return load_pretrained_tokenizer(pretrained)
+    tok = load_or_train_tokenizer(corpus, vocab_size, cache_dir)
+    return tok, eos_id(tok)
+
+
 def eos_id(tokenizer) -> int:
     """Id of the end-of-text token."""
     idx = tokenizer.token_to_id(EOS_TOKEN)
