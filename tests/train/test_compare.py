@@ -30,10 +30,18 @@ def test_compare_two_strategies(tmp_path, monkeypatch, capsys):
         "--strategies", "zero1", "ddp:accumulation=2", "--out", str(out), "--nproc", "1", "--model", "tiny",
         "--max-steps", "3", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
         "--dataset", str(data), "--cache-dir", str(tmp_path / "cache"), "--eval-windows", "4",
-        "--no-progress", "--no-plot",
+        "--no-progress", "--no-plot", "--no-export", "--target-loss", "100",
     ])
     assert rc == 0
     rows = json.loads((out / "compare.json").read_text())
+    # equal steps, unequal tokens: the table gives tokens and micro-batches per step, and says so
+    assert [r["tokens"] for r in rows] == [3 * 2 * 32, 3 * 2 * 2 * 32]
+    assert [r["micro_batches_per_step"] for r in rows] == [1, 2]
+    table = (out / "compare.md").read_text()
+    assert "different token budgets (192, 384)" in table
+    # a target every run reaches at its first evaluation: time 0 and tokens 0
+    assert all(r["time_to_target_s"] == r["eval_curve"][0]["time_s"] and r["tokens_to_target"] == 0 for r in rows)
+    assert [e["tokens"] for e in rows[1]["eval_curve"]] == [0, 384]
     assert [r["label"] for r in rows] == ["zero1", "ddp-accumulation2"]
     assert all(r["steps"] == 3 for r in rows)
     # a world of one sends nothing
@@ -43,6 +51,12 @@ def test_compare_two_strategies(tmp_path, monkeypatch, capsys):
     assert all(json.loads(r)["micro_batches"] == 2 for r in ddp_steps)
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert "| zero1 |" in (out / "compare.md").read_text()
+
+
+def test_compare_refuses_a_bad_target_loss(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        compare_main(["--strategies", "zero1", "--out", str(tmp_path), "--target-loss", "nan"])
+    assert "--target-loss must be a finite number > 0, got nan" in capsys.readouterr().err
 
 
 def test_compare_checks_flags_first(tmp_path, capsys):

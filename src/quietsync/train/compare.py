@@ -4,10 +4,14 @@ Runs `quietsync train` once per strategy with the same job flags (model, data, s
 slow worker), each into ``OUT/<label>``, then writes the files below. A non-empty ``OUT`` is refused unless
 ``--overwrite`` is given (then each run replaces its own outputs, see :mod:`quietsync.train.outputs`):
 
-* ``OUT/compare.json`` and ``OUT/compare.md``: one row per strategy (final eval loss, wall time, tokens/s,
-  bytes sent per step, compute / idle / comm seconds per worker, compute-busy fraction);
-* ``OUT/compare.png``: eval loss vs wall-clock time, bytes sent per step per group, and the per-worker
-  compute / idle time of each run.
+* ``OUT/compare.json`` and ``OUT/compare.md``: one row per strategy (final eval loss, wall time, tokens,
+  micro-batches per step, tokens/s, bytes sent per step and per 1k tokens, compute / idle / comm seconds per
+  worker, compute-busy fraction, and with ``--target-loss X`` the training time and tokens at which the
+  held-out loss first reached X);
+* ``OUT/compare.png``: eval loss vs wall-clock time and vs tokens (all workers), bytes sent per step per
+  group, and the per-worker compute / idle time of each run.
+
+Runs that end with different token counts are not an equal-budget comparison: the table says so.
 
 A strategy may carry its own flags: ``--strategies zero1 ddp:accumulation=2`` (``NAME[:FIELD=VALUE,...]``,
 field names as in the strategy's ``--help``, dashes or underscores).
@@ -57,33 +61,79 @@ def _step_bytes_by_group(run: Path) -> dict[str, dict[str, int]]:
     return totals
 
 
-def _rows(out: Path, labels: list[str]) -> list[dict[str, Any]]:
+def _eval_curve(run: Path) -> list[dict[str, float]]:
+    """Rank 0's eval records with ``tokens``: the tokens of all workers at that step (summed over ranks)."""
+    per_rank = [[e for e in read_jsonl(path) if e.get("event") == "eval"] for path in sorted(run.glob("metrics-rank*.jsonl"))]
+    rank0 = [e for e in read_jsonl(run / "metrics-rank0.jsonl") if e.get("event") == "eval"]
+    tokens: dict[int, int] = {}
+    for evals in per_rank:
+        for e in evals:
+            tokens[e["step"]] = tokens.get(e["step"], 0) + e["tokens_total"]
+    return [{"step": e["step"], "loss": e["loss"], "time_s": e["time_s"], "tokens": tokens[e["step"]]} for e in rank0]
+
+
+def _micro_batches_per_step(run: Path) -> float:
+    """Micro-batches of all workers per committed step."""
+    total, steps = 0, set()
+    for path in run.glob("metrics-rank*.jsonl"):
+        for r in read_jsonl(path):
+            if "event" not in r:
+                total += r["micro_batches"]
+                steps.add(r["step"])
+    return total / max(1, len(steps))
+
+
+def _rows(out: Path, labels: list[str], target_loss: float | None = None) -> list[dict[str, Any]]:
     rows = []
     for label in labels:
         s = json.loads((out / label / "summary.json").read_text())
         world = max(1, s["world_size"])
+        curve = _eval_curve(out / label)
+        hit = next((e for e in curve if e["loss"] is not None and target_loss is not None and e["loss"] <= target_loss),
+                   None)
         rows.append({
             "label": label, "strategy": s["strategy"], "workers": world, "steps": s["steps"],
             "first_eval_loss": s["first_eval_loss"], "last_eval_loss": s["last_eval_loss"],
-            "wall_s": s["wall_s"], "tokens_per_s": s["tokens_per_s"],
+            "wall_s": s["wall_s"], "tokens": s["tokens"], "tokens_per_s": s["tokens_per_s"],
+            "micro_batches_per_step": _micro_batches_per_step(out / label),
             "bytes_sent_per_step": s["bytes_sent_per_step"],
+            "mb_sent_per_1k_tokens": s["bytes_sent"] / max(1, s["tokens"]) * 1000 / 1e6,
+            "target_loss": target_loss,
+            "time_to_target_s": hit["time_s"] if hit else None,
+            "tokens_to_target": hit["tokens"] if hit else None,
             "compute_s_per_worker": s["compute_s"] / world, "idle_s_per_worker": s["idle_s"] / world,
             "comm_s_per_worker": s["comm_s"] / world, "compute_fraction": s["compute_fraction"],
             "step_bytes_by_group": _step_bytes_by_group(out / label),
+            "eval_curve": curve,
         })
     return rows
 
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| run | eval loss first → last | wall s | tokens/s | MB sent/step (all workers) | compute s/worker "
-            "| idle s/worker | comm s/worker | compute-busy |")
-    lines = [head, "|" + "---|" * 9]
+    target = rows[0]["target_loss"] if rows else None
+    head = ("| run | eval loss first → last | wall s | tokens | micro-batches/step | tokens/s | MB sent/step "
+            "(all workers) | MB sent/1k tokens | compute s/worker | idle s/worker | comm s/worker | compute-busy |")
+    cols = 12
+    if target is not None:
+        head += f" time to {target:g} s | tokens to {target:g} |"
+        cols += 2
+    lines = [head, "|" + "---|" * cols]
     for r in rows:
-        lines.append(
+        line = (
             f"| {r['label']} | {r['first_eval_loss']:.3f} → {r['last_eval_loss']:.3f} | {r['wall_s']:.1f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['bytes_sent_per_step'] / 1e6:.2f} | {r['compute_s_per_worker']:.1f} | "
+            f"{r['tokens']:,} | {r['micro_batches_per_step']:.2f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['bytes_sent_per_step'] / 1e6:.2f} | {r['mb_sent_per_1k_tokens']:.3f} | {r['compute_s_per_worker']:.1f} | "
             f"{r['idle_s_per_worker']:.1f} | {r['comm_s_per_worker']:.1f} | {r['compute_fraction']:.1%} |"
         )
+        if target is not None:
+            reached = r["time_to_target_s"] is not None
+            line += (f" {r['time_to_target_s']:.1f} | {r['tokens_to_target']:,} |" if reached
+                     else " not reached | — |")
+        lines.append(line)
+    tokens = [r["tokens"] for r in rows]
+    if tokens and max(tokens) > 1.01 * min(tokens):
+        lines += ["", f"Note: the runs used different token budgets ({', '.join(f'{t:,}' for t in tokens)}): compare "
+                  "them at equal tokens (loss vs tokens in compare.png), not at equal steps."]
     return "\n".join(lines) + "\n"
 
 
@@ -91,13 +141,18 @@ def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
     """Draw ``OUT/compare.png`` (loss vs time, bytes per step by group, compute/idle per worker)."""
     plt = pyplot()
 
-    fig, (ax_loss, ax_bytes, ax_busy) = plt.subplots(1, 3, figsize=(16, 4.5), constrained_layout=True)
+    fig, (ax_loss, ax_tokens, ax_bytes, ax_busy) = plt.subplots(1, 4, figsize=(21, 4.5), constrained_layout=True)
     for r in rows:
-        evals = [e for e in read_jsonl(out / r["label"] / "metrics-rank0.jsonl") if e.get("event") == "eval"]
-        ax_loss.plot([e["time_s"] for e in evals], [e["loss"] for e in evals], "o-", ms=3, label=r["label"])
+        curve = r["eval_curve"]
+        ax_loss.plot([e["time_s"] for e in curve], [e["loss"] for e in curve], "o-", ms=3, label=r["label"])
+        ax_tokens.plot([e["tokens"] for e in curve], [e["loss"] for e in curve], "o-", ms=3, label=r["label"])
     ax_loss.set(xlabel="wall-clock seconds (training)", ylabel="held-out loss", title="loss vs time")
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
+    ax_tokens.set(xlabel="tokens (all workers)", ylabel="held-out loss", title="loss vs tokens")
+    for ax in (ax_loss, ax_tokens):
+        ax.grid(alpha=0.3)
+        ax.legend()
+        if rows and rows[0]["target_loss"] is not None:
+            ax.axhline(rows[0]["target_loss"], color="grey", ls="--", lw=1)
     labels = [r["label"] for r in rows]
     groups = sorted({g for r in rows for g in r["step_bytes_by_group"]})
     bottom = [0.0] * len(rows)
@@ -131,7 +186,11 @@ def compare_main(argv: list[str]) -> int:
     parser.add_argument("--strategies", nargs="+", required=True, metavar="NAME[:FIELD=VALUE,...]",
                         help="strategies to run, e.g. zero1 ddp:accumulation=2")
     parser.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
+    parser.add_argument("--target-loss", type=float, default=None, metavar="X",
+                        help="report each run's training time and tokens to a held-out loss <= X")
     args, job = parser.parse_known_args(argv)
+    if args.target_loss is not None and not (args.target_loss > 0 and args.target_loss < float("inf")):
+        parser.error(f"--target-loss must be a finite number > 0, got {args.target_loss}")
     if "--strategy" in job or "--resume" in job:
         parser.error("--strategy and --resume are set per run by quietsync compare; use --strategies")
     try:
@@ -159,7 +218,7 @@ def compare_main(argv: list[str]) -> int:
             return rc
     if "RANK" in os.environ and os.environ.get("RANK") != "0":
         return 0
-    rows = _rows(out, labels)
+    rows = _rows(out, labels, args.target_loss)
     (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
     table = _markdown(rows)
     (out / "compare.md").write_text(table)
