@@ -57,6 +57,10 @@ class Accumulator:
     def reset(self) -> None:
         self.count = 0
 
+    def discard(self) -> None:
+        """Forget the open round's micro-batches (see ``Strategy.discard_round``)."""
+        self.reset()
+
     def position(self) -> dict[str, int]:
         return {"round": self.count}
 
@@ -94,6 +98,14 @@ class OptimizerRound:
     @property
     def full(self) -> bool:
         return self.accumulator.full
+
+    def discard(self) -> None:
+        """Forget the open round: ``p.grad`` zeroed in place (DDP's buckets view it), counter reset."""
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        self.accumulator.reset()
 
     def step(self, lr_scale: float, accounting: StepAccounting) -> dict[str, Any]:
         """The optimizer step on the main thread (counted as compute); gradients zeroed in place; round closed.

@@ -88,6 +88,10 @@ class Strategy(ABC):
     """Whether :meth:`state_dict` works between committed steps of a running job (the trainer's
     ``--save-every``/``--resume``); a strategy that keeps micro-batches in flight across steps sets False."""
 
+    discards_rounds: ClassVar[bool] = False
+    """Whether the open round can be dropped before it commits (:meth:`discard_round`, the trainer's
+    ``--on-nonfinite skip``): strategies whose step commits a round of local micro-batches they hold."""
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -175,6 +179,36 @@ class Strategy(ABC):
         committed = self._step()
         self.accounting.mark = time.perf_counter()
         return committed
+
+    @property
+    def round_closes(self) -> bool | None:
+        """Whether the next :meth:`step` commits (the open round is full), for strategies that know it before
+        stepping (those holding a round part with ``full``: ddp, zero1, demo, flexdemo, localsgd, diloco);
+        ``None`` where a commit is decided inside the step or the schedule (acco, dpu, wp, cdp)."""
+        if not self.discards_rounds:
+            return None
+        for part in self._parts.values():
+            if hasattr(part, "discard") and hasattr(part, "full"):
+                return bool(part.full)
+        raise RuntimeError(f"{type(self).__name__}.discards_rounds is set but it holds no round part")
+
+    def discard_round(self) -> None:
+        """Drop the open round on this worker as if its micro-batches had never been fed: gradients zeroed in
+        place, round counters reset; nothing is committed and the lr schedule does not advance. Every worker
+        must call it for the same round (the trainer's ``--on-nonfinite skip`` agrees first). Their compute
+        time and bytes count toward the next committed step's metrics."""
+        self._check_open()
+        if self.round_closes is None:
+            raise NotImplementedError(f"{type(self).__name__} cannot discard a round (its commits are decided "
+                                      "inside the step)")
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+        for part in self._parts.values():
+            if hasattr(part, "discard"):
+                part.discard()
+        self._discard()
 
     def last_step_metrics(self) -> StepMetrics | None:
         """Metrics of the latest committed step (None before the first)."""
@@ -286,6 +320,9 @@ class Strategy(ABC):
 
     @abstractmethod
     def _step(self) -> bool: ...
+
+    def _discard(self) -> None:
+        """Strategy-specific clean-up after :meth:`discard_round` (extra gradient buffers, sync flags)."""
 
     def _from_parts(self, method: str) -> dict[str, Any]:
         """The merged dicts ``part.<method>()`` of the held parts that have it, in holding order."""

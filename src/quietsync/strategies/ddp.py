@@ -49,6 +49,8 @@ class DDP(Strategy):
     (hierarchical DiLoCo) runs DDP inside each node.
     """
 
+    discards_rounds = True
+
     config: DDPConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, *, group: str = "world",
@@ -86,6 +88,9 @@ class DDP(Strategy):
             issued = [s.t0 for s in self.transport.recorder.spans("comm", since=t0) if s.name == "ddp_bucket"]
             if issued:  # backward() counts the whole interval as compute; the tail after the last bucket is idle
                 self.accounting.move_to_idle(max(0.0, t1 - max(issued)), t1, "ddp_wait")
+
+    def _discard(self) -> None:
+        self._set_sync_for_next()
 
     def _step(self) -> bool:
         if not self.round.full:

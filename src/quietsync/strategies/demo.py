@@ -33,6 +33,8 @@ from .registry import register
 class DeMo(Strategy):
     """DeMo over plain data parallelism; see the module docstring."""
 
+    discards_rounds = True
+
     config: DecoupledConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:

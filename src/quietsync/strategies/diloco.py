@@ -102,6 +102,8 @@ class DiLoCoConfig(AccumulationConfig):
 class DiLoCo(Strategy):
     """DiLoCo / Streaming DiLoCo, optionally hierarchical; see the module docstring."""
 
+    discards_rounds = True
+
     config: DiLoCoConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:

@@ -95,6 +95,8 @@ class DimZeroShards:
 class FlexDeMo(Strategy):
     """Hybrid-sharded decoupled momentum; see the module docstring."""
 
+    discards_rounds = True
+
     config: DecoupledConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:

@@ -53,6 +53,8 @@ class LocalSGDConfig(AccumulationConfig):
 class LocalSGD(Strategy):
     """Local SGD with periodic parameter averaging over ``world``; see the module docstring."""
 
+    discards_rounds = True
+
     config: LocalSGDConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:

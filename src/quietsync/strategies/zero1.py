@@ -49,6 +49,8 @@ class Zero1(Strategy):
     when another strategy (hierarchical DiLoCo) runs ZeRO-1 inside each node.
     """
 
+    discards_rounds = True
+
     config: Zero1Config
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, *, group: str = "world",

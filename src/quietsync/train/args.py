@@ -145,6 +145,11 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
         )
     except FlagError as e:
         parser.error(str(e))
+    cls, _ = get(strategy)
+    if cfg.on_nonfinite == "skip" and not cls.discards_rounds:
+        skippers = ", ".join(n for n in names if get(n)[0].discards_rounds)
+        parser.error(f"--on-nonfinite skip is not supported by strategy {strategy} (it commits inside its step, "
+                     f"so a round cannot be dropped first); use stop, or one of {skippers}")
     from .launch import under_torchrun
 
     if under_torchrun():

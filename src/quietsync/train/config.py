@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from ..link import parse_links
-from ..validate import check_float, check_int
+from ..validate import check_choice, check_float, check_int
 from .corpus import DEFAULT_DATASET
 from .slow_worker import SlowWorker, parse_slow_worker
 from .tokenizer import MIN_VOCAB
@@ -87,6 +87,10 @@ class TrainConfig:
     """torch threads per worker (0 = CPU cores / local workers)."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for its peers before the job fails."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite loss or gradient: stop (every worker, naming the step; nothing of it is committed) or skip the round on every worker (ddp, zero1, demo, flexdemo, localsgd, diloco)."""
+    nonfinite_skip_limit: int = 10
+    """With --on-nonfinite skip: stop after this many non-finite rounds in a row."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     plot: bool = True
@@ -106,6 +110,8 @@ class TrainConfig:
         check_int("vocab_size", self.vocab_size, MIN_VOCAB)
         check_int("warmup_steps", self.warmup_steps, 0, allow_none=True)
         check_int("seed", self.seed)
+        check_int("nonfinite_skip_limit", self.nonfinite_skip_limit, 1)
+        check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         check_float("lr", self.lr, 0, low_open=True)
         check_float("weight_decay", self.weight_decay, 0)
         check_float("min_lr_ratio", self.min_lr_ratio, 0, 1)

@@ -32,10 +32,11 @@ from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from .config import TrainConfig
 from .corpus import load_corpus
 from .data import ShardedSequences, encode_split, eval_batches
+from .export import MODEL_DIR, export_model
 from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
-from .export import MODEL_DIR, export_model
 from .model import build_model, count_parameters, is_pretrained, load_pretrained, param_groups
+from .nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from .preflight import data_problem
 from .resume_check import check_checkpoint
 from .schedule import warmup_cosine
@@ -228,6 +229,7 @@ def _train(
         if bar.disable:
             say(f"step {strategy.steps:>6}  eval loss {loss:.4f}")
 
+    guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
     try:
         if resume_step is None:
             run_eval()
@@ -238,10 +240,14 @@ def _train(
             timer.start()
             loss = strategy.forward_backward(batch, lm_loss)
             timer.stop()
-            if loss is not None:
-                losses.append(loss)
             step_tokens += batch.numel()
             tokens_total += batch.numel()
+            guard.see(loss)
+            if loss is not None:
+                losses.append(loss)
+            if guard.before_step():  # a non-finite round, dropped on every worker (--on-nonfinite skip)
+                losses = []
+                continue
             if not strategy.step():
                 continue
             m = strategy.last_step_metrics()
@@ -255,6 +261,10 @@ def _train(
             }
             if m.extra:
                 record["extra"] = m.extra
+            skipped = guard.committed()
+            if skipped:
+                record["skipped_rounds"] = skipped
+                say(f"step {m.step:>6}  {skipped} round(s) with a non-finite loss or gradient skipped before it")
             metrics.step(record)
             for k in sums:
                 sums[k] += record[k]
@@ -269,15 +279,20 @@ def _train(
                 with strategy.paused():
                     _save(cfg, strategy, stream, rank, tokens_total)
     finally:
+        guard.close()
         bar.close()
         metrics.close()
     return {
         "wall_s": time.perf_counter() - t0, "setup_s": setup_s, "tokens_total": tokens_total,
-        "evals": evals, "micro_batches": strategy.micro_batches, **sums,
+        "evals": evals, "micro_batches": strategy.micro_batches, "nonfinite_skips": guard.skipped, **sums,
     }
 
 
 def _save(cfg: TrainConfig, strategy: Any, stream: Any, rank: int, tokens_total: int) -> None:
+    with strategy.committed_params() as module:
+        if not parameters_finite(module):
+            raise NonFiniteError(f"step {strategy.steps}: the committed parameters are not finite on rank {rank}; "
+                                 "no checkpoint is written")
     save_checkpoint(cfg.out, strategy.steps, rank, {
         "strategy": strategy.state_dict(), "data": stream.state_dict(),
         "tokens_total": tokens_total, "rng": torch.get_rng_state(),
@@ -326,6 +341,7 @@ def _summary(
         "parameters": n_params,
         "steps": strategy.steps,
         "micro_batches": totals["micro_batches"],
+        "nonfinite_skips": result["nonfinite_skips"],
         "tokens": totals["tokens"],
         "wall_s": result["wall_s"],
         "setup_s": result["setup_s"],
