@@ -21,7 +21,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def run_train(out: Path, *flags: str, timeout: float = 1800) -> dict[str, Any]:
     """Run ``quietsync train --out OUT FLAGS...``; return its summary plus per-rank step records."""
     cmd = [sys.executable, "-c", "import sys; from quietsync.train.cli import main; sys.exit(main())",
-           "train", "--out", str(out), "--no-progress", "--no-plot", *flags]
+           "train", "--out", str(out), "--no-progress", "--no-plot", "--no-export", *flags]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
