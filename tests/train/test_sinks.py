@@ -126,3 +126,25 @@ def test_a_run_logs_to_wandb_offline(tmp_path, monkeypatch):
     _tiny_run(tmp_path, "run", log_with="wandb")
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="needs the tensorboard package (pip install 'quietsync[train]')")
+def test_tensorboard_on_resume_hides_the_earlier_writers_events(tmp_path):
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from quietsync.train.sinks import TensorBoardSink
+
+    first = TensorBoardSink(tmp_path)
+    for s in (1, 2, 3):
+        first.log({"step": s, "loss": float(s)}, s)
+    first.close()
+    time.sleep(1.1)  # event files are named by the second they were opened
+    again = TensorBoardSink(tmp_path, resume=True)  # a resume at step 2 replays the kept records
+    for s in (1, 2):
+        again.log({"step": s, "loss": 10.0 * s}, s)
+    again.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 10.0), (2, 20.0)]
