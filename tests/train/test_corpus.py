@@ -108,7 +108,8 @@ class _FakeSplit(list):
 def _fake_datasets(monkeypatch, splits, calls):
     import types
 
-    def load_dataset(path, config=None):
+    def load_dataset(path, config=None, streaming=False):
+        assert streaming  # hub datasets are streamed, never downloaded whole
         calls.append((path, config))
         return splits
 

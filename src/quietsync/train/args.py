@@ -37,11 +37,13 @@ def _strategies() -> tuple[list[str], Any]:
     return strategies.available(), strategies.get
 
 
-def _pre_parse_strategy(argv: list[str]) -> str:
+def _pre_parse(argv: list[str]) -> tuple[str | None, str | None]:
+    """``(--strategy, --config)`` as given on the command line (None when absent)."""
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--strategy", default=DEFAULT_STRATEGY)
+    pre.add_argument("--strategy", default=None)
+    pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
-    return known.strategy
+    return known.strategy, known.config
 
 
 def train_parser(strategy: str) -> tuple[OneLineParser, dict[str, str], dict[str, str]]:
@@ -59,7 +61,13 @@ def train_parser(strategy: str) -> tuple[OneLineParser, dict[str, str], dict[str
             "Outputs and their schema: docs/train.md."
         ),
     )
-    train_fields = add_dataclass_flags(parser.add_argument_group("job"), TrainConfig)
+    job_group = parser.add_argument_group("job")
+    job_group.add_argument(
+        "--config", metavar="FILE", default=None,
+        help="read flags from a TOML file (keys named like the flags) or replay a run from its OUT/summary.json; "
+             "flags given here override the file",
+    )
+    train_fields = add_dataclass_flags(job_group, TrainConfig)
     for action in parser._actions:  # list the registered strategies in --strategy's help
         if action.dest == "strategy":
             action.help = f"strategy, one of {', '.join(names)} (default: {DEFAULT_STRATEGY})"
@@ -125,8 +133,18 @@ def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | Non
 
 def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     """Parse ``quietsync train`` arguments into (TrainConfig, strategy config, nodes); exit 2 on a bad value."""
+    from .config_file import ConfigFileError, read_config_file, split_values
+
     names, get = _strategies()
-    strategy = _pre_parse_strategy(argv)
+    strategy, config_path = _pre_parse(argv)
+    file = None
+    if config_path is not None:
+        try:
+            file = read_config_file(config_path)
+        except ConfigFileError as e:
+            OneLineParser(prog=f"{PROG} train").error(str(e))
+    if strategy is None:
+        strategy = (file.strategy if file is not None else None) or DEFAULT_STRATEGY
     parser, train_fields, strategy_fields = train_parser(strategy)
     if strategy not in names:
         parser.error(f"--strategy must be one of {', '.join(names)}; got {strategy!r}")
@@ -137,12 +155,21 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
         if owners:
             parser.error(f"{flag} is not a flag of strategy {strategy} (it belongs to {', '.join(owners)})")
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    _, config_cls = get(strategy)
+    job_values: dict[str, Any] = {}
+    strategy_values: dict[str, Any] = {}
+    if file is not None:
+        try:
+            job_values, strategy_values = split_values(
+                file, TrainConfig, train_fields, strategy, config_cls, strategy_fields)
+        except ConfigFileError as e:
+            parser.error(str(e))
+    job_values.update(given_values(args, train_fields))  # the command line overrides the file
+    job_values["strategy"] = strategy
+    strategy_values.update(given_values(args, strategy_fields))
     try:
-        cfg = build_config(TrainConfig, given_values(args, train_fields))
-        _, config_cls = get(strategy)
-        strategy_config = build_config(
-            config_cls, given_values(args, strategy_fields), f"--strategy {strategy}: ", strategy_fields
-        )
+        cfg = build_config(TrainConfig, job_values)
+        strategy_config = build_config(config_cls, strategy_values, f"--strategy {strategy}: ", strategy_fields)
     except FlagError as e:
         parser.error(str(e))
     cls, _ = get(strategy)

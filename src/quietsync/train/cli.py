@@ -1,4 +1,4 @@
-"""The ``quietsync`` command line: ``quietsync train`` (the main job) and ``quietsync compare``.
+"""The ``quietsync`` command line: ``quietsync train`` (the main job), ``quietsync compare``, ``quietsync --version``.
 
 The entry points live here; parsing is in :mod:`quietsync.train.args` (flags, one-line errors) and
 running a parsed job in :mod:`quietsync.train.run_job` (in place under torchrun, else on ``--nproc`` local
@@ -32,10 +32,15 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``quietsync`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("--version", "-V"):
+        from .. import __version__
+
+        print(f"{PROG} {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"usage: {PROG} COMMAND [flags]", "", "commands:"]
         lines += [f"  {name:<10} {desc}" for name, (_, desc) in COMMANDS.items()]
-        lines += ["", f"`{PROG} COMMAND --help` lists a command's flags."]
+        lines += ["", f"`{PROG} COMMAND --help` lists a command's flags; `{PROG} --version` prints the version."]
         if argv and argv[0] not in ("-h", "--help"):
             print(f"{PROG}: error: unknown command {argv[0]!r} (choose from {', '.join(COMMANDS)})",
                   file=sys.stderr)

@@ -15,6 +15,7 @@ from typing import Literal, get_args
 from ..link import parse_links
 from ..validate import check_choice, check_float, check_int
 from .corpus import DEFAULT_DATASET
+from .sinks import parse_log_with
 from .slow_worker import SlowWorker, parse_slow_worker
 from .tokenizer import MIN_VOCAB
 
@@ -99,6 +100,8 @@ class TrainConfig:
     """Write trace-rank{R}.json (Chrome/Perfetto trace of compute, comm and idle spans) and timeline.png."""
     export: bool = True
     """Write OUT/model/ at the end: the committed model (safetensors) and its tokenizer, for AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
+    log_with: str | None = field(default=None, metadata={"flag": {"metavar": "LIST"}})
+    """Metrics outputs besides the JSONL, comma-separated: tensorboard (rank 0, OUT/tensorboard), csv (OUT/metrics-rank{R}.csv), wandb (rank 0); default: none."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_steps", "micro_batch_size", "eval_windows"):
@@ -139,6 +142,8 @@ class TrainConfig:
             raise ValueError(msg if msg.startswith("--link") else f"link {msg}") from None
         if self.slow_worker is not None:
             parse_slow_worker(self.slow_worker)
+        if self.log_with is not None:
+            self.log_with = ",".join(parse_log_with(self.log_with)) or None
 
     @property
     def warmup(self) -> int:

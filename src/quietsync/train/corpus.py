@@ -15,8 +15,8 @@ Sources (``--dataset``):
   * a path to a text file, or to a folder whose ``*.txt`` files (recursively, sorted) are read;
   * any other name: a Hugging Face hub dataset through the optional ``datasets`` package, spelled
     ``owner/name`` or ``name:config`` (e.g. ``wikitext:wikitext-2-raw-v1``); needs a network; its
-    ``validation``/``test`` split is used for evaluation when it has one, and at most ``max_chars``
-    characters are read per split.
+    ``validation``/``test`` split is used for evaluation when it has one; splits are streamed, and at
+    most ``max_chars`` characters are read per split.
 """
 
 from __future__ import annotations
@@ -157,11 +157,19 @@ def load_local(path: str | os.PathLike, eval_fraction: float, chunk_chars: int) 
 
 
 def _text_column(ds) -> str:
-    names = list(ds.column_names)
+    """``text``, else the first string column (a stream whose features are unknown: judged by its first row)."""
+    features = ds.features
+    if features is None:
+        first = next(iter(ds), {})
+        names = list(first)
+        is_text = [isinstance(first[n], str) for n in names]
+    else:
+        names = list(features)
+        is_text = [getattr(features[n], "dtype", None) in ("string", "large_string") for n in names]
     if "text" in names:
         return "text"
-    for name in names:
-        if getattr(ds.features[name], "dtype", None) in ("string", "large_string"):
+    for name, text in zip(names, is_text):
+        if text:
             return name
     raise ValueError(f"dataset has no text column (columns: {names})")
 
@@ -169,8 +177,9 @@ def _text_column(ds) -> str:
 def load_hub(name: str, eval_fraction: float, max_chars: int) -> Corpus:
     """A Hugging Face hub dataset (optional ``datasets`` package; needs a network).
 
-    ``name`` is ``owner/name`` or ``name:config``. Each non-empty row of the text column is a document;
-    at most ``max_chars`` characters are read per split.
+    ``name`` is ``owner/name`` or ``name:config``. The dataset is streamed: each non-empty row of the text
+    column is a document, and reading a split stops after ``max_chars`` characters (nothing more is
+    downloaded).
     """
     try:
         import datasets
@@ -180,7 +189,7 @@ def load_hub(name: str, eval_fraction: float, max_chars: int) -> Corpus:
             "`pip install datasets` and a network"
         ) from e
     path, _, config = name.partition(":")
-    splits = datasets.load_dataset(path, config or None)
+    splits = datasets.load_dataset(path, config or None, streaming=True)
 
     def take(split) -> list[str]:
         column = _text_column(split)

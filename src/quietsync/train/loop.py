@@ -40,6 +40,7 @@ from .nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from .preflight import data_problem
 from .resume_check import check_checkpoint
 from .schedule import warmup_cosine
+from .sinks import open_sinks
 from .slow_worker import MicroBatchTimer, SlowWorker
 from .tokenizer import job_tokenizer
 
@@ -203,7 +204,9 @@ def _train(
     """The step loop of one worker: micro-batches until ``cfg.max_steps`` committed steps; logs, evals, saves."""
     from tqdm.auto import tqdm
 
-    metrics = MetricsWriter(cfg.out, rank, resume_step)
+    metrics = MetricsWriter(cfg.out, rank, resume_step, sinks=open_sinks(
+        cfg.log_with, cfg.out, rank, resume=resume_step is not None,
+        config={"config": dataclasses.asdict(cfg), "strategy_config": dataclasses.asdict(strategy.config)}))
     timer = MicroBatchTimer(slow, rank, device)
     if rank == 0:
         print(f"quietsync train: strategy {cfg.strategy}, {strategy.world_size} worker(s), model {cfg.model} "

@@ -5,6 +5,9 @@ Files under ``--out`` (schema documented in ``docs/train.md``):
 * ``metrics-rank{R}.jsonl``: one JSON object per committed step of worker ``R`` (:data:`STEP_FIELDS`), and an
   ``{"event": "eval", ...}`` object (:data:`EVAL_FIELDS`) whenever evaluation runs;
 * ``summary.json``: the run as a whole (:data:`SUMMARY_FIELDS`), written by rank 0.
+
+With ``--log-with`` the same records also go, flattened, to TensorBoard, CSV or W&B
+(:mod:`quietsync.train.sinks`).
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .sinks import MetricsSink
 
 STEP_FIELDS = (
     "step", "rank", "loss", "lr", "tokens", "tokens_total", "micro_batches", "compute_s", "comm_s", "idle_s",
@@ -84,10 +91,14 @@ class MetricsWriter:
     """Appends this worker's records to ``metrics-rank{R}.jsonl``, one flushed line each.
 
     With ``resume_step`` the file is first cut back to the records of steps ``<= resume_step`` (a crashed
-    run may have logged steps after its last checkpoint); otherwise it starts empty.
+    run may have logged steps after its last checkpoint); otherwise it starts empty. Every record written,
+    the kept ones included, is also handed flattened to each of ``sinks`` (closed with the writer).
     """
 
-    def __init__(self, out: str | os.PathLike, rank: int, resume_step: int | None = None) -> None:
+    def __init__(
+        self, out: str | os.PathLike, rank: int, resume_step: int | None = None,
+        sinks: Sequence[MetricsSink] = (),
+    ) -> None:
         self.path = metrics_path(out, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
@@ -96,6 +107,8 @@ class MetricsWriter:
             kept = [r for r in read_jsonl(self.path) if int(r.get("step", 0)) <= resume_step]
         self.kept = kept
         """Records carried over from before the resume point."""
+        self.sinks = list(sinks)
+        """Other outputs fed the flattened records (``--log-with``)."""
         self._f = open(self.path, "w", encoding="utf-8")
         for record in kept:
             self._write(record)
@@ -103,6 +116,12 @@ class MetricsWriter:
     def _write(self, record: dict[str, Any]) -> None:
         self._f.write(dumps(record, separators=(",", ":")) + "\n")
         self._f.flush()
+        if self.sinks:
+            from .sinks import flatten
+
+            flat = flatten(record)
+            for sink in self.sinks:
+                sink.log(flat, int(record["step"]))
 
     def step(self, record: dict[str, Any]) -> None:
         """Write one committed step (must hold every key of :data:`STEP_FIELDS`)."""
@@ -124,6 +143,9 @@ class MetricsWriter:
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -23,7 +23,7 @@ __all__ = ["RUN_OUTPUTS", "COMPARE_OUTPUTS", "out_problem", "compare_out_problem
 
 RUN_OUTPUTS = (
     "metrics-rank*.jsonl", "summary.json", "summary.json.tmp", "loss.png", "trace-rank*.json", "timeline.png",
-    "checkpoints", "model",
+    "checkpoints", "model", "metrics-rank*.csv", "tensorboard", "wandb",
 )
 """Glob patterns of what ``quietsync train`` writes under ``--out`` (what ``--overwrite`` removes)."""
 
