@@ -189,3 +189,24 @@ def test_step_metrics_report_the_scheduled_lr(name):
     assert reported == pytest.approx([0.2, 0.1, 0.05])
     assert strategy.current_lr() == pytest.approx(0.025)
     strategy.close()
+
+
+@pytest.mark.parametrize("name,config", [(n, {}) for n in available()] + [("diloco", {"inner": "ddp"}),
+                                                                          ("diloco", {"inner": "zero1"})])
+def test_a_strategy_that_can_drop_a_round_knows_when_its_round_closes(name, config):
+    """``discards_rounds`` strategies report ``round_closes`` (False right after construction, True once a round is
+    full) and ``discard_round`` reopens it with zeroed gradients; the others report None."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    s = quietsync.make_strategy(name, model, torch.optim.SGD, config=config, lr=0.1)
+    try:
+        if not s.discards_rounds:
+            assert s.round_closes is None
+            return
+        assert s.round_closes is False
+        s.forward_backward(torch.randn(2, 4), lambda m, x: m(x).sum())
+        assert s.round_closes is True
+        s.discard_round()
+        assert s.round_closes is False
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    finally:
+        s.close()

@@ -188,6 +188,8 @@ class Strategy(ABC):
         if not self.discards_rounds:
             return None
         for part in self._parts.values():
+            if isinstance(part, Strategy) and part.round_closes is not None:  # e.g. hierarchical DiLoCo's inner
+                return part.round_closes
             if hasattr(part, "discard") and hasattr(part, "full"):
                 return bool(part.full)
         raise RuntimeError(f"{type(self).__name__}.discards_rounds is set but it holds no round part")
@@ -206,7 +208,10 @@ class Strategy(ABC):
                 if p.grad is not None:
                     p.grad.zero_()
         for part in self._parts.values():
-            if hasattr(part, "discard"):
+            if isinstance(part, Strategy):
+                if part.round_closes is not None:
+                    part.discard_round()
+            elif hasattr(part, "discard"):
                 part.discard()
         self._discard()
 

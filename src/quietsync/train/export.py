@@ -31,6 +31,9 @@ def export_model(model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLi
     """Write ``model`` (a transformers ``PreTrainedModel``) and ``tokenizer`` (a ``tokenizers.Tokenizer``) to
     ``folder`` atomically (a temporary sibling renamed into place); return the folder."""
     from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one folder, one shard: no bar in the run's output
 
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a transformers PreTrainedModel to export, got {type(model).__name__}")
