@@ -82,6 +82,7 @@ def _quietsync_variant(model_name: str, replicator: str) -> _Variant:
 
 def _detonation_variant(model_name: str, topk: int, solo: Any) -> _Variant:
     from detonation import DeMoReplicator, DeToSGD
+
     from quietsync.train.model import build_model
 
     model = build_model(model_name, VOCAB, seed=0)

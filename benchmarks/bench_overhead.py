@@ -48,10 +48,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                        "GLOO_SOCKET_IFNAME": "lo"})
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import quietsync
-    from quietsync.train.model import build_model
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
+
+    import quietsync
+    from quietsync.train.model import build_model
 
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(4)]

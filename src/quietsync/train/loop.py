@@ -32,9 +32,9 @@ from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from .config import TrainConfig
 from .corpus import load_corpus
 from .data import ShardedSequences, encode_split, eval_batches
+from .export import MODEL_DIR, export_model
 from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
-from .export import MODEL_DIR, export_model
 from .model import build_model, count_parameters, is_pretrained, load_pretrained, param_groups
 from .preflight import data_problem
 from .resume_check import check_checkpoint
