@@ -214,9 +214,9 @@ def bench_codec(preset: str = "10m", micro_batch: int = 8, seq_len: int = 128, r
         "are not cheaper on CPU: the flops per element fall, but top-k over many small rows and the batched "
         "small matmuls are less efficient."
     )
-    path = write_markdown("demo_codec", "DeMo codec cost per step vs forward+backward",
+    path = write_markdown("demo_codec_local", "DeMo codec cost per step vs forward+backward",
                           ["replicator", "chunk", "step ms", "step / fwd+bwd", "over AdamW / fwd+bwd"], rows, notes)
-    (RESULTS / "demo_codec.json").write_text(json.dumps({"params": n_params, "fwd_bwd_s": t_fb,
+    (RESULTS / "demo_codec_local.json").write_text(json.dumps({"params": n_params, "fwd_bwd_s": t_fb,
                                                          "adamw_s": t_adamw, "rows": rows}, indent=1))
     print(path.read_text())
 

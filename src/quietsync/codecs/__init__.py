@@ -4,7 +4,7 @@ Nothing here communicates or keeps state beyond caches; everything is vectorised
 parameters of a step.
 """
 
-from .dct import BlockGroup, BlockLayout, dct_basis
+from .dct import BlockGroup, BlockLayout, BlockWorkspace, dct_basis
 from .pack import nbytes, pack, unpack
 from .quantize import TRANSFER_DTYPES, apply_sign, cast_for_transfer, transfer_dtype
 from .topk import densify, index_dtype, scatter_mean, topk_per_block
@@ -12,6 +12,7 @@ from .topk import densify, index_dtype, scatter_mean, topk_per_block
 __all__ = [
     "BlockGroup",
     "BlockLayout",
+    "BlockWorkspace",
     "dct_basis",
     "nbytes",
     "pack",

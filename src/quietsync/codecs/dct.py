@@ -11,8 +11,16 @@ largest coefficients per chunk travel.
   tensors are viewed as ``(shape[0], prod(shape[1:]))``. A dimension that is not a multiple of
   the chunk is **padded** with zeros (an odd or prime size still gets real chunks; the reference
   code falls back to chunk 1 there); a dimension smaller than the chunk gets one block of its own
-  size. Blocks of the same shape from all segments are stacked, so one gather and two batched
-  matmuls encode every parameter of a step at once.
+  size. Blocks of the same shape from all segments are stacked, so two batched matmuls encode
+  every parameter of a step at once.
+
+Blocks are moved between a segment and its group's stacked ``(num_blocks, *block_shape)`` buffer by
+**strided views of the segment's own layout** -- a ``(rows, cols)`` matrix is viewed as
+``(nr, br, nc, bc)`` and permuted to ``(nr, nc, br, bc)`` -- so no int64 index buffer is built, read or
+concatenated (padded segments go through a zero-padded copy of their own). :class:`BlockWorkspace` holds
+the stacked buffers of one layout so a replicator reuses them step after step. The stacked blocks and
+the batched matmuls are the same as those of the earlier gather-based implementation, so coefficients
+and decoded values are bit-identical to it (``tests/codecs/reference_dct_codec.py`` is that oracle).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch
 
 from ..validate import check_int
 
-__all__ = ["dct_basis", "BlockGroup", "BlockLayout"]
+__all__ = ["dct_basis", "BlockGroup", "BlockLayout", "BlockWorkspace"]
 
 
 @functools.lru_cache(maxsize=128)
@@ -47,39 +55,50 @@ def dct_basis(n: int, dtype: torch.dtype = torch.float32, device: torch.device |
 
 @dataclass
 class BlockGroup:
-    """All blocks of one shape: ``index`` gathers them from the (sentinel-extended) flat buffer.
+    """All blocks of one shape, stacked ``(num_blocks, *block_shape)`` in segment order.
 
-    ``index`` has shape ``(num_blocks, *block_shape)``; entries equal to the layout's ``numel``
-    point at a zero sentinel (padding). ``real`` is how many non-padding elements the group holds.
+    ``real`` is how many non-padding elements the group holds.
     """
 
     block_shape: tuple[int, ...]
-    index: torch.Tensor
+    num_blocks: int
     real: int
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.index.shape[0])
 
     @property
     def block_numel(self) -> int:
         return math.prod(self.block_shape)
 
 
-def _blocks_2d(offset: int, rows: int, cols: int, br: int, bc: int, sentinel: int) -> torch.Tensor:
-    nr, nc = -(-rows // br), -(-cols // bc)
-    r = torch.arange(nr * br).unsqueeze(1)
-    c = torch.arange(nc * bc).unsqueeze(0)
-    idx = offset + r * cols + c
-    idx = torch.where((r < rows) & (c < cols), idx, torch.full_like(idx, sentinel))
-    return idx.reshape(nr, br, nc, bc).permute(0, 2, 1, 3).reshape(nr * nc, br, bc)
+@dataclass(frozen=True)
+class _Placement:
+    """Where one segment's blocks sit: group ``group``, blocks ``first .. first + nr*nc`` of it.
 
+    2-D segments (``len(block) == 2``) are ``rows x cols`` cut into ``nr x nc`` blocks of ``block``;
+    1-D segments are ``rows`` elements (``cols == 1``) in ``nr`` blocks (``nc == 1``).
+    """
 
-def _blocks_1d(offset: int, length: int, b: int, sentinel: int) -> torch.Tensor:
-    n = -(-length // b)
-    i = torch.arange(n * b)
-    idx = torch.where(i < length, offset + i, torch.full_like(i, sentinel))
-    return idx.reshape(n, b)
+    offset: int
+    rows: int
+    cols: int
+    block: tuple[int, ...]
+    group: int
+    first: int
+    nr: int
+    nc: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def num_blocks(self) -> int:
+        return self.nr * self.nc
+
+    @property
+    def padded(self) -> bool:
+        if len(self.block) == 1:
+            return self.nr * self.block[0] != self.rows
+        return self.nr * self.block[0] != self.rows or self.nc * self.block[1] != self.cols
 
 
 class BlockLayout:
@@ -88,7 +107,7 @@ class BlockLayout:
     Args:
         shapes: shapes of the segments of the flat buffer (concatenated in this order).
         chunk: the block edge ``C`` (matrices: ``C x C`` blocks, vectors: ``C``-long blocks).
-        device: where the gather indices live (the device of the buffers encoded).
+        device: kept for compatibility (the layout holds no tensors; buffers follow the data).
     """
 
     def __init__(self, shapes: Sequence[Sequence[int]], chunk: int, device: torch.device | str = "cpu") -> None:
@@ -96,8 +115,8 @@ class BlockLayout:
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.chunk = chunk
         self.numel = sum(math.prod(s) for s in self.shapes)
-        sentinel = self.numel
-        parts: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        raw: list[tuple[int, int, int, tuple[int, ...], int, int]] = []
+        counts: dict[tuple[int, ...], int] = {}
         reals: dict[tuple[int, ...], int] = {}
         offset = 0
         for shape in self.shapes:
@@ -106,61 +125,134 @@ class BlockLayout:
                 continue
             if len(shape) >= 2 and shape[0] > 1 and n // shape[0] > 1:
                 rows, cols = shape[0], n // shape[0]
-                bs = (min(chunk, rows), min(chunk, cols))
-                idx = _blocks_2d(offset, rows, cols, bs[0], bs[1], sentinel)
+                bs: tuple[int, ...] = (min(chunk, rows), min(chunk, cols))
+                nr, nc = -(-rows // bs[0]), -(-cols // bs[1])
             else:
+                rows, cols = n, 1
                 bs = (min(chunk, n),)
-                idx = _blocks_1d(offset, n, bs[0], sentinel)
-            parts.setdefault(bs, []).append(idx)
+                nr, nc = -(-n // bs[0]), 1
+            raw.append((offset, rows, cols, bs, nr, nc))
+            counts[bs] = counts.get(bs, 0) + nr * nc
             reals[bs] = reals.get(bs, 0) + n
             offset += n
-        self.groups = [
-            BlockGroup(bs, torch.cat(parts[bs]).to(device), reals[bs]) for bs in sorted(parts, reverse=True)
-        ]
-        # inverse map for decoding: flat position -> position in the concatenated blocks of all groups
-        # (a gather is several times cheaper than scattering into the flat buffer)
-        self.inverse = torch.empty(self.numel, dtype=torch.long, device=device)
-        at = 0
-        for g in self.groups:
-            idx = g.index.reshape(-1)
-            real = idx < self.numel
-            self.inverse[idx[real]] = torch.arange(at, at + idx.numel(), device=device)[real]
-            at += idx.numel()
+        order = sorted(counts, reverse=True)
+        self.groups = [BlockGroup(bs, counts[bs], reals[bs]) for bs in order]
+        gid = {bs: i for i, bs in enumerate(order)}
+        filled = dict.fromkeys(order, 0)
+        self.placements: list[_Placement] = []
+        for off, rows, cols, bs, nr, nc in raw:
+            self.placements.append(_Placement(off, rows, cols, bs, gid[bs], filled[bs], nr, nc))
+            filled[bs] += nr * nc
 
-    # -- transforms ---------------------------------------------------------------------------
-    def _extended(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.cat([flat, flat.new_zeros(1)])
+    # -- moving blocks ------------------------------------------------------------------------
+    def empty_blocks(self, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+        """Zeroed stacked block buffers, one ``(num_blocks, *block_shape)`` per group."""
+        return [torch.zeros(g.num_blocks, *g.block_shape, dtype=dtype, device=device) for g in self.groups]
 
-    def encode(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """DCT-II coefficients of every block, one tensor ``(num_blocks, *block_shape)`` per group."""
+    @staticmethod
+    def _blocks_of(p: _Placement, stacked: torch.Tensor) -> torch.Tensor:
+        """``p``'s blocks in ``stacked`` viewed in the segment's own (padded) layout:
+        ``(nr, br, nc, bc)`` for 2-D, ``(nr * b,)`` for 1-D."""
+        mine = stacked[p.first : p.first + p.num_blocks]
+        if len(p.block) == 1:
+            return mine.view(-1)
+        br, bc = p.block
+        return mine.view(p.nr, p.nc, br, bc).permute(0, 2, 1, 3)
+
+    def gather_blocks(self, flat: torch.Tensor, blocks: Sequence[torch.Tensor]) -> None:
+        """Copy every segment of ``flat`` into its blocks in ``blocks`` (padding left as it is: zero)."""
         if flat.numel() != self.numel:
             raise ValueError(f"buffer has {flat.numel()} elements, layout expects {self.numel}")
-        ext = self._extended(flat)
-        out = []
-        for g in self.groups:
-            blocks = ext[g.index]
-            out.append(self.transform(blocks, g.block_shape, inverse=False))
-        return out
+        for p in self.placements:
+            seg = flat[p.offset : p.offset + p.numel]
+            dst = self._blocks_of(p, blocks[p.group])
+            if len(p.block) == 1:
+                dst[: p.rows].copy_(seg)
+                dst[p.rows :].zero_()
+            elif not p.padded:
+                dst.copy_(seg.view(p.nr, p.block[0], p.nc, p.block[1]))
+            else:  # through a zero-padded copy of the segment's own layout
+                br, bc = p.block
+                pad = seg.new_zeros(p.nr * br, p.nc * bc)
+                pad[: p.rows, : p.cols] = seg.view(p.rows, p.cols)
+                dst.copy_(pad.view(p.nr, br, p.nc, bc))
+
+    def scatter_blocks(self, blocks: Sequence[torch.Tensor], flat: torch.Tensor, subtract: bool = False) -> None:
+        """Write (or, with ``subtract``, subtract) the real part of every block into ``flat``."""
+        for p in self.placements:
+            seg = flat[p.offset : p.offset + p.numel]
+            src = self._blocks_of(p, blocks[p.group])
+            if len(p.block) == 1:
+                src = src[: p.rows]
+            elif not p.padded:
+                seg = seg.view(p.nr, p.block[0], p.nc, p.block[1])
+            else:
+                br, bc = p.block
+                src = src.reshape(p.nr * br, p.nc * bc)[: p.rows, : p.cols]
+                seg = seg.view(p.rows, p.cols)
+            if subtract:
+                seg.sub_(src)
+            else:
+                seg.copy_(src)
+
+    # -- transforms ---------------------------------------------------------------------------
+    def encode(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """DCT-II coefficients of every block, one tensor ``(num_blocks, *block_shape)`` per group."""
+        blocks = self.empty_blocks(flat.dtype, flat.device)
+        self.gather_blocks(flat, blocks)
+        return [self.transform(b, g.block_shape, inverse=False) for g, b in zip(self.groups, blocks)]
 
     def decode(self, coeffs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse of :meth:`encode`: a flat buffer with padding dropped."""
         if not self.groups:
             return torch.zeros(0) if out is None else out
-        blocks = [self.transform(c, g.block_shape, inverse=True).reshape(-1) for g, c in zip(self.groups, coeffs)]
-        flat = torch.cat(blocks)[self.inverse]
-        if out is not None:
-            out.copy_(flat)
-            return out
-        return flat
+        blocks = [self.transform(c, g.block_shape, inverse=True) for g, c in zip(self.groups, coeffs)]
+        if out is None:
+            out = blocks[0].new_empty(self.numel)
+        self.scatter_blocks(blocks, out)
+        return out
 
     @staticmethod
-    def transform(x: torch.Tensor, block_shape: tuple[int, ...], inverse: bool) -> torch.Tensor:
-        """Batched (inverse) DCT-II over the trailing block dimensions of ``x``."""
+    def transform(x: torch.Tensor, block_shape: tuple[int, ...], inverse: bool,
+                  out: torch.Tensor | None = None, tmp: torch.Tensor | None = None) -> torch.Tensor:
+        """Batched (inverse) DCT-II over the trailing block dimensions of ``x``.
+
+        ``out`` (and, for 2-D blocks, ``tmp`` for the intermediate product) receive the result when
+        given; they must not alias ``x``.
+        """
         if len(block_shape) == 1:
             d = dct_basis(block_shape[0], x.dtype, x.device)
-            return x @ d if inverse else x @ d.T
+            return torch.matmul(x, d if inverse else d.T, out=out)
         dr = dct_basis(block_shape[0], x.dtype, x.device)
         dc = dct_basis(block_shape[1], x.dtype, x.device)
         if inverse:  # D_r^T X D_c
-            return torch.matmul(dr.T, x @ dc)
-        return torch.matmul(dr, x @ dc.T)  # D_r B D_c^T
+            return torch.matmul(dr.T, torch.matmul(x, dc, out=tmp), out=out)
+        return torch.matmul(dr, torch.matmul(x, dc.T, out=tmp), out=out)  # D_r B D_c^T
+
+
+class BlockWorkspace:
+    """Stacked buffers of one :class:`BlockLayout`, kept across steps (one dtype and device).
+
+    ``blocks`` (spatial blocks; :meth:`BlockLayout.gather_blocks` rewrites their padding with zeros), ``coeffs`` (transform output) and ``tmp`` (the
+    intermediate product of a 2-D transform) have one ``(num_blocks, *block_shape)`` tensor per group.
+    """
+
+    def __init__(self, layout: BlockLayout, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.layout = layout
+        self.dtype, self.device = dtype, torch.device(device)
+        self.blocks = layout.empty_blocks(dtype, device)
+        self.coeffs = layout.empty_blocks(dtype, device)
+        self.tmp = layout.empty_blocks(dtype, device)
+
+    def encode(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """DCT-II coefficients of ``flat`` in ``self.coeffs`` (valid until the next call)."""
+        self.layout.gather_blocks(flat, self.blocks)
+        for g, b, c, t in zip(self.layout.groups, self.blocks, self.coeffs, self.tmp):
+            BlockLayout.transform(b, g.block_shape, inverse=False, out=c, tmp=t)
+        return self.coeffs
+
+    def decode_into(self, coeffs: Sequence[torch.Tensor], flat: torch.Tensor, subtract: bool = False) -> None:
+        """Inverse DCT of ``coeffs`` written into ``flat`` (or subtracted from it); uses ``self.blocks``."""
+        for g, c, b, t in zip(self.layout.groups, coeffs, self.blocks, self.tmp):
+            BlockLayout.transform(c, g.block_shape, inverse=True, out=b, tmp=t)
+        self.layout.scatter_blocks(self.blocks, flat, subtract=subtract)

@@ -58,6 +58,20 @@ class RandomReplicator(Replicator):
         idx = (torch.arange(m) * stride + jitter + rot) % n
         return idx.to(device)
 
+    def replicate(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
+        """Same values as the base class's extract / error feedback / exchange, without a dense ``sent``:
+        the error feedback touches only the sent positions (``x - 0 == x`` elsewhere, bit for bit)."""
+        if delta.dim() != 1 or delta.numel() != segments.numel or self.group_size == 1:
+            return super().replicate(delta, segments)
+        idx = self.indices(segments, self.counter, delta.device)
+        self.counter += 1
+        payload = delta[idx].to(self.transfer_dtype)
+        delta[idx] = delta[idx] - payload.to(delta.dtype)
+        self.transport.all_reduce(payload, self.group, op="avg", name=f"replicate/{self.name}")
+        update = torch.zeros_like(delta)
+        update[idx] = payload.to(update.dtype)
+        return update
+
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
         idx = self.indices(segments, self.counter, delta.device)
         self.counter += 1
