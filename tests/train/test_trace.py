@@ -147,3 +147,19 @@ def test_two_workers_merged_trace_and_profile(tmp_path):
         json.loads(profile)
         for name in ("quietsync/step", "quietsync/forward", "quietsync/backward", "quietsync/comm/all_reduce"):
             assert name in profile, (rank, name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_events_give_device_times():
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    x = torch.randn(2048, 2048, device="cuda")
+    start.record()
+    for _ in range(10):
+        x = x @ x / 2048
+    end.record()
+    rec = EventRecorder()
+    rec.add("comm", "matmuls", 0.0, 1.0, device_events=(start, end))
+    assert rec.resolve_device_times() == 1
+    assert 0 < rec.spans()[0].device_s < 10
+    event = trace_events(rec.spans(), 0, 0.0)
+    assert next(e for e in event if e["ph"] == "b")["args"]["device_ms"] > 0
