@@ -25,6 +25,7 @@ def test_link_is_fifo():
     assert link.reserve(1.0, start=10.0) == 11.0
     assert link.reserve(1.0, start=10.5) == 12.0  # queued behind the first
     assert link.reserve(1.0, start=20.0) == 21.0
+    assert link.book(1.0, start=20.5) == (21.0, 22.0)  # (start on the wire, finish)
 
 
 def test_parse_links_cli_spelling():

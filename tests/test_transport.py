@@ -71,7 +71,8 @@ def _timed_all_reduce(rank: int, world: int, numel: int) -> dict:
     b.wait()
     two = time.perf_counter() - t0
     spans = t.recorder.spans("comm")
-    return {"one": one, "two": two, "modeled": link.time("all_reduce", numel * 4, world), "spans": len(spans)}
+    return {"one": one, "two": two, "modeled": link.time("all_reduce", numel * 4, world), "spans": len(spans),
+            "last_two": [(s.queued, s.duration, s.t_wire is not None) for s in spans[-2:]]}
 
 
 @pytest.mark.timeout(120)
@@ -84,6 +85,10 @@ def test_link_model_stretches_a_collective_to_its_modeled_time():
         # the link is serial: two collectives issued together take twice as long
         assert res["two"] >= 2 * res["modeled"] * 0.99
         assert res["spans"] >= 4
+        # the second of the two waited for the first on the link: queued ~ one modeled time, then on the wire
+        (q_a, d_a, wire_a), (q_b, d_b, wire_b) = sorted(res["last_two"])
+        assert wire_a and wire_b and q_a <= d_a and q_b <= d_b
+        assert q_b >= res["modeled"] * 0.99 and d_b - q_b >= res["modeled"] * 0.99
 
 
 def _ddp_and_zero1_bytes(rank: int, world: int, name: str) -> dict:

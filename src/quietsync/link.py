@@ -101,7 +101,14 @@ class LinkModel:
         return messages * self.latency + sent / self.bandwidth
 
     def reserve(self, seconds: float, start: float | None = None, tx: bool = True, rx: bool = True) -> float:
-        """Book ``seconds`` of wire time starting no earlier than ``start``; return the finish time.
+        """Book ``seconds`` of wire time starting no earlier than ``start``; return the finish time
+        (:meth:`book` without the start)."""
+        return self.book(seconds, start, tx, rx)[1]
+
+    def book(self, seconds: float, start: float | None = None, tx: bool = True, rx: bool = True
+             ) -> tuple[float, float]:
+        """Book ``seconds`` of wire time starting no earlier than ``start``; return ``(begin, end)``: when the
+        transfer starts being served (after what was queued before it) and when it finishes.
 
         Args:
             seconds: how long the transfer occupies the queues it books.
@@ -124,7 +131,7 @@ class LinkModel:
                 self._tx_free_at = end
             if rx:
                 self._rx_free_at = end
-            return end
+            return begin, end
 
     def reset(self) -> None:
         """Forget queued transfers (for tests and benchmarks that reuse a link)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .events import label
 from .flat import FlatParams
 
 
@@ -50,7 +51,8 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         """One optimizer step of the master shard with the gradient in :attr:`grad` (lrs as set by the caller)."""
-        self.optimizer.step()
+        with label("quietsync/optimizer_step"):
+            self.optimizer.step()
 
     def params_out(self, dtype: torch.dtype) -> torch.Tensor:
         """The master shard in the working-parameter dtype (the input of the parameter all-gather)."""

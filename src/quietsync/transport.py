@@ -29,6 +29,7 @@ Optimizers and replicators depend only on :class:`Collectives`, the part of the 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import threading
 import time
@@ -39,7 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from .events import ByteMeter, EventRecorder
+from .events import ByteMeter, EventRecorder, label
 from .link import LINK_NAMES, LinkModel, traffic
 from .topology import GROUPS, Topology
 
@@ -48,6 +49,23 @@ OPS = ("sum", "avg", "max", "min")
 # torch 2.13 renamed the flat collectives; keep older releases working.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _labeled(text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a transport method under a ``torch.profiler`` label (``text``), only while a profiler runs."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def labeled(*args: Any, **kwargs: Any) -> Any:
+            if not torch.autograd._profiler_enabled():
+                return fn(*args, **kwargs)
+            with torch.profiler.record_function(text):
+                return fn(*args, **kwargs)
+
+        return labeled
+
+    return wrap
+
 
 
 class _DefaultGroupRecord:
@@ -144,6 +162,13 @@ class Work:
     """``perf_counter`` time the operation was issued."""
     deadline: float = 0.0
     """``perf_counter`` time its emulated wire time ends (queueing behind earlier transfers included)."""
+    t_wire: float | None = None
+    """``perf_counter`` time its transfer starts being served on the emulated link, after what was queued
+    before it (for a point-to-point operation booking two queues: the earlier start); None without link
+    emulation."""
+    cuda_events: tuple[Any, Any] | None = field(default=None, repr=False)
+    """On CUDA: an event recorded on the issuing stream after the issue, and one at completion (device time
+    of the ``comm`` span); None on CPU."""
     finish: Callable[[], None] | None = field(default=None, repr=False)
     """Run once the data has arrived (e.g. the division of an ``avg`` all-reduce)."""
     _done: bool = field(default=False, init=False, repr=False)
@@ -152,9 +177,10 @@ class Work:
         """Block until the operation (and its emulated wire time) is over; re-raise its error."""
         if self._done:
             return
-        for handle in self.handles:
-            self.transport._wait_handle(handle, self)
-        self._complete()
+        with label("quietsync/comm/wait"):
+            for handle in self.handles:
+                self.transport._wait_handle(handle, self)
+            self._complete()
 
     def _complete(self) -> None:
         if self._done:
@@ -164,6 +190,8 @@ class Work:
             time.sleep(remaining)  # the link emulation
         if self.finish is not None:
             self.finish()
+        if self.cuda_events is not None:
+            self.cuda_events[1].record()
         t1 = time.perf_counter()
         self._done = True
         self.transport._account(self, t1)
@@ -354,6 +382,7 @@ class Transport:
             raise ValueError(f"group must be one of {GROUPS}, got {group!r}") from None
 
     # ------------------------------------------------------------------ collectives
+    @_labeled("quietsync/comm/all_reduce")
     def all_reduce(
         self, tensor: torch.Tensor, group: str = "world", op: str = "sum", async_op: bool = False,
         name: str = "all_reduce",
@@ -366,6 +395,7 @@ class Transport:
             handle = dist.all_reduce(tensor, op=red, group=self._groups[group], async_op=True)
         return self._collective(handle, "all_reduce", group, _nbytes(tensor), name, post, async_op)
 
+    @_labeled("quietsync/comm/reduce_scatter")
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: str = "world", op: str = "sum",
         async_op: bool = False, name: str = "reduce_scatter",
@@ -384,6 +414,7 @@ class Transport:
             output.copy_(input.view_as(output))
         return self._collective(handle, "reduce_scatter", group, _nbytes(input), name, post, async_op)
 
+    @_labeled("quietsync/comm/all_gather")
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, group: str = "world", async_op: bool = False,
         name: str = "all_gather",
@@ -419,6 +450,7 @@ class Transport:
         self.all_gather(out, padded, group, name=name)
         return [out[i * width : i * width + c] for i, c in enumerate(counts)]
 
+    @_labeled("quietsync/comm/broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, group: str = "world", async_op: bool = False,
                   name: str = "broadcast") -> Work:
         """``tensor`` ← the one of group rank ``src``."""
@@ -434,11 +466,13 @@ class Transport:
         recv = nbytes if n > 1 and pos > 0 else 0
         return self._collective(handle, "broadcast", group, nbytes, name, None, async_op, sent, recv, src=src)
 
+    @_labeled("quietsync/comm/send")
     def send(self, tensor: torch.Tensor, dst: int, group: str = "world", async_op: bool = False,
              name: str = "send") -> Work:
         """Point-to-point send to group rank ``dst`` (another worker), matched by its :meth:`recv`."""
         return self._one_way("send", tensor, dst, group, async_op, name)
 
+    @_labeled("quietsync/comm/recv")
     def recv(self, tensor: torch.Tensor, src: int, group: str = "world", async_op: bool = False,
              name: str = "recv") -> Work:
         """Point-to-point receive from group rank ``src`` (another worker), matched by its :meth:`send`."""
@@ -462,6 +496,7 @@ class Transport:
                          recv=0 if sending else nbytes, dst=peer_rank if sending else None,
                          src=None if sending else peer_rank, bookings=[(link, seconds, sending, not sending)])
 
+    @_labeled("quietsync/comm/exchange")
     def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: str = "world",
                  async_op: bool = False, name: str = "exchange") -> Work:
         """Send ``send`` to group rank ``dst`` while receiving ``recv`` from group rank ``src``, at once.
@@ -562,11 +597,12 @@ class Transport:
         n = self.group_size(group)
         link = self.link_for(group)
         modeled = link.time(kind, nbytes, n) if link is not None else 0.0
-        deadline = link.reserve(modeled, t_issue) if link is not None and n > 1 else 0.0
+        t_wire, deadline = link.book(modeled, t_issue) if link is not None and n > 1 else (None, 0.0)
         if sent is None or recv is None:
             sent = recv = traffic(kind, nbytes, n)[1]
         work = Work(self, (handle,) if handle is not None else (), kind, group, nbytes, name, sent, recv,
-                    src=src, modeled_s=modeled, t_issue=t_issue, deadline=deadline, finish=finish)
+                    src=src, modeled_s=modeled, t_issue=t_issue, deadline=deadline, finish=finish, t_wire=t_wire,
+                    cuda_events=self._issue_event(handle is not None))
         if not async_op:
             work.wait()
         return work
@@ -577,15 +613,27 @@ class Transport:
         """Wrap a point-to-point operation: each ``(link, seconds, tx, rx)`` booking runs on its own queue."""
         t_issue = time.perf_counter()
         deadline, modeled = 0.0, 0.0
+        t_wire: float | None = None
         for link, seconds, tx, rx in bookings:
             if link is not None:
-                deadline = max(deadline, link.reserve(seconds, t_issue, tx=tx, rx=rx))
+                begin, end = link.book(seconds, t_issue, tx=tx, rx=rx)
+                deadline = max(deadline, end)
+                t_wire = begin if t_wire is None else min(t_wire, begin)
                 modeled = max(modeled, seconds)
         work = Work(self, handles, kind, group, nbytes, name, sent, recv, src=src, dst=dst, modeled_s=modeled,
-                    t_issue=t_issue, deadline=deadline)
+                    t_issue=t_issue, deadline=deadline, t_wire=t_wire, cuda_events=self._issue_event(bool(handles)))
         if not async_op:
             work.wait()
         return work
+
+    def _issue_event(self, on_network: bool) -> tuple[Any, Any] | None:
+        """On CUDA, a pair of events, the first recorded now on the current stream (the second is recorded at
+        completion, see :meth:`Work._complete`); None on CPU or when nothing goes on the network."""
+        if not on_network or self.device.type != "cuda" or not self.recorder.enabled:
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
 
     def _peer(self, group: str, group_rank: int, what: str) -> int:
         """Global rank of the point-to-point peer ``group_rank`` (validated: in the group, not this worker)."""
@@ -616,8 +664,8 @@ class Transport:
             self.meter.add_peer(self.global_rank(work.group, work.dst), sent=work.sent)
         if work.src is not None and work.kind != "broadcast":
             self.meter.add_peer(self.global_rank(work.group, work.src), recv=work.recv)
-        self.recorder.add("comm", work.name, work.t_issue, t1, group=work.group, kind=work.kind,
-                          bytes=work.sent, modeled_s=work.modeled_s)
+        self.recorder.add("comm", work.name, work.t_issue, t1, t_wire=work.t_wire, device_events=work.cuda_events,
+                          group=work.group, kind=work.kind, bytes=work.sent, modeled_s=work.modeled_s)
 
 
 def _nbytes(t: torch.Tensor) -> int:

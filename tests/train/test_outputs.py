@@ -33,8 +33,8 @@ def test_out_problem_rules(tmp_path):
 
 
 def test_overwrite_removes_only_what_a_run_writes(tmp_path):
-    for name in ("metrics-rank0.jsonl", "metrics-rank1.jsonl", "summary.json", "loss.png", "trace-rank0.json",
-                 "timeline.png", "notes.txt"):
+    for name in ("metrics-rank0.jsonl", "metrics-rank1.jsonl", "summary.json", "loss.png", "trace.json",
+                 "profile-rank0.json", "timeline.png", "notes.txt"):
         (tmp_path / name).write_text("x")
     (tmp_path / "checkpoints" / "step-0000002").mkdir(parents=True)
     (tmp_path / "data").mkdir()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..events import label
 from ..flat import nbytes
 from ..validate import check_int
 from .accounting import StepAccounting
@@ -112,7 +113,8 @@ class OptimizerRound:
         Returns the step's extras for its metrics (none here)."""
         t0 = time.perf_counter()
         self.lr.apply(lr_scale)
-        self.optimizer.step()
+        with label("quietsync/optimizer_step"):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         accounting.add_compute(time.perf_counter() - t0)
         self.accumulator.reset()

@@ -43,6 +43,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from ..events import label
 from ..flat import normalize_param_groups
 from ..transport import Transport
 from .accounting import StepAccounting, StepMetrics
@@ -158,7 +159,8 @@ class Strategy(ABC):
         different stages at once) overrides it. Returns the detached loss of the micro-batch(es) whose
         backward completed in this call, or None when none did (a strategy filling its pipeline).
         """
-        loss = loss_fn(self.model, batch)
+        with label("quietsync/forward"):
+            loss = loss_fn(self.model, batch)
         self.backward(loss)
         return loss.detach()
 
@@ -167,7 +169,8 @@ class Strategy(ABC):
         self._check_open()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("loss must be a scalar tensor")
-        self._backward(loss)
+        with label("quietsync/backward"):
+            self._backward(loss)
         self.accounting.micro_batch_done()
         self.micro_batches += 1
 
@@ -176,7 +179,8 @@ class Strategy(ABC):
         self._check_open()
         # Main-thread time since the last strategy call (e.g. a simulated slow worker's sleep) is compute.
         self.accounting.lap()
-        committed = self._step()
+        with label("quietsync/step"):
+            committed = self._step()
         self.accounting.mark = time.perf_counter()
         return committed
 

@@ -68,6 +68,7 @@ import torch
 from torch import nn
 
 from ..activation_memory import ActivationMeter
+from ..events import label
 from ..sharded import build_optimizer
 from ..validate import check_choice, check_int
 from .base import LossFn, Strategy, StrategyConfig
@@ -605,7 +606,8 @@ class CDP(Strategy):
             for p, g in zip(params, flat.split([p.numel() for p in params])):
                 p.grad = g.view_as(p)
             self.lr.apply(self._lr_scale(c))
-            self.optimizer.step()
+            with label("quietsync/optimizer_step"):
+                self.optimizer.step()
             for p in params:
                 p.grad = None
         self.prev[j] = (c, kept)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..comm_worker import CommWorker, Job
+from ..events import label
 from ..flat import nbytes
 from ..link import traffic
 from ..replicators import Replicator, Segments, make_replicator
@@ -187,7 +188,8 @@ class OuterSync:
         avg = self._average(f, delta)
         g = self.globals[f]
         g.grad = avg.to(self.store)
-        self.outer[f].step()
+        with label("quietsync/optimizer_step"):
+            self.outer[f].step()
         g.grad = None
 
     def _write(self, f: int, alpha: float) -> None:

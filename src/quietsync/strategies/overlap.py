@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..comm_worker import CommWorker, Job
+from ..events import label
 from ..flat import nbytes, parse_dtype
 from ..sharded import ShardedOptimizer, build_optimizer
 from ..validate import check_int
@@ -152,7 +153,8 @@ class EstimatingOptimizer:
             for k in [k for k in dst if k not in src]:
                 del dst[k]
         self.lr.apply(lr_scale, self.optimizer)
-        self.optimizer.step()
+        with label("quietsync/optimizer_step"):
+            self.optimizer.step()
         return self.master
 
     def nbytes(self) -> int:

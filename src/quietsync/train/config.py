@@ -15,6 +15,7 @@ from typing import Literal, get_args
 from ..link import parse_links
 from ..validate import check_choice, check_float, check_int
 from .corpus import DEFAULT_DATASET
+from .profile import parse_profile_steps
 from .sinks import parse_log_with
 from .slow_worker import SlowWorker, parse_slow_worker
 from .tokenizer import MIN_VOCAB
@@ -97,7 +98,9 @@ class TrainConfig:
     plot: bool = True
     """Draw loss.png at the end."""
     trace: bool = False
-    """Write trace-rank{R}.json (Chrome/Perfetto trace of compute, comm and idle spans) and timeline.png."""
+    """Write trace.json (one Chrome/Perfetto trace of every worker's compute, comm and idle spans) and timeline.png."""
+    profile_steps: str | None = field(default=None, metadata={"flag": {"metavar": "A:B"}})
+    """Run torch.profiler over committed steps A to B and write profile-rank{R}.json (Chrome trace with quietsync's record_function labels)."""
     export: bool = True
     """Write OUT/model/ at the end: the committed model (safetensors) and its tokenizer, for AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
     log_with: str | None = field(default=None, metadata={"flag": {"metavar": "LIST"}})
@@ -142,6 +145,10 @@ class TrainConfig:
             raise ValueError(msg if msg.startswith("--link") else f"link {msg}") from None
         if self.slow_worker is not None:
             parse_slow_worker(self.slow_worker)
+        if self.profile_steps is not None:
+            _, last = parse_profile_steps(self.profile_steps)
+            if last > self.max_steps:
+                raise ValueError(f"profile_steps must end by max_steps ({self.max_steps}), got {self.profile_steps!r}")
         if self.log_with is not None:
             self.log_with = ",".join(parse_log_with(self.log_with)) or None
 

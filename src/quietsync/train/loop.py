@@ -38,6 +38,7 @@ from .metrics import MetricsWriter, format_summary, write_summary
 from .model import build_model, count_parameters, is_pretrained, load_pretrained, param_groups
 from .nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
 from .preflight import data_problem
+from .profile import StepProfiler
 from .resume_check import check_checkpoint
 from .schedule import warmup_cosine
 from .sinks import open_sinks
@@ -160,11 +161,12 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             with strategy.paused(), strategy.committed_params() as module:
                 export_model(module, tokenizer, os.path.join(cfg.out, MODEL_DIR))
         strategy.close()
-        if cfg.trace:
-            from .trace import write_trace
+        from .trace import collect_spans, write_merged_trace
 
-            write_trace(cfg.out, rank, transport.recorder.spans(), clock_offset)
+        spans = collect_spans(transport.recorder) if cfg.trace else []
         totals = _gather_totals(transport, result)
+        if cfg.trace:  # every worker's spans, gathered into rank 0's OUT/trace.json
+            write_merged_trace(cfg.out, transport, spans, clock_offset)
         summary = None
         if rank == 0:
             summary = _summary(cfg, strategy, strategy_config, topology, n_params, result, totals)
@@ -233,12 +235,14 @@ def _train(
             say(f"step {strategy.steps:>6}  eval loss {loss:.4f}")
 
     guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
+    profiler = StepProfiler(cfg.profile_steps, cfg.out, rank, device)
     try:
         if resume_step is None:
             run_eval()
         losses: list[torch.Tensor] = []
         step_tokens = 0
         while strategy.steps < cfg.max_steps:
+            profiler.before_micro_batch(strategy.steps)
             batch = next(stream).to(device, non_blocking=True)
             timer.start()
             loss = strategy.forward_backward(batch, lm_loss)
@@ -253,6 +257,7 @@ def _train(
                 continue
             if not strategy.step():
                 continue
+            profiler.after_commit(strategy.steps)
             m = strategy.last_step_metrics()
             step_loss = float(torch.stack(losses).mean()) if losses else float("nan")
             record = {
@@ -282,6 +287,7 @@ def _train(
                 with strategy.paused():
                     _save(cfg, strategy, stream, rank, tokens_total)
     finally:
+        profiler.close()
         guard.close()
         bar.close()
         metrics.close()

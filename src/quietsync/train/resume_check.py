@@ -58,7 +58,7 @@ NOTED: dict[str, str] = {
 
 SAFE = frozenset({
     "out", "overwrite", "eval_every", "save_every", "resume", "cache_dir", "timeout_s", "progress", "plot",
-    "trace", "export", "on_nonfinite", "nonfinite_skip_limit", "log_with",
+    "trace", "profile_steps", "export", "on_nonfinite", "nonfinite_skip_limit", "log_with",
 })
 """Job fields a resumed run may change without a word."""
 

@@ -1,23 +1,37 @@
-"""Timelines (``--trace``): when each worker computed, communicated and waited.
+"""Timelines (``--trace``): when each worker computed, communicated and waited, in one merged trace.
 
 The transport records every collective as a span on the ``comm`` lane and strategies record the main
-thread's ``compute`` and ``idle`` spans (:mod:`quietsync.events`). With ``--trace`` each worker writes its
-spans as ``trace-rank{R}.json`` in the Chrome trace-event format (open it in https://ui.perfetto.dev or
-``chrome://tracing``; one process per worker, one thread per lane), and rank 0 draws ``timeline.png``: a
-few steps from the middle of the run, one row per worker and lane, so one can see whether computation
-kept going while the network was busy.
+thread's ``compute`` and ``idle`` spans (:mod:`quietsync.events`). With ``--trace``, at the end of the run
+every worker turns its spans into Chrome trace events (:func:`trace_events`), the events are gathered on
+rank 0 with one ``all_gather`` over ``world`` (so nodes need no shared disk), and rank 0 writes them all as
+``OUT/trace.json`` (:func:`write_merged_trace`; no per-worker files) and draws ``timeline.png``: a few steps
+from the middle of the run, one row per worker and lane.
 
-Times are wall-clock microseconds (``time.time()``), so local workers line up exactly and nodes line up
-as well as their clocks do.
+In the trace (open it in https://ui.perfetto.dev or ``chrome://tracing``):
+
+* one **process** per worker (``pid`` = rank, named ``worker R``, in rank order), with the threads
+  ``compute`` and ``idle`` holding complete (``"X"``) slices of the main thread;
+* each **collective** is an async slice (``"b"``/``"e"``, ``cat`` ``comm``, an ``id`` unique in the file)
+  from issue to completion, named after the operation (``ddp_bucket``, ``all_gather/params``, ...), so
+  collectives that overlap (several DDP buckets in flight) get rows of their own instead of being drawn as
+  if nested. Under link emulation it holds two children: ``queued`` (issued → its transfer starts being
+  served on the emulated link, i.e. waiting behind earlier transfers on the FIFO link) and ``on wire``
+  (that start → completion). Its ``args`` hold the group, kind, bytes sent, modeled seconds, and
+  ``queued_ms`` / ``wire_ms`` (and ``device_ms`` on CUDA, from CUDA events on the issuing stream).
+
+Times are wall-clock microseconds: each worker adds ``clock_offset = time.time() - time.perf_counter()``
+(taken once per run) to its ``perf_counter`` span times. Local workers share both clocks, so they line up
+to a few microseconds; workers on different nodes line up as well as the nodes' clocks do (NTP).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .plots import pyplot, save_figure
 
@@ -26,43 +40,104 @@ LANE_ORDER = ("compute", "comm", "idle")
 
 LANE_COLORS = {"compute": "tab:blue", "comm": "tab:orange", "idle": "tab:red"}
 
+TRACE_FILE = "trace.json"
+"""The merged trace under ``--out``."""
+
+QUEUED, ON_WIRE = "queued", "on wire"
+"""Names of the two children of a collective's async slice."""
+
+_IDS_PER_RANK = 1 << 32
+"""Async ids of rank R are ``R * _IDS_PER_RANK + i``: unique in the merged file."""
+
 
 def _jsonable(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
 def trace_events(spans, rank: int, clock_offset: float) -> list[dict[str, Any]]:
-    """Chrome ``"X"`` events of ``spans`` (``perf_counter`` times + ``clock_offset`` = epoch seconds)."""
+    """Chrome trace events of one worker's ``spans`` (``perf_counter`` times + ``clock_offset`` = epoch s).
+
+    ``compute``/``idle`` (and any other lane but ``comm``) spans become ``"X"`` slices on a thread per lane;
+    ``comm`` spans become async ``"b"``/``"e"`` slices with ``queued`` and ``on wire`` children (see the module
+    docstring), in an order where every child opens after and closes before its parent.
+    """
     events: list[dict[str, Any]] = [
         {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"worker {rank}"}},
+        {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}},
     ]
     lanes = list(LANE_ORDER) + sorted({s.lane for s in spans} - set(LANE_ORDER))
     for tid, lane in enumerate(lanes):
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}})
-    for s in spans:
-        events.append({
-            "name": s.name, "cat": s.lane, "ph": "X", "pid": rank, "tid": lanes.index(s.lane),
-            "ts": (s.t0 + clock_offset) * 1e6, "dur": max(0.0, s.t1 - s.t0) * 1e6, "args": dict(s.meta),
-        })
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
+    comm_tid = lanes.index("comm")
+    for i, s in enumerate(spans):
+        ts, end = (s.t0 + clock_offset) * 1e6, (max(s.t0, s.t1) + clock_offset) * 1e6
+        if s.lane != "comm":
+            events.append({"name": s.name, "cat": s.lane, "ph": "X", "pid": rank, "tid": lanes.index(s.lane),
+                           "ts": ts, "dur": end - ts, "args": dict(s.meta)})
+            continue
+        common = {"cat": "comm", "pid": rank, "tid": comm_tid, "id": rank * _IDS_PER_RANK + i}
+        args = dict(s.meta)
+        if s.t_wire is not None:
+            args.update(queued_ms=s.queued * 1e3, wire_ms=(s.duration - s.queued) * 1e3)
+        if s.device_s is not None:
+            args["device_ms"] = s.device_s * 1e3
+        events.append({"name": s.name, "ph": "b", "ts": ts, **common, "args": args})
+        if s.t_wire is not None:
+            wire = ts + s.queued * 1e6
+            if wire > ts:
+                events.append({"name": QUEUED, "ph": "b", "ts": ts, **common})
+                events.append({"name": QUEUED, "ph": "e", "ts": wire, **common})
+            events.append({"name": ON_WIRE, "ph": "b", "ts": wire, **common})
+            events.append({"name": ON_WIRE, "ph": "e", "ts": end, **common})
+        events.append({"name": s.name, "ph": "e", "ts": end, **common})
     return events
 
 
-def write_trace(out: str | os.PathLike, rank: int, spans, clock_offset: float) -> Path:
-    """Write ``OUT/trace-rank{rank}.json``."""
-    path = Path(out) / f"trace-rank{rank}.json"
-    payload = {"traceEvents": trace_events(spans, rank, clock_offset), "displayTimeUnit": "ms"}
-    path.write_text(json.dumps(payload, default=_jsonable), encoding="utf-8")
+def merge_traces(per_rank: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One trace-file object of every worker's :func:`trace_events`."""
+    return {"traceEvents": [e for events in per_rank for e in events], "displayTimeUnit": "ms"}
+
+
+def collect_spans(recorder: Any) -> list[Any]:
+    """The recorder's spans, with the device times of CUDA-timed ones filled in (this synchronises with
+    their events, so call it after the work is done)."""
+    recorder.resolve_device_times()
+    return recorder.spans()
+
+
+def write_merged_trace(out: str | os.PathLike, transport: Any, spans, clock_offset: float) -> Path | None:
+    """Gather every worker's events on rank 0 and write ``OUT/trace.json`` there (returns its path; None on
+    the other ranks). Every worker of ``world`` must call it (one ``all_gather`` of the encoded events)."""
+    mine = json.dumps(trace_events(spans, transport.topology.rank, clock_offset), default=_jsonable).encode()
+    encoded = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(transport.device)
+    parts = transport.all_gather_uneven(encoded, group="world", name="trace")
+    if transport.topology.rank != 0:
+        return None
+    per_rank = [json.loads(bytes(p.cpu().numpy().tobytes()).decode()) for p in parts]
+    path = Path(out) / TRACE_FILE
+    path.write_text(json.dumps(merge_traces(per_rank)), encoding="utf-8")
     return path
 
 
 def read_traces(out: str | os.PathLike) -> dict[int, list[dict[str, Any]]]:
-    """``{rank: [X events]}`` from the ``trace-rank*.json`` files under ``out``."""
-    traces = {}
-    for p in Path(out).glob("trace-rank*.json"):
-        m = re.fullmatch(r"trace-rank(\d+)", p.stem)
-        if m:
-            events = json.loads(p.read_text(encoding="utf-8"))["traceEvents"]
-            traces[int(m.group(1))] = [e for e in events if e.get("ph") == "X"]
+    """``{rank: [{"cat", "name", "ts", "dur"}]}`` of ``OUT/trace.json``: the ``"X"`` slices and, for each
+    collective, its outermost async slice (issue to completion); ``{}`` if there is no trace."""
+    path = Path(out) / TRACE_FILE
+    if not path.is_file():
+        return {}
+    traces: dict[int, list[dict[str, Any]]] = {}
+    opened: dict[tuple[int, Any], dict[str, Any]] = {}
+    for e in json.loads(path.read_text(encoding="utf-8"))["traceEvents"]:
+        ph = e.get("ph")
+        if ph == "X":
+            traces.setdefault(e["pid"], []).append(e)
+        elif ph == "b" and (e["pid"], e["id"]) not in opened:
+            opened[(e["pid"], e["id"])] = e
+        elif ph == "e" and e.get("name") == opened.get((e["pid"], e["id"]), {}).get("name"):
+            b = opened.pop((e["pid"], e["id"]))
+            traces.setdefault(e["pid"], []).append(
+                {"cat": b["cat"], "name": b["name"], "ts": b["ts"], "dur": e["ts"] - b["ts"]})
     return dict(sorted(traces.items()))
 
 
