@@ -286,9 +286,9 @@ def _train(
             if cfg.save_every and (strategy.steps % cfg.save_every == 0 or last):
                 with strategy.paused():
                     _save(cfg, strategy, stream, rank, tokens_total)
+        guard.close()  # not on a failure: tearing its group down would cut the peers' view of who failed first
     finally:
         profiler.close()
-        guard.close()
         bar.close()
         metrics.close()
     return {
