@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import socket
 import statistics
 import sys
@@ -39,7 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import RESULTS, write_markdown  # noqa: E402
+from common import RESULTS, init_local_worker, write_markdown  # noqa: E402
 
 VOCAB = 4096
 BATCH, SEQ = 8, 128
@@ -100,11 +99,7 @@ def _detonation_variant(model_name: str, topk: int, solo: Any) -> _Variant:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "GLOO_SOCKET_IFNAME": "lo"})
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_local_worker(rank, world, port, args.threads)
     solos = [dist.new_group([r]) for r in range(world)]  # every rank takes part in creating every group
     batch = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
     result: dict[str, Any] = {}

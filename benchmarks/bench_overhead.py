@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import RESULTS, write_markdown  # noqa: E402
+from common import RESULTS, init_local_worker, write_markdown  # noqa: E402
 
 VOCAB = 8192
 BATCH, SEQ = 8, 128
@@ -43,11 +42,7 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "GLOO_SOCKET_IFNAME": "lo"})
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_local_worker(rank, world, port, args.threads)
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 

@@ -74,3 +74,18 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
     return str(v)
+
+
+def init_local_worker(rank: int, world: int, port: int, threads: int) -> None:
+    """In a spawned benchmark worker: torchrun's environment on loopback, ``threads`` torch threads, and
+    torch.distributed's default gloo group."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "GLOO_SOCKET_IFNAME": "lo"})
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
