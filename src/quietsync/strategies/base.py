@@ -183,11 +183,13 @@ class Strategy(ABC):
     @property
     def round_closes(self) -> bool | None:
         """Whether the next :meth:`step` commits (the open round is full), for strategies that know it before
-        stepping (those holding a round part with ``full``: ddp, zero1, demo, flexdemo, localsgd, diloco);
-        ``None`` where a commit is decided inside the step or the schedule (acco, dpu, wp, cdp)."""
+        stepping (those holding a round part with ``full``, or an inner strategy that does: ddp, zero1, demo,
+        flexdemo, localsgd, diloco); ``None`` where a commit is decided inside the step or the schedule (acco, dpu, wp, cdp)."""
         if not self.discards_rounds:
             return None
         for part in self._parts.values():
+            if isinstance(part, Strategy):  # an inner strategy holds the round (hierarchical DiLoCo)
+                return part.round_closes
             if hasattr(part, "discard") and hasattr(part, "full"):
                 return bool(part.full)
         raise RuntimeError(f"{type(self).__name__}.discards_rounds is set but it holds no round part")
@@ -206,9 +208,24 @@ class Strategy(ABC):
                 if p.grad is not None:
                     p.grad.zero_()
         for part in self._parts.values():
-            if hasattr(part, "discard"):
+            if isinstance(part, Strategy):
+                part.discard_round()
+            elif hasattr(part, "discard"):
                 part.discard()
         self._discard()
+
+    @contextmanager
+    def waiting(self, name: str) -> Iterator[None]:
+        """Account the enclosed main-thread time as idle: blocked on communication the caller issues outside
+        the strategy (the trainer's agreement on non-finite values); it counts toward the next committed step.
+        """
+        self._check_open()
+        self.accounting.lap()
+        try:
+            with self.accounting.idle(name):
+                yield
+        finally:
+            self.accounting.mark = time.perf_counter()
 
     def last_step_metrics(self) -> StepMetrics | None:
         """Metrics of the latest committed step (None before the first)."""
