@@ -181,6 +181,32 @@ def test_a_state_that_is_not_finite_on_one_worker_is_refused_on_every_worker():
                       ".exp_avg_sq); no checkpoint of it is written")
 
 
+def _end_check(rank: int, world: int, name: str) -> str:
+    s = quietsync.make_strategy(name, _model(), torch.optim.AdamW, lr=0.01)
+    guard = NonFiniteGuard("stop", s)
+    try:
+        while not s.step():
+            s.forward_backward(_batch(s.micro_batches, rank), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+        guard.check_parameters()  # all finite: passes on every worker
+        if rank == 1:
+            with torch.no_grad():
+                next(s.module.parameters())[0, 0] = float("inf")  # as an overflowing optimizer step would
+        try:
+            guard.check_parameters()
+        except NonFiniteError as e:
+            return str(e)
+        return "finished"
+    finally:
+        guard.close()
+        s.close()
+
+
+def test_a_run_whose_parameters_are_not_finite_does_not_end_successfully():
+    out = run_ranks(_end_check, 2, "ddp", timeout=120)
+    want = "the committed parameters after step 1 are not finite on rank 1; the run is not exported"
+    assert out == [want, want]
+
+
 def test_skip_is_refused_at_parse_time_for_strategies_that_cannot_drop_a_round(capsys):
     refused = [n for n in available() if not get(n)[0].discards_rounds]
     assert {"acco", "dpu", "wp", "cdp"} <= set(refused)
