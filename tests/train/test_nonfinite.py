@@ -152,6 +152,9 @@ def test_nonfinite_entries_names_the_paths():
              "ints": torch.tensor([1, 2]), "count": float("nan"), "ok": torch.zeros(3)}
     assert nonfinite_entries(state) == ["parts.opt[0].exp_avg", "count"]
     assert nonfinite_entries({"a": torch.ones(2), "b": [1.5, {"c": 2}]}) == []
+    # finite values whose sum overflows are finite (the fast check falls back to the exact one)
+    assert nonfinite_entries({"big": torch.full((10,), 3e38), "half": torch.full((9,), 6e4, dtype=torch.float16)}) == []
+    assert nonfinite_entries({"half": torch.tensor([1.0, float("-inf")], dtype=torch.bfloat16)}) == ["half"]
 
 
 def _save_check(rank: int, world: int, bad_rank: int) -> str:

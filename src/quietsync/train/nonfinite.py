@@ -48,11 +48,19 @@ class NonFiniteError(RuntimeError):
     """A non-finite loss, gradient or state under ``--on-nonfinite stop`` (or past the skip limit)."""
 
 
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum().float()
+
+
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite (one host sync)."""
+    """Whether every element of ``tensors`` is finite. Fast path: a tensor's sum is finite only if all its
+    elements are (one reduction each, one host sync); when a sum is not finite, finite values may have
+    overflowed it, so the exact element-wise check decides."""
     if not tensors:
         return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+    if bool(torch.isfinite(torch.stack([_sum(t) for t in tensors])).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def gradients_finite(module: torch.nn.Module) -> bool:
@@ -82,7 +90,7 @@ def nonfinite_entries(state: Any, limit: int = 3) -> list[str]:
     bad = []
     for path, v in _leaves(state, ""):
         if isinstance(v, torch.Tensor):
-            finite = not (v.is_floating_point() or v.is_complex()) or bool(torch.isfinite(v).all())
+            finite = not v.is_floating_point() or _all_finite([v.detach()])
         else:
             finite = not isinstance(v, float) or math.isfinite(v)
         if not finite:
