@@ -210,3 +210,50 @@ def test_a_strategy_that_can_drop_a_round_knows_when_its_round_closes(name, conf
         assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------------------------------- dropping a round
+@pytest.mark.parametrize("name", [n for n in available() if n != "cdp"])
+def test_round_closes_and_discard_round(name):
+    """A strategy that drops rounds knows when its next step commits and can forget the open round (gradients
+    zeroed, counter reset, nothing committed); the others say None and refuse."""
+    cls = get(name)[0]
+    config = {"accumulation": 2} if cls.discards_rounds else {}
+    strategy = quietsync.make_strategy(name, tiny_model(), torch.optim.SGD, config=config, lr=0.1)
+    assert (strategy.round_closes is None) == (not cls.discards_rounds)
+    if not cls.discards_rounds:
+        with pytest.raises(NotImplementedError, match="cannot discard a round"):
+            strategy.discard_round()
+        strategy.close()
+        return
+    before = flat_params(strategy.module)
+    for index in range(2):
+        assert strategy.round_closes is False
+        strategy.forward_backward(micro_batch(0, 0, index), loss_fn)
+    assert strategy.round_closes is True
+    strategy.discard_round()
+    assert strategy.round_closes is False and strategy.steps == 0
+    assert all(p.grad is None or not p.grad.any() for p in strategy.module.parameters())
+    assert torch.equal(flat_params(strategy.module), before)
+    for index in range(2):
+        strategy.forward_backward(micro_batch(0, 0, index), loss_fn)
+        committed = strategy.step()
+    assert committed and strategy.steps == 1
+    strategy.close()
+
+
+def test_cdp_does_not_drop_rounds():
+    assert get("cdp")[0].discards_rounds is False
+
+
+def test_waiting_counts_as_idle_time():
+    import time
+
+    strategy = quietsync.make_strategy("ddp", tiny_model(), torch.optim.SGD, lr=0.1)
+    strategy.forward_backward(micro_batch(0, 0, 0), loss_fn)
+    with strategy.waiting("agree"):
+        time.sleep(0.2)
+    assert strategy.step()
+    m = strategy.last_step_metrics()
+    assert m.idle_s >= 0.2 and m.compute_s < 0.2
+    strategy.close()

@@ -141,6 +141,10 @@ def test_every_registered_strategy_gets_its_flags():
     (["--vocab-size", "100"], "--vocab-size must be an integer >= 257, got 100"),
     (["--eval-fraction", "0.5"], "--eval-fraction must be in (0, 0.5), got 0.5"),
     (["--timeout-s", "nan"], "--timeout-s must be > 0, got nan"),
+    (["--lr", "inf"], "--lr must be > 0, got inf"),
+    (["--weight-decay", "nan"], "--weight-decay must be >= 0, got nan"),
+    (["--on-nonfinite", "ignore"], "--on-nonfinite: invalid choice: 'ignore'"),
+    (["--strategy", "acco", "--on-nonfinite", "skip"], "--on-nonfinite skip is not supported by strategy acco"),
     (["--slow-worker", "1:0.5"], "--slow-worker factor must be >= 1, got 0.5"),
     (["--dataset", "./no/such/file.txt"], "--dataset: no such file or folder"),
     (["--bogus"], "unrecognized arguments: --bogus"),
@@ -216,3 +220,28 @@ def test_train_config_checks_its_fields(field, value, message, monkeypatch):
     with pytest.raises(ValueError) as e:
         TrainConfig(**{field: value})
     assert str(e.value) == message
+
+
+def _float_fields(cls: type) -> list[str]:
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls) if "float" in str(hints[f.name])]
+
+
+@pytest.mark.parametrize("strategy", [None, *available()])
+def test_every_float_flag_refuses_nan_and_infinities(strategy, capsys, monkeypatch):
+    """A NaN or infinite value of any float flag (the job's and every strategy's) is one line naming the flag,
+    exit 2, before any worker starts: e.g. ``--lr inf`` or ``--weight-decay nan``."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fields = _float_fields(TrainConfig if strategy is None else get(strategy)[1])
+    chosen = [] if strategy is None else ["--strategy", strategy]
+    for name in fields:
+        flag = "--" + name.replace("_", "-")
+        for value in ("nan", "inf", "-inf"):
+            with pytest.raises(SystemExit) as e:
+                parse_train_args([*chosen, f"{flag}={value}"])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.count("\n") == 1, err
+            assert f"{flag} must be " in err and f"got {value}" in err, err

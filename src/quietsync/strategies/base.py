@@ -187,8 +187,8 @@ class Strategy(ABC):
     @property
     def round_closes(self) -> bool | None:
         """Whether the next :meth:`step` commits (the open round is full), for strategies that know it before
-        stepping (those holding a round part with ``full``: ddp, zero1, demo, flexdemo, localsgd, diloco);
-        ``None`` where a commit is decided inside the step or the schedule (acco, dpu, wp, cdp)."""
+        stepping (those holding a round part with ``full``, or an inner strategy that does: ddp, zero1, demo,
+        flexdemo, localsgd, diloco); ``None`` where a commit is decided inside the step or the schedule (acco, dpu, wp, cdp)."""
         if not self.discards_rounds:
             return None
         for part in self._parts.values():
@@ -218,6 +218,19 @@ class Strategy(ABC):
             elif hasattr(part, "discard"):
                 part.discard()
         self._discard()
+
+    @contextmanager
+    def waiting(self, name: str) -> Iterator[None]:
+        """Account the enclosed main-thread time as idle: blocked on communication the caller issues outside
+        the strategy (the trainer's agreement on non-finite values); it counts toward the next committed step.
+        """
+        self._check_open()
+        self.accounting.lap()
+        try:
+            with self.accounting.idle(name):
+                yield
+        finally:
+            self.accounting.mark = time.perf_counter()
 
     def last_step_metrics(self) -> StepMetrics | None:
         """Metrics of the latest committed step (None before the first)."""

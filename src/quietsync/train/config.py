@@ -92,7 +92,7 @@ class TrainConfig:
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient: stop (every worker, naming the step; nothing of it is committed) or skip the round on every worker (ddp, zero1, demo, flexdemo, localsgd, diloco)."""
     nonfinite_skip_limit: int = 10
-    """With --on-nonfinite skip: stop after this many non-finite rounds in a row."""
+    """With --on-nonfinite skip: the most non-finite rounds skipped in a row; the next one stops the job."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     plot: bool = True

@@ -28,7 +28,7 @@ from ..link import parse_links
 from ..strategies import Strategy, StrategyConfig, make_strategy
 from ..topology import GROUPS, Topology
 from ..transport import Transport
-from .checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
 from .config import TrainConfig
 from .corpus import load_corpus
 from .data import ShardedSequences, encode_split, eval_batches
@@ -36,7 +36,7 @@ from .export import MODEL_DIR, export_model
 from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
 from .model import build_model, count_parameters, is_pretrained, load_pretrained, param_groups
-from .nonfinite import NonFiniteError, NonFiniteGuard, parameters_finite
+from .nonfinite import NonFiniteError, NonFiniteGuard
 from .preflight import data_problem
 from .profile import StepProfiler
 from .resume_check import check_checkpoint
@@ -236,6 +236,7 @@ def _train(
 
     guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
     profiler = StepProfiler(cfg.profile_steps, cfg.out, rank, device)
+    skipped_before = sum(r.get("skipped_rounds", 0) for r in metrics.kept if "event" not in r)
     try:
         if resume_step is None:
             run_eval()
@@ -285,25 +286,34 @@ def _train(
                 run_eval()
             if cfg.save_every and (strategy.steps % cfg.save_every == 0 or last):
                 with strategy.paused():
-                    _save(cfg, strategy, stream, rank, tokens_total)
+                    _save(cfg, strategy, stream, rank, tokens_total, guard)
+        guard.check_parameters()
         guard.close()  # not on a failure: tearing its group down would cut the peers' view of who failed first
+    except NonFiniteError as e:  # every worker raises it at the same point (agreed), except as documented
+        raise NonFiniteError(f"{e}; {_checkpoint_note(cfg, strategy)}") from None
     finally:
         profiler.close()
         bar.close()
         metrics.close()
     return {
         "wall_s": time.perf_counter() - t0, "setup_s": setup_s, "tokens_total": tokens_total,
-        "evals": evals, "micro_batches": strategy.micro_batches, "nonfinite_skips": guard.skipped, **sums,
+        "evals": evals, "micro_batches": strategy.micro_batches,
+        "nonfinite_skips": skipped_before + guard.skipped, **sums,
     }
 
 
-def _save(cfg: TrainConfig, strategy: Any, stream: Any, rank: int, tokens_total: int) -> None:
-    with strategy.committed_params() as module:
-        if not parameters_finite(module):
-            raise NonFiniteError(f"step {strategy.steps}: the committed parameters are not finite on rank {rank}; "
-                                 "no checkpoint is written")
+def _checkpoint_note(cfg: TrainConfig, strategy: Strategy) -> str:
+    """Where a stopped run can resume from: the newest complete checkpoint under ``--out``."""
+    newest = latest_checkpoint(cfg.out, _local_ranks(strategy.transport.topology))
+    return f"newest checkpoint: {newest}" if newest is not None else "no checkpoint was written"
+
+
+def _save(cfg: TrainConfig, strategy: Any, stream: Any, rank: int, tokens_total: int, guard: NonFiniteGuard) -> None:
+    """Write this worker's checkpoint file, unless any worker's state is not finite (then all raise)."""
+    state = strategy.state_dict()
+    guard.check_state(state, strategy.steps)
     save_checkpoint(cfg.out, strategy.steps, rank, {
-        "strategy": strategy.state_dict(), "data": stream.state_dict(),
+        "strategy": state, "data": stream.state_dict(),
         "tokens_total": tokens_total, "rng": torch.get_rng_state(),
         "config": dataclasses.asdict(cfg),  # the strategy's config is in strategy.state_dict()["config"]
         "world_size": strategy.world_size, "nodes": strategy.transport.topology.nodes,

@@ -1,29 +1,37 @@
 """The trainer's non-finite policy (``--on-nonfinite stop|skip``): a NaN or infinite loss or gradient never
-becomes a committed step, a checkpoint, or a silent exit 0.
+becomes a committed step, a checkpoint, an exported model or a silent exit 0.
 
 Where it is checked depends on when a strategy commits:
 
 * **Strategies that commit a round of local micro-batches** (``Strategy.discards_rounds``: ddp, zero1, demo,
-  flexdemo, localsgd, diloco). Each micro-batch's loss is checked locally; when the round is full (the next
-  ``step()`` commits), the round's gradients are checked too and the workers **agree** on one flag per rank
-  (a 1-element-per-rank all-reduce on a small gloo group of the trainer's own, not link-emulated, not
-  counted as the algorithm's bytes) — so every worker takes the same decision before anything commits:
-  ``stop`` raises :class:`NonFiniteError` on every worker naming the step and the ranks; ``skip`` drops the
-  round on every worker (``Strategy.discard_round``: no commit, the lr schedule does not advance, the run
-  still ends after ``--max-steps`` committed steps) and stops after ``limit`` consecutive skipped rounds.
-* **Strategies that commit inside the step or their own schedule** (acco, dpu, wp, cdp): each micro-batch's
-  loss is checked locally and a non-finite one raises at once, on that worker, before the micro-batch is
-  handed to ``step()``; its peers fail on their next collective and the launcher names this worker (the
-  first failure). No agreement collective is added: it would put a barrier into ACCO's overlap and deadlock
-  CDP, whose workers commit at different time steps. ``skip`` is refused for them (at parse time).
+  flexdemo, localsgd, diloco, hierarchical diloco included). Each micro-batch's loss is noted (on its device,
+  no sync); when the round is full (the next ``step()`` commits) the round's loss flag and this worker's
+  gradients (``p.grad``) are checked and the workers **agree**: one all-reduce of one flag per rank on a
+  small gloo group of the trainer's own (not link-emulated, not counted in the bytes; its wait counts as
+  idle time) — so every worker takes the same decision before anything commits: ``stop`` raises
+  :class:`NonFiniteError` on every worker naming the step and the ranks; ``skip`` drops the round on every
+  worker (``Strategy.discard_round``: no commit, the lr schedule does not advance, the run still ends after
+  ``--max-steps`` committed steps) and stops after ``limit`` non-finite rounds in a row.
+* **Strategies that commit inside their step or their own schedule** (acco, dpu, wp, cdp): after every
+  micro-batch its loss and this worker's gradients (``p.grad``, where the strategy accumulates there: acco,
+  dpu, wp) are checked on that worker, which raises at once; its peers fail on their next collective and the
+  launcher names this worker (the first failure). No agreement collective is added: it would put a barrier
+  into ACCO's overlap (whose workers feed different numbers of micro-batches) and deadlock CDP, whose workers
+  commit at different time steps. For acco, dpu and wp this is before the micro-batch's gradient is handed
+  to the communication worker, so nothing non-finite is committed anywhere; CDP applies a stage's gradient
+  inside ``forward_backward``, so there the check comes after the micro-batch's stage updates (the run still
+  stops, and nothing is saved or exported). ``skip`` is refused for them at parse time.
 
-In both cases nothing of the bad step is committed on the worker that saw it, and the trainer writes no
-checkpoint after it (it also refuses to save non-finite parameters, whatever their origin).
+Whatever the strategy, a checkpoint is only written when every floating value of every worker's state is
+finite, and the run only ends successfully (summary, exported model) when the committed parameters are; both
+checks are agreed across workers, so all of them stop together.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,32 +39,81 @@ import torch
 POLICIES = ("stop", "skip")
 """Values of ``--on-nonfinite``."""
 
+_LOSS, _GRADIENT = 1, 2
+"""What a worker reports in the agreement (0: nothing non-finite)."""
+_WHAT = {_LOSS: "loss", _GRADIENT: "gradient"}
+
 
 class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient under ``--on-nonfinite stop`` (or past the skip limit)."""
+    """A non-finite loss, gradient or state under ``--on-nonfinite stop`` (or past the skip limit)."""
 
 
-def _finite(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t).all())
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum().float()
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite. Fast path: a tensor's sum is finite only if all its
+    elements are (one reduction each, one host sync); when a sum is not finite, finite values may have
+    overflowed it, so the exact element-wise check decides."""
+    if not tensors:
+        return True
+    if bool(torch.isfinite(torch.stack([_sum(t) for t in tensors])).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def gradients_finite(module: torch.nn.Module) -> bool:
     """Whether every ``p.grad`` of ``module`` is finite (missing gradients count as finite)."""
-    return all(_finite(p.grad) for p in module.parameters() if p.grad is not None)
+    return _all_finite([p.grad.detach() for p in module.parameters() if p.grad is not None])
 
 
 def parameters_finite(module: torch.nn.Module) -> bool:
     """Whether every parameter of ``module`` is finite."""
-    return all(_finite(p.detach()) for p in module.parameters())
+    return _all_finite([p.detach() for p in module.parameters()])
+
+
+def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def nonfinite_entries(state: Any, limit: int = 3) -> list[str]:
+    """Paths (``parts.sharded.optimizer.state[0].exp_avg``) of the first ``limit`` floating tensors or floats
+    in a nested state dict that hold a NaN or an infinity; ``[]`` when all are finite."""
+    bad = []
+    for path, v in _leaves(state, ""):
+        if isinstance(v, torch.Tensor):
+            finite = not v.is_floating_point() or _all_finite([v.detach()])
+        else:
+            finite = not isinstance(v, float) or math.isfinite(v)
+        if not finite:
+            bad.append(path)
+            if len(bad) >= limit:
+                break
+    return bad
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 class NonFiniteGuard:
     """Applies the policy around one worker's ``forward_backward`` / ``step`` loop (see the module docstring).
 
+    Every worker of the job must build one (with more than one worker it creates a gloo group, a collective
+    call) and call :meth:`check_state` and :meth:`check_parameters` at the same points.
+
     Args:
         policy: ``"stop"`` or ``"skip"``.
         strategy: the worker's strategy.
-        limit: consecutive skipped rounds after which ``skip`` stops too.
+        limit: with ``skip``, the most non-finite rounds in a row that are skipped; the next one stops.
     """
 
     def __init__(self, policy: str, strategy: Any, limit: int = 10) -> None:
@@ -68,52 +125,64 @@ class NonFiniteGuard:
         self.policy = policy
         self.strategy = strategy
         self.limit = limit
+        self.agrees = bool(strategy.discards_rounds)
+        """Whether rounds are checked and agreed on before they commit (else each micro-batch, locally)."""
         self.skipped = 0
         """Rounds dropped so far."""
         self.skipped_since_commit = 0
         self._consecutive = 0
-        self._bad: str | None = None  # what this worker saw since the last decision
+        self._loss_bad: torch.Tensor | None = None  # this round's micro-batch losses: any non-finite (on device)
         self._group = None
         world = strategy.world_size
-        if strategy.discards_rounds and world > 1:
+        if world > 1:
             import torch.distributed as dist
 
             timeout = datetime.timedelta(seconds=strategy.transport.timeout_s)
             self._group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
 
+    # ------------------------------------------------------------------ the step loop
     def see(self, loss: torch.Tensor | None) -> None:
-        """After each ``forward_backward``: note (or, for strategies that commit inside the step, raise on) a
-        non-finite micro-batch loss."""
-        if loss is None or _finite(loss.detach()):
+        """After each ``forward_backward``: note a non-finite micro-batch loss (agreeing strategies) or, for
+        strategies that commit inside the step, raise on a non-finite loss or gradient."""
+        if self.agrees:
+            if loss is not None:
+                bad = ~torch.isfinite(loss.detach()).all()
+                self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
             return
-        if not self.strategy.discards_rounds:
-            raise NonFiniteError(
-                f"non-finite loss ({float(loss)}) in step {self.strategy.steps + 1} on rank {self.strategy.rank} "
-                f"(--on-nonfinite stop); the run stops before the step is committed"
-            )
-        self._bad = self._bad or f"loss {float(loss)}"
+        code = 0
+        if loss is not None and not _all_finite([loss.detach()]):
+            code = _LOSS
+        elif not gradients_finite(self.strategy.module):
+            code = _GRADIENT
+        if code:
+            raise NonFiniteError(f"non-finite {_WHAT[code]} in step {self.strategy.steps + 1} on rank "
+                                 f"{self.strategy.rank} (--on-nonfinite stop)")
 
     def before_step(self) -> bool:
         """Before each ``step()``: when it would commit, agree across workers and apply the policy. Returns
         True when the round was dropped (do not call ``step()``)."""
-        if self.strategy.round_closes is not True:
+        if not self.agrees or self.strategy.round_closes is not True:
             return False
-        if self._bad is None and not gradients_finite(self.strategy.module):
-            self._bad = "gradient"
-        bad_ranks = self._agree()
-        self._bad = None
-        if not bad_ranks:
+        code = 0
+        if self._loss_bad is not None and bool(self._loss_bad):
+            code = _LOSS
+        elif not gradients_finite(self.strategy.module):
+            code = _GRADIENT
+        self._loss_bad = None
+        codes = self.agree(code, idle=True)
+        if not any(codes):
             self._consecutive = 0
             return False
         step = self.strategy.steps + 1
-        where = f"step {step} on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))}"
+        ranks = [r for r, c in enumerate(codes) if c]
+        what = " or ".join(_WHAT[c] for c in sorted({c for c in codes if c}))
+        where = f"non-finite {what} in step {step} on {_ranks(ranks)}"
         if self.policy == "stop":
-            raise NonFiniteError(f"non-finite loss or gradient in {where} (--on-nonfinite stop); nothing of step "
-                                 f"{step} was committed")
+            raise NonFiniteError(f"{where} (--on-nonfinite stop); nothing of step {step} was committed")
         self._consecutive += 1
         if self._consecutive > self.limit:
-            raise NonFiniteError(f"non-finite loss or gradient in {where}: {self._consecutive} rounds in a row "
-                                 f"(--on-nonfinite skip gives up after {self.limit})")
+            raise NonFiniteError(f"{where}: {self._consecutive} rounds in a row (--on-nonfinite skip gives up "
+                                 f"after {self.limit}, --nonfinite-skip-limit); nothing of step {step} was committed")
         self.strategy.discard_round()
         self.skipped += 1
         self.skipped_since_commit += 1
@@ -124,17 +193,48 @@ class NonFiniteGuard:
         n, self.skipped_since_commit = self.skipped_since_commit, 0
         return n
 
-    def _agree(self) -> list[int]:
-        """Ranks that saw a non-finite value in this round (every worker gets the same list)."""
-        me = self.strategy.rank
+    # ------------------------------------------------------------------ checkpoints and the end of the run
+    def check_state(self, state: dict[str, Any], step: int) -> None:
+        """Before writing a checkpoint of ``state`` (this worker's): raise on every worker, naming the ranks
+        and the first non-finite entries, when any worker's state holds a NaN or an infinity. Call it inside
+        ``strategy.paused()``, like the save."""
+        bad = nonfinite_entries(state)
+        codes = self.agree(1 if bad else 0)
+        if any(codes):
+            ranks = [r for r, c in enumerate(codes) if c]
+            mine = f" (here: {', '.join(bad)})" if bad else ""
+            raise NonFiniteError(f"the state after step {step} is not finite on {_ranks(ranks)}{mine}; "
+                                 "no checkpoint of it is written")
+
+    def check_parameters(self) -> None:
+        """At the end of the run: raise on every worker when the committed parameters are not finite on any
+        (the optimizer step itself can overflow, e.g. a huge ``--lr`` times the weight decay)."""
+        strategy = self.strategy
+        with strategy.paused():
+            with strategy.committed_params() as module:
+                ok = parameters_finite(module)
+            codes = self.agree(0 if ok else 1)
+        if any(codes):
+            ranks = [r for r, c in enumerate(codes) if c]
+            raise NonFiniteError(f"the committed parameters after step {strategy.steps} are not finite on "
+                                 f"{_ranks(ranks)}; the run is not exported")
+
+    def agree(self, code: int, idle: bool = False) -> list[int]:
+        """Every worker's ``code`` (0: all finite), by rank; every worker gets the same list. With ``idle`` its
+        wait counts as the strategy's idle time (in the step loop; elsewhere the caller pauses the accounting)."""
+        me, world = self.strategy.rank, self.strategy.world_size
         if self._group is None:
-            return [me] if self._bad is not None else []
+            return [code if r == me else 0 for r in range(world)]
         import torch.distributed as dist
 
-        flags = torch.zeros(self.strategy.world_size)
-        flags[me] = 1.0 if self._bad is not None else 0.0
-        dist.all_reduce(flags, group=self._group)
-        return [r for r, f in enumerate(flags.tolist()) if f > 0]
+        flags = torch.zeros(world, dtype=torch.int32)
+        flags[me] = code
+        if idle:
+            with self.strategy.waiting("nonfinite_agree"):
+                dist.all_reduce(flags, group=self._group)
+        else:
+            dist.all_reduce(flags, group=self._group)
+        return [int(c) for c in flags.tolist()]
 
     def close(self) -> None:
         if self._group is not None:
