@@ -5,14 +5,17 @@ tokenizer, build the GPT-Neo preset (same seed on every worker) and the strategy
 
     while strategy.steps < max_steps:
         strategy.forward_backward(batch, lm_loss)            # (+ --slow-worker sleep)
+        guard.see(loss)                                      # --on-nonfinite (train/nonfinite.py)
+        if guard.before_step(): continue                     # a non-finite round, dropped on every worker
         if strategy.step():                                  # a committed step: log, eval, checkpoint
             ...
     with strategy.committed_params(): evaluate
 
 Evaluation needs no communication: every worker evaluates the same held-out windows on its committed
 parameters (identical across workers for synchronous strategies) and logs the result; rank 0's is the one
-reported. The only collective the loop issues itself is one all-reduce of the totals after
-``strategy.close()``, for the summary. Only rank 0 prints.
+reported. The collectives the loop issues itself: the non-finite guard's agreements (one tiny all-reduce per
+round for strategies that drop rounds, one per checkpoint and one at the end, on a gloo group of its own) and
+one all-reduce of the totals after ``strategy.close()``, for the summary. Only rank 0 prints.
 """
 
 from __future__ import annotations
