@@ -26,6 +26,8 @@ from typing import Any
 
 from common import RESULTS, run_train, step_stats, write_markdown
 
+from quietsync.train.compare import eval_curve
+
 NPROC = 4
 BASE = ["--nproc", str(NPROC), "--model", "tiny", "--seed", "0", "--eval-windows", "8"]
 RUNS = {"zero1 (accumulation 2)": ["--strategy", "zero1", "--accumulation", "2"],
@@ -43,14 +45,8 @@ def calibrate(tmp: Path) -> tuple[float, float]:
 
 
 def curve(summary: dict[str, Any]) -> list[dict[str, float]]:
-    """Rank 0's evaluations with the tokens of all workers at that step."""
-    tokens: dict[int, int] = {}
-    for records in summary["records"]:
-        for r in records:
-            if r.get("event") == "eval":
-                tokens[r["step"]] = tokens.get(r["step"], 0) + r["tokens_total"]
-    return [{"step": r["step"], "loss": r["loss"], "time_s": r["time_s"], "tokens": tokens[r["step"]]}
-            for r in summary["records"][0] if r.get("event") == "eval"]
+    """Rank 0's evaluations with the tokens of all workers at that step (as ``quietsync compare`` counts)."""
+    return eval_curve(summary["records"])
 
 
 def main() -> None:

@@ -61,15 +61,20 @@ def _step_bytes_by_group(run: Path) -> dict[str, dict[str, int]]:
     return totals
 
 
-def _eval_curve(run: Path) -> list[dict[str, float]]:
-    """Rank 0's eval records with ``tokens``: the tokens of all workers at that step (summed over ranks)."""
-    per_rank = [[e for e in read_jsonl(path) if e.get("event") == "eval"] for path in sorted(run.glob("metrics-rank*.jsonl"))]
-    rank0 = [e for e in read_jsonl(run / "metrics-rank0.jsonl") if e.get("event") == "eval"]
+def eval_curve(records_by_rank: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
+    """Rank 0's eval records (the first list) with ``tokens``: the tokens of all workers at that step."""
     tokens: dict[int, int] = {}
-    for evals in per_rank:
-        for e in evals:
-            tokens[e["step"]] = tokens.get(e["step"], 0) + e["tokens_total"]
-    return [{"step": e["step"], "loss": e["loss"], "time_s": e["time_s"], "tokens": tokens[e["step"]]} for e in rank0]
+    for records in records_by_rank:
+        for e in records:
+            if e.get("event") == "eval":
+                tokens[e["step"]] = tokens.get(e["step"], 0) + e["tokens_total"]
+    return [{"step": e["step"], "loss": e["loss"], "time_s": e["time_s"], "tokens": tokens[e["step"]]}
+            for e in records_by_rank[0] if e.get("event") == "eval"]
+
+
+def _eval_curve(run: Path) -> list[dict[str, float]]:
+    paths = sorted(run.glob("metrics-rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("metrics-rank")))
+    return eval_curve([read_jsonl(path) for path in paths])
 
 
 def _micro_batches_per_step(run: Path) -> float:
