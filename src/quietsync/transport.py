@@ -228,6 +228,22 @@ class Work:
         return inner.then(then)
 
 
+def _processes_here(topology: Topology) -> int:
+    """Worker processes on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (else the whole world)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
+
+
+def default_backend(topology: Topology) -> str:
+    """``nccl`` when every worker process on this machine can have a CUDA device of its own, else ``gloo``.
+
+    NCCL refuses two ranks on one GPU, so a 4-process run on a 1-GPU machine (tests, emulated nodes) falls
+    back to gloo on CPU rather than failing inside NCCL's setup.
+    """
+    if not torch.cuda.is_available():
+        return "gloo"
+    return "nccl" if topology.world_size == 1 or torch.cuda.device_count() >= _processes_here(topology) else "gloo"
+
+
 class Transport:
     """Metered, link-emulating collectives over the ``world``, ``shard`` and ``replicate`` groups.
 
@@ -236,7 +252,8 @@ class Transport:
         links: ``{"inter": LinkModel, "intra": LinkModel}``; missing links are not emulated.
         recorder: where ``comm`` spans go (a new one by default).
         timeout_s: how long any collective may wait for its peers before failing.
-        backend: ``gloo`` or ``nccl``; default nccl when CUDA is available, else gloo.
+        backend: ``gloo`` or ``nccl``; default :func:`default_backend` (nccl when each worker process here has
+            a CUDA device of its own, else gloo).
 
     ``torch.distributed`` is initialised from the environment (``env://``, as torchrun sets it) when the
     world has more than one worker and it is not initialised yet; :meth:`close` then takes it down again
@@ -264,9 +281,15 @@ class Transport:
         self.timeout_s = float(timeout_s)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = default_backend(self.topology)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and self.topology.world_size > 1 and torch.cuda.device_count() < _processes_here(
+                self.topology):
+            raise ValueError(
+                f"backend 'nccl' needs one CUDA device per worker process on this machine: "
+                f"{_processes_here(self.topology)} processes, {torch.cuda.device_count()} devices "
+                "(use backend 'gloo', or fewer processes per machine)")
         self.backend = backend
         self.device = (
             torch.device("cuda", self.topology.local_rank % max(1, torch.cuda.device_count()))
