@@ -214,6 +214,11 @@ def test_compare_gives_every_run_the_budgets(tmp_path, monkeypatch):
                               "--nproc", "1", "--max-tokens", "4096", "--max-time-s", "60", "--target-loss", "3.5"])
     assert [c.strategy for c in ran] == ["zero1", "ddp"]
     assert all(c.budgets() == Budgets(300, 4096, 60.0, 3.5) for c in ran)
+    ran.clear()
+    with pytest.raises(Stop):  # the target for the report only
+        compare.compare_main(["--strategies", "zero1", "--out", str(tmp_path / "cmp2"), "--nproc", "1",
+                              "--target-loss", "3.5", "--no-stop-at-target"])
+    assert [c.budgets() for c in ran] == [Budgets(300)]
 
 
 def test_compare_at_an_equal_token_budget(tmp_path, monkeypatch):

@@ -18,7 +18,8 @@ The budgets (``--max-steps``, ``--max-tokens``, ``--max-time-s``, ``--target-los
 :mod:`quietsync.train.budgets`) go to every run, each stopping at the first it reaches. An equal token budget
 (``--max-tokens``, with ``--max-steps`` large enough never to be reached first) is the fair comparison: strategies
 that take more micro-batches per step (DDP with accumulation, ACCO) would otherwise see more data. Runs that end
-with different token counts are not an equal-budget comparison: the table says so.
+with different token counts are not an equal-budget comparison: the table says so. ``--no-stop-at-target``
+keeps ``--target-loss`` for the report only.
 
 A strategy may carry its own flags: ``--strategies zero1 ddp:accumulation=2`` (``NAME[:FIELD=VALUE,...]``,
 field names as in the strategy's ``--help``, dashes or underscores).
@@ -26,6 +27,7 @@ field names as in the strategy's ``--help``, dashes or underscores).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -209,6 +211,9 @@ def compare_main(argv: list[str]) -> int:
     parser.add_argument("--target-loss", type=float, default=None, metavar="X",
                         help="stop each run at its first evaluation (every --eval-every steps) with a held-out "
                              "loss <= X, and report its training time and tokens to it")
+    parser.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --target-loss: stop each run there (default); --no-stop-at-target only reports "
+                             "the time and tokens to it, the runs go on to their other budgets")
     args, job = parser.parse_known_args(argv)
     if args.target_loss is not None and not (args.target_loss > 0 and args.target_loss < float("inf")):
         parser.error(f"--target-loss must be a finite number > 0, got {args.target_loss}")
@@ -225,7 +230,7 @@ def compare_main(argv: list[str]) -> int:
     runs = []
     for name, label, flags in specs:  # check every run's flags before starting the first
         run_argv = [*job, "--strategy", name, *flags, "--out", str(out / label)]
-        if args.target_loss is not None:
+        if args.target_loss is not None and args.stop_at_target:
             run_argv += ["--target-loss", repr(args.target_loss)]
         runs.append((label, parse_train_args(run_argv)))
     problem = compare_out_problem(out, runs[0][1][0].overwrite)
