@@ -21,6 +21,10 @@ from ..validate import check_int
 
 __all__ = ["index_dtype", "topk_positions", "topk_per_block", "scatter_mean", "densify"]
 
+_ROWS_ELEMENTS = 2**20
+"""Elements of ``x`` per NumPy call: its int64 index array (8 MiB) stays below the size glibc maps afresh
+(and faults in page by page) on every allocation."""
+
 
 def index_dtype(block_numel: int) -> torch.dtype:
     """Smallest integer dtype holding every position ``0 .. block_numel - 1``."""
@@ -48,8 +52,12 @@ def topk_positions(x: torch.Tensor, k: int, scratch: torch.Tensor | None = None)
         return torch.arange(n, device=x.device).expand(x.shape[0], n)
     mag = torch.abs(x, out=scratch) if scratch is not None else x.abs()
     if mag.device.type == "cpu" and mag.dtype in (torch.float32, torch.float64) and x.shape[0] > 0:
-        part = np.argpartition(mag.detach().numpy(), n - k, axis=1)[:, n - k:]
-        return torch.from_numpy(np.ascontiguousarray(part))
+        pos = torch.empty(x.shape[0], k, dtype=torch.long)
+        arr, out = mag.detach().numpy(), pos.numpy()
+        rows = max(1, _ROWS_ELEMENTS // n)  # argpartition returns a full index array: keep it small and reused
+        for start in range(0, x.shape[0], rows):
+            out[start : start + rows] = np.argpartition(arr[start : start + rows], n - k, axis=1)[:, n - k:]
+        return pos
     return mag.topk(k, dim=1, sorted=False).indices
 
 

@@ -156,14 +156,17 @@ class DCTReplicator(Replicator):
         if delta.dim() != 1 or delta.numel() != segments.numel or self.group_size == 1:
             return super().replicate(delta, segments)
         momentum = self.momentum_from_spatial(delta, segments)
-        update = self.replicate_momentum(momentum, segments)
+        update = self.replicate_momentum(momentum, segments).clone()
         delta.copy_(self.momentum_to_spatial(momentum, segments))
         return update
 
     def replicate_momentum(self, momentum: torch.Tensor, segments: Segments) -> torch.Tensor:
         """One step on the coefficients ``momentum``: top-k per block, error feedback (the sent coefficients
         are zeroed -- minus what the transfer cast loses -- and padded blocks projected back onto tensors that
-        are zero in their padding), all-gather, the per-coefficient mean, one inverse transform."""
+        are zero in their padding), all-gather, the per-coefficient mean, one inverse transform.
+
+        The update is a buffer of the replicator's, valid until its next step (a fresh 40 MB tensor per step
+        costs more in page faults than the transform that fills it)."""
         layout = self.layout(segments, momentum.device)
         if momentum.dim() != 1 or momentum.numel() != layout.stacked_numel:
             raise ValueError(f"momentum must be flat with {layout.stacked_numel} elements, got shape "
@@ -196,7 +199,7 @@ class DCTReplicator(Replicator):
             total.scatter_add_(1, pos, vals)  # worker by worker, as the reference's index_add_
             count.scatter_add_(1, pos, torch.ones_like(vals))
             total.scatter_(1, pos, total.gather(1, pos) / count.gather(1, pos))  # mean over who sent it
-        update = momentum.new_empty(segments.numel)
+        update = ws.update(segments.numel)
         ws.decode_into(ws.sent_blocks(), update)
         for total, count in zip(ws.sent, ws.count):
             total.zero_()
@@ -242,6 +245,13 @@ class _Workspace(BlockWorkspace):
         def zeros() -> list[torch.Tensor]:
             return [torch.zeros(g.num_blocks, g.block_numel, dtype=dtype, device=device) for g in layout.groups]
         self.mag, self.sent, self.count = zeros(), zeros(), zeros()
+        self._update = torch.empty(0, dtype=dtype, device=device)
+
+    def update(self, numel: int) -> torch.Tensor:
+        """The flat update buffer (reused across steps)."""
+        if self._update.numel() != numel:
+            self._update = self._update.new_empty(numel)
+        return self._update
 
     def sent_blocks(self) -> list[torch.Tensor]:
         return [s.view(g.num_blocks, *g.block_shape) for g, s in zip(self.layout.groups, self.sent)]
