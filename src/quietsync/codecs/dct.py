@@ -17,7 +17,10 @@ largest coefficients per chunk travel.
 Blocks are moved between a segment and its group's stacked ``(num_blocks, *block_shape)`` buffer by
 **strided views of the segment's own layout** -- a ``(rows, cols)`` matrix is viewed as
 ``(nr, br, nc, bc)`` and permuted to ``(nr, nc, br, bc)`` -- so no int64 index buffer is built, read or
-concatenated (padded segments go through a zero-padded copy of their own). :class:`BlockWorkspace` holds
+concatenated (padded segments go through a zero-padded copy of their own); the segments may also come as a
+list of tensors (the gradients of a step). :meth:`BlockLayout.stacked_views` lays the groups' stacked blocks
+end to end in one flat buffer (where a decoupled optimizer keeps a DCT-domain momentum) and
+:meth:`BlockLayout.segment_blocks` gives each segment's own blocks in it. :class:`BlockWorkspace` holds
 the stacked buffers of one layout so a replicator reuses them step after step. The stacked blocks and
 the batched matmuls are the same as those of the earlier gather-based implementation, so coefficients
 and decoded values are bit-identical to it (``tests/codecs/reference_dct_codec.py`` is that oracle).

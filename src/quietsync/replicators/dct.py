@@ -9,12 +9,18 @@ single byte buffer), then each coefficient is averaged over the workers that sen
 result decoded. The gather grows with the replicate group: each worker receives ``(n-1)`` payloads,
 where an all-reduce of ``random``/``striding`` moves ``2(n-1)/n`` of one.
 
-:meth:`DCTReplicator.replicate` runs the step on buffers kept across steps (a
-:class:`~quietsync.codecs.BlockWorkspace` per layout): blocks move by strided views of each tensor's own
-layout, what was sent is decoded and subtracted from ``delta`` in place (error feedback), and the received
-coefficients are summed and counted straight into reused coefficient buffers, divided only where
-something arrived and cleared again at those positions only. The values are bit-identical to the
-gather-based implementation it replaced (kept as the oracle in ``tests/codecs/reference_dct_codec.py``).
+A decoupled optimizer keeps its momentum **in the DCT domain** (``momentum_domain == "dct:<chunk>"``: the
+coefficients of every block, stacked per block shape, see :class:`~quietsync.codecs.BlockLayout`):
+:meth:`DCTReplicator.accumulate` adds the transformed gradient (``C <- beta C + s DCT(g)``, one batched
+transform per block shape), and :meth:`DCTReplicator.replicate_momentum` picks the top-k straight from ``C``,
+does error feedback by zeroing what was sent (keeping what the transfer cast lost), projects the edge blocks
+of padded tensors back onto blocks that are zero in their padding (so the residual is exactly the one a
+spatial momentum keeps), all-gathers, sums and counts the received coefficients into reused buffers and
+decodes their mean with one inverse transform: two transforms a step where a spatial momentum needs three
+(encode, decode what was sent, decode the mean). :meth:`DCTReplicator.replicate` is the spatial entry point
+(DiLoCo's pseudo-gradients): it converts, steps and converts back. Up to rounding the values are those of
+the implementation before (kept as the oracle in ``tests/codecs/reference_dct_codec.py``); the top-k may pick
+other positions only among coefficients of equal magnitude (:func:`~quietsync.codecs.topk_positions`).
 
 ``k`` per block follows from ``compression`` (bytes per coefficient = value + position bytes), or
 is fixed by ``topk`` (DeMo's own knob; then ``compression`` is not used).
