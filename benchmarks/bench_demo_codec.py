@@ -5,7 +5,10 @@ them), a GPT-Neo preset (``tiny`` ≈ 1 M, ``10m`` ≈ 10.6 M parameters at voca
 micro-batch per step. For every variant the forward+backward and the optimizer step (momentum update,
 encode, top-k, error feedback, the real all-gather / all-reduce, decode, sign, apply) are timed separately
 in the same loop, and the variants are interleaved round by round in a rotating order, so the drift of a
-shared machine hits them all alike. Reported: median step ÷ median forward+backward per variant.
+shared machine hits them all alike. Reported: median step ÷ median forward+backward per variant. The workers
+meet at a barrier before the step (not timed), so a step's collective does not also wait for a peer whose
+backward ran slower on the shared cores (``--no-step-barrier`` times from the end of the local backward, as
+before).
 
 Variants: quietsync ``demo`` with the ``dct`` (chunk 64, compression 1/32), ``random`` and ``striding``
 replicators (DeMo-SGD, sign), and -- only when the PyPI package ``detonation`` is importable -- the reference
@@ -123,6 +126,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                     t0 = time.perf_counter()
                     v.fwd_bwd(batch)
                     t1 = time.perf_counter()
+                    if args.step_barrier:  # the step starts together: its collective does not wait out a slow peer
+                        dist.barrier()
+                        t1 = time.perf_counter()
                     v.step()
                     t2 = time.perf_counter()
                     fb[name].append(t1 - t0)
@@ -169,6 +175,8 @@ def main() -> None:
     ap.add_argument("--no-detonation", action="store_true", help="skip the reference even when installed")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of quietsync dct steps (rank 0)")
     ap.add_argument("--name", default="demo_codec", help="results file stem")
+    ap.add_argument("--no-step-barrier", dest="step_barrier", action="store_false",
+                    help="time the step from the end of the local backward (includes waiting for the peer)")
     args = ap.parse_args()
     args.detonation = _have_detonation() and not args.no_detonation
     with socket.socket() as s:
@@ -189,14 +197,16 @@ def main() -> None:
             rows.append([model_name, f"{res['params']:,}", name, fb * 1e3, st * 1e3, st / fb])
     cmd = (f"python benchmarks/bench_demo_codec.py --models {' '.join(args.models)} --rounds {args.rounds} "
            f"--steps-per-round {args.steps_per_round} --threads {args.threads}"
-           + (" --profile" if args.profile else "") + (" --no-detonation" if args.no_detonation else ""))
+           + (" --profile" if args.profile else "") + (" --no-detonation" if args.no_detonation else "")
+           + ("" if args.step_barrier else " --no-step-barrier"))
     ref = (f"`detonation dct` is the reference implementation (PyPI detonation 0.5.2, topk {args.detonation_topk} "
            "per 64×64 chunk, measured only)." if args.detonation else "detonation not installed: not measured.")
     notes = (f"2 gloo workers × {args.threads} thread(s), one {BATCH}×{SEQ} micro-batch per step, DeMo-SGD "
              f"(sign, lr {LR}), quietsync replicators at compression 1/32 (dct chunk 64). Median over "
              f"{args.rounds} interleaved rounds × {args.steps_per_round} steps of each variant; forward+backward "
-             "and step timed separately in the same loop, the step includes the real gloo collective. "
-             f"{ref} Shared 2-core machine: compare ratios within this table only.\n\nReproduce: `{cmd}`")
+             "and step timed separately in the same loop, the step includes the real gloo collective"
+             + (" (workers meet at a barrier before it). " if args.step_barrier else ". ")
+             + f"{ref} Shared 2-core machine: compare ratios within this table only.\n\nReproduce: `{cmd}`")
     path = write_markdown(args.name, "DeMo replicator step ÷ forward+backward (2 gloo workers, one run)",
                           ["model", "params", "variant", "fwd+bwd ms", "step ms", "step ÷ fwd+bwd"], rows, notes)
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "command": cmd, "summary": summary,

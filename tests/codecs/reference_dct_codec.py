@@ -2,8 +2,9 @@
 
 Copied verbatim (renamed ``Ref*``) from ``src/quietsync/codecs/{dct,topk}.py`` and
 ``src/quietsync/replicators/dct.py`` at commit d01645c: int64 gather indices, a sentinel-extended buffer,
-a concatenate-and-gather decode and dense scatter-mean temporaries. The tests check the rewritten codec
-against it bit for bit.
+a concatenate-and-gather decode and dense scatter-mean temporaries, ``torch.topk`` for the top-k (copied
+from ``codecs/topk.py`` at commit 498f691) and a spatial momentum (three transforms a step). The tests check
+the block layout against it bit for bit, and the DCT-domain replicator step within rounding.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from quietsync.codecs import dct_basis, index_dtype, pack, topk_per_block, unpack
+from quietsync.codecs import dct_basis, index_dtype, pack, unpack
 from quietsync.replicators.base import Message, Segments
+from quietsync.validate import check_int
 
 
 @dataclass
@@ -138,6 +140,19 @@ class RefBlockLayout:
         return torch.matmul(dr, x @ dc.T)  # D_r B D_c^T
 
 
+def topk_per_block(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` largest-magnitude entries of each row of ``x`` (shape ``(blocks, block_numel)``), by ``torch.topk``."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be (blocks, block_numel), got shape {tuple(x.shape)}")
+    n = x.shape[1]
+    check_int("k", k, 1, n)  # at most the block size
+    if k == n:
+        pos = torch.arange(n, device=x.device).expand(x.shape[0], n)
+        return x.clone(), pos.to(index_dtype(n))
+    pos = x.abs().topk(k, dim=1, sorted=False).indices
+    return torch.gather(x, 1, pos), pos.to(index_dtype(n))
+
+
 def _flat_positions(positions: torch.Tensor, block_numel: int) -> torch.Tensor:
     blocks = positions.shape[-2]
     base = torch.arange(blocks, device=positions.device).unsqueeze(1) * block_numel
@@ -202,4 +217,4 @@ class RefDCTCodec:
         return self.layout.decode(coeffs)
 
 
-__all__ = ["RefBlockLayout", "RefDCTCodec", "Segments", "densify", "scatter_mean"]
+__all__ = ["RefBlockLayout", "RefDCTCodec", "Segments", "densify", "scatter_mean", "topk_per_block"]

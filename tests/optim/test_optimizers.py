@@ -160,3 +160,43 @@ def _resume(rank: int, world: int, kind: str, rep: str) -> tuple[torch.Tensor, t
 def test_resume_is_exact(kind, rep):
     for straight, resumed in run_ranks(_resume, 2, kind, rep):
         assert torch.equal(straight, resumed)
+
+
+def test_checkpoint_momentum_is_converted_between_domains():
+    """A spatial momentum (checkpoints from before momentum domains, or of random/striding/full) loads into a
+    dct optimizer as the DCT coefficients of each parameter's blocks, and back, within rounding."""
+    from quietsync.replicators import DCTReplicator, Segments
+
+    model = tiny_model()
+    spatial = DeMoSGD(model.parameters(), lr=0.1, replicator="full")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    spatial.step()  # a world of one: creates the momenta (then hands them all back, zero)
+    gen = torch.Generator().manual_seed(0)
+    want = {}
+    for i, p in enumerate(model.parameters()):
+        spatial.state[p]["delta"].copy_(torch.randn(p.shape, generator=gen))
+        want[i] = spatial.state[p]["delta"].clone()
+    sd = copy.deepcopy(spatial.state_dict())
+    assert sd["decoupled"]["momentum_domain"] == "spatial"
+
+    dct = DeMoSGD(tiny_model().parameters(), lr=0.1, replicator="dct", replicator_kwargs={"chunk": 4})
+    dct.load_state_dict(sd)
+    rep = DCTReplicator(chunk=4)
+    for i, p in enumerate(dct.param_groups[0]["params"]):
+        coeffs = dct.state[p]["delta"]
+        layout = rep.layout(Segments([p.shape]))
+        assert coeffs.shape == (layout.groups[0].num_blocks, *layout.groups[0].block_shape)  # blocks of coefficients
+        back = rep.momentum_to_spatial(coeffs.reshape(-1), Segments([p.shape]))
+        torch.testing.assert_close(back.view(p.shape), want[i], rtol=1e-5, atol=1e-6)
+
+    dct_sd = copy.deepcopy(dct.state_dict())
+    assert dct_sd["decoupled"]["momentum_domain"] == "dct:4"
+    again = DeMoSGD(tiny_model().parameters(), lr=0.1, replicator="full")
+    again.load_state_dict(dct_sd)
+    for i, p in enumerate(again.param_groups[0]["params"]):
+        torch.testing.assert_close(again.state[p]["delta"], want[i], rtol=1e-5, atol=1e-6)
+
+    dct_sd["decoupled"]["momentum_domain"] = "fourier"
+    with pytest.raises(ValueError, match=r"^momentum domain must be spatial or dct:<chunk>, got 'fourier'$"):
+        DeMoSGD(tiny_model().parameters(), lr=0.1, replicator="full").load_state_dict(dct_sd)

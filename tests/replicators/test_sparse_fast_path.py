@@ -1,4 +1,5 @@
-"""``random`` / ``striding``: the fused replicate (no dense ``sent``) equals extract + error feedback + exchange."""
+"""``random`` / ``striding``: the fused replicate (no dense ``sent``, a sparse update) equals extract + error
+feedback + exchange, and DeMo-SGD applying that sparse update equals applying it dense, bit for bit."""
 
 from __future__ import annotations
 
@@ -33,13 +34,56 @@ def test_fused_replicate_equals_base_class_steps(name, transfer):
     gen = torch.Generator().manual_seed(1)
     d_fast = torch.randn(segments.numel, generator=gen)
     d_ref = d_fast.clone()
-    for _ in range(5):
+    for step in range(5):
         g = torch.randn(segments.numel, generator=gen)
-        peer = torch.randn(fast.count(segments), generator=gen).to(fast.transfer_dtype)
-        tr_fast.peer, tr_ref.peer = peer, peer
+        # the peer's values by position: the fast path sends positions in ascending order (every rank alike)
+        peer = torch.randn(segments.numel, generator=gen).to(fast.transfer_dtype)
+        idx = fast.indices(segments, step)
+        tr_fast.peer, tr_ref.peer = peer[idx.sort().values], peer[idx]
         d_fast.add_(g)
         d_ref.add_(g)
         up_fast = fast.replicate(d_fast, segments)
         up_ref = Replicator.replicate(ref, d_ref, segments)
         assert torch.equal(d_fast, d_ref) and torch.equal(up_fast, up_ref)
     assert fast.counter == ref.counter == 5
+
+
+class _DenseOnly:
+    """Wraps a replicator so the optimizer only ever sees dense updates."""
+
+    def __init__(self, rep: Replicator) -> None:
+        self.rep = rep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rep, name)
+
+    def replicate_momentum(self, momentum: torch.Tensor, segments: Segments) -> torch.Tensor:
+        return self.rep.replicate(momentum, segments)
+
+
+@pytest.mark.parametrize("name", ["random", "striding"])
+@pytest.mark.parametrize("sign,wd", [(True, 0.0), (False, 0.1)])
+def test_sparse_update_applied_by_demo_sgd_equals_dense(name, sign, wd):
+    from quietsync.optim import DeMoSGD
+
+    def run(dense: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in [(40, 30), (7,), (5, 3, 2)]]
+        tr = _TwoWorkers()
+        opt = DeMoSGD([{"params": params[:2]}, {"params": params[2:], "lr": 0.05}], lr=0.1, sign=sign,
+                      weight_decay=wd, replicator=name, transport=tr, group="world",
+                      replicator_kwargs={"compression": 1 / 8})
+        if dense:
+            opt.replicator = _DenseOnly(opt.replicator)  # type: ignore[assignment]
+        gen = torch.Generator().manual_seed(2)
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            peer = torch.randn(sum(p.numel() for p in params), generator=gen)
+            idx = opt.replicator.indices(Segments([p.shape for p in params]), step)
+            tr.peer = peer[idx.sort().values]  # values travel in ascending position order either way
+            opt.step()
+        return [p.detach().clone() for p in params]
+
+    for a, b in zip(run(dense=False), run(dense=True)):
+        assert torch.equal(a, b)

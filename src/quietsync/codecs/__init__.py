@@ -7,7 +7,7 @@ parameters of a step.
 from .dct import BlockGroup, BlockLayout, BlockWorkspace, dct_basis
 from .pack import nbytes, pack, unpack
 from .quantize import TRANSFER_DTYPES, apply_sign, cast_for_transfer, transfer_dtype
-from .topk import densify, index_dtype, scatter_mean, topk_per_block
+from .topk import densify, index_dtype, scatter_mean, topk_per_block, topk_positions
 
 __all__ = [
     "BlockGroup",
@@ -25,4 +25,5 @@ __all__ = [
     "index_dtype",
     "scatter_mean",
     "topk_per_block",
+    "topk_positions",
 ]

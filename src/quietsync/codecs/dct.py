@@ -17,7 +17,10 @@ largest coefficients per chunk travel.
 Blocks are moved between a segment and its group's stacked ``(num_blocks, *block_shape)`` buffer by
 **strided views of the segment's own layout** -- a ``(rows, cols)`` matrix is viewed as
 ``(nr, br, nc, bc)`` and permuted to ``(nr, nc, br, bc)`` -- so no int64 index buffer is built, read or
-concatenated (padded segments go through a zero-padded copy of their own). :class:`BlockWorkspace` holds
+concatenated (padded segments go through a zero-padded copy of their own); the segments may also come as a
+list of tensors (the gradients of a step). :meth:`BlockLayout.stacked_views` lays the groups' stacked blocks
+end to end in one flat buffer (where a decoupled optimizer keeps a DCT-domain momentum) and
+:meth:`BlockLayout.segment_blocks` gives each segment's own blocks in it. :class:`BlockWorkspace` holds
 the stacked buffers of one layout so a replicator reuses them step after step. The stacked blocks and
 the batched matmuls are the same as those of the earlier gather-based implementation, so coefficients
 and decoded values are bit-identical to it (``tests/codecs/reference_dct_codec.py`` is that oracle).
@@ -71,12 +74,14 @@ class BlockGroup:
 
 @dataclass(frozen=True)
 class _Placement:
-    """Where one segment's blocks sit: group ``group``, blocks ``first .. first + nr*nc`` of it.
+    """Where segment ``index`` (at ``offset`` in the flat buffer) has its blocks: group ``group``, blocks
+    ``first .. first + nr*nc`` of it.
 
     2-D segments (``len(block) == 2``) are ``rows x cols`` cut into ``nr x nc`` blocks of ``block``;
     1-D segments are ``rows`` elements (``cols == 1``) in ``nr`` blocks (``nc == 1``).
     """
 
+    index: int
     offset: int
     rows: int
     cols: int
@@ -115,11 +120,11 @@ class BlockLayout:
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.chunk = chunk
         self.numel = sum(math.prod(s) for s in self.shapes)
-        raw: list[tuple[int, int, int, tuple[int, ...], int, int]] = []
+        raw: list[tuple[int, int, int, int, tuple[int, ...], int, int]] = []
         counts: dict[tuple[int, ...], int] = {}
         reals: dict[tuple[int, ...], int] = {}
         offset = 0
-        for shape in self.shapes:
+        for index, shape in enumerate(self.shapes):
             n = math.prod(shape)
             if n == 0:
                 continue
@@ -131,7 +136,7 @@ class BlockLayout:
                 rows, cols = n, 1
                 bs = (min(chunk, n),)
                 nr, nc = -(-n // bs[0]), 1
-            raw.append((offset, rows, cols, bs, nr, nc))
+            raw.append((index, offset, rows, cols, bs, nr, nc))
             counts[bs] = counts.get(bs, 0) + nr * nc
             reals[bs] = reals.get(bs, 0) + n
             offset += n
@@ -140,9 +145,33 @@ class BlockLayout:
         gid = {bs: i for i, bs in enumerate(order)}
         filled = dict.fromkeys(order, 0)
         self.placements: list[_Placement] = []
-        for off, rows, cols, bs, nr, nc in raw:
-            self.placements.append(_Placement(off, rows, cols, bs, gid[bs], filled[bs], nr, nc))
+        for index, off, rows, cols, bs, nr, nc in raw:
+            self.placements.append(_Placement(index, off, rows, cols, bs, gid[bs], filled[bs], nr, nc))
             filled[bs] += nr * nc
+
+    # -- a flat buffer of stacked blocks ------------------------------------------------------
+    @property
+    def stacked_numel(self) -> int:
+        """Elements of all groups' stacked blocks (padding included)."""
+        return sum(g.num_blocks * g.block_numel for g in self.groups)
+
+    def stacked_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (``stacked_numel`` long) viewed as the groups' ``(num_blocks, *block_shape)`` tensors, in order."""
+        if flat.numel() != self.stacked_numel:
+            raise ValueError(f"buffer has {flat.numel()} elements, the stacked blocks need {self.stacked_numel}")
+        out, at = [], 0
+        for g in self.groups:
+            n = g.num_blocks * g.block_numel
+            out.append(flat[at : at + n].view(g.num_blocks, *g.block_shape))
+            at += n
+        return out
+
+    def segment_blocks(self, stacked: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each segment's own blocks ``(nr * nc, *block)`` in ``stacked`` (an empty tensor for an empty segment)."""
+        out = [stacked[0].new_empty(0) if stacked else torch.empty(0) for _ in self.shapes]
+        for p in self.placements:
+            out[p.index] = stacked[p.group][p.first : p.first + p.num_blocks]
+        return out
 
     # -- moving blocks ------------------------------------------------------------------------
     def empty_blocks(self, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
@@ -159,12 +188,18 @@ class BlockLayout:
         br, bc = p.block
         return mine.view(p.nr, p.nc, br, bc).permute(0, 2, 1, 3)
 
-    def gather_blocks(self, flat: torch.Tensor, blocks: Sequence[torch.Tensor]) -> None:
-        """Copy every segment of ``flat`` into its blocks in ``blocks`` (padding left as it is: zero)."""
-        if flat.numel() != self.numel:
+    def gather_blocks(self, flat: torch.Tensor | Sequence[torch.Tensor], blocks: Sequence[torch.Tensor]) -> None:
+        """Copy every segment of ``flat`` (or of a list of tensors, one per segment, e.g. gradients) into its
+        blocks in ``blocks``, padding written as zeros."""
+        if isinstance(flat, torch.Tensor) and flat.numel() != self.numel:
             raise ValueError(f"buffer has {flat.numel()} elements, layout expects {self.numel}")
+        if not isinstance(flat, torch.Tensor) and len(flat) != len(self.shapes):
+            raise ValueError(f"got {len(flat)} tensors, layout has {len(self.shapes)} segments")
         for p in self.placements:
-            seg = flat[p.offset : p.offset + p.numel]
+            if isinstance(flat, torch.Tensor):
+                seg = flat[p.offset : p.offset + p.numel]
+            else:
+                seg = flat[p.index].reshape(-1)
             dst = self._blocks_of(p, blocks[p.group])
             if len(p.block) == 1:
                 dst[: p.rows].copy_(seg)

@@ -3,18 +3,27 @@
 DeMo sends, per DCT block, the ``k`` coefficients of largest magnitude and their position inside
 the block. Positions are ``< block_numel`` (``<= chunk**2``), so they travel as ``uint8``
 (blocks up to 256 elements), ``int16`` (up to 32768) or ``int32`` -- a quarter to a half of the
-bytes of ``int64``. :func:`scatter_mean` is the receiving side: it averages each coefficient over
+bytes of ``int64``. :func:`topk_positions` picks them: on CPU (fp32/fp64) with NumPy's introselect
+(``np.argpartition``), about twice as fast as ``torch.topk`` on 64x64 blocks here (which copies every row
+into a vector of (value, index) pairs first), elsewhere with ``torch.topk``. Both return a set of ``k``
+largest magnitudes; only among entries of *equal* magnitude at the k-th place may the two pick different
+positions (e.g. a block of zeros). :func:`scatter_mean` is the receiving side: it averages each coefficient over
 the workers that actually sent it (a coefficient only one worker picked is not diluted by the
 others' implicit zeros), exactly as the DeMo reference's ``batch_decompress`` does.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..validate import check_int
 
-__all__ = ["index_dtype", "topk_per_block", "scatter_mean", "densify"]
+__all__ = ["index_dtype", "topk_positions", "topk_per_block", "scatter_mean", "densify"]
+
+_ROWS_ELEMENTS = 2**20
+"""Elements of ``x`` per NumPy call: its int64 index array (8 MiB) stays below the size glibc maps afresh
+(and faults in page by page) on every allocation."""
 
 
 def index_dtype(block_numel: int) -> torch.dtype:
@@ -28,20 +37,38 @@ def index_dtype(block_numel: int) -> torch.dtype:
     return torch.int64
 
 
-def topk_per_block(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k`` largest-magnitude entries of each row of ``x`` (shape ``(blocks, block_numel)``).
+def topk_positions(x: torch.Tensor, k: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions (``int64``, ``(blocks, k)``, in no particular order) of the ``k`` largest-magnitude
+    entries of each row of ``x`` (``(blocks, block_numel)``); NaN counts as largest.
 
-    Returns ``(values, positions)``, both ``(blocks, k)``; positions in :func:`index_dtype`.
+    ``scratch`` (``x``'s shape, dtype and device) receives ``|x|`` when given, so a caller that steps
+    repeatedly reuses one buffer.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be (blocks, block_numel), got shape {tuple(x.shape)}")
     n = x.shape[1]
     check_int("k", k, 1, n)  # at most the block size
     if k == n:
-        pos = torch.arange(n, device=x.device).expand(x.shape[0], n)
-        return x.clone(), pos.to(index_dtype(n))
-    pos = x.abs().topk(k, dim=1, sorted=False).indices
-    return torch.gather(x, 1, pos), pos.to(index_dtype(n))
+        return torch.arange(n, device=x.device).expand(x.shape[0], n)
+    mag = torch.abs(x, out=scratch) if scratch is not None else x.abs()
+    if mag.device.type == "cpu" and mag.dtype in (torch.float32, torch.float64) and x.shape[0] > 0:
+        pos = torch.empty(x.shape[0], k, dtype=torch.long)
+        arr, out = mag.detach().numpy(), pos.numpy()
+        rows = max(1, _ROWS_ELEMENTS // n)  # argpartition returns a full index array: keep it small and reused
+        for start in range(0, x.shape[0], rows):
+            out[start : start + rows] = np.argpartition(arr[start : start + rows], n - k, axis=1)[:, n - k:]
+        return pos
+    return mag.topk(k, dim=1, sorted=False).indices
+
+
+def topk_per_block(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` largest-magnitude entries of each row of ``x`` (shape ``(blocks, block_numel)``).
+
+    Returns ``(values, positions)``, both ``(blocks, k)``; positions in :func:`index_dtype`
+    (chosen by :func:`topk_positions`).
+    """
+    pos = topk_positions(x, k)
+    return torch.gather(x, 1, pos), pos.to(index_dtype(x.shape[1]))
 
 
 def _flat_positions(positions: torch.Tensor, block_numel: int) -> torch.Tensor:

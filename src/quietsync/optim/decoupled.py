@@ -12,10 +12,18 @@ Periodic replication: step ``t`` (1-based) replicates iff ``t % replicate_every 
 ``t % skip_every == 0``; on other steps the momentum is left alone and the local gradient
 (``s * g``) is applied, as in the DeToNATION reference.
 
-All parameters' momenta live in one flat fp32 buffer (each ``state[p]["delta"]`` is a view of it),
-so the replicator encodes them in one vectorised pass; the buffer is rebuilt only when the set of
-parameters with gradients changes. ``state_dict()`` holds the momenta, the step counter and the
-replicator's counters, so a resumed run continues exactly.
+All parameters' momenta live in one flat fp32 buffer (each ``state[p]["delta"]`` is a view of it), in
+the replicator's **domain** (:attr:`~quietsync.replicators.Replicator.momentum_domain`): as the parameters
+are laid out for ``random`` / ``striding`` / ``full`` / ``none``, as the DCT-II coefficients of every block
+(``(blocks, *block_shape)`` per parameter) for ``dct`` -- then step 1 transforms the gradient and step 2's
+error feedback is exact in the coefficients, one transform fewer than a spatial momentum needs. The buffer is
+rebuilt only when the set of parameters with gradients changes. ``state_dict()`` holds the momenta (and their
+domain), the step counter and the replicator's counters, so a resumed run continues exactly; a checkpoint
+whose momenta are spatial (older ones, or another replicator's) is converted on loading.
+
+When the replicator hands back a sparse update (``random`` / ``striding``), a base rule that can
+(:meth:`DecoupledOptimizer._apply_sparse`: DeMo-SGD) applies it at the sent positions only, with the same
+values a dense update gives; the others get it densified.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..replicators import Replicator, Segments, make_replicator
+from ..replicators import Replicator, Segments, SparseUpdate, convert_momentum, make_replicator
 from ..transport import Collectives
 from ..validate import check_float, check_int
 
@@ -94,6 +102,12 @@ class DecoupledOptimizer(torch.optim.Optimizer):
     def _apply(self, group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
         """Apply the replicated (already sign-ed if asked) updates to ``params`` of ``group``."""
 
+    def _apply_sparse(self, group: dict[str, Any], params: list[torch.Tensor],
+                      updates: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Apply updates that are zero except at ``(flat positions, values)`` per parameter, with exactly the
+        result :meth:`_apply` gives on the dense update; return False (doing nothing) where the rule cannot."""
+        return False
+
     # ------------------------------------------------------------------ the step
     def replicates_at(self, step: int) -> bool:
         """Whether 1-based step ``step`` replicates."""
@@ -101,21 +115,20 @@ class DecoupledOptimizer(torch.optim.Optimizer):
             return False
         return not (self.skip_every and step % self.skip_every == 0)
 
-    def _flat_delta(self, params: list[torch.Tensor]) -> torch.Tensor:
+    def _flat_delta(self, params: list[torch.Tensor], segments: Segments) -> torch.Tensor:
         key = tuple(id(p) for p in params)
         if key == self._flat_key and self._flat is not None:
             return self._flat
-        numel = sum(p.numel() for p in params)
         device = params[0].device if params else torch.device("cpu")
-        flat = torch.zeros(numel, dtype=torch.float32, device=device)
-        at = 0
-        for p in params:
-            view = flat[at : at + p.numel()].view(p.shape)
+        flat = torch.zeros(self.replicator.momentum_numel(segments), dtype=torch.float32, device=device)
+        for p, view in zip(params, self.replicator.momentum_views(flat, segments)):
             old = self.state[p].get("delta")
             if old is not None:
+                if old.shape != view.shape:
+                    raise ValueError(f"momentum of a parameter of shape {tuple(p.shape)} has shape {tuple(old.shape)}, "
+                                     f"the {self.replicator.momentum_domain} domain needs {tuple(view.shape)}")
                 view.copy_(old)
             self.state[p]["delta"] = view
-            at += p.numel()
         self._flat, self._flat_key = flat, key
         return flat
 
@@ -132,22 +145,34 @@ class DecoupledOptimizer(torch.optim.Optimizer):
             self.last_replicated = False
             return loss
         segments = Segments([p.shape for p in params])
-        flat = self._flat_delta(params)
+        flat = self._flat_delta(params, segments)
         self.last_replicated = self.replicates_at(self.decoupled_step)
+        update: torch.Tensor | SparseUpdate
         if self.last_replicated:
-            for g, ps in groups:
-                if not ps:
-                    continue
-                deltas = [self.state[p]["delta"] for p in ps]
-                grads = [p.grad.to(torch.float32) for p in ps]
-                if g["beta"] != 1.0:
-                    torch._foreach_mul_(deltas, g["beta"])
-                torch._foreach_add_(deltas, grads, alpha=self._delta_scale(g))
-            update = self.replicator.replicate(flat, segments)
+            betas = [float(g["beta"]) for g, ps in groups for _ in ps]
+            scales = [self._delta_scale(g) for g, ps in groups for _ in ps]
+            self.replicator.accumulate(flat, segments, [p.grad for p in params], betas, scales)
+            update = self.replicator.replicate_momentum(flat, segments)
         else:
             update = torch.cat(
                 [p.grad.reshape(-1).to(torch.float32) * self._delta_scale(g) for g, ps in groups for p in ps]
             )
+        if isinstance(update, SparseUpdate):
+            pieces = update.split(segments.sizes)
+            done = 0
+            for g, ps in groups:
+                mine = pieces[done : done + len(ps)]
+                done += len(ps)
+                if g["sign"]:
+                    mine = [(i, v.sign()) for i, v in mine]
+                if ps and not self._apply_sparse(g, ps, mine):
+                    dense = []
+                    for p, (i, v) in zip(ps, mine):
+                        u = v.new_zeros(p.numel())
+                        u.index_copy_(0, i, v)
+                        dense.append(u.view(p.shape))
+                    self._apply(g, ps, dense)
+            return loss
         at = 0
         for g, ps in groups:
             if not ps:
@@ -164,7 +189,8 @@ class DecoupledOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["decoupled"] = {"step": self.decoupled_step, "replicator": self.replicator.state_dict()}
+        sd["decoupled"] = {"step": self.decoupled_step, "replicator": self.replicator.state_dict(),
+                           "momentum_domain": self.replicator.momentum_domain}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -175,3 +201,10 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         if extra is not None:
             self.decoupled_step = int(extra["step"])
             self.replicator.load_state_dict(extra["replicator"])
+        domain = (extra or {}).get("momentum_domain", "spatial")  # checkpoints before domains were spatial
+        if domain != self.replicator.momentum_domain:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    st = self.state.get(p, {})
+                    if "delta" in st:
+                        st["delta"] = convert_momentum(st["delta"], p.shape, domain, self.replicator)

@@ -66,3 +66,19 @@ class DeMoSGD(DecoupledOptimizer):
             torch._foreach_mul_(params, 1.0 - lr * wd)
         ups = [u.to(p.dtype) for p, u in zip(params, updates)]
         torch._foreach_add_(params, ups, alpha=-lr if group["sign"] else -1.0)
+
+    def _apply_sparse(self, group: dict[str, Any], params: list[torch.Tensor],
+                      updates: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Only the sent positions move (a zero update leaves a parameter bit for bit as it is); fp32/fp64
+        contiguous parameters, where ``p + alpha * u`` rounds once either way (``alpha * u`` is exact: ``u`` is a
+        sign, or ``alpha`` is -1)."""
+        if not all(p.is_contiguous() and p.dtype in (torch.float32, torch.float64) for p in params):
+            return False
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        alpha = -lr if group["sign"] else -1.0
+        for p, (at, values) in zip(params, updates):
+            if at.numel():
+                p.view(-1).index_add_(0, at, values.to(p.dtype), alpha=alpha)
+        return True

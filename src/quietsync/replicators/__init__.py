@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..validate import check_choice
-from .base import Message, Replicator, Segments
+from .base import Message, Replicator, Segments, SparseUpdate
 from .dct import DCTReplicator
 from .full import FullReplicator
 from .none import NoReplicator
@@ -47,8 +49,29 @@ def make_replicator(name: str, **knobs: Any) -> Replicator:
     return cls(**{k: v for k, v in knobs.items() if k in cls.knobs})
 
 
+def convert_momentum(delta: torch.Tensor, shape: tuple[int, ...] | torch.Size, domain: str,
+                     replicator: Replicator) -> torch.Tensor:
+    """One parameter's momentum (of a parameter of ``shape``) from ``domain`` (``spatial`` or ``dct:<chunk>``,
+    as :attr:`Replicator.momentum_domain` names them) into ``replicator``'s domain -- for a checkpoint written
+    with another replicator, or before momenta had domains (then ``spatial``)."""
+    seg = Segments([tuple(shape)])
+    if domain == "spatial":
+        source: Replicator = REPLICATORS["full"]()
+    elif domain.startswith("dct:") and domain[4:].isdigit():
+        source = DCTReplicator(chunk=int(domain[4:]))
+    else:
+        raise ValueError(f"momentum domain must be spatial or dct:<chunk>, got {domain!r}")
+    if delta.numel() != source.momentum_numel(seg):
+        raise ValueError(f"a {domain} momentum of a parameter of shape {tuple(shape)} has "
+                         f"{source.momentum_numel(seg)} elements, got {delta.numel()}")
+    spatial = source.momentum_to_spatial(delta.reshape(-1).to(torch.float32), seg)
+    return replicator.momentum_views(replicator.momentum_from_spatial(spatial, seg), seg)[0]
+
+
 __all__ = [
     "Message",
+    "SparseUpdate",
+    "convert_momentum",
     "Replicator",
     "Segments",
     "DCTReplicator",

@@ -14,10 +14,20 @@ per step divided by the bytes of the full (fp32) gradient. Replicators are there
 equal bandwidth, as in paper 001. In a replicate group of one worker there is nobody to talk to,
 so every replicator hands the whole ``delta`` back (the paper's degenerate case: the base
 optimizer on the local gradient).
+
+**The momentum's domain.** A decoupled optimizer keeps its momentum where its replicator wants it
+(:attr:`Replicator.momentum_domain`): ``spatial`` (the momentum as the parameters lay it out; ``random``,
+``striding``, ``full``, ``none``) or ``dct:<chunk>`` (``dct``: the DCT-II coefficients of every block, so a
+step needs one forward transform of the gradient and one inverse of the averaged update, and error feedback
+just zeroes what was sent). The optimizer goes through :meth:`Replicator.accumulate` (``delta <- beta * delta
++ s * g``) and :meth:`Replicator.replicate_momentum`; :meth:`Replicator.replicate` stays the spatial entry point
+for callers that hold a spatial residual. :meth:`replicate_momentum` may return a :class:`SparseUpdate`
+(zero except at a few positions) that an optimizer applies without a dense temporary.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -30,7 +40,7 @@ from ..codecs import transfer_dtype as _transfer_dtype
 from ..transport import Collectives
 from ..validate import check_float
 
-__all__ = ["Segments", "Message", "Replicator"]
+__all__ = ["Segments", "Message", "Replicator", "SparseUpdate"]
 
 
 class Segments:
@@ -64,6 +74,43 @@ class Message:
     payload: torch.Tensor
     sent: torch.Tensor
     meta: Any = None
+
+
+@dataclass
+class SparseUpdate:
+    """An averaged update that is zero except at ``indices``.
+
+    Attributes:
+        indices: ``int64`` flat positions into the segments' buffer, ascending and distinct.
+        values: the update there (same length).
+        numel: length of the dense update.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+
+    def dense(self) -> torch.Tensor:
+        """The dense flat update (zeros elsewhere)."""
+        out = self.values.new_zeros(self.numel)
+        out.index_copy_(0, self.indices, self.values)
+        return out
+
+    def split(self, sizes: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(local positions, values)`` of consecutive pieces of ``sizes`` elements (e.g. one per parameter)."""
+        starts = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.long, device=self.indices.device)
+        bounds = torch.searchsorted(self.indices, starts).tolist()
+        return [(self.indices[a:b] - int(starts[i]), self.values[a:b]) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def _equal_runs(betas: Sequence[float], scales: Sequence[float]) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of consecutive segments sharing ``(beta, scale)``."""
+    runs, start = [], 0
+    for i in range(1, len(betas) + 1):
+        if i == len(betas) or (betas[i], scales[i]) != (betas[start], scales[start]):
+            runs.append((start, i))
+            start = i
+    return runs
 
 
 class Replicator(ABC):
@@ -110,7 +157,50 @@ class Replicator(ABC):
     def value_bytes(self) -> int:
         return torch.empty((), dtype=self.transfer_dtype).element_size()
 
+    # ------------------------------------------------------------------ the momentum's domain
+    @property
+    def momentum_domain(self) -> str:
+        """Where the optimizer keeps the momentum for this replicator (``spatial`` here)."""
+        return "spatial"
+
+    def momentum_numel(self, segments: Segments) -> int:
+        """Length of the flat momentum buffer."""
+        return segments.numel
+
+    def momentum_views(self, momentum: torch.Tensor, segments: Segments) -> list[torch.Tensor]:
+        """One view of ``momentum`` per segment (here: the segment's own shape)."""
+        views, at = [], 0
+        for shape, n in zip(segments.shapes, segments.sizes):
+            views.append(momentum[at : at + n].view(shape))
+            at += n
+        return views
+
+    def accumulate(self, momentum: torch.Tensor, segments: Segments, grads: Sequence[torch.Tensor],
+                   betas: Sequence[float], scales: Sequence[float]) -> None:
+        """``delta <- beta * delta + scale * g`` for every segment (``betas``/``scales`` per segment)."""
+        views = self.momentum_views(momentum, segments)
+        for a, b in _equal_runs(betas, scales):
+            if betas[a] != 1.0:
+                torch._foreach_mul_(views[a:b], betas[a])
+            torch._foreach_add_(views[a:b], [g.to(momentum.dtype) for g in grads[a:b]], alpha=scales[a])
+
+    def replicate_momentum(self, momentum: torch.Tensor, segments: Segments) -> torch.Tensor | SparseUpdate:
+        """:meth:`replicate` on the momentum in this replicator's domain; the update is spatial (flat)."""
+        return self.replicate_update(momentum, segments)
+
+    def momentum_from_spatial(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
+        """A flat spatial momentum in this replicator's domain (a new tensor)."""
+        return delta.clone()
+
+    def momentum_to_spatial(self, momentum: torch.Tensor, segments: Segments) -> torch.Tensor:
+        """Inverse of :meth:`momentum_from_spatial` (a new tensor)."""
+        return momentum.clone()
+
     # ------------------------------------------------------------------ the step
+    def replicate_update(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor | SparseUpdate:
+        """:meth:`replicate`, but the update may come back as a :class:`SparseUpdate` (here: never)."""
+        return self.replicate(delta, segments)
+
     def replicate(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
         """Extract, apply error feedback to ``delta`` in place, exchange; return the averaged update."""
         if delta.dim() != 1 or delta.numel() != segments.numel:

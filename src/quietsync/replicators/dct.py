@@ -9,12 +9,18 @@ single byte buffer), then each coefficient is averaged over the workers that sen
 result decoded. The gather grows with the replicate group: each worker receives ``(n-1)`` payloads,
 where an all-reduce of ``random``/``striding`` moves ``2(n-1)/n`` of one.
 
-:meth:`DCTReplicator.replicate` runs the step on buffers kept across steps (a
-:class:`~quietsync.codecs.BlockWorkspace` per layout): blocks move by strided views of each tensor's own
-layout, what was sent is decoded and subtracted from ``delta`` in place (error feedback), and the received
-coefficients are summed and counted straight into reused coefficient buffers, divided only where
-something arrived and cleared again at those positions only. The values are bit-identical to the
-gather-based implementation it replaced (kept as the oracle in ``tests/codecs/reference_dct_codec.py``).
+A decoupled optimizer keeps its momentum **in the DCT domain** (``momentum_domain == "dct:<chunk>"``: the
+coefficients of every block, stacked per block shape, see :class:`~quietsync.codecs.BlockLayout`):
+:meth:`DCTReplicator.accumulate` adds the transformed gradient (``C <- beta C + s DCT(g)``, one batched
+transform per block shape), and :meth:`DCTReplicator.replicate_momentum` picks the top-k straight from ``C``,
+does error feedback by zeroing what was sent (keeping what the transfer cast lost), projects the edge blocks
+of padded tensors back onto blocks that are zero in their padding (so the residual is exactly the one a
+spatial momentum keeps), all-gathers, sums and counts the received coefficients into reused buffers and
+decodes their mean with one inverse transform: two transforms a step where a spatial momentum needs three
+(encode, decode what was sent, decode the mean). :meth:`DCTReplicator.replicate` is the spatial entry point
+(DiLoCo's pseudo-gradients): it converts, steps and converts back. Up to rounding the values are those of
+the implementation before (kept as the oracle in ``tests/codecs/reference_dct_codec.py``); the top-k may pick
+other positions only among coefficients of equal magnitude (:func:`~quietsync.codecs.topk_positions`).
 
 ``k`` per block follows from ``compression`` (bytes per coefficient = value + position bytes), or
 is fixed by ``topk`` (DeMo's own knob; then ``compression`` is not used).
@@ -22,6 +28,7 @@ is fixed by ``topk`` (DeMo's own knob; then ``compression`` is not used).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,12 +42,12 @@ from ..codecs import (
     pack,
     scatter_mean,
     topk_per_block,
+    topk_positions,
     unpack,
 )
-from ..codecs.topk import _flat_positions
 from ..transport import Collectives
 from ..validate import check_int
-from .base import Message, Replicator, Segments
+from .base import Message, Replicator, Segments, _equal_runs
 
 
 class DCTReplicator(Replicator):
@@ -106,41 +113,103 @@ class DCTReplicator(Replicator):
             ws = self._workspaces[key] = _Workspace(self.layout(segments, delta.device), delta.dtype, delta.device)
         return ws
 
+    # ------------------------------------------------------------------ the momentum in the DCT domain
+    @property
+    def momentum_domain(self) -> str:
+        return f"dct:{self.chunk}"
+
+    def momentum_numel(self, segments: Segments) -> int:
+        return self.layout(segments).stacked_numel
+
+    def momentum_views(self, momentum: torch.Tensor, segments: Segments) -> list[torch.Tensor]:
+        """Each segment's DCT coefficients, ``(blocks, *block_shape)`` (see :class:`~quietsync.codecs.BlockLayout`)."""
+        layout = self.layout(segments, momentum.device)
+        return layout.segment_blocks(layout.stacked_views(momentum))
+
+    def accumulate(self, momentum: torch.Tensor, segments: Segments, grads: Sequence[torch.Tensor],
+                   betas: Sequence[float], scales: Sequence[float]) -> None:
+        """``C <- beta * C + scale * DCT(g)``: the gradient goes through one batched transform per block shape."""
+        ws = self._workspace(segments, momentum)
+        layout = ws.layout
+        layout.gather_blocks(list(grads), ws.blocks)
+        for g, b, c, t in zip(layout.groups, ws.blocks, ws.coeffs, ws.tmp):
+            BlockLayout.transform(b, g.block_shape, inverse=False, out=c, tmp=t)
+        if len(set(zip(betas, scales))) <= 1:  # one rule for all: whole stacked buffers
+            mine, new = layout.stacked_views(momentum), ws.coeffs
+            runs = [(0, len(mine), betas[0] if betas else 1.0, scales[0] if scales else 1.0)]
+        else:
+            mine = layout.segment_blocks(layout.stacked_views(momentum))
+            new = layout.segment_blocks(ws.coeffs)
+            runs = [(a, b, betas[a], scales[a]) for a, b in _equal_runs(betas, scales)]
+        for a, b, beta, scale in runs:
+            if beta != 1.0:
+                torch._foreach_mul_(mine[a:b], beta)
+            torch._foreach_add_(mine[a:b], new[a:b], alpha=scale)
+
+    def momentum_from_spatial(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
+        coeffs = self.layout(segments, delta.device).encode(delta)
+        return torch.cat([c.reshape(-1) for c in coeffs]) if coeffs else delta.new_zeros(0)
+
+    def momentum_to_spatial(self, momentum: torch.Tensor, segments: Segments) -> torch.Tensor:
+        layout = self.layout(segments, momentum.device)
+        if not layout.groups:
+            return momentum.new_zeros(segments.numel)
+        return layout.decode(layout.stacked_views(momentum))
+
     def replicate(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
-        """:meth:`extract` + error feedback + :meth:`exchange` in one pass over reused buffers (same values)."""
+        """The spatial entry point: ``delta`` into the DCT domain, :meth:`replicate_momentum`, and the residual
+        back (three transforms; a decoupled optimizer keeps its momentum in the DCT domain and needs two)."""
         if delta.dim() != 1 or delta.numel() != segments.numel or self.group_size == 1:
             return super().replicate(delta, segments)
-        ws = self._workspace(segments, delta)
-        layout = ws.layout
+        momentum = self.momentum_from_spatial(delta, segments)
+        update = self.replicate_momentum(momentum, segments).clone()
+        delta.copy_(self.momentum_to_spatial(momentum, segments))
+        return update
+
+    def replicate_momentum(self, momentum: torch.Tensor, segments: Segments) -> torch.Tensor:
+        """One step on the coefficients ``momentum``: top-k per block, error feedback (the sent coefficients
+        are zeroed -- minus what the transfer cast loses -- and padded blocks projected back onto tensors that
+        are zero in their padding), all-gather, the per-coefficient mean, one inverse transform.
+
+        The update is a buffer of the replicator's, valid until its next step (a fresh 40 MB tensor per step
+        costs more in page faults than the transform that fills it)."""
+        layout = self.layout(segments, momentum.device)
+        if momentum.dim() != 1 or momentum.numel() != layout.stacked_numel:
+            raise ValueError(f"momentum must be flat with {layout.stacked_numel} elements, got shape "
+                             f"{tuple(momentum.shape)}")
+        if self.group_size == 1:
+            update = self.momentum_to_spatial(momentum, segments)
+            momentum.zero_()
+            return update
+        ws = self._workspace(segments, momentum)
         parts = []
-        for i, (g, k, coeffs) in enumerate(zip(layout.groups, self.ks(segments, delta.dtype), ws.encode(delta))):
-            vals, pos = topk_per_block(coeffs.reshape(g.num_blocks, g.block_numel), k)
-            vals = vals.to(self.transfer_dtype)
-            parts += [vals, pos]
-            at = _flat_positions(pos, g.block_numel).reshape(-1)
-            ws.sent[i].view(-1)[at] = vals.to(delta.dtype).reshape(-1)
-            ws.sent_at[i] = at
-        ws.decode_into(ws.sent_blocks(), delta, subtract=True)  # delta <- delta - decode(sent)
-        for i, at in enumerate(ws.sent_at):
-            ws.sent[i].view(-1)[at] = 0
+        for g, k, c, mag in zip(layout.groups, self.ks(segments, momentum.dtype), layout.stacked_views(momentum),
+                                ws.mag):
+            c2 = c.view(g.num_blocks, g.block_numel)
+            pos = topk_positions(c2, k, scratch=mag)
+            vals = torch.gather(c2, 1, pos)
+            sent = vals.to(self.transfer_dtype)
+            c2.scatter_(1, pos, vals - sent.to(vals.dtype))  # error feedback: 0 in fp32, the cast's loss otherwise
+            parts += [sent, pos.to(index_dtype(g.block_numel))]
+        _project_padding(layout, layout.stacked_views(momentum))
         payload = pack(parts)
         n = self.group_size
         gathered = payload.new_empty(n * payload.numel())
         self.transport.all_gather(gathered, payload, self.group, name="replicate/dct")
-        tensors = unpack(gathered.reshape(n, -1), self._specs(segments, delta.dtype))
+        tensors = unpack(gathered.reshape(n, -1), self._specs(segments, momentum.dtype))
         for i, g in enumerate(layout.groups):
-            vals, pos = tensors[2 * i], tensors[2 * i + 1]
-            at = _flat_positions(pos, g.block_numel).reshape(-1)
-            total, count = ws.sent[i].view(-1), ws.count[i].view(-1)
-            total.index_add_(0, at, vals.reshape(-1).to(delta.dtype))
-            count.index_add_(0, at, ws.ones(at.numel()))
-            total[at] = total[at] / count[at]  # the mean over the workers that sent it; 0 where none did
-            ws.sent_at[i] = at
-        update = delta.new_empty(delta.numel())
+            k = tensors[2 * i].shape[-1]
+            vals = tensors[2 * i].permute(1, 0, 2).reshape(g.num_blocks, n * k).to(momentum.dtype)
+            pos = tensors[2 * i + 1].permute(1, 0, 2).reshape(g.num_blocks, n * k).long()
+            total, count = ws.sent[i], ws.count[i]
+            total.scatter_add_(1, pos, vals)  # worker by worker, as the reference's index_add_
+            count.scatter_add_(1, pos, torch.ones_like(vals))
+            total.scatter_(1, pos, total.gather(1, pos) / count.gather(1, pos))  # mean over who sent it
+        update = ws.update(segments.numel)
         ws.decode_into(ws.sent_blocks(), update)
-        for i, at in enumerate(ws.sent_at):
-            ws.sent[i].view(-1)[at] = 0
-            ws.count[i].view(-1)[at] = 0
+        for total, count in zip(ws.sent, ws.count):
+            total.zero_()
+            count.zero_()
         return update
 
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
@@ -172,24 +241,51 @@ class DCTReplicator(Replicator):
 
 
 class _Workspace(BlockWorkspace):
-    """A :class:`BlockWorkspace` plus the sparse-coefficient buffers of :meth:`DCTReplicator.replicate`.
-
-    ``sent`` (per group, ``(num_blocks, block_numel)``) holds what this worker sends, then the sum of what
-    arrived; ``count`` how many workers sent each coefficient. Both are zero between steps: only the
-    positions written (``sent_at``) are cleared, never the whole buffer.
-    """
+    """A :class:`BlockWorkspace` plus the buffers of :meth:`DCTReplicator.replicate_momentum`, all
+    ``(num_blocks, block_numel)`` per group: ``mag`` (magnitudes for top-k), ``sent`` (the sum of what arrived,
+    then the mean) and ``count`` (how many workers sent each coefficient); ``sent`` and ``count`` are zero
+    between steps."""
 
     def __init__(self, layout: BlockLayout, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__(layout, dtype, device)
-        self.sent = [torch.zeros(g.num_blocks, g.block_numel, dtype=dtype, device=device) for g in layout.groups]
-        self.count = [torch.zeros(g.num_blocks, g.block_numel, dtype=dtype, device=device) for g in layout.groups]
-        self.sent_at: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long, device=device) for _ in layout.groups]
-        self._ones = torch.ones(0, dtype=dtype, device=device)
+        def zeros() -> list[torch.Tensor]:
+            return [torch.zeros(g.num_blocks, g.block_numel, dtype=dtype, device=device) for g in layout.groups]
+        self.mag, self.sent, self.count = zeros(), zeros(), zeros()
+        self._update = torch.empty(0, dtype=dtype, device=device)
+
+    def update(self, numel: int) -> torch.Tensor:
+        """The flat update buffer (reused across steps)."""
+        if self._update.numel() != numel:
+            self._update = self._update.new_empty(numel)
+        return self._update
 
     def sent_blocks(self) -> list[torch.Tensor]:
         return [s.view(g.num_blocks, *g.block_shape) for g, s in zip(self.layout.groups, self.sent)]
 
-    def ones(self, n: int) -> torch.Tensor:
-        if self._ones.numel() < n:
-            self._ones = self._ones.new_ones(n)
-        return self._ones[:n]
+
+def _project_padding(layout: BlockLayout, stacked: Sequence[torch.Tensor]) -> None:
+    """Make the coefficients of every padded block those of a block whose padding is zero (in place).
+
+    After error feedback in the DCT domain, a padded block's inverse transform is not zero in its padding any
+    more; a spatial residual would drop that part. So the edge blocks of padded segments go back to space,
+    have their padding zeroed and come forward again -- the same residual a spatial momentum keeps, at the
+    cost of two transforms of those edge blocks only.
+    """
+    for p in layout.placements:
+        if not p.padded:
+            continue
+        blocks = stacked[p.group][p.first : p.first + p.num_blocks]
+        bands: list[tuple[torch.Tensor, tuple[slice, ...]]] = []
+        if len(p.block) == 1:
+            bands.append((blocks[-1:], (slice(None), slice(p.rows - (p.nr - 1) * p.block[0], None))))
+        else:
+            br, bc = p.block
+            grid = blocks.view(p.nr, p.nc, br, bc)
+            if p.nr * br != p.rows:  # the last block row: its rows past the tensor's
+                bands.append((grid[p.nr - 1], (slice(None), slice(p.rows - (p.nr - 1) * br, None), slice(None))))
+            if p.nc * bc != p.cols:  # the last block column
+                bands.append((grid[:, p.nc - 1], (slice(None), slice(None), slice(p.cols - (p.nc - 1) * bc, None))))
+        for band, padding in bands:
+            space = BlockLayout.transform(band, p.block, inverse=True)
+            space[padding] = 0
+            band.copy_(BlockLayout.transform(space, p.block, inverse=False))

@@ -19,9 +19,23 @@ import torch
 
 from ..transport import Collectives
 from ..validate import check_int
-from .base import Message, Replicator, Segments
+from .base import Message, Replicator, Segments, SparseUpdate
 
 _MIX = 0x9E3779B97F4A7C15
+
+
+def _ascending(idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` (distinct positions) in ascending order: an increasing run rotated modulo the buffer (what
+    ``random`` and ``striding`` draw) is cut at its wrap in O(m); anything else is sorted."""
+    if idx.numel() < 2:
+        return idx
+    drops = (idx[1:] < idx[:-1]).nonzero()
+    if drops.numel() == 0:
+        return idx
+    if drops.numel() == 1 and idx[-1] < idx[0]:  # two increasing runs, the second below the first
+        w = int(drops[0, 0]) + 1
+        return torch.cat([idx[w:], idx[:w]])
+    return idx.sort().values
 
 
 class RandomReplicator(Replicator):
@@ -59,18 +73,22 @@ class RandomReplicator(Replicator):
         return idx.to(device)
 
     def replicate(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
-        """Same values as the base class's extract / error feedback / exchange, without a dense ``sent``:
-        the error feedback touches only the sent positions (``x - 0 == x`` elsewhere, bit for bit)."""
+        update = self.replicate_update(delta, segments)
+        return update.dense() if isinstance(update, SparseUpdate) else update
+
+    def replicate_update(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor | SparseUpdate:
+        """Same values as the base class's extract / error feedback / exchange, without a dense temporary:
+        the error feedback touches only the sent positions (``x - 0 == x`` elsewhere, bit for bit) and the
+        update comes back sparse (positions ascending)."""
         if delta.dim() != 1 or delta.numel() != segments.numel or self.group_size == 1:
             return super().replicate(delta, segments)
-        idx = self.indices(segments, self.counter, delta.device)
+        idx = _ascending(self.indices(segments, self.counter, delta.device))
         self.counter += 1
-        payload = delta[idx].to(self.transfer_dtype)
-        delta[idx] = delta[idx] - payload.to(delta.dtype)
+        vals = delta.index_select(0, idx)
+        payload = vals.to(self.transfer_dtype)
+        delta.index_copy_(0, idx, vals - payload.to(delta.dtype))
         self.transport.all_reduce(payload, self.group, op="avg", name=f"replicate/{self.name}")
-        update = torch.zeros_like(delta)
-        update[idx] = payload.to(update.dtype)
-        return update
+        return SparseUpdate(idx, payload.to(delta.dtype), delta.numel())
 
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
         idx = self.indices(segments, self.counter, delta.device)
