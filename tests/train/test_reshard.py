@@ -131,3 +131,67 @@ def test_a_strategy_that_cannot_reshard_refuses_on_every_worker(tmp_path, name):
     run_ranks(w.train_and_save, 2, "zero1", str(saved))
     errors = run_ranks(w.refuse, 2, name, str(saved), "load")
     assert len(set(errors)) == 1 and errors[0].startswith(f"strategy {name} cannot be resharded: ")
+
+
+def _starts(batch: torch.Tensor) -> list[int]:
+    return batch[:, 0].tolist()  # windows do not overlap: a window is named by its first token
+
+
+@pytest.mark.parametrize("old,new", [(4, 2), (2, 4), (3, 2)])
+def test_the_data_stream_continues_where_the_old_world_stopped(old, new):
+    from quietsync.train.data import ShardedSequences
+
+    tokens, seq, mbs, steps = torch.arange(2000), 8, 2, 3
+    olds = [ShardedSequences(tokens, seq, mbs, r, old, seed=5) for r in range(old)]
+    before = [sum((_starts(next(s)) for s in olds), []) for _ in range(steps)]
+    (position,) = {s.logical_position() for s in olds}
+    news = [ShardedSequences(tokens, seq, mbs, r, new, seed=5) for r in range(new)]
+    for s in news:
+        s.continue_from(*position)
+    after = [sum((_starts(next(s)) for s in news), []) for _ in range(steps)]
+    # oracle: one reader of the epoch's permutation, one window at a time
+    one = ShardedSequences(tokens, seq, 1, 0, 1, seed=5)
+    order = [_starts(next(one))[0] for _ in range(steps * (old + new) * mbs)]
+    i = 0
+    for step in before + after:  # each step's windows are the next ones of the permutation: none skipped or repeated
+        assert sorted(step) == sorted(order[i:i + len(step)])
+        i += len(step)
+    # the next epoch is the new world's own partition, as a fresh run on it would read
+    while news[0].epoch == 0:
+        batches = [next(s) for s in news]
+    fresh = [ShardedSequences(tokens, seq, mbs, r, new, seed=5) for r in range(new)]
+    for s in fresh:
+        s.load_state_dict({**s.state_dict(), "epoch": 1})
+    assert all(torch.equal(b, next(f)) for b, f in zip(batches, fresh))
+    # and the position (with its offset into the epoch) survives an exact same-world checkpoint
+    again = ShardedSequences(tokens, seq, mbs, 1, new, seed=5)
+    again.continue_from(*position)
+    copy = ShardedSequences(tokens, seq, mbs, 1, new, seed=5)
+    copy.load_state_dict(again.state_dict())
+    assert torch.equal(next(copy), next(again))
+
+
+@pytest.mark.timeout(600)
+def test_quietsync_train_resumes_on_half_and_then_twice_the_workers(tmp_path):
+    import json
+
+    from quietsync.train.metrics import read_jsonl
+
+    from ._run import small_job, train
+
+    out = tmp_path / "run"
+    job = [*small_job(tmp_path, nproc=4), "--strategy", "zero1", "--out", str(out)]
+    first = train(*job, "--max-steps", "2", "--save-every", "2", timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "checkpoints" / "step-0000002" / "logical" / ".metadata").is_file()
+    half = train(*job, "--nproc", "2", "--max-steps", "4", "--save-every", "2", "--resume", timeout=300)
+    assert half.returncode == 0, half.stderr[-3000:]
+    assert "resharding a checkpoint of 4 workers onto 2" in half.stdout
+    twice = train(*job, "--max-steps", "5", "--resume", timeout=300)
+    assert twice.returncode == 0, twice.stderr[-3000:]
+    assert "resharding a checkpoint of 2 workers onto 4" in twice.stdout
+    rows = [r for r in read_jsonl(out / "metrics-rank0.jsonl") if "event" not in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    window = 2 * 32  # micro-batch size x sequence length
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["tokens"] == (4 * 2 + 2 * 2 + 4 * 1) * window
