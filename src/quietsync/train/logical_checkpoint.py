@@ -28,6 +28,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +111,15 @@ def _no_dist(strategy: Strategy) -> bool:
     return _group(strategy) is None and not torch.distributed.is_initialized()
 
 
+@contextmanager
+def _quiet_single_process(no_dist: bool) -> Iterator[None]:
+    """DCP warns on every single-process save/load that it assumes one process: that is what we meant."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def save_logical(step_folder: str | os.PathLike, strategy: Strategy, stream: ShardedSequences,
                  tokens_total: int) -> Path:
     """Write the logical part of a checkpoint (every worker calls it, at the same step); returns its folder.
@@ -126,8 +138,9 @@ def save_logical(step_folder: str | os.PathLike, strategy: Strategy, stream: Sha
     })
     folder = logical_folder(step_folder)
     folder.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, storage_writer=FileSystemWriter(folder), process_group=_group(strategy),
-             no_dist=_no_dist(strategy))
+    no_dist = _no_dist(strategy)
+    with _quiet_single_process(no_dist):
+        dcp.save(state, storage_writer=FileSystemWriter(folder), process_group=_group(strategy), no_dist=no_dist)
     return folder
 
 
@@ -161,8 +174,9 @@ def load_logical(step_folder: str | os.PathLike, strategy: Strategy, stream: Sha
 
     def read(targets: dict[str, torch.Tensor]) -> None:
         targets.update(meta)
-        dcp.load(targets, storage_reader=SafeReader(folder), process_group=_group(strategy),
-                 no_dist=_no_dist(strategy))
+        no_dist = _no_dist(strategy)
+        with _quiet_single_process(no_dist):
+            dcp.load(targets, storage_reader=SafeReader(folder), process_group=_group(strategy), no_dist=no_dist)
 
     strategy.load_logical_state_dict(saved, read)
     if int(meta["world_size"]) != len(old_ranks):
