@@ -195,3 +195,70 @@ def test_quietsync_train_resumes_on_half_and_then_twice_the_workers(tmp_path):
     window = 2 * 32  # micro-batch size x sequence length
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["tokens"] == (4 * 2 + 2 * 2 + 4 * 1) * window
+
+
+class _Exploit:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_logical_metadata_is_read_safely_and_an_open_round_is_not_saved(tmp_path, monkeypatch):
+    import pickle
+
+    from quietsync.strategies import make_strategy
+    from quietsync.strategies.logical import ReshardError
+    from quietsync.train.logical_checkpoint import load_logical, save_logical, saved_tensors
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    m = w.model(0)
+    strategy = make_strategy("ddp", m, torch.optim.AdamW, lr=w.LR, config={"accumulation": 2})
+    stream = w._stream(0, 1)
+    strategy.forward_backward(w.batch(0, 0), w.loss_fn)
+    assert not strategy.step()
+    with pytest.raises(ReshardError, match="strategy ddp holds an open round \\(round=1\\)"):
+        save_logical(tmp_path / "open", strategy, stream, 0)
+    strategy.forward_backward(w.batch(1, 0), w.loss_fn)
+    assert strategy.step()
+    save_logical(tmp_path / "ok", strategy, stream, 7)  # one process: no process group
+    saved = saved_tensors(tmp_path / "ok")
+    assert saved["model.0.weight"] == (torch.Size([7, 5]), torch.float32)
+    assert saved["optim.0.weight.exp_avg"][0] == torch.Size([7, 5])
+    fresh = make_strategy("ddp", w.model(1), torch.optim.AdamW, lr=w.LR, config={"accumulation": 2})
+    assert load_logical(tmp_path / "ok", fresh, w._stream(0, 1)) == 7
+    assert all(torch.equal(a, b) for a, b in zip(fresh.module.parameters(), strategy.module.parameters()))
+    strategy.close()
+    fresh.close()
+
+    marker = tmp_path / "pwned"
+    (tmp_path / "ok" / "logical" / ".metadata").write_bytes(pickle.dumps(_Exploit(str(marker))))
+    with pytest.raises(ValueError, match="refusing to load checkpoint metadata .*posix.system is not part"):
+        saved_tensors(tmp_path / "ok")
+    assert not marker.exists()
+
+
+def test_a_step_folder_is_complete_for_another_world_when_its_writers_all_finished(tmp_path, monkeypatch):
+    from quietsync.strategies import make_strategy
+    from quietsync.train.checkpoint import latest_checkpoint, rank_file, resolve_resume, save_checkpoint
+    from quietsync.train.logical_checkpoint import save_logical
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    strategy = make_strategy("zero1", w.model(0), torch.optim.AdamW, lr=w.LR)
+    strategy.forward_backward(w.batch(0, 0), w.loss_fn)
+    assert strategy.step()
+    folder = tmp_path / "checkpoints" / "step-0000001"
+    save_logical(folder, strategy, w._stream(0, 1), 0)  # written by one worker
+    strategy.close()
+    assert latest_checkpoint(tmp_path, range(4)) is None  # its writer's rank file is missing: not complete
+    save_checkpoint(tmp_path, 1, 0, {"strategy": {}})
+    assert latest_checkpoint(tmp_path, range(4)) == folder  # complete: 4 workers may reshard it
+    assert resolve_resume(str(folder), tmp_path, range(4)) == folder
+    rank_file(folder, 0).unlink()
+    with pytest.raises(ValueError, match="lacks rank files for ranks \\[0, 1, 2, 3\\]"):
+        resolve_resume(str(folder), tmp_path, range(4))

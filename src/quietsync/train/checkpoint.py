@@ -6,7 +6,8 @@ resume on the same number of workers loads, exactly. Strategies that can reshard
 ``step-0000100/logical/`` (:mod:`~quietsync.train.logical_checkpoint`, through torch.distributed.checkpoint),
 what a resume on another number of workers loads.
 Files are written to a temporary name and renamed, so a file that exists is complete; a step folder is
-complete for a set of workers when each one's rank file is in it, or when its logical part is complete.
+complete for a set of workers when each one's rank file is in it, or, to resume on another number of
+workers, when its logical part is complete and so is every rank file of the workers that wrote it.
 ``--resume`` without a folder takes the newest complete one.
 Files are read back with ``weights_only=True``: tensors and plain data only, so loading never runs code.
 """
@@ -47,16 +48,19 @@ def save_checkpoint(out: str | os.PathLike, step: int, rank: int, payload: dict[
 
 
 def _complete(folder: Path, ranks: list[int]) -> bool:
-    from .logical_checkpoint import has_logical
+    """A file for each of ``ranks``; or (another world size) a complete logical part and a file for each of
+    the workers that wrote it."""
+    from .logical_checkpoint import logical_world
 
     if all(rank_file(folder, r).is_file() for r in ranks):
         return True
-    return rank_file(folder, 0).is_file() and has_logical(folder)
+    old = logical_world(folder)
+    return old is not None and all(rank_file(folder, q).is_file() for q in range(old))
 
 
 def latest_checkpoint(out: str | os.PathLike, ranks: Iterable[int]) -> Path | None:
-    """Newest step folder under ``OUT/checkpoints`` complete for ``ranks``: a file for each of them, or rank 0's
-    file and a complete logical part (None if none)."""
+    """Newest step folder under ``OUT/checkpoints`` complete for ``ranks`` (see the module docstring; None if
+    none)."""
     root = checkpoint_root(out)
     if not root.is_dir():
         return None

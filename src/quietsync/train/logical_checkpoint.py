@@ -103,6 +103,17 @@ def saved_tensors(step_folder: str | os.PathLike) -> SavedTensors:
             if isinstance(m, TensorStorageMetadata)}
 
 
+def logical_world(step_folder: str | os.PathLike) -> int | None:
+    """How many workers wrote ``step_folder``'s logical part (None when it has no complete, readable one)."""
+    if not has_logical(step_folder):
+        return None
+    try:
+        saved = saved_tensors(step_folder)
+    except (ValueError, OSError):
+        return None
+    return sum(1 for k in saved if k.startswith("worker.") and k.endswith(".tokens")) or None
+
+
 def _group(strategy: Strategy) -> Any:
     return strategy.transport.process_group("world")
 
