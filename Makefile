@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # 10 ms), the same 120 steps of the same micro-batches (equal tokens); ends with the comparison table and
 # runs/demo/compare.png. `make train` is the plain single-strategy run.
 DEMO_FLAGS ?= --strategies zero1 demo --model tiny --max-steps 120 --link inter=25mbit,10ms --eval-every 20 \
-	--target-loss 5.3 --no-progress
+	--target-loss 5.3 --no-stop-at-target --no-progress
 
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)

@@ -36,6 +36,7 @@ def _worker(rank: int, world: int, nodes: int, port: int, fn: Callable[..., Any]
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world // nodes),
         "LOCAL_RANK": str(rank % (world // nodes)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "QUIETSYNC_BACKEND": "gloo",  # CPU workers even on a GPU machine (LOCAL_WORLD_SIZE emulates nodes)
     })
     import torch
 

@@ -60,7 +60,8 @@ import torch
 
 from .strategies import StepMetrics, Strategy, StrategyConfig, make_strategy
 from .strategies.registry import get as get_strategy
-from .transport import Transport
+from .topology import Topology
+from .transport import Transport, default_backend
 
 __all__ = ["QuietAccelerator", "QuietOptimizer", "strategy_kwargs_from_optimizer"]
 
@@ -366,9 +367,10 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
     def __init__(self, *args: Any, strategy: str, strategy_config: StrategyConfig | dict[str, Any] | None = None,
                  transport: Transport | None = None, **kwargs: Any) -> None:
         get_strategy(strategy)  # fail before any process group work
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
-            # Without a GPU, Accelerate treats a multi-process launch as N independent single processes
-            # unless told cpu=True; quietsync's workers must form one world, so ask for MULTI_CPU (gloo).
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and default_backend(Topology.from_env()) == "gloo":
+            # Without a GPU each (or with QUIETSYNC_BACKEND=gloo), Accelerate treats a multi-process launch as N
+            # independent single processes unless told cpu=True; quietsync's workers must form one world, so
+            # ask for MULTI_CPU (gloo).
             kwargs.setdefault("cpu", True)
         super().__init__(*args, **kwargs)
         from accelerate.utils import DistributedType

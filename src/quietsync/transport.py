@@ -228,6 +228,10 @@ class Work:
         return inner.then(then)
 
 
+BACKEND_ENV = "QUIETSYNC_BACKEND"
+"""Environment variable that overrides :func:`default_backend` (``gloo`` or ``nccl``)."""
+
+
 def _processes_here(topology: Topology) -> int:
     """Worker processes on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (else the whole world)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
@@ -236,9 +240,15 @@ def _processes_here(topology: Topology) -> int:
 def default_backend(topology: Topology) -> str:
     """``nccl`` when every worker process on this machine can have a CUDA device of its own, else ``gloo``.
 
-    NCCL refuses two ranks on one GPU, so a 4-process run on a 1-GPU machine (tests, emulated nodes) falls
-    back to gloo on CPU rather than failing inside NCCL's setup.
+    NCCL refuses two ranks on one GPU, so a 4-process run on a 1-GPU machine falls back to gloo on CPU
+    rather than failing inside NCCL's setup. The environment variable ``QUIETSYNC_BACKEND`` (``gloo`` or
+    ``nccl``) overrides the choice, e.g. for gloo tests on a GPU machine.
     """
+    forced = os.environ.get(BACKEND_ENV, "")
+    if forced:
+        if forced not in ("gloo", "nccl"):
+            raise ValueError(f"{BACKEND_ENV} must be 'gloo' or 'nccl', got {forced!r}")
+        return forced
     if not torch.cuda.is_available():
         return "gloo"
     return "nccl" if topology.world_size == 1 or torch.cuda.device_count() >= _processes_here(topology) else "gloo"

@@ -70,7 +70,7 @@ def test_build_once_concurrent(tmp_path):
 
 
 def test_build_once_takes_over_stale_lock(tmp_path):
-    (tmp_path / "f.lock").write_text("12345")
+    (tmp_path / "f.lock").write_text("another-host:12345")  # no PID to probe here: stale by age
     build_once(tmp_path / "f", lambda tmp: tmp.write_text("x"), stale_s=0.0)
     assert (tmp_path / "f").read_text() == "x"
 

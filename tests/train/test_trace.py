@@ -149,6 +149,7 @@ def test_two_workers_merged_trace_and_profile(tmp_path):
             assert name in profile, (rank, name)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_events_give_device_times():
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,17 +1,25 @@
 """`quietsync compare`: several strategies on the same work, side by side.
 
 Runs `quietsync train` once per strategy with the same job flags (model, data, seed, steps, links,
-slow worker), each into ``OUT/<label>``, then writes the files below. A non-empty ``OUT`` is refused unless
+slow worker, budgets), each into ``OUT/<label>``, then writes the files below. A non-empty ``OUT`` is refused unless
 ``--overwrite`` is given (then each run replaces its own outputs, see :mod:`quietsync.train.outputs`):
 
-* ``OUT/compare.json`` and ``OUT/compare.md``: one row per strategy (final eval loss, wall time, tokens,
+* ``OUT/compare.json`` and ``OUT/compare.md``: one row per strategy (final eval loss, what stopped it, wall
+  time, tokens,
   micro-batches per step, tokens/s, bytes sent per step and per 1k tokens, compute / idle / comm seconds per
   worker, compute-busy fraction, and with ``--target-loss X`` the training time and tokens at which the
   held-out loss first reached X);
 * ``OUT/compare.png``: eval loss vs wall-clock time and vs tokens (all workers), bytes sent per step per
-  group, and the per-worker compute / idle time of each run.
+  group, and the per-worker compute / idle time of each run;
+* ``OUT/timelines.png`` (with ``--trace``): every run's timeline (a few steps from the middle of the run, one
+  row per worker and lane) side by side, on one time scale.
 
-Runs that end with different token counts are not an equal-budget comparison: the table says so.
+The budgets (``--max-steps``, ``--max-tokens``, ``--max-time-s``, ``--target-loss``; see
+:mod:`quietsync.train.budgets`) go to every run, each stopping at the first it reaches. An equal token budget
+(``--max-tokens``, with ``--max-steps`` large enough never to be reached first) is the fair comparison: strategies
+that take more micro-batches per step (DDP with accumulation, ACCO) would otherwise see more data. Runs that end
+with different token counts are not an equal-budget comparison: the table says so. ``--no-stop-at-target``
+keeps ``--target-loss`` for the report only.
 
 A strategy may carry its own flags: ``--strategies zero1 ddp:accumulation=2`` (``NAME[:FIELD=VALUE,...]``,
 field names as in the strategy's ``--help``, dashes or underscores).
@@ -19,6 +27,7 @@ field names as in the strategy's ``--help``, dashes or underscores).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -98,6 +107,7 @@ def _rows(out: Path, labels: list[str], target_loss: float | None = None) -> lis
                    None)
         rows.append({
             "label": label, "strategy": s["strategy"], "workers": world, "steps": s["steps"],
+            "stopped_by": s.get("stopped_by"),
             "first_eval_loss": s["first_eval_loss"], "last_eval_loss": s["last_eval_loss"],
             "wall_s": s["wall_s"], "tokens": s["tokens"], "tokens_per_s": s["tokens_per_s"],
             "micro_batches_per_step": _micro_batches_per_step(out / label),
@@ -116,16 +126,18 @@ def _rows(out: Path, labels: list[str], target_loss: float | None = None) -> lis
 
 def _markdown(rows: list[dict[str, Any]]) -> str:
     target = rows[0]["target_loss"] if rows else None
-    head = ("| run | eval loss first → last | wall s | tokens | micro-batches/step | tokens/s | MB sent/step "
-            "(all workers) | MB sent/1k tokens | compute s/worker | idle s/worker | comm s/worker | compute-busy |")
-    cols = 12
+    head = ("| run | eval loss first → last | stopped by | steps | wall s | tokens | micro-batches/step | tokens/s "
+            "| MB sent/step (all workers) | MB sent/1k tokens | compute s/worker | idle s/worker | comm s/worker "
+            "| compute-busy |")
+    cols = 14
     if target is not None:
         head += f" time to {target:g} s | tokens to {target:g} |"
         cols += 2
     lines = [head, "|" + "---|" * cols]
     for r in rows:
         line = (
-            f"| {r['label']} | {r['first_eval_loss']:.3f} → {r['last_eval_loss']:.3f} | {r['wall_s']:.1f} | "
+            f"| {r['label']} | {r['first_eval_loss']:.3f} → {r['last_eval_loss']:.3f} | {r['stopped_by']} | "
+            f"{r['steps']} | {r['wall_s']:.1f} | "
             f"{r['tokens']:,} | {r['micro_batches_per_step']:.2f} | {r['tokens_per_s']:,.0f} | "
             f"{r['bytes_sent_per_step'] / 1e6:.2f} | {r['mb_sent_per_1k_tokens']:.3f} | {r['compute_s_per_worker']:.1f} | "
             f"{r['idle_s_per_worker']:.1f} | {r['comm_s_per_worker']:.1f} | {r['compute_fraction']:.1%} |"
@@ -185,14 +197,23 @@ def compare_main(argv: list[str]) -> int:
     """``quietsync compare --strategies A B ... [job flags]``."""
     parser = OneLineParser(
         prog="quietsync compare",
-        description="Run several strategies on the same job (any `quietsync train` job flag) and compare them.",
-        epilog="Job flags are those of `quietsync train --help`; results in OUT/compare.{md,json,png}.",
+        description="Run several strategies on the same job (any `quietsync train` job flag) and compare them. "
+                    "The budgets (--max-steps, --max-tokens, --max-time-s, --target-loss) go to every run, which "
+                    "stops at the first it reaches. An equal token budget is the fair comparison: give --max-tokens "
+                    "(and a --max-steps no run reaches first), else strategies that take more micro-batches per "
+                    "step see more data.",
+        epilog="Job flags are those of `quietsync train --help`; results in OUT/compare.{md,json,png} "
+               "(and OUT/timelines.png with --trace).",
     )
     parser.add_argument("--strategies", nargs="+", required=True, metavar="NAME[:FIELD=VALUE,...]",
                         help="strategies to run, e.g. zero1 ddp:accumulation=2")
     parser.add_argument("--out", default="runs/compare", help="output folder (default: runs/compare)")
     parser.add_argument("--target-loss", type=float, default=None, metavar="X",
-                        help="report each run's training time and tokens to a held-out loss <= X")
+                        help="stop each run at its first evaluation (every --eval-every steps) with a held-out "
+                             "loss <= X, and report its training time and tokens to it")
+    parser.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --target-loss: stop each run there (default); --no-stop-at-target only reports "
+                             "the time and tokens to it, the runs go on to their other budgets")
     args, job = parser.parse_known_args(argv)
     if args.target_loss is not None and not (args.target_loss > 0 and args.target_loss < float("inf")):
         parser.error(f"--target-loss must be a finite number > 0, got {args.target_loss}")
@@ -209,6 +230,8 @@ def compare_main(argv: list[str]) -> int:
     runs = []
     for name, label, flags in specs:  # check every run's flags before starting the first
         run_argv = [*job, "--strategy", name, *flags, "--out", str(out / label)]
+        if args.target_loss is not None and args.stop_at_target:
+            run_argv += ["--target-loss", repr(args.target_loss)]
         runs.append((label, parse_train_args(run_argv)))
     problem = compare_out_problem(out, runs[0][1][0].overwrite)
     if problem is not None:
@@ -228,6 +251,11 @@ def compare_main(argv: list[str]) -> int:
     table = _markdown(rows)
     (out / "compare.md").write_text(table)
     plot_compare(out, rows)
+    if any(cfg.trace for _, (cfg, _, _) in runs):
+        from .trace import plot_timelines
+
+        plot_timelines([(r["label"], out / r["label"], r["steps"]) for r in rows], out / "timelines.png")
     print(table, end="")
-    print(f"results in {os.path.abspath(out)} (compare.md, compare.json, compare.png)")
+    timelines = ", timelines.png" if (out / "timelines.png").exists() else ""
+    print(f"results in {os.path.abspath(out)} (compare.md, compare.json, compare.png{timelines})")
     return 0

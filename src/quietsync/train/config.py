@@ -14,6 +14,7 @@ from typing import Literal, get_args
 
 from ..link import parse_links
 from ..validate import check_choice, check_float, check_int
+from .budgets import Budgets
 from .corpus import DEFAULT_DATASET
 from .profile import parse_profile_steps
 from .sinks import parse_log_with
@@ -42,7 +43,13 @@ class TrainConfig:
     nodes: int | None = None
     """Nodes for the topology; default: WORLD_SIZE/LOCAL_WORLD_SIZE under torchrun, and with local workers one node per worker (so --link inter=... applies between them)."""
     max_steps: int = 300
-    """Committed optimizer steps to train for."""
+    """Committed optimizer steps to train for (the lr schedule spans them); with other budgets, the run stops at the first one reached."""
+    max_tokens: int | None = None
+    """Token budget: stop after the first committed step at which all workers together have fed N tokens (the fair budget for comparing strategies)."""
+    max_time_s: float | None = None
+    """Time budget: stop after the first committed step at which S seconds of training have passed (the slowest worker's clock)."""
+    target_loss: float | None = None
+    """Stop at the first evaluation (every --eval-every steps) whose held-out loss is at or below X."""
     micro_batch_size: int = 8
     """Sequences per micro-batch on each worker."""
     seq_len: int = 128
@@ -112,6 +119,12 @@ class TrainConfig:
         for name in ("eval_every", "save_every", "threads"):
             check_int(name, getattr(self, name), 0)
         check_int("nodes", self.nodes, 1, allow_none=True)
+        check_int("max_tokens", self.max_tokens, 1, allow_none=True)
+        check_float("max_time_s", self.max_time_s, 0, low_open=True, allow_none=True)
+        check_float("target_loss", self.target_loss, 0, low_open=True, allow_none=True)
+        if self.target_loss is not None and not self.eval_every:
+            raise ValueError("target_loss needs --eval-every N > 0: the held-out loss is only measured at evaluations, "
+                             f"got eval_every {self.eval_every}")
         check_int("seq_len", self.seq_len, 2)
         check_int("vocab_size", self.vocab_size, MIN_VOCAB)
         check_int("warmup_steps", self.warmup_steps, 0, allow_none=True)
@@ -156,6 +169,10 @@ class TrainConfig:
     def warmup(self) -> int:
         """Warm-up steps in effect."""
         return self.warmup_steps if self.warmup_steps is not None else max(1, self.max_steps // 20)
+
+    def budgets(self) -> Budgets:
+        """The run's budgets (--max-steps, --max-tokens, --max-time-s, --target-loss)."""
+        return Budgets(self.max_steps, self.max_tokens, self.max_time_s, self.target_loss)
 
     def slow(self) -> SlowWorker | None:
         """The parsed --slow-worker, if any."""

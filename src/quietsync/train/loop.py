@@ -3,21 +3,22 @@
 Per worker: build the topology and transport from the environment, load the corpus and the cached
 tokenizer, build the GPT-Neo preset (same seed on every worker) and the strategy, then::
 
-    while strategy.steps < max_steps:
+    while stopped_by is None:
         strategy.forward_backward(batch, lm_loss)            # (+ --slow-worker sleep)
         guard.see(loss)                                      # --on-nonfinite (train/nonfinite.py)
         if guard.before_step(): continue                     # a non-finite round, dropped on every worker
-        if strategy.step():                                  # a committed step: log, eval, checkpoint
-            ...
-    with strategy.committed_params(): evaluate
+        if strategy.step():                                  # a committed step: log, eval (if due),
+            stopped_by = budgets.check(...)                  # the budgets, agreed (train/budgets.py),
+            ...                                              # the last eval, checkpoint
 
 Evaluation needs no communication: every worker evaluates the same held-out windows on its committed
 parameters (identical across workers for synchronous strategies) and logs the result; rank 0's is the one
 reported. The collectives the loop issues itself: the non-finite guard's agreements (one tiny all-reduce per
-round for strategies that drop rounds, one per checkpoint and one at the end, on a gloo group of its own) and
-one all-reduce of the totals after ``strategy.close()``, for the summary; and, for a strategy that can reshard,
-torch.distributed.checkpoint's own when a checkpoint's world-size-independent part is written or read
-(train/logical_checkpoint.py). Only rank 0 prints.
+round for strategies that drop rounds, one per checkpoint and one at the end, on a gloo group of its own), the
+budgets' agreement on the same group (one tiny all-reduce per committed step, only when --max-tokens,
+--max-time-s or --target-loss is set) and one all-reduce of the totals after ``strategy.close()``, for the
+summary; and, for a strategy that can reshard, torch.distributed.checkpoint's own when a checkpoint's
+world-size-independent part is written or read (train/logical_checkpoint.py). Only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..link import parse_links
 from ..strategies import Strategy, StrategyConfig, make_strategy
 from ..topology import GROUPS, Topology
 from ..transport import Transport
+from .budgets import BudgetWatch
 from .checkpoint import (
     checkpoint_root,
     latest_checkpoint,
@@ -221,7 +223,8 @@ def _train(
     slow: SlowWorker | None,
     t_setup: float,
 ) -> dict[str, Any]:
-    """The step loop of one worker: micro-batches until ``cfg.max_steps`` committed steps; logs, evals, saves."""
+    """The step loop of one worker: micro-batches until the first budget is reached (``--max-steps`` committed
+    steps, or one of train/budgets.py, agreed by every worker); logs, evals, saves."""
     from tqdm.auto import tqdm
 
     metrics = MetricsWriter(cfg.out, rank, resume_step, sinks=open_sinks(
@@ -230,7 +233,7 @@ def _train(
     timer = MicroBatchTimer(slow, rank, device)
     if rank == 0:
         print(f"quietsync train: strategy {cfg.strategy}, {strategy.world_size} worker(s), model {cfg.model} "
-              f"({count_parameters(strategy.module) / 1e6:.2f} M parameters), {cfg.max_steps} steps, "
+              f"({count_parameters(strategy.module) / 1e6:.2f} M parameters), {cfg.budgets().describe()}, "
               f"out {cfg.out}", flush=True)
     bar = tqdm(total=cfg.max_steps, initial=strategy.steps, unit="step", dynamic_ncols=True, mininterval=0.5,
                disable=rank != 0 or not cfg.progress, desc=f"{cfg.strategy}")
@@ -241,7 +244,7 @@ def _train(
     # time_s continues across a resume (the clock restarts where the kept records end)
     t0 = time.perf_counter() - max((r.get("time_s", 0.0) for r in metrics.kept), default=0.0)
 
-    def run_eval() -> None:
+    def run_eval() -> float:
         t = time.perf_counter()
         # the raw module: no wrapper hooks or collectives in eval; its time is not the next step's compute
         with strategy.paused(), strategy.committed_params():
@@ -251,8 +254,11 @@ def _train(
         bar.set_postfix(eval=f"{loss:.3f}", refresh=False)
         if bar.disable:
             say(f"step {strategy.steps:>6}  eval loss {loss:.4f}")
+        return loss
 
     guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
+    budgets = BudgetWatch(cfg.budgets(), strategy, guard.group)
+    stopped_by = "max_steps" if strategy.steps >= cfg.max_steps else None  # a resume of a finished run
     profiler = StepProfiler(cfg.profile_steps, cfg.out, rank, device)
     skipped_before = sum(r.get("skipped_rounds", 0) for r in metrics.kept if "event" not in r)
     try:
@@ -260,7 +266,7 @@ def _train(
             run_eval()
         losses: list[torch.Tensor] = []
         step_tokens = 0
-        while strategy.steps < cfg.max_steps:
+        while stopped_by is None:
             profiler.before_micro_batch(strategy.steps)
             batch = next(stream).to(device, non_blocking=True)
             timer.start()
@@ -299,10 +305,14 @@ def _train(
             losses, step_tokens = [], 0
             bar.update(1)
             bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{m.lr:.2e}", refresh=False)
-            last = strategy.steps >= cfg.max_steps
-            if last or (cfg.eval_every and strategy.steps % cfg.eval_every == 0):
-                run_eval()
-            if cfg.save_every and (strategy.steps % cfg.save_every == 0 or last):
+            eval_loss = run_eval() if cfg.eval_every and strategy.steps % cfg.eval_every == 0 else None
+            stopped_by = budgets.check(tokens_total, time.perf_counter() - t0, eval_loss)
+            if stopped_by is not None:
+                if stopped_by != "max_steps":
+                    say(f"step {m.step:>6}  stopped by {stopped_by} ({cfg.budgets().describe()})")
+                if eval_loss is None:  # every run ends with an evaluation of its last step
+                    run_eval()
+            if cfg.save_every and (strategy.steps % cfg.save_every == 0 or stopped_by is not None):
                 with strategy.paused():
                     _save(cfg, strategy, stream, rank, tokens_total, guard)
         guard.check_parameters()
@@ -316,7 +326,7 @@ def _train(
     return {
         "wall_s": time.perf_counter() - t0, "setup_s": setup_s, "tokens_total": tokens_total,
         "evals": evals, "micro_batches": strategy.micro_batches,
-        "nonfinite_skips": skipped_before + guard.skipped, **sums,
+        "nonfinite_skips": skipped_before + guard.skipped, "stopped_by": stopped_by, **sums,
     }
 
 
@@ -380,6 +390,8 @@ def _summary(
         "model": cfg.model,
         "parameters": n_params,
         "steps": strategy.steps,
+        "stopped_by": result["stopped_by"],
+        "budgets": dataclasses.asdict(cfg.budgets()),
         "micro_batches": totals["micro_batches"],
         "nonfinite_skips": result["nonfinite_skips"],
         "tokens": totals["tokens"],

@@ -32,7 +32,8 @@ EVAL_FIELDS = ("event", "step", "rank", "loss", "perplexity", "tokens_total", "e
 """Keys of every ``{"event": "eval"}`` record."""
 
 SUMMARY_FIELDS = (
-    "strategy", "world_size", "nodes", "model", "parameters", "steps", "micro_batches", "tokens", "wall_s",
+    "strategy", "world_size", "nodes", "model", "parameters", "steps", "stopped_by", "budgets", "micro_batches",
+    "tokens", "wall_s",
     "setup_s", "tokens_per_s", "first_eval_loss", "last_eval_loss", "eval", "bytes_sent", "bytes_recv",
     "bytes_by_group", "bytes_sent_per_step", "compute_s", "comm_s", "idle_s", "compute_fraction",
     "links", "slow_worker", "config", "strategy_config",
@@ -176,6 +177,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("workers x nodes", f"{summary['world_size']} workers, {summary['nodes']} node(s)"),
         ("model", f"{summary['model']} ({summary['parameters'] / 1e6:.2f} M parameters)"),
         ("steps / micro-batches", f"{summary['steps']} / {summary['micro_batches']}"),
+        ("stopped by", str(summary.get("stopped_by"))),
         ("tokens", f"{summary['tokens']:,}"),
         ("wall time", f"{summary['wall_s']:.1f} s (+ {summary['setup_s']:.1f} s setup)"),
         ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s"),

@@ -140,6 +140,12 @@ class NonFiniteGuard:
             timeout = datetime.timedelta(seconds=strategy.transport.timeout_s)
             self._group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
 
+    @property
+    def group(self) -> Any:
+        """The guard's gloo group of all workers (None with one worker): the trainer's control plane, which the
+        budget agreement (:mod:`quietsync.train.budgets`) shares; torn down by :meth:`close`."""
+        return self._group
+
     # ------------------------------------------------------------------ the step loop
     def see(self, loss: torch.Tensor | None) -> None:
         """After each ``forward_backward``: note a non-finite micro-batch loss (agreeing strategies) or, for

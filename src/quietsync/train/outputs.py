@@ -28,7 +28,7 @@ RUN_OUTPUTS = (
 )
 """Glob patterns of what ``quietsync train`` writes under ``--out`` (what ``--overwrite`` removes)."""
 
-COMPARE_OUTPUTS = ("compare.json", "compare.md", "compare.png")
+COMPARE_OUTPUTS = ("compare.json", "compare.md", "compare.png", "timelines.png")
 """What ``quietsync compare`` writes under its ``--out`` besides one sub-folder per run."""
 
 

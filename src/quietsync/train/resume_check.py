@@ -63,6 +63,7 @@ NOTED: dict[str, str] = {
 SAFE = frozenset({
     "out", "overwrite", "eval_every", "save_every", "resume", "cache_dir", "timeout_s", "progress", "plot",
     "trace", "profile_steps", "export", "on_nonfinite", "nonfinite_skip_limit", "log_with",
+    "max_tokens", "max_time_s", "target_loss",  # only when the run stops (tokens and time count from step 0)
 })
 """Job fields a resumed run may change without a word."""
 

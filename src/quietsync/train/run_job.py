@@ -37,6 +37,10 @@ def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -
         notes += check_resume(cfg, strategy_config, cfg.nproc, nodes)
     if not torchrun:
         check_data(cfg, cfg.nproc)
+    sync_every = getattr(strategy_config, "sync_every", None)
+    if isinstance(sync_every, int) and cfg.max_steps < sync_every:
+        notes.append(f"--max-steps {cfg.max_steps} is below --sync-every {sync_every}: the workers never "
+                     "synchronise in this run (with diloco the evaluated outer model stays where it started)")
     if cfg.overwrite and os.environ.get("LOCAL_RANK", "0") == "0":
         removed = remove_outputs(cfg.out)
         if removed:

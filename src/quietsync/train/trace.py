@@ -141,30 +141,71 @@ def read_traces(out: str | os.PathLike) -> dict[int, list[dict[str, Any]]]:
     return dict(sorted(traces.items()))
 
 
-def plot_timeline(out: str | os.PathLike, steps: int, title: str = "", window_steps: int = 4) -> Path | None:
-    """Draw ``OUT/timeline.png``: about ``window_steps`` steps from the middle of the run (None if no spans)."""
-    traces = read_traces(out)
+def _window(traces: dict[int, list[dict[str, Any]]], steps: int, window_steps: int) -> tuple[float, float]:
+    """``(lo, hi)`` in trace microseconds: about ``window_steps`` steps from the middle of the run."""
     all_events = [e for evs in traces.values() for e in evs]
-    if not all_events:
-        return None
-    plt = pyplot()
-
     start = min(e["ts"] for e in all_events)
     end = max(e["ts"] + e["dur"] for e in all_events)
     width = (end - start) / max(1, steps) * window_steps
     lo = start + (end - start) / 2 - width / 2
-    hi = lo + width
+    return lo, lo + width
+
+
+def _draw_timeline(ax: Any, traces: dict[int, list[dict[str, Any]]], lo: float, hi: float) -> None:
+    """One row per worker and lane of ``traces`` between ``lo`` and ``hi`` (milliseconds from ``lo`` on x)."""
     rows = [(rank, lane) for rank in traces for lane in LANE_ORDER]
-    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.2), constrained_layout=True)
     for y, (rank, lane) in enumerate(rows):
         bars = [((max(e["ts"], lo) - lo) / 1e3, (min(e["ts"] + e["dur"], hi) - max(e["ts"], lo)) / 1e3)
                 for e in traces[rank] if e.get("cat") == lane and e["ts"] < hi and e["ts"] + e["dur"] > lo]
         ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=LANE_COLORS.get(lane, "gray"))
     ax.set_yticks(range(len(rows)), [f"worker {r} {lane}" for r, lane in rows])
-    ax.invert_yaxis()
-    ax.set_xlim(0, (hi - lo) / 1e3)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # top to bottom, every row shown (empty lanes too)
     ax.set_xlabel("milliseconds (a window in the middle of the run)")
     ax.grid(axis="x", alpha=0.3)
+
+
+def plot_timeline(out: str | os.PathLike, steps: int, title: str = "", window_steps: int = 4) -> Path | None:
+    """Draw ``OUT/timeline.png``: about ``window_steps`` steps from the middle of the run (None if no spans)."""
+    traces = read_traces(out)
+    if not any(traces.values()):
+        return None
+    plt = pyplot()
+
+    lo, hi = _window(traces, steps, window_steps)
+    rows = len(traces) * len(LANE_ORDER)
+    fig, ax = plt.subplots(figsize=(12, 0.45 * rows + 1.2), constrained_layout=True)
+    _draw_timeline(ax, traces, lo, hi)
+    ax.set_xlim(0, (hi - lo) / 1e3)
     if title:
         ax.set_title(title)
     return save_figure(fig, out, "timeline.png")
+
+
+def plot_timelines(runs: list[tuple[str, str | os.PathLike, int]], path: str | os.PathLike,
+                   window_steps: int = 4) -> Path | None:
+    """Draw the timelines of several runs side by side in one figure at ``path`` (`quietsync compare --trace`).
+
+    ``runs`` holds ``(label, run folder, committed steps)``; a run without a ``trace.json`` is left out (None
+    when none has one). Every panel shows the same length of time from the middle of its run: that of about
+    ``window_steps`` steps of the run whose steps take longest, so a faster run shows more steps in it.
+    """
+    panels = []
+    for label, out, steps in runs:
+        traces = read_traces(out)
+        if any(traces.values()):
+            panels.append((label, steps, traces, _window(traces, steps, window_steps)))
+    if not panels:
+        return None
+    plt = pyplot()
+
+    rows = max(len(traces) for _, _, traces, _ in panels) * len(LANE_ORDER)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 0.45 * rows + 1.5), squeeze=False,
+                             constrained_layout=True)
+    width = max(hi - lo for _, _, _, (lo, hi) in panels)
+    for ax, (label, steps, traces, (lo, hi)) in zip(axes[0], panels):
+        mid = (lo + hi) / 2
+        _draw_timeline(ax, traces, mid - width / 2, mid + width / 2)
+        ax.set_xlim(0, width / 1e3)
+        ax.set_title(f"{label} ({steps} steps in the run)")
+    path = Path(path)
+    return save_figure(fig, path.parent, path.name)

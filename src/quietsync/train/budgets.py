@@ -1,0 +1,126 @@
+"""When a `quietsync train` run stops: the first of its budgets reached, agreed by every worker.
+
+Budgets (flags of :class:`~quietsync.train.config.TrainConfig`):
+
+* ``--max-steps N``: committed optimizer steps (always set);
+* ``--max-tokens N``: tokens fed by all workers together (each micro-batch counts ``micro_batch_size x
+  seq_len`` tokens on the worker that fed it);
+* ``--max-time-s S``: wall-clock seconds of training (the ``time_s`` of the metrics: setup excluded, evaluations
+  included, continued across a resume);
+* ``--target-loss X``: a held-out evaluation at or below ``X`` (rank 0's, the one reported; evaluations run
+  every ``--eval-every`` steps, and the evaluation before the first step does not count).
+
+The check runs once per committed step, after that step's evaluation (if one is due). Each worker's clock and
+token count differ (ACCO's workers feed different numbers of micro-batches, a slow worker's clock runs ahead),
+so the workers decide on values they all share: one all-reduce of a ``world x 3`` table (each worker fills its
+row: tokens fed, seconds since the start, its evaluation's loss) on the trainer's own gloo group (the non-finite
+guard's control plane, not link-emulated, not metered; its wait counts as idle time). From the table every
+worker reads the same sums: tokens = the column's sum, time = the slowest clock (the largest), loss = rank 0's.
+So every worker stops after the same committed step, with nothing left waiting in a collective; strategies with
+work in flight (acco, cdp) then drain it in ``strategy.close()`` as after ``--max-steps``.
+
+The budgets are thresholds on committed steps: a run stops after the **first committed step** at which a budget
+is reached, so a token budget may be passed by less than one step's tokens (exact when it is a multiple of
+them). With only ``--max-steps`` no collective is added (the step count is the same on every worker).
+When several budgets are reached at the same step, ``stopped_by`` names the first of :data:`BUDGETS`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BUDGETS = ("target_loss", "max_tokens", "max_time_s", "max_steps")
+"""Values of ``stopped_by`` in ``summary.json``, in the order that names a tie."""
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """The budgets of one run (None = not set); validated by :class:`~quietsync.train.config.TrainConfig`."""
+
+    max_steps: int
+    """Committed optimizer steps."""
+    max_tokens: int | None = None
+    """Tokens of all workers together."""
+    max_time_s: float | None = None
+    """Wall-clock seconds of training."""
+    target_loss: float | None = None
+    """Held-out loss to reach (at an evaluation after a committed step)."""
+
+    @property
+    def agreed(self) -> bool:
+        """Whether a budget besides ``max_steps`` is set (then the workers agree once per committed step)."""
+        return any(v is not None for v in (self.max_tokens, self.max_time_s, self.target_loss))
+
+    def reached(self, steps: int, tokens: float, time_s: float, eval_loss: float | None) -> str | None:
+        """The budget (a name of :data:`BUDGETS`) that stops the run after a committed step with these totals,
+        or None. ``eval_loss`` is the loss of the evaluation after this step (None when none ran)."""
+        hits = {
+            "target_loss": self.target_loss is not None and eval_loss is not None and math.isfinite(eval_loss)
+            and eval_loss <= self.target_loss,
+            "max_tokens": self.max_tokens is not None and tokens >= self.max_tokens,
+            "max_time_s": self.max_time_s is not None and time_s >= self.max_time_s,
+            "max_steps": steps >= self.max_steps,
+        }
+        return next((name for name in BUDGETS if hits[name]), None)
+
+    def describe(self) -> str:
+        """``"300 steps, 1,000,000 tokens, 60 s or loss <= 3.5, whichever comes first"`` for the start line."""
+        parts = [f"{self.max_steps} steps"]
+        if self.max_tokens is not None:
+            parts.append(f"{self.max_tokens:,} tokens")
+        if self.max_time_s is not None:
+            parts.append(f"{self.max_time_s:g} s")
+        if self.target_loss is not None:
+            parts.append(f"eval loss <= {self.target_loss:g}")
+        if len(parts) == 1:
+            return parts[0]
+        return ", ".join(parts[:-1]) + f" or {parts[-1]}, whichever comes first"
+
+
+class BudgetWatch:
+    """One worker's side of the agreement (see the module docstring); every worker calls :meth:`check` after
+    each committed step.
+
+    Args:
+        budgets: the run's budgets.
+        strategy: this worker's strategy (its rank, world size, and ``waiting`` to book the wait as idle).
+        group: a gloo process group of all workers (the non-finite guard's); None with one worker.
+    """
+
+    def __init__(self, budgets: Budgets, strategy: Any, group: Any = None) -> None:
+        if strategy.world_size > 1 and budgets.agreed and group is None:
+            raise ValueError("BudgetWatch needs a process group of all workers to agree on the budgets")
+        self.budgets = budgets
+        self.strategy = strategy
+        self.group = group
+
+    def check(self, tokens: int, time_s: float, eval_loss: float | None) -> str | None:
+        """After a committed step: which budget stops the run now (the same on every worker), or None.
+
+        ``tokens``: this worker's tokens fed so far; ``time_s``: its seconds since the start of training;
+        ``eval_loss``: its evaluation after this step, None when none ran.
+        """
+        steps = self.strategy.steps
+        if not self.budgets.agreed:
+            return self.budgets.reached(steps, 0, 0.0, None)
+        tokens_all, time_all, loss0 = self.agree(tokens, time_s, eval_loss)
+        return self.budgets.reached(steps, tokens_all, time_all, loss0)
+
+    def agree(self, tokens: int, time_s: float, eval_loss: float | None) -> tuple[float, float, float | None]:
+        """``(tokens of all workers, the largest clock, rank 0's evaluation loss or None)``: one all-reduce."""
+        me, world = self.strategy.rank, self.strategy.world_size
+        table = torch.zeros(world, 3, dtype=torch.float64)
+        table[me] = torch.tensor([float(tokens), float(time_s), math.nan if eval_loss is None else eval_loss],
+                                 dtype=torch.float64)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            # every other row is 0 on this worker, so a sum is each worker's row; NaN + 0 stays NaN
+            with self.strategy.waiting("budget_agree"):
+                dist.all_reduce(table, group=self.group)
+        loss0 = float(table[0, 2])
+        return float(table[:, 0].sum()), float(table[:, 1].max()), None if math.isnan(loss0) else loss0
