@@ -1,5 +1,6 @@
 """Resume compares the checkpoint's config with the flags: incompatible changes are refused in one line
-listing them, safe ones pass (with a note of what they change), another world size is one line."""
+listing them, safe ones pass (with a note of what they change), another world size is a note where the
+checkpoint can be resharded and one line naming the strategy and why where it cannot."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from quietsync.train.resume_check import (
     TOPOLOGY,
     ResumeMismatch,
     check_checkpoint,
+    check_resume,
 )
 
 from ._run import refused, small_job, train
@@ -63,11 +65,25 @@ def test_safe_changes_pass_and_schedule_changes_get_a_note():
         check_checkpoint(saved, TrainConfig(max_steps=4), scfg, 2, 2)
 
 
+def _job_config(job: list[str]) -> dict:
+    """TrainConfig fields of ``small_job``'s flags."""
+    flags = dict(zip(job[::2], job[1::2]))
+    return {"model": flags["--model"], "micro_batch_size": int(flags["--micro-batch-size"]),
+            "seq_len": int(flags["--seq-len"]), "vocab_size": int(flags["--vocab-size"]),
+            "dataset": flags["--dataset"], "cache_dir": flags["--cache-dir"],
+            "eval_windows": int(flags["--eval-windows"]), "eval_every": 0}
+
+
 def test_another_world_size_is_one_line():
     scfg = get("zero1")[1]()
     saved = _payload(TrainConfig(max_steps=8), scfg, world=2)
-    with pytest.raises(ResumeMismatch, match=r"written by 2 workers; this run has 4; .*--nproc 2"):
+    with pytest.raises(ResumeMismatch, match=r"written by 2 workers; this run has 4; .*--nproc 2\): it has no "
+                                             r"world-size-independent part"):
         check_checkpoint(saved, TrainConfig(max_steps=8), scfg, 4, 4)
+    acco = _payload(TrainConfig(strategy="acco", max_steps=8), get("acco")[1](), world=2)
+    with pytest.raises(ResumeMismatch, match=r"written by 2 workers; this run has 4; resume it with 2 workers "
+                                             r"\(--nproc 2\): strategy acco cannot be resharded: every worker holds"):
+        check_checkpoint(acco, TrainConfig(strategy="acco", max_steps=8), get("acco")[1](), 4, 4)
     with pytest.raises(ResumeMismatch, match=r"written on 2 nodes; this run has 1"):
         check_checkpoint(saved, TrainConfig(max_steps=8), scfg, 2, 1)
 
@@ -81,10 +97,11 @@ def test_resume_from_the_command_line(tmp_path, monkeypatch, capsys):
     line = refused(monkeypatch, capsys, *job, "--max-steps", "4", "--out", str(out), "--resume", str(step2),
                    "--seq-len", "16")
     assert "the checkpoint was written with --seq-len 32; this run has --seq-len 16" in line
-    for nproc in ("1", "4"):  # bare --resume: the newest checkpoint, written by 2 workers
-        line = refused(monkeypatch, capsys, *job, "--max-steps", "6", "--out", str(out), "--resume",
-                       "--nproc", nproc)
-        assert f"written by 2 workers; this run has {nproc}" in line
+    for nproc in (1, 4):  # bare --resume: the newest checkpoint, written by 2 workers; zero1 reshards
+        cfg = TrainConfig(**{**_job_config(job), "max_steps": 6, "out": str(out), "resume": "latest",
+                                  "nproc": nproc})
+        notes = check_resume(cfg, get("zero1")[1](), nproc, nproc)
+        assert notes[0].startswith(f"--resume: resharding a checkpoint of 2 workers onto {nproc}: ")
     resumed = train(*job, "--max-steps", "6", "--out", str(out), "--resume", str(step2))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "--resume: --max-steps 4 -> 6:" in resumed.stdout and "schedule after step 2" in resumed.stdout

@@ -50,6 +50,12 @@ class ACCOConfig(OverlapConfig):
 class ACCO(Strategy):
     """ACCO on the flat sharded substrate; see the module docstring."""
 
+    reshard_refusal = (
+        "every worker holds its part of a round in flight (the gradients of the estimate stage, not yet "
+        "applied, and the estimate θ̃ they were computed at), which has no counterpart on another number of "
+        "workers"
+    )
+
     config: ACCOConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:

@@ -29,7 +29,10 @@ transport's meter.
 Checkpoints: :meth:`state_dict` records the worker's :meth:`position` (committed steps and the strategy's
 stage counters); :meth:`load_state_dict` compares it across workers and refuses, on every worker, a
 checkpoint whose files were saved at different positions. Take checkpoints at the same position on every
-worker — right after ``step()`` returned True on all of them, as the trainer does.
+worker — right after ``step()`` returned True on all of them, as the trainer does. Strategies whose state
+has a world-size-independent form (``reshard_refusal is None``: ddp, zero1) also offer
+:meth:`logical_state_dict`/:meth:`load_logical_state_dict` (see :mod:`~quietsync.strategies.logical`), which the
+trainer writes through ``torch.distributed.checkpoint`` so a job can resume on another number of workers.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from ..events import label
 from ..flat import normalize_param_groups
 from ..transport import Transport
 from .accounting import StepAccounting, StepMetrics
+from .logical import Reader, ReshardError, SavedTensors, open_round_problem
 
 LRSchedule = Callable[[int], float]
 """``f(committed_steps) -> multiplier`` of each parameter group's base learning rate."""
@@ -88,6 +92,10 @@ class Strategy(ABC):
     resumable: ClassVar[bool] = True
     """Whether :meth:`state_dict` works between committed steps of a running job (the trainer's
     ``--save-every``/``--resume``); a strategy that keeps micro-batches in flight across steps sets False."""
+
+    reshard_refusal: ClassVar[str | None] = "its state has no world-size-independent form yet"
+    """Why a checkpoint of this strategy cannot be loaded on another number of workers; ``None`` where it can
+    (the strategy implements :meth:`_logical_state`, :meth:`_logical_targets` and :meth:`_load_logical`)."""
 
     discards_rounds: ClassVar[bool] = False
     """Whether the open round can be dropped before it commits (:meth:`discard_round`, the trainer's
@@ -312,6 +320,34 @@ class Strategy(ABC):
                 part.load_state_dict(state["parts"][name])
         self._load_state(state["state"])
 
+    def logical_state_dict(self) -> dict[str, torch.Tensor]:
+        """This worker's part of the world-size-independent state (see :mod:`~quietsync.strategies.logical`):
+        tensors (some DTensors) by logical name, for ``torch.distributed.checkpoint.save`` on every worker.
+
+        Raises :class:`~quietsync.strategies.logical.ReshardError` where the strategy cannot be resharded
+        (:attr:`reshard_refusal`) or a round is open (save right after ``step()`` returned True).
+        """
+        self._check_reshardable()
+        problem = open_round_problem(self.name, self.position())
+        if problem:
+            raise ReshardError(problem)
+        return {"steps": torch.tensor(self.steps, dtype=torch.int64), **self._logical_state()}
+
+    def load_logical_state_dict(self, saved: SavedTensors, read: Reader) -> None:
+        """Resume from a logical checkpoint of any world size. ``saved`` lists its tensors (``{key: (shape,
+        dtype)}``); ``read(targets)`` fills tensors laid out for this worker (a collective: every worker of the
+        job calls this). The open round starts empty; ``micro_batches`` (a per-worker count) is left to the
+        caller."""
+        self._check_reshardable()
+        targets = {"steps": torch.zeros((), dtype=torch.int64), **self._logical_targets(saved)}
+        missing = sorted(k for k in targets if k not in saved)
+        if missing:
+            raise ReshardError(f"the checkpoint lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                               f"(was it written by strategy {self.name} on this model?)")
+        read(targets)
+        self.steps = int(targets["steps"])
+        self._load_logical(targets)
+
     def close(self) -> None:
         """Stop background work and release this strategy's resources; safe to call twice."""
         if self._closed:
@@ -374,6 +410,22 @@ class Strategy(ABC):
 
     def _load_state(self, state: dict[str, Any]) -> None:
         pass
+
+    def _check_reshardable(self) -> None:
+        if self.reshard_refusal is not None:
+            raise ReshardError(f"strategy {self.name} cannot be resharded: {self.reshard_refusal}")
+
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        """The world-size-independent tensors beyond ``steps`` (strategies with ``reshard_refusal = None``)."""
+        raise NotImplementedError
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        """Tensors in this worker's layout to read :meth:`_logical_state` of any world size into."""
+        raise NotImplementedError
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        """Take the state :meth:`_logical_targets` was filled with."""
+        raise NotImplementedError
 
     def _position(self) -> dict[str, int]:
         """The strategy's own position counters beyond its parts' (e.g. ACCO's stage)."""

@@ -316,6 +316,8 @@ class _MicroBatch:
 class CDP(Strategy):
     """Cyclic Data Parallelism; see the module docstring."""
 
+    reshard_refusal = "micro-batches of the next step are in flight when a step commits"
+
     resumable = False  # micro-batches of the next step are in flight when a step commits
 
     config: CDPConfig

@@ -26,6 +26,18 @@ from ..sharded import build_optimizer
 from ..validate import check_float
 from .accumulation import AccumulationConfig, OptimizerRound
 from .base import Strategy
+from .logical import (
+    SavedTensors,
+    base_lrs_state,
+    base_lrs_target,
+    load_module,
+    load_optimizer,
+    module_state,
+    module_targets,
+    optimizer_state,
+    optimizer_targets,
+    parameter_names,
+)
 from .registry import register
 
 
@@ -50,6 +62,7 @@ class DDP(Strategy):
     """
 
     discards_rounds = True
+    reshard_refusal = None  # every worker holds the same model and optimizer state after a step
 
     config: DDPConfig
 
@@ -106,4 +119,20 @@ class DDP(Strategy):
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
+        self._set_sync_for_next()
+
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        names = parameter_names(self.module)
+        return {**module_state(self.module), **optimizer_state(self.optimizer, names),
+                **base_lrs_state(self.round.lr.base_lrs)}
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        names = parameter_names(self.module)
+        return {**module_targets(self.module), **optimizer_targets(self.optimizer, names, saved),
+                **base_lrs_target(self.round.lr.base_lrs, saved)}
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        load_module(self.module, filled)
+        load_optimizer(self.optimizer, parameter_names(self.module), filled)
+        self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]
         self._set_sync_for_next()

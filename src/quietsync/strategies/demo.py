@@ -33,6 +33,12 @@ from .registry import register
 class DeMo(Strategy):
     """DeMo over plain data parallelism; see the module docstring."""
 
+    reshard_refusal = (
+        "each worker's decoupled momentum δ is its own (only a compressed part of it ever crosses the "
+        "network) and its AdamW moments stay local, so there is no one state to split over another number of "
+        "workers"
+    )
+
     discards_rounds = True
 
     config: DecoupledConfig

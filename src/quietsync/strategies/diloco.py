@@ -102,6 +102,11 @@ class DiLoCoConfig(AccumulationConfig):
 class DiLoCo(Strategy):
     """DiLoCo / Streaming DiLoCo, optionally hierarchical; see the module docstring."""
 
+    reshard_refusal = (
+        "each worker's inner optimizer state is its own and its inner model drifts between outer syncs, so "
+        "there is no one state to split over another number of workers"
+    )
+
     discards_rounds = True
 
     config: DiLoCoConfig

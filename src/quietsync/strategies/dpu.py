@@ -37,6 +37,11 @@ class DPUConfig(DelayedConfig):
 class DPU(Strategy):
     """Delayed Parameter Update; see the module docstring."""
 
+    reshard_refusal = (
+        "the gradients of the last round are applied one step late, so every checkpoint holds a round in "
+        "flight, summed over the old workers' micro-batches"
+    )
+
     config: DPUConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:

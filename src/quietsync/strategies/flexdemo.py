@@ -95,6 +95,11 @@ class DimZeroShards:
 class FlexDeMo(Strategy):
     """Hybrid-sharded decoupled momentum; see the module docstring."""
 
+    reshard_refusal = (
+        "each worker's decoupled momentum δ is its own (only a compressed part of it ever crosses the "
+        "network), sharded over the node, so there is no one state to split over another number of workers"
+    )
+
     discards_rounds = True
 
     config: DecoupledConfig

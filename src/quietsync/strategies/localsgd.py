@@ -53,6 +53,11 @@ class LocalSGDConfig(AccumulationConfig):
 class LocalSGD(Strategy):
     """Local SGD with periodic parameter averaging over ``world``; see the module docstring."""
 
+    reshard_refusal = (
+        "each worker's local optimizer state (AdamW moments) is its own and its parameters drift between "
+        "syncs, so there is no one state to split over another number of workers"
+    )
+
     discards_rounds = True
 
     config: LocalSGDConfig

@@ -11,6 +11,10 @@ builds on. It owns
 
 and the three moves of a sharded step: :meth:`reduce_scatter_grads`, :meth:`step`, :meth:`all_gather_params`.
 At construction rank 0's parameters are broadcast over the group, so replicas start identical.
+
+Its world-size-independent form (:meth:`logical_state_dict`, for checkpoints that reshard) is the master and
+the optimizer's per-element state over the unpadded flat buffer, each a DTensor ``Shard(0)`` over the group;
+see :mod:`~quietsync.strategies.logical` for why.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from ..flat import DTypePolicy, FlatParams, nbytes, parse_dtype
 from ..sharded import ShardedOptimizer
 from ..transport import Transport
 from .broadcast import broadcast_parameters
+from .logical import ReshardError, SavedTensors, base_lrs_state, base_lrs_target, flat_tensor, local_part
 from .lr import LRScaler
+
+_FLAT = "optim.flat."
 
 
 class ShardedState:
@@ -88,3 +95,79 @@ class ShardedState:
             self.flat.data.copy_(state["params"])
         self.shard.load_state_dict(state["shard"])
         self.lr.load_state_dict(state["lr"])
+
+    # ------------------------------------------------------------------ world-size-independent form
+    def _mesh(self) -> Any:
+        """A 1-D device mesh over the group (None for a group of one)."""
+        pg = self.transport.process_group(self.group)
+        if pg is None:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(pg, self.flat.device.type)
+
+    def _local_len(self) -> int:
+        """Elements of this shard that are not padding (the local length of the ``Shard(0)`` chunk)."""
+        return max(0, min(self.shard.hi, self.flat.numel) - self.shard.lo)
+
+    def _views(self) -> list[torch.Tensor]:
+        return [g["params"][0] for g in self.optimizer.param_groups]
+
+    def logical_state_dict(self) -> dict[str, torch.Tensor]:
+        """``optim.flat.master``, ``optim.flat.<key>`` (DTensors over the unpadded flat buffer),
+        ``optim.group<i>.<key>`` (scalars) and ``optim.base_lrs``."""
+        mesh, n, length = self._mesh(), self.flat.numel, self._local_len()
+        out = {f"{_FLAT}master": flat_tensor(self.shard.master[:length], n, mesh), **base_lrs_state(self.lr.base_lrs)}
+        views = self._views()
+        states = [self.optimizer.state.get(v, {}) for v in views]
+        keys = sorted({k for st in states for k in st})
+        for key in keys:
+            values = [st.get(key) for st in states]
+            if any(not isinstance(v, torch.Tensor) for v in values):
+                raise ReshardError(f"optimizer state {key!r} is missing for a parameter group or not a tensor")
+            if all(v.dim() == 0 for v in values):
+                out.update({f"optim.group{i}.{key}": v.detach() for i, v in enumerate(values)})
+            elif all(v.shape == view.shape for v, view in zip(values, views)):
+                local = torch.cat([v.detach().reshape(-1) for v in values])[:length]
+                out[f"{_FLAT}{key}"] = flat_tensor(local, n, mesh)
+            else:
+                raise ReshardError(f"optimizer state {key!r} is neither per element nor a scalar per group")
+        return out
+
+    def logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        """Tensors of this shard's layout to read :meth:`logical_state_dict` of any world size into."""
+        mesh, n, length = self._mesh(), self.flat.numel, self._local_len()
+        out = base_lrs_target(self.lr.base_lrs, saved)
+        for key, (shape, dtype) in saved.items():
+            if key.startswith(_FLAT):
+                if tuple(shape) != (n,):
+                    raise ReshardError(f"the checkpoint's {key} has shape {tuple(shape)}; this model's flat buffer "
+                                       f"has {n} elements (another model or parameter groups?)")
+                out[key] = flat_tensor(torch.zeros(length, dtype=dtype, device=self.flat.device), n, mesh)
+            elif key.startswith("optim.group"):
+                out[key] = torch.zeros(shape, dtype=dtype)
+        if f"{_FLAT}master" not in out:
+            raise ReshardError("the checkpoint holds no ZeRO-1 master parameters (optim.flat.master)")
+        return out
+
+    def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        """Take the state :meth:`logical_targets` was filled with."""
+        length = self._local_len()
+        with torch.no_grad():
+            self.shard.master.zero_()
+            self.shard.master[:length].copy_(local_part(filled[f"{_FLAT}master"]))
+        views = self._views()
+        state: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(len(views))}
+        for key, value in filled.items():
+            if key.startswith(_FLAT) and key != f"{_FLAT}master":
+                whole = torch.zeros(self.shard.master.numel(), dtype=value.dtype, device=self.flat.device)
+                whole[:length].copy_(local_part(value))
+                for i, (a, b) in enumerate(self.shard.slices):
+                    state[i][key[len(_FLAT):]] = whole[a:b].view(views[i].shape).clone()
+            elif key.startswith("optim.group"):
+                group, name = key[len("optim.group"):].split(".", 1)
+                state[int(group)][name] = value
+        if any(state.values()):
+            self.optimizer.load_state_dict({"state": state,
+                                            "param_groups": self.optimizer.state_dict()["param_groups"]})
+        self.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]

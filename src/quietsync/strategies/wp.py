@@ -37,6 +37,11 @@ class WPConfig(DelayedConfig):
 class WP(Strategy):
     """Weight prediction; see the module docstring."""
 
+    reshard_refusal = (
+        "the gradients of the last round are applied one step late (on the predicted weights), so every "
+        "checkpoint holds a round in flight"
+    )
+
     config: WPConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:

@@ -25,6 +25,7 @@ import torch
 from ..flat import nbytes, parse_dtype
 from .accumulation import AccumulationConfig, Accumulator
 from .base import Strategy
+from .logical import SavedTensors, load_module, module_state, module_targets
 from .registry import register
 from .sharded_state import ShardedState
 
@@ -50,6 +51,7 @@ class Zero1(Strategy):
     """
 
     discards_rounds = True
+    reshard_refusal = None  # the optimizer shard is a slice of one logical flat state (see ShardedState)
 
     config: Zero1Config
 
@@ -96,3 +98,14 @@ class Zero1(Strategy):
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.grads.copy_(state["grads"])
+
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        return {**module_state(self.module), **self.sharded.logical_state_dict()}
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        return {**module_targets(self.module), **self.sharded.logical_targets(saved)}
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        load_module(self.module, filled)  # the flat parameters (the model's parameters view them)
+        self.sharded.load_logical(filled)
+        self.grads.zero_()

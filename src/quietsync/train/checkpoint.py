@@ -1,9 +1,14 @@
-"""Checkpoints of a training job: one file per worker and step.
+"""Checkpoints of a training job: one file per worker and step, and a world-size-independent part.
 
 Layout: ``OUT/checkpoints/step-0000100/rank{R}.pt``, each holding that worker's ``strategy.state_dict()``
-(model, optimizer shard, pending buffers), its data-stream position, its token count and RNG state.
+(model, optimizer shard, pending buffers), its data-stream position, its token count and RNG state: what a
+resume on the same number of workers loads, exactly. Strategies that can reshard also write
+``step-0000100/logical/`` (:mod:`~quietsync.train.logical_checkpoint`, through torch.distributed.checkpoint),
+what a resume on another number of workers loads.
 Files are written to a temporary name and renamed, so a file that exists is complete; a step folder is
-complete when every expected rank file is in it. ``--resume`` without a folder takes the newest complete one.
+complete for a set of workers when each one's rank file is in it, or, to resume on another number of
+workers, when its logical part is complete and so is every rank file of the workers that wrote it.
+``--resume`` without a folder takes the newest complete one.
 Files are read back with ``weights_only=True``: tensors and plain data only, so loading never runs code.
 """
 
@@ -42,8 +47,20 @@ def save_checkpoint(out: str | os.PathLike, step: int, rank: int, payload: dict[
     return path
 
 
+def _complete(folder: Path, ranks: list[int]) -> bool:
+    """A file for each of ``ranks``; or (another world size) a complete logical part and a file for each of
+    the workers that wrote it."""
+    from .logical_checkpoint import logical_world
+
+    if all(rank_file(folder, r).is_file() for r in ranks):
+        return True
+    old = logical_world(folder)
+    return old is not None and all(rank_file(folder, q).is_file() for q in range(old))
+
+
 def latest_checkpoint(out: str | os.PathLike, ranks: Iterable[int]) -> Path | None:
-    """Newest step folder under ``OUT/checkpoints`` holding a file for each of ``ranks`` (None if none)."""
+    """Newest step folder under ``OUT/checkpoints`` complete for ``ranks`` (see the module docstring; None if
+    none)."""
     root = checkpoint_root(out)
     if not root.is_dir():
         return None
@@ -51,7 +68,7 @@ def latest_checkpoint(out: str | os.PathLike, ranks: Iterable[int]) -> Path | No
     found = []
     for d in root.iterdir():
         m = _STEP_DIR.match(d.name)
-        if m and d.is_dir() and all(rank_file(d, r).is_file() for r in ranks):
+        if m and d.is_dir() and _complete(d, ranks):
             found.append((int(m.group(1)), d))
     return max(found)[1] if found else None
 
@@ -64,9 +81,11 @@ def resolve_resume(resume: str, out: str | os.PathLike, ranks: Iterable[int]) ->
             raise ValueError(f"resume found no complete checkpoint under {checkpoint_root(out)}")
         return folder
     folder = Path(resume)
+    ranks = list(ranks)
     missing = [r for r in ranks if not rank_file(folder, r).is_file()]
-    if missing:
-        raise ValueError(f"resume folder {folder} lacks rank files for ranks {missing}")
+    if missing and not _complete(folder, ranks):
+        raise ValueError(f"resume folder {folder} lacks rank files for ranks {missing} (and a complete "
+                         "world-size-independent part, logical/, to reshard from)")
     return folder
 
 

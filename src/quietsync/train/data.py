@@ -6,7 +6,11 @@
   seeded random offset and permutation of the non-overlapping ``seq_len`` windows and gives worker
   ``r`` the windows ``perm[r::world_size]`` (truncated so every worker has as many), so the workers'
   shards are disjoint and depend only on ``seed``, the epoch and the world size. Its position is in
-  ``state_dict()`` for exact resume.
+  ``state_dict()`` for exact resume. Globally the workers consume each epoch's permutation as one stream, in
+  order: after ``i`` windows per worker, ``perm[:world_size * i]`` have been read. That prefix length is the
+  world-size-independent position (:meth:`~ShardedSequences.logical_position`); a job resumed on another
+  number of workers deals the rest of the epoch, ``perm[consumed:]``, round-robin over its workers
+  (:meth:`~ShardedSequences.continue_from`).
 * :func:`eval_batches` gives each worker its fixed, disjoint part of the held-out windows.
 """
 
@@ -92,6 +96,9 @@ class ShardedSequences:
             )
         self.epoch = 0
         self.index = 0
+        self.base = 0
+        """Windows of this epoch's permutation consumed before this worker's windows start (non-zero only in
+        the epoch a job resumed on another number of workers)."""
         self._order_epoch = -1
         self._offset = 0
         self._mine = torch.empty(0, dtype=torch.long)
@@ -102,8 +109,12 @@ class ShardedSequences:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         self._offset = int(torch.randint(0, self.seq_len, (1,), generator=g))
         perm = torch.randperm(self.num_windows, generator=g)
-        self._mine = perm[self.rank :: self.world_size][: self.windows_per_rank]
+        self._mine = perm[self.base + self.rank :: self.world_size][: self._limit()]
         self._order_epoch = self.epoch
+
+    def _limit(self) -> int:
+        """Windows per worker in the current epoch (all workers get as many)."""
+        return (self.num_windows - self.base) // self.world_size
 
     def window_starts(self) -> torch.Tensor:
         """Start offsets (in tokens) of this worker's windows in the current epoch."""
@@ -114,9 +125,10 @@ class ShardedSequences:
         return self
 
     def __next__(self) -> torch.Tensor:
-        if self.index + self.micro_batch_size > self.windows_per_rank:
+        if self.index + self.micro_batch_size > self._limit():
             self.epoch += 1
             self.index = 0
+            self.base = 0
         starts = self.window_starts()[self.index : self.index + self.micro_batch_size]
         self.index += self.micro_batch_size
         idx = starts[:, None] + torch.arange(self.seq_len)[None, :]
@@ -124,7 +136,8 @@ class ShardedSequences:
 
     def state_dict(self) -> dict[str, int]:
         """Position in the stream (epoch and index); the rest is derived from the constructor."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "world_size": self.world_size}
+        return {"epoch": self.epoch, "index": self.index, "base": self.base, "seed": self.seed,
+                "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a position saved by :meth:`state_dict` (same seed and world size)."""
@@ -134,6 +147,23 @@ class ShardedSequences:
                 f"now {self.seed} and {self.world_size}"
             )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.base = int(state.get("base", 0))
+        self._order_epoch = -1
+
+    def logical_position(self) -> tuple[int, int]:
+        """``(epoch, consumed)``: windows of the epoch's permutation read by all workers together — the same
+        on every worker, and meaningful for any world size."""
+        return self.epoch, self.base + self.world_size * self.index
+
+    def continue_from(self, epoch: int, consumed: int) -> None:
+        """Continue after ``consumed`` windows of ``epoch``'s permutation (a :meth:`logical_position` saved by
+        any number of workers): worker ``r`` reads ``perm[consumed + r :: world_size]``, so no window of the
+        epoch is read twice or skipped, except the epoch's tail that does not fill one more micro-batch on
+        every worker (which each world size cuts at its own place)."""
+        check_int("epoch", epoch, 0)
+        check_int("consumed", consumed, 0, self.num_windows)
+        self.epoch, self.index, self.base = int(epoch), 0, int(consumed)
+        self._order_epoch = -1
 
 
 def eval_batches(

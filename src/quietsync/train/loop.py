@@ -17,7 +17,8 @@ reported. The collectives the loop issues itself: the non-finite guard's agreeme
 round for strategies that drop rounds, one per checkpoint and one at the end, on a gloo group of its own), the
 budgets' agreement on the same group (one tiny all-reduce per committed step, only when --max-tokens,
 --max-time-s or --target-loss is set) and one all-reduce of the totals after ``strategy.close()``, for the
-summary. Only rank 0 prints.
+summary; and, for a strategy that can reshard, torch.distributed.checkpoint's own when a checkpoint's
+world-size-independent part is written or read (train/logical_checkpoint.py). Only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -34,12 +35,20 @@ from ..strategies import Strategy, StrategyConfig, make_strategy
 from ..topology import GROUPS, Topology
 from ..transport import Transport
 from .budgets import BudgetWatch
-from .checkpoint import latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
+from .checkpoint import (
+    checkpoint_root,
+    latest_checkpoint,
+    load_checkpoint,
+    rank_file,
+    resolve_resume,
+    save_checkpoint,
+)
 from .config import TrainConfig
 from .corpus import load_corpus
 from .data import ShardedSequences, encode_split, eval_batches
 from .export import MODEL_DIR, export_model
 from .launch import ERRORS_ENV, note_failure, under_torchrun
+from .logical_checkpoint import load_logical, save_logical
 from .metrics import MetricsWriter, format_summary, write_summary
 from .model import build_model, count_parameters, is_pretrained, load_pretrained, param_groups
 from .nonfinite import NonFiniteError, NonFiniteGuard
@@ -152,14 +161,19 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         resume_step = None
         if cfg.resume:
             folder = resolve_resume(cfg.resume, cfg.out, _local_ranks(topology))
-            state = load_checkpoint(folder, rank)
+            own = rank_file(folder, rank).is_file()
+            state = load_checkpoint(folder, rank if own else 0, mmap=not own)
             for note in check_checkpoint(state, cfg, strategy_config, world, topology.nodes, folder):
                 if rank == 0 and under_torchrun() and ERRORS_ENV not in os.environ:  # else the launcher did
                     print(f"quietsync train: {note}", flush=True)
-            strategy.load_state_dict(state["strategy"])
-            stream.load_state_dict(state["data"])
-            tokens_total = int(state["tokens_total"])
-            torch.set_rng_state(state["rng"])
+            local = _local_ranks(topology)  # the same choice on every worker: all use the rank files, or none
+            if state.get("world_size") == world and all(rank_file(folder, r).is_file() for r in local):
+                strategy.load_state_dict(state["strategy"])
+                stream.load_state_dict(state["data"])
+                tokens_total = int(state["tokens_total"])
+                torch.set_rng_state(state["rng"])
+            else:  # another world size (check_checkpoint allowed it), or a rank file missing: the logical part
+                tokens_total = load_logical(folder, strategy, stream)
             resume_step = strategy.steps
         clock_offset = time.time() - time.perf_counter()
         result = _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_step, slow, t_setup)
@@ -323,9 +337,12 @@ def _checkpoint_note(cfg: TrainConfig, strategy: Strategy) -> str:
 
 
 def _save(cfg: TrainConfig, strategy: Any, stream: Any, rank: int, tokens_total: int, guard: NonFiniteGuard) -> None:
-    """Write this worker's checkpoint file, unless any worker's state is not finite (then all raise)."""
+    """Write this worker's checkpoint file, unless any worker's state is not finite (then all raise); first,
+    for a strategy that can reshard, the world-size-independent part (every worker takes part)."""
     state = strategy.state_dict()
     guard.check_state(state, strategy.steps)
+    if strategy.reshard_refusal is None:
+        save_logical(checkpoint_root(cfg.out) / f"step-{strategy.steps:07d}", strategy, stream, tokens_total)
     save_checkpoint(cfg.out, strategy.steps, rank, {
         "strategy": state, "data": stream.state_dict(),
         "tokens_total": tokens_total, "rng": torch.get_rng_state(),

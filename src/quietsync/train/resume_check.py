@@ -5,11 +5,15 @@ size and the node count. On ``--resume`` each job field falls in one of three cl
 
 * :data:`INCOMPATIBLE` — the run would not be a continuation of the checkpointed one (the data, the model,
   the optimizer's own hyper-parameters, which the checkpoint restores and would silently keep). Changing
-  any of these, any strategy flag, the strategy, the world size or the node count is refused with one
-  line listing all of them.
+  any of these, any strategy flag or the strategy is refused with one line listing all of them.
 * :data:`NOTED` — allowed; a note says what changes (e.g. a new ``--max-steps`` changes the cosine
   learning-rate schedule after the resumed step).
 * :data:`SAFE` — allowed silently: they change where things are written, when, and how they are shown.
+
+Another world size is allowed (with a note) when the strategy can reshard and the checkpoint has its
+world-size-independent part (``logical/``, see :mod:`~quietsync.train.logical_checkpoint`); it is then loaded
+from that part, and the node count may change with it. Otherwise another world size, or another node count,
+is refused in one line naming the strategy and why.
 
 A field in no class (say, one added later) counts as incompatible. The launcher runs
 :func:`check_resume` before any worker starts; every worker runs :func:`check_checkpoint` again on the
@@ -113,11 +117,41 @@ def _strategy_state(payload: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def _reshard_refusal(payload: dict[str, Any], where: str) -> str | None:
+    """Why the checkpoint at ``where`` cannot be loaded on another number of workers (None if it can)."""
+    from ..strategies import get
+    from .logical_checkpoint import has_logical
+
+    config = payload.get("config")
+    name = (config.get("strategy") if isinstance(config, dict) else None) or _strategy_state(payload).get("strategy")
+    try:
+        refusal = get(str(name))[0].reshard_refusal
+    except ValueError:
+        return f"its strategy {name!r} is unknown here"
+    if refusal is not None:
+        return f"strategy {name} cannot be resharded: {refusal}"
+    if not where or not has_logical(where):
+        return ("it has no world-size-independent part (logical/), which quietsync writes beside the rank files "
+                "for the strategies that can reshard (ddp, zero1)")
+    return None
+
+
+def reshard_note(saved_world: int, world: int) -> str:
+    """What a resume on another number of workers restores, and what changes."""
+    return (f"--resume: resharding a checkpoint of {saved_world} workers onto {world}: model, optimizer state, step "
+            f"and learning-rate schedule continue exactly; the data stream continues where the {saved_world} "
+            f"workers stopped, dealt over {world}, so each step now holds {world}/{saved_world} of the old global "
+            "batch")
+
+
 def _topology_problem(payload: dict[str, Any], world: int, nodes: int | None, where: str) -> str | None:
     saved_world = payload.get("world_size", _strategy_state(payload).get("world_size"))
     if saved_world is not None and saved_world != world:
+        why = _reshard_refusal(payload, where)
+        if why is None:
+            return None  # the node count may change with the world size
         return (f"--resume: the checkpoint {where} was written by {saved_world} workers; this run has {world}; "
-                f"resume it with {saved_world} workers (--nproc {saved_world}): a checkpoint cannot be resharded yet")
+                f"resume it with {saved_world} workers (--nproc {saved_world}): {why}")
     saved_nodes = payload.get("nodes")
     if saved_nodes is not None and nodes is not None and saved_nodes != nodes:
         return (f"--resume: the checkpoint {where} was written on {saved_nodes} nodes; this run has {nodes} "
@@ -131,12 +165,15 @@ def check_checkpoint(
 ) -> list[str]:
     """Compare a loaded checkpoint ``payload`` with this run; return the notes of allowed changes.
 
-    Raises :class:`ResumeMismatch` (one line) for another world size or node count, for incompatible
-    changes (listing all of them) and for a ``--max-steps`` the checkpoint has already reached.
+    Raises :class:`ResumeMismatch` (one line) for another world size or node count (unless the checkpoint
+    can be resharded: then a note says so), for incompatible changes (listing all of them) and for a
+    ``--max-steps`` the checkpoint has already reached.
     """
     problem = _topology_problem(payload, world, nodes, str(where))
     if problem:
         raise ResumeMismatch(problem)
+    saved_world = payload.get("world_size", _strategy_state(payload).get("world_size"))
+    topology_notes = [reshard_note(saved_world, world)] if saved_world is not None and saved_world != world else []
     saved = payload.get("config")
     if not isinstance(saved, dict):
         return ["the checkpoint holds no config (written by an older quietsync); its flags were not compared"]
@@ -174,7 +211,7 @@ def check_checkpoint(
             "(these cannot change on resume: use the checkpoint's values, or start a new run)")
     if cfg.max_steps <= step:
         raise ResumeMismatch(f"--max-steps must be > the checkpoint's step {step} to resume it, got {cfg.max_steps}")
-    return notes
+    return topology_notes + notes
 
 
 def _resume_folder(cfg: TrainConfig, world: int) -> Path:
