@@ -38,6 +38,25 @@ def test_exported_model_and_tokenizer_load_with_auto_classes_and_match(small_cor
     assert torch.equal(AutoModelForCausalLM.from_pretrained(folder)(input_ids=ids, labels=ids).loss, want)
 
 
+def test_a_ddp_wrapped_model_exports_the_model_inside(small_corpus, tmp_path):
+    """ddp's strategy.model is the DistributedDataParallel wrapper; the export writes the model it wraps."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed import free_port
+
+    tok = train_tokenizer(small_corpus, 300)
+    model = build_model("tiny", tok.get_vocab_size(), eos_id(tok), seed=0)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        folder = export_model(torch.nn.parallel.DistributedDataParallel(model), tok, tmp_path / "model")
+    finally:
+        dist.destroy_process_group()
+    again = AutoModelForCausalLM.from_pretrained(folder)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
 def test_export_refuses_a_plain_module(tmp_path, small_corpus):
     with pytest.raises(TypeError, match="PreTrainedModel"):
         export_model(torch.nn.Linear(2, 2), train_tokenizer(small_corpus, 300), tmp_path / "m")

@@ -35,6 +35,8 @@ def export_model(model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLi
 
     hf_logging.disable_progress_bar()  # one folder, one shard: no bar in the run's output
 
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # ddp's strategy.model is the wrapper
+        model = model.module
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a transformers PreTrainedModel to export, got {type(model).__name__}")
     folder = Path(folder)
