@@ -116,3 +116,23 @@ def test_a_run_ends_with_a_model_from_pretrained_loads_and_the_next_run_starts_f
     second = run(TrainConfig(out=str(tmp_path / "b"), model=str(folder), **common))
     assert second["first_eval_loss"] == pytest.approx(first["last_eval_loss"], abs=1e-6)
     assert second["last_eval_loss"] < second["first_eval_loss"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["wp", "ddp"])
+def test_a_two_worker_run_exports_where_the_committed_parameters_need_a_collective(strategy, text_file, tmp_path):
+    """wp gathers the committed parameters (a collective every worker must join) and ddp's model is wrapped:
+    both used to fail at the end of a 2-worker run (a hang, an error) before the model folder was written."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "quietsync.train.cli", "train", "--strategy", strategy, "--nproc", "2",
+           "--model", "tiny", "--max-steps", "2", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size",
+           "300", "--dataset", str(text_file), "--cache-dir", str(tmp_path / "cache"), "--eval-every", "0",
+           "--no-progress", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert AutoModelForCausalLM.from_pretrained(out / "model").num_parameters() > 0
