@@ -52,6 +52,8 @@ def average_across_nodes(strategy: Strategy, grads: list[torch.Tensor | None]) -
 class FSDP(Strategy):
     """FSDP2 inside the node + gradient-shard all-reduce across nodes; see the module docstring."""
 
+    discards_rounds = True
+
     config: AccumulationConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
@@ -62,18 +64,16 @@ class FSDP(Strategy):
         self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
 
     def _backward(self, loss: torch.Tensor) -> None:
-        self.shards.set_sync(self.round.accumulator.next_is_last)
+        self.shards.before_backward(self.round.accumulator.next_is_last)
         self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:
             return False
-        grads = self.shards.local_grads()
-        average_across_nodes(self, grads)
-        for t, g in zip(self.shards.local, grads):
-            t.grad = g
+        self.shards.gather_grads(self.accounting)
+        average_across_nodes(self, [t.grad for t in self.shards.local])
         self.round.step(self._lr_scale(self.steps), self.accounting)
-        self.shards.zero_grad()
+        self.shards.publish(self.accounting)
         self._commit()
         return True
 

@@ -29,6 +29,7 @@ import torch
 
 from ..flat import nbytes
 from ..transport import Transport
+from .accounting import StepAccounting
 from .broadcast import broadcast_parameters
 
 _OPS = {"SUM": "sum", "AVG": "avg"}
@@ -122,6 +123,8 @@ class FsdpShards:
         self.groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [alias[n] for n in names_]}
                        for g, names_ in zip(param_groups, group_names)]
         """``param_groups`` over :attr:`local`."""
+        self.grad_holders = self.local
+        """The tensors whose ``.grad`` holds a round's gradient between backward and step (the shards)."""
 
     def _shard(self, model: torch.nn.Module) -> None:
         from torch.distributed.device_mesh import DeviceMesh
@@ -136,21 +139,44 @@ class FsdpShards:
             unit.set_custom_reduce_scatter(reduce_scatter)
             self.fsdp_modules.append(unit)
 
-    def set_sync(self, sync: bool) -> None:
-        """Whether the coming backward reduce-scatters gradients (False: accumulate unsharded gradients)."""
+    def before_backward(self, last: bool) -> None:
+        """Whether the coming backward closes the round: then it reduce-scatters the gradients inside the node;
+        otherwise FSDP accumulates unsharded gradients locally (``set_requires_gradient_sync(False)``)."""
         if self.fsdp_modules:
-            self.model.set_requires_gradient_sync(sync)
+            self.model.set_requires_gradient_sync(last)
 
     def local_grads(self) -> list[torch.Tensor | None]:
         """This worker's shard of each parameter's gradient (the node average after a synced backward)."""
         return [None if p.grad is None else (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
                 for p in self.params]
 
-    def zero_grad(self) -> None:
+    def gather_grads(self, accounting: StepAccounting) -> None:
+        """``local[i].grad`` ← this worker's shard of the node-averaged gradient (FSDP reduce-scattered it in
+        the last backward; nothing to communicate here)."""
+        for t, g in zip(self.local, self.local_grads()):
+            t.grad = g
+
+    def publish(self, accounting: StepAccounting) -> None:
+        """Nothing to spread: the optimizer updated the shards in place and FSDP all-gathers them in the next
+        forward. Drops the gradient shards."""
+        self.drop_grads()
+
+    def drop_grads(self) -> None:
         """Drop the gradient shards (the model's and the aliases')."""
         for p, t in zip(self.params, self.local):
             p.grad = None
             t.grad = None
+
+    def discard(self) -> None:
+        """Drop the open round's gradients, the unsharded ones FSDP accumulates between synced backwards
+        included (see ``Strategy.discard_round``)."""
+        self.drop_grads()
+        for m in self.fsdp_modules:
+            for pg in m._get_fsdp_state()._fsdp_param_groups:
+                for fp in pg.fsdp_params:
+                    fp.unsharded_accumulated_grad = None
+                    if getattr(fp, "_unsharded_param", None) is not None:
+                        fp._unsharded_param.grad = None
 
     @contextmanager
     def unsharded(self) -> Iterator[torch.nn.Module]:
