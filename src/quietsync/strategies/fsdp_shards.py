@@ -180,16 +180,31 @@ class FsdpShards:
 
     @contextmanager
     def unsharded(self) -> Iterator[torch.nn.Module]:
-        """Within this context the model's parameters are whole (all-gathered through the transport)."""
+        """Within this context the model's parameters are whole (all-gathered through the transport, once) and
+        forwards gather nothing; ``state_dict()`` gives whole tensors. A collective on entry: every worker of the
+        shard group must enter it (what happens inside, e.g. an export on one worker, needs no peer)."""
         if not self.fsdp_modules:
             yield self.model
             return
+        groups = [pg for m in self.fsdp_modules for pg in m._get_fsdp_state()._fsdp_param_groups]
         for m in self.fsdp_modules:
             m.unshard()
+            m.set_reshard_after_forward(False, recurse=False)  # forwards inside (evaluation) gather nothing
+        # FSDP2's state_dict pre-hooks would reshard (and hand out sharded DTensors); while the parameters are
+        # whole, state_dict() and save_pretrained() must see them whole, on one worker alone too (export).
+        for pg in groups:
+            for handles in (pg._module_to_pre_save_state_dict_hook_handle,
+                            pg._module_to_pre_load_state_dict_hook_handle):
+                for handle in handles.values():
+                    handle.remove()
+                handles.clear()
         try:
             yield self.model
         finally:
+            for pg in groups:
+                pg._register_state_dict_hooks()
             for m in self.fsdp_modules:
+                m.set_reshard_after_forward(True, recurse=False)
                 m.reshard()
 
     def memory_report(self) -> dict[str, int]:

@@ -160,9 +160,10 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             resume_step = strategy.steps
         clock_offset = time.time() - time.perf_counter()
         result = _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_step, slow, t_setup)
-        if cfg.export and rank == 0:  # the committed parameters, as from_pretrained loads them
+        if cfg.export:  # the committed parameters, as from_pretrained loads them (every worker: fsdp gathers)
             with strategy.paused(), strategy.committed_params() as module:
-                export_model(module, tokenizer, os.path.join(cfg.out, MODEL_DIR))
+                if rank == 0:
+                    export_model(module, tokenizer, os.path.join(cfg.out, MODEL_DIR))
         strategy.close()
         from .trace import collect_spans, write_merged_trace
 
