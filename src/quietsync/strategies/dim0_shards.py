@@ -104,6 +104,8 @@ class FlatDimZeroShards:
         self.groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [owner[id(p)] for p in g["params"]]}
                        for g in param_groups]
         """``param_groups`` over :attr:`local`."""
+        self.model_groups = param_groups
+        """``param_groups`` over the model's parameters (unchanged: they stay whole)."""
         self.grad_holders = self.params
         """The tensors whose ``.grad`` holds a round's gradient between backward and step (the parameters)."""
 

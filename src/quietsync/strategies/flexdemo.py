@@ -78,6 +78,7 @@ class FlexDeMo(Strategy):
         super().__init__(model, optimizer, **kwargs)
         substrate = FsdpShards if self.config.params == "sharded" else FlatDimZeroShards
         self.shards = self.hold("shards", substrate(model, self.param_groups, self.transport, "shard"))
+        self.param_groups = self.shards.model_groups  # drop the whole pre-sharding parameters
         self.optimizer = build_decoupled_optimizer(
             self.config, self.optimizer_factory, self.shards.groups, self.optimizer_kwargs, self.transport,
             "replicate")

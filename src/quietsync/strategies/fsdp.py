@@ -59,6 +59,7 @@ class FSDP(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
         self.shards = self.hold("shards", FsdpShards(model, self.param_groups, self.transport, "shard"))
+        self.param_groups = self.shards.model_groups  # drop the whole pre-sharding parameters
         self.optimizer = build_optimizer(self.optimizer_factory, self.shards.groups, self.optimizer_kwargs)
         self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation, self.shards.local))
         self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic

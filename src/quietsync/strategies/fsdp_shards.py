@@ -119,6 +119,10 @@ class FsdpShards:
         with torch.no_grad():
             self.local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in self.params]
         """Plain tensors aliasing this worker's shard of each parameter (what the optimizer updates)."""
+        self.model_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_name[n] for n in names_]}
+                             for g, names_ in zip(param_groups, group_names)]
+        """``param_groups`` over the model's parameters after sharding (the holder must drop its groups over the
+        original whole parameters, or they stay alive: a whole copy of the model)."""
         alias = dict(zip(self.names, self.local))
         self.groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [alias[n] for n in names_]}
                        for g, names_ in zip(param_groups, group_names)]
