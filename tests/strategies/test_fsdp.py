@@ -57,3 +57,31 @@ def test_fsdp_shards_parameters_inside_the_node_and_meters_both_groups():
 def test_world_of_one_needs_no_launcher():
     out, _, _ = _train(0, 1, "fsdp", 2, 3)
     torch.testing.assert_close(out, reference_run(1, 2, 3, **OPT), rtol=1e-5, atol=1e-6)
+
+
+def _train_cuda(rank: int, world: int, name: str, config: dict, steps: int):
+    torch.cuda.set_device(rank)
+    model = tiny_model().cuda()
+    strategy = quietsync.make_strategy(name, model, torch.optim.AdamW, param_groups=param_groups(model),
+                                       config=config, **OPT)
+    assert strategy.transport.backend == "nccl"
+    for s in range(steps):
+        x, y = micro_batch(s, rank, 0)
+        strategy.backward(loss_fn(strategy.model, (x.cuda(), y.cuda())))
+        strategy.step()
+    with strategy.committed_params() as model:
+        out = flat_params(model).cpu()
+    strategy.close()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL: one per worker)")
+@pytest.mark.parametrize(("name", "config"), [("fsdp", {}), ("flexdemo", {"base": "adamw", "sign": False,
+                                                                           "replicator": "full", "beta": 0.0})])
+def test_fsdp2_on_nccl_equals_one_process(name, config):
+    """FSDP2 with the transport's collectives on NCCL (one node of 2 GPUs): AdamW on the global mean."""
+    reference = reference_run(2, 1, 3, **OPT)
+    for params in run_ranks(_train_cuda, 2, name, config, 3, nodes=1):
+        torch.testing.assert_close(params, reference, rtol=1e-4, atol=1e-5)
