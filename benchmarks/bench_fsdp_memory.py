@@ -45,11 +45,13 @@ def formula(label: str, n_node: int, n_world: int) -> float:
 
 
 def _storages() -> dict[int, int]:
-    """``{storage pointer: bytes}`` of every tensor the garbage collector sees (DTensors via their shard)."""
+    """``{storage pointer: bytes}`` of every live tensor the garbage collector sees (DTensors via their shard),
+    after a collection (so the previous strategy is gone and no cycle's garbage counts)."""
     import gc
 
     import torch
 
+    gc.collect()  # live tensors only, not garbage waiting in reference cycles
     seen: dict[int, int] = {}
 
     def add(t: object) -> None:
