@@ -32,7 +32,8 @@ CASES: dict[str, dict[str, Any]] = {
     "demo": {"world": 2, "strategy": "demo", "config": {"accumulation": 2, "chunk": 4, "compression": 0.25}},
     "demo_random_adamw": {"world": 2, "strategy": "demo",
                           "config": {"replicator": "random", "base": "adamw", "compression": 0.5}},
-    "flexdemo": {"world": 4, "nodes": 2, "strategy": "flexdemo", "config": {"chunk": 4, "compression": 0.25}},
+    "flexdemo": {"world": 4, "nodes": 2, "strategy": "flexdemo",
+                 "config": {"chunk": 4, "compression": 0.25, "params": "replicated"}},
 }
 OPT = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 

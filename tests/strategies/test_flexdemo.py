@@ -17,8 +17,19 @@ from tests.strategies.common import flat_params, loss_fn, micro_batch, param_gro
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 
 
-def _train(rank: int, world: int, name: str, config: dict, steps: int, opt: dict):
-    model = tiny_model()
+class _FirstFive(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :5]
+
+
+def even_model() -> torch.nn.Module:
+    """Like ``tiny_model`` but every dim 0 divides by 2 and 4, so FSDP2's shards need no padding."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 12), torch.nn.Tanh(), torch.nn.Linear(12, 8), _FirstFive())
+
+
+def _train(rank: int, world: int, name: str, config: dict, steps: int, opt: dict, make_model=tiny_model):
+    model = make_model()
     strategy = quietsync.make_strategy(name, model, torch.optim.AdamW, param_groups=param_groups(model),
                                        config=config, **opt)
     acc = strategy.config.accumulation
@@ -28,7 +39,8 @@ def _train(rank: int, world: int, name: str, config: dict, steps: int, opt: dict
             strategy.backward(loss_fn(strategy.model, micro_batch(s, rank, a)))
             strategy.step()
         metrics.append(strategy.last_step_metrics())
-    out = flat_params(strategy.module)
+    with strategy.committed_params() as m:
+        out = flat_params(m)
     mem = strategy.memory_report() if name == "flexdemo" else None
     strategy.close()
     return out, metrics, mem
@@ -50,7 +62,7 @@ def test_dim_zero_shards_pack_and_unpack_round_trip():
 
 @pytest.mark.timeout(120)
 def test_one_node_is_sharded_training_with_the_base_optimizer():
-    cfg = {"base": "adamw", "sign": False, "replicator": "dct", "accumulation": 2}
+    cfg = {"base": "adamw", "sign": False, "replicator": "dct", "accumulation": 2, "params": "replicated"}
     results = run_ranks(_train, 2, "flexdemo", cfg, 4, ADAMW, nodes=1)
     want = reference_run(2, 2, 4, **ADAMW)
     for params, metrics, mem in results:
@@ -75,7 +87,7 @@ def test_one_worker_per_node_is_demo():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rep", ["dct", "random"])
 def test_two_nodes_two_workers_bytes_by_group(rep):
-    cfg = {"replicator": rep, "compression": 1 / 8, "chunk": 4}
+    cfg = {"replicator": rep, "compression": 1 / 8, "chunk": 4, "params": "replicated"}
     results = run_ranks(_train, 4, "flexdemo", cfg, 2, {"lr": 1e-2}, nodes=2)
     model = tiny_model()
     shards = DimZeroShards([p.shape for p in model.parameters()], 2)
@@ -111,7 +123,10 @@ def _resume(rank: int, world: int, cfg: dict) -> tuple[torch.Tensor, torch.Tenso
     b = make(seed=3)
     b.load_state_dict(saved)
     run(b, 3, 6)
-    out = flat_params(a.module), flat_params(b.module)
+    out = []
+    for st in (a, b):
+        with st.committed_params() as m:
+            out.append(flat_params(m))
     a.close(), b.close()
     return out
 
@@ -124,11 +139,59 @@ def test_resume_is_exact_two_by_two():
 
 
 @pytest.mark.timeout(120)
-def test_full_replicator_two_by_two_is_hybrid_sharded_adamw():
+@pytest.mark.parametrize("params", ["replicated", "sharded"])
+def test_full_replicator_two_by_two_is_hybrid_sharded_adamw(params):
     """The benchmarks' HSDP baseline: full + decoupled AdamW + beta 0 + no sign == AdamW on the global mean."""
-    cfg = {"base": "adamw", "sign": False, "beta": 0.0, "replicator": "full"}
+    cfg = {"base": "adamw", "sign": False, "beta": 0.0, "replicator": "full", "params": params}
     results = run_ranks(_train, 4, "flexdemo", cfg, 3, ADAMW, nodes=2)
     want = reference_run(4, 1, 3, **ADAMW)
-    for params, metrics, _ in results:
-        torch.testing.assert_close(params, want, rtol=1e-5, atol=1e-6)
-        assert metrics[-1].bytes_by_group["replicate"]["sent"] == 98 * 4  # 2 nodes: 2(n-1)/n of the fp32 shard
+    # 2 nodes: 2(n-1)/n of the fp32 shard; rows split 7|6, 7|6, 3|2, 3|2 (replicated pads shard 1 to 7, 3 rows)
+    shard = [98, 98] if params == "replicated" else [98, 6 * 7 + 6 + 2 * 13 + 2]
+    for rank, (params_, metrics, _) in enumerate(results):
+        torch.testing.assert_close(params_, want, rtol=1e-5, atol=1e-6)
+        assert metrics[-1].bytes_by_group["replicate"]["sent"] == shard[rank % 2] * 4
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("cfg", "nodes"), [
+    ({"replicator": "dct", "compression": 1 / 8, "chunk": 4, "accumulation": 2}, 2),
+    ({"replicator": "dct", "compression": 1 / 4, "chunk": 4, "base": "adamw"}, 2),
+    ({"replicator": "full", "base": "adamw", "sign": False, "accumulation": 2}, 1),
+])
+def test_fsdp2_sharded_parameters_follow_the_flat_substrate(cfg, nodes):
+    """The same decoupled optimizer on the same dim-0 shard: FSDP2 (parameters sharded) == flat (replicated).
+
+    On a model whose rows split evenly: where they do not, the last worker's FSDP2 shard is shorter than the
+    flat substrate's padded one, and the DCT replicator's blocks of the two differ (both are valid FlexDeMo)."""
+    sharded = run_ranks(_train, 4, "flexdemo", {**cfg, "params": "sharded"}, 3, ADAMW, even_model, nodes=nodes)
+    flat = run_ranks(_train, 4, "flexdemo", {**cfg, "params": "replicated"}, 3, ADAMW, even_model, nodes=nodes)
+    for (a, ma, _), (b, mb, _) in zip(sharded, flat):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if nodes == 2:  # the dct payload depends on the blocks, which the shard's padding does not change
+            assert ma[-1].bytes_by_group["replicate"] == mb[-1].bytes_by_group["replicate"]
+
+
+def _layout(rank: int, world: int) -> dict:
+    model = tiny_model()
+    strategy = quietsync.make_strategy("flexdemo", model, torch.optim.AdamW, config={"chunk": 4}, lr=1e-2)
+    strategy.backward(loss_fn(strategy.model, micro_batch(0, rank, 0)))
+    strategy.step()
+    out = {"local": [tuple(t.shape) for t in strategy.shards.local],
+           "module": [type(p).__name__ for p in strategy.module.parameters()],
+           "bytes": strategy.last_step_metrics().bytes_by_group}
+    strategy.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_default_flexdemo_shards_parameters_inside_the_node():
+    results = run_ranks(_layout, 4, nodes=2)
+    for rank, r in enumerate(results):
+        rows = [(7, 6), (7, 6), (3, 2), (3, 2)]
+        assert r["local"] == [(rows[0][rank % 2], 7), (rows[1][rank % 2],), (rows[2][rank % 2], 13),
+                              (rows[3][rank % 2],)]
+        assert set(r["module"]) == {"DTensor"}  # the model holds shards only
+        padded = 2 * (7 * 7 + 7 + 3 * 13 + 3)  # FSDP's padded unit: ceil(rows / 2) rows per worker
+        # forward all-gather + backward all-gather + reduce-scatter inside the node, (n-1)/n each
+        assert r["bytes"]["shard"]["sent"] == (padded * 4) // 2 * 3
+        assert 0 < r["bytes"]["replicate"]["sent"] < padded * 4 / 8

@@ -103,6 +103,8 @@ SKIPPERS = [
     ("localsgd", {"sync_every": 2}, 2, None),
     ("demo", {}, 2, None),
     ("flexdemo", {}, 2, None),
+    ("flexdemo", {"accumulation": 2}, 2, 1),  # FSDP2 inside one node: unsharded gradients dropped too
+    ("fsdp", {"accumulation": 2}, 2, 1),
     ("diloco", {"sync_every": 2}, 2, None),
     ("diloco", {"sync_every": 2, "inner": "ddp"}, 4, 2),  # hierarchical: DDP inside each of 2 nodes
     ("diloco", {"sync_every": 2, "inner": "zero1", "accumulation": 2}, 4, 2),
@@ -110,7 +112,8 @@ SKIPPERS = [
 
 
 @pytest.mark.parametrize("name,config,world,nodes", SKIPPERS,
-                         ids=[f"{n}-{c.get('inner', 'flat')}" if n == "diloco" else n for n, c, _, _ in SKIPPERS])
+                         ids=[f"{n}-{c.get('inner', 'flat')}" if n == "diloco" else f"{n}-{w}x{nodes or w}"
+                              for n, c, w, nodes in SKIPPERS])
 def test_skip_drops_the_same_round_on_every_worker_and_matches_a_clean_run(name, config, world, nodes):
     """A NaN on rank 1 only, in the 2nd round: every worker drops that round (nothing committed, the schedule
     does not advance) and ends where a run that never saw those micro-batches ends, identical to each other."""

@@ -4,7 +4,9 @@ One module per strategy; importing this package imports them all, which register
 (``quietsync.strategies.available()``). The other modules are **parts** that strategies hold, and register
 nothing: ``accounting`` (time and bytes per step), ``lr`` (LR scaling), ``broadcast`` (the initial
 broadcast), ``accumulation`` (fixed accumulation), ``sharded_state`` (flat parameters + ZeRO-1 optimizer
-shard); family parts beside their family: ``overlap`` (acco, dpu, wp), ``decoupled`` (demo, flexdemo),
+shard), ``fsdp_shards`` (FSDP2 parameter sharding inside the node, through the transport); family parts
+beside their family: ``overlap`` (acco, dpu, wp), ``decoupled`` (demo, flexdemo), ``dim0_shards``
+(flexdemo's flat substrate),
 ``outer`` (diloco's θ_global, outer optimizer and fragment schedule), ``stages`` (cdp's model cut into
 stages). A strategy module never imports another strategy module.
 """

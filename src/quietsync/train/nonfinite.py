@@ -63,14 +63,21 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This worker's part of ``t``: the local shard of a DTensor (FSDP2's parameters and gradients), whose own
+    reductions would be collectives — and ranks take different paths through :func:`_all_finite`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def gradients_finite(module: torch.nn.Module) -> bool:
-    """Whether every ``p.grad`` of ``module`` is finite (missing gradients count as finite)."""
-    return _all_finite([p.grad.detach() for p in module.parameters() if p.grad is not None])
+    """Whether every ``p.grad`` of ``module`` is finite (missing gradients count as finite; a sharded gradient
+    is checked on this worker's shard)."""
+    return _all_finite([_local(p.grad.detach()) for p in module.parameters() if p.grad is not None])
 
 
 def parameters_finite(module: torch.nn.Module) -> bool:
-    """Whether every parameter of ``module`` is finite."""
-    return _all_finite([p.detach() for p in module.parameters()])
+    """Whether every parameter of ``module`` is finite (a sharded one on this worker's shard)."""
+    return _all_finite([_local(p.detach()) for p in module.parameters()])
 
 
 def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
