@@ -14,12 +14,18 @@ loss, tokens, micro-batches per step, compute-busy fraction; curves of held-out 
 against tokens. 4 local gloo workers share this machine's 2 cores, tiny GPT-Neo, 8×128 micro-batches.
 
     python benchmarks/bench_acco_paper.py [--steps 60] [--eval-every 5]
+
+Options to separate the effects: ``--nproc 2`` (two workers on the two cores: each its own core, so a
+worker's idle time is really idle), ``--ratios 1`` / ``--no-slow`` (one setting), ``--deterministic`` (a
+third run: acco with exactly 1 micro-batch per stage, the overlap without extras), ``--trace`` (each run's
+trace.json and timeline kept under benchmarks/results/NAME-trace/), ``--name`` (results file stem).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,14 +35,17 @@ from common import RESULTS, run_train, step_stats, write_markdown
 from quietsync.train.compare import eval_curve
 
 NPROC = 4
-BASE = ["--nproc", str(NPROC), "--model", "tiny", "--seed", "0", "--eval-windows", "8"]
+BASE = ["--model", "tiny", "--seed", "0", "--eval-windows", "8"]
 RUNS = {"zero1 (accumulation 2)": ["--strategy", "zero1", "--accumulation", "2"],
         "acco (1 micro-batch per stage, adaptive)": ["--strategy", "acco", "--min-accumulation", "1"]}
 
 
-def calibrate(tmp: Path) -> tuple[float, float]:
+DETERMINISTIC = {"acco (exactly 1 micro-batch per stage)": ["--strategy", "acco", "--deterministic-accumulation", "1"]}
+
+
+def calibrate(tmp: Path, base: list[str]) -> tuple[float, float]:
     """(seconds of zero1's communication per step at 100 Mbit/s, seconds of one micro-batch's compute)."""
-    s = run_train(tmp / "calibrate", *BASE, "--strategy", "zero1", "--accumulation", "2", "--max-steps", "6",
+    s = run_train(tmp / "calibrate", *base, "--strategy", "zero1", "--accumulation", "2", "--max-steps", "6",
                   "--link", "inter=100mbit,1ms", "--eval-every", "0")
     st = step_stats(s)
     steps = [r for r in s["records"][0] if "event" not in r][2:]
@@ -53,22 +62,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--nproc", type=int, default=NPROC)
+    ap.add_argument("--ratios", type=int, nargs="+", default=[1, 3], help="zero1 comm ÷ one micro-batch")
+    ap.add_argument("--no-slow", action="store_true", help="homogeneous workers only")
+    ap.add_argument("--deterministic", action="store_true", help="add acco at exactly 1 micro-batch per stage")
+    ap.add_argument("--trace", action="store_true", help="keep each run's trace.json and timeline.png")
+    ap.add_argument("--name", default="acco_paper")
     args = ap.parse_args()
+    nproc = args.nproc
+    base = ["--nproc", str(nproc), *BASE]
+    runs_spec = {**RUNS, **(DETERMINISTIC if args.deterministic else {})}
+    trace_dir = RESULTS / f"{args.name}-trace"
     out: dict[str, Any] = {}
     rows = []
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        comm_100, compute = calibrate(tmp)
+        comm_100, compute = calibrate(tmp, base)
         out["calibration"] = {"zero1_comm_s_per_step_at_100mbit": comm_100, "micro_batch_compute_s": compute}
         print("calibration", out["calibration"], flush=True)
-        for ratio in (1, 3):
+        for ratio in args.ratios:
             mbit = max(1, round(100 * comm_100 / (ratio * compute)))
             link = f"inter={mbit}mbit,1ms"
-            for setting, extra in {"homogeneous": [], "one worker 4x slower": ["--slow-worker", f"{NPROC - 1}:4"]}.items():
+            settings = {"homogeneous": [], "one worker 4x slower": ["--slow-worker", f"{nproc - 1}:4"]}
+            if args.no_slow:
+                settings.pop("one worker 4x slower")
+            for setting, extra in settings.items():
                 key = f"comm≈{ratio}× compute ({link}), {setting}"
                 runs = {}
-                for label, flags in RUNS.items():
-                    s = run_train(tmp / f"r{len(out)}-{len(runs)}", *BASE, *flags, *extra, "--link", link,
+                for label, flags in runs_spec.items():
+                    run_dir = (trace_dir / f"r{len(out)}-{len(runs)}") if args.trace else tmp / f"r{len(out)}-{len(runs)}"
+                    s = run_train(run_dir, *base, *flags, *extra, "--link", link, *(["--trace"] if args.trace else []),
                                   "--max-steps", str(args.steps), "--eval-every", str(args.eval_every))
                     runs[label] = {"curve": curve(s), "wall_s": s["wall_s"], "tokens": s["tokens"],
                                    "last_eval_loss": s["last_eval_loss"], "stats": step_stats(s),
@@ -78,29 +101,38 @@ def main() -> None:
                 for r in runs.values():
                     hit = next(e for e in r["curve"] if e["loss"] <= target)
                     r["time_to_target_s"], r["tokens_to_target"] = hit["time_s"], hit["tokens"]
-                z, a = runs.values()
+                z, a = list(runs.values())[:2]
+                for label, r in list(runs.items())[2:]:
+                    print(f"{key} {label}: {r['time_to_target_s']:.1f} s to target "
+                          f"({r['time_to_target_s'] / z['time_to_target_s']:.2f}× zero1), busy {r['stats']['busy']:.2f}")
                 rows.append([key, target, z["time_to_target_s"], a["time_to_target_s"],
                              a["time_to_target_s"] / z["time_to_target_s"], z["tokens_to_target"],
                              a["tokens_to_target"], z["micro_batches_per_step"], a["micro_batches_per_step"],
                              z["stats"]["busy"], a["stats"]["busy"], z["last_eval_loss"], a["last_eval_loss"]])
                 out[key] = {"target": target, "runs": runs}
-    notes = (f"{NPROC} workers (each its own node on the emulated link), tiny GPT-Neo, 8×128 micro-batches, "
+    extra_runs = {k: {label: {"time_to_target_s": r["time_to_target_s"], "tokens_to_target": r["tokens_to_target"],
+                              "busy": r["stats"]["busy"], "wall_s": r["wall_s"]}
+                      for label, r in list(v["runs"].items())[2:]}
+                  for k, v in out.items() if k != "calibration"}
+    notes = (f"{nproc} workers (each its own node on the emulated link), tiny GPT-Neo, 8×128 micro-batches, "
              f"{args.steps} committed steps each, evaluation every {args.eval_every} steps (times and tokens to "
              "target are quantised to it). Calibration: zero1's communication per step at 100 Mbit/s = "
              f"{comm_100:.2f} s, one micro-batch = {compute:.2f} s of compute. The target is the lowest held-out "
-             "loss both runs reach. 4 processes share 2 cores. Reproduce: "
-             f"`python benchmarks/bench_acco_paper.py --steps {args.steps} --eval-every {args.eval_every}`.")
+             "loss both runs reach. {nproc} processes share this machine's cores. Reproduce: "
+             f"`python benchmarks/bench_acco_paper.py {' '.join(sys.argv[1:])}`."
+             + (f" Extra runs (time and tokens to the same target): {json.dumps(extra_runs, ensure_ascii=False)}"
+                if any(extra_runs.values()) else ""))
     path = write_markdown(
-        "acco_paper", "ACCO vs ZeRO-1 at equal batch per step (paper 003 §4.3)",
+        args.name, "ACCO vs ZeRO-1 at equal batch per step (paper 003 §4.3)",
         ["setting", "target loss", "zero1 s to target", "acco s to target", "acco ÷ zero1 time",
          "zero1 tokens to target", "acco tokens to target", "zero1 micro-batches/step", "acco micro-batches/step",
          "zero1 busy", "acco busy", "zero1 final loss", "acco final loss"], rows, notes)
-    (RESULTS / "acco_paper.json").write_text(json.dumps(out, indent=1))
-    _plot(out)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(out, indent=1))
+    _plot(out, args.name)
     print(path.read_text())
 
 
-def _plot(out: dict[str, Any]) -> None:
+def _plot(out: dict[str, Any], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,9 +142,9 @@ def _plot(out: dict[str, Any]) -> None:
     fig, axes = plt.subplots(2, len(keys), figsize=(4.2 * len(keys), 7), squeeze=False)
     for col, key in enumerate(keys):
         for label, r in out[key]["runs"].items():
-            name = label.split()[0]
-            axes[0][col].plot([e["time_s"] for e in r["curve"]], [e["loss"] for e in r["curve"]], ".-", label=name)
-            axes[1][col].plot([e["tokens"] for e in r["curve"]], [e["loss"] for e in r["curve"]], ".-", label=name)
+            short = label.split(" (")[0] + (" ×1" if "exactly" in label else "")
+            axes[0][col].plot([e["time_s"] for e in r["curve"]], [e["loss"] for e in r["curve"]], ".-", label=short)
+            axes[1][col].plot([e["tokens"] for e in r["curve"]], [e["loss"] for e in r["curve"]], ".-", label=short)
         for row in (0, 1):
             axes[row][col].axhline(out[key]["target"], color="k", lw=0.6, ls="--")
         axes[0][col].set_title(key, fontsize=8)
@@ -122,7 +154,7 @@ def _plot(out: dict[str, Any]) -> None:
     axes[1][0].set_ylabel("held-out loss")
     axes[0][0].legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "acco_paper.png", dpi=110)
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
 
 
 if __name__ == "__main__":
