@@ -118,7 +118,7 @@ def main() -> None:
              f"{args.steps} committed steps each, evaluation every {args.eval_every} steps (times and tokens to "
              "target are quantised to it). Calibration: zero1's communication per step at 100 Mbit/s = "
              f"{comm_100:.2f} s, one micro-batch = {compute:.2f} s of compute. The target is the lowest held-out "
-             "loss both runs reach. {nproc} processes share this machine's cores. Reproduce: "
+             f"loss both runs reach. {nproc} processes share this machine's cores. Reproduce: "
              f"`python benchmarks/bench_acco_paper.py {' '.join(sys.argv[1:])}`."
              + (f" Extra runs (time and tokens to the same target): {json.dumps(extra_runs, ensure_ascii=False)}"
                 if any(extra_runs.values()) else ""))
