@@ -177,3 +177,28 @@ def test_bad_arguments():
         t.all_reduce(torch.ones(1), "planet")
     with pytest.raises(ValueError, match="op must be one of"):
         t.all_reduce(torch.ones(1), op="product")
+
+
+def test_default_backend_is_nccl_only_with_a_gpu_per_local_worker_process(monkeypatch):
+    """NCCL refuses two ranks on one GPU: more local processes than GPUs fall back to gloo; the env overrides."""
+    from quietsync.transport import default_backend
+
+    four = Topology(0, 4, 2)
+    monkeypatch.delenv("QUIETSYNC_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend(four) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_backend(four) == "gloo" and default_backend(Topology.single()) == "nccl"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert default_backend(four) == "nccl"
+    monkeypatch.setenv("QUIETSYNC_BACKEND", "gloo")
+    assert default_backend(four) == "gloo"
+    monkeypatch.setenv("QUIETSYNC_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="QUIETSYNC_BACKEND must be"):
+        default_backend(four)
+    monkeypatch.delenv("QUIETSYNC_BACKEND")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs one CUDA device per worker process"):
+        Transport(four, backend="nccl")
