@@ -307,6 +307,7 @@ class Transport:
             else torch.device("cpu")
         )
         self._groups: dict[str, Any] = {}
+        self._meshes: dict[str, Any] = {}
         self._global_ranks: dict[str, tuple[int, ...]] = {g: self.topology.ranks(g) for g in GROUPS}
         self.initialized_default_group = False
         """Whether this transport initialised torch.distributed's default process group."""
@@ -369,6 +370,7 @@ class Transport:
             except Exception:  # noqa: BLE001 - best effort at shutdown (a dead peer, an already destroyed group)
                 pass
         self._groups.clear()
+        self._meshes.clear()
         with _DEFAULT_GROUP.lock:
             if self._default_generation is None or self._default_generation != _DEFAULT_GROUP.generation:
                 return
@@ -397,6 +399,21 @@ class Transport:
         """The torch ProcessGroup behind ``group`` (for torch DDP/FSDP construction only), None if size 1."""
         self._ranks(group)
         return self._groups.get(group)
+
+    def device_mesh(self, group: str) -> Any:
+        """A 1-D ``DeviceMesh`` over ``group`` (dimension named after it), None for a group of one; built once.
+
+        For torch components that take a mesh (FSDP2, DTensors of checkpoints). What they run on it bypasses
+        the meter unless routed back through this transport (FSDP2's collectives are; DCP's few small planning
+        collectives are not)."""
+        pg = self.process_group(group)
+        if pg is None:
+            return None
+        if group not in self._meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._meshes[group] = DeviceMesh.from_group(pg, self.device.type, mesh_dim_names=(group,))
+        return self._meshes[group]
 
     def link_for(self, group: str) -> LinkModel | None:
         """The link a collective over ``group`` uses: ``inter`` iff the group spans nodes, else ``intra``."""

@@ -197,6 +197,27 @@ def test_quietsync_train_resumes_on_half_and_then_twice_the_workers(tmp_path):
     assert summary["world_size"] == 4 and summary["tokens"] == (4 * 2 + 2 * 2 + 4 * 1) * window
 
 
+@pytest.mark.timeout(600)
+def test_quietsync_train_flexdemo_resumes_on_fewer_workers_per_node_not_on_fewer_nodes(tmp_path, monkeypatch,
+                                                                                        capsys):
+    from quietsync.train.metrics import read_jsonl
+
+    from ._run import refused, small_job, train
+
+    out = tmp_path / "run"
+    job = [*small_job(tmp_path, nproc=4), "--strategy", "flexdemo", "--nodes", "2", "--out", str(out)]
+    first = train(*job, "--max-steps", "2", "--save-every", "2", timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "checkpoints" / "step-0000002" / "logical" / ".metadata").is_file()
+    line = refused(monkeypatch, capsys, *job, "--nproc", "2", "--nodes", "1", "--max-steps", "3", "--resume")
+    assert "written by 4 workers; this run has 2" in line and "strategy flexdemo cannot be resharded: each node " \
+        "keeps its own decoupled momentum" in line and "--nodes 2" in line
+    half = train(*job, "--nproc", "2", "--max-steps", "3", "--resume", timeout=300)
+    assert half.returncode == 0, half.stderr[-3000:]
+    assert "resharding a checkpoint of 4 workers onto 2" in half.stdout
+    assert [r["step"] for r in read_jsonl(out / "metrics-rank0.jsonl") if "event" not in r] == [1, 2, 3]
+
+
 class _Exploit:
     def __init__(self, marker: str) -> None:
         self.marker = marker

@@ -95,7 +95,8 @@ class Strategy(ABC):
 
     reshard_refusal: ClassVar[str | None] = "its state has no world-size-independent form yet"
     """Why a checkpoint of this strategy cannot be loaded on another number of workers; ``None`` where it can
-    (the strategy implements :meth:`_logical_state`, :meth:`_logical_targets` and :meth:`_load_logical`)."""
+    (the strategy implements :meth:`_logical_state`, :meth:`_logical_targets` and :meth:`_load_logical`; which
+    node counts it accepts, :meth:`reshard_problem` says)."""
 
     discards_rounds: ClassVar[bool] = False
     """Whether the open round can be dropped before it commits (:meth:`discard_round`, the trainer's
@@ -347,6 +348,13 @@ class Strategy(ABC):
         read(targets)
         self.steps = int(targets["steps"])
         self._load_logical(targets)
+
+    @classmethod
+    def reshard_problem(cls, saved_nodes: int | None, nodes: int | None) -> str | None:
+        """Why a checkpoint this strategy wrote on ``saved_nodes`` nodes cannot be loaded on ``nodes`` nodes and any
+        number of workers (None: it can; None for either count: unknown, not checked). By default
+        :attr:`reshard_refusal`; a strategy whose state is tied to the node count adds that (``flexdemo``)."""
+        return cls.reshard_refusal
 
     def close(self) -> None:
         """Stop background work and release this strategy's resources; safe to call twice."""

@@ -23,6 +23,7 @@ from ..flat import nbytes
 from ..transport import Transport
 from .accounting import StepAccounting
 from .broadcast import broadcast_parameters
+from .logical_shards import ShardPiece
 
 
 class DimZeroShards:
@@ -123,12 +124,16 @@ class FlatDimZeroShards:
     def publish(self, accounting: StepAccounting) -> None:
         """All-gather the updated shards inside the node into the model's parameters; drop the gradients."""
         with accounting.idle("all_gather"):
-            gathered = self.master.new_empty(self.n * self.master.numel())
-            self.transport.all_gather(gathered, self.master, self.group, name="all_gather/params")
-            with torch.no_grad():
-                self.shards.unpack_into(gathered, self.params)
+            self._spread()
         for p in self.params:
             p.grad = None
+
+    def _spread(self) -> None:
+        """All-gather the master shards inside the node into the whole parameters."""
+        gathered = self.master.new_empty(self.n * self.master.numel())
+        self.transport.all_gather(gathered, self.master, self.group, name="all_gather/params")
+        with torch.no_grad():
+            self.shards.unpack_into(gathered, self.params)
 
     @contextmanager
     def unsharded(self) -> Iterator[torch.nn.Module]:
@@ -138,6 +143,25 @@ class FlatDimZeroShards:
     def memory_report(self) -> dict[str, int]:
         return {"params": sum(nbytes(p) for p in self.params), "master_shard": nbytes(self.master),
                 "grad_shard": nbytes(self.grad)}
+
+    @property
+    def mesh(self) -> Any:
+        """The 1-D device mesh of the shard group (None for a group of one)."""
+        return self.transport.device_mesh(self.group)
+
+    def logical_pieces(self) -> list[ShardPiece]:
+        """Each parameter's master shard as a :class:`~quietsync.strategies.logical_shards.ShardPiece`: the rows
+        of torch's ``Shard(0)`` chunk, then padding (a 0-dim parameter counts as shape ``(1,)``)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = []
+        for p, local, rows, sr in zip(self.params, self.local, self.shards.rows, self.shards.shard_rows):
+            mine = max(0, min(sr, rows - self.index * sr))
+            out.append(ShardPiece(names[id(p)], local, mine, torch.Size(p.shape if p.dim() else (1,))))
+        return out
+
+    def after_logical_load(self) -> None:
+        """All-gather the loaded master shards into the whole parameters (a collective on the shard group)."""
+        self._spread()
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "master": self.master.clone()}

@@ -32,6 +32,11 @@ Substrate (``params``), both dim-0 sharded and both with every byte metered and 
   whole parameters on every worker (ZeRO-2), one reduce-scatter and one all-gather per step, fewer bytes
   inside the node than ``sharded`` moves (which all-gathers in every forward and backward).
 
+Checkpoints that reshard: each node's state (parameter shards, decoupled momentum, optimizer state, counters)
+is written under ``replica.<node>.`` as ``Shard(0)`` pieces over the node's workers
+(:mod:`~quietsync.strategies.logical_shards`), so a job resumes on another number of workers per node, either
+substrate, but on the same number of nodes (:meth:`FlexDeMo.reshard_problem`).
+
 See ``docs/flexdemo.md`` for the memory and speed of both.
 """
 
@@ -49,6 +54,8 @@ from .base import Strategy
 from .decoupled import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 from .dim0_shards import DimZeroShards, FlatDimZeroShards
 from .fsdp_shards import FsdpShards
+from .logical import ReshardError, SavedTensors, base_lrs_state, base_lrs_target
+from .logical_shards import load_shards, shard_state, shard_targets
 from .registry import register
 
 __all__ = ["DimZeroShards", "FlexDeMo", "FlexDeMoConfig"]
@@ -70,10 +77,7 @@ class FlexDeMoConfig(DecoupledConfig):
 class FlexDeMo(Strategy):
     """Hybrid-sharded decoupled momentum; see the module docstring."""
 
-    reshard_refusal = (
-        "each worker's decoupled momentum δ is its own (only a compressed part of it ever crosses the "
-        "network), sharded over the node, so there is no one state to split over another number of workers"
-    )
+    reshard_refusal = None  # across workers per node; the number of nodes is fixed (see reshard_problem)
 
     discards_rounds = True
 
@@ -118,3 +122,38 @@ class FlexDeMo(Strategy):
         opt_state = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
                         if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"optimizer_state": opt_state}
+
+    # ------------------------------------------------------------------ checkpoints that reshard
+    @classmethod
+    def reshard_problem(cls, saved_nodes: int | None, nodes: int | None) -> str | None:
+        if saved_nodes is not None and nodes is not None and saved_nodes != nodes:
+            return (f"each node keeps its own decoupled momentum (only a compressed part of it ever crosses the "
+                    f"network), so the {saved_nodes} nodes' momenta have no home on {nodes}; resume on "
+                    f"{saved_nodes} nodes (--nodes {saved_nodes}), with any number of workers per node")
+        return None
+
+    def _prefix(self) -> str:
+        return f"replica.{self.transport.group_rank('replicate')}."
+
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        state = shard_state(self.shards.logical_pieces(), self.shards.mesh, self.module, self.optimizer,
+                            self._prefix())
+        return {**state, **base_lrs_state(self.round.lr.base_lrs)}
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        replicas = {k.split(".")[1] for k in saved if k.startswith("replica.")}
+        nodes = self.transport.group_size("replicate")
+        if not replicas:
+            raise ReshardError("the checkpoint holds no flexdemo state (replica.<node>.*): was it written by "
+                               "strategy flexdemo?")
+        if len(replicas) != nodes:
+            raise ReshardError(f"strategy flexdemo cannot be resharded from {len(replicas)} nodes onto {nodes}: "
+                               f"{self.reshard_problem(len(replicas), nodes)}")
+        targets = shard_targets(self.shards.logical_pieces(), self.shards.mesh, self.module, self.optimizer, saved,
+                                self._prefix())
+        return {**targets, **base_lrs_target(self.round.lr.base_lrs, saved)}
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        load_shards(self.shards.logical_pieces(), self.module, self.optimizer, filled, self._prefix())
+        self.shards.after_logical_load()
+        self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]

@@ -12,6 +12,10 @@ holding the same shard average their gradient shards. A step:
    by FSDP's internal all-reduce so that it is metered and link-emulated;
 3. the optimizer (any torch optimizer, AdamW by default) on this worker's parameter shard.
 
+Checkpoints that reshard (another number of nodes or workers per node): every replica holds the same state, so
+the logical state is each parameter's and each optimizer state's ``Shard(0)`` pieces over the shard group
+(:mod:`~quietsync.strategies.logical_shards`), written once whatever the number of nodes.
+
 Numerically this is ``ddp``/``zero1`` (θ ← Opt(θ, ḡ) with ḡ the global micro-batch mean), which the
 tests check. FSDP's collectives run through the transport by torch 2.13's custom all-gather/reduce-scatter
 (see :mod:`~quietsync.strategies.fsdp_shards`).
@@ -29,6 +33,8 @@ from ..sharded import build_optimizer
 from .accumulation import AccumulationConfig, OptimizerRound
 from .base import Strategy
 from .fsdp_shards import FsdpShards
+from .logical import SavedTensors, base_lrs_state, base_lrs_target
+from .logical_shards import load_shards, shard_state, shard_targets
 from .registry import register
 
 
@@ -53,6 +59,8 @@ class FSDP(Strategy):
     """FSDP2 inside the node + gradient-shard all-reduce across nodes; see the module docstring."""
 
     discards_rounds = True
+
+    reshard_refusal = None  # replicas across nodes agree; the shards are Shard(0) pieces (see logical_shards)
 
     config: AccumulationConfig
 
@@ -83,3 +91,19 @@ class FSDP(Strategy):
         """The whole parameters, all-gathered inside the node (metered), for evaluation and export."""
         with self.shards.unsharded() as model:
             yield model
+
+    # ------------------------------------------------------------------ checkpoints that reshard
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        pieces = self.shards.logical_pieces()
+        return {**shard_state(pieces, self.shards.mesh, self.module, self.optimizer),
+                **base_lrs_state(self.round.lr.base_lrs)}
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        pieces = self.shards.logical_pieces()
+        return {**shard_targets(pieces, self.shards.mesh, self.module, self.optimizer, saved),
+                **base_lrs_target(self.round.lr.base_lrs, saved)}
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        load_shards(self.shards.logical_pieces(), self.module, self.optimizer, filled)
+        self.shards.after_logical_load()
+        self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]

@@ -31,6 +31,7 @@ from ..flat import nbytes
 from ..transport import Transport
 from .accounting import StepAccounting
 from .broadcast import broadcast_parameters
+from .logical_shards import ShardPiece
 
 _OPS = {"SUM": "sum", "AVG": "avg"}
 
@@ -131,11 +132,9 @@ class FsdpShards:
         """The tensors whose ``.grad`` holds a round's gradient between backward and step (the shards)."""
 
     def _shard(self, model: torch.nn.Module) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = DeviceMesh.from_group(self.transport.process_group(self.group), self.transport.device.type,
-                                     mesh_dim_names=(self.group,))
+        mesh = self.transport.device_mesh(self.group)
         for unit in [*fsdp_units(model), model]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=True)
             all_gather, reduce_scatter = _transport_comms(self.transport, self.group)
@@ -215,6 +214,20 @@ class FsdpShards:
         """Bytes of the parameter and gradient shards this worker holds between steps."""
         grads = sum(nbytes(g) for g in self.local_grads() if g is not None)
         return {"param_shard": sum(nbytes(t) for t in self.local), "grad_shard": grads}
+
+    @property
+    def mesh(self) -> Any:
+        """The 1-D device mesh of the shard group (None for a group of one)."""
+        return self.transport.device_mesh(self.group)
+
+    def logical_pieces(self) -> list[ShardPiece]:
+        """Each parameter's shard as a :class:`~quietsync.strategies.logical_shards.ShardPiece` (FSDP2's local
+        tensors are its ``Shard(0)`` chunks already, without padding)."""
+        return [ShardPiece(n, t, t.shape[0] if t.dim() else 1, p.shape if p.dim() else torch.Size([1]))
+                for n, t, p in zip(self.names, self.local, self.params)]
+
+    def after_logical_load(self) -> None:
+        """Nothing to spread: the pieces alias FSDP's shards, which the next forward all-gathers."""
 
     def state_dict(self) -> dict[str, Any]:
         """This worker's parameter shards (sharded state: each worker saves its own)."""

@@ -99,12 +99,7 @@ class ShardedState:
     # ------------------------------------------------------------------ world-size-independent form
     def _mesh(self) -> Any:
         """A 1-D device mesh over the group (None for a group of one)."""
-        pg = self.transport.process_group(self.group)
-        if pg is None:
-            return None
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh.from_group(pg, self.flat.device.type)
+        return self.transport.device_mesh(self.group)
 
     def _local_len(self) -> int:
         """Elements of this shard that are not padding (the local length of the ``Shard(0)`` chunk)."""

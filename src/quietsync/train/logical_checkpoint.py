@@ -1,7 +1,7 @@
 """The world-size-independent part of a checkpoint, through ``torch.distributed.checkpoint`` (DCP).
 
 Beside the per-worker files of a step (``OUT/checkpoints/step-N/rank{R}.pt``, exact at the same world size), a
-strategy that can reshard (``Strategy.reshard_refusal is None``: ddp, zero1) also writes
+strategy that can reshard (``Strategy.reshard_refusal is None``: ddp, zero1, fsdp, flexdemo) also writes
 ``step-N/logical/``, a DCP checkpoint of its logical state (:mod:`quietsync.strategies.logical`) plus the job's:
 
 * ``data.epoch``, ``data.consumed`` — the data stream's world-size-independent position

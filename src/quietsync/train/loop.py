@@ -167,12 +167,13 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
                 if rank == 0 and under_torchrun() and ERRORS_ENV not in os.environ:  # else the launcher did
                     print(f"quietsync train: {note}", flush=True)
             local = _local_ranks(topology)  # the same choice on every worker: all use the rank files, or none
-            if state.get("world_size") == world and all(rank_file(folder, r).is_file() for r in local):
+            same_layout = state.get("world_size") == world and state.get("nodes", topology.nodes) == topology.nodes
+            if same_layout and all(rank_file(folder, r).is_file() for r in local):
                 strategy.load_state_dict(state["strategy"])
                 stream.load_state_dict(state["data"])
                 tokens_total = int(state["tokens_total"])
                 torch.set_rng_state(state["rng"])
-            else:  # another world size (check_checkpoint allowed it), or a rank file missing: the logical part
+            else:  # another world size or node count (check_checkpoint allowed it), or a rank file missing
                 tokens_total = load_logical(folder, strategy, stream)
             resume_step = strategy.steps
         clock_offset = time.time() - time.perf_counter()

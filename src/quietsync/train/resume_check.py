@@ -117,22 +117,23 @@ def _strategy_state(payload: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _reshard_refusal(payload: dict[str, Any], where: str) -> str | None:
-    """Why the checkpoint at ``where`` cannot be loaded on another number of workers (None if it can)."""
+def _reshard_refusal(payload: dict[str, Any], where: str, nodes: int | None) -> str | None:
+    """Why the checkpoint at ``where`` cannot be loaded on another number of workers or on ``nodes`` nodes (None if
+    it can)."""
     from ..strategies import get
     from .logical_checkpoint import has_logical
 
     config = payload.get("config")
     name = (config.get("strategy") if isinstance(config, dict) else None) or _strategy_state(payload).get("strategy")
     try:
-        refusal = get(str(name))[0].reshard_refusal
+        refusal = get(str(name))[0].reshard_problem(payload.get("nodes"), nodes)
     except ValueError:
         return f"its strategy {name!r} is unknown here"
     if refusal is not None:
         return f"strategy {name} cannot be resharded: {refusal}"
     if not where or not has_logical(where):
         return ("it has no world-size-independent part (logical/), which quietsync writes beside the rank files "
-                "for the strategies that can reshard (ddp, zero1)")
+                "for the strategies that can reshard (ddp, zero1, fsdp, flexdemo)")
     return None
 
 
@@ -146,17 +147,19 @@ def reshard_note(saved_world: int, world: int) -> str:
 
 def _topology_problem(payload: dict[str, Any], world: int, nodes: int | None, where: str) -> str | None:
     saved_world = payload.get("world_size", _strategy_state(payload).get("world_size"))
-    if saved_world is not None and saved_world != world:
-        why = _reshard_refusal(payload, where)
-        if why is None:
-            return None  # the node count may change with the world size
+    saved_nodes = payload.get("nodes")
+    world_changed = saved_world is not None and saved_world != world
+    nodes_changed = saved_nodes is not None and nodes is not None and saved_nodes != nodes
+    if not (world_changed or nodes_changed):
+        return None
+    why = _reshard_refusal(payload, where, nodes)
+    if why is None:
+        return None  # the logical part is loaded
+    if world_changed:
         return (f"--resume: the checkpoint {where} was written by {saved_world} workers; this run has {world}; "
                 f"resume it with {saved_world} workers (--nproc {saved_world}): {why}")
-    saved_nodes = payload.get("nodes")
-    if saved_nodes is not None and nodes is not None and saved_nodes != nodes:
-        return (f"--resume: the checkpoint {where} was written on {saved_nodes} nodes; this run has {nodes} "
-                f"(--nodes {nodes}); resume with --nodes {saved_nodes}")
-    return None
+    return (f"--resume: the checkpoint {where} was written on {saved_nodes} nodes; this run has {nodes} "
+            f"(--nodes {nodes}); resume with --nodes {saved_nodes}: {why}")
 
 
 def check_checkpoint(
@@ -173,7 +176,14 @@ def check_checkpoint(
     if problem:
         raise ResumeMismatch(problem)
     saved_world = payload.get("world_size", _strategy_state(payload).get("world_size"))
-    topology_notes = [reshard_note(saved_world, world)] if saved_world is not None and saved_world != world else []
+    saved_nodes = payload.get("nodes")
+    topology_notes = []
+    if saved_world is not None and saved_world != world:
+        topology_notes.append(reshard_note(saved_world, world))
+    elif saved_nodes is not None and nodes is not None and saved_nodes != nodes:
+        topology_notes.append(f"--resume: moving a checkpoint of {saved_nodes} nodes onto {nodes} ({world} workers "
+                              "either way): model, optimizer state, step, schedule and data stream continue exactly "
+                              "from its world-size-independent part")
     saved = payload.get("config")
     if not isinstance(saved, dict):
         return ["the checkpoint holds no config (written by an older quietsync); its flags were not compared"]
