@@ -9,6 +9,9 @@ TORCH_SPEC ?= torch==2.13.0
 WHEELS ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist; 0 = in this process). Many tests wait on workers they start or on timeouts, so
+# two test processes finish sooner than one even on two cores.
+PYTEST_WORKERS ?= 2
 
 .PHONY: install demo train test lint bench clean
 
@@ -33,7 +36,7 @@ train: install
 	$(VENV)/bin/quietsync train --out runs/train --overwrite
 
 test: install
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

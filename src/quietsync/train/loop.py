@@ -48,7 +48,6 @@ from .corpus import load_corpus
 from .data import ShardedSequences, encode_split, eval_batches
 from .export import MODEL_DIR, export_model
 from .launch import ERRORS_ENV, note_failure, under_torchrun
-from .logical_checkpoint import load_logical, save_logical
 from .metrics import MetricsWriter, format_summary, write_summary
 from .model import build_model, count_parameters, is_pretrained, load_pretrained, param_groups
 from .nonfinite import NonFiniteError, NonFiniteGuard
@@ -174,6 +173,8 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
                 tokens_total = int(state["tokens_total"])
                 torch.set_rng_state(state["rng"])
             else:  # another world size or node count (check_checkpoint allowed it), or a rank file missing
+                from .logical_checkpoint import load_logical  # torch.distributed.checkpoint: 1.4 s to import
+
                 tokens_total = load_logical(folder, strategy, stream)
             resume_step = strategy.steps
         clock_offset = time.time() - time.perf_counter()
@@ -344,6 +345,8 @@ def _save(cfg: TrainConfig, strategy: Any, stream: Any, rank: int, tokens_total:
     state = strategy.state_dict()
     guard.check_state(state, strategy.steps)
     if strategy.reshard_refusal is None:
+        from .logical_checkpoint import save_logical  # torch.distributed.checkpoint: imported when first used
+
         save_logical(checkpoint_root(cfg.out) / f"step-{strategy.steps:07d}", strategy, stream, tokens_total)
     save_checkpoint(cfg.out, strategy.steps, rank, {
         "strategy": state, "data": stream.state_dict(),
