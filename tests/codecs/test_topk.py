@@ -67,6 +67,9 @@ def test_pack_unpack_round_trip_mixed_dtypes():
     two = torch.stack([buf, buf])
     ua, ub, uc = unpack(two, [((3, 5), torch.bfloat16), ((3, 5), torch.uint8), ((7,), torch.int16)])
     assert torch.equal(ua[1], a) and torch.equal(ub[0], b) and torch.equal(uc[1], c)
+    # one worker's buffer: the int16 starts at byte 45, an odd offset, and still reads back
+    ua, ub, uc = unpack(buf, [((3, 5), torch.bfloat16), ((3, 5), torch.uint8), ((7,), torch.int16)])
+    assert torch.equal(ua[0], a) and torch.equal(ub[0], b) and torch.equal(uc[0], c)
 
 
 def test_transfer_dtype_names_and_sign():

@@ -36,8 +36,11 @@ def unpack(
     out, at = [], 0
     for shape, dtype in specs:
         n = nbytes(shape, dtype)
-        chunk = buf[:, at : at + n].contiguous()
-        out.append(chunk.view(dtype).reshape(workers, *shape))
+        size = torch.empty((), dtype=dtype).element_size()
+        piece = buf[:, at : at + n].reshape(-1)  # the workers' rows end to end (a copy when they are apart)
+        if (piece.storage_offset() * piece.element_size()) % size:
+            piece = piece.clone()  # its bytes aligned for view(dtype)
+        out.append(piece.view(dtype).reshape(workers, *shape))
         at += n
     if at != buf.shape[1]:
         raise ValueError(f"buffer holds {buf.shape[1]} bytes per worker, specs describe {at}")
