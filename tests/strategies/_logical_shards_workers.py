@@ -9,7 +9,18 @@ from typing import Any
 
 import torch
 
-from tests.train._reshard_workers import LR, MORE, STEPS, batch, groups, loss_fn, model, schedule
+from tests.train._reshard_workers import (
+    LR,
+    MORE,
+    STEPS,
+    _stream,
+    _train,
+    batch,
+    groups,
+    loss_fn,
+    model,
+    schedule,
+)
 
 NAMES = ["0.weight", "2.weight", "0.bias", "2.bias"]
 """The parameters in the optimizer's order (the groups: weights, then biases)."""
@@ -60,15 +71,6 @@ def held(strategy) -> dict[str, Any]:
     return out
 
 
-def _train(strategy, stream, first: int, count: int, rank: int) -> list[float]:
-    losses = []
-    for s in range(first, first + count):
-        next(stream)
-        losses.append(float(strategy.forward_backward(batch(s, rank), loss_fn)))
-        assert strategy.step()
-    return losses
-
-
 def _whole(strategy) -> dict[str, torch.Tensor]:
     with strategy.committed_params() as m:
         return {k: v.detach().clone() for k, v in m.named_parameters()}
@@ -77,7 +79,6 @@ def _whole(strategy) -> dict[str, torch.Tensor]:
 def train_and_save(rank: int, world: int, name: str, config: dict[str, Any], folder: str) -> dict[str, Any]:
     """STEPS steps, the logical checkpoint, then MORE steps (the uninterrupted continuation)."""
     from quietsync.train.logical_checkpoint import save_logical
-    from tests.train._reshard_workers import _stream
 
     strategy, stream = make(name, 0, config), _stream(rank, world)
     _train(strategy, stream, 0, STEPS, rank)
@@ -93,7 +94,6 @@ def train_and_save(rank: int, world: int, name: str, config: dict[str, Any], fol
 def load_and_continue(rank: int, world: int, name: str, config: dict[str, Any], folder: str) -> dict[str, Any]:
     """A fresh strategy (other initial weights) loads the logical checkpoint, then trains MORE steps."""
     from quietsync.train.logical_checkpoint import load_logical
-    from tests.train._reshard_workers import _stream
 
     strategy, stream = make(name, 1, config), _stream(rank, world)
     tokens = load_logical(folder, strategy, stream)
@@ -110,7 +110,6 @@ def load_refused(rank: int, world: int, name: str, config: dict[str, Any], folde
     """Try to load; return the error."""
     from quietsync.strategies.logical import ReshardError
     from quietsync.train.logical_checkpoint import load_logical
-    from tests.train._reshard_workers import _stream
 
     strategy = make(name, 1, config)
     try:

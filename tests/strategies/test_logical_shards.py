@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
+from tests.train._reshard_workers import adamw_from
 
 from . import _logical_shards_workers as w
 
@@ -37,25 +38,11 @@ def _nodes(held: list[dict]) -> list[int]:
 
 def _oracle(saved: list[dict], new_world: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """One process: plain AdamW from the saved (reassembled) weights and state, on the new world's global batch."""
-    m = w.model(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.copy_(_assemble(saved, 0, "params", name))
-    opt = torch.optim.AdamW(w.groups(m), lr=w.LR, betas=(0.9, 0.95))
-    for name, p in m.named_parameters():
-        step = next(h["state"][name]["step"] for h in saved if h["node"] == 0)
-        opt.state[p] = {"step": step.clone(), "exp_avg": _assemble(saved, 0, "state", name, "exp_avg"),
-                        "exp_avg_sq": _assemble(saved, 0, "state", name, "exp_avg_sq")}
-    losses = []
-    for s in range(w.STEPS, w.STEPS + w.MORE):
-        for g in opt.param_groups:
-            g["lr"] = w.LR * w.schedule(s)
-        opt.zero_grad()
-        per_rank = [w.loss_fn(m, w.batch(s, r)) for r in range(new_world)]
-        losses.append([float(x.detach()) for x in per_rank])
-        (sum(per_rank) / new_world).backward()
-        opt.step()
-    return losses, {k: v.detach() for k, v in m.named_parameters()}
+    params = {name: _assemble(saved, 0, "params", name) for name in w.NAMES}
+    state = {name: {"step": next(h["state"][name]["step"] for h in saved if h["node"] == 0),
+                    "exp_avg": _assemble(saved, 0, "state", name, "exp_avg"),
+                    "exp_avg_sq": _assemble(saved, 0, "state", name, "exp_avg_sq")} for name in w.NAMES}
+    return adamw_from(params, state, new_world)
 
 
 @pytest.mark.parametrize(("old", "new"), [((4, 2), (2, 1)), ((2, 1), (4, 2)), ((4, 1), (4, 4))],

@@ -44,6 +44,28 @@ def loss_fn(m: torch.nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     return ((m(x) - y) ** 2).mean()
 
 
+def adamw_from(params: dict[str, torch.Tensor], state: dict[str, dict[str, torch.Tensor]],
+               new_world: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """The oracle of a resharded continuation: one process running plain ``torch.optim.AdamW`` from ``params``
+    and per-parameter ``state`` (by name) for MORE steps on the new world's global batch; returns each step's
+    per-worker losses and the parameters after."""
+    m = model(0)
+    m.load_state_dict(params)
+    opt = torch.optim.AdamW(groups(m), lr=LR, betas=(0.9, 0.95))
+    for p_name, p in m.named_parameters():
+        opt.state[p] = {k: v.clone() for k, v in state[p_name].items()}
+    losses = []
+    for s in range(STEPS, STEPS + MORE):
+        for g in opt.param_groups:
+            g["lr"] = LR * schedule(s)
+        opt.zero_grad()
+        per_rank = [loss_fn(m, batch(s, r)) for r in range(new_world)]
+        losses.append([float(x.detach()) for x in per_rank])
+        (sum(per_rank) / new_world).backward()
+        opt.step()
+    return losses, {k: v.detach() for k, v in m.named_parameters()}
+
+
 def _strategy(name: str, seed: int):
     from quietsync.strategies import make_strategy
 

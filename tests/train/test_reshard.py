@@ -56,22 +56,7 @@ def _per_param_state(held: list[dict], name: str) -> dict[str, dict[str, torch.T
 
 def _oracle(saved: list[dict], name: str, new_world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process: plain AdamW from the saved weights and state, on the new world's global batch."""
-    model = w.model(0)
-    model.load_state_dict(saved[0]["params"])
-    opt = torch.optim.AdamW(w.groups(model), lr=w.LR, betas=(0.9, 0.95))
-    state = _per_param_state(saved, name)
-    for p_name, p in model.named_parameters():
-        opt.state[p] = {k: v.clone() for k, v in state[p_name].items()}
-    losses = []
-    for s in range(w.STEPS, w.STEPS + w.MORE):
-        for g in opt.param_groups:
-            g["lr"] = w.LR * w.schedule(s)
-        opt.zero_grad()
-        per_rank = [w.loss_fn(model, w.batch(s, r)) for r in range(new_world)]
-        losses.append([float(x.detach()) for x in per_rank])
-        (sum(per_rank) / new_world).backward()
-        opt.step()
-    return losses, {k: v.detach() for k, v in model.named_parameters()}
+    return w.adamw_from(saved[0]["params"], _per_param_state(saved, name), new_world)
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1"])
