@@ -24,6 +24,15 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "quietsync"])
 
 
+def interruptible() -> None:
+    """``preexec_fn`` of a subprocess a test will interrupt: SIGINT as a terminal's foreground job has it. A shell
+    starts background jobs (``make test &``, some CI runners) with SIGINT ignored, an ignored signal stays
+    ignored in every child, and Python then installs no KeyboardInterrupt handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

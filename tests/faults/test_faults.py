@@ -18,6 +18,7 @@ import pytest
 
 from quietsync.train.checkpoint import latest_checkpoint, load_checkpoint
 from quietsync.train.metrics import read_jsonl
+from tests.distributed import interruptible
 from tests.train.conftest import synthetic_text
 
 pytestmark = pytest.mark.timeout(300)
@@ -93,7 +94,7 @@ def _alive(pid: int) -> bool:
 def _start(job: str, out: Path, corpus) -> tuple[subprocess.Popen, list[int]]:
     """Start a run; return it and its two workers' pids once a checkpoint exists (so there is one to resume)."""
     proc = subprocess.Popen(_cmd(job, out, corpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+                            env=_env(), preexec_fn=interruptible)
     deadline = time.monotonic() + 120
     while latest_checkpoint(out, [0, 1]) is None:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -196,7 +197,7 @@ def test_killed_during_the_tokenizer_build_the_rerun_takes_over_at_once(tmp_path
     fresh = dict(corpus, cache=tmp_path / "cache")
     cmd = _cmd("zero1", tmp_path / "run", fresh)
     cmd[cmd.index("--max-steps") + 1] = "2"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), preexec_fn=interruptible)
     deadline = time.monotonic() + 60
     while not list(fresh["cache"].rglob("*.lock")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)

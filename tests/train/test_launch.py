@@ -7,6 +7,7 @@ import time
 import pytest
 
 from quietsync.train.launch import WorkerFailed, launch
+from tests.distributed import interruptible
 
 from . import _workers
 
@@ -59,7 +60,7 @@ def test_sigint_to_the_launcher_stops_every_worker(tmp_path):
             "try:\n    launch(_workers.sleep_forever, (sys.argv[1],), nproc=2)\n"
             "except KeyboardInterrupt:\n    sys.exit(130)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, preexec_fn=interruptible)
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("pid-*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
