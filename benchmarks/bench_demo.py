@@ -264,7 +264,7 @@ def bench_paper(steps: int = 40, model: str = "default", micro_batch: int = 4, s
         f"(warm-up + cosine, same lr for all), compression 1/{round(1 / compression)}, chunk 64 unless noted. "
         "HSDP AdamW = flexdemo with the full replicator, decoupled AdamW, beta 0, no sign, which is exactly "
         "hybrid-sharded AdamW (tested). *speed-up* = HSDP step time / this step time (steps 3..end, mean over "
-        "workers). *inter B/step* = replicate-group bytes sent per worker per step. One run each, a loaded 2-core "
+        "workers). *inter B/step* = replicate-group bytes sent per worker per step. One run each on a 2-core "
         "machine: differences of a few percent in time or ~0.02 in loss are noise."
     )
     name = "demo_paper" if inter == "100mbit,5ms" else f"demo_paper_{inter.split(',')[0]}"
