@@ -86,9 +86,10 @@ def test_link_model_stretches_a_collective_to_its_modeled_time():
         assert res["two"] >= 2 * res["modeled"] * 0.99
         assert res["spans"] >= 4
         # the second of the two waited for the first on the link: queued ~ one modeled time, then on the wire
+        # (timestamps on a loaded machine, two test processes beside it: 10% slack on the queued time)
         (q_a, d_a, wire_a), (q_b, d_b, wire_b) = sorted(res["last_two"])
         assert wire_a and wire_b and q_a <= d_a and q_b <= d_b
-        assert q_b >= res["modeled"] * 0.99 and d_b - q_b >= res["modeled"] * 0.99
+        assert q_b >= res["modeled"] * 0.9 and d_b - q_b >= res["modeled"] * 0.99
 
 
 def _ddp_and_zero1_bytes(rank: int, world: int, name: str) -> dict:

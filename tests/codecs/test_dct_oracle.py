@@ -83,17 +83,22 @@ def _skip_fp32_bf16(dtype: torch.dtype, transfer: str) -> None:
         pytest.skip("bf16 rounding of fp32 values that differ by rounding: covered in fp64")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("chunk,topk,transfer", CASES)
-def test_spatial_replicate_steps_match_reference(chunk, topk, transfer, dtype):
-    """``replicate`` on a spatial residual (how DiLoCo's outer step calls it) == the reference's extract,
-    error feedback and exchange, over steps, padded shapes included."""
+def _pair(chunk: int, topk: int | None, transfer: str, dtype: torch.dtype):
+    """The replicator under test on a fake 2-worker transport, and the reference codec with the same k."""
     _skip_fp32_bf16(dtype, transfer)
     segments = Segments(SHAPES)
     transport = _TwoWorkers()
     rep = DCTReplicator(compression=1 / 16, transfer_dtype=transfer, transport=transport, group="world",
                         chunk=chunk, topk=topk)
-    ref = RefDCTCodec(SHAPES, chunk, rep.ks(segments, dtype), rep.transfer_dtype)
+    return segments, transport, rep, RefDCTCodec(SHAPES, chunk, rep.ks(segments, dtype), rep.transfer_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("chunk,topk,transfer", CASES)
+def test_spatial_replicate_steps_match_reference(chunk, topk, transfer, dtype):
+    """``replicate`` on a spatial residual (how DiLoCo's outer step calls it) == the reference's extract,
+    error feedback and exchange, over steps, padded shapes included."""
+    segments, transport, rep, ref = _pair(chunk, topk, transfer, dtype)
     gen = torch.Generator().manual_seed(chunk)
     delta_new = torch.randn(segments.numel, generator=gen, dtype=dtype)
     delta_ref = delta_new.clone()
@@ -124,12 +129,7 @@ def test_momentum_kept_in_dct_domain_matches_reference(chunk, topk, transfer, dt
     """The optimizer's path: momentum as DCT coefficients, ``C <- beta C + s DCT(g)``, error feedback by
     zeroing what was sent (padded blocks projected back), one inverse transform of the mean -- equal, within
     rounding, to the reference's spatial momentum step for step, in its update and in its residual."""
-    _skip_fp32_bf16(dtype, transfer)
-    segments = Segments(SHAPES)
-    transport = _TwoWorkers()
-    rep = DCTReplicator(compression=1 / 16, transfer_dtype=transfer, transport=transport, group="world",
-                        chunk=chunk, topk=topk)
-    ref = RefDCTCodec(SHAPES, chunk, rep.ks(segments, dtype), rep.transfer_dtype)
+    segments, transport, rep, ref = _pair(chunk, topk, transfer, dtype)
     gen = torch.Generator().manual_seed(chunk + 1)
     delta_ref = torch.randn(segments.numel, generator=gen, dtype=dtype)
     momentum = rep.momentum_from_spatial(delta_ref, segments)

@@ -106,19 +106,4 @@ def load_and_continue(rank: int, world: int, name: str, config: dict[str, Any], 
     return loaded
 
 
-def load_refused(rank: int, world: int, name: str, config: dict[str, Any], folder: str) -> str:
-    """Try to load; return the error."""
-    from quietsync.strategies.logical import ReshardError
-    from quietsync.train.logical_checkpoint import load_logical
-
-    strategy = make(name, 1, config)
-    try:
-        load_logical(folder, strategy, _stream(rank, world))
-    except ReshardError as e:
-        return str(e)
-    finally:
-        strategy.close()
-    raise AssertionError("no error")
-
-
 __all__ = ["MORE", "STEPS", "batch", "groups", "loss_fn", "model", "schedule", "LR"]

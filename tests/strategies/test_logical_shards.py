@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.train._reshard_workers import adamw_from
+from tests.train._reshard_workers import adamw_from, refuse
 
 from . import _logical_shards_workers as w
 
@@ -112,7 +112,7 @@ def test_flexdemo_refuses_another_number_of_nodes_on_every_worker(tmp_path):
     config = {**FLEX, "replicator": "striding"}
     folder = str(tmp_path / "step")
     run_ranks(w.train_and_save, 4, "flexdemo", config, folder, nodes=2)
-    errors = run_ranks(w.load_refused, 4, "flexdemo", config, folder, nodes=4)
+    errors = run_ranks(refuse, 4, "flexdemo", folder, "load", config, nodes=4)
     assert len(set(errors)) == 1
     assert errors[0].startswith("strategy flexdemo cannot be resharded from 2 nodes onto 4: each node keeps its own")
 

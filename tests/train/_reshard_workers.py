@@ -142,14 +142,14 @@ def load_and_continue(rank: int, world: int, name: str, folder: str) -> dict[str
     return loaded
 
 
-def refuse(rank: int, world: int, name: str, folder: str, action: str) -> str:
-    """``save`` or ``load`` a logical checkpoint with a strategy that cannot reshard: return the error."""
+def refuse(rank: int, world: int, name: str, folder: str, action: str, config: dict[str, Any] | None = None) -> str:
+    """``save`` or ``load`` a logical checkpoint with a strategy that cannot reshard it: return the error."""
     from quietsync.strategies import make_strategy
     from quietsync.strategies.logical import ReshardError
     from quietsync.train.logical_checkpoint import load_logical, save_logical
 
     m = model(0)
-    strategy = make_strategy(name, m, torch.optim.AdamW, lr=LR)
+    strategy = make_strategy(name, m, torch.optim.AdamW, lr=LR, config=config)
     try:
         if action == "save":
             strategy.forward_backward(batch(0, rank), loss_fn)

@@ -136,8 +136,7 @@ class FlexDeMo(Strategy):
         return f"replica.{self.transport.group_rank('replicate')}."
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
-        state = shard_state(self.shards.logical_pieces(), self.shards.mesh, self.module, self.optimizer,
-                            self._prefix())
+        state = shard_state(self.shards, self.module, self.optimizer, self._prefix())
         return {**state, **base_lrs_state(self.round.lr.base_lrs)}
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
@@ -149,11 +148,9 @@ class FlexDeMo(Strategy):
         if len(replicas) != nodes:
             raise ReshardError(f"strategy flexdemo cannot be resharded from {len(replicas)} nodes onto {nodes}: "
                                f"{self.reshard_problem(len(replicas), nodes)}")
-        targets = shard_targets(self.shards.logical_pieces(), self.shards.mesh, self.module, self.optimizer, saved,
-                                self._prefix())
+        targets = shard_targets(self.shards, self.module, self.optimizer, saved, self._prefix())
         return {**targets, **base_lrs_target(self.round.lr.base_lrs, saved)}
 
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
-        load_shards(self.shards.logical_pieces(), self.module, self.optimizer, filled, self._prefix())
-        self.shards.after_logical_load()
+        load_shards(self.shards, self.module, self.optimizer, filled, self._prefix())
         self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]

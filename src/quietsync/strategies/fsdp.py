@@ -94,16 +94,12 @@ class FSDP(Strategy):
 
     # ------------------------------------------------------------------ checkpoints that reshard
     def _logical_state(self) -> dict[str, torch.Tensor]:
-        pieces = self.shards.logical_pieces()
-        return {**shard_state(pieces, self.shards.mesh, self.module, self.optimizer),
-                **base_lrs_state(self.round.lr.base_lrs)}
+        return {**shard_state(self.shards, self.module, self.optimizer), **base_lrs_state(self.round.lr.base_lrs)}
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
-        pieces = self.shards.logical_pieces()
-        return {**shard_targets(pieces, self.shards.mesh, self.module, self.optimizer, saved),
+        return {**shard_targets(self.shards, self.module, self.optimizer, saved),
                 **base_lrs_target(self.round.lr.base_lrs, saved)}
 
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
-        load_shards(self.shards.logical_pieces(), self.module, self.optimizer, filled)
-        self.shards.after_logical_load()
+        load_shards(self.shards, self.module, self.optimizer, filled)
         self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]

@@ -111,9 +111,11 @@ def _by_local(pieces: list[ShardPiece], optimizer: torch.optim.Optimizer) -> lis
     return out
 
 
-def shard_state(pieces: list[ShardPiece], mesh: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def shard_state(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 prefix: str = "") -> dict[str, torch.Tensor]:
-    """This worker's part of the logical state (see the module docstring), for ``dcp.save``."""
+    """This worker's part of the logical state (see the module docstring), for ``dcp.save``. ``shards`` is the
+    substrate (``logical_pieces()``, ``mesh``)."""
+    pieces, mesh = shards.logical_pieces(), shards.mesh
     out: dict[str, torch.Tensor] = {}
     for p in pieces:
         out[f"{prefix}model.{p.name}"] = _sharded(_rows(p.local.detach(), p.rows), p.shape, mesh)
@@ -141,9 +143,10 @@ def shard_state(pieces: list[ShardPiece], mesh: Any, model: torch.nn.Module, opt
     return out
 
 
-def shard_targets(pieces: list[ShardPiece], mesh: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  saved: SavedTensors, prefix: str = "") -> dict[str, torch.Tensor]:
+def shard_targets(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: SavedTensors,
+                  prefix: str = "") -> dict[str, torch.Tensor]:
     """Tensors of this worker's layout to read :func:`shard_state` of any world size into (checks the shapes)."""
+    pieces, mesh = shards.logical_pieces(), shards.mesh
     out: dict[str, torch.Tensor] = {}
 
     def piece_target(key: str, p: ShardPiece, dtype: torch.dtype) -> torch.Tensor:
@@ -179,11 +182,13 @@ def shard_targets(pieces: list[ShardPiece], mesh: Any, model: torch.nn.Module, o
     return out
 
 
-def load_shards(pieces: list[ShardPiece], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def load_shards(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 filled: Mapping[str, torch.Tensor], prefix: str = "") -> None:
     """Take the state :func:`shard_targets` was filled with: the parameter pieces (padding rows zeroed), the
     buffers, and the optimizer's state through its own ``load_state_dict`` (a decoupled momentum as spatial, which
-    the optimizer converts into its replicator's domain for the new cut)."""
+    the optimizer converts into its replicator's domain for the new cut); then the substrate spreads the pieces
+    (``after_logical_load()``: a collective for the flat substrate)."""
+    pieces = shards.logical_pieces()
     with torch.no_grad():
         for p in pieces:
             p.local.zero_()
@@ -212,3 +217,4 @@ def load_shards(pieces: list[ShardPiece], model: torch.nn.Module, optimizer: tor
         loaded["decoupled"] = {"step": int(filled[f"{prefix}optim.decoupled.step"]), "replicator": replicator,
                                "momentum_domain": _SPATIAL_DOMAIN}
     optimizer.load_state_dict(loaded)
+    shards.after_logical_load()
