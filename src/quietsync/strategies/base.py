@@ -20,7 +20,7 @@ Subclasses implement :meth:`_step`, and optionally :meth:`_backward`, :meth:`_st
 strategies share is not inherited but **held**: small parts (the sharded flat state, the overlap machinery,
 an LR scaler, an accumulator) registered with :meth:`hold` are checkpointed, reported in
 :meth:`memory_report` and closed with the strategy. Time and bytes are accounted by the
-:class:`~quietsync.strategies.accounting.StepAccounting` every strategy holds as ``self.accounting``:
+:class:`~quietsync.strategies.parts.accounting.StepAccounting` every strategy holds as ``self.accounting``:
 ``compute_s`` is the main thread's time between strategy calls plus inside ``backward`` (forward, backward,
 data loading), ``idle_s`` the time it spent blocked on communication (strategies wrap such waits in
 ``self.accounting.idle(...)``), ``comm_s`` the seconds collectives took (on any thread), bytes from the
@@ -31,7 +31,7 @@ stage counters); :meth:`load_state_dict` compares it across workers and refuses,
 checkpoint whose files were saved at different positions. Take checkpoints at the same position on every
 worker — right after ``step()`` returned True on all of them, as the trainer does. Strategies whose state
 has a world-size-independent form (``reshard_refusal is None``: ddp, zero1) also offer
-:meth:`logical_state_dict`/:meth:`load_logical_state_dict` (see :mod:`~quietsync.strategies.logical`), which the
+:meth:`logical_state_dict`/:meth:`load_logical_state_dict` (see :mod:`~quietsync.strategies.checkpoint.logical`), which the
 trainer writes through ``torch.distributed.checkpoint`` so a job can resume on another number of workers.
 """
 
@@ -49,8 +49,8 @@ import torch
 from ..events import label
 from ..flat import normalize_param_groups
 from ..transport import Transport
-from .accounting import StepAccounting, StepMetrics
-from .logical import Reader, ReshardError, SavedTensors, open_round_problem
+from .checkpoint.logical import Reader, ReshardError, SavedTensors, open_round_problem
+from .parts.accounting import StepAccounting, StepMetrics
 
 LRSchedule = Callable[[int], float]
 """``f(committed_steps) -> multiplier`` of each parameter group's base learning rate."""
@@ -140,7 +140,7 @@ class Strategy(ABC):
         self.micro_batches = 0
         """Micro-batches this worker has computed in total."""
         self.accounting = StepAccounting(self.transport)
-        """Time and bytes of the current step (see :mod:`~quietsync.strategies.accounting`)."""
+        """Time and bytes of the current step (see :mod:`~quietsync.strategies.parts.accounting`)."""
         self._parts: dict[str, Any] = {}
         self._micro_batch_part: Any = None
         self._closed = False
@@ -322,10 +322,10 @@ class Strategy(ABC):
         self._load_state(state["state"])
 
     def logical_state_dict(self) -> dict[str, torch.Tensor]:
-        """This worker's part of the world-size-independent state (see :mod:`~quietsync.strategies.logical`):
+        """This worker's part of the world-size-independent state (see :mod:`~quietsync.strategies.checkpoint.logical`):
         tensors (some DTensors) by logical name, for ``torch.distributed.checkpoint.save`` on every worker.
 
-        Raises :class:`~quietsync.strategies.logical.ReshardError` where the strategy cannot be resharded
+        Raises :class:`~quietsync.strategies.checkpoint.logical.ReshardError` where the strategy cannot be resharded
         (:attr:`reshard_refusal`) or a round is open (save right after ``step()`` returned True).
         """
         self._check_reshardable()

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from ..events import label
-from ..flat import nbytes
-from ..validate import check_int
+from ...events import label
+from ...flat import nbytes
+from ...validate import check_int
+from ..base import StrategyConfig
 from .accounting import StepAccounting
-from .base import StrategyConfig
 from .lr import LRScaler
 
 

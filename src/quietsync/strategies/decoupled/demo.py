@@ -13,7 +13,7 @@ Every worker holds the whole model and its own decoupled momentum ``delta``. A s
    DeMo-SGD (``base="sgd"``, the paper's default) or decoupled AdamW (``base="adamw"``).
 
 Workers' parameters stay identical (they all apply the same averaged update). The knobs of
-:class:`~quietsync.strategies.decoupled.DecoupledConfig` become the CLI flags ``--replicator --compression --chunk --topk
+:class:`~quietsync.strategies.decoupled.round.DecoupledConfig` become the CLI flags ``--replicator --compression --chunk --topk
 --sign/--no-sign --transfer-dtype --beta --replicate-every --skip-every``.
 """
 
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from .base import Strategy
-from .broadcast import broadcast_parameters
-from .decoupled import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
-from .registry import register
+from ..base import Strategy
+from ..parts.broadcast import broadcast_parameters
+from ..registry import register
+from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 
 
 @register("demo", DecoupledConfig)

@@ -13,7 +13,7 @@ computed at the current θ, so the first delayed-mode update is not stale.
 
 ``step()`` returns True each time an update is collected and the new θ installed; the model always holds
 the committed θ (``committed_params()`` is free). Accumulation per stage: see
-:class:`~quietsync.strategies.overlap.OverlapConfig`.
+:class:`~quietsync.strategies.overlap.machinery.OverlapConfig`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from .base import Strategy
-from .overlap import DelayedConfig, DelayedPipeline, Overlap
-from .registry import register
+from ..base import Strategy
+from ..registry import register
+from .machinery import DelayedConfig, DelayedPipeline, Overlap
 
 
 @dataclass
 class DPUConfig(DelayedConfig):
-    """Knobs of ``dpu`` (see :class:`~quietsync.strategies.overlap.DelayedConfig`)."""
+    """Knobs of ``dpu`` (see :class:`~quietsync.strategies.overlap.machinery.DelayedConfig`)."""
 
 
 @register("dpu", DPUConfig)

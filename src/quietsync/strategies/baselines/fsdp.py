@@ -14,11 +14,11 @@ holding the same shard average their gradient shards. A step:
 
 Checkpoints that reshard (another number of nodes or workers per node): every replica holds the same state, so
 the logical state is each parameter's and each optimizer state's ``Shard(0)`` pieces over the shard group
-(:mod:`~quietsync.strategies.logical_shards`), written once whatever the number of nodes.
+(:mod:`~quietsync.strategies.checkpoint.logical_shards`), written once whatever the number of nodes.
 
 Numerically this is ``ddp``/``zero1`` (θ ← Opt(θ, ḡ) with ḡ the global micro-batch mean), which the
 tests check. FSDP's collectives run through the transport by torch 2.13's custom all-gather/reduce-scatter
-(see :mod:`~quietsync.strategies.fsdp_shards`).
+(see :mod:`~quietsync.strategies.substrates.fsdp_shards`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from ..sharded import build_optimizer
-from .accumulation import AccumulationConfig, OptimizerRound
-from .base import Strategy
-from .fsdp_shards import FsdpShards
-from .logical import SavedTensors, base_lrs_state, base_lrs_target
-from .logical_shards import load_shards, shard_state, shard_targets
-from .registry import register
+from ..base import Strategy
+from ..checkpoint.logical import SavedTensors, base_lrs_state, base_lrs_target
+from ..checkpoint.logical_shards import load_shards, shard_state, shard_targets
+from ..parts.accumulation import AccumulationConfig, OptimizerRound
+from ..registry import register
+from ..substrates.fsdp_shards import FsdpShards
+from ..substrates.sharded_optimizer import build_optimizer
 
 
 def average_across_nodes(strategy: Strategy, grads: list[torch.Tensor | None]) -> None:

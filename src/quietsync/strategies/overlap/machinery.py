@@ -45,15 +45,15 @@ from typing import Any
 
 import torch
 
-from ..comm_worker import CommWorker, Job
-from ..events import label
-from ..flat import nbytes, parse_dtype
-from ..sharded import ShardedOptimizer, build_optimizer
-from ..validate import check_int
-from .accounting import StepAccounting
-from .base import Strategy, StrategyConfig
-from .lr import LRScaler
-from .sharded_state import ShardedState
+from ...comm_worker import CommWorker, Job
+from ...events import label
+from ...flat import nbytes, parse_dtype
+from ...validate import check_int
+from ..base import Strategy, StrategyConfig
+from ..parts.accounting import StepAccounting
+from ..parts.lr import LRScaler
+from ..substrates.sharded_optimizer import ShardedOptimizer, build_optimizer
+from ..substrates.sharded_state import ShardedState
 
 HISTORY = 100_000
 """Stages kept in :attr:`Overlap.stage_history`."""

@@ -5,7 +5,7 @@ Every worker keeps the **whole** parameters (ZeRO-2 memory, not ZeRO-3) and, for
 copy and a gradient buffer; one reduce-scatter per step (on ``shard``) brings the node-averaged gradient of
 the shard, one all-gather (on ``shard``) spreads the updated shards back into the parameters. Each parameter
 is sharded along dim 0 with its rows padded to a multiple of the group size, as FSDP2 does, so a shard of a
-matrix is still a matrix. Compared with :class:`~quietsync.strategies.fsdp_shards.FsdpShards` it moves fewer
+matrix is still a matrix. Compared with :class:`~quietsync.strategies.substrates.fsdp_shards.FsdpShards` it moves fewer
 bytes inside the node (no all-gather in every forward and backward) and holds more memory.
 """
 
@@ -19,11 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..flat import nbytes
-from ..transport import Transport
-from .accounting import StepAccounting
-from .broadcast import broadcast_parameters
-from .logical_shards import ShardPiece
+from ...flat import nbytes
+from ...transport import Transport
+from ..checkpoint.logical_shards import ShardPiece
+from ..parts.accounting import StepAccounting
+from ..parts.broadcast import broadcast_parameters
 
 
 class DimZeroShards:
@@ -150,7 +150,7 @@ class FlatDimZeroShards:
         return self.transport.device_mesh(self.group)
 
     def logical_pieces(self) -> list[ShardPiece]:
-        """Each parameter's master shard as a :class:`~quietsync.strategies.logical_shards.ShardPiece`: the rows
+        """Each parameter's master shard as a :class:`~quietsync.strategies.checkpoint.logical_shards.ShardPiece`: the rows
         of torch's ``Shard(0)`` chunk, then padding (a 0-dim parameter counts as shape ``(1,)``)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = []

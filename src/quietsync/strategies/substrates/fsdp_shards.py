@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from ..flat import nbytes
-from ..transport import Transport
-from .accounting import StepAccounting
-from .broadcast import broadcast_parameters
-from .logical_shards import ShardPiece
+from ...flat import nbytes
+from ...transport import Transport
+from ..checkpoint.logical_shards import ShardPiece
+from ..parts.accounting import StepAccounting
+from ..parts.broadcast import broadcast_parameters
 
 _OPS = {"SUM": "sum", "AVG": "avg"}
 
@@ -221,7 +221,7 @@ class FsdpShards:
         return self.transport.device_mesh(self.group)
 
     def logical_pieces(self) -> list[ShardPiece]:
-        """Each parameter's shard as a :class:`~quietsync.strategies.logical_shards.ShardPiece` (FSDP2's local
+        """Each parameter's shard as a :class:`~quietsync.strategies.checkpoint.logical_shards.ShardPiece` (FSDP2's local
         tensors are its ``Shard(0)`` chunks already, without padding)."""
         return [ShardPiece(n, t, t.shape[0] if t.dim() else 1, p.shape if p.dim() else torch.Size([1]))
                 for n, t, p in zip(self.names, self.local, self.params)]

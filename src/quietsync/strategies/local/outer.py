@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from ..comm_worker import CommWorker, Job
-from ..events import label
-from ..flat import nbytes
-from ..link import traffic
-from ..replicators import Replicator, Segments, make_replicator
-from ..transport import Transport
-from ..validate import check_choice, check_float, check_int
+from ...comm_worker import CommWorker, Job
+from ...events import label
+from ...flat import nbytes
+from ...link import traffic
+from ...replicators import Replicator, Segments, make_replicator
+from ...transport import Transport
+from ...validate import check_choice, check_float, check_int
 
 PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
 PSEUDO_GRAD_REPLICATORS = ("none", "dct", "random", "striding", "full")

@@ -23,18 +23,18 @@ parameters and this is ``demo`` over the replicate group.
 
 Substrate (``params``), both dim-0 sharded and both with every byte metered and link-emulated:
 
-* ``sharded`` (default): PyTorch FSDP2 over the shard group (:class:`~quietsync.strategies.fsdp_shards.
+* ``sharded`` (default): PyTorch FSDP2 over the shard group (:class:`~quietsync.strategies.substrates.fsdp_shards.
   FsdpShards`): parameters too are sharded inside the node (ZeRO-3, ``reshard_after_forward``); FSDP
   all-gathers a unit's parameters for its forward and backward and reduce-scatters the gradients in the
   last backward of the round, through the transport. Step 4 is then not needed: the optimizer updates the
   shards FSDP holds.
-* ``replicated``: quietsync's flat substrate (:class:`~quietsync.strategies.dim0_shards.FlatDimZeroShards`):
+* ``replicated``: quietsync's flat substrate (:class:`~quietsync.strategies.substrates.dim0_shards.FlatDimZeroShards`):
   whole parameters on every worker (ZeRO-2), one reduce-scatter and one all-gather per step, fewer bytes
   inside the node than ``sharded`` moves (which all-gathers in every forward and backward).
 
 Checkpoints that reshard: each node's state (parameter shards, decoupled momentum, optimizer state, counters)
 is written under ``replica.<node>.`` as ``Shard(0)`` pieces over the node's workers
-(:mod:`~quietsync.strategies.logical_shards`), so a job resumes on another number of workers per node, either
+(:mod:`~quietsync.strategies.checkpoint.logical_shards`), so a job resumes on another number of workers per node, either
 substrate, but on the same number of nodes (:meth:`FlexDeMo.reshard_problem`).
 
 See ``docs/flexdemo.md`` for the memory and speed of both.
@@ -49,14 +49,14 @@ from typing import Any, Literal
 
 import torch
 
-from ..validate import check_choice
-from .base import Strategy
-from .decoupled import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
-from .dim0_shards import DimZeroShards, FlatDimZeroShards
-from .fsdp_shards import FsdpShards
-from .logical import ReshardError, SavedTensors, base_lrs_state, base_lrs_target
-from .logical_shards import load_shards, shard_state, shard_targets
-from .registry import register
+from ...validate import check_choice
+from ..base import Strategy
+from ..checkpoint.logical import ReshardError, SavedTensors, base_lrs_state, base_lrs_target
+from ..checkpoint.logical_shards import load_shards, shard_state, shard_targets
+from ..registry import register
+from ..substrates.dim0_shards import DimZeroShards, FlatDimZeroShards
+from ..substrates.fsdp_shards import FsdpShards
+from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 
 __all__ = ["DimZeroShards", "FlexDeMo", "FlexDeMoConfig"]
 

@@ -5,16 +5,16 @@ of the optimizer over one group.
 builds on. It owns
 
 * ``flat`` — the :class:`~quietsync.flat.FlatParams` the model's parameters view (padded to the group size);
-* ``shard`` — the :class:`~quietsync.sharded.ShardedOptimizer`: fp32 master shard, its reduced gradient and a
+* ``shard`` — the :class:`~quietsync.strategies.substrates.sharded_optimizer.ShardedOptimizer`: fp32 master shard, its reduced gradient and a
   torch optimizer over it (original parameter groups kept);
-* ``lr`` — the :class:`~quietsync.strategies.lr.LRScaler` that applies the lr schedule before each step;
+* ``lr`` — the :class:`~quietsync.strategies.parts.lr.LRScaler` that applies the lr schedule before each step;
 
 and the three moves of a sharded step: :meth:`reduce_scatter_grads`, :meth:`step`, :meth:`all_gather_params`.
 At construction rank 0's parameters are broadcast over the group, so replicas start identical.
 
 Its world-size-independent form (:meth:`logical_state_dict`, for checkpoints that reshard) is the master and
 the optimizer's per-element state over the unpadded flat buffer, each a DTensor ``Shard(0)`` over the group;
-see :mod:`~quietsync.strategies.logical` for why.
+see :mod:`~quietsync.strategies.checkpoint.logical` for why.
 """
 
 from __future__ import annotations
@@ -23,12 +23,19 @@ from typing import Any
 
 import torch
 
-from ..flat import DTypePolicy, FlatParams, nbytes, parse_dtype
-from ..sharded import ShardedOptimizer
-from ..transport import Transport
-from .broadcast import broadcast_parameters
-from .logical import ReshardError, SavedTensors, base_lrs_state, base_lrs_target, flat_tensor, local_part
-from .lr import LRScaler
+from ...flat import DTypePolicy, FlatParams, nbytes, parse_dtype
+from ...transport import Transport
+from ..checkpoint.logical import (
+    ReshardError,
+    SavedTensors,
+    base_lrs_state,
+    base_lrs_target,
+    flat_tensor,
+    local_part,
+)
+from ..parts.broadcast import broadcast_parameters
+from ..parts.lr import LRScaler
+from .sharded_optimizer import ShardedOptimizer
 
 _FLAT = "optim.flat."
 

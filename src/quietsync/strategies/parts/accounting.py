@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..events import diff_snapshots
-from ..transport import Transport
+from ...events import diff_snapshots
+from ...transport import Transport
 
 
 @dataclasses.dataclass

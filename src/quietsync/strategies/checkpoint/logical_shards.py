@@ -1,8 +1,8 @@
 """World-size-independent ("logical") state of dim-0 parameter shards: what ``fsdp`` and ``flexdemo`` checkpoints
-that reshard hold (see :mod:`~quietsync.strategies.logical` for the idea and the ``ddp``/``zero1`` forms).
+that reshard hold (see :mod:`~quietsync.strategies.checkpoint.logical` for the idea and the ``ddp``/``zero1`` forms).
 
-Both substrates of these strategies — FSDP2 (:class:`~quietsync.strategies.fsdp_shards.FsdpShards`) and the flat
-dim-0 one (:class:`~quietsync.strategies.dim0_shards.FlatDimZeroShards`) — give worker ``i`` of the shard group
+Both substrates of these strategies — FSDP2 (:class:`~quietsync.strategies.substrates.fsdp_shards.FsdpShards`) and the flat
+dim-0 one (:class:`~quietsync.strategies.substrates.dim0_shards.FlatDimZeroShards`) — give worker ``i`` of the shard group
 rows ``[i*c, min((i+1)*c, rows))`` of every parameter, ``c = ceil(rows / n)``: exactly torch's ``Shard(0)``
 chunks (the flat substrate pads the last shard with zero rows, cut here). So each worker's piece of a parameter,
 and of every per-element optimizer state, is the local tensor of a DTensor ``Shard(0)`` of the whole parameter
@@ -87,7 +87,7 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _momentum_to_spatial(optimizer: torch.optim.Optimizer, delta: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    from ..replicators import REPLICATORS, convert_momentum
+    from ...replicators import REPLICATORS, convert_momentum
 
     domain = optimizer.replicator.momentum_domain  # type: ignore[attr-defined]
     if domain == _SPATIAL_DOMAIN:

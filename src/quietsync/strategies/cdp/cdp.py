@@ -1,6 +1,6 @@
 """``cdp``: Cyclic Data Parallelism (Fournier & Oyallon, 2024, paper 002), executed for real.
 
-The model is cut into ``N`` stages (:mod:`~quietsync.strategies.stages`); a training step (a *cycle*) has
+The model is cut into ``N`` stages (:mod:`~quietsync.strategies.cdp.stages`); a training step (a *cycle*) has
 ``N`` micro-batches. One time step is the forward or the backward of one stage. Micro-batch ``i``
 (0-based slot) of cycle ``c`` starts at time ``s = c·2N + 2i`` (the paper's delay of 2 time steps), runs
 the forward of stage ``j`` at ``s + j`` and its backward at ``s + 2N − 1 − j``; so at every time step each
@@ -67,13 +67,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..activation_memory import ActivationMeter
-from ..events import label
-from ..sharded import build_optimizer
-from ..validate import check_choice, check_int
-from .base import LossFn, Strategy, StrategyConfig
-from .lr import LRScaler
-from .registry import register
+from ...activation_memory import ActivationMeter
+from ...events import label
+from ...validate import check_choice, check_int
+from ..base import LossFn, Strategy, StrategyConfig
+from ..parts.lr import LRScaler
+from ..registry import register
+from ..substrates.sharded_optimizer import build_optimizer
 from .stages import PARTITIONS, StagePlan, partition, run_segments, segment_flops, sequential_view
 
 RULES = ("dp", "v1", "v2")

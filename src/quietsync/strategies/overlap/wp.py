@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from .base import Strategy
-from .overlap import DelayedConfig, DelayedPipeline, Overlap
-from .registry import register
+from ..base import Strategy
+from ..registry import register
+from .machinery import DelayedConfig, DelayedPipeline, Overlap
 
 
 @dataclass
 class WPConfig(DelayedConfig):
-    """Knobs of ``wp`` (see :class:`~quietsync.strategies.overlap.DelayedConfig`)."""
+    """Knobs of ``wp`` (see :class:`~quietsync.strategies.overlap.machinery.DelayedConfig`)."""
 
 
 @register("wp", WPConfig)

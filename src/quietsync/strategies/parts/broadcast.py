@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..transport import Transport
+from ...transport import Transport
 
 
 def broadcast_parameters(transport: Transport, tensors: Sequence[torch.Tensor], group: str = "world") -> None:

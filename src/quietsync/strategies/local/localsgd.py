@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from ..flat import nbytes
-from ..sharded import build_optimizer
-from ..validate import check_int
-from .accumulation import AccumulationConfig, OptimizerRound
-from .base import Strategy
-from .broadcast import broadcast_parameters
-from .registry import register
+from ...flat import nbytes
+from ...validate import check_int
+from ..base import Strategy
+from ..parts.accumulation import AccumulationConfig, OptimizerRound
+from ..parts.broadcast import broadcast_parameters
+from ..registry import register
+from ..substrates.sharded_optimizer import build_optimizer
 
 
 @dataclass

@@ -12,7 +12,7 @@ buffers padded to the worker count, this worker's optimizer shard). The logical 
 * a **ZeRO-1 optimizer shard** (``zero1``): ``optim.flat.master`` and ``optim.flat.<key>`` — the fp32 master
   copy and each per-element state tensor over the whole flat parameter buffer *without its padding*, as a
   DTensor ``Shard(0)`` over a 1-D mesh of the group; the per-group scalars as ``optim.group<i>.<key>``
-  (AdamW's ``step``) — see :class:`~quietsync.strategies.sharded_state.ShardedState`.
+  (AdamW's ``step``) — see :class:`~quietsync.strategies.substrates.sharded_state.ShardedState`.
 
 Why a DTensor of the flat buffer for ZeRO-1 rather than gathered per-parameter tensors: each worker keeps
 writing only its ``1/n`` (no gather of the optimizer state onto one worker, so a checkpoint needs no more

@@ -1,4 +1,4 @@
-"""``zero1``: ZeRO-1 on flat buffers (its state, :class:`~quietsync.strategies.sharded_state.ShardedState`,
+"""``zero1``: ZeRO-1 on flat buffers (its state, :class:`~quietsync.strategies.substrates.sharded_state.ShardedState`,
 is the substrate ACCO, DPU and WP build on).
 
 Each worker keeps optimizer state for only its ``1/n`` of the parameters. A step is:
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from ..flat import nbytes, parse_dtype
-from .accumulation import AccumulationConfig, Accumulator
-from .base import Strategy
-from .logical import SavedTensors, load_module, module_state, module_targets
-from .registry import register
-from .sharded_state import ShardedState
+from ...flat import nbytes, parse_dtype
+from ..base import Strategy
+from ..checkpoint.logical import SavedTensors, load_module, module_state, module_targets
+from ..parts.accumulation import AccumulationConfig, Accumulator
+from ..registry import register
+from ..substrates.sharded_state import ShardedState
 
 
 @dataclass

@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from .base import Strategy
-from .overlap import Overlap, OverlapConfig
-from .registry import register
+from ..base import Strategy
+from ..registry import register
+from .machinery import Overlap, OverlapConfig
 
 STAGES = ("init", "stage1", "stage2")
 
 
 @dataclass
 class ACCOConfig(OverlapConfig):
-    """Knobs of ``acco`` (accumulation per stage; see :class:`~quietsync.strategies.overlap.OverlapConfig`)."""
+    """Knobs of ``acco`` (accumulation per stage; see :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`)."""
 
 
 @register("acco", ACCOConfig)

@@ -16,12 +16,12 @@ from typing import Any, Literal
 
 import torch
 
-from ..optim import DecoupledAdamW, DecoupledOptimizer, DeMoSGD, check_replication_schedule
-from ..replicators import REPLICATORS, make_replicator
-from ..transport import Transport
-from ..validate import check_choice, check_float, check_int
-from .accounting import StepAccounting
-from .accumulation import AccumulationConfig, OptimizerRound
+from ...optim import DecoupledAdamW, DecoupledOptimizer, DeMoSGD, check_replication_schedule
+from ...replicators import REPLICATORS, make_replicator
+from ...transport import Transport
+from ...validate import check_choice, check_float, check_int
+from ..parts.accounting import StepAccounting
+from ..parts.accumulation import AccumulationConfig, OptimizerRound
 
 _TRANSFER = ("fp32", "bf16", "fp16")
 _BASES = ("sgd", "adamw", "auto")

@@ -3,7 +3,7 @@ pseudo-gradient; with Streaming DiLoCo's fragments and overlapped outer communic
 
 Every worker runs the inner optimizer (the user's, AdamW by default) on its own data; ``steps`` counts these
 inner steps. Per fragment f of the parameters (one fragment by default), every H = ``sync_every`` steps,
-staggered by H/F between fragments (the :class:`~quietsync.strategies.outer.OuterSync` part):
+staggered by H/F between fragments (the :class:`~quietsync.strategies.local.outer.OuterSync` part):
 
     Δ_i = θ_global − θ_i                                     (pseudo-gradient of worker i)
     Δ̄   = mean_i Δ_i                 over the sync group   (fp32 / bf16 / int8, or a replicator + error feedback)
@@ -36,13 +36,13 @@ from typing import Any, Literal
 
 import torch
 
-from ..sharded import build_optimizer
-from ..validate import check_choice, check_float, check_int
-from .accumulation import AccumulationConfig, OptimizerRound
-from .base import Strategy
-from .broadcast import broadcast_parameters
+from ...validate import check_choice, check_float, check_int
+from ..base import Strategy
+from ..parts.accumulation import AccumulationConfig, OptimizerRound
+from ..parts.broadcast import broadcast_parameters
+from ..registry import get, register
+from ..substrates.sharded_optimizer import build_optimizer
 from .outer import PSEUDO_GRAD_DTYPES, PSEUDO_GRAD_REPLICATORS, OuterSync
-from .registry import get, register
 
 _INNER = ("local", "ddp", "zero1")
 

@@ -22,11 +22,9 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..sharded import build_optimizer
-from ..validate import check_float
-from .accumulation import AccumulationConfig, OptimizerRound
-from .base import Strategy
-from .logical import (
+from ...validate import check_float
+from ..base import Strategy
+from ..checkpoint.logical import (
     SavedTensors,
     base_lrs_state,
     base_lrs_target,
@@ -38,7 +36,9 @@ from .logical import (
     optimizer_targets,
     parameter_names,
 )
-from .registry import register
+from ..parts.accumulation import AccumulationConfig, OptimizerRound
+from ..registry import register
+from ..substrates.sharded_optimizer import build_optimizer
 
 
 @dataclass

@@ -10,7 +10,7 @@ parameter buffer. :class:`ShardedOptimizer` holds
   group count — and the state-dict layout — the same on every worker).
 
 Learning rates are set by the caller before :meth:`ShardedOptimizer.step` (strategies hold an
-:class:`~quietsync.strategies.lr.LRScaler` for that).
+:class:`~quietsync.strategies.parts.lr.LRScaler` for that).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .events import label
-from .flat import FlatParams
+from ...events import label
+from ...flat import FlatParams
 
 
 class ShardedOptimizer:
