@@ -70,7 +70,6 @@ class FSDP(Strategy):
         self.param_groups = self.shards.model_groups  # drop the whole pre-sharding parameters
         self.optimizer = build_optimizer(self.optimizer_factory, self.shards.groups, self.optimizer_kwargs)
         self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation, self.shards.local))
-        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.shards.before_backward(self.round.accumulator.next_is_last)

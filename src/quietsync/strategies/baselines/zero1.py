@@ -66,7 +66,6 @@ class Zero1(Strategy):
         self.grads = self.flat.new_grad_buffer()
         self.flat.attach_grads(self.grads)
         self.round = self.hold("round", Accumulator(self.config.accumulation))
-        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.flat.require_grads_attached(self.grads)

@@ -387,7 +387,6 @@ class CDP(Strategy):
                 self.transport.send(flat, self.me + 1, name="cdp/init_params")
             torch._foreach_copy_(params, [x.view_as(p) for x, p in zip(flat.split([p.numel() for p in params]),
                                                                           params)])
-        self.accounting.reset()
 
     def balance(self) -> dict[str, Any]:
         """The stage cut and its balance (see :meth:`StagePlan.balance`); None-like before the first call with

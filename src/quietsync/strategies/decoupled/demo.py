@@ -47,10 +47,11 @@ class DeMo(Strategy):
         super().__init__(model, optimizer, **kwargs)
         self.optimizer = build_decoupled_optimizer(
             self.config, self.optimizer_factory, self.param_groups, self.optimizer_kwargs, self.transport, "world")
-        self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation, list(model.parameters())),
-                               takes_micro_batches=True)
+        self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation, list(model.parameters())))
         broadcast_parameters(self.transport, list(model.parameters()), "world")
-        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:

@@ -92,8 +92,7 @@ class FlexDeMo(Strategy):
             self.config, self.optimizer_factory, self.shards.groups, self.optimizer_kwargs, self.transport,
             "replicate")
         self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation,
-                                                       self.shards.grad_holders), takes_micro_batches=True)
-        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
+                                                       self.shards.grad_holders))
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.shards.before_backward(self.round.accumulator.next_is_last)

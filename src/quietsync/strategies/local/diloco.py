@@ -120,15 +120,14 @@ class DiLoCo(Strategy):
         if cfg.inner == "local":
             self.sync_group = "world"
             self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
-            self.round = self.hold("round", OptimizerRound(self.optimizer, cfg.accumulation, self.params),
-                                   takes_micro_batches=True)
+            self.round = self.hold("round", OptimizerRound(self.optimizer, cfg.accumulation, self.params))
         else:
             self.sync_group = "replicate"
             cls, _ = get(cfg.inner)
             self.inner = self.hold("inner", cls(
                 model, self.optimizer_factory, param_groups=self.param_groups, transport=self.transport,
                 config={"accumulation": cfg.accumulation}, lr_schedule=self.lr_schedule, group="shard",
-                **self.optimizer_kwargs), takes_micro_batches=True)
+                **self.optimizer_kwargs))
             self.optimizer = self.inner.optimizer
         self.outer = self.hold("outer", OuterSync(
             self.params, self.transport, self.sync_group, sync_every=cfg.sync_every, fragments=cfg.fragments,
@@ -137,7 +136,6 @@ class DiLoCo(Strategy):
             pseudo_grad_dtype=cfg.pseudo_grad_dtype, replicator=cfg.pseudo_grad_replicator,
             compression=cfg.compression, seed=cfg.seed, offload=cfg.offload_outer,
             on_params_written=self._params_written))
-        self.accounting.reset()  # the initial broadcasts are set-up, not step 1's traffic
 
     @property
     def model(self) -> torch.nn.Module:
@@ -153,6 +151,9 @@ class DiLoCo(Strategy):
                 shard.master.copy_(sharded.flat.data[shard.lo:shard.hi])
 
     # ------------------------------------------------------------------ inner steps
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self.round if self.inner is None else self.inner).backward(loss)
+
     def _step(self) -> bool:
         if self.inner is not None:
             if not self.inner.step():

@@ -66,12 +66,13 @@ class LocalSGD(Strategy):
         super().__init__(model, optimizer, **kwargs)
         self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
         self.params = [p for g in self.param_groups for p in g["params"]]
-        self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation, self.params),
-                               takes_micro_batches=True)
+        self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation, self.params))
         broadcast_parameters(self.transport, self.params, "world")
         self.synced = [p.detach().clone() for p in self.params]
         """θ of the last sync (the committed parameters)."""
-        self.accounting.reset()  # the initial broadcast is set-up, not step 1's traffic
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:

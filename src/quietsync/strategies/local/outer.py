@@ -39,6 +39,7 @@ from ...link import traffic
 from ...replicators import Replicator, Segments, make_replicator
 from ...transport import Transport
 from ...validate import check_choice, check_float, check_int
+from ..parts.part import Part
 
 PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
 PSEUDO_GRAD_REPLICATORS = ("none", "dct", "random", "striding", "full")
@@ -58,7 +59,7 @@ def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
     return [list(range(bounds[k], bounds[k + 1])) for k in range(fragments)]
 
 
-class OuterSync:
+class OuterSync(Part):
     """θ_global + outer SGD per fragment + the staggered, optionally delayed, compressed sync (module docstring).
 
     Args:

@@ -60,8 +60,7 @@ class ACCO(Strategy):
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
-        self.overlap = self.hold("overlap", Overlap.for_strategy(self, estimate=True, snapshot=True),
-                                 takes_micro_batches=True)
+        self.overlap = self.hold("overlap", Overlap.for_strategy(self, estimate=True, snapshot=True))
         self.shard, self.optimizer = self.overlap.sharded.shard, self.overlap.sharded.optimizer
         self.stage = "init"
         """``init`` (computing g̃⁽⁰⁾ at θ⁽⁰⁾), ``stage1`` (computing g at θ) or ``stage2`` (g̃ at θ̃)."""
@@ -69,6 +68,9 @@ class ACCO(Strategy):
         self._tilde_count = 0.0  # ΣᵢÑᵢ⁽ᵗ⁾
 
     # ------------------------------------------------------------------ main thread
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.overlap.backward(loss)
+
     def _step(self) -> bool:
         o = self.overlap
         if self.stage == "init":  # g̃⁽⁰⁾ at θ⁽⁰⁾, nothing to overlap with yet

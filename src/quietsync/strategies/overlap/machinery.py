@@ -1,5 +1,6 @@
-"""The overlap machinery ACCO, DPU and WP hold (a part): buffers, the communication worker, stage counting,
-hand-over, and a sharded optimizer that can *estimate* a step without committing it.
+"""The overlap machinery ACCO, DPU and WP hold (a part): buffers, the communication worker, stage counting and
+hand-over, over the sharded flat state (with, where a strategy needs one, the
+:class:`~quietsync.strategies.overlap.estimate.EstimatingOptimizer` of :mod:`.estimate`).
 
 Buffers (flat, padded, the parameters' dtype unless noted; Ψ parameters, N workers)::
 
@@ -25,8 +26,8 @@ micro-batch counts (:meth:`Overlap.reduce`), so gradients are Σ over workers an
 slow worker weighs less.
 
 The strategy files hold what differs: their state machine (which job follows which stage) and their jobs
-(the paper's recurrence). :class:`DelayedPipeline` is the state machine DPU and WP share (warm-up, fill,
-overlap): they differ only in their job.
+(the paper's recurrence): ACCO's two stages in ``acco.py``, DPU's warm-up/fill/overlap phases in ``dpu.py``, and
+WP, the DPU machine with a predicting job, in ``wp.py``.
 
 On CUDA the communication worker runs on its own stream, ordered after the main stream by events; the main
 thread only polls :meth:`~quietsync.comm_worker.Job.done` (an event query) between micro-batches, never
@@ -46,14 +47,13 @@ from typing import Any
 import torch
 
 from ...comm_worker import CommWorker, Job
-from ...events import label
 from ...flat import nbytes, parse_dtype
 from ...validate import check_int
 from ..base import Strategy, StrategyConfig
 from ..parts.accounting import StepAccounting
-from ..parts.lr import LRScaler
-from ..substrates.sharded_optimizer import ShardedOptimizer, build_optimizer
+from ..parts.part import Part
 from ..substrates.sharded_state import ShardedState
+from .estimate import EstimatingOptimizer
 
 HISTORY = 100_000
 """Stages kept in :attr:`Overlap.stage_history`."""
@@ -106,64 +106,7 @@ class _Done:
         return self.result
 
 
-class EstimatingOptimizer:
-    """Runs the sharded optimizer on a scratch copy of the master shard and of the optimizer state.
-
-    ``estimate(lr_scale)`` returns Opt(θ_shard, grad_shard) — the step the real optimizer *would* take from
-    its current state — without touching the real master, moments or step counter (also before the first
-    committed step, when the real state is still empty). Works for any torch optimizer whose state is a
-    dict of tensors and Python values per parameter.
-    """
-
-    def __init__(self, shard: ShardedOptimizer, lr: LRScaler, factory: Any, kwargs: dict[str, Any]) -> None:
-        self.shard = shard
-        self.lr = lr
-        self.master = shard.master.clone()
-        self.views: list[torch.Tensor] = []
-        groups = []
-        for (a, b), real in zip(shard.slices, shard.optimizer.param_groups):
-            view = self.master[a:b]
-            view.grad = shard.grad[a:b]  # the estimate uses the gradient the real step would use
-            self.views.append(view)
-            groups.append({**{k: v for k, v in real.items() if k != "params"}, "params": [view]})
-        self.optimizer = build_optimizer(factory, groups, kwargs)
-
-    def estimate(self, lr_scale: float) -> torch.Tensor:
-        real = self.shard.optimizer
-        self.master.copy_(self.shard.master)
-        for rg, sg, view in zip(real.param_groups, self.optimizer.param_groups, self.views):
-            for k, v in rg.items():
-                if k != "params":
-                    sg[k] = v
-            (p,) = rg["params"]
-            src = real.state.get(p)
-            if not src:
-                self.optimizer.state.pop(view, None)
-                continue
-            dst = self.optimizer.state.setdefault(view, {})
-            for k, v in src.items():
-                if isinstance(v, torch.Tensor):
-                    if k in dst and isinstance(dst[k], torch.Tensor) and dst[k].shape == v.shape \
-                            and dst[k].dtype == v.dtype:
-                        dst[k].copy_(v)
-                    else:
-                        dst[k] = v.clone()
-                else:
-                    dst[k] = copy.deepcopy(v)
-            for k in [k for k in dst if k not in src]:
-                del dst[k]
-        self.lr.apply(lr_scale, self.optimizer)
-        with label("quietsync/optimizer_step"):
-            self.optimizer.step()
-        return self.master
-
-    def nbytes(self) -> int:
-        state = sum(nbytes(v) for st in self.optimizer.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor))
-        return nbytes(self.master) + state
-
-
-class Overlap:
+class Overlap(Part):
     """Stage machinery, jobs and bookkeeping of an overlapping sharded strategy (see the module docstring).
 
     Args:
@@ -214,8 +157,7 @@ class Overlap:
     @classmethod
     def for_strategy(cls, strategy: Strategy, *, estimate: bool, snapshot: bool) -> Overlap:
         """The machinery of ``strategy`` over ``world``: its sharded state (rank 0's parameters broadcast) and
-        buffers, built from the strategy's parameter groups, optimizer and config; the broadcast is set-up
-        traffic, so the strategy's step accounting restarts after it."""
+        buffers, built from the strategy's parameter groups, optimizer and config."""
         config = strategy.config
         assert isinstance(config, OverlapConfig)
         sharded = ShardedState(strategy.param_groups, strategy.optimizer_factory, strategy.optimizer_kwargs,
@@ -223,7 +165,6 @@ class Overlap:
         overlap = cls(sharded, config, strategy.accounting, name=strategy.name, estimate=estimate,
                       snapshot=snapshot, optimizer=strategy.optimizer_factory,
                       optimizer_kwargs=strategy.optimizer_kwargs)
-        strategy.accounting.reset()
         return overlap
 
     # ------------------------------------------------------------------ main thread
@@ -437,77 +378,3 @@ class Overlap:
 
     def close(self) -> None:
         self.worker.close()
-
-
-PHASES = ("warmup", "fill", "overlap")
-
-
-@dataclass
-class DelayedConfig(OverlapConfig):
-    """Knobs of the delayed-update strategies ``dpu`` and ``wp``."""
-
-    sync_warmup_steps: int = 0
-    """Non-delayed (blocking ZeRO-1) steps before the delayed updates start; 0 = none."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
-
-
-class DelayedPipeline:
-    """The state machine of DPU and WP: one overlapped sharded update per round, behind the computation.
-
-    Phases: ``warmup`` (``warmup_steps`` blocking steps, the job run and waited for at once), ``fill`` (the
-    first overlapped stage: its gradient is computed at the current θ, nothing in flight yet), ``overlap``
-    (each stage's gradient goes out while the previous round's update is collected and installed).
-
-    Args:
-        overlap: the machinery it drives.
-        warmup_steps: blocking steps before the delayed updates start.
-        predicts: whether the job installs a prediction rather than θ (WP): then the model does not hold θ.
-    """
-
-    def __init__(self, overlap: Overlap, warmup_steps: int, predicts: bool) -> None:
-        self.overlap = overlap
-        self.warmup_steps = warmup_steps
-        self.predicts = predicts
-        self.phase = "warmup" if warmup_steps > 0 else "fill"
-
-    def step(self, job: Callable[[int, int, bool], dict[str, Any]], steps: int,
-             commit: Callable[[], None]) -> bool:
-        """Advance after a micro-batch; ``job(local_count, step, overlapped)`` is the strategy's update job,
-        ``commit()`` records a committed step. Returns True when one happened."""
-        o = self.overlap
-        if self.phase == "warmup":
-            if not o.start(job, steps, False):
-                return False
-            o.wait("sync_update")
-            o.install()
-            o.holds_committed = True
-            commit()
-            if steps + 1 >= self.warmup_steps:
-                self.phase = "fill"
-            return True
-        if self.phase == "fill":
-            if o.start(job, steps, True):
-                self.phase = "overlap"
-            return False
-        if not o.stage_ready():
-            return False
-        o.wait("delayed_update")
-        count = o.hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾ (WP: θ̃⁽ᵗ⁺¹⁾), B ← gradients computed at the old P
-        o.holds_committed = not self.predicts
-        commit()
-        o.submit(job, count, steps + 1, True)
-        return True
-
-    def position(self) -> dict[str, int]:
-        return {"phase": PHASES.index(self.phase)}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["phase"] not in PHASES:
-            raise ValueError(f"checkpoint phase must be one of {', '.join(PHASES)}, got {state['phase']!r}")
-        self.phase = state["phase"]

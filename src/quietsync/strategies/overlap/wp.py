@@ -1,6 +1,7 @@
 """``wp``: Weight Prediction (ACCO-wp; papers 000/003, eq. WP).
 
-Like DPU, the communication worker applies the previous round's gradients while the main thread computes,
+DPU's state machine with another job (so ``WP`` is a :class:`~quietsync.strategies.overlap.dpu.DPU`): like DPU,
+the communication worker applies the previous round's gradients while the main thread computes,
 but the main thread computes at a *prediction* of the next parameters instead of the stale ones::
 
     gᵢ⁽ᵗ⁺¹⁾ = Σₖ ∇F(θ̃⁽ᵗ⁾, ξᵢₖ)   ‖   θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁾),   θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, ḡ⁽ᵗ⁾)
@@ -23,18 +24,17 @@ from typing import Any
 
 import torch
 
-from ..base import Strategy
 from ..registry import register
-from .machinery import DelayedConfig, DelayedPipeline, Overlap
+from .dpu import DPU, DPUConfig
 
 
 @dataclass
-class WPConfig(DelayedConfig):
-    """Knobs of ``wp`` (see :class:`~quietsync.strategies.overlap.machinery.DelayedConfig`)."""
+class WPConfig(DPUConfig):
+    """Knobs of ``wp`` (those of ``dpu``)."""
 
 
 @register("wp", WPConfig)
-class WP(Strategy):
+class WP(DPU):
     """Weight prediction; see the module docstring."""
 
     reshard_refusal = (
@@ -42,20 +42,11 @@ class WP(Strategy):
         "checkpoint holds a round in flight"
     )
 
+    predicts = True
+
     config: WPConfig
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
-        super().__init__(model, optimizer, **kwargs)
-        self.overlap = self.hold("overlap", Overlap.for_strategy(self, estimate=True, snapshot=True),
-                                 takes_micro_batches=True)
-        self.pipeline = self.hold("pipeline", DelayedPipeline(self.overlap, self.config.sync_warmup_steps,
-                                                              predicts=True))
-        self.shard, self.optimizer = self.overlap.sharded.shard, self.overlap.sharded.optimizer
-
-    def _step(self) -> bool:
-        return self.pipeline.step(self._predict_job, self.steps, lambda: self._commit(*self.overlap.step_record()))
-
-    def _predict_job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
+    def _job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
         """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁾) committed; B ← the prediction θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, ḡ⁽ᵗ⁾), a second step
         with the same gradient on the scratch state (uncommitted) — or θ⁽ᵗ⁺¹⁾ itself in a blocking warm-up step."""
         counts, total = self.overlap.reduce(local_count, "grads")
@@ -72,4 +63,3 @@ class WP(Strategy):
         """θ, all-gathered from the master shards (or their snapshot): every worker must enter it."""
         with self.overlap.committed_params(self.model, self.steps) as model:
             yield model
-

@@ -21,6 +21,7 @@ from ...validate import check_int
 from ..base import StrategyConfig
 from .accounting import StepAccounting
 from .lr import LRScaler
+from .part import Part
 
 
 @dataclass
@@ -34,7 +35,7 @@ class AccumulationConfig(StrategyConfig):
         check_int("accumulation", self.accumulation, 1)
 
 
-class Accumulator:
+class Accumulator(Part):
     """Counts the micro-batches of the current round; a round is full after ``size`` of them."""
 
     def __init__(self, size: int) -> None:
@@ -49,6 +50,10 @@ class Accumulator:
     def full(self) -> bool:
         """Whether the round holds ``size`` micro-batches (time to step)."""
         return self.count >= self.size
+
+    @property
+    def round_full(self) -> bool:
+        return self.full
 
     @property
     def next_is_last(self) -> bool:
@@ -73,7 +78,7 @@ class Accumulator:
         self.count = int(state["count"])
 
 
-class OptimizerRound:
+class OptimizerRound(Part):
     """One round of a full optimizer on this worker (a part): ``accumulation`` micro-batches accumulate into
     ``p.grad`` (each loss scaled by ``1/accumulation``, so the round's gradient is their mean), then the
     optimizer steps at the scheduled lr. Checkpoints hold the optimizer, its base lrs, the round's count and
@@ -98,6 +103,10 @@ class OptimizerRound:
 
     @property
     def full(self) -> bool:
+        return self.accumulator.full
+
+    @property
+    def round_full(self) -> bool:
         return self.accumulator.full
 
     def discard(self) -> None:

@@ -11,8 +11,10 @@ from typing import Any
 
 import torch
 
+from .part import Part
 
-class LRScaler:
+
+class LRScaler(Part):
     """The base lrs of ``optimizer``'s groups and the one way to scale them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:

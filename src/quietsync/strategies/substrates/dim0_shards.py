@@ -24,6 +24,7 @@ from ...transport import Transport
 from ..checkpoint.logical_shards import ShardPiece
 from ..parts.accounting import StepAccounting
 from ..parts.broadcast import broadcast_parameters
+from ..parts.part import Part
 
 
 class DimZeroShards:
@@ -75,7 +76,7 @@ class DimZeroShards:
         return out
 
 
-class FlatDimZeroShards:
+class FlatDimZeroShards(Part):
     """Whole parameters + this worker's fp32 dim-0 master shard over ``group``; see the module docstring.
 
     Args:

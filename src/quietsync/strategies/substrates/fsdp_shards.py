@@ -32,6 +32,7 @@ from ...transport import Transport
 from ..checkpoint.logical_shards import ShardPiece
 from ..parts.accounting import StepAccounting
 from ..parts.broadcast import broadcast_parameters
+from ..parts.part import Part
 
 _OPS = {"SUM": "sum", "AVG": "avg"}
 
@@ -90,7 +91,7 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
-class FsdpShards:
+class FsdpShards(Part):
     """A model sharded by FSDP2 over ``group``, collectives through ``transport``; see the module docstring.
 
     Args:

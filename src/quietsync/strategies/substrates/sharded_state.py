@@ -35,12 +35,13 @@ from ..checkpoint.logical import (
 )
 from ..parts.broadcast import broadcast_parameters
 from ..parts.lr import LRScaler
+from ..parts.part import Part
 from .sharded_optimizer import ShardedOptimizer
 
 _FLAT = "optim.flat."
 
 
-class ShardedState:
+class ShardedState(Part):
     """Flat parameters + a ZeRO-1 optimizer shard over ``group``; see the module docstring.
 
     Args:
