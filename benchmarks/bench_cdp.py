@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from cdp_models import synthetic_digits, tiny_resnet, tiny_vit  # noqa: E402
 
 import quietsync  # noqa: E402
-from quietsync.strategies.cdp.cdp import Schedule  # noqa: E402
+from quietsync.strategies.cdp.schedule import Schedule  # noqa: E402
 from quietsync.train.model import ModelPreset, build_model  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"

@@ -287,6 +287,10 @@ class Strategy(metaclass=_Constructed):
         finally:
             self.accounting.mark = time.perf_counter()
 
+    def parameters_overwritten(self) -> None:
+        """The model's parameters were overwritten from outside the strategy (an outer loop running this one as
+        its inner strategy, e.g. DiLoCo's merge): a strategy that keeps its own copy of them re-reads it here."""
+
     def current_lr(self) -> float:
         """The lr the next committed step uses for the first parameter group."""
         return self.base_lr * self._lr_scale(self.steps)

@@ -89,6 +89,12 @@ class Zero1(Strategy):
         return True
 
 
+    def parameters_overwritten(self) -> None:
+        """The fp32 master shard follows the overwritten parameters (else the next all-gather restores it)."""
+        shard = self.sharded.shard
+        with torch.no_grad():
+            shard.master.copy_(self.flat.data[shard.lo:shard.hi])
+
     def _memory(self) -> dict[str, int]:
         return {"grads": nbytes(self.grads)}
 

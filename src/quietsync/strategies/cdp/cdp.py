@@ -54,14 +54,12 @@ model that returns the last stage's output, so the loss is computed on the last 
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -74,6 +72,8 @@ from ..base import LossFn, Strategy, StrategyConfig
 from ..parts.lr import LRScaler
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
+from .capture import Replay, capture_call
+from .schedule import Message, Schedule
 from .stages import PARTITIONS, StagePlan, partition, run_segments, segment_flops, sequential_view
 
 RULES = ("dp", "v1", "v2")
@@ -115,184 +115,18 @@ class CDPConfig(StrategyConfig):
         return [s.strip() for s in self.manual_stages.split(",") if s.strip()]
 
 
-# ---------------------------------------------------------------------------------------------- the timeline
-@dataclass(frozen=True)
-class Message:
-    """One point-to-point transfer of the plan (``kind``: ``partial`` of the reduce chain or ``dist``)."""
+@dataclass
+class _Send:
+    """A point-to-point send still to be completed (and so metered)."""
 
-    key: tuple
-    """(send time, phase, cycle, stage, slot): senders send and receivers post receives in this order."""
-    src: int
-    dst: int
-    kind: str
+    time: int
+    """Time step it was sent at."""
     cycle: int
-    stage: int
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """The cyclic timeline: who computes what when, which parameter version it uses, and which messages move.
-
-    Pure and identical on every worker. 0-based slots ``i`` and stages ``j`` throughout.
-    """
-
-    n: int
-    world: int
-    rule: str
-
-    def __post_init__(self) -> None:
-        if self.n < 1 or self.world < 1 or self.n % self.world:
-            raise ValueError(f"stages ({self.n}) must be a multiple of the number of workers ({self.world})")
-        object.__setattr__(self, "stagger", 0 if self.rule == "dp" else 2)
-        period = 2 * self.n
-        while not self._valid(period):  # only dp with several workers needs a longer cycle (a barrier)
-            period += 1
-            if period > 8 * self.n + 8:
-                raise RuntimeError(f"no valid cycle for rule {self.rule} (internal error)")
-        object.__setattr__(self, "period", period)
-
-    # --- compute
-    def worker(self, i: int) -> int:
-        return i % self.world
-
-    def slots(self, w: int) -> list[int]:
-        return list(range(w, self.n, self.world))
-
-    def start(self, c: int, i: int, period: int | None = None) -> int:
-        return c * (self.period if period is None else period) + self.stagger * i
-
-    def fwd(self, c: int, i: int, j: int, period: int | None = None) -> int:
-        return self.start(c, i, period) + j
-
-    def bwd(self, c: int, i: int, j: int, period: int | None = None) -> int:
-        return self.start(c, i, period) + 2 * self.n - 1 - j
-
-    def version(self, c: int, i: int, j: int) -> int:
-        """Parameter version (committed-step count) of stage ``j`` that micro-batch ``i`` of cycle ``c`` uses."""
-        if self.rule == "dp":
-            v = c
-        elif self.rule == "v1":
-            v = c - 1
-        else:  # paper: θ_t^j iff j ≥ N − i + 1 (1-based)  <=>  j ≥ N − 1 − i (0-based)
-            v = c if j >= self.n - 1 - i else c - 1
-        return max(v, 0)  # θ_{-1} := θ_0
-
-    # --- communication
-    @functools.cache  # noqa: B019 - a schedule is immutable and lives as long as its strategy
-    def reduce_times(self, c: int, j: int, period: int | None = None) -> tuple[int, ...]:
-        """When slot ``i`` adds its gradient of stage ``j`` to the chain's partial sum (end of that step)."""
-        out: list[int] = []
-        for i in range(self.n):
-            t = self.bwd(c, i, j, period)
-            if i:
-                t = max(t, out[-1] + (1 if self.worker(i) != self.worker(i - 1) else 0))
-            out.append(t)
-        return tuple(out)
-
-    def root(self) -> int:
-        return self.worker(self.n - 1)
-
-    def need(self, w: int, v: int, j: int, period: int | None = None) -> int:
-        """First time worker ``w`` runs a forward of stage ``j`` at version ``>= v``."""
-        return min(self.fwd(c, i, j, period) for c in range(max(0, v - 1), v + 3) for i in self.slots(w)
-                   if self.version(c, i, j) >= v)
-
-    @functools.cache  # noqa: B019 - a schedule is immutable and lives as long as its strategy
-    def chain(self, j: int, period: int | None = None) -> list[int]:
-        """Workers other than the root, in the order they first need the new version of stage ``j``."""
-        others = [w for w in range(self.world) if w != self.root()]
-        return sorted(others, key=lambda w: (self.need(w, 2, j, period), w))
-
-    @functools.cache  # noqa: B019 - a schedule is immutable and lives as long as its strategy
-    def arrivals(self, c: int, j: int, period: int | None = None) -> dict[int, int]:
-        """Time step at whose start each worker applies the update of cycle ``c`` to stage ``j`` (the root: at the
-        end of the step given)."""
-        root_t = self.reduce_times(c, j, period)[-1]
-        out = {self.root(): root_t}
-        for k, w in enumerate(self.chain(j, period)):
-            out[w] = root_t + 1 + k
-        return out
-
-    def _valid(self, period: int) -> bool:
-        for j in range(self.n):
-            for c in (0, 1):
-                arr = self.arrivals(c, j, period)
-                for w, t in arr.items():
-                    need = self.need(w, c + 1, j, period)
-                    if (t >= need) if w == self.root() else (t > need):
-                        return False
-        return True
-
-    @cached_property
-    def horizon(self) -> int:
-        """Latest event of cycle 0 (later cycles: shifted by ``period``)."""
-        return max(max(self.arrivals(0, j).values()) for j in range(self.n)) + 1
-
-    def cycles_at(self, t: int) -> range:
-        """Cycles that may have an event at time ``t``."""
-        lo = max(0, -(-(t - self.horizon) // self.period))
-        return range(lo, t // self.period + 1)
-
-    @functools.cache  # noqa: B019 - a schedule is immutable and lives as long as its strategy
-    def messages_sent(self, c: int, j: int) -> tuple[Message, ...]:
-        """Every transfer of stage ``j``'s gradient in cycle ``c``."""
-        out = []
-        rt = self.reduce_times(c, j)
-        for i in range(1, self.n):
-            if self.worker(i) != self.worker(i - 1):
-                out.append(Message((rt[i - 1], 5, c, j, i - 1), self.worker(i - 1), self.worker(i), "partial", c, j))
-        chain = self.chain(j)
-        prev, t = self.root(), rt[-1]
-        for k, w in enumerate(chain):
-            phase = 5 if k == 0 else 2  # the root sends after its reduce step; relays at the start of a step
-            out.append(Message((t, phase, c, j, 0), prev, w, "dist", c, j))
-            prev, t = w, t + 1
-        return tuple(out)
-
-    def bytes_per_step(self, stage_bytes: list[int], w: int, cycles: int) -> dict[int, int]:
-        """Hand count: bytes worker ``w`` sends at each time step over ``cycles`` cycles."""
-        out: dict[int, int] = defaultdict(int)
-        for c in range(cycles):
-            for j in range(self.n):
-                for m in self.messages_sent(c, j):
-                    if m.src == w:
-                        out[m.key[0]] += stage_bytes[j]
-        return dict(out)
-
-
-# ---------------------------------------------------------------------------------------------- loss_fn glue
-class _Captured(Exception):
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        super().__init__("model call captured")
-        self.args, self.kwargs = args, kwargs
-
-
-class _Recorder:
-    """Stands in for the model while ``loss_fn`` runs: records the model call's arguments, then stops it."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self._module = module
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise _Captured(args, kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-
-class _Replay(_Recorder):
-    """Stands in for the model at the last stage: returns the last stage's output for the recorded call."""
-
-    def __init__(self, module: nn.Module, output: Any) -> None:
-        super().__init__(module)
-        self._output = output
-        self._calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._calls += 1
-        if self._calls > 1:
-            raise RuntimeError("cdp: loss_fn must call the model exactly once per micro-batch")
-        return self._output
+    """Cycle of the gradient or version it carries."""
+    work: Any
+    """The transport's handle."""
+    tensor: torch.Tensor
+    """What was sent (kept alive until the send completes)."""
 
 
 @dataclass
@@ -350,7 +184,7 @@ class CDP(Strategy):
         self._own: dict[tuple[int, int, int], torch.Tensor] = {}
         self._partial: dict[tuple[int, int], torch.Tensor] = {}
         self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}
-        self._sends: list[tuple[int, int, Any, torch.Tensor]] = []  # (time step, cycle, work, tensor)
+        self._sends: list[_Send] = []
         self._updates: dict[int, int] = defaultdict(int)
         self._pending_commits: list[int] = []
         self._done_losses: list[torch.Tensor] = []
@@ -395,28 +229,17 @@ class CDP(Strategy):
             return {}
         return self.plan.balance()
 
-    def measure_flops(self, batch: Any, loss_fn: LossFn) -> list[int]:
-        """Per-segment forward+backward FLOPs on ``batch`` (adds them to the stage plan's report)."""
-        args, kwargs = self._capture(batch, loss_fn)
-        def replay_fn(out: Any) -> torch.Tensor:
-            return loss_fn(_Replay(self.module, out), batch)
-
-        flops = segment_flops(self.view, args, kwargs, replay_fn)
-        if self.plan is not None:
-            self.plan = partition(self.view, self.n, self.plan.partition, self.config.manual_names, flops)
-        return flops
-
     # ------------------------------------------------------------------ the trainer's call
     def forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor | None:
         self._check_open()
         if self.plan is None:  # partition flops: measured on the first micro-batch
-            args, kwargs = self._capture(batch, loss_fn)
-            flops = segment_flops(self.view, args, kwargs, lambda out: loss_fn(_Replay(self.module, out), batch))
+            args, kwargs = capture_call(self.module, batch, loss_fn)
+            flops = segment_flops(self.view, args, kwargs, lambda out: loss_fn(Replay(self.module, out), batch))
             self._build(partition(self.view, self.n, "flops", (), flops))
         per = self.n // self.world_size
         c, k = divmod(self.fed, per)
         slot = self.schedule.slots(self.me)[k]
-        args, kwargs = self._capture(batch, loss_fn)
+        args, kwargs = capture_call(self.module, batch, loss_fn)
         x, ctx = self.view.enter(args, kwargs)
         self._inflight[(c, slot)] = _MicroBatch(c, slot, batch, loss_fn, x, ctx)
         self.fed += 1
@@ -429,13 +252,6 @@ class CDP(Strategy):
         if not done:
             return None
         return done[0] if len(done) == 1 else torch.stack(done).mean()
-
-    def _capture(self, batch: Any, loss_fn: LossFn) -> tuple[tuple, dict]:
-        try:
-            loss_fn(_Recorder(self.module), batch)  # type: ignore[arg-type]
-        except _Captured as got:
-            return got.args, got.kwargs
-        raise RuntimeError("cdp: loss_fn(model, batch) must call model(...) once; it returned without calling it")
 
     # ------------------------------------------------------------------ one time step
     def _time_step(self, t: int) -> None:
@@ -479,14 +295,14 @@ class CDP(Strategy):
         """The schedule's transfers sent at time step ``t`` (to or by one worker), in key order."""
         s = self.schedule
         return sorted((m for c in s.cycles_at(t) for j in range(self.n) for m in s.messages_sent(c, j)
-                       if m.key[0] == t and (to is None or m.dst == to) and (by is None or m.src == by)),
+                       if m.time == t and (to is None or m.dst == to) and (by is None or m.src == by)),
                       key=lambda m: m.key)
 
     def _post_receives(self, t: int) -> None:
         for m in self._messages_at(t - 1, to=self.me):
             buf = torch.empty(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
             work = self.transport.recv(buf, m.src, async_op=True, name=f"cdp/{m.kind}")
-            self._posted[(m.kind, m.cycle, m.stage, m.key[4])] = (work, buf)
+            self._posted[(m.kind, m.cycle, m.stage, m.slot)] = (work, buf)
 
     def _feed_end(self, w: int, steps: int) -> int:
         """``self.t`` of worker ``w`` when a loop that stops once ``steps`` cycles are committed stops: the start
@@ -520,7 +336,7 @@ class CDP(Strategy):
                 for m in self._messages_at(t, by=self.me):
                     buf = torch.zeros(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
                     work = self.transport.send(buf, m.dst, async_op=True, name="cdp/drain")
-                    self._sends.append((t, m.cycle, work, buf))
+                    self._sends.append(_Send(t, m.cycle, work, buf))
                     self.drained_bytes += buf.numel() * buf.element_size()
         self.t = end
         return end
@@ -545,10 +361,10 @@ class CDP(Strategy):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and j > 0:
             x = x.detach().requires_grad_()
         mb.xin[j] = x
-        with self.meter.track() if self.meter is not None else _nothing():
+        with self.meter.track() if self.meter is not None else nullcontext():
             out = run_segments(self.plan.stages[j], x, mb.ctx, values)
             if j == self.n - 1:
-                loss = mb.loss_fn(_Replay(self.module, out), mb.batch)  # type: ignore[arg-type]
+                loss = mb.loss_fn(Replay(self.module, out), mb.batch)  # type: ignore[arg-type]
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError("loss_fn must return a scalar tensor")
                 mb.loss = loss
@@ -619,11 +435,10 @@ class CDP(Strategy):
             del self._updates[c]
             self._pending_commits.append(c)
 
-    # ------------------------------------------------------------------ point-to-point (one door: switch to
-    # the transport's batched ``exchange`` here when it lands)
+    # ------------------------------------------------------------------ point-to-point
     def _send(self, tensor: torch.Tensor, dst: int, t: int, kind: str, cycle: int) -> None:
         work = self.transport.send(tensor, dst, async_op=True, name=f"cdp/{kind}")
-        self._sends.append((t, cycle, work, tensor))
+        self._sends.append(_Send(t, cycle, work, tensor))
         self.sent_per_step[t] += tensor.numel() * tensor.element_size()
 
     def _wait(self, key: tuple) -> torch.Tensor:
@@ -640,16 +455,16 @@ class CDP(Strategy):
         (gloo cannot poll a send): a peer that stops first never receives the schedule's tail."""
         keep = []
         for sent in self._sends:
-            if sent[1] < self.steps or sent[2].ready():
+            if sent.cycle < self.steps or sent.work.ready():
                 self._complete(sent)
             else:
                 keep.append(sent)
         self._sends = keep
 
-    def _complete(self, sent: tuple[int, int, Any, torch.Tensor]) -> None:
-        sent[2].wait()
-        if sent[2].name != "cdp/drain":  # the drain's zeros are counted in drained_bytes
-            self.sent_completed += sent[3].numel() * sent[3].element_size()
+    def _complete(self, sent: _Send) -> None:
+        sent.work.wait()
+        if sent.work.name != "cdp/drain":  # the drain's zeros are counted in drained_bytes
+            self.sent_completed += sent.tensor.numel() * sent.tensor.element_size()
 
     # ------------------------------------------------------------------ contract
     def _step(self) -> bool:
@@ -730,14 +545,9 @@ class CDP(Strategy):
         (the trainer passes its transport and ends with its own all-reduce of the totals, which does the same)."""
         end = self._drain()
         for sent in self._sends:  # a send is dropped only once it completed: gloo cancels a dropped pending send
-            if sent[0] < end - 1:  # received at sent[0] + 1 <= end - 1 by a peer in its loop or its drain
+            if sent.time < end - 1:  # received at sent.time + 1 <= end - 1 by a peer in its loop or its drain
                 self._complete(sent)
         if self._owns_transport and self.world_size > 1:
             self.transport.barrier()
         self._sends.clear()
         self._posted.clear()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield

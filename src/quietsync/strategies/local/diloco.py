@@ -36,66 +36,27 @@ from typing import Any, Literal
 
 import torch
 
-from ...validate import check_choice, check_float, check_int
+from ...validate import check_choice
 from ..base import Strategy
-from ..parts.accumulation import AccumulationConfig, OptimizerRound
+from ..parts.accumulation import OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import get, register
 from ..substrates.sharded_optimizer import build_optimizer
-from .outer import PSEUDO_GRAD_DTYPES, PSEUDO_GRAD_REPLICATORS, OuterSync
+from .outer import OuterConfig, OuterSync
 
 _INNER = ("local", "ddp", "zero1")
 
 
 @dataclass
-class DiLoCoConfig(AccumulationConfig):
-    """Knobs of the ``diloco`` strategy."""
+class DiLoCoConfig(OuterConfig):
+    """Knobs of the ``diloco`` strategy: the outer loop's (:class:`OuterConfig`) and the inner training."""
 
-    sync_every: int = 64
-    """H: inner optimizer steps between two syncs of each fragment."""
     inner: Literal["local", "ddp", "zero1"] = "local"
     """Inner training: local (each worker alone; the sync spans world), ddp or zero1 (synchronous inside each node, the sync spans nodes over replicate)."""
-    outer_lr: float = 0.7
-    """Learning rate of the outer SGD on the averaged pseudo-gradient."""
-    outer_momentum: float = 0.9
-    """Momentum of the outer SGD (0: none)."""
-    outer_nesterov: bool = True
-    """Nesterov momentum for the outer SGD (takes effect only with outer_momentum > 0)."""
-    fragments: int = 1
-    """Streaming DiLoCo: split the parameters into this many fragments synced at staggered steps (must divide sync_every)."""
-    overlap_delay: int = 0
-    """tau: inner steps a fragment's outer communication overlaps before it is merged (0: blocking; at most sync_every/fragments)."""
-    mixing: float = 0.5
-    """alpha of the delayed merge theta_local <- alpha*theta_local + (1-alpha)*theta_global (only with overlap_delay > 0)."""
-    pseudo_grad_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
-    """dtype pseudo-gradients travel in: fp32, bf16 (all-reduce) or int8 with a per-fragment scale (all-gather)."""
-    pseudo_grad_replicator: Literal["none", "dct", "random", "striding", "full"] = "none"
-    """Compress pseudo-gradients with a quietsync replicator (error feedback in its residual); none: dense exchange."""
-    compression: float = 1 / 32
-    """Replicator bandwidth: bytes sent / bytes of the fp32 pseudo-gradient, in (0, 1] (with pseudo_grad_replicator)."""
-    seed: int = 0
-    """Shared seed of the random replicator's positions."""
-    offload_outer: bool = False
-    """Keep theta_global and the outer optimizer state on CPU (saves 2 model copies of accelerator memory)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("sync_every", self.sync_every, 1)
         check_choice("inner", self.inner, _INNER)
-        check_float("outer_lr", self.outer_lr, 0, low_open=True)
-        check_float("outer_momentum", self.outer_momentum, 0, 1, high_open=True)
-        check_int("fragments", self.fragments, 1, self.sync_every)
-        if self.sync_every % self.fragments:
-            raise ValueError(f"fragments must be a divisor of sync_every ({self.sync_every}), got {self.fragments}")
-        check_int("overlap_delay", self.overlap_delay, 0, self.sync_every // self.fragments)
-        check_float("mixing", self.mixing, 0, 1)
-        check_choice("pseudo_grad_dtype", self.pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
-        check_choice("pseudo_grad_replicator", self.pseudo_grad_replicator, PSEUDO_GRAD_REPLICATORS)
-        check_float("compression", self.compression, 0, 1, low_open=True)
-        check_int("seed", self.seed, 0)
-        if self.pseudo_grad_replicator != "none" and self.pseudo_grad_dtype == "int8":
-            raise ValueError("pseudo_grad_replicator must be none with pseudo_grad_dtype int8 "
-                             "(replicators send fp32 or bf16 values)")
 
 
 @register("diloco", DiLoCoConfig)
@@ -129,26 +90,18 @@ class DiLoCo(Strategy):
                 config={"accumulation": cfg.accumulation}, lr_schedule=self.lr_schedule, group="shard",
                 **self.optimizer_kwargs))
             self.optimizer = self.inner.optimizer
-        self.outer = self.hold("outer", OuterSync(
-            self.params, self.transport, self.sync_group, sync_every=cfg.sync_every, fragments=cfg.fragments,
-            overlap_delay=cfg.overlap_delay, mixing=cfg.mixing, outer_lr=cfg.outer_lr,
-            outer_momentum=cfg.outer_momentum, outer_nesterov=cfg.outer_nesterov,
-            pseudo_grad_dtype=cfg.pseudo_grad_dtype, replicator=cfg.pseudo_grad_replicator,
-            compression=cfg.compression, seed=cfg.seed, offload=cfg.offload_outer,
-            on_params_written=self._params_written))
+        self.outer = self.hold("outer", OuterSync(self.params, self.transport, self.sync_group, cfg,
+                                                  on_params_written=self._params_written))
 
     @property
     def model(self) -> torch.nn.Module:
         return self.module if self.inner is None else self.inner.model
 
     def _params_written(self) -> None:
-        """The outer sync overwrote the model parameters: a ZeRO-1 inner keeps an fp32 master of its shard,
-        which must follow (else its next all-gather would bring the old values back)."""
-        sharded = getattr(self.inner, "sharded", None)
-        if sharded is not None:
-            shard = sharded.shard
-            with torch.no_grad():
-                shard.master.copy_(sharded.flat.data[shard.lo:shard.hi])
+        """The outer sync overwrote the model parameters: an inner strategy that keeps its own copy (ZeRO-1's
+        fp32 master shard) must follow, else its next all-gather would bring the old values back."""
+        if self.inner is not None:
+            self.inner.parameters_overwritten()
 
     # ------------------------------------------------------------------ inner steps
     def _backward(self, loss: torch.Tensor) -> None:
@@ -158,9 +111,7 @@ class DiLoCo(Strategy):
         if self.inner is not None:
             if not self.inner.step():
                 return False
-            inner_idle = self.inner.last_step_metrics().idle_s
-            self.accounting.idle_s += inner_idle  # the inner strategy's blocking collectives
-            self.accounting.compute_s -= inner_idle
+            self.accounting.reclassify_as_idle(self.inner.last_step_metrics().idle_s)  # its blocking collectives
         else:
             if not self.round.full:
                 return False

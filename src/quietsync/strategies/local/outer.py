@@ -28,35 +28,82 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from ...comm_worker import CommWorker, Job
 from ...events import label
 from ...flat import nbytes
-from ...link import traffic
 from ...replicators import Replicator, Segments, make_replicator
 from ...transport import Transport
 from ...validate import check_choice, check_float, check_int
+from ..parts.accumulation import AccumulationConfig
 from ..parts.part import Part
+from .fragments import split_fragments
 
 PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
 PSEUDO_GRAD_REPLICATORS = ("none", "dct", "random", "striding", "full")
 
 
-def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
-    """Indices of the tensors of each of ``fragments`` contiguous, non-empty fragments, balanced by element
-    count (fragment k starts at the first tensor with at least k/F of all elements before it)."""
-    check_int("fragments", fragments, 1, len(sizes))
-    n, total = len(sizes), sum(sizes)
-    before = [sum(sizes[:i]) for i in range(n)]
-    bounds = [0]
-    for k in range(1, fragments):
-        b = next((i for i in range(n) if before[i] >= k * total / fragments), n)
-        bounds.append(min(max(b, bounds[-1] + 1), n - (fragments - k)))
-    bounds.append(n)
-    return [list(range(bounds[k], bounds[k + 1])) for k in range(fragments)]
+@dataclass
+class OuterConfig(AccumulationConfig):
+    """The outer loop's knobs (DiLoCo's config extends it with the inner training); checked once, here."""
+
+    sync_every: int = 64
+    """H: inner optimizer steps between two syncs of each fragment."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD on the averaged pseudo-gradient."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD (0: none)."""
+    outer_nesterov: bool = True
+    """Nesterov momentum for the outer SGD (takes effect only with outer_momentum > 0)."""
+    fragments: int = 1
+    """Streaming DiLoCo: split the parameters into this many fragments synced at staggered steps (must divide sync_every)."""
+    overlap_delay: int = 0
+    """tau: inner steps a fragment's outer communication overlaps before it is merged (0: blocking; at most sync_every/fragments)."""
+    mixing: float = 0.5
+    """alpha of the delayed merge theta_local <- alpha*theta_local + (1-alpha)*theta_global (only with overlap_delay > 0)."""
+    pseudo_grad_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """dtype pseudo-gradients travel in: fp32, bf16 (all-reduce) or int8 with a per-fragment scale (all-gather)."""
+    pseudo_grad_replicator: Literal["none", "dct", "random", "striding", "full"] = "none"
+    """Compress pseudo-gradients with a quietsync replicator (error feedback in its residual); none: dense exchange."""
+    compression: float = 1 / 32
+    """Replicator bandwidth: bytes sent / bytes of the fp32 pseudo-gradient, in (0, 1] (with pseudo_grad_replicator)."""
+    seed: int = 0
+    """Shared seed of the random replicator's positions."""
+    offload_outer: bool = False
+    """Keep theta_global and the outer optimizer state on CPU (saves 2 model copies of accelerator memory)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("sync_every", self.sync_every, 1)
+        check_float("outer_lr", self.outer_lr, 0, low_open=True)
+        check_float("outer_momentum", self.outer_momentum, 0, 1, high_open=True)
+        check_int("fragments", self.fragments, 1, self.sync_every)
+        if self.sync_every % self.fragments:
+            raise ValueError(f"fragments must be a divisor of sync_every ({self.sync_every}), got {self.fragments}")
+        check_int("overlap_delay", self.overlap_delay, 0, self.sync_every // self.fragments)
+        check_float("mixing", self.mixing, 0, 1)
+        check_choice("pseudo_grad_dtype", self.pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
+        check_choice("pseudo_grad_replicator", self.pseudo_grad_replicator, PSEUDO_GRAD_REPLICATORS)
+        check_float("compression", self.compression, 0, 1, low_open=True)
+        check_int("seed", self.seed, 0)
+        if self.pseudo_grad_replicator != "none" and self.pseudo_grad_dtype == "int8":
+            raise ValueError("pseudo_grad_replicator must be none with pseudo_grad_dtype int8 "
+                             "(replicators send fp32 or bf16 values)")
+
+
+@dataclass
+class _Pending:
+    """The fragment whose sync is in flight (τ > 0)."""
+
+    fragment: int
+    apply_after: int
+    """Inner step after which its merge is applied."""
+    job: Job | None
+    """The outer step running on the communication worker; None once it finished."""
 
 
 class OuterSync(Part):
@@ -65,40 +112,22 @@ class OuterSync(Part):
     Args:
         params: the model parameters synced (read through ``p.data`` each time: strategies may re-view them).
         transport: the transport; ``group``: the group the pseudo-gradients are averaged over.
-        sync_every: H, inner steps between two syncs of the same fragment.
-        fragments: F, number of fragments (H must be a multiple of F).
-        overlap_delay: τ, inner steps between the launch and the application of a fragment's sync (≤ H/F).
-        mixing: α of the delayed merge (unused when τ = 0).
-        outer_lr / outer_momentum / outer_nesterov: the outer SGD (Nesterov only takes effect with momentum > 0).
-        pseudo_grad_dtype: fp32, bf16 or int8 (per-fragment scale).
-        replicator: ``none`` (dense exchange) or a :mod:`quietsync.replicators` name; ``compression``/``seed``
-            its knobs.
-        offload: keep θ_global and the outer optimizer state on CPU.
+        config: the outer knobs (:class:`OuterConfig`: H, F, τ, α, the outer SGD, the pseudo-gradient's dtype or
+            replicator, offloading).
         on_params_written: called after the model parameters were overwritten (e.g. to refresh a ZeRO-1 master).
     """
 
-    def __init__(self, params: list[torch.Tensor], transport: Transport, group: str, *, sync_every: int,
-                 fragments: int = 1, overlap_delay: int = 0, mixing: float = 0.5, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, outer_nesterov: bool = True, pseudo_grad_dtype: str = "fp32",
-                 replicator: str = "none", compression: float = 1 / 32, seed: int = 0, offload: bool = False,
+    def __init__(self, params: list[torch.Tensor], transport: Transport, group: str, config: OuterConfig,
                  on_params_written: Callable[[], None] | None = None) -> None:
-        check_int("sync_every", sync_every, 1)
-        check_int("fragments", fragments, 1, len(params))
-        if sync_every % fragments:
-            raise ValueError(f"fragments must be a divisor of sync_every ({sync_every}), got {fragments}")
-        check_int("overlap_delay", overlap_delay, 0, sync_every // fragments)
-        check_float("mixing", mixing, 0, 1)
-        check_choice("pseudo_grad_dtype", pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
-        check_choice("pseudo_grad_replicator", replicator, PSEUDO_GRAD_REPLICATORS)
-        if replicator != "none" and pseudo_grad_dtype == "int8":
-            raise ValueError("pseudo_grad_replicator must be none with pseudo_grad_dtype int8 "
-                             "(replicators send fp32 or bf16 values)")
+        check_int("fragments", config.fragments, 1, len(params))  # the one check that needs the model
+        fragments, outer_lr, outer_momentum = config.fragments, config.outer_lr, config.outer_momentum
         self.params = list(params)
         self.transport, self.group = transport, group
-        self.H, self.F, self.tau, self.alpha = sync_every, fragments, overlap_delay, float(mixing)
-        self.dtype = pseudo_grad_dtype
+        self.H, self.F, self.tau = config.sync_every, fragments, config.overlap_delay
+        self.alpha = float(config.mixing)
+        self.dtype = config.pseudo_grad_dtype
         self.device = self.params[0].device
-        self.store = torch.device("cpu") if offload else self.device
+        self.store = torch.device("cpu") if config.offload_outer else self.device
         self.on_params_written = on_params_written
         self.fragments = split_fragments([p.numel() for p in self.params], fragments)
         self.segments = [Segments([self.params[i].shape for i in frag]) for frag in self.fragments]
@@ -108,17 +137,18 @@ class OuterSync(Part):
             g = torch.cat([self.params[i].detach().reshape(-1).float() for i in frag]).to(self.store)
             self.globals.append(g)
             self.outer.append(torch.optim.SGD([g], lr=outer_lr, momentum=outer_momentum,
-                                              nesterov=bool(outer_nesterov and outer_momentum > 0)))
+                                              nesterov=bool(config.outer_nesterov and outer_momentum > 0)))
         self.replicators: list[Replicator] | None = None
         self.residuals: list[torch.Tensor] = []
-        if replicator != "none":
+        if config.pseudo_grad_replicator != "none":
             self.replicators = [
-                make_replicator(replicator, compression=compression, transfer_dtype=pseudo_grad_dtype,
-                                seed=seed + f).bind(transport, group) for f in range(fragments)]
+                make_replicator(config.pseudo_grad_replicator, compression=config.compression,
+                                transfer_dtype=config.pseudo_grad_dtype, seed=config.seed + f).bind(transport, group)
+                for f in range(fragments)]
             self.residuals = [torch.zeros_like(g, device=self.device) for g in self.globals]
         self.worker = CommWorker(transport.device, timeout_s=transport.timeout_s, name="quietsync-outer") \
-            if overlap_delay > 0 else None
-        self.pending: tuple[int, int, Job | None] | None = None  # (fragment, apply after step, job)
+            if self.tau > 0 else None
+        self.pending: _Pending | None = None
 
     # ------------------------------------------------------------------ schedule
     def due(self, step: int) -> list[int]:
@@ -132,8 +162,8 @@ class OuterSync(Part):
         ``timed(fn, name)`` runs blocking work (collective time = idle); ``idle(name)`` is a context for waits.
         """
         extra: dict[str, Any] = {"synced": False, "fragment": -1, "applied": -1, "sync_bytes": 0}
-        if self.pending is not None and self.pending[1] == step:
-            f, _, job = self.pending
+        if self.pending is not None and self.pending.apply_after == step:
+            f, job = self.pending.fragment, self.pending.job
             if job is not None:
                 with idle("outer_wait"):
                     job.wait()
@@ -149,7 +179,7 @@ class OuterSync(Part):
                 extra["applied"] = f
             else:
                 job = self.worker.submit(self._exchange_and_step, f, delta)
-                self.pending = (f, step + self.tau, job)
+                self.pending = _Pending(f, step + self.tau, job)
         return extra
 
     # ------------------------------------------------------------------ the sync of one fragment
@@ -217,23 +247,12 @@ class OuterSync(Part):
             return numel + 4
         return numel * (4 if self.dtype == "fp32" else 2)
 
-    def sent_bytes(self, f: int) -> int:
-        """Bytes this worker sends for one sync of fragment ``f`` (the transport's ring accounting)."""
-        n = self.transport.group_size(self.group)
-        if self.replicators is not None:
-            r = self.replicators[f]
-            return traffic(r.collective, r.payload_bytes(self.segments[f]) * (n if r.collective == "all_gather" else 1),
-                           n)[1]
-        if self.dtype == "int8":
-            return traffic("all_gather", n * self.segments[f].numel, n)[1] + traffic("all_gather", 4 * n, n)[1]
-        return traffic("all_reduce", self.payload_bytes(f), n)[1]
-
     # ------------------------------------------------------------------ committed θ
     def quiesce(self) -> None:
         """Wait for the fragment in flight (its outer step done; its merge stays due)."""
-        if self.pending is not None and self.pending[2] is not None:
-            self.pending[2].wait()
-            self.pending = (self.pending[0], self.pending[1], None)
+        if self.pending is not None and self.pending.job is not None:
+            self.pending.job.wait()
+            self.pending.job = None
 
     @contextmanager
     def global_params(self) -> Iterator[None]:
@@ -253,7 +272,7 @@ class OuterSync(Part):
 
     @property
     def pending_fragment(self) -> int:
-        return -1 if self.pending is None else self.pending[0]
+        return -1 if self.pending is None else self.pending.fragment
 
     # ------------------------------------------------------------------ part protocol
     def memory_report(self) -> dict[str, int]:
@@ -278,7 +297,7 @@ class OuterSync(Part):
             "outer": [opt.state_dict() for opt in self.outer],
             "residuals": [r.clone() for r in self.residuals],
             "replicators": [r.state_dict() for r in self.replicators or []],
-            "pending": None if self.pending is None else [self.pending[0], self.pending[1]],
+            "pending": None if self.pending is None else [self.pending.fragment, self.pending.apply_after],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -303,7 +322,7 @@ class OuterSync(Part):
         for r, s in zip(self.replicators or [], state["replicators"]):
             r.load_state_dict(s)
         pending = state["pending"]
-        self.pending = None if pending is None else (int(pending[0]), int(pending[1]), None)
+        self.pending = None if pending is None else _Pending(int(pending[0]), int(pending[1]), None)
 
     def close(self) -> None:
         if self.worker is not None:
@@ -313,4 +332,4 @@ class OuterSync(Part):
                 self.worker.close()
 
 
-__all__ = ["OuterSync", "PSEUDO_GRAD_DTYPES", "PSEUDO_GRAD_REPLICATORS", "split_fragments"]
+__all__ = ["OuterConfig", "OuterSync", "PSEUDO_GRAD_DTYPES", "PSEUDO_GRAD_REPLICATORS"]

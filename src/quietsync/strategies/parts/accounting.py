@@ -85,6 +85,12 @@ class StepAccounting:
         """Count main-thread work done inside ``step`` (e.g. a local optimizer step) as compute."""
         self.compute_s += seconds
 
+    def reclassify_as_idle(self, seconds: float) -> None:
+        """Count ``seconds`` already booked as compute as idle instead (an inner strategy's blocking collectives,
+        already on the timeline as its own idle spans)."""
+        self.idle_s += seconds
+        self.compute_s -= seconds
+
     def move_to_idle(self, seconds: float, end: float, name: str) -> None:
         """Re-book ``seconds`` already counted as compute, ending at ``end``, as idle (blocked on the network)."""
         self.idle_s += seconds
