@@ -36,8 +36,9 @@ stage counters); :meth:`load_state_dict` compares it across workers and refuses,
 checkpoint whose files were saved at different positions. Take checkpoints at the same position on every
 worker — right after ``step()`` returned True on all of them, as the trainer does. Strategies whose state
 has a world-size-independent form (``reshard_refusal is None``: ddp, zero1) also offer
-:meth:`logical_state_dict`/:meth:`load_logical_state_dict` (see :mod:`~quietsync.strategies.checkpoint.logical`), which the
-trainer writes through ``torch.distributed.checkpoint`` so a job can resume on another number of workers.
+:meth:`logical_state_dict`/:meth:`load_logical_state_dict` (see
+:mod:`~quietsync.strategies.checkpoint.logical`), which the trainer writes through
+``torch.distributed.checkpoint`` so a job can resume on another number of workers.
 """
 
 from __future__ import annotations
@@ -204,8 +205,10 @@ class Strategy(metaclass=_Constructed):
         """Back-propagate one micro-batch's loss and accumulate its gradient locally."""
         self._check_open()
         if self.owns_schedule:
-            raise RuntimeError(f"strategy {self.name} schedules forward and backward itself: feed each micro-batch "
-                               "with forward_backward(batch, loss_fn), not backward(loss)")
+            raise RuntimeError(
+                f"strategy {self.name} schedules forward and backward itself: feed each micro-batch "
+                "with forward_backward(batch, loss_fn), not backward(loss)"
+            )
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("loss must be a scalar tensor")
         with label("quietsync/backward"):
@@ -227,7 +230,8 @@ class Strategy(metaclass=_Constructed):
     def round_closes(self) -> bool | None:
         """Whether the next :meth:`step` commits (the open round is full), for strategies that know it before
         stepping (those holding a round part with ``full``, or an inner strategy that does: ddp, zero1, demo,
-        flexdemo, localsgd, diloco); ``None`` where a commit is decided inside the step or the schedule (acco, dpu, wp, cdp)."""
+        flexdemo, localsgd, diloco); ``None`` where a commit is decided inside the step or the schedule (acco,
+        dpu, wp, cdp)."""
         if not self.discards_rounds:
             return None
         for part in self._parts.values():
@@ -242,8 +246,9 @@ class Strategy(metaclass=_Constructed):
         time and bytes count toward the next committed step's metrics."""
         self._check_open()
         if self.round_closes is None:
-            raise NotImplementedError(f"{type(self).__name__} cannot discard a round (its commits are decided "
-                                      "inside the step)")
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot discard a round (its commits are decided inside the step)"
+            )
         with torch.no_grad():
             for p in self.module.parameters():
                 if p.grad is not None:
@@ -288,8 +293,9 @@ class Strategy(metaclass=_Constructed):
             self.accounting.mark = time.perf_counter()
 
     def parameters_overwritten(self) -> None:
-        """The model's parameters were overwritten from outside the strategy (an outer loop running this one as
-        its inner strategy, e.g. DiLoCo's merge): a strategy that keeps its own copy of them re-reads it here."""
+        """The model's parameters were overwritten from outside the strategy (an outer loop running this one
+        as its inner strategy, e.g. DiLoCo's merge): a strategy that keeps its own copy of them re-reads it
+        here."""
 
     def current_lr(self) -> float:
         """The lr the next committed step uses for the first parameter group."""
@@ -327,9 +333,9 @@ class Strategy(metaclass=_Constructed):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`. Every worker of the job must call it (it checks, with one collective
-        over ``world``, that all workers saved at the same :meth:`position`); a rejected checkpoint raises on
-        every worker, never hangs the others."""
+        """Resume from :meth:`state_dict`. Every worker of the job must call it (it checks, with one
+        collective over ``world``, that all workers saved at the same :meth:`position`); a rejected checkpoint
+        raises on every worker, never hangs the others."""
         problem = None
         if state.get("strategy") != self.name:
             problem = f"checkpoint is for strategy {state.get('strategy')!r}, not {self.name!r}"
@@ -348,11 +354,12 @@ class Strategy(metaclass=_Constructed):
         self._load_state(state["state"])
 
     def logical_state_dict(self) -> dict[str, torch.Tensor]:
-        """This worker's part of the world-size-independent state (see :mod:`~quietsync.strategies.checkpoint.logical`):
-        tensors (some DTensors) by logical name, for ``torch.distributed.checkpoint.save`` on every worker.
+        """This worker's part of the world-size-independent state (see
+        :mod:`~quietsync.strategies.checkpoint.logical`): tensors (some DTensors) by logical name, for
+        ``torch.distributed.checkpoint.save`` on every worker.
 
-        Raises :class:`~quietsync.strategies.checkpoint.logical.ReshardError` where the strategy cannot be resharded
-        (:attr:`reshard_refusal`) or a round is open (save right after ``step()`` returned True).
+        Raises :class:`~quietsync.strategies.checkpoint.logical.ReshardError` where the strategy cannot be
+        resharded (:attr:`reshard_refusal`) or a round is open (save right after ``step()`` returned True).
         """
         self._check_reshardable()
         problem = open_round_problem(self.name, self.position())
@@ -362,23 +369,25 @@ class Strategy(metaclass=_Constructed):
 
     def load_logical_state_dict(self, saved: SavedTensors, read: Reader) -> None:
         """Resume from a logical checkpoint of any world size. ``saved`` lists its tensors (``{key: (shape,
-        dtype)}``); ``read(targets)`` fills tensors laid out for this worker (a collective: every worker of the
-        job calls this). The open round starts empty; ``micro_batches`` (a per-worker count) is left to the
-        caller."""
+        dtype)}``); ``read(targets)`` fills tensors laid out for this worker (a collective: every worker of
+        the job calls this). The open round starts empty; ``micro_batches`` (a per-worker count) is left to
+        the caller."""
         self._check_reshardable()
         targets = {"steps": torch.zeros((), dtype=torch.int64), **self._logical_targets(saved)}
         missing = sorted(k for k in targets if k not in saved)
         if missing:
-            raise ReshardError(f"the checkpoint lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
-                               f"(was it written by strategy {self.name} on this model?)")
+            raise ReshardError(
+                f"the checkpoint lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                f"(was it written by strategy {self.name} on this model?)"
+            )
         read(targets)
         self.steps = int(targets["steps"])
         self._load_logical(targets)
 
     @classmethod
     def reshard_problem(cls, saved_nodes: int | None, nodes: int | None) -> str | None:
-        """Why a checkpoint this strategy wrote on ``saved_nodes`` nodes cannot be loaded on ``nodes`` nodes and any
-        number of workers (None: it can; None for either count: unknown, not checked). By default
+        """Why a checkpoint this strategy wrote on ``saved_nodes`` nodes cannot be loaded on ``nodes`` nodes
+        and any number of workers (None: it can; None for either count: unknown, not checked). By default
         :attr:`reshard_refusal`; a strategy whose state is tied to the node count adds that (``flexdemo``)."""
         return cls.reshard_refusal
 
@@ -421,8 +430,8 @@ class Strategy(metaclass=_Constructed):
         return merged
 
     def hold(self, name: str, part: P) -> P:
-        """Hold ``part`` (a :class:`~quietsync.strategies.parts.part.Part`, or another strategy run inside this
-        one): it is checkpointed under ``name``, its position counters join :meth:`position`, its buffers
+        """Hold ``part`` (a :class:`~quietsync.strategies.parts.part.Part`, or another strategy run inside
+        this one): it is checkpointed under ``name``, its position counters join :meth:`position`, its buffers
         :meth:`memory_report`, its open round is dropped by :meth:`discard_round`, and it is closed with the
         strategy. Returns it."""
         if name in self._parts:
@@ -446,7 +455,8 @@ class Strategy(metaclass=_Constructed):
             raise ReshardError(f"strategy {self.name} cannot be resharded: {self.reshard_refusal}")
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
-        """The world-size-independent tensors beyond ``steps`` (strategies with ``reshard_refusal = None``)."""
+        """The world-size-independent tensors beyond ``steps`` (strategies with ``reshard_refusal =
+        None``)."""
         raise NotImplementedError
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
@@ -482,7 +492,9 @@ class Strategy(metaclass=_Constructed):
             raise RuntimeError(f"{type(self).__name__} is closed")
 
     @staticmethod
-    def _check_groups(model: torch.nn.Module, param_groups: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    def _check_groups(
+        model: torch.nn.Module, param_groups: list[dict[str, Any]] | None
+    ) -> list[dict[str, Any]]:
         if param_groups is None:
             return [{"params": [p for p in model.parameters() if p.requires_grad]}]
         groups = normalize_param_groups(param_groups)

@@ -99,7 +99,8 @@ class DDP(Strategy):
         if last and self._ddp is not None:
             t1 = time.perf_counter()
             issued = [s.t0 for s in self.transport.recorder.spans("comm", since=t0) if s.name == "ddp_bucket"]
-            if issued:  # backward() counts the whole interval as compute; the tail after the last bucket is idle
+            # backward() counts the whole interval as compute; the tail after the last bucket is idle
+            if issued:
                 self.accounting.move_to_idle(max(0.0, t1 - max(issued)), t1, "ddp_wait")
 
     def _discard(self) -> None:

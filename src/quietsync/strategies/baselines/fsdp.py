@@ -69,7 +69,9 @@ class FSDP(Strategy):
         self.shards = self.hold("shards", FsdpShards(model, self.param_groups, self.transport, "shard"))
         self.param_groups = self.shards.model_groups  # drop the whole pre-sharding parameters
         self.optimizer = build_optimizer(self.optimizer_factory, self.shards.groups, self.optimizer_kwargs)
-        self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation, self.shards.local))
+        self.round = self.hold(
+            "round", OptimizerRound(self.optimizer, self.config.accumulation, self.shards.local)
+        )
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.shards.before_backward(self.round.accumulator.next_is_last)
@@ -93,7 +95,10 @@ class FSDP(Strategy):
 
     # ------------------------------------------------------------------ checkpoints that reshard
     def _logical_state(self) -> dict[str, torch.Tensor]:
-        return {**shard_state(self.shards, self.module, self.optimizer), **base_lrs_state(self.round.lr.base_lrs)}
+        return {
+            **shard_state(self.shards, self.module, self.optimizer),
+            **base_lrs_state(self.round.lr.base_lrs),
+        }
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
         return {**shard_targets(self.shards, self.module, self.optimizer, saved),

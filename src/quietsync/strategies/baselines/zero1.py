@@ -1,5 +1,6 @@
-"""``zero1``: ZeRO-1 on flat buffers (its state, :class:`~quietsync.strategies.substrates.sharded_state.ShardedState`,
-is the substrate ACCO, DPU and WP build on).
+"""``zero1``: ZeRO-1 on flat buffers (its state, a
+:class:`~quietsync.strategies.substrates.sharded_state.ShardedState`, is the substrate ACCO, DPU and WP
+build on).
 
 Each worker keeps optimizer state for only its ``1/n`` of the parameters. A step is:
 

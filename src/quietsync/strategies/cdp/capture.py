@@ -1,9 +1,10 @@
-"""How Cyclic DP keeps ``loss_fn(model, batch)`` as the one contract while running a model one stage at a time.
+"""How Cyclic DP keeps ``loss_fn(model, batch)`` as the one contract while running a model one stage at a
+time.
 
 The strategy first calls ``loss_fn`` with a :class:`Recorder` standing in for the model, which captures the
 model call's arguments (the inputs of the first stage) and stops; at the last stage's forward it calls
-``loss_fn`` again with a :class:`Replay`, which returns the last stage's output, so the loss is computed on the
-last stage's graph by the user's own code.
+``loss_fn`` again with a :class:`Replay`, which returns the last stage's output, so the loss is computed on
+the last stage's graph by the user's own code.
 """
 
 from __future__ import annotations

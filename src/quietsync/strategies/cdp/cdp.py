@@ -90,7 +90,8 @@ class CDPConfig(StrategyConfig):
     stages: int | None = None
     """Number of stages N = micro-batches per step (default: the number of workers, or 2 on one process)."""
     partition: Literal["params", "flops", "manual"] = "params"
-    """How the model is cut: balance parameter counts, measured FLOPs (on the first micro-batch), or manual."""
+    """How the model is cut: balance parameter counts, measured FLOPs (on the first micro-batch), or
+    manual."""
     manual_stages: str = ""
     """With partition manual: comma-separated names of the modules that start stages 2..N (e.g.
     transformer.h.1,lm_head)."""
@@ -105,10 +106,13 @@ class CDPConfig(StrategyConfig):
         if not isinstance(self.manual_stages, str):
             raise ValueError(f"manual_stages must be a comma-separated string, got {self.manual_stages!r}")
         if self.partition == "manual" and not self.manual_names:
-            raise ValueError("manual_stages must name the modules that start stages 2..N when partition is manual, "
-                             "got ''")
+            raise ValueError(
+                "manual_stages must name the modules that start stages 2..N when partition is manual, got ''"
+            )
         if self.partition != "manual" and self.manual_names:
-            raise ValueError(f"manual_stages is only used with partition manual, got partition {self.partition!r}")
+            raise ValueError(
+                f"manual_stages is only used with partition manual, got partition {self.partition!r}"
+            )
 
     @property
     def manual_names(self) -> list[str]:
@@ -167,8 +171,9 @@ class CDP(Strategy):
         self.view = sequential_view(model)
         if n > len(self.view.segments):
             names = ", ".join(s.name for s in self.view.segments)
-            raise ValueError(f"stages must be <= the {len(self.view.segments)} segments of this model ({names}), "
-                             f"got {n}")
+            raise ValueError(
+                f"stages must be <= the {len(self.view.segments)} segments of this model ({names}), got {n}"
+            )
         self.schedule = Schedule(n, world, cfg.rule)
         self.me = self.rank
         self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
@@ -193,7 +198,8 @@ class CDP(Strategy):
         self.sent_completed = 0
         """Bytes of those sends that completed (what the transport's meter has counted)."""
         self.drained_bytes = 0
-        """Zeros sent on close so a peer still finishing its last step is not left waiting (see ``_drain``)."""
+        """Zeros sent on close so a peer still finishing its last step is not left waiting (see
+        ``_drain``)."""
         self._initial_copy()
         self._refresh_param_ptrs()
 
@@ -219,8 +225,9 @@ class CDP(Strategy):
                 self.transport.recv(flat, self.me - 1, name="cdp/init_params")
             if self.me < self.world_size - 1:
                 self.transport.send(flat, self.me + 1, name="cdp/init_params")
-            torch._foreach_copy_(params, [x.view_as(p) for x, p in zip(flat.split([p.numel() for p in params]),
-                                                                          params)])
+            torch._foreach_copy_(
+                params, [x.view_as(p) for x, p in zip(flat.split([p.numel() for p in params]), params)]
+            )
 
     def balance(self) -> dict[str, Any]:
         """The stage cut and its balance (see :meth:`StagePlan.balance`); None-like before the first call with
@@ -234,7 +241,9 @@ class CDP(Strategy):
         self._check_open()
         if self.plan is None:  # partition flops: measured on the first micro-batch
             args, kwargs = capture_call(self.module, batch, loss_fn)
-            flops = segment_flops(self.view, args, kwargs, lambda out: loss_fn(Replay(self.module, out), batch))
+            flops = segment_flops(
+                self.view, args, kwargs, lambda out: loss_fn(Replay(self.module, out), batch)
+            )
             self._build(partition(self.view, self.n, "flops", (), flops))
         per = self.n // self.world_size
         c, k = divmod(self.fed, per)
@@ -270,7 +279,8 @@ class CDP(Strategy):
                     k = chain.index(me)
                     if k + 1 < len(chain):
                         self._send(buf, chain[k + 1], t, "dist", c)
-        # 3. forwards, then 4. backwards (activations of a step's forwards count before its backwards free theirs)
+        # 3. forwards, then 4. backwards (activations of a step's forwards count before its backwards free
+        # theirs)
         mine = [(c, i) for c in cycles for i in s.slots(me) if (c, i) in self._inflight]
         for c, i in mine:
             j = t - s.start(c, i)
@@ -280,7 +290,8 @@ class CDP(Strategy):
             j = 2 * self.n - 1 - (t - s.start(c, i))
             if 0 <= j < self.n:
                 self._backward_stage(self._inflight[(c, i)], j)
-        # 5. the reduce chain: add my gradient to the partial sum; pass it on, or (the root) update and distribute
+        # 5. the reduce chain: add my gradient to the partial sum; pass it on, or (the root) update and
+        # distribute
         for c in cycles:
             for j in range(self.n):
                 rt = s.reduce_times(c, j)
@@ -305,27 +316,33 @@ class CDP(Strategy):
             self._posted[(m.kind, m.cycle, m.stage, m.slot)] = (work, buf)
 
     def _feed_end(self, w: int, steps: int) -> int:
-        """``self.t`` of worker ``w`` when a loop that stops once ``steps`` cycles are committed stops: the start
-        of the first micro-batch it would have fed after the time step that commits cycle ``steps - 1``."""
+        """``self.t`` of worker ``w`` when a loop that stops once ``steps`` cycles are committed stops: the
+        start of the first micro-batch it would have fed after the time step that commits cycle ``steps -
+        1``."""
         s = self.schedule
         commit = max(s.arrivals(steps - 1, j)[w] for j in range(self.n))
         c0 = commit // s.period
-        return min(b for c in range(max(0, c0 - 1), c0 + 3) for i in s.slots(w) if (b := s.start(c, i)) > commit)
+        return min(
+            b for c in range(max(0, c0 - 1), c0 + 3) for i in s.slots(w) if (b := s.start(c, i)) > commit
+        )
 
     def _drain(self) -> int:
-        """Workers commit cycle ``steps - 1`` at different time steps, and a worker still finishing it needs the
-        messages its peers would have sent in the time steps after they stopped (partial sums of the next cycle
-        pass through it). So on close each worker keeps the schedule's communication going, without compute,
-        until the last worker's last time step: it receives (and drops) what is sent to it, and sends zeros
-        where it would have sent a partial sum or a new version of a cycle nobody commits. Assumes the loop
-        stops as soon as ``steps`` cycles are committed (the trainer, Accelerate and the Trainer glue do)."""
+        """Workers commit cycle ``steps - 1`` at different time steps, and a worker still finishing it needs
+        the messages its peers would have sent in the time steps after they stopped (partial sums of the next
+        cycle pass through it). So on close each worker keeps the schedule's communication going, without
+        compute, until the last worker's last time step: it receives (and drops) what is sent to it, and sends
+        zeros where it would have sent a partial sum or a new version of a cycle nobody commits. Assumes the
+        loop stops as soon as ``steps`` cycles are committed (the trainer, Accelerate and the Trainer glue
+        do)."""
         if self.plan is None or self.world_size == 1 or self.steps == 0:
             return self.t
         end = max(self._feed_end(w, self.steps) for w in range(self.world_size))
         if self.t > end:
-            warnings.warn(f"cdp: close() at time step {self.t}, after the last worker's last step ({end}): the loop "
-                          f"fed micro-batches past the commit of step {self.steps}; peers may not receive its tail",
-                          stacklevel=3)
+            warnings.warn(
+                f"cdp: close() at time step {self.t}, after the last worker's last step ({end}): the loop "
+                f"fed micro-batches past the commit of step {self.steps}; peers may not receive its tail",
+                stacklevel=3,
+            )
             return self.t
         for t in range(self.t, end):
             self._post_receives(t)
@@ -414,7 +431,9 @@ class CDP(Strategy):
     def _apply(self, c: int, j: int, flat: torch.Tensor) -> None:
         """θ^j_{c+1} = Opt(θ^j_c, mean gradient of cycle c); θ^j_c is kept as the previous version."""
         if self.live[j] != c:
-            raise RuntimeError(f"cdp: update of cycle {c} for stage {j} at version {self.live[j]} — schedule bug")
+            raise RuntimeError(
+                f"cdp: update of cycle {c} for stage {j} at version {self.live[j]} — schedule bug"
+            )
         params = self.owned[j]
         kept = [p.data for p in params]
         with torch.no_grad():
@@ -450,9 +469,9 @@ class CDP(Strategy):
         return buf
 
     def _retire_sends(self, t: int) -> None:
-        """Complete (and so meter) the sends of cycles this worker has committed. Every worker commits the same
-        cycles, so their receivers post those receives: waiting cannot hang. Sends of later cycles stay open
-        (gloo cannot poll a send): a peer that stops first never receives the schedule's tail."""
+        """Complete (and so meter) the sends of cycles this worker has committed. Every worker commits the
+        same cycles, so their receivers post those receives: waiting cannot hang. Sends of later cycles stay
+        open (gloo cannot poll a send): a peer that stops first never receives the schedule's tail."""
         keep = []
         for sent in self._sends:
             if sent.cycle < self.steps or sent.work.ready():
@@ -530,8 +549,10 @@ class CDP(Strategy):
 
     def _state(self) -> dict[str, Any]:
         if self._inflight or self._own or self._partial or self._sends:
-            raise RuntimeError("cdp: state_dict() with micro-batches in flight is not supported; checkpoint before "
-                               "the first forward_backward or after close-out (not implemented)")
+            raise RuntimeError(
+                "cdp: state_dict() with micro-batches in flight is not supported; checkpoint before "
+                "the first forward_backward or after close-out (not implemented)"
+            )
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def _load_state(self, state: dict[str, Any]) -> None:
@@ -540,11 +561,13 @@ class CDP(Strategy):
 
     def _close(self) -> None:
         """Workers leave the loop at different time steps: each keeps the schedule's communication going until
-        the last one is done (``_drain``), then completes the sends of committed cycles. Sends of the very last
-        time step are never received and never waited; when this strategy owns its transport, one barrier keeps the groups alive until every peer is done
-        (the trainer passes its transport and ends with its own all-reduce of the totals, which does the same)."""
+        the last one is done (``_drain``), then completes the sends of committed cycles. Sends of the very
+        last time step are never received and never waited; when this strategy owns its transport, one barrier
+        keeps the groups alive until every peer is done (the trainer passes its transport and ends with its
+        own all-reduce of the totals, which does the same)."""
         end = self._drain()
-        for sent in self._sends:  # a send is dropped only once it completed: gloo cancels a dropped pending send
+        # a send is dropped only once it completed: gloo cancels a dropped pending send
+        for sent in self._sends:
             if sent.time < end - 1:  # received at sent.time + 1 <= end - 1 by a peer in its loop or its drain
                 self._complete(sent)
         if self._owns_transport and self.world_size > 1:

@@ -81,7 +81,8 @@ class Schedule:
         return self.start(c, i, period) + 2 * self.n - 1 - j
 
     def version(self, c: int, i: int, j: int) -> int:
-        """Parameter version (committed-step count) of stage ``j`` that micro-batch ``i`` of cycle ``c`` uses."""
+        """Parameter version (committed-step count) of stage ``j`` that micro-batch ``i`` of cycle ``c``
+        uses."""
         if self.rule == "dp":
             v = c
         elif self.rule == "v1":
@@ -118,8 +119,8 @@ class Schedule:
 
     @functools.cache  # noqa: B019 - a schedule is immutable and lives as long as its strategy
     def arrivals(self, c: int, j: int, period: int | None = None) -> dict[int, int]:
-        """Time step at whose start each worker applies the update of cycle ``c`` to stage ``j`` (the root: at the
-        end of the step given)."""
+        """Time step at whose start each worker applies the update of cycle ``c`` to stage ``j`` (the root: at
+        the end of the step given)."""
         root_t = self.reduce_times(c, j, period)[-1]
         out = {self.root(): root_t}
         for k, w in enumerate(self.chain(j, period)):
@@ -153,7 +154,11 @@ class Schedule:
         rt = self.reduce_times(c, j)
         for i in range(1, self.n):
             if self.worker(i) != self.worker(i - 1):
-                out.append(Message(rt[i - 1], AFTER_REDUCE, c, j, i - 1, self.worker(i - 1), self.worker(i), "partial"))
+                out.append(
+                    Message(
+                        rt[i - 1], AFTER_REDUCE, c, j, i - 1, self.worker(i - 1), self.worker(i), "partial"
+                    )
+                )
         chain = self.chain(j)
         prev, t = self.root(), rt[-1]
         for k, w in enumerate(chain):

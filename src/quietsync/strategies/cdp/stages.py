@@ -92,8 +92,9 @@ def sequential_view(model: nn.Module) -> SequentialView:
     if _is_causal_lm(model):
         return _causal_lm_view(model)
     raise TypeError(
-        f"cdp cannot cut a {type(model).__name__} into stages: pass an nn.Sequential (one child per segment) or a "
-        "GPT-Neo/GPT-2-style causal LM (transformer.wte/wpe/h/ln_f + lm_head)")
+        f"cdp cannot cut a {type(model).__name__} into stages: pass an nn.Sequential (one child per segment) "
+        "or a GPT-Neo/GPT-2-style causal LM (transformer.wte/wpe/h/ln_f + lm_head)"
+    )
 
 
 def _causal_lm_view(model: nn.Module) -> SequentialView:
@@ -188,8 +189,8 @@ def segment_flops(view: SequentialView, sample_args: tuple, sample_kwargs: dict,
 
     The graph is cut between segments (each segment's input is a fresh leaf), so each count is the segment's
     own; ``last(output)`` turns the last segment's output into a scalar to back-propagate (default: its
-    ``.loss`` when it has one, else the sum of the output or of its ``.logits``). Parameters are used through detached leaves: no ``.grad`` of the
-    model is touched.
+    ``.loss`` when it has one, else the sum of the output or of its ``.logits``). Parameters are used through
+    detached leaves: no ``.grad`` of the model is touched.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -274,8 +275,8 @@ def partition(view: SequentialView, n: int, how: str = "params", manual: Sequenc
 
     Args:
         n: number of stages (at least 1, at most the number of segments).
-        how: ``params`` (balance owned parameter counts), ``flops`` (balance ``flops``, per-segment counts from
-            :func:`segment_flops`) or ``manual``.
+        how: ``params`` (balance owned parameter counts), ``flops`` (balance ``flops``, per-segment counts
+            from :func:`segment_flops`) or ``manual``.
         manual: with ``how="manual"``, the names of the ``n - 1`` segments that start stages 2..n, in order.
         flops: per-segment FLOPs (required for ``flops``; reported when given).
 
@@ -300,13 +301,17 @@ def partition(view: SequentialView, n: int, how: str = "params", manual: Sequenc
                              f"got {len(manual)}: {manual}")
         unknown = [m for m in manual if m not in names]
         if unknown:
-            raise ValueError(f"manual_stages names unknown segments {unknown}; segments are {', '.join(names)}")
+            raise ValueError(
+                f"manual_stages names unknown segments {unknown}; segments are {', '.join(names)}"
+            )
         starts = [0] + [names.index(m) for m in manual]
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"manual_stages must be in model order with no empty stage, got {manual}")
     elif how == "flops":
         if flops is None:
-            raise ValueError("partition 'flops' needs per-segment flops (segment_flops on a sample micro-batch)")
+            raise ValueError(
+                "partition 'flops' needs per-segment flops (segment_flops on a sample micro-batch)"
+            )
         starts = _balanced_cuts(flops, n)
     else:
         starts = _balanced_cuts(_segment_params(view), n)

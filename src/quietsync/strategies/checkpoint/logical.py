@@ -7,7 +7,8 @@ buffers padded to the worker count, this worker's optimizer shard). The logical 
 * ``steps`` — committed optimizer steps (the lr schedule's position);
 * ``model.<name>`` — the module's ``state_dict()`` entries (every worker holds the same);
 * ``optim.base_lrs`` — each parameter group's base lr (what the schedule scales);
-* a **replicated optimizer** (``ddp``: every worker runs the whole optimizer): ``optim.<parameter name>.<key>``,
+* a **replicated optimizer** (``ddp``: every worker runs the whole optimizer): ``optim.<parameter
+  name>.<key>``,
   torch's per-parameter state (``step``, ``exp_avg``, ``exp_avg_sq`` for AdamW) — see :func:`optimizer_state`;
 * a **ZeRO-1 optimizer shard** (``zero1``): ``optim.flat.master`` and ``optim.flat.<key>`` — the fp32 master
   copy and each per-element state tensor over the whole flat parameter buffer *without its padding*, as a
@@ -67,8 +68,10 @@ def base_lrs_state(base_lrs: list[float]) -> dict[str, torch.Tensor]:
 def base_lrs_target(base_lrs: list[float], saved: SavedTensors) -> dict[str, torch.Tensor]:
     shape = saved.get("optim.base_lrs", (None, None))[0]
     if shape is None or tuple(shape) != (len(base_lrs),):
-        raise ReshardError(f"the checkpoint's optimizer has {None if shape is None else tuple(shape)} parameter "
-                           f"group learning rates, this one {len(base_lrs)} groups")
+        raise ReshardError(
+            f"the checkpoint's optimizer has {None if shape is None else tuple(shape)} parameter "
+            f"group learning rates, this one {len(base_lrs)} groups"
+        )
     return {"optim.base_lrs": torch.zeros(len(base_lrs), dtype=torch.float64)}
 
 
@@ -115,7 +118,11 @@ def load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
     state: dict[int, dict[str, torch.Tensor]] = {}
     for i, p in enumerate(_indexed_params(optimizer)):
         prefix = f"optim.{names[id(p)]}."
-        entry = {k[len(prefix):]: v for k, v in filled.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        entry = {
+            k[len(prefix) :]: v
+            for k, v in filled.items()
+            if k.startswith(prefix) and "." not in k[len(prefix) :]
+        }
         if entry:
             state[i] = entry
     current = optimizer.state_dict()
@@ -123,13 +130,15 @@ def load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
 
 
 def flat_tensor(local: torch.Tensor, numel: int, mesh: Any) -> torch.Tensor:
-    """This worker's piece ``local`` of a length-``numel`` logical tensor as a DTensor ``Shard(0)`` over ``mesh``
-    (the plain tensor when ``mesh`` is None: a one-worker group holds all of it)."""
+    """This worker's piece ``local`` of a length-``numel`` logical tensor as a DTensor ``Shard(0)`` over
+    ``mesh`` (the plain tensor when ``mesh`` is None: a one-worker group holds all of it)."""
     if mesh is None:
         return local
     from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
+    )
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -141,6 +150,7 @@ def open_round_problem(name: str, position: Mapping[str, int]) -> str | None:
     """Why the worker at ``position`` cannot write a logical checkpoint (None at a step boundary)."""
     open_counters = {k: v for k, v in position.items() if k != "steps" and v}
     if open_counters:
-        return (f"strategy {name} holds an open round ({', '.join(f'{k}={v}' for k, v in open_counters.items())}); "
-                "a checkpoint that reshards is written at a committed step only (right after step() returned True)")
+        counters = ", ".join(f"{k}={v}" for k, v in open_counters.items())
+        return (f"strategy {name} holds an open round ({counters}); a checkpoint that reshards is written at "
+                "a committed step only (right after step() returned True)")
     return None

@@ -1,22 +1,25 @@
-"""World-size-independent ("logical") state of dim-0 parameter shards: what ``fsdp`` and ``flexdemo`` checkpoints
-that reshard hold (see :mod:`~quietsync.strategies.checkpoint.logical` for the idea and the ``ddp``/``zero1`` forms).
+"""World-size-independent ("logical") state of dim-0 parameter shards: what ``fsdp`` and ``flexdemo``
+checkpoints that reshard hold (see :mod:`~quietsync.strategies.checkpoint.logical` for the idea and the
+``ddp``/``zero1`` forms).
 
-Both substrates of these strategies — FSDP2 (:class:`~quietsync.strategies.substrates.fsdp_shards.FsdpShards`) and the flat
-dim-0 one (:class:`~quietsync.strategies.substrates.dim0_shards.FlatDimZeroShards`) — give worker ``i`` of the shard group
-rows ``[i*c, min((i+1)*c, rows))`` of every parameter, ``c = ceil(rows / n)``: exactly torch's ``Shard(0)``
-chunks (the flat substrate pads the last shard with zero rows, cut here). So each worker's piece of a parameter,
-and of every per-element optimizer state, is the local tensor of a DTensor ``Shard(0)`` of the whole parameter
-over a 1-D mesh of the shard group, and ``torch.distributed.checkpoint`` writes each piece once and reads, on
-any other cut (another number of workers per node), the rows each new piece overlaps. Nothing is gathered: a
-checkpoint needs no more memory than training does.
+Both substrates of these strategies — FSDP2 (:class:`~quietsync.strategies.substrates.fsdp_shards.FsdpShards`)
+and the flat dim-0 one (:class:`~quietsync.strategies.substrates.dim0_shards.FlatDimZeroShards`) — give worker
+``i`` of the shard group rows ``[i*c, min((i+1)*c, rows))`` of every parameter, ``c = ceil(rows / n)``:
+exactly torch's ``Shard(0)`` chunks (the flat substrate pads the last shard with zero rows, cut here). So each
+worker's piece of a parameter, and of every per-element optimizer state, is the local tensor of a DTensor
+``Shard(0)`` of the whole parameter over a 1-D mesh of the shard group, and ``torch.distributed.checkpoint``
+writes each piece once and reads, on any other cut (another number of workers per node), the rows each new
+piece overlaps. Nothing is gathered: a checkpoint needs no more memory than training does.
 
 Keys, under a ``prefix`` the strategy chooses (``""`` for ``fsdp``, whose replicas across nodes agree;
 ``replica.<node>.`` for ``flexdemo``, whose nodes each keep their own decoupled momentum):
 
 * ``model.<name>`` — each parameter (sharded) and each persistent buffer (whole);
-* ``optim.<name>.<key>`` — the optimizer's per-parameter state: per-element tensors sharded like the parameter,
+* ``optim.<name>.<key>`` — the optimizer's per-parameter state: per-element tensors sharded like the
+  parameter,
   scalars (AdamW's ``step``) whole;
-* ``optim.<name>.delta`` — a decoupled optimizer's momentum, **spatial** (its DCT-domain form depends on how the
+* ``optim.<name>.delta`` — a decoupled optimizer's momentum, **spatial** (its DCT-domain form depends on how
+  the
   shard is cut into blocks, so it is converted on saving and back into the new layout's domain on loading);
 * ``optim.decoupled.step`` and ``optim.replicator.<key>`` — a decoupled optimizer's counters.
 
@@ -67,7 +70,8 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _sharded(local: torch.Tensor, shape: torch.Size, mesh: Any) -> torch.Tensor:
-    """``local`` as the ``Shard(0)`` piece of a tensor of ``shape`` over ``mesh`` (itself when there is no mesh)."""
+    """``local`` as the ``Shard(0)`` piece of a tensor of ``shape`` over ``mesh`` (itself when there is no
+    mesh)."""
     if mesh is None:
         return local
     from torch.distributed.tensor import DTensor, Shard
@@ -86,7 +90,9 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _momentum_to_spatial(optimizer: torch.optim.Optimizer, delta: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def _momentum_to_spatial(
+    optimizer: torch.optim.Optimizer, delta: torch.Tensor, shape: torch.Size
+) -> torch.Tensor:
     from ...replicators import REPLICATORS, convert_momentum
 
     domain = optimizer.replicator.momentum_domain  # type: ignore[attr-defined]
@@ -123,7 +129,9 @@ def shard_state(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Opti
     for p in _by_local(pieces, optimizer):
         for key, value in optimizer.state.get(p.local, {}).items():
             if not isinstance(value, torch.Tensor):
-                raise ReshardError(f"optimizer state {key!r} of {p.name} is a {type(value).__name__}, not a tensor")
+                raise ReshardError(
+                    f"optimizer state {key!r} of {p.name} is a {type(value).__name__}, not a tensor"
+                )
             if key == "delta" and _is_decoupled(optimizer):
                 value = _momentum_to_spatial(optimizer, value, p.local.shape)
             name = f"{prefix}optim.{p.name}.{key}"
@@ -132,8 +140,10 @@ def shard_state(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Opti
             elif value.shape == p.local.shape:
                 out[name] = _sharded(value.detach()[: p.rows], p.shape, mesh)
             else:
-                raise ReshardError(f"optimizer state {key!r} of {p.name} has shape {tuple(value.shape)}, neither "
-                                   f"a scalar nor the shard's {tuple(p.local.shape)}")
+                raise ReshardError(
+                    f"optimizer state {key!r} of {p.name} has shape {tuple(value.shape)}, neither "
+                    f"a scalar nor the shard's {tuple(p.local.shape)}"
+                )
     if _is_decoupled(optimizer):
         out[f"{prefix}optim.decoupled.step"] = torch.tensor(optimizer.decoupled_step, dtype=torch.int64)
         for key, value in optimizer.replicator.state_dict().items():  # type: ignore[attr-defined]
@@ -145,7 +155,8 @@ def shard_state(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Opti
 
 def shard_targets(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: SavedTensors,
                   prefix: str = "") -> dict[str, torch.Tensor]:
-    """Tensors of this worker's layout to read :func:`shard_state` of any world size into (checks the shapes)."""
+    """Tensors of this worker's layout to read :func:`shard_state` of any world size into (checks the
+    shapes)."""
     pieces, mesh = shards.logical_pieces(), shards.mesh
     out: dict[str, torch.Tensor] = {}
 
@@ -157,8 +168,10 @@ def shard_targets(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Op
         key = f"{prefix}model.{p.name}"
         shape = saved.get(key, (None, None))[0]
         if shape is not None and tuple(shape) != tuple(p.shape):
-            raise ReshardError(f"the checkpoint's {key} has shape {tuple(shape)}, this model's {tuple(p.shape)} "
-                               "(another model?)")
+            raise ReshardError(
+                f"the checkpoint's {key} has shape {tuple(shape)}, this model's {tuple(p.shape)} "
+                "(another model?)"
+            )
         out[key] = piece_target(key, p, p.local.dtype)
     out.update({f"{prefix}model.{n}": torch.empty_like(b) for n, b in persistent_buffers(model).items()})
     for p in _by_local(pieces, optimizer):
@@ -171,7 +184,9 @@ def shard_targets(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Op
             elif tuple(shape) == tuple(p.shape):
                 out[key] = piece_target(key, p, dtype)
             else:
-                raise ReshardError(f"the checkpoint's {key} has shape {tuple(shape)}, the parameter {tuple(p.shape)}")
+                raise ReshardError(
+                    f"the checkpoint's {key} has shape {tuple(shape)}, the parameter {tuple(p.shape)}"
+                )
     if _is_decoupled(optimizer):
         counters = f"{prefix}optim.decoupled.step", f"{prefix}optim.replicator."
         for key in saved:
@@ -185,9 +200,9 @@ def shard_targets(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Op
 def load_shards(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 filled: Mapping[str, torch.Tensor], prefix: str = "") -> None:
     """Take the state :func:`shard_targets` was filled with: the parameter pieces (padding rows zeroed), the
-    buffers, and the optimizer's state through its own ``load_state_dict`` (a decoupled momentum as spatial, which
-    the optimizer converts into its replicator's domain for the new cut); then the substrate spreads the pieces
-    (``after_logical_load()``: a collective for the flat substrate)."""
+    buffers, and the optimizer's state through its own ``load_state_dict`` (a decoupled momentum as spatial,
+    which the optimizer converts into its replicator's domain for the new cut); then the substrate spreads the
+    pieces (``after_logical_load()``: a collective for the flat substrate)."""
     pieces = shards.logical_pieces()
     with torch.no_grad():
         for p in pieces:

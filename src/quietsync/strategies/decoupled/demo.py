@@ -13,8 +13,8 @@ Every worker holds the whole model and its own decoupled momentum ``delta``. A s
    DeMo-SGD (``base="sgd"``, the paper's default) or decoupled AdamW (``base="adamw"``).
 
 Workers' parameters stay identical (they all apply the same averaged update). The knobs of
-:class:`~quietsync.strategies.decoupled.round.DecoupledConfig` become the CLI flags ``--replicator --compression --chunk --topk
---sign/--no-sign --transfer-dtype --beta --replicate-every --skip-every``.
+:class:`~quietsync.strategies.decoupled.round.DecoupledConfig` become the CLI flags ``--replicator
+--compression --chunk --topk --sign/--no-sign --transfer-dtype --beta --replicate-every --skip-every``.
 """
 
 from __future__ import annotations
@@ -46,8 +46,16 @@ class DeMo(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
         self.optimizer = build_decoupled_optimizer(
-            self.config, self.optimizer_factory, self.param_groups, self.optimizer_kwargs, self.transport, "world")
-        self.round = self.hold("round", DecoupledRound(self.optimizer, self.config.accumulation, list(model.parameters())))
+            self.config,
+            self.optimizer_factory,
+            self.param_groups,
+            self.optimizer_kwargs,
+            self.transport,
+            "world",
+        )
+        self.round = self.hold(
+            "round", DecoupledRound(self.optimizer, self.config.accumulation, list(model.parameters()))
+        )
         broadcast_parameters(self.transport, list(model.parameters()), "world")
 
     def _backward(self, loss: torch.Tensor) -> None:

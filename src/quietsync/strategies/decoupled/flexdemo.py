@@ -23,19 +23,21 @@ parameters and this is ``demo`` over the replicate group.
 
 Substrate (``params``), both dim-0 sharded and both with every byte metered and link-emulated:
 
-* ``sharded`` (default): PyTorch FSDP2 over the shard group (:class:`~quietsync.strategies.substrates.fsdp_shards.
+* ``sharded`` (default): PyTorch FSDP2 over the shard group
+  (:class:`~quietsync.strategies.substrates.fsdp_shards.
   FsdpShards`): parameters too are sharded inside the node (ZeRO-3, ``reshard_after_forward``); FSDP
   all-gathers a unit's parameters for its forward and backward and reduce-scatters the gradients in the
   last backward of the round, through the transport. Step 4 is then not needed: the optimizer updates the
   shards FSDP holds.
-* ``replicated``: quietsync's flat substrate (:class:`~quietsync.strategies.substrates.dim0_shards.FlatDimZeroShards`):
+* ``replicated``: quietsync's flat substrate
+  (:class:`~quietsync.strategies.substrates.dim0_shards.FlatDimZeroShards`):
   whole parameters on every worker (ZeRO-2), one reduce-scatter and one all-gather per step, fewer bytes
   inside the node than ``sharded`` moves (which all-gathers in every forward and backward).
 
 Checkpoints that reshard: each node's state (parameter shards, decoupled momentum, optimizer state, counters)
 is written under ``replica.<node>.`` as ``Shard(0)`` pieces over the node's workers
-(:mod:`~quietsync.strategies.checkpoint.logical_shards`), so a job resumes on another number of workers per node, either
-substrate, but on the same number of nodes (:meth:`FlexDeMo.reshard_problem`).
+(:mod:`~quietsync.strategies.checkpoint.logical_shards`), so a job resumes on another number of workers per
+node, either substrate, but on the same number of nodes (:meth:`FlexDeMo.reshard_problem`).
 
 See ``docs/flexdemo.md`` for the memory and speed of both.
 """
@@ -66,7 +68,9 @@ class FlexDeMoConfig(DecoupledConfig):
     """Knobs of ``flexdemo``: the decoupled ones plus where parameters live."""
 
     params: Literal["sharded", "replicated"] = "sharded"
-    """sharded = FSDP2 inside the node (parameters, gradients and optimizer state sharded: ZeRO-3); replicated = whole parameters on every worker, gradients and optimizer state sharded (ZeRO-2, fewer intra-node bytes)."""
+    """sharded = FSDP2 inside the node (parameters, gradients and optimizer state sharded: ZeRO-3); replicated
+    = whole parameters on every worker, gradients and optimizer state sharded (ZeRO-2, fewer intra-node
+    bytes)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,7 +109,8 @@ class FlexDeMo(Strategy):
         self.shards.gather_grads(self.accounting)
         # 2. the decoupled optimizer on the shard; replication across nodes happens inside
         extra = self.round.step(self._lr_scale(self.steps), self.accounting)
-        # 3. the updated shards into the model (replicated: all-gather on ``shard``; sharded: FSDP's next forward)
+        # 3. the updated shards into the model (replicated: all-gather on ``shard``; sharded: FSDP's next
+        # forward)
         self.shards.publish(self.accounting)
         self._commit(extra=extra)
         return True
@@ -118,17 +123,23 @@ class FlexDeMo(Strategy):
 
     def _memory(self) -> dict[str, int]:
         """Bytes of the optimizer state this worker holds (momentum and Adam moments of its shard)."""
-        opt_state = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
-                        if isinstance(t, torch.Tensor) and t.dim() > 0)
+        opt_state = sum(
+            t.numel() * t.element_size()
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
         return {"optimizer_state": opt_state}
 
     # ------------------------------------------------------------------ checkpoints that reshard
     @classmethod
     def reshard_problem(cls, saved_nodes: int | None, nodes: int | None) -> str | None:
         if saved_nodes is not None and nodes is not None and saved_nodes != nodes:
-            return (f"each node keeps its own decoupled momentum (only a compressed part of it ever crosses the "
-                    f"network), so the {saved_nodes} nodes' momenta have no home on {nodes}; resume on "
-                    f"{saved_nodes} nodes (--nodes {saved_nodes}), with any number of workers per node")
+            return (
+                f"each node keeps its own decoupled momentum (only a compressed part of it ever crosses the "
+                f"network), so the {saved_nodes} nodes' momenta have no home on {nodes}; resume on "
+                f"{saved_nodes} nodes (--nodes {saved_nodes}), with any number of workers per node"
+            )
         return None
 
     def _prefix(self) -> str:
@@ -145,8 +156,10 @@ class FlexDeMo(Strategy):
             raise ReshardError("the checkpoint holds no flexdemo state (replica.<node>.*): was it written by "
                                "strategy flexdemo?")
         if len(replicas) != nodes:
-            raise ReshardError(f"strategy flexdemo cannot be resharded from {len(replicas)} nodes onto {nodes}: "
-                               f"{self.reshard_problem(len(replicas), nodes)}")
+            raise ReshardError(
+                f"strategy flexdemo cannot be resharded from {len(replicas)} nodes onto {nodes}: "
+                f"{self.reshard_problem(len(replicas), nodes)}"
+            )
         targets = shard_targets(self.shards, self.module, self.optimizer, saved, self._prefix())
         return {**targets, **base_lrs_target(self.round.lr.base_lrs, saved)}
 

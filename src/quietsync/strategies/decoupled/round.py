@@ -32,15 +32,20 @@ class DecoupledConfig(AccumulationConfig):
     """Knobs shared by ``demo`` and ``flexdemo``."""
 
     base: Literal["sgd", "adamw", "auto"] = "sgd"
-    """Base optimizer: sgd = DeMo-SGD, adamw = decoupled AdamW (Adam moments stay local), auto = follow the optimizer argument (torch SGD -> sgd, anything else -> adamw)."""
+    """Base optimizer: sgd = DeMo-SGD, adamw = decoupled AdamW (Adam moments stay local), auto = follow the
+    optimizer argument (torch SGD -> sgd, anything else -> adamw)."""
     replicator: Literal["dct", "random", "striding", "full", "none"] = "dct"
-    """What crosses the network: dct (DeMo top-k DCT, all-gather), random / striding (shared-seed positions, values only, all-reduce), full (all-reduce everything), none."""
+    """What crosses the network: dct (DeMo top-k DCT, all-gather), random / striding (shared-seed positions,
+    values only, all-reduce), full (all-reduce everything), none."""
     compression: float = 1 / 32
-    """Bytes sent per step / bytes of the full fp32 gradient, in (0, 1]; the same meaning for every replicator (full and none ignore it)."""
+    """Bytes sent per step / bytes of the full fp32 gradient, in (0, 1]; the same meaning for every replicator
+    (full and none ignore it)."""
     chunk: int = 64
-    """DCT block edge for the dct replicator (chunk x chunk blocks for matrices, chunk-long for vectors; sizes are padded)."""
+    """DCT block edge for the dct replicator (chunk x chunk blocks for matrices, chunk-long for vectors; sizes
+    are padded)."""
     topk: int | None = None
-    """Coefficients sent per DCT block (DeMo's own knob, at most chunk**2); default: derived from --compression."""
+    """Coefficients sent per DCT block (DeMo's own knob, at most chunk**2); default: derived from
+    --compression."""
     sign: bool = True
     """Apply sign() to the replicated update before the base optimizer uses it."""
     transfer_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -48,7 +53,8 @@ class DecoupledConfig(AccumulationConfig):
     beta: float = 0.999
     """Decay of the decoupled momentum: delta <- beta * delta + lr * g (DeMo's compression_decay)."""
     replicate_every: int = 1
-    """Replicate only every n-th step; other steps apply the local gradient (DeToNATION's periodic replication)."""
+    """Replicate only every n-th step; other steps apply the local gradient (DeToNATION's periodic
+    replication)."""
     skip_every: int = 0
     """Skip replication every n-th step (0: never skip)."""
     seed: int = 0
@@ -91,8 +97,17 @@ def build_decoupled_optimizer(
         config.replicator, compression=config.compression, transfer_dtype=config.transfer_dtype,
         chunk=config.chunk, topk=config.topk, seed=config.seed,
     )
-    return cls(groups, beta=config.beta, sign=config.sign, replicator=replicator, transport=transport,
-               group=group, replicate_every=config.replicate_every, skip_every=config.skip_every, **opt_kwargs)
+    return cls(
+        groups,
+        beta=config.beta,
+        sign=config.sign,
+        replicator=replicator,
+        transport=transport,
+        group=group,
+        replicate_every=config.replicate_every,
+        skip_every=config.skip_every,
+        **opt_kwargs,
+    )
 
 
 class DecoupledRound(OptimizerRound):
@@ -101,7 +116,8 @@ class DecoupledRound(OptimizerRound):
     replicated. Gradients are left to the strategy (demo drops them; flexdemo's live on its shard)."""
 
     def step(self, lr_scale: float, accounting: StepAccounting) -> dict[str, Any]:
-        """The decoupled optimizer's step (replication inside); closes the round; returns the step's extras."""
+        """The decoupled optimizer's step (replication inside); closes the round; returns the step's
+        extras."""
         self.lr.apply(lr_scale)
         accounting.timed(self.optimizer.step, "replicate")
         self.accumulator.reset()

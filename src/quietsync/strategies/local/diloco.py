@@ -6,17 +6,17 @@ inner steps. Per fragment f of the parameters (one fragment by default), every H
 staggered by H/F between fragments (the :class:`~quietsync.strategies.local.outer.OuterSync` part):
 
     Δ_i = θ_global − θ_i                                     (pseudo-gradient of worker i)
-    Δ̄   = mean_i Δ_i                 over the sync group   (fp32 / bf16 / int8, or a replicator + error feedback)
-    θ_global ← OuterSGD(θ_global, Δ̄)  lr 0.7, momentum 0.9, Nesterov by default
+    Δ̄   = mean_i Δ_i                 over the sync group   (fp32 / bf16 / int8, or a replicator + error
+    feedback) θ_global ← OuterSGD(θ_global, Δ̄)  lr 0.7, momentum 0.9, Nesterov by default
     θ_i ← θ_global                                          (τ = 0: every worker continues from θ_global)
     θ_i ← α·θ_i + (1 − α)·θ_global                          (τ > 0: applied τ inner steps after the launch,
                                                               the communication overlapped with them)
 
 The τ > 0 merge is Streaming DiLoCo's mixing of the local parameters, which moved on for τ steps, with the
 freshly agreed global ones (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication: towards a
-distributed free lunch", arXiv 2501.18512, the overlapping-communication section; α = ``mixing``, 0.5 by default,
-an even blend not tuned here; α = 0 discards the τ local steps). With τ = 0 replicas are identical after every sync; with τ > 0 they agree on θ_global but
-keep α·(their own drift).
+distributed free lunch", arXiv 2501.18512, the overlapping-communication section; α = ``mixing``, 0.5 by
+default, an even blend not tuned here; α = 0 discards the τ local steps). With τ = 0 replicas are identical
+after every sync; with τ > 0 they agree on θ_global but keep α·(their own drift).
 
 **Hierarchical** (``inner``): ``local`` — each worker trains alone and the sync group is ``world``; ``ddp`` /
 ``zero1`` — the registered ``ddp``/``zero1`` strategy runs inside each node (group ``shard``, synchronous data
@@ -52,7 +52,8 @@ class DiLoCoConfig(OuterConfig):
     """Knobs of the ``diloco`` strategy: the outer loop's (:class:`OuterConfig`) and the inner training."""
 
     inner: Literal["local", "ddp", "zero1"] = "local"
-    """Inner training: local (each worker alone; the sync spans world), ddp or zero1 (synchronous inside each node, the sync spans nodes over replicate)."""
+    """Inner training: local (each worker alone; the sync spans world), ddp or zero1 (synchronous inside each
+    node, the sync spans nodes over replicate)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -111,7 +112,9 @@ class DiLoCo(Strategy):
         if self.inner is not None:
             if not self.inner.step():
                 return False
-            self.accounting.reclassify_as_idle(self.inner.last_step_metrics().idle_s)  # its blocking collectives
+            self.accounting.reclassify_as_idle(
+                self.inner.last_step_metrics().idle_s
+            )  # its blocking collectives
         else:
             if not self.round.full:
                 return False
@@ -131,7 +134,9 @@ class DiLoCo(Strategy):
         return {"pending_fragment": self.outer.pending_fragment}
 
     def _state(self) -> dict[str, Any]:
-        return {} if self.inner is not None else {"model": self.module.state_dict()}  # an inner strategy saves its own
+        return (
+            {} if self.inner is not None else {"model": self.module.state_dict()}
+        )  # an inner strategy saves its own
 
     def _load_state(self, state: dict[str, Any]) -> None:
         if self.inner is None:

@@ -1,4 +1,5 @@
-"""``localsgd``: Local SGD / K-batch synchronous SGD — local optimizer steps, parameters averaged every K steps.
+"""``localsgd``: Local SGD / K-batch synchronous SGD — local optimizer steps, parameters averaged every K
+steps.
 
 Every worker holds the whole model and its own copy of the optimizer (any torch optimizer). A step is
 
@@ -40,7 +41,8 @@ class LocalSGDConfig(AccumulationConfig):
     """Knobs of the ``localsgd`` strategy."""
 
     sync_every: int = 8
-    """K: average the parameters over all workers after every K-th local optimizer step (1 = synchronous DP)."""
+    """K: average the parameters over all workers after every K-th local optimizer step (1 = synchronous
+    DP)."""
     average_optimizer_state: bool = False
     """Also average the floating optimizer state tensors (Adam moments, momentum buffers) at each sync."""
 
@@ -97,8 +99,10 @@ class LocalSGD(Strategy):
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
                 name = "average/params" if group[0] is self.params[0] else f"average/{dtype}"
                 self.transport.all_reduce(flat, "world", op="avg", name=name)
-                torch._foreach_copy_([t.data for t in group],
-                                     [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in group]), group)])
+                torch._foreach_copy_(
+                    [t.data for t in group],
+                    [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in group]), group)],
+                )
             torch._foreach_copy_(self.synced, [p.detach() for p in self.params])
 
     def _optimizer_state_tensors(self) -> list[torch.Tensor]:

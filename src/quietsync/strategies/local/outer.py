@@ -60,17 +60,23 @@ class OuterConfig(AccumulationConfig):
     outer_nesterov: bool = True
     """Nesterov momentum for the outer SGD (takes effect only with outer_momentum > 0)."""
     fragments: int = 1
-    """Streaming DiLoCo: split the parameters into this many fragments synced at staggered steps (must divide sync_every)."""
+    """Streaming DiLoCo: split the parameters into this many fragments synced at staggered steps (must divide
+    sync_every)."""
     overlap_delay: int = 0
-    """tau: inner steps a fragment's outer communication overlaps before it is merged (0: blocking; at most sync_every/fragments)."""
+    """tau: inner steps a fragment's outer communication overlaps before it is merged (0: blocking; at most
+    sync_every/fragments)."""
     mixing: float = 0.5
-    """alpha of the delayed merge theta_local <- alpha*theta_local + (1-alpha)*theta_global (only with overlap_delay > 0)."""
+    """alpha of the delayed merge theta_local <- alpha*theta_local + (1-alpha)*theta_global (only with
+    overlap_delay > 0)."""
     pseudo_grad_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
-    """dtype pseudo-gradients travel in: fp32, bf16 (all-reduce) or int8 with a per-fragment scale (all-gather)."""
+    """dtype pseudo-gradients travel in: fp32, bf16 (all-reduce) or int8 with a per-fragment scale
+    (all-gather)."""
     pseudo_grad_replicator: Literal["none", "dct", "random", "striding", "full"] = "none"
-    """Compress pseudo-gradients with a quietsync replicator (error feedback in its residual); none: dense exchange."""
+    """Compress pseudo-gradients with a quietsync replicator (error feedback in its residual); none: dense
+    exchange."""
     compression: float = 1 / 32
-    """Replicator bandwidth: bytes sent / bytes of the fp32 pseudo-gradient, in (0, 1] (with pseudo_grad_replicator)."""
+    """Replicator bandwidth: bytes sent / bytes of the fp32 pseudo-gradient, in (0, 1] (with
+    pseudo_grad_replicator)."""
     seed: int = 0
     """Shared seed of the random replicator's positions."""
     offload_outer: bool = False
@@ -83,7 +89,9 @@ class OuterConfig(AccumulationConfig):
         check_float("outer_momentum", self.outer_momentum, 0, 1, high_open=True)
         check_int("fragments", self.fragments, 1, self.sync_every)
         if self.sync_every % self.fragments:
-            raise ValueError(f"fragments must be a divisor of sync_every ({self.sync_every}), got {self.fragments}")
+            raise ValueError(
+                f"fragments must be a divisor of sync_every ({self.sync_every}), got {self.fragments}"
+            )
         check_int("overlap_delay", self.overlap_delay, 0, self.sync_every // self.fragments)
         check_float("mixing", self.mixing, 0, 1)
         check_choice("pseudo_grad_dtype", self.pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
@@ -107,14 +115,17 @@ class _Pending:
 
 
 class OuterSync(Part):
-    """θ_global + outer SGD per fragment + the staggered, optionally delayed, compressed sync (module docstring).
+    """θ_global + outer SGD per fragment + the staggered, optionally delayed, compressed sync (module
+    docstring).
 
     Args:
         params: the model parameters synced (read through ``p.data`` each time: strategies may re-view them).
         transport: the transport; ``group``: the group the pseudo-gradients are averaged over.
-        config: the outer knobs (:class:`OuterConfig`: H, F, τ, α, the outer SGD, the pseudo-gradient's dtype or
+        config: the outer knobs (:class:`OuterConfig`: H, F, τ, α, the outer SGD, the pseudo-gradient's dtype
+        or
             replicator, offloading).
-        on_params_written: called after the model parameters were overwritten (e.g. to refresh a ZeRO-1 master).
+        on_params_written: called after the model parameters were overwritten (e.g. to refresh a ZeRO-1
+        master).
     """
 
     def __init__(self, params: list[torch.Tensor], transport: Transport, group: str, config: OuterConfig,
@@ -142,9 +153,14 @@ class OuterSync(Part):
         self.residuals: list[torch.Tensor] = []
         if config.pseudo_grad_replicator != "none":
             self.replicators = [
-                make_replicator(config.pseudo_grad_replicator, compression=config.compression,
-                                transfer_dtype=config.pseudo_grad_dtype, seed=config.seed + f).bind(transport, group)
-                for f in range(fragments)]
+                make_replicator(
+                    config.pseudo_grad_replicator,
+                    compression=config.compression,
+                    transfer_dtype=config.pseudo_grad_dtype,
+                    seed=config.seed + f,
+                ).bind(transport, group)
+                for f in range(fragments)
+            ]
             self.residuals = [torch.zeros_like(g, device=self.device) for g in self.globals]
         self.worker = CommWorker(transport.device, timeout_s=transport.timeout_s, name="quietsync-outer") \
             if self.tau > 0 else None
@@ -159,7 +175,8 @@ class OuterSync(Part):
                          idle: Callable[[str], Any]) -> dict[str, Any]:
         """Apply the fragment due after ``step``, launch the ones due; return the step's metrics extras.
 
-        ``timed(fn, name)`` runs blocking work (collective time = idle); ``idle(name)`` is a context for waits.
+        ``timed(fn, name)`` runs blocking work (collective time = idle); ``idle(name)`` is a context for
+        waits.
         """
         extra: dict[str, Any] = {"synced": False, "fragment": -1, "applied": -1, "sync_bytes": 0}
         if self.pending is not None and self.pending.apply_after == step:
@@ -227,7 +244,9 @@ class OuterSync(Part):
         """θ_local[f] ← α·θ_local[f] + (1 − α)·θ_global[f]."""
         src = self.globals[f].to(self.device)
         with torch.no_grad():
-            for i, chunk in zip(self.fragments[f], src.split([self.params[i].numel() for i in self.fragments[f]])):
+            for i, chunk in zip(
+                self.fragments[f], src.split([self.params[i].numel() for i in self.fragments[f]])
+            ):
                 p = self.params[i]
                 chunk = chunk.view_as(p).to(p.dtype)
                 if alpha == 0.0:
@@ -278,8 +297,13 @@ class OuterSync(Part):
     def memory_report(self) -> dict[str, int]:
         report = {
             "theta_global": sum(nbytes(g) for g in self.globals),
-            "outer_state": sum(nbytes(v) for opt in self.outer for st in opt.state.values() for v in st.values()
-                               if isinstance(v, torch.Tensor)),
+            "outer_state": sum(
+                nbytes(v)
+                for opt in self.outer
+                for st in opt.state.values()
+                for v in st.values()
+                if isinstance(v, torch.Tensor)
+            ),
         }
         if self.residuals:
             report["pseudo_grad_residual"] = sum(nbytes(r) for r in self.residuals)

@@ -43,7 +43,8 @@ STAGES = ("init", "stage1", "stage2")
 
 @dataclass
 class ACCOConfig(OverlapConfig):
-    """Knobs of ``acco`` (accumulation per stage; see :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`)."""
+    """Knobs of ``acco`` (accumulation per stage; see
+    :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`)."""
 
 
 @register("acco", ACCOConfig)

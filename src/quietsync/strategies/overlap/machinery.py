@@ -26,8 +26,8 @@ micro-batch counts (:meth:`Overlap.reduce`), so gradients are Σ over workers an
 slow worker weighs less.
 
 The strategy files hold what differs: their state machine (which job follows which stage) and their jobs
-(the paper's recurrence): ACCO's two stages in ``acco.py``, DPU's warm-up/fill/overlap phases in ``dpu.py``, and
-WP, the DPU machine with a predicting job, in ``wp.py``.
+(the paper's recurrence): ACCO's two stages in ``acco.py``, DPU's warm-up/fill/overlap phases in ``dpu.py``,
+and WP, the DPU machine with a predicting job, in ``wp.py``.
 
 On CUDA the communication worker runs on its own stream, ordered after the main stream by events; the main
 thread only polls :meth:`~quietsync.comm_worker.Job.done` (an event query) between micro-batches, never
@@ -68,7 +68,8 @@ class OverlapConfig(StrategyConfig):
     max_accumulation: int | None = None
     """Cap on micro-batches per stage: reaching it, the worker waits for the job (None = no cap)."""
     deterministic_accumulation: int | None = None
-    """Fixed micro-batches per stage on this worker (reproducible runs, tests); None = adaptive: keep computing until the communication job has finished."""
+    """Fixed micro-batches per stage on this worker (reproducible runs, tests); None = adaptive: keep
+    computing until the communication job has finished."""
     reduce_dtype: str = "float32"
     """dtype of gradients on the wire: float32, bfloat16 or float16."""
 
@@ -138,7 +139,9 @@ class Overlap(Part):
         self.snapshot = sharded.shard.master.clone() if snapshot else None
         self._snapshot_step = 0
         self._master_step = 0
-        self.worker = CommWorker(self.transport.device, timeout_s=self.transport.timeout_s, name=f"quietsync-{name}")
+        self.worker = CommWorker(
+            self.transport.device, timeout_s=self.transport.timeout_s, name=f"quietsync-{name}"
+        )
         self.job: Job | _Done | None = None
         self.stage_count = 0
         """Micro-batches accumulated into G in the current stage."""

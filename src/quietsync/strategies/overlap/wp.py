@@ -1,7 +1,7 @@
 """``wp``: Weight Prediction (ACCO-wp; papers 000/003, eq. WP).
 
-DPU's state machine with another job (so ``WP`` is a :class:`~quietsync.strategies.overlap.dpu.DPU`): like DPU,
-the communication worker applies the previous round's gradients while the main thread computes,
+DPU's state machine with another job (so ``WP`` is a :class:`~quietsync.strategies.overlap.dpu.DPU`): like
+DPU, the communication worker applies the previous round's gradients while the main thread computes,
 but the main thread computes at a *prediction* of the next parameters instead of the stale ones::
 
     gᵢ⁽ᵗ⁺¹⁾ = Σₖ ∇F(θ̃⁽ᵗ⁾, ξᵢₖ)   ‖   θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁾),   θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, ḡ⁽ᵗ⁾)
@@ -48,7 +48,8 @@ class WP(DPU):
 
     def _job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
         """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁾) committed; B ← the prediction θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, ḡ⁽ᵗ⁾), a second step
-        with the same gradient on the scratch state (uncommitted) — or θ⁽ᵗ⁺¹⁾ itself in a blocking warm-up step."""
+        with the same gradient on the scratch state (uncommitted) — or θ⁽ᵗ⁺¹⁾ itself in a blocking warm-up
+        step."""
         counts, total = self.overlap.reduce(local_count, "grads")
         self.shard.grad.div_(total)
         self.overlap.commit_shard(self._lr_scale(step))

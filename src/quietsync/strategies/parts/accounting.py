@@ -86,13 +86,14 @@ class StepAccounting:
         self.compute_s += seconds
 
     def reclassify_as_idle(self, seconds: float) -> None:
-        """Count ``seconds`` already booked as compute as idle instead (an inner strategy's blocking collectives,
-        already on the timeline as its own idle spans)."""
+        """Count ``seconds`` already booked as compute as idle instead (an inner strategy's blocking
+        collectives, already on the timeline as its own idle spans)."""
         self.idle_s += seconds
         self.compute_s -= seconds
 
     def move_to_idle(self, seconds: float, end: float, name: str) -> None:
-        """Re-book ``seconds`` already counted as compute, ending at ``end``, as idle (blocked on the network)."""
+        """Re-book ``seconds`` already counted as compute, ending at ``end``, as idle (blocked on the
+        network)."""
         self.idle_s += seconds
         self.compute_s -= seconds
         self.transport.recorder.add("idle", name, end - seconds, end)
@@ -109,7 +110,8 @@ class StepAccounting:
             self.transport.recorder.add("idle", name, t0, t1)
 
     def timed(self, fn: Callable[[], Any], name: str) -> None:
-        """Run ``fn`` on the main thread: the seconds its collectives took count as idle, the rest as compute."""
+        """Run ``fn`` on the main thread: the seconds its collectives took count as idle, the rest as
+        compute."""
         before = self.transport.meter.snapshot()
         t0 = time.perf_counter()
         fn()

@@ -90,7 +90,9 @@ class OptimizerRound(Part):
         params: the parameters autograd accumulates into.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accumulation: int, params: list[torch.Tensor]) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, accumulation: int, params: list[torch.Tensor]
+    ) -> None:
         self.optimizer = optimizer
         self.lr = LRScaler(optimizer)
         self.accumulator = Accumulator(accumulation)
@@ -118,8 +120,8 @@ class OptimizerRound(Part):
         self.accumulator.reset()
 
     def step(self, lr_scale: float, accounting: StepAccounting) -> dict[str, Any]:
-        """The optimizer step on the main thread (counted as compute); gradients zeroed in place; round closed.
-        Returns the step's extras for its metrics (none here)."""
+        """The optimizer step on the main thread (counted as compute); gradients zeroed in place; round
+        closed. Returns the step's extras for its metrics (none here)."""
         t0 = time.perf_counter()
         self.lr.apply(lr_scale)
         with label("quietsync/optimizer_step"):

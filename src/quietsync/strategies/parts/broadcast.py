@@ -10,7 +10,8 @@ from ...transport import Transport
 
 
 def broadcast_parameters(transport: Transport, tensors: Sequence[torch.Tensor], group: str = "world") -> None:
-    """Overwrite ``tensors`` with group rank 0's values, in one collective (nothing happens in a group of one).
+    """Overwrite ``tensors`` with group rank 0's values, in one collective (nothing happens in a group of
+    one).
 
     One contiguous tensor is broadcast in place; several are packed into one buffer first.
     """
@@ -22,5 +23,7 @@ def broadcast_parameters(transport: Transport, tensors: Sequence[torch.Tensor], 
             return
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
         transport.broadcast(flat, src=0, group=group, name="init_params")
-        torch._foreach_copy_(list(tensors), [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]),
-                                                                                  tensors)])
+        torch._foreach_copy_(
+            list(tensors),
+            [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)],
+        )

@@ -34,5 +34,7 @@ class LRScaler(Part):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         base_lrs = [float(x) for x in state["base_lrs"]]
         if len(base_lrs) != len(self.base_lrs):
-            raise ValueError(f"checkpoint has {len(base_lrs)} parameter groups, this optimizer {len(self.base_lrs)}")
+            raise ValueError(
+                f"checkpoint has {len(base_lrs)} parameter groups, this optimizer {len(self.base_lrs)}"
+            )
         self.base_lrs = base_lrs

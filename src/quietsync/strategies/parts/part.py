@@ -1,11 +1,12 @@
 """The part protocol: what a component a strategy holds may offer, declared once.
 
-A strategy *holds* its parts (:meth:`~quietsync.strategies.base.Strategy.hold`) rather than inheriting them. The
-base strategy then treats every held part alike: it checkpoints it under its name, merges its position counters
-into the strategy's :meth:`~quietsync.strategies.base.Strategy.position`, adds its buffers to
-:meth:`~quietsync.strategies.base.Strategy.memory_report`, forgets its open round when a round is discarded, and
-closes it with the strategy. :class:`Part` declares those methods with do-nothing defaults, so a part overrides
-only what it has; nothing is looked up by name.
+A strategy *holds* its parts (:meth:`~quietsync.strategies.base.Strategy.hold`) rather than inheriting them.
+The
+base strategy then treats every held part alike: it checkpoints it under its name, merges its position
+counters into the strategy's :meth:`~quietsync.strategies.base.Strategy.position`, adds its buffers to
+:meth:`~quietsync.strategies.base.Strategy.memory_report`, forgets its open round when a round is discarded,
+and closes it with the strategy. :class:`Part` declares those methods with do-nothing defaults, so a part
+overrides only what it has; nothing is looked up by name.
 """
 
 from __future__ import annotations

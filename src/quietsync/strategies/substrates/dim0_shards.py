@@ -5,8 +5,8 @@ Every worker keeps the **whole** parameters (ZeRO-2 memory, not ZeRO-3) and, for
 copy and a gradient buffer; one reduce-scatter per step (on ``shard``) brings the node-averaged gradient of
 the shard, one all-gather (on ``shard``) spreads the updated shards back into the parameters. Each parameter
 is sharded along dim 0 with its rows padded to a multiple of the group size, as FSDP2 does, so a shard of a
-matrix is still a matrix. Compared with :class:`~quietsync.strategies.substrates.fsdp_shards.FsdpShards` it moves fewer
-bytes inside the node (no all-gather in every forward and backward) and holds more memory.
+matrix is still a matrix. Compared with :class:`~quietsync.strategies.substrates.fsdp_shards.FsdpShards` it
+moves fewer bytes inside the node (no all-gather in every forward and backward) and holds more memory.
 """
 
 from __future__ import annotations
@@ -103,8 +103,10 @@ class FlatDimZeroShards(Part):
         """This worker's fp32 master shard of each parameter (what the optimizer updates)."""
         self._grad_views = self.shards.views(self.grad)
         owner = {id(p): v for p, v in zip(self.params, self.local)}
-        self.groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [owner[id(p)] for p in g["params"]]}
-                       for g in param_groups]
+        self.groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [owner[id(p)] for p in g["params"]]}
+            for g in param_groups
+        ]
         """``param_groups`` over :attr:`local`."""
         self.model_groups = param_groups
         """``param_groups`` over the model's parameters (unchanged: they stay whole)."""
@@ -115,10 +117,13 @@ class FlatDimZeroShards(Part):
         """Nothing to prepare: gradients accumulate whole in ``p.grad``."""
 
     def gather_grads(self, accounting: StepAccounting) -> None:
-        """Reduce-scatter the gradients inside the node: each ``local[i].grad`` ← the node average of its shard."""
+        """Reduce-scatter the gradients inside the node: each ``local[i].grad`` ← the node average of its
+        shard."""
         with accounting.idle("reduce_scatter"):
             packed = self.shards.pack([p.grad for p in self.params], torch.float32)
-            self.transport.reduce_scatter(self.grad, packed, self.group, op="avg", name="reduce_scatter/grads")
+            self.transport.reduce_scatter(
+                self.grad, packed, self.group, op="avg", name="reduce_scatter/grads"
+            )
         for p, master, grad in zip(self.params, self.local, self._grad_views):
             master.grad = None if p.grad is None else grad
 
@@ -151,8 +156,9 @@ class FlatDimZeroShards(Part):
         return self.transport.device_mesh(self.group)
 
     def logical_pieces(self) -> list[ShardPiece]:
-        """Each parameter's master shard as a :class:`~quietsync.strategies.checkpoint.logical_shards.ShardPiece`: the rows
-        of torch's ``Shard(0)`` chunk, then padding (a 0-dim parameter counts as shape ``(1,)``)."""
+        """Each parameter's master shard as a
+        :class:`~quietsync.strategies.checkpoint.logical_shards.ShardPiece`: the rows of torch's ``Shard(0)``
+        chunk, then padding (a 0-dim parameter counts as shape ``(1,)``)."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = []
         for p, local, rows, sr in zip(self.params, self.local, self.shards.rows, self.shards.shard_rows):

@@ -1,4 +1,5 @@
-"""FSDP2 parameter sharding inside a node, through the transport (a part held by ``fsdp`` and ``flexdemo-fsdp``).
+"""FSDP2 parameter sharding inside a node, through the transport (a part held by ``fsdp`` and by
+``flexdemo`` with ``params=sharded``).
 
 :class:`FsdpShards` applies PyTorch FSDP2's ``fully_shard`` to a model over the transport's **shard group**
 (a 1-D device mesh built from the transport's own process group): every worker keeps only its dim-0 shard
@@ -8,7 +9,7 @@ through :class:`TransportAllGather` / :class:`TransportReduceScatter` (torch 2.1
 ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``), so they are metered on ``shard`` and
 link-emulated like every other quietsync collective. Nothing crosses nodes here: what the replicate group
 exchanges is the holding strategy's business (an all-reduce of the gradient shards for ``fsdp``, the
-decoupled replicator for ``flexdemo-fsdp``), so those bytes are metered on ``replicate``.
+decoupled replicator for ``flexdemo``), so those bytes are metered on ``replicate``.
 
 Units: every module held in an ``nn.ModuleList`` (a transformer's blocks) is its own FSDP unit, the root
 holds the rest (embeddings, tied head); a model without a ModuleList is one unit.
@@ -38,10 +39,13 @@ _OPS = {"SUM": "sum", "AVG": "avg"}
 
 
 def _op_name(op: Any) -> str:
-    """The transport's name of FSDP's reduce op (FSDP uses SUM with pre/post division on gloo, AVG on NCCL)."""
+    """The transport's name of FSDP's reduce op (FSDP uses SUM with pre/post division on gloo, AVG on
+    NCCL)."""
     text = str(op).rsplit(".", 1)[-1].upper()
     if text not in _OPS:
-        raise ValueError(f"FSDP asked for reduce op {op!r}; the transport reduce-scatter supports SUM and AVG")
+        raise ValueError(
+            f"FSDP asked for reduce op {op!r}; the transport reduce-scatter supports SUM and AVG"
+        )
     return _OPS[text]
 
 
@@ -121,10 +125,12 @@ class FsdpShards(Part):
         with torch.no_grad():
             self.local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in self.params]
         """Plain tensors aliasing this worker's shard of each parameter (what the optimizer updates)."""
-        self.model_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_name[n] for n in names_]}
-                             for g, names_ in zip(param_groups, group_names)]
-        """``param_groups`` over the model's parameters after sharding (the holder must drop its groups over the
-        original whole parameters, or they stay alive: a whole copy of the model)."""
+        self.model_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [by_name[n] for n in names_]}
+            for g, names_ in zip(param_groups, group_names)
+        ]
+        """``param_groups`` over the model's parameters after sharding (the holder must drop its groups over
+        the original whole parameters, or they stay alive: a whole copy of the model)."""
         alias = dict(zip(self.names, self.local))
         self.groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [alias[n] for n in names_]}
                        for g, names_ in zip(param_groups, group_names)]
@@ -144,8 +150,9 @@ class FsdpShards(Part):
             self.fsdp_modules.append(unit)
 
     def before_backward(self, last: bool) -> None:
-        """Whether the coming backward closes the round: then it reduce-scatters the gradients inside the node;
-        otherwise FSDP accumulates unsharded gradients locally (``set_requires_gradient_sync(False)``)."""
+        """Whether the coming backward closes the round: then it reduce-scatters the gradients inside the
+        node; otherwise FSDP accumulates unsharded gradients locally
+        (``set_requires_gradient_sync(False)``)."""
         if self.fsdp_modules:
             self.model.set_requires_gradient_sync(last)
 
@@ -185,8 +192,8 @@ class FsdpShards(Part):
     @contextmanager
     def unsharded(self) -> Iterator[torch.nn.Module]:
         """Within this context the model's parameters are whole (all-gathered through the transport, once) and
-        forwards gather nothing; ``state_dict()`` gives whole tensors. A collective on entry: every worker of the
-        shard group must enter it (what happens inside, e.g. an export on one worker, needs no peer)."""
+        forwards gather nothing; ``state_dict()`` gives whole tensors. A collective on entry: every worker of
+        the shard group must enter it (what happens inside, e.g. an export on one worker, needs no peer)."""
         if not self.fsdp_modules:
             yield self.model
             return
@@ -222,8 +229,8 @@ class FsdpShards(Part):
         return self.transport.device_mesh(self.group)
 
     def logical_pieces(self) -> list[ShardPiece]:
-        """Each parameter's shard as a :class:`~quietsync.strategies.checkpoint.logical_shards.ShardPiece` (FSDP2's local
-        tensors are its ``Shard(0)`` chunks already, without padding)."""
+        """Each parameter's shard as a :class:`~quietsync.strategies.checkpoint.logical_shards.ShardPiece`
+        (FSDP2's local tensors are its ``Shard(0)`` chunks already, without padding)."""
         return [ShardPiece(n, t, t.shape[0] if t.dim() else 1, p.shape if p.dim() else torch.Size([1]))
                 for n, t, p in zip(self.names, self.local, self.params)]
 
@@ -236,7 +243,9 @@ class FsdpShards(Part):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["n"] != self.n or any(a.shape != b.shape for a, b in zip(state["shards"], self.local)):
-            raise ValueError("checkpoint parameter shards do not match this worker's shards (another node layout?)")
+            raise ValueError(
+                "checkpoint parameter shards do not match this worker's shards (another node layout?)"
+            )
         with torch.no_grad():
             for t, saved in zip(self.local, state["shards"]):
                 t.copy_(saved)

@@ -50,13 +50,10 @@ class ShardedOptimizer:
         self.optimizer = build_optimizer(optimizer, groups, optimizer_kwargs)
 
     def step(self) -> None:
-        """One optimizer step of the master shard with the gradient in :attr:`grad` (lrs as set by the caller)."""
+        """One optimizer step of the master shard with the gradient in :attr:`grad` (lrs as set by the
+        caller)."""
         with label("quietsync/optimizer_step"):
             self.optimizer.step()
-
-    def params_out(self, dtype: torch.dtype) -> torch.Tensor:
-        """The master shard in the working-parameter dtype (the input of the parameter all-gather)."""
-        return self.master if self.master.dtype == dtype else self.master.to(dtype)
 
     def state_dict(self) -> dict[str, Any]:
         return {"master": self.master.clone(), "optimizer": self.optimizer.state_dict()}
@@ -64,8 +61,8 @@ class ShardedOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["master"].shape != self.master.shape:
             raise ValueError(
-                f"checkpoint shard has {state['master'].numel()} elements, this worker's has {self.master.numel()}"
-                " (was it saved with another world size?)"
+                f"checkpoint shard has {state['master'].numel()} elements, this worker's has "
+                f"{self.master.numel()} (was it saved with another world size?)"
             )
         self.master.copy_(state["master"])
         self.optimizer.load_state_dict(state["optimizer"])

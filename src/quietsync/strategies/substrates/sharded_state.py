@@ -5,7 +5,8 @@ of the optimizer over one group.
 builds on. It owns
 
 * ``flat`` — the :class:`~quietsync.flat.FlatParams` the model's parameters view (padded to the group size);
-* ``shard`` — the :class:`~quietsync.strategies.substrates.sharded_optimizer.ShardedOptimizer`: fp32 master shard, its reduced gradient and a
+* ``shard`` — the :class:`~quietsync.strategies.substrates.sharded_optimizer.ShardedOptimizer`: fp32 master
+  shard, its reduced gradient and a
   torch optimizer over it (original parameter groups kept);
 * ``lr`` — the :class:`~quietsync.strategies.parts.lr.LRScaler` that applies the lr schedule before each step;
 
@@ -94,7 +95,11 @@ class ShardedState(Part):
                 "grad_shard": nbytes(self.shard.grad), "optimizer_state": opt_state}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"params": self.flat.data.clone(), "shard": self.shard.state_dict(), "lr": self.lr.state_dict()}
+        return {
+            "params": self.flat.data.clone(),
+            "shard": self.shard.state_dict(),
+            "lr": self.lr.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["params"].numel() != self.flat.data.numel():
@@ -120,14 +125,19 @@ class ShardedState(Part):
         """``optim.flat.master``, ``optim.flat.<key>`` (DTensors over the unpadded flat buffer),
         ``optim.group<i>.<key>`` (scalars) and ``optim.base_lrs``."""
         mesh, n, length = self._mesh(), self.flat.numel, self._local_len()
-        out = {f"{_FLAT}master": flat_tensor(self.shard.master[:length], n, mesh), **base_lrs_state(self.lr.base_lrs)}
+        out = {
+            f"{_FLAT}master": flat_tensor(self.shard.master[:length], n, mesh),
+            **base_lrs_state(self.lr.base_lrs),
+        }
         views = self._views()
         states = [self.optimizer.state.get(v, {}) for v in views]
         keys = sorted({k for st in states for k in st})
         for key in keys:
             values = [st.get(key) for st in states]
             if any(not isinstance(v, torch.Tensor) for v in values):
-                raise ReshardError(f"optimizer state {key!r} is missing for a parameter group or not a tensor")
+                raise ReshardError(
+                    f"optimizer state {key!r} is missing for a parameter group or not a tensor"
+                )
             if all(v.dim() == 0 for v in values):
                 out.update({f"optim.group{i}.{key}": v.detach() for i, v in enumerate(values)})
             elif all(v.shape == view.shape for v, view in zip(values, views)):
@@ -144,8 +154,10 @@ class ShardedState(Part):
         for key, (shape, dtype) in saved.items():
             if key.startswith(_FLAT):
                 if tuple(shape) != (n,):
-                    raise ReshardError(f"the checkpoint's {key} has shape {tuple(shape)}; this model's flat buffer "
-                                       f"has {n} elements (another model or parameter groups?)")
+                    raise ReshardError(
+                        f"the checkpoint's {key} has shape {tuple(shape)}; this model's flat buffer "
+                        f"has {n} elements (another model or parameter groups?)"
+                    )
                 out[key] = flat_tensor(torch.zeros(length, dtype=dtype, device=self.flat.device), n, mesh)
             elif key.startswith("optim.group"):
                 out[key] = torch.zeros(shape, dtype=dtype)
