@@ -67,13 +67,18 @@ def reference_diloco(world: int, nodes: int, sync_every: int, steps: int, make_o
                      outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                      fragments: list[list[int]] | None = None, delay: int = 0, alpha: float = 0.5,
                      accumulation: int = 1, record: dict | None = None,
-                     average: Callable[[int, list[torch.Tensor]], torch.Tensor] | None = None) -> list[torch.Tensor]:
+                     average: Callable[[int, list[torch.Tensor]], torch.Tensor] | None = None,
+                     finish: bool | None = None) -> list[torch.Tensor]:
     """DiLoCo with staggered fragments and delayed merge; returns every replica's flat parameters.
 
     Fragment f (a list of parameter indices) launches after inner step s (1-based) when
     ``s mod H == ((f+1)·H/F) mod H``: Δ = mean_k(θ_g − θ_k); b ← μ·b + Δ (b = Δ the first time);
     θ_g ← θ_g − lr·(Δ + μ·b if Nesterov else b); merged after step s + τ: θ_k ← θ_g if τ = 0 else
     α·θ_k + (1−α)·θ_g. ``record`` (optional) receives ``{"global": flat θ_g}`` at the end.
+
+    ``finish`` (the end of training, docs/local.md): None — nothing; True — merges still pending are dropped,
+    every fragment with inner steps since its last launch syncs once more (the same outer step, on that partial
+    round), and every replica takes θ_g; False — every replica just takes θ_g.
 
     ``average(f, [Δ_k])`` (optional) replaces the plain mean: it receives every replica's pseudo-gradient of
     fragment f as one flat fp32 buffer (the fragment's tensors in :func:`param_groups` order) and returns Δ̄ --
@@ -96,6 +101,27 @@ def reference_diloco(world: int, nodes: int, sync_every: int, steps: int, make_o
                 for i in fragments[f]:
                     ps[i].mul_(a).add_(theta_g[i], alpha=1 - a)
 
+    def outer_step(f: int) -> None:
+        with torch.no_grad():
+            members = [i for i in order if i in fragments[f]]
+            if average is None:
+                mean = {i: torch.stack([theta_g[i] - list(m.parameters())[i] for m in models]).mean(0)
+                        for i in members}
+            else:
+                flat = average(f, [torch.cat([(theta_g[i] - list(m.parameters())[i]).reshape(-1) for i in members])
+                                   for m in models])
+                pieces = flat.split([theta_g[i].numel() for i in members])
+                mean = {i: piece.view_as(theta_g[i]) for i, piece in zip(members, pieces)}
+            for i in fragments[f]:
+                delta = mean[i]
+                if outer_momentum > 0:
+                    buf[i] = delta.clone() if i not in buf else outer_momentum * buf[i] + delta
+                    d = delta + outer_momentum * buf[i] if nesterov else buf[i]
+                else:
+                    d = delta
+                theta_g[i] = theta_g[i] - outer_lr * d
+
+    last_launch = [0] * F
     for s in range(1, steps + 1):
         for k in range(nodes):
             _inner_step(models[k], opts[k], s - 1, range(k * per, (k + 1) * per), accumulation)
@@ -105,28 +131,17 @@ def reference_diloco(world: int, nodes: int, sync_every: int, steps: int, make_o
         for f in range(F):
             if s % sync_every != ((f + 1) * sync_every // F) % sync_every:
                 continue
-            with torch.no_grad():
-                members = [i for i in order if i in fragments[f]]
-                if average is None:
-                    mean = {i: torch.stack([theta_g[i] - list(m.parameters())[i] for m in models]).mean(0)
-                            for i in members}
-                else:
-                    flat = average(f, [torch.cat([(theta_g[i] - list(m.parameters())[i]).reshape(-1) for i in members])
-                                       for m in models])
-                    pieces = flat.split([theta_g[i].numel() for i in members])
-                    mean = {i: piece.view_as(theta_g[i]) for i, piece in zip(members, pieces)}
-                for i in fragments[f]:
-                    delta = mean[i]
-                    if outer_momentum > 0:
-                        buf[i] = delta.clone() if i not in buf else outer_momentum * buf[i] + delta
-                        d = delta + outer_momentum * buf[i] if nesterov else buf[i]
-                    else:
-                        d = delta
-                    theta_g[i] = theta_g[i] - outer_lr * d
+            outer_step(f)
+            last_launch[f] = s
             if delay == 0:
                 merge(f, 0.0)
             else:
                 pending.append((f, s + delay))
+    if finish is not None:
+        for f in range(F):
+            if finish and last_launch[f] < steps:
+                outer_step(f)
+            merge(f, 0.0)
     if record is not None:
         record["global"] = torch.cat([t.reshape(-1) for t in theta_g])
     return [flat_params(m) for m in models]

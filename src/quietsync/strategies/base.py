@@ -8,6 +8,7 @@ runs. The user loop stays an ordinary PyTorch loop::
         strategy.forward_backward(batch, loss_fn)  # one micro-batch: loss_fn(strategy.model, batch), backward
         if strategy.step():                        # a committed optimizer step happened
             log(strategy.last_step_metrics())
+    strategy.finish()                      # every worker: the last round synced or drained (see finish)
     with strategy.committed_params():      # evaluation and checkpoints see the real parameters
         evaluate(strategy.model)
     strategy.close()
@@ -30,6 +31,12 @@ to no step):
 data loading), ``idle_s`` the time it spent blocked on communication (strategies wrap such waits in
 ``self.accounting.idle(...)``), ``comm_s`` the seconds collectives took (on any thread), bytes from the
 transport's meter.
+
+Ending a run: :meth:`finish` is the one call that ends training, the same for every strategy — a collective
+every worker makes once, after its last :meth:`step`, before the final evaluation or export. Local methods
+sync their last partial round, overlapped methods drain the round in flight; afterwards ``self.model`` holds
+the committed parameters on every worker. :meth:`close` only releases resources (it runs on failure paths too,
+where a collective could wait on a dead peer), so it never communicates to finish a run.
 
 Checkpoints: :meth:`state_dict` records the worker's :meth:`position` (committed steps and the strategy's
 stage counters); :meth:`load_state_dict` compares it across workers and refuses, on every worker, a
@@ -126,6 +133,12 @@ class Strategy(metaclass=_Constructed):
     :meth:`backward` with a loss computed outside is refused): Cyclic DP runs different micro-batches at
     different stages at once."""
 
+    finish_policy: ClassVar[str] = (
+        "nothing is in flight: every committed step is in the model; micro-batches fed since the last committed "
+        "step (an open accumulation round) are not applied"
+    )
+    """What :meth:`finish` does for this strategy, in one sentence (docs and ``--help`` quote it)."""
+
     optimizer: torch.optim.Optimizer | None
     """The torch optimizer that steps this worker's parameters or shard (the user's class, built by the
     strategy); the adapters show its ``param_groups``. Every strategy sets it in its constructor."""
@@ -172,6 +185,7 @@ class Strategy(metaclass=_Constructed):
         self.optimizer = None
         self._parts: dict[str, Part] = {}
         self._closed = False
+        self._finished = False
         self._last_metrics: StepMetrics | None = None
 
     # ------------------------------------------------------------------ the contract
@@ -196,6 +210,7 @@ class Strategy(metaclass=_Constructed):
         different stages at once) overrides it. Returns the detached loss of the micro-batch(es) whose
         backward completed in this call, or None when none did (a strategy filling its pipeline).
         """
+        self._check_training()
         with label("quietsync/forward"):
             loss = loss_fn(self.model, batch)
         self.backward(loss)
@@ -203,7 +218,7 @@ class Strategy(metaclass=_Constructed):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss and accumulate its gradient locally."""
-        self._check_open()
+        self._check_training()
         if self.owns_schedule:
             raise RuntimeError(
                 f"strategy {self.name} schedules forward and backward itself: feed each micro-batch "
@@ -218,7 +233,7 @@ class Strategy(metaclass=_Constructed):
 
     def step(self) -> bool:
         """Called after every :meth:`backward`; returns True when a committed optimizer step happened."""
-        self._check_open()
+        self._check_training()
         # Main-thread time since the last strategy call (e.g. a simulated slow worker's sleep) is compute.
         self.accounting.lap()
         with label("quietsync/step"):
@@ -239,12 +254,61 @@ class Strategy(metaclass=_Constructed):
                 return part.round_full
         raise RuntimeError(f"{type(self).__name__}.discards_rounds is set but it holds no round part")
 
+    @property
+    def steps_in_flight(self) -> int:
+        """Committed steps :meth:`finish` would add if called now: 1 while an update is being computed that
+        finish applies (dpu and wp after their first overlapped stage, acco during its stage 2), else 0. A loop
+        with a step budget stops once ``steps + steps_in_flight`` reaches it, so that after finish the model
+        holds exactly the budget (the trainer's ``--max-steps`` does)."""
+        return 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether :meth:`finish` ran (training calls are refused from then on)."""
+        return self._finished
+
+    def finish(self, sync: bool = True) -> int:
+        """End training cleanly, the same call for every strategy; returns the committed steps it added.
+
+        A collective: every worker calls it once, at the same point — after its last :meth:`step` (the loop
+        stops on the same committed step everywhere) — and before the final evaluation, export or
+        :meth:`close`. What it does is the strategy's :attr:`finish_policy`:
+
+        * local methods (``localsgd``, ``diloco``): the last partial round — local steps since the last sync —
+          is synced once more, so the committed and exported model holds every step; ``sync=False`` skips that
+          sync and resets every worker's model to the last agreed parameters instead (those steps are dropped);
+        * overlapped methods (``acco``, ``dpu``, ``wp``): the round in flight is drained — an update already
+          computing is waited for and committed (one more step, see :attr:`steps_in_flight`), gradients that
+          would only enter a later update are dropped;
+        * ``cdp``: micro-batches in flight are dropped and the schedule's messages are drained so peers finish;
+        * the others: nothing is in flight.
+
+        Afterwards ``self.model`` holds the committed parameters on every worker (``committed_params()`` shows
+        the same values), :meth:`forward_backward`, :meth:`backward`, :meth:`step` and :meth:`discard_round`
+        raise, and evaluation, :meth:`state_dict` and :meth:`close` work. Calling it again does nothing.
+        ``sync`` only matters to the local methods.
+        """
+        self._check_open()
+        if self._finished:
+            return 0
+        if not isinstance(sync, bool):
+            raise TypeError(f"sync must be a bool, got {sync!r}")
+        before = self.steps
+        self.accounting.lap()
+        try:
+            with label("quietsync/finish"):
+                self._finish(sync)
+        finally:
+            self._finished = True
+            self.accounting.mark = time.perf_counter()
+        return self.steps - before
+
     def discard_round(self) -> None:
         """Drop the open round on this worker as if its micro-batches had never been fed: gradients zeroed in
         place, round counters reset; nothing is committed and the lr schedule does not advance. Every worker
         must call it for the same round (the trainer's ``--on-nonfinite skip`` agrees first). Their compute
         time and bytes count toward the next committed step's metrics."""
-        self._check_open()
+        self._check_training()
         if self.round_closes is None:
             raise NotImplementedError(
                 f"{type(self).__name__} cannot discard a round (its commits are decided inside the step)"
@@ -419,6 +483,9 @@ class Strategy(metaclass=_Constructed):
     @abstractmethod
     def _step(self) -> bool: ...
 
+    def _finish(self, sync: bool) -> None:
+        """What :meth:`finish` does for this strategy (see :attr:`finish_policy`); the default: nothing."""
+
     def _discard(self) -> None:
         """Strategy-specific clean-up after :meth:`discard_round` (extra gradient buffers, sync flags)."""
 
@@ -490,6 +557,12 @@ class Strategy(metaclass=_Constructed):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
+
+    def _check_training(self) -> None:
+        self._check_open()
+        if self._finished:
+            raise RuntimeError(f"{type(self).__name__} has finished (finish() ends training); build a new strategy "
+                               "to train further")
 
     @staticmethod
     def _check_groups(

@@ -97,15 +97,15 @@ def _flags_elsewhere(flag: str) -> list[str]:
 def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | None, world: int | None) -> None:
     from ..strategies import get
     from .corpus import DEFAULT_DATASET, looks_like_path
-    from .model import PRESETS
+    from .model import max_positions
     from .preflight import check_paths, check_threads
 
     if not get(cfg.strategy)[0].resumable and (cfg.save_every or cfg.resume):
         flag = "--save-every" if cfg.save_every else "--resume"
         parser.error(f"{flag} is not supported with --strategy {cfg.strategy} (it keeps micro-batches in flight "
                      "across steps, so it cannot checkpoint mid-run yet)")
-    limit = PRESETS[cfg.model].max_positions
-    if cfg.seq_len > limit:
+    limit = max_positions(cfg.model)  # a hub model's limit is checked once it is loaded (train/loop.py)
+    if limit is not None and cfg.seq_len > limit:
         parser.error(f"--seq-len must be <= {limit} for --model {cfg.model}, got {cfg.seq_len}")
     if world is not None:
         if nodes is not None and world % nodes != 0:

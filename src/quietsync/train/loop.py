@@ -49,7 +49,14 @@ from .data import ShardedSequences, encode_split, eval_batches
 from .export import MODEL_DIR, export_model
 from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
-from .model import build_model, count_parameters, is_pretrained, load_pretrained, param_groups
+from .model import (
+    build_model,
+    config_max_positions,
+    count_parameters,
+    is_pretrained,
+    load_pretrained,
+    param_groups,
+)
 from .nonfinite import NonFiniteError, NonFiniteGuard
 from .preflight import data_problem
 from .profile import StepProfiler
@@ -141,10 +148,9 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             model = load_pretrained(cfg.model, tokenizer.get_vocab_size())
         else:
             model = build_model(cfg.model, tokenizer.get_vocab_size(), eos, seed=cfg.seed)
-        if cfg.seq_len > model.config.max_position_embeddings:
-            raise ValueError(
-                f"--seq-len must be <= {model.config.max_position_embeddings} for model {cfg.model}, got {cfg.seq_len}"
-            )
+        limit = config_max_positions(model.config)
+        if limit is not None and cfg.seq_len > limit:
+            raise ValueError(f"--seq-len must be <= {limit} for model {cfg.model}, got {cfg.seq_len}")
         model.to(device)
         n_params = count_parameters(model)
         strategy = make_strategy(

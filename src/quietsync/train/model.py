@@ -45,6 +45,42 @@ def is_pretrained(name: str) -> bool:
     return name not in PRESETS
 
 
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
+"""``config.json`` keys that bound the sequence length, by family: most (GPT-Neo, Llama, Qwen2, Mistral; rotary
+models too), GPT-2, older GPT-2-style configs."""
+
+
+def max_positions(name: str) -> int | None:
+    """The longest sequence ``--model name`` takes: the preset's, or a local folder's ``config.json`` (the first of
+    :data:`POSITION_KEYS` it has); None when unknown before loading (a hub name, a config without such a key)."""
+    import json
+    from pathlib import Path
+
+    if name in PRESETS:
+        return PRESETS[name].max_positions
+    config = Path(name) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for key in POSITION_KEYS:
+        value = values.get(key) if isinstance(values, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def config_max_positions(config: object) -> int | None:
+    """The same bound read from a loaded model's config (None when it has none of :data:`POSITION_KEYS`)."""
+    for key in POSITION_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def load_pretrained(name: str, vocab_size: int | None = None):
     """``AutoModelForCausalLM.from_pretrained(name)`` in train mode; checks the tokenizer's vocabulary fits.
 

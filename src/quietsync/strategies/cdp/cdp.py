@@ -44,7 +44,8 @@ Executors (one code path; the :class:`Schedule` assigns slot ``i`` to worker ``i
 to the start of its following micro-batch (one process: 2 time steps; ``N`` workers: ``2N``); it returns the
 loss of the micro-batch(es) whose backward completed in the call, or None while the pipeline fills. ``step()``
 returns True when all ``N`` stages of a cycle were updated on this worker (the first after ``2N−1`` calls on
-one process). Micro-batches in flight when the loop stops are dropped.
+one process). Micro-batches in flight when the loop stops are dropped by ``finish()`` (or ``close()``), which
+drains the schedule's messages so peers still finishing their last cycle get them.
 
 ``loss_fn(model, batch)`` keeps its contract: it must call ``model`` once (e.g. the trainer's
 ``model(input_ids=batch, labels=batch).loss``). The strategy first calls it with a recorder that captures the
@@ -158,6 +159,11 @@ class CDP(Strategy):
 
     resumable = False  # micro-batches of the next step are in flight when a step commits
 
+    finish_policy = (
+        "micro-batches in flight are dropped (their cycle never completes); the schedule's messages are drained "
+        "so every peer finishes, and every stage holds the committed version"
+    )
+
     config: CDPConfig
 
     def __init__(self, model: nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
@@ -193,6 +199,7 @@ class CDP(Strategy):
         self._updates: dict[int, int] = defaultdict(int)
         self._pending_commits: list[int] = []
         self._done_losses: list[torch.Tensor] = []
+        self._wound_down = False
         self.sent_per_step: dict[int, int] = defaultdict(int)
         """Bytes this worker handed to the transport at each time step."""
         self.sent_completed = 0
@@ -238,7 +245,7 @@ class CDP(Strategy):
 
     # ------------------------------------------------------------------ the trainer's call
     def forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor | None:
-        self._check_open()
+        self._check_training()
         if self.plan is None:  # partition flops: measured on the first micro-batch
             args, kwargs = capture_call(self.module, batch, loss_fn)
             flops = segment_flops(
@@ -559,17 +566,43 @@ class CDP(Strategy):
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def _close(self) -> None:
+    def _finish(self, sync: bool) -> None:
+        """Micro-batches in flight are dropped; the schedule's messages are drained (:meth:`_wind_down`) and
+        every stage holds θ_steps for good (a stage updated past it goes back to its kept previous version)."""
+        self._wind_down()
+        if self.plan is None:
+            return
+        for j in range(self.n):
+            if self.live[j] != self.steps and self.prev[j] is not None and self.prev[j][0] == self.steps:
+                for p, old in zip(self.owned[j], self.prev[j][1]):
+                    p.data = old
+                self.live[j], self.prev[j] = self.steps, None
+        self._refresh_param_ptrs()
+
+    def _wind_down(self) -> None:
         """Workers leave the loop at different time steps: each keeps the schedule's communication going until
-        the last one is done (``_drain``), then completes the sends of committed cycles. Sends of the very
-        last time step are never received and never waited; when this strategy owns its transport, one barrier
-        keeps the groups alive until every peer is done (the trainer passes its transport and ends with its
-        own all-reduce of the totals, which does the same)."""
+        the last one is done (``_drain``), then completes the sends of committed cycles. Micro-batches in
+        flight are dropped. Once per strategy (finish or close, whichever comes first)."""
+        if self._wound_down:
+            return
+        self._wound_down = True
         end = self._drain()
         # a send is dropped only once it completed: gloo cancels a dropped pending send
         for sent in self._sends:
             if sent.time < end - 1:  # received at sent.time + 1 <= end - 1 by a peer in its loop or its drain
                 self._complete(sent)
+        self._sends = [sent for sent in self._sends if sent.time >= end - 1]
+        self._inflight.clear()
+        self._own.clear()
+        self._partial.clear()
+        self._done_losses = []
+
+    def _close(self) -> None:
+        """:meth:`_wind_down` (if :meth:`finish` did not), then the sends of the very last time step, which are
+        never received, are dropped; when this strategy owns its transport, one barrier first keeps the groups
+        alive until every peer is done (the trainer passes its transport and ends with its own all-reduce of
+        the totals, which does the same)."""
+        self._wind_down()
         if self._owns_transport and self.world_size > 1:
             self.transport.barrier()
         self._sends.clear()

@@ -22,6 +22,11 @@ after every sync; with τ > 0 they agree on θ_global but keep α·(their own dr
 ``zero1`` — the registered ``ddp``/``zero1`` strategy runs inside each node (group ``shard``, synchronous data
 parallelism per node) and only the outer sync crosses nodes, over ``replicate``.
 
+``finish()`` syncs every fragment that has inner steps since its last sync once more (an outer step on that
+partial round's pseudo-gradient; a fragment in flight is waited for first) and every worker takes θ_global, so
+the committed and exported model holds every inner step; ``finish(sync=False)`` only resets the workers to
+θ_global of the last syncs.
+
 ``committed_params()`` gives θ_global (the last globally agreed parameters, per fragment); between syncs
 ``model`` holds the local θ. With outer SGD lr = 1 and momentum 0 (no Nesterov), θ_global ← mean_i θ_i:
 DiLoCo is Local SGD with K = H.
@@ -70,6 +75,12 @@ class DiLoCo(Strategy):
     )
 
     discards_rounds = True
+
+    finish_policy = (
+        "every fragment with inner steps since its last sync is synced once more (an outer step on the partial "
+        "round's pseudo-gradient, blocking; a fragment in flight is waited for, its delayed merge superseded) and "
+        "every worker takes theta_global (sync=False: no final sync, every worker resets to theta_global)"
+    )
 
     config: DiLoCoConfig
 
@@ -122,6 +133,9 @@ class DiLoCo(Strategy):
         extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
         self._commit(extra=extra)
         return True
+
+    def _finish(self, sync: bool) -> None:
+        self.outer.finish(self.steps, sync, self.accounting.timed, self.accounting.idle)
 
     # ------------------------------------------------------------------ contract
     @contextmanager

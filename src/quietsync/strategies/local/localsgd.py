@@ -14,6 +14,11 @@ Averaging runs over ``world``: every worker trains alone, so all of them take pa
 With K = 1 and plain SGD this is synchronous data parallelism: ``mean_j(θ − lr·g_j) = θ − lr·mean_j g_j``.
 The oracle peer is HF Accelerate's ``accelerate.local_sgd.LocalSGD`` (tested equal to 1e-6).
 
+``finish()`` averages once more when local steps were taken since the last sync (``steps mod K ≠ 0``), with the
+optimizer state too under ``average_optimizer_state`` — Accelerate's ``LocalSGD`` does the same when its
+context exits — so the committed and exported model holds every step; ``finish(sync=False)`` instead resets
+every worker to the last averaged θ (those local steps are dropped).
+
 ``committed_params()`` gives the **last averaged θ** (the globally agreed parameters); between syncs
 ``model`` holds this worker's local θ_i. Replicas are identical right after every sync.
 """
@@ -62,6 +67,11 @@ class LocalSGD(Strategy):
 
     discards_rounds = True
 
+    finish_policy = (
+        "the local steps since the last sync (steps mod sync_every) are averaged once more, as Accelerate's "
+        "LocalSGD does on exit (sync=False: dropped, every worker resets to the last average)"
+    )
+
     config: LocalSGDConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
@@ -85,6 +95,15 @@ class LocalSGD(Strategy):
             self.accounting.timed(self._average, "average")
         self._commit(extra={"synced": sync})
         return True
+
+    def _finish(self, sync: bool) -> None:
+        if self.steps % self.config.sync_every == 0:  # the last step synced (or none was taken)
+            return
+        if sync:
+            self._average()
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in self.params], self.synced)
 
     def _average(self) -> None:
         """θ_i ← mean_j θ_j (and the optimizer state, if configured), one all-reduce each; keep the result."""

@@ -22,6 +22,11 @@ staggered by H/F). A sync of fragment f launched after inner step s:
    Douillard et al. 2025, "Streaming DiLoCo with overlapping communication", the overlapped outer step).
 
 At most one fragment is in flight (``τ ≤ H/F``; an apply due at a step runs before that step's launch).
+
+The end of training (:meth:`OuterSync.finish`): the fragment in flight is waited for (its outer step is in
+θ_global; its delayed merge is superseded), every fragment with inner steps since its last launch is synced
+once more — steps 1–3, blocking — and every fragment's θ_global is written into the model (α = 0), so every
+worker ends on the same, committed parameters.
 """
 
 from __future__ import annotations
@@ -198,6 +203,28 @@ class OuterSync(Part):
                 job = self.worker.submit(self._exchange_and_step, f, delta)
                 self.pending = _Pending(f, step + self.tau, job)
         return extra
+
+    def last_launch(self, f: int, step: int) -> int:
+        """The inner step after which fragment ``f``'s latest sync launched, at or before ``step`` (0: none)."""
+        first = ((f + 1) * self.H // self.F) % self.H or self.H
+        return 0 if step < first else first + (step - first) // self.H * self.H
+
+    def finish(self, step: int, sync: bool, timed: Callable[[Callable[[], Any], str], None],
+               idle: Callable[[str], Any]) -> list[int]:
+        """End of training after inner step ``step`` (module docstring); returns the fragments synced here.
+        ``sync=False``: no final sync — the model just takes θ_global of the last syncs."""
+        if self.pending is not None:
+            if self.pending.job is not None:
+                with idle("outer_wait"):
+                    self.pending.job.wait()
+            self.pending = None
+        synced = [f for f in range(self.F) if sync and self.last_launch(f, step) < step]
+        for f in synced:
+            delta = self._pseudo_gradient(f)
+            timed(lambda f=f, d=delta: self._exchange_and_step(f, d), "outer_sync")
+        for f in range(self.F):
+            self._write(f, 0.0)
+        return synced
 
     # ------------------------------------------------------------------ the sync of one fragment
     def _local(self, f: int) -> torch.Tensor:

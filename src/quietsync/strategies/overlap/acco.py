@@ -15,6 +15,12 @@ Initialisation as in Algorithm 1: the first stage computes g̃ᵢ⁽⁰⁾ at θ
 paper's one — otherwise). ``step()`` returns True when stage 2's job is collected: θ⁽ᵗ⁺¹⁾ is then installed
 in the model, so evaluation right after a committed step sees θ, never θ̃.
 
+``finish()`` drains the round in flight. During stage 2 (``steps_in_flight`` = 1) the commit job of θ⁽ᵗ⁺¹⁾
+is waited for and committed. Right after a committed step (stage 1, where a loop with a step budget stops) the
+running job is the estimate of θ̃⁽ᵗ⁺²⁾ on the last stage's gradients g̃⁽ᵗ⁺¹⁾, computed at θ̃⁽ᵗ⁺¹⁾: in ACCO's
+recurrence those only ever enter a commit together with the next stage's gradients g⁽ᵗ⁺¹⁾ at θ⁽ᵗ⁺¹⁾, which is
+never computed, so they are dropped and θ⁽ᵗ⁺¹⁾ is final. Micro-batches of an unfinished stage are dropped too.
+
 Per committed step, ``last_step_metrics().extra`` holds the micro-batches each worker contributed to it
 (Nᵢ⁽ᵗ⁾ + Ñᵢ⁽ᵗ⁾), the per-stage counts, and how long the main thread waited on the worker
 (``compute_wait_s``) and the worker on the main thread (``comm_wait_s``).
@@ -55,6 +61,12 @@ class ACCO(Strategy):
         "every worker holds its part of a round in flight (the gradients of the estimate stage, not yet "
         "applied, and the estimate θ̃ they were computed at), which has no counterpart on another number of "
         "workers"
+    )
+
+    finish_policy = (
+        "drains the round in flight: a commit job already running (stage 2) is waited for and committed; the "
+        "last stage's gradients at the estimate (and an unfinished stage's) are dropped, since they only enter "
+        "a commit together with gradients at theta that are never computed"
     )
 
     config: ACCOConfig
@@ -113,6 +125,22 @@ class ACCO(Strategy):
         self.overlap.commit_shard(self._lr_scale(step))
         self.overlap.gather(self.shard.master, "acco_params")
         return {"kind": "commit", "counts": counts}
+
+    @property
+    def steps_in_flight(self) -> int:
+        return 1 if self.stage == "stage2" else 0
+
+    def _finish(self, sync: bool) -> None:
+        o = self.overlap
+        if self.stage == "stage2":  # θ⁽ᵗ⁺¹⁾ is being committed: wait, install, count it
+            o.wait("acco/commit")
+            o.install()
+            o.holds_committed = True
+            self._commit(*o.step_record())
+        elif self.stage == "stage1":  # the estimate on g̃: nothing it computes is ever committed
+            o.wait("acco/estimate")
+        o.drop_stage()
+        self.stage = "stage1"
 
     # ------------------------------------------------------------------ contract
     @contextmanager

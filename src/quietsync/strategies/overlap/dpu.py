@@ -16,6 +16,11 @@ and waited for at once), ``fill`` (the first overlapped stage: its gradient is c
 nothing is in flight yet) and ``overlap`` (each stage's gradients go out while the previous round's update is
 collected and installed). Weight prediction (``wp``) is the same machine with another job.
 
+``finish()`` drains the round in flight: the update job running since the last hand-over — it applies the last
+stage's gradients, as the recurrence θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁻¹⁾) prescribes, and has already stepped the
+optimizer state on the master shard — is waited for and committed (one more step, ``steps_in_flight`` = 1),
+and θ installed (``wp``: θ, not the prediction); micro-batches of an unfinished stage are dropped.
+
 ``step()`` returns True each time an update is collected and the new θ installed; the model always holds
 the committed θ (``committed_params()`` is free). Accumulation per stage: see
 :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`.
@@ -60,6 +65,11 @@ class DPU(Strategy):
     predicts: ClassVar[bool] = False
     """Whether the update job installs a prediction rather than θ (``wp``): then the model does not hold θ."""
 
+    finish_policy = (
+        "drains the round in flight: the update on the last stage's gradients, already running, is waited for "
+        "and committed (one more step; wp installs theta, not its prediction); an unfinished stage is dropped"
+    )
+
     config: DPUConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
@@ -97,6 +107,22 @@ class DPU(Strategy):
         self._commit(*o.step_record())
         o.submit(self._job, count, self.steps, True)
         return True
+
+    @property
+    def steps_in_flight(self) -> int:
+        return 0 if self.overlap.job is None else 1
+
+    def _finish(self, sync: bool) -> None:
+        o = self.overlap
+        if o.job is not None:  # the update on the last stage's gradients: its optimizer step is committed
+            o.wait("delayed_update")
+            if self.predicts:  # B holds the prediction θ̃⁽ᵗ⁺¹⁾: θ⁽ᵗ⁺¹⁾ is gathered below
+                o.holds_committed = False
+            else:
+                o.install()
+            self._commit(*o.step_record())
+        o.install_committed(self.steps)  # wp: θ, not the prediction B holds
+        o.drop_stage()
 
     def _job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
         """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg/ΣN), committed and all-gathered into B (the same job, overlapped or not)."""

@@ -267,6 +267,21 @@ class Overlap(Part):
         self._compute_wait_s = self._comm_wait_s = 0.0
         return extra, per_worker[self.transport.group_rank(self.group)]
 
+    def install_committed(self, steps: int) -> None:
+        """P ← θ of committed step ``steps``, for good (a strategy ending its run while P holds an estimate or
+        a prediction): all-gathered from the master shards on the communication worker, so every worker calls
+        it at the same step."""
+        if self.holds_committed:
+            return
+        self.worker.submit(self._gather_committed, steps, self.sharded.flat.data).wait()
+        self.holds_committed = True
+
+    def drop_stage(self) -> None:
+        """Forget the micro-batches of the current stage (G ← 0): they will never be handed over."""
+        with torch.no_grad():
+            self.grads.zero_()
+        self.stage_count = 0
+
     # ------------------------------------------------------------------ communication worker
     def reduce(self, local_count: int, name: str) -> tuple[list[int], float]:
         """Job part: all-reduce the per-worker counts, reduce-scatter B: ``shard.grad`` ← Σ over workers (not
