@@ -4,9 +4,12 @@ The only quietsync-specific lines: ``QuietTrainer`` in place of ``Trainer`` with
 ``max_grad_norm=0.0`` (the strategy owns the gradients). Run::
 
     torchrun --nproc_per_node 2 examples/trainer_train.py --strategy zero1
+    torchrun --nproc_per_node 2 examples/trainer_train.py --strategy cdp --steps 4
     accelerate launch --multi_gpu --num_processes 2 examples/trainer_train.py --strategy ddp --accumulation 2
 
-``--out FILE`` appends one JSON line per rank (for the tests).
+``--strategy`` takes any registered name, several separated by commas, or ``all`` (each trained in turn, from
+the same initial model, in the same processes). ``--out FILE`` appends one JSON line per rank and strategy
+(for the tests).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import math
 import tempfile
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 import quietsync
 from quietsync.hf_trainer import QuietTrainer
@@ -41,46 +44,78 @@ def byte_windows(data: bytes, seq_len: int, count: int, seed: int = 0) -> list[d
     return [{"input_ids": ids[s : s + seq_len], "labels": ids[s : s + seq_len]} for s in starts.tolist()]
 
 
+class CommittedSteps(TrainerCallback):
+    """Records the lr of every step the strategy committed (the Trainer's own log shows its scheduler's lr at
+    every Trainer step, committed or not)."""
+
+    def __init__(self, trainer: QuietTrainer) -> None:
+        self.trainer, self.lrs = trainer, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        optimizer = self.trainer.quiet_optimizer
+        if optimizer is not None and not optimizer.step_was_skipped:
+            self.lrs.append(optimizer.last_step_metrics().lr)
+
+
+def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str) -> dict:
+    """One Trainer run of ``strategy``; returns this rank's outcome."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=32, n_layer=2, n_head=2,
+                            bos_token_id=0, eos_token_id=0))
+    initial = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    training_args = TrainingArguments(
+        output_dir=out_dir, max_steps=args.steps, learning_rate=args.lr, per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accumulation, lr_scheduler_type="cosine", warmup_steps=2,
+        max_grad_norm=0.0,  # quietsync: the strategy owns the gradients
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
+    )
+    trainer = QuietTrainer(model=model, args=training_args, train_dataset=train_set, strategy=strategy)
+    committed = CommittedSteps(trainer)
+    trainer.add_callback(committed)
+    result = trainer.train()  # ends with the strategy finished: the last round synced or drained
+    optimizer = trainer.quiet_optimizer
+    if optimizer.steps > len(committed.lrs):  # the step finish() committed (dpu, wp, acco: the update in flight)
+        committed.lrs.append(optimizer.last_step_metrics().lr)
+    with optimizer.committed_params() as model_now:
+        flat = torch.cat([p.detach().float().flatten() for p in trainer.accelerator.unwrap_model(model_now).parameters()])
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    metrics = optimizer.last_step_metrics()
+    if trainer.is_world_process_zero():
+        print(f"{strategy}: {optimizer.steps} committed steps in {trainer.state.global_step} Trainer steps, "
+              f"final loss {losses[-1]:.4f}, last step sent {metrics.bytes_sent / 1e3:.1f} kB")
+    record = {"rank": trainer.args.process_index, "world": trainer.args.world_size, "strategy": strategy,
+              "steps": optimizer.steps, "global_step": trainer.state.global_step, "lrs": committed.lrs,
+              "train_loss": result.training_loss, "finite": all(math.isfinite(x) for x in losses),
+              "bytes_sent": metrics.bytes_sent, "finished": optimizer.strategy.finished,
+              "moved": float((flat.cpu() - initial).abs().max()),
+              "checksum": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()}
+    optimizer.close()
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--strategy", default="zero1", choices=quietsync.available())
+    parser.add_argument("--strategy", default="zero1",
+                        help=f"one of {', '.join(quietsync.available())}, several separated by commas, or all")
     parser.add_argument("--steps", type=int, default=20, help="Trainer steps (max_steps)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--out", default=None, help="append one JSON line per rank with the outcome")
+    parser.add_argument("--out", default=None, help="append one JSON line per rank and strategy with the outcome")
     args = parser.parse_args()
+    names = quietsync.available() if args.strategy == "all" else args.strategy.split(",")
+    unknown = [n for n in names if n not in quietsync.available()]
+    if unknown:
+        parser.error(f"--strategy must name registered strategies ({', '.join(quietsync.available())}), got {unknown}")
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0))
-    train = byte_windows(corpus_bytes(), args.seq_len, count=args.steps * args.accumulation * args.batch_size * 8)
+    train_set = byte_windows(corpus_bytes(), args.seq_len, count=args.steps * args.accumulation * args.batch_size * 8)
     with tempfile.TemporaryDirectory() as out_dir:
-        training_args = TrainingArguments(
-            output_dir=out_dir, max_steps=args.steps, learning_rate=args.lr, per_device_train_batch_size=args.batch_size,
-            gradient_accumulation_steps=args.accumulation, lr_scheduler_type="cosine", warmup_steps=2,
-            max_grad_norm=0.0,  # quietsync: the strategy owns the gradients
-            logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
-        )
-        trainer = QuietTrainer(model=model, args=training_args, train_dataset=train, strategy=args.strategy)
-        result = trainer.train()
-        optimizer = trainer.quiet_optimizer
-        with optimizer.committed_params() as committed:
-            flat = torch.cat([p.detach().float().flatten() for p in trainer.accelerator.unwrap_model(committed).parameters()])
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        sent = optimizer.last_step_metrics().bytes_sent
-        if trainer.is_world_process_zero():
-            print(f"{args.strategy}: {optimizer.steps} committed steps, final loss {losses[-1]:.4f}, "
-                  f"last step sent {sent / 1e3:.1f} kB")
-        if args.out:
-            record = {"rank": trainer.args.process_index, "world": trainer.args.world_size, "steps": optimizer.steps,
-                      "global_step": trainer.state.global_step, "train_loss": result.training_loss,
-                      "finite": all(math.isfinite(x) for x in losses), "bytes_sent": sent,
-                      "checksum": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()}
-            with open(args.out, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-        optimizer.close()
+        for name in names:
+            record = train(args, name, train_set, out_dir)
+            if args.out:
+                with open(args.out, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

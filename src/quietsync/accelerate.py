@@ -12,9 +12,18 @@ Two objects, one changed line in the user's script::
             loss = model(**batch).loss
             accelerator.backward(loss)
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    optimizer.finish()                          # the last round synced or drained, on every process
     with optimizer.committed_params():
         evaluate(model)
-    accelerator.end_training()
+    accelerator.end_training()                  # finishes (if not done yet) and closes the strategy
+
+A strategy that schedules forward and backward itself (``cdp``) cannot take a loss computed outside it; feed it
+— or any strategy — the micro-batch and a loss function instead of the two lines ``loss = ...`` and
+``accelerator.backward(loss)``::
+
+        with accelerator.accumulate(model):
+            loss = accelerator.forward_backward(batch, lambda model, batch: model(**batch).loss)  # None: filling
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
 How the pieces map (see ``docs/accelerate.md``):
 
@@ -37,6 +46,16 @@ How the pieces map (see ``docs/accelerate.md``):
   is True. Strategies that decide their own accumulation (acco, dpu, wp) require
   ``gradient_accumulation_steps=1``; ``optimizer.step()`` then reports ``step_was_skipped`` on the calls
   with no commit, and Accelerate's scheduler wrapper steps only on committed steps.
+* **The end of training.** ``optimizer.finish()`` (or ``accelerator.end_training()``, which calls it) ends the
+  run on every process: ``localsgd``/``diloco`` sync their last partial round — as Accelerate's own ``LocalSGD``
+  averages when its context exits — and ``acco``/``dpu``/``wp`` drain the round in flight.
+* **Workers that drift apart** (``Strategy.lockstep`` False: ``acco``/``dpu``/``wp``, whose workers each end
+  a stage when *they* see the job done) may stop while a peer still needs a batch, so nothing may communicate
+  between micro-batches: data loaders are prepared without dispatching (each process reads its own batches;
+  ``dispatch_batches=True`` is refused at construction), and the loop must not call collectives (``gather``,
+  ``reduce``, ``wait_for_everyone``) before ``finish()``. Stop the loop on ``optimizer.steps +
+  optimizer.steps_in_flight``, after a number of micro-batches or at the end of the data: ``finish()`` then
+  brings every worker level.
 * **Topology** comes from the environment the launcher set (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_*);
   the transport reuses the default process group Accelerate already initialised.
 
@@ -55,6 +74,7 @@ import torch
 
 from .quiet_optimizer import QuietOptimizer, strategy_kwargs_from_optimizer
 from .strategies import StrategyConfig
+from .strategies.base import LossFn
 from .strategies.registry import get as get_strategy
 from .topology import Topology
 from .transport import Transport, default_backend
@@ -96,7 +116,7 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
 
     def __init__(self, *args: Any, strategy: str, strategy_config: StrategyConfig | dict[str, Any] | None = None,
                  transport: Transport | None = None, **kwargs: Any) -> None:
-        get_strategy(strategy)  # fail before any process group work
+        strategy_cls, _ = get_strategy(strategy)  # fail before any process group work
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and default_backend(Topology.from_env()) == "gloo":
             # Without a GPU each (or with QUIETSYNC_BACKEND=gloo), Accelerate treats a multi-process launch as N
             # independent single processes unless told cpu=True; quietsync's workers must form one world, so
@@ -119,6 +139,16 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
                 f"Accelerate runs {self.num_processes} processes but WORLD_SIZE is {env_world}: launch with "
                 "`accelerate launch --multi_gpu --num_processes N` (or torchrun)"
             )
+        if not strategy_cls.lockstep:
+            # Its workers drift apart (Strategy.lockstep): one may stop while a peer still needs a batch -- and a
+            # dispatching DataLoader broadcasts every batch from process 0.
+            if self.dataloader_config.dispatch_batches:
+                raise ValueError(
+                    f"strategy {strategy}'s workers do not feed micro-batches in lockstep, which a DataLoader "
+                    "dispatching batches from process 0 (a broadcast per batch) would deadlock: leave "
+                    "dispatch_batches unset or False"
+                )
+            self.dataloader_config.dispatch_batches = False
         self.quiet_strategy = strategy
         """The strategy name ``prepare`` builds."""
         self.quiet_config = strategy_config
@@ -180,12 +210,38 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """The micro-batch's undivided loss goes to the strategy (backward, then ``Strategy.step()``)."""
+        """The micro-batch's undivided loss goes to the strategy (backward, then ``Strategy.step()``).
+
+        Raises:
+            RuntimeError: the strategy schedules forward and backward itself (``cdp``): use
+                :meth:`forward_backward`.
+        """
         if kwargs:
             raise TypeError(f"backward arguments {sorted(kwargs)} are not supported with quietsync strategies")
+        quiet = self._quiet("backward")
+        if quiet.owns_schedule:
+            raise RuntimeError(
+                f"strategy {quiet.strategy.name} schedules forward and backward itself, so accelerator.backward(loss) "
+                "cannot feed it: replace `loss = model(**batch).loss; accelerator.backward(loss)` with "
+                "`loss = accelerator.forward_backward(batch, lambda model, batch: model(**batch).loss)`"
+            )
+        quiet.backward(loss)
+
+    def forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor | None:
+        """One micro-batch through the strategy's per-micro-batch contract: ``loss_fn(model, batch)`` (the
+        micro-batch's own loss; it must call ``model`` once), backward, then ``Strategy.step()``.
+
+        Every strategy takes it; a strategy that schedules forward and backward itself (``cdp``) takes only
+        this. Use it inside ``accelerator.accumulate(model)`` in place of computing the loss and calling
+        :meth:`backward`; ``optimizer.step()`` and the scheduler follow as usual. Returns the detached loss of
+        the micro-batch(es) whose backward completed in this call, or None while ``cdp``'s pipeline fills.
+        """
+        return self._quiet("forward_backward").forward_backward(batch, loss_fn)
+
+    def _quiet(self, call: str) -> QuietOptimizer:
         if self.quiet_optimizer is None:
-            raise RuntimeError("call accelerator.prepare(model, optimizer, ...) before accelerator.backward")
-        self.quiet_optimizer.backward(loss)
+            raise RuntimeError(f"call accelerator.prepare(model, optimizer, ...) before accelerator.{call}")
+        return self.quiet_optimizer
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
@@ -202,7 +258,12 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         raise NotImplementedError("gradient clipping is not part of the quietsync strategy contract")
 
     def end_training(self) -> None:
-        """Close the strategy (background threads, process groups), then Accelerate's own end of training."""
+        """Finish the run (``QuietOptimizer.finish``: the last round synced or drained; nothing if it was called
+        already), close the strategy (background threads, process groups), then Accelerate's own end of
+        training. Every process calls it."""
         if self.quiet_optimizer is not None:
-            self.quiet_optimizer.close()
+            try:
+                self.quiet_optimizer.finish()
+            finally:
+                self.quiet_optimizer.close()
         super().end_training()

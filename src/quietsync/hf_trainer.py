@@ -18,9 +18,19 @@ subclass overrides the two hooks the Trainer documents for exactly this ("subcla
   applies; its ``step_was_skipped`` tells the Trainer not to step the scheduler when the strategy did not
   commit. It also hands the Trainer the strategy's forward module in a thin wrapper, so the Trainer treats
   the model as already wrapped and does not ask Accelerate for DDP.
-* :meth:`training_step` — forward through the strategy's module, the micro-batch's own mean loss to
-  ``Strategy.backward`` + ``Strategy.step()`` (the strategy divides by its micro-batch count, replacing
-  the Trainer's division by ``gradient_accumulation_steps``).
+* :meth:`training_step` — the micro-batch and a loss function (the Trainer's own ``compute_loss``) go to the
+  strategy's per-micro-batch contract, ``Strategy.forward_backward`` + ``Strategy.step()``, so every strategy
+  works, ``cdp`` (which schedules forward and backward itself) included. The micro-batch's own mean loss is
+  what the strategy back-propagates (it divides by its micro-batch count, replacing the Trainer's division by
+  ``gradient_accumulation_steps``).
+
+The end of training: once the Trainer decides to stop (``max_steps`` reached, or a callback's
+``should_training_stop``), before its last save and evaluation, the strategy finishes
+(``QuietOptimizer.finish``: ``localsgd``/``diloco`` sync their last partial round, ``acco``/``dpu``/``wp``
+drain theirs), so what the Trainer saves and evaluates holds every step. The Trainer's ``max_steps`` counts its
+own optimizer steps (``gradient_accumulation_steps`` micro-batches each); strategies that decide their own
+accumulation (acco, dpu, wp, cdp) commit on some of them (``step_was_skipped`` on the others, and the Trainer's
+scheduler then waits), so they end with fewer committed steps than ``max_steps``.
 
 Accumulation: the Trainer's ``gradient_accumulation_steps`` becomes the strategy's ``accumulation`` (ddp,
 zero1, demo, ...); strategies that decide their own (acco, dpu, wp) need it to be 1. Evaluation and
@@ -127,18 +137,45 @@ class QuietTrainer(Trainer):
 
     def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
-        """One micro-batch through the strategy; returns the loss scaled for the Trainer's logging."""
+        """One micro-batch through the strategy (``forward_backward`` with ``compute_loss`` as the loss
+        function); returns the loss scaled for the Trainer's logging (NaN while ``cdp``'s pipeline fills, which
+        the Trainer's ``logging_nan_inf_filter`` skips)."""
         quiet = self.quiet_optimizer
         if quiet is None:
             raise RuntimeError("QuietTrainer.training_step before create_optimizer")
         quiet.model.train()
         inputs = self._prepare_inputs(inputs)
-        with self.compute_loss_context_manager():
-            # Without num_items_in_batch the model returns the micro-batch's mean loss: the strategy's
-            # gradient convention (sum of micro-batch gradients / global micro-batch count) does the rest.
-            loss = self.compute_loss(quiet.model, inputs)
-        quiet.backward(loss)
+
+        def loss_fn(module: Any, batch: dict[str, Any]) -> torch.Tensor:
+            # Without num_items_in_batch the model returns the micro-batch's mean loss: the strategy's gradient
+            # convention (sum of micro-batch gradients / global micro-batch count) does the rest.
+            with self.compute_loss_context_manager():
+                return self.compute_loss(module, batch)
+
+        loss = quiet.forward_backward(inputs, loss_fn)
+        if loss is None:
+            return torch.tensor(float("nan"), device=self.args.device)
         return loss.detach() / self.current_gradient_accumulation_steps
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        # Called after every Trainer step, after the callbacks decided whether training stops: finish the
+        # strategy before the Trainer's last save and evaluation see the model.
+        if self.control.should_training_stop:
+            self.finish()
+        return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; the strategy is finished at the end (every process), if it was not yet."""
+        out = super().train(*args, **kwargs)
+        self.finish()
+        return out
+
+    def finish(self, sync: bool = True) -> int:
+        """``QuietOptimizer.finish`` (the last round synced or drained); nothing before training or once done."""
+        quiet = self.quiet_optimizer
+        if quiet is None or quiet.strategy.finished:
+            return 0
+        return quiet.finish(sync)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         # The strategy has already committed (and reset its gradients): a norm here would read 0.

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .strategies import StepMetrics, Strategy, StrategyConfig, make_strategy
+from .strategies.base import LossFn
 from .strategies.registry import get as get_strategy
 from .transport import Transport
 
@@ -92,7 +93,13 @@ class QuietOptimizer(torch.optim.Optimizer):
             initialised default process group).
 
     Behaviour:
-        * :meth:`backward` runs one micro-batch's backward through the strategy and then ``Strategy.step()``.
+        * :meth:`forward_backward` runs one micro-batch through the strategy's per-micro-batch contract
+          (``Strategy.forward_backward(batch, loss_fn)``, then ``Strategy.step()``): every strategy takes it,
+          and it is the only way in for a strategy that schedules forward and backward itself (``cdp``).
+        * :meth:`backward` runs one micro-batch's backward through the strategy and then ``Strategy.step()``
+          (refused, in one line naming :meth:`forward_backward`, by a strategy that owns its schedule).
+        * :meth:`finish` ends training (``Strategy.finish``: local methods sync their last partial round,
+          overlapped methods drain theirs); the adapters call it at the end of training.
         * :meth:`step` commits nothing itself; it records whether the strategy committed since the previous
           call (``step_was_skipped`` is True when it did not, which Accelerate's scheduler wrapper and the
           HF Trainer honour).
@@ -161,6 +168,9 @@ class QuietOptimizer(torch.optim.Optimizer):
             raise ValueError("the learning rate of parameter group 0 is 0: schedules are applied as a multiple of it")
         self._scales: dict[int, float] = {}
         self._scale_lock = threading.Lock()
+        self._released = 0  # the lr of every step index below this is final (see _lr_scale)
+        self._loop_thread = threading.get_ident()  # the thread of the training loop (the last to call in)
+        self._release = threading.Condition(self._scale_lock)
         self.strategy: Strategy = make_strategy(
             strategy, model, spec.pop("optimizer"), config=config, transport=transport,
             lr_schedule=self._lr_scale, **spec,
@@ -188,11 +198,40 @@ class QuietOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("a strategy's parameters are fixed at construction; build a new QuietOptimizer")
 
+    @property
+    def owns_schedule(self) -> bool:
+        """Whether the strategy schedules forward and backward itself (``cdp``): feed it with
+        :meth:`forward_backward`; :meth:`backward` is refused."""
+        return self.strategy.owns_schedule
+
+    def forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor | None:
+        """One micro-batch: ``Strategy.forward_backward(batch, loss_fn)`` then ``Strategy.step()``.
+
+        ``loss_fn(model, batch)`` returns the micro-batch's own (undivided) loss and calls ``model`` once (the
+        module it receives; ``cdp`` runs it one stage at a time). Returns the detached loss of the micro-batch(es)
+        whose backward completed in this call, None while a pipeline fills (``cdp``).
+        """
+        self._release_lrs()
+        loss = self.strategy.forward_backward(batch, loss_fn)
+        if self.strategy.step():
+            self._committed_since_step = True
+        return loss
+
     def backward(self, loss: torch.Tensor) -> bool:
         """One micro-batch: ``Strategy.backward(loss)`` then ``Strategy.step()``; True when a step committed.
 
         ``loss`` is the micro-batch's own (undivided) loss: the strategy divides by its micro-batch count.
+
+        Raises:
+            RuntimeError: the strategy schedules forward and backward itself (use :meth:`forward_backward`).
         """
+        if self.strategy.owns_schedule:
+            raise RuntimeError(
+                f"strategy {self.strategy.name} schedules forward and backward itself, so it cannot take a loss "
+                "computed outside: feed each micro-batch with forward_backward(batch, loss_fn) instead of "
+                "computing the loss and calling backward(loss)"
+            )
+        self._release_lrs()
         self.strategy.backward(loss)
         committed = self.strategy.step()
         if committed:
@@ -245,6 +284,7 @@ class QuietOptimizer(torch.optim.Optimizer):
         self._committed_since_step = bool(state_dict.get("pending_commit", False))
         with self._scale_lock:
             self._scales.clear()
+            self._released = self.strategy.steps
 
     def __repr__(self) -> str:
         return f"QuietOptimizer(strategy={self.strategy.name!r}, optimizer={type(self.optimizer).__name__})"
@@ -260,6 +300,12 @@ class QuietOptimizer(torch.optim.Optimizer):
         """Committed optimizer steps."""
         return self.strategy.steps
 
+    @property
+    def steps_in_flight(self) -> int:
+        """Committed steps :meth:`finish` would add now (``Strategy.steps_in_flight``): a loop with a step budget
+        stops once ``steps + steps_in_flight`` reaches it."""
+        return self.strategy.steps_in_flight
+
     def last_step_metrics(self) -> StepMetrics | None:
         """Metrics of the latest committed step (bytes sent/received, compute/idle seconds, lr, ...)."""
         return self.strategy.last_step_metrics()
@@ -270,24 +316,62 @@ class QuietOptimizer(torch.optim.Optimizer):
         with self.strategy.committed_params() as model:
             yield model
 
+    def finish(self, sync: bool = True) -> int:
+        """End training on every worker (``Strategy.finish``): local methods sync their last partial round
+        (``sync=False`` skips it), overlapped methods drain the round in flight; returns the steps it committed.
+        Call it on every process after the last step, before evaluating or saving the final model; the
+        adapters' end of training (``QuietAccelerator.end_training``, the end of ``QuietTrainer.train``) does.
+        Calling it again does nothing."""
+        self._release_lrs(everything=True)
+        added = self.strategy.finish(sync)
+        if added:
+            self._committed_since_step = True
+        return added
+
     def close(self) -> None:
-        """Stop the strategy's background work and release its process groups; safe to call twice."""
+        """Stop the strategy's background work and release its process groups; safe to call twice. It does not
+        finish the run (see :meth:`finish`): it also runs on failure paths, where peers may be gone."""
+        self._release_lrs(everything=True)
         self.strategy.close()
 
     def _lr_scale(self, step: int) -> float:
-        """The strategy's ``lr_schedule``: the current lr of the groups over their base lr, fixed per step."""
-        with self._scale_lock:
+        """The strategy's ``lr_schedule``: the lr of the groups over their base lr, fixed per step index.
+
+        The lr of step index ``k`` is what the groups hold once the loop has stepped its scheduler after each of
+        the first ``k`` committed steps, i.e. from the loop's next call into this optimizer on. A job running in
+        the background (dpu, wp, acco: submitted right when the previous step committed) asks for it before the
+        loop had that chance: it waits for that call (:meth:`_release_lrs`), so the lr does not depend on which
+        thread is faster; a later index (wp's prediction of the next step) gets the newest lr, not kept. The
+        loop's own thread never waits (it is the one that releases): it fixes the lr it reads first.
+        """
+        with self._release:
             if step in self._scales:
                 return self._scales[step]
-            groups = self.param_groups
-            scale = float(groups[0]["lr"]) / self._base_lrs[0]
-            for i, (g, base) in enumerate(zip(groups, self._base_lrs)):
-                if not math.isclose(float(g["lr"]), base * scale, rel_tol=1e-6, abs_tol=1e-12):
-                    raise ValueError(
-                        f"parameter group {i} has lr {g['lr']} but group 0's schedule factor {scale} gives "
-                        f"{base * scale}: quietsync strategies scale every group's lr by one factor"
-                    )
+            if threading.get_ident() != self._loop_thread:
+                if step > self.strategy.steps:
+                    return self._scale_now()
+                while step >= self._released:
+                    self._release.wait()
+            scale = self._scale_now()
             self._scales[step] = scale
             for old in [s for s in self._scales if s < step - 4]:
                 del self._scales[old]
             return scale
+
+    def _scale_now(self) -> float:
+        groups = self.param_groups
+        scale = float(groups[0]["lr"]) / self._base_lrs[0]
+        for i, (g, base) in enumerate(zip(groups, self._base_lrs)):
+            if not math.isclose(float(g["lr"]), base * scale, rel_tol=1e-6, abs_tol=1e-12):
+                raise ValueError(
+                    f"parameter group {i} has lr {g['lr']} but group 0's schedule factor {scale} gives "
+                    f"{base * scale}: quietsync strategies scale every group's lr by one factor"
+                )
+        return scale
+
+    def _release_lrs(self, everything: bool = False) -> None:
+        """The loop called in again (or ends): the lr of every step index up to the committed steps is final."""
+        with self._release:
+            self._loop_thread = threading.get_ident()
+            self._released = math.inf if everything else max(self._released, self.strategy.steps + 1)
+            self._release.notify_all()

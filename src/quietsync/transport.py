@@ -307,6 +307,7 @@ class Transport:
             else torch.device("cpu")
         )
         self._groups: dict[str, Any] = {}
+        self._control: Any = None  # the gloo group of agree(), created on first use
         self._meshes: dict[str, Any] = {}
         self._global_ranks: dict[str, tuple[int, ...]] = {g: self.topology.ranks(g) for g in GROUPS}
         self.initialized_default_group = False
@@ -364,7 +365,9 @@ class Transport:
         if self._closed:
             return
         self._closed = True
-        for pg in {id(g): g for g in self._groups.values() if g is not None}.values():
+        groups = [*self._groups.values(), self._control]
+        self._control = None
+        for pg in {id(g): g for g in groups if g is not None}.values():
             try:
                 dist.destroy_process_group(pg)
             except Exception:  # noqa: BLE001 - best effort at shutdown (a dead peer, an already destroyed group)
@@ -601,6 +604,28 @@ class Transport:
         rx_s = rx_link.time("recv", recv_b, 2) if rx_link is not None else 0.0
         return self._p2p(tuple(handles), "exchange", group, sent_b, name, async_op, sent=sent_b, recv=recv_b,
                          src=src, dst=dst, bookings=[(tx_link, tx_s, True, False), (rx_link, rx_s, False, True)])
+
+    def agree(self, value: float, op: str = "max") -> float:
+        """``op`` (``max``, ``min`` or ``sum``) of one number over every worker: a collective every worker makes at
+        the same point, for a decision the workers must share (e.g. how far the most advanced of them got).
+
+        It runs on a gloo control group of its own (created on the first call), never on the groups the
+        collectives above use, so it can neither queue behind nor interleave with a job a communication worker
+        is running on them. Control traffic: not metered, not link-emulated.
+        """
+        ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}
+        if op not in ops:
+            raise ValueError(f"op must be one of {', '.join(ops)}, got {op!r}")
+        if self.topology.world_size == 1:
+            return float(value)
+        if self._closed:
+            raise RuntimeError("the transport is closed")
+        if self._control is None:
+            self._control = dist.new_group(list(range(self.topology.world_size)), backend="gloo",
+                                           timeout=self._timeout)
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=ops[op], group=self._control)
+        return float(t)
 
     def barrier(self, group: str = "world") -> None:
         """Wait for every worker of ``group`` (a tiny all-reduce, metered like any other)."""

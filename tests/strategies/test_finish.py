@@ -198,3 +198,40 @@ def test_localsgd_finish_matches_accelerate_local_sgd_exit():
     ours = run_ranks(_local_worker, 2, "localsgd", {"sync_every": 3}, 5, True)
     for r in range(2):
         torch.testing.assert_close(ours[r]["model"], theirs[r], rtol=0, atol=1e-6)
+
+
+def _fixed_count(rank: int, world: int, names: list[str], micro_batches: int, sleep_s: float) -> dict:
+    """Adaptive acco/dpu: every worker feeds the same number of micro-batches (as a Trainer's max_steps or the end
+    of a data loader stops a loop), the last worker slowly, then finish: the fast worker stops a stage short of
+    the slow one, whose job then waits for it, so finish first brings it level."""
+    import time
+
+    out = {}
+    for name in names:
+        s = make(name, "adamw", {})
+        for index in range(micro_batches):
+            s.forward_backward(batch(rank, index), loss_fn)
+            if rank == world - 1:
+                time.sleep(sleep_s)
+            s.step()
+        before = s.overlap.hand_overs
+        history = s.overlap.stage_history
+        out[name] = {**_ended(s), "hand_overs_before": before, "history": list(history)}
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_loop_stopped_on_a_micro_batch_count_finishes_level_and_exact():
+    names = ["dpu", "acco"]
+    out = run_ranks(_fixed_count, 2, names, 8, 0.15, timeout=170)
+    for name in names:
+        a, b = out[0][name], out[1][name]
+        assert a["history"] == b["history"], name  # the same all-reduced counts: no stage left unmatched
+        torch.testing.assert_close(a["model"], b["model"], rtol=0, atol=0, msg=name)
+        expected = reference(name, 2, "adamw", a["steps"], counts=a["history"]).committed[-1]
+        for r in (a, b):
+            torch.testing.assert_close(r["model"], r["committed"], rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(r["model"], flat(expected), rtol=RTOL, atol=ATOL, msg=name)
+        # the situation finish had to resolve: the slow worker had ended one more stage than the fast one
+        assert b["hand_overs_before"] == a["hand_overs_before"] + 1, (name, a["hand_overs_before"],
+                                                                        b["hand_overs_before"])

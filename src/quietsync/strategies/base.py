@@ -139,6 +139,14 @@ class Strategy(metaclass=_Constructed):
     )
     """What :meth:`finish` does for this strategy, in one sentence (docs and ``--help`` quote it)."""
 
+    lockstep: ClassVar[bool] = True
+    """Whether every worker reaches each step after the same number of micro-batches, so that a loop may stop,
+    or communicate (a data loader broadcasting batches, a metrics gather), between any two micro-batches. False
+    where workers drift apart: acco/dpu/wp, whose workers each end a stage when *they* see the job done. Feed
+    those from each worker's own data, with no collective between micro-batches, and stop on a committed step
+    (or on ``steps + steps_in_flight``) or after a number of micro-batches; :meth:`finish` brings drifted workers
+    level."""
+
     optimizer: torch.optim.Optimizer | None
     """The torch optimizer that steps this worker's parameters or shard (the user's class, built by the
     strategy); the adapters show its ``param_groups``. Every strategy sets it in its constructor."""
@@ -270,9 +278,9 @@ class Strategy(metaclass=_Constructed):
     def finish(self, sync: bool = True) -> int:
         """End training cleanly, the same call for every strategy; returns the committed steps it added.
 
-        A collective: every worker calls it once, at the same point — after its last :meth:`step` (the loop
-        stops on the same committed step everywhere) — and before the final evaluation, export or
-        :meth:`close`. What it does is the strategy's :attr:`finish_policy`:
+        A collective: every worker calls it once, after its last :meth:`step` — the loop stops on the same
+        committed step everywhere, or after the same number of micro-batches — and before the final evaluation,
+        export or :meth:`close`. What it does is the strategy's :attr:`finish_policy`:
 
         * local methods (``localsgd``, ``diloco``): the last partial round — local steps since the last sync —
           is synced once more, so the committed and exported model holds every step; ``sync=False`` skips that
@@ -280,7 +288,7 @@ class Strategy(metaclass=_Constructed):
         * overlapped methods (``acco``, ``dpu``, ``wp``): the round in flight is drained — an update already
           computing is waited for and committed (one more step, see :attr:`steps_in_flight`), gradients that
           would only enter a later update are dropped;
-        * ``cdp``: micro-batches in flight are dropped and the schedule's messages are drained so peers finish;
+        * ``cdp``: micro-batches in flight are dropped;
         * the others: nothing is in flight.
 
         Afterwards ``self.model`` holds the committed parameters on every worker (``committed_params()`` shows

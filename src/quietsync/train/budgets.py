@@ -16,8 +16,10 @@ so the workers decide on values they all share: one all-reduce of a ``world x 3`
 row: tokens fed, seconds since the start, its evaluation's loss) on the trainer's own gloo group (the non-finite
 guard's control plane, not link-emulated, not metered; its wait counts as idle time). From the table every
 worker reads the same sums: tokens = the column's sum, time = the slowest clock (the largest), loss = rank 0's.
-So every worker stops after the same committed step, with nothing left waiting in a collective; strategies with
-work in flight (acco, cdp) then drain it in ``strategy.close()`` as after ``--max-steps``.
+So every worker stops after the same committed step, with nothing left waiting in a collective; the trainer
+then calls ``strategy.finish()``, which syncs or drains what is in flight. A step that finish will commit (the
+strategy's ``steps_in_flight``: dpu/wp's update in flight) counts toward ``--max-steps``, so such a run stops
+one commit earlier and finish brings it to exactly ``--max-steps``.
 
 The budgets are thresholds on committed steps: a run stops after the **first committed step** at which a budget
 is reached, so a token budget may be passed by less than one step's tokens (exact when it is a multiple of
@@ -104,7 +106,7 @@ class BudgetWatch:
         ``tokens``: this worker's tokens fed so far; ``time_s``: its seconds since the start of training;
         ``eval_loss``: its evaluation after this step, None when none ran.
         """
-        steps = self.strategy.steps
+        steps = self.strategy.steps + self.strategy.steps_in_flight  # what the model holds after finish()
         if not self.budgets.agreed:
             return self.budgets.reached(steps, 0, 0.0, None)
         tokens_all, time_all, loss0 = self.agree(tokens, time_s, eval_loss)

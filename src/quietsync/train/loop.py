@@ -9,7 +9,12 @@ tokenizer, build the GPT-Neo preset (same seed on every worker) and the strategy
         if guard.before_step(): continue                     # a non-finite round, dropped on every worker
         if strategy.step():                                  # a committed step: log, eval (if due),
             stopped_by = budgets.check(...)                  # the budgets, agreed (train/budgets.py),
-            ...                                              # the last eval, checkpoint
+            ...                                              # strategy.finish(), the last eval, checkpoint
+
+The run ends with ``strategy.finish()`` on every worker, after the committed step at which a budget was reached
+(counting a step the strategy has in flight, ``steps_in_flight``, so dpu/wp/acco end on exactly --max-steps):
+local methods sync their last partial round, overlapped methods drain theirs, and the final evaluation, the
+last checkpoint and the exported model see every step.
 
 Evaluation needs no communication: every worker evaluates the same held-out windows on its committed
 parameters (identical across workers for synchronous strategies) and logs the result; rank 0's is the one
@@ -265,6 +270,31 @@ def _train(
             say(f"step {strategy.steps:>6}  eval loss {loss:.4f}")
         return loss
 
+    def log_step(losses: list[torch.Tensor], step_tokens: int) -> None:
+        """The metrics record of the step just committed (``losses``/``step_tokens``: the micro-batches fed for
+        it; none for a step that finish() committed)."""
+        m = strategy.last_step_metrics()
+        step_loss = float(torch.stack(losses).mean()) if losses else float("nan")
+        record = {
+            "step": m.step, "rank": rank, "loss": step_loss, "lr": m.lr, "tokens": step_tokens,
+            "tokens_total": tokens_total, "micro_batches": m.micro_batches, "compute_s": m.compute_s,
+            "comm_s": m.comm_s, "idle_s": m.idle_s, "bytes_sent": m.bytes_sent, "bytes_recv": m.bytes_recv,
+            "bytes_by_group": m.bytes_by_group, "slow_sleep_s": timer.slept_s,
+            "time_s": time.perf_counter() - t0,
+        }
+        if m.extra:
+            record["extra"] = m.extra
+        skipped = guard.committed()
+        if skipped:
+            record["skipped_rounds"] = skipped
+            say(f"step {m.step:>6}  {skipped} round(s) with a non-finite loss or gradient skipped before it")
+        metrics.step(record)
+        for k in sums:
+            sums[k] += record[k]
+        timer.slept_s = 0.0
+        bar.update(1)
+        bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{m.lr:.2e}", refresh=False)
+
     guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
     budgets = BudgetWatch(cfg.budgets(), strategy, guard.group)
     stopped_by = "max_steps" if strategy.steps >= cfg.max_steps else None  # a resume of a finished run
@@ -289,41 +319,32 @@ def _train(
             if guard.before_step():  # a non-finite round, dropped on every worker (--on-nonfinite skip)
                 losses = []
                 continue
-            if not strategy.step():
+            eval_loss = None
+            if strategy.step():
+                profiler.after_commit(strategy.steps)
+                log_step(losses, step_tokens)
+                losses, step_tokens = [], 0
+                eval_loss = run_eval() if cfg.eval_every and strategy.steps % cfg.eval_every == 0 else None
+                stopped_by = budgets.check(tokens_total, time.perf_counter() - t0, eval_loss)
+            elif strategy.steps_in_flight and strategy.steps + strategy.steps_in_flight >= cfg.max_steps:
+                stopped_by = "max_steps"  # an update began that finish() will commit: the last step is in flight
+            else:
                 continue
-            profiler.after_commit(strategy.steps)
-            m = strategy.last_step_metrics()
-            step_loss = float(torch.stack(losses).mean()) if losses else float("nan")
-            record = {
-                "step": m.step, "rank": rank, "loss": step_loss, "lr": m.lr, "tokens": step_tokens,
-                "tokens_total": tokens_total, "micro_batches": m.micro_batches, "compute_s": m.compute_s,
-                "comm_s": m.comm_s, "idle_s": m.idle_s, "bytes_sent": m.bytes_sent, "bytes_recv": m.bytes_recv,
-                "bytes_by_group": m.bytes_by_group, "slow_sleep_s": timer.slept_s,
-                "time_s": time.perf_counter() - t0,
-            }
-            if m.extra:
-                record["extra"] = m.extra
-            skipped = guard.committed()
-            if skipped:
-                record["skipped_rounds"] = skipped
-                say(f"step {m.step:>6}  {skipped} round(s) with a non-finite loss or gradient skipped before it")
-            metrics.step(record)
-            for k in sums:
-                sums[k] += record[k]
-            timer.slept_s = 0.0
-            losses, step_tokens = [], 0
-            bar.update(1)
-            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{m.lr:.2e}", refresh=False)
-            eval_loss = run_eval() if cfg.eval_every and strategy.steps % cfg.eval_every == 0 else None
-            stopped_by = budgets.check(tokens_total, time.perf_counter() - t0, eval_loss)
             if stopped_by is not None:
                 if stopped_by != "max_steps":
-                    say(f"step {m.step:>6}  stopped by {stopped_by} ({cfg.budgets().describe()})")
+                    say(f"step {strategy.steps:>6}  stopped by {stopped_by} ({cfg.budgets().describe()})")
+                # the run ends here on every worker: sync or drain what is in flight (Strategy.finish); a step it
+                # commits is logged, evaluated and saved like any other
+                if strategy.finish():
+                    log_step(losses, step_tokens)
+                    losses, step_tokens = [], 0
+                    eval_loss = None
                 if eval_loss is None:  # every run ends with an evaluation of its last step
                     run_eval()
             if cfg.save_every and (strategy.steps % cfg.save_every == 0 or stopped_by is not None):
                 with strategy.paused():
                     _save(cfg, strategy, stream, rank, tokens_total, guard)
+        strategy.finish()  # a no-op after the loop's own call; a resumed run that had nothing left to train
         guard.check_parameters()
         guard.close()  # not on a failure: tearing its group down would cut the peers' view of who failed first
     except NonFiniteError as e:  # every worker raises it at the same point (agreed), except as documented

@@ -52,7 +52,7 @@ def loss_curves(out: str | os.PathLike, world_size: int | None = None) -> dict[s
         for r in read_jsonl(path):
             if r.get("event") == "eval":
                 evals.setdefault(r["step"], r["loss"])  # the lowest rank's evaluation wins
-            elif "loss" in r:
+            elif r.get("loss") is not None:  # null: no finite loss (a step finish() committed, a diverged one)
                 losses[r["step"]].append(r["loss"])
                 tokens[r["step"]].append(r["tokens_total"])
     scale = (world_size / len(files)) if world_size and files else 1.0

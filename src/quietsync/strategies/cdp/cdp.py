@@ -40,12 +40,15 @@ Executors (one code path; the :class:`Schedule` assigns slot ``i`` to worker ``i
   cycle: ``2(N−1)`` messages of the stage's gradient size, the volume of a ring all-reduce, spread over the
   cycle, point-to-point only (no collective; the initial parameter copy is a point-to-point chain too).
 
-``forward_backward(batch, loss_fn)`` feeds this worker's next micro-batch and advances the worker's clock
-to the start of its following micro-batch (one process: 2 time steps; ``N`` workers: ``2N``); it returns the
-loss of the micro-batch(es) whose backward completed in the call, or None while the pipeline fills. ``step()``
-returns True when all ``N`` stages of a cycle were updated on this worker (the first after ``2N−1`` calls on
-one process). Micro-batches in flight when the loop stops are dropped by ``finish()`` (or ``close()``), which
-drains the schedule's messages so peers still finishing their last cycle get them.
+``forward_backward(batch, loss_fn)`` feeds this worker's next micro-batch and runs one *window* of time steps,
+the same on every worker: up to the start of worker 0's next slot (one process: 2 time steps; ``N`` workers:
+``2N``), which holds the start of this worker's micro-batch. A time step waits only for what peers sent in the
+previous one, so no call waits for a peer's *next* call: the loop may communicate between calls (a data loader's
+broadcast, a budget agreement, a Trainer's logging). It returns the loss of the micro-batch(es) whose backward
+completed in the call, or None while the pipeline fills. ``step()`` returns True once every worker has updated
+all ``N`` stages of a cycle — in the same call on every worker (the first after ``2N−1`` calls on one process).
+A loop must make the same number of calls on every worker (stopping on a committed step, on a micro-batch
+count or at the end of equal data all do); ``finish()`` (or ``close()``) then drops the micro-batches in flight.
 
 ``loss_fn(model, batch)`` keeps its contract: it must call ``model`` once (e.g. the trainer's
 ``model(input_ids=batch, labels=batch).loss``). The strategy first calls it with a recorder that captures the
@@ -56,7 +59,6 @@ model that returns the last stage's output, so the loss is computed on the last 
 from __future__ import annotations
 
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -159,9 +161,11 @@ class CDP(Strategy):
 
     resumable = False  # micro-batches of the next step are in flight when a step commits
 
+    owns_schedule = True  # forward_backward runs the stages; backward(loss) of a loss computed outside is refused
+
     finish_policy = (
-        "micro-batches in flight are dropped (their cycle never completes); the schedule's messages are drained "
-        "so every peer finishes, and every stage holds the committed version"
+        "micro-batches in flight are dropped (their cycle never completes) and every stage holds the committed "
+        "version"
     )
 
     config: CDPConfig
@@ -198,15 +202,14 @@ class CDP(Strategy):
         self._sends: list[_Send] = []
         self._updates: dict[int, int] = defaultdict(int)
         self._pending_commits: list[int] = []
+        self._next_commit = 0
+        self._commit_times: dict[int, int] = {}
         self._done_losses: list[torch.Tensor] = []
         self._wound_down = False
         self.sent_per_step: dict[int, int] = defaultdict(int)
         """Bytes this worker handed to the transport at each time step."""
         self.sent_completed = 0
         """Bytes of those sends that completed (what the transport's meter has counted)."""
-        self.drained_bytes = 0
-        """Zeros sent on close so a peer still finishing its last step is not left waiting (see
-        ``_drain``)."""
         self._initial_copy()
         self._refresh_param_ptrs()
 
@@ -260,7 +263,10 @@ class CDP(Strategy):
         self._inflight[(c, slot)] = _MicroBatch(c, slot, batch, loss_fn, x, ctx)
         self.fed += 1
         c2, k2 = divmod(self.fed, per)
-        until = self.schedule.start(c2, self.schedule.slots(self.me)[k2])
+        # Every worker's call covers the same window of time steps: up to the start of worker 0's next slot (this
+        # worker's own next micro-batch starts in that window). So no call waits for what a peer sends in its
+        # next call, and every worker reports a commit in the same call (see _time_step).
+        until = self.schedule.start(c2, self.schedule.slots(0)[k2])
         while self.t < until:
             self._time_step(self.t)
             self.t += 1
@@ -305,9 +311,23 @@ class CDP(Strategy):
                 for i in s.slots(me):
                     if rt[i] == t and (c, i, j) in self._own:
                         self._reduce(c, i, j, t)
+        # 6. a cycle commits on every worker at the end of the time step in which the last worker applied its last
+        # stage update (each worker's own last update is earlier or then)
+        while self._commit_time(self._next_commit) <= t:
+            c = self._next_commit
+            if self._updates.pop(c, 0) != self.n:
+                raise RuntimeError(f"cdp: cycle {c} commits with stages not updated here — schedule bug")
+            self._pending_commits.append(c)
+            self._next_commit += 1
         self._retire_sends(t)
         if self.meter is not None:
             self.meter.sample(t)
+
+    def _commit_time(self, c: int) -> int:
+        """The time step at whose end every worker has applied the update of cycle ``c`` to every stage."""
+        if c not in self._commit_times:
+            self._commit_times[c] = max(max(self.schedule.arrivals(c, j).values()) for j in range(self.n))
+        return self._commit_times[c]
 
     def _messages_at(self, t: int, *, to: int | None = None, by: int | None = None) -> list[Message]:
         """The schedule's transfers sent at time step ``t`` (to or by one worker), in key order."""
@@ -321,49 +341,6 @@ class CDP(Strategy):
             buf = torch.empty(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
             work = self.transport.recv(buf, m.src, async_op=True, name=f"cdp/{m.kind}")
             self._posted[(m.kind, m.cycle, m.stage, m.slot)] = (work, buf)
-
-    def _feed_end(self, w: int, steps: int) -> int:
-        """``self.t`` of worker ``w`` when a loop that stops once ``steps`` cycles are committed stops: the
-        start of the first micro-batch it would have fed after the time step that commits cycle ``steps -
-        1``."""
-        s = self.schedule
-        commit = max(s.arrivals(steps - 1, j)[w] for j in range(self.n))
-        c0 = commit // s.period
-        return min(
-            b for c in range(max(0, c0 - 1), c0 + 3) for i in s.slots(w) if (b := s.start(c, i)) > commit
-        )
-
-    def _drain(self) -> int:
-        """Workers commit cycle ``steps - 1`` at different time steps, and a worker still finishing it needs
-        the messages its peers would have sent in the time steps after they stopped (partial sums of the next
-        cycle pass through it). So on close each worker keeps the schedule's communication going, without
-        compute, until the last worker's last time step: it receives (and drops) what is sent to it, and sends
-        zeros where it would have sent a partial sum or a new version of a cycle nobody commits. Assumes the
-        loop stops as soon as ``steps`` cycles are committed (the trainer, Accelerate and the Trainer glue
-        do)."""
-        if self.plan is None or self.world_size == 1 or self.steps == 0:
-            return self.t
-        end = max(self._feed_end(w, self.steps) for w in range(self.world_size))
-        if self.t > end:
-            warnings.warn(
-                f"cdp: close() at time step {self.t}, after the last worker's last step ({end}): the loop "
-                f"fed micro-batches past the commit of step {self.steps}; peers may not receive its tail",
-                stacklevel=3,
-            )
-            return self.t
-        for t in range(self.t, end):
-            self._post_receives(t)
-            for work, _ in self._posted.values():
-                work.wait()
-            self._posted.clear()
-            if t + 1 < end:  # what is sent at end - 1 is received by nobody
-                for m in self._messages_at(t, by=self.me):
-                    buf = torch.zeros(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
-                    work = self.transport.send(buf, m.dst, async_op=True, name="cdp/drain")
-                    self._sends.append(_Send(t, m.cycle, work, buf))
-                    self.drained_bytes += buf.numel() * buf.element_size()
-        self.t = end
-        return end
 
     def _forward(self, mb: _MicroBatch, j: int) -> None:
         v = self.schedule.version(mb.cycle, mb.slot, j)
@@ -457,9 +434,6 @@ class CDP(Strategy):
         self.live[j] = c + 1
         self._refresh_param_ptrs()
         self._updates[c] += 1
-        if self._updates[c] == self.n:
-            del self._updates[c]
-            self._pending_commits.append(c)
 
     # ------------------------------------------------------------------ point-to-point
     def _send(self, tensor: torch.Tensor, dst: int, t: int, kind: str, cycle: int) -> None:
@@ -478,7 +452,7 @@ class CDP(Strategy):
     def _retire_sends(self, t: int) -> None:
         """Complete (and so meter) the sends of cycles this worker has committed. Every worker commits the
         same cycles, so their receivers post those receives: waiting cannot hang. Sends of later cycles stay
-        open (gloo cannot poll a send): a peer that stops first never receives the schedule's tail."""
+        open (gloo cannot poll a send) until they complete or the run ends (:meth:`_wind_down`)."""
         keep = []
         for sent in self._sends:
             if sent.cycle < self.steps or sent.work.ready():
@@ -489,8 +463,7 @@ class CDP(Strategy):
 
     def _complete(self, sent: _Send) -> None:
         sent.work.wait()
-        if sent.work.name != "cdp/drain":  # the drain's zeros are counted in drained_bytes
-            self.sent_completed += sent.tensor.numel() * sent.tensor.element_size()
+        self.sent_completed += sent.tensor.numel() * sent.tensor.element_size()
 
     # ------------------------------------------------------------------ contract
     def _step(self) -> bool:
@@ -567,8 +540,8 @@ class CDP(Strategy):
         self.optimizer.load_state_dict(state["optimizer"])
 
     def _finish(self, sync: bool) -> None:
-        """Micro-batches in flight are dropped; the schedule's messages are drained (:meth:`_wind_down`) and
-        every stage holds θ_steps for good (a stage updated past it goes back to its kept previous version)."""
+        """Micro-batches in flight are dropped (:meth:`_wind_down`) and every stage holds θ_steps for good (a stage
+        updated past it goes back to its kept previous version)."""
         self._wind_down()
         if self.plan is None:
             return
@@ -580,28 +553,28 @@ class CDP(Strategy):
         self._refresh_param_ptrs()
 
     def _wind_down(self) -> None:
-        """Workers leave the loop at different time steps: each keeps the schedule's communication going until
-        the last one is done (``_drain``), then completes the sends of committed cycles. Micro-batches in
-        flight are dropped. Once per strategy (finish or close, whichever comes first)."""
+        """Every worker left its loop after the same number of calls, so at the same time step ``t``: every
+        message sent before ``t - 1`` was received by a peer in its loop, and its send is completed (so metered);
+        the sends of ``t - 1`` are received by nobody. Micro-batches in flight are dropped. Once per strategy
+        (finish or close, whichever comes first)."""
         if self._wound_down:
             return
         self._wound_down = True
-        end = self._drain()
         # a send is dropped only once it completed: gloo cancels a dropped pending send
         for sent in self._sends:
-            if sent.time < end - 1:  # received at sent.time + 1 <= end - 1 by a peer in its loop or its drain
+            if sent.time < self.t - 1:
                 self._complete(sent)
-        self._sends = [sent for sent in self._sends if sent.time >= end - 1]
+        self._sends = [sent for sent in self._sends if sent.time >= self.t - 1]
         self._inflight.clear()
         self._own.clear()
         self._partial.clear()
         self._done_losses = []
 
     def _close(self) -> None:
-        """:meth:`_wind_down` (if :meth:`finish` did not), then the sends of the very last time step, which are
-        never received, are dropped; when this strategy owns its transport, one barrier first keeps the groups
-        alive until every peer is done (the trainer passes its transport and ends with its own all-reduce of
-        the totals, which does the same)."""
+        """:meth:`_wind_down` (if :meth:`finish` did not), then the sends of the last time step, which nobody
+        receives, are dropped; when this strategy owns its transport, one barrier first keeps the groups alive
+        until every peer is done (the trainer passes its transport and ends with its own all-reduce of the
+        totals, which does the same)."""
         self._wind_down()
         if self._owns_transport and self.world_size > 1:
             self.transport.barrier()

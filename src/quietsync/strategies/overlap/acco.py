@@ -69,6 +69,8 @@ class ACCO(Strategy):
         "a commit together with gradients at theta that are never computed"
     )
 
+    lockstep = False  # see Strategy.lockstep
+
     config: ACCOConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
@@ -132,6 +134,9 @@ class ACCO(Strategy):
 
     def _finish(self, sync: bool) -> None:
         o = self.overlap
+        if o.behind_peers():  # the loop stopped this worker one stage short of a peer: end that stage now
+            with o.ending_stage():
+                self._step()
         if self.stage == "stage2":  # θ⁽ᵗ⁺¹⁾ is being committed: wait, install, count it
             o.wait("acco/commit")
             o.install()
@@ -140,7 +145,7 @@ class ACCO(Strategy):
         elif self.stage == "stage1":  # the estimate on g̃: nothing it computes is ever committed
             o.wait("acco/estimate")
         o.drop_stage()
-        self.stage = "stage1"
+        self.stage = "init"  # nothing in flight: a run resumed from here restarts the pipeline
 
     # ------------------------------------------------------------------ contract
     @contextmanager

@@ -62,6 +62,8 @@ class DPU(Strategy):
         "flight, summed over the old workers' micro-batches"
     )
 
+    lockstep = False  # see Strategy.lockstep
+
     predicts: ClassVar[bool] = False
     """Whether the update job installs a prediction rather than θ (``wp``): then the model does not hold θ."""
 
@@ -114,6 +116,9 @@ class DPU(Strategy):
 
     def _finish(self, sync: bool) -> None:
         o = self.overlap
+        if o.behind_peers():  # the loop stopped this worker one stage short of a peer: end that stage now
+            with o.ending_stage():
+                self._step()
         if o.job is not None:  # the update on the last stage's gradients: its optimizer step is committed
             o.wait("delayed_update")
             if self.predicts:  # B holds the prediction θ̃⁽ᵗ⁺¹⁾: θ⁽ᵗ⁺¹⁾ is gathered below
@@ -123,6 +128,8 @@ class DPU(Strategy):
             self._commit(*o.step_record())
         o.install_committed(self.steps)  # wp: θ, not the prediction B holds
         o.drop_stage()
+        if self.phase == "overlap":  # nothing in flight: a run resumed from here refills the pipeline
+            self.phase = "fill"
 
     def _job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
         """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg/ΣN), committed and all-gathered into B (the same job, overlapped or not)."""

@@ -156,6 +156,7 @@ class Overlap(Part):
         """Per-worker micro-batch counts of each stage whose gradients were communicated, in order (the
         latest ``HISTORY``)."""
         self._pending_counts: list[list[int]] = []  # counts of stages consumed since the last commit
+        self._end_now = False  # ending_stage(): the current stage ends at the next step(), however short
 
     @classmethod
     def for_strategy(cls, strategy: Strategy, *, estimate: bool, snapshot: bool) -> Overlap:
@@ -188,7 +189,7 @@ class Overlap(Part):
         """A stage with no job to overlap: once it holds its micro-batches, hand its gradients over and submit
         ``job(count, *args)``. Returns whether it did."""
         self.worker.check()
-        if self.stage_count < self.blocking_count:
+        if self.stage_count < self.blocking_count and not self._end_now:
             return False
         self.submit(job, self.hand_over(install=False), *args)
         return True
@@ -196,6 +197,8 @@ class Overlap(Part):
     def stage_ready(self) -> bool:
         """Whether the current stage may end now (called after each micro-batch while a job runs)."""
         self.worker.check()
+        if self._end_now:
+            return True
         cfg, n = self.config, self.stage_count
         if n < cfg.min_accumulation:
             return False
@@ -266,6 +269,23 @@ class Overlap(Part):
         self._pending_counts = []
         self._compute_wait_s = self._comm_wait_s = 0.0
         return extra, per_worker[self.transport.group_rank(self.group)]
+
+    def behind_peers(self) -> bool:
+        """Whether another worker has ended more stages than this one (a collective on the transport's control
+        group). A loop that stops after a fixed number of micro-batches (a Trainer's ``max_steps``, the end of
+        a data loader) can leave an adaptive worker one stage behind a peer whose job then waits for it; never
+        more than one, since a job completes only once every worker submitted it."""
+        return self.transport.agree(self.hand_overs, "max") > self.hand_overs
+
+    @contextmanager
+    def ending_stage(self) -> Iterator[None]:
+        """Within this context the current stage may end at once (the strategy's ``step()`` hands it over with
+        the micro-batches it holds, possibly none), as a worker catching up with its peers must."""
+        self._end_now = True
+        try:
+            yield
+        finally:
+            self._end_now = False
 
     def install_committed(self, steps: int) -> None:
         """P ← θ of committed step ``steps``, for good (a strategy ending its run while P holds an estimate or
