@@ -1,0 +1,1 @@
+"""quietsync plan (work in progress)."""

@@ -1,0 +1,513 @@
+"""The cost model's core: what one step of a strategy moves over which link, and how long the step takes.
+
+A strategy's step is described by two things (see :class:`Schedule`):
+
+* its **transfers** (:class:`Comm`): each collective or point-to-point transfer with its kind, group and size
+  ``B`` exactly as the transport meters it. Bytes per worker come from :func:`quietsync.link.traffic` — the
+  same function the transport counts with, so a prediction and the meter cannot disagree on the formula
+  (ring all-reduce 2(n−1)/n·B each way, reduce-scatter and all-gather (n−1)/n·B, point-to-point B);
+* its **timeline** (a :class:`Term`): how computation and those transfers combine into wall time, written
+  with a few composable overlap rules —
+
+  ========================  ==============================================================================
+  ``MicroBatches(k)``       k forward+backward passes on the main thread
+  ``Work(name, seconds)``   other main-thread computation (an optimizer step, a codec, a copy)
+  ``Wire(comms)``           transfers on the main thread's critical path, serial on the link (alpha-beta)
+  ``Seq(a, b, ...)``        one after another: times add
+  ``Hidden(compute, comm)`` comm runs on another thread while compute runs: max of the two, and the exposed
+                            communication is ``max(0, comm − compute)``
+  ``Buckets(...)``          DDP: bucket all-reduces start as the last backward frees their gradients
+  ``Adaptive(job, ...)``    ACCO/DPU/WP stage: micro-batches accumulate until the job on the
+                            communication worker is done (at least ``low``, at most ``high``)
+  ``Exposed(comm, window)`` comm on another thread during time counted elsewhere: only ``max(0, comm − window)``
+  ``Every(term, k)``        something that happens once every k steps, amortised per step
+  ========================  ==============================================================================
+
+Links are alpha-beta (:class:`~quietsync.link.LinkModel`: ``messages·α + bytes/β``), one per kind
+(``intra``, ``inter``), full duplex: a collective's ring traffic flows both ways at once; a collective over a
+group that spans nodes uses ``inter``, a point-to-point transfer the link of its peer's node. A link may have a
+**floor** (the measured speed of the real transport under an emulated link): a transfer then takes the larger
+of the two, as the transport's emulation stretches a real transfer to at least its modeled time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..link import LINK_NAMES, LinkModel, traffic
+from ..topology import GROUPS, Topology
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+P2P = ("send", "recv", "exchange")
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One transfer of a step, as the transport meters it."""
+
+    kind: str
+    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``send``, ``recv`` or ``exchange``."""
+    group: str
+    """Transport group: ``world``, ``shard`` or ``replicate``."""
+    nbytes: int
+    """``B`` of :func:`quietsync.link.traffic`: the whole buffer (all-reduce), the unscattered input
+    (reduce-scatter), the gathered output (all-gather), the tensor (point-to-point)."""
+    name: str = ""
+    """What it carries (for tables and tests)."""
+    count: int = 1
+    """How many times it runs per occurrence (e.g. FSDP's all-gathers: per micro-batch, per unit)."""
+    steps: tuple[int, ...] | None = None
+    """The steps of the schedule's period (1-based) on which it runs; None: every step."""
+    peer: int | None = None
+    """Point-to-point: the global rank of the peer (the link is ``inter`` iff it is on another node)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVES + P2P:
+            raise ValueError(f"kind must be one of {', '.join(COLLECTIVES + P2P)}, got {self.kind!r}")
+        if self.group not in GROUPS:
+            raise ValueError(f"group must be one of {', '.join(GROUPS)}, got {self.group!r}")
+        if self.kind in P2P and self.peer is None:
+            raise ValueError(f"a {self.kind} needs its peer")
+
+    def runs_at(self, step: int, period: int) -> bool:
+        """Whether it runs at (1-based) step ``step`` of a schedule whose pattern repeats every ``period``."""
+        return self.steps is None or ((step - 1) % period) + 1 in self.steps
+
+    def per_period(self, period: int) -> int:
+        """How many times it runs in one period."""
+        return self.count * (period if self.steps is None else len(self.steps))
+
+    def bytes(self, topo: Topology) -> tuple[int, int]:
+        """``(sent, received)`` by worker ``topo.rank`` for one run, as the transport's meter counts them."""
+        if self.kind in P2P:
+            b = self.nbytes
+            return {"send": (b, 0), "recv": (0, b), "exchange": (b, b)}[self.kind]
+        n = len(topo.ranks(self.group))
+        if self.kind == "broadcast":  # chain: every worker but the last forwards; all but the root receive
+            pos = topo.ranks(self.group).index(topo.rank)
+            return (self.nbytes if n > 1 and pos < n - 1 else 0, self.nbytes if n > 1 and pos > 0 else 0)
+        sent = traffic(self.kind, self.nbytes, n)[1]
+        return sent, sent
+
+    def link(self, topo: Topology) -> str:
+        """``inter`` or ``intra``: the link this transfer of worker ``topo.rank`` uses."""
+        if self.kind in P2P:
+            return "inter" if topo.node_of(self.peer) != topo.node else "intra"
+        return "inter" if topo.spans_nodes(self.group) else "intra"
+
+
+@dataclass
+class Links:
+    """The links a prediction uses: one alpha-beta model per kind, and optionally a measured floor per kind."""
+
+    model: dict[str, LinkModel] = field(default_factory=dict)
+    """Modeled (given or emulated) links by kind; a missing kind costs nothing (unless it has a floor)."""
+    floor: dict[str, LinkModel] = field(default_factory=dict)
+    """What the real transport achieves (measured by the probe); a transfer takes at least this long."""
+
+    def __post_init__(self) -> None:
+        for key in (*self.model, *self.floor):
+            if key not in LINK_NAMES:
+                raise ValueError(f"link kinds must be in {LINK_NAMES}, got {key!r}")
+
+    def seconds(self, kind: str, comm: Comm, topo: Topology) -> float:
+        """Seconds one run of ``comm`` occupies link ``kind`` (0 for a group of one)."""
+        if comm.kind in P2P:
+            n, tkind = 2, ("send" if comm.kind in ("send", "exchange") else "recv")
+        else:
+            n, tkind = len(topo.ranks(comm.group)), comm.kind
+        if n <= 1:
+            return 0.0
+        out = 0.0
+        for table in (self.model, self.floor):
+            link = table.get(kind)
+            if link is not None:
+                out = max(out, link.time(tkind, comm.nbytes, n))
+        return out
+
+    def describe(self) -> dict[str, str]:
+        """``{kind: "100mbit,5ms"}`` of the modeled links, with the floor where one was measured."""
+        out = {}
+        for kind in LINK_NAMES:
+            parts = []
+            if kind in self.model:
+                parts.append(str(self.model[kind]))
+            if kind in self.floor:
+                parts.append(f"floor {self.floor[kind]}")
+            if parts:
+                out[kind] = ", ".join(parts)
+        return out
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Seconds of the computation a step is made of, on one worker (calibrated, or derived from FLOP/s)."""
+
+    forward_s: float
+    """Forward pass of one micro-batch."""
+    backward_s: float
+    """Backward pass of one micro-batch."""
+    optimizer_s_per_element: float
+    """The user's optimizer step (AdamW by default) per parameter element (a full step / parameters)."""
+    elements: int
+    """Parameters the calibration ran on (the model's)."""
+    codec_s: dict[str, float] = field(default_factory=dict)
+    """Extra seconds a decoupled optimizer step spends per full-model step, by replicator setting
+    (``"dct:0.03125"``...): encode, error feedback, decode, sign, apply — everything but the collective."""
+    copy_s_per_byte: float = 0.0
+    """A device memory copy per byte (hand-overs between buffers, pseudo-gradients)."""
+    worker_scale: tuple[float, ...] = ()
+    """Each worker's compute time relative to the profile (1.0 = as calibrated; heterogeneous workers differ);
+    empty: all equal."""
+    activation_bytes: int = 0
+    """Bytes autograd holds for backward at the peak of one micro-batch."""
+    source: str = "calibrated"
+    """How the numbers were obtained (``calibrated on cpu``, ``from 312 TFLOP/s at 40% MFU``...)."""
+
+    @property
+    def micro_batch_s(self) -> float:
+        """Forward + backward of one micro-batch."""
+        return self.forward_s + self.backward_s
+
+    def optimizer_s(self, elements: float) -> float:
+        """An optimizer step over ``elements`` parameter elements."""
+        return self.optimizer_s_per_element * elements
+
+    def codec(self, key: str, elements: float) -> float:
+        """The decoupled step's own computation for ``elements`` elements with replicator setting ``key``."""
+        if key not in self.codec_s:
+            return 0.0
+        return self.codec_s[key] * elements / max(1, self.elements)
+
+    def scales(self, world: int) -> tuple[float, ...]:
+        """Per-worker compute scale for ``world`` workers."""
+        if not self.worker_scale:
+            return (1.0,) * world
+        if len(self.worker_scale) != world:
+            raise ValueError(f"worker_scale has {len(self.worker_scale)} entries for {world} workers")
+        return self.worker_scale
+
+
+@dataclass
+class Ctx:
+    """What a :class:`Term` needs to become seconds: the compute profile, the links, this worker's topology."""
+
+    compute: ComputeProfile
+    links: Links
+    topo: Topology
+
+    @property
+    def slowest(self) -> float:
+        """Compute scale of the slowest worker (synchronous steps wait for it)."""
+        return max(self.compute.scales(self.topo.world_size))
+
+    def wire(self, comm: Comm) -> float:
+        """Seconds of one run of ``comm`` on this worker's link (α-β, floored)."""
+        return self.links.seconds(comm.link(self.topo), comm, self.topo)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A term evaluated: wall seconds on the critical path, and what filled them."""
+
+    time: float
+    """Wall seconds."""
+    compute: float = 0.0
+    """Main-thread compute seconds inside ``time`` (on the slowest worker for synchronous steps)."""
+    comm: float = 0.0
+    """Wire seconds of the transfers inside (hidden or not)."""
+    micro_batches: float = 0.0
+    """Micro-batches computed per worker (mean over workers)."""
+    global_micro_batches: float = 0.0
+    """Micro-batches computed by all workers together."""
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.time + other.time, self.compute + other.compute, self.comm + other.comm,
+                    self.micro_batches + other.micro_batches, self.global_micro_batches + other.global_micro_batches)
+
+    def scaled(self, k: float) -> Cost:
+        return Cost(self.time * k, self.compute * k, self.comm * k, self.micro_batches * k,
+                    self.global_micro_batches * k)
+
+    @property
+    def exposed_comm(self) -> float:
+        """Seconds of the step that are not computation (waiting on the network)."""
+        return max(0.0, self.time - self.compute)
+
+
+class Term:
+    """A piece of a step's timeline (see the module docstring)."""
+
+    def cost(self, ctx: Ctx) -> Cost:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(frozen=True)
+class MicroBatches(Term):
+    """``count`` forward+backward passes on the main thread (synchronous: the slowest worker sets the time)."""
+
+    count: float
+
+    def cost(self, ctx: Ctx) -> Cost:
+        t = self.count * ctx.compute.micro_batch_s * ctx.slowest
+        w = ctx.topo.world_size
+        return Cost(t, t, 0.0, self.count, self.count * w)
+
+    def describe(self) -> str:
+        return f"{self.count:g} micro-batch(es)"
+
+
+@dataclass(frozen=True)
+class Work(Term):
+    """Other main-thread computation: ``seconds(ctx)``."""
+
+    name: str
+    seconds: Callable[[Ctx], float]
+
+    def cost(self, ctx: Ctx) -> Cost:
+        t = self.seconds(ctx) * ctx.slowest
+        return Cost(t, t)
+
+    def describe(self) -> str:
+        return self.name
+
+
+def optimizer(elements: float, name: str = "optimizer step") -> Work:
+    """The user's optimizer over ``elements`` parameter elements on the main thread."""
+    return Work(name, lambda ctx: ctx.compute.optimizer_s(elements))
+
+
+def copy(nbytes: float, name: str = "copy") -> Work:
+    """A memory copy of ``nbytes`` on the main thread."""
+    return Work(name, lambda ctx: ctx.compute.copy_s_per_byte * nbytes)
+
+
+@dataclass(frozen=True)
+class Wire(Term):
+    """Transfers on the critical path, one after another on the link (blocking collectives)."""
+
+    comms: tuple[Comm, ...]
+
+    def __init__(self, comms: Iterable[Comm]) -> None:
+        object.__setattr__(self, "comms", tuple(comms))
+
+    def cost(self, ctx: Ctx) -> Cost:
+        t = sum(ctx.wire(c) * c.count for c in self.comms)
+        return Cost(t, 0.0, t)
+
+    def describe(self) -> str:
+        return " + ".join(c.name or c.kind for c in self.comms)
+
+
+@dataclass(frozen=True)
+class Seq(Term):
+    """Terms one after another."""
+
+    terms: tuple[Term, ...]
+
+    def __init__(self, *terms: Term) -> None:
+        object.__setattr__(self, "terms", tuple(terms))
+
+    def cost(self, ctx: Ctx) -> Cost:
+        out = Cost(0.0)
+        for t in self.terms:
+            out = out + t.cost(ctx)
+        return out
+
+    def describe(self) -> str:
+        return " → ".join(t.describe() for t in self.terms)
+
+
+@dataclass(frozen=True)
+class Hidden(Term):
+    """``comm`` runs on another thread while ``compute`` runs on the main thread: the step waits for both."""
+
+    compute: Term
+    comm: Term
+
+    def cost(self, ctx: Ctx) -> Cost:
+        a, b = self.compute.cost(ctx), self.comm.cost(ctx)
+        return Cost(max(a.time, b.time), a.compute, a.comm + b.comm, a.micro_batches, a.global_micro_batches)
+
+    def describe(self) -> str:
+        return f"[{self.compute.describe()}] ‖ [{self.comm.describe()}]"
+
+
+@dataclass(frozen=True)
+class Exposed(Term):
+    """``comm`` runs on another thread during ``window``, which the timeline already counts elsewhere (e.g. the
+    τ inner steps a Streaming DiLoCo exchange overlaps): only what sticks out, ``max(0, comm − window)``, adds."""
+
+    comm: Term
+    window: Term
+
+    def cost(self, ctx: Ctx) -> Cost:
+        c, w = self.comm.cost(ctx), self.window.cost(ctx)
+        return Cost(max(0.0, c.time - w.time), 0.0, c.comm)
+
+    def describe(self) -> str:
+        return f"[{self.comm.describe()}] beyond [{self.window.describe()}]"
+
+
+@dataclass(frozen=True)
+class Every(Term):
+    """``term`` once every ``k`` steps, amortised per step."""
+
+    term: Term
+    k: float
+
+    def cost(self, ctx: Ctx) -> Cost:
+        return self.term.cost(ctx).scaled(1.0 / self.k)
+
+    def describe(self) -> str:
+        return f"({self.term.describe()}) / {self.k:g}"
+
+
+@dataclass(frozen=True)
+class Buckets(Term):
+    """DDP's overlap: the last micro-batch of a round, whose backward all-reduces gradient buckets as it frees them.
+
+    Its forward runs first; backward runs in reverse parameter order, and bucket k is ready when the backward
+    has covered ``ready[k]`` of itself (a fraction, by parameter elements). A bucket's all-reduce starts when it
+    is ready and the previous one is done (one link, FIFO); the micro-batch ends when both the backward and the
+    last all-reduce have ended. Counts as one micro-batch.
+    """
+
+    ready: tuple[float, ...]
+    comms: tuple[Comm, ...]
+
+    def cost(self, ctx: Ctx) -> Cost:
+        fwd = ctx.compute.forward_s * ctx.slowest
+        bwd = ctx.compute.backward_s * ctx.slowest
+        end = 0.0
+        total = 0.0
+        for frac, c in zip(self.ready, self.comms):
+            d = ctx.wire(c) * c.count
+            end = max(end, frac * bwd) + d
+            total += d
+        return Cost(fwd + max(bwd, end), fwd + bwd, total, 1.0, float(ctx.topo.world_size))
+
+    def describe(self) -> str:
+        return f"forward, then backward ‖ {len(self.comms)} bucket all-reduce(s)"
+
+
+@dataclass(frozen=True)
+class Adaptive(Term):
+    """A stage of ACCO/DPU/WP: the main thread accumulates micro-batches while ``job`` runs on the communication
+    worker, and the stage ends after the first micro-batch that finishes once the job is done (at least
+    ``low`` micro-batches; at ``high`` it waits for the job instead; ``fixed``: exactly that many, waiting if
+    needed). Each worker computes at its own speed, so faster workers contribute more micro-batches."""
+
+    job: Term
+    low: int = 1
+    high: int | None = None
+    fixed: int | None = None
+
+    def cost(self, ctx: Ctx) -> Cost:
+        job = self.job.cost(ctx)
+        mb = ctx.compute.micro_batch_s
+        scales = ctx.compute.scales(ctx.topo.world_size)
+        counts = []
+        ends = []
+        for s in scales:
+            t = mb * s
+            if self.fixed is not None:
+                k = self.fixed
+            else:
+                k = max(self.low, math.ceil(job.time / t - 1e-9) if t > 0 else self.low)
+                if self.high is not None:
+                    k = min(k, self.high)
+            counts.append(k)
+            ends.append(k * t)
+        # the job starts when the slowest worker hands over; the next hand-over waits for it
+        stage = max(max(ends), job.time)
+        me = ctx.topo.rank
+        return Cost(stage, ends[me] if me < len(ends) else ends[0], job.comm, sum(counts) / len(counts), sum(counts))
+
+    def describe(self) -> str:
+        return f"micro-batches until [{self.job.describe()}] is done"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A strategy's step, for the cost model: transfers with sizes, the timeline, memory per worker."""
+
+    strategy: str
+    """Registered strategy name."""
+    label: str
+    """The knob setting, for tables (``diloco H=64 F=4``)."""
+    comms: tuple[Comm, ...]
+    """Every transfer of this worker over one period."""
+    step: Term
+    """The timeline of one step, averaged over the period."""
+    memory: dict[str, int]
+    """Bytes this worker holds per buffer (as the strategy's ``memory_report()`` names them) between steps."""
+    period: int = 1
+    """Steps after which the transfer pattern repeats."""
+    tokens_scale: float = 1.0
+    """Tokens per micro-batch relative to the workload's (CDP: one micro-batch is a slot of a cycle)."""
+    notes: tuple[str, ...] = ()
+    """What the model assumes beyond the timeline (for the report)."""
+    config: Any = None
+    """The strategy config the schedule was derived from."""
+
+    def bytes_at(self, step: int, topo: Topology) -> dict[str, dict[str, int]]:
+        """``{group: {"sent", "recv"}}`` of worker ``topo.rank`` at (1-based) step ``step``."""
+        out: dict[str, dict[str, int]] = {}
+        for c in self.comms:
+            if not c.runs_at(step, self.period):
+                continue
+            s, r = c.bytes(topo)
+            g = out.setdefault(c.group, {"sent": 0, "recv": 0})
+            g["sent"] += s * c.count
+            g["recv"] += r * c.count
+        return out
+
+    def bytes_per_step(self, topo: Topology) -> dict[str, dict[str, float]]:
+        """Mean ``{group: {"sent", "recv"}}`` per step over the period."""
+        out: dict[str, dict[str, float]] = {}
+        for c in self.comms:
+            s, r = c.bytes(topo)
+            k = c.per_period(self.period) / self.period
+            g = out.setdefault(c.group, {"sent": 0.0, "recv": 0.0})
+            g["sent"] += s * k
+            g["recv"] += r * k
+        return out
+
+    def bytes_per_link(self, topo: Topology) -> dict[str, float]:
+        """Mean bytes this worker sends per step on each link kind."""
+        out = {k: 0.0 for k in LINK_NAMES}
+        for c in self.comms:
+            s, _ = c.bytes(topo)
+            out[c.link(topo)] += s * c.per_period(self.period) / self.period
+        return out
+
+
+def lcm(*values: int) -> int:
+    """Least common multiple (1 for none)."""
+    out = 1
+    for v in values:
+        out = out * v // math.gcd(out, v)
+    return out
+
+
+def steps_where(period: int, pred: Callable[[int], bool]) -> tuple[int, ...] | None:
+    """The 1-based steps of a period where ``pred`` holds (None: all of them)."""
+    steps = tuple(s for s in range(1, period + 1) if pred(s))
+    return None if len(steps) == period else steps
+
+
+def chunk_rows(rows: int, n: int, index: int) -> int:
+    """Rows of chunk ``index`` of ``torch.chunk(rows, n)`` (the dim-0 shard FSDP2 holds; 0 past the end)."""
+    size = -(-rows // n)
+    return max(0, min(size, rows - index * size))
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape) if len(shape) else 1
