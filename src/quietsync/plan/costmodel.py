@@ -177,10 +177,16 @@ class ComputeProfile:
         return self.optimizer_s_per_element * elements
 
     def codec(self, key: str, elements: float) -> float:
-        """The decoupled step's own computation for ``elements`` elements with replicator setting ``key``."""
-        if key not in self.codec_s:
-            return 0.0
-        return self.codec_s[key] * elements / max(1, self.elements)
+        """The decoupled step's own computation for ``elements`` elements with setting ``key`` (see
+        :func:`~quietsync.plan.schedules.common.codec_key`). A setting not calibrated takes the closest one of
+        the same replicator (the codec's cost hardly depends on the compression), else the optimizer step."""
+        seconds = self.codec_s.get(key)
+        if seconds is None:
+            same = [v for k, v in self.codec_s.items() if k.split(":")[0] == key.split(":")[0]]
+            if not same:
+                return self.optimizer_s(elements)
+            seconds = max(same)
+        return seconds * elements / max(1, self.elements)
 
     def scales(self, world: int) -> tuple[float, ...]:
         """Per-worker compute scale for ``world`` workers."""

@@ -40,7 +40,8 @@ def ddp(w: Workload, topo: Topology, cfg: Any, group: str = "world", opt: Optimi
         comms.append(Comm("all_reduce", group, sum(w.numels[i] for i in b) * w.dtype_bytes, f"ddp bucket {k}"))
     step = Seq(MicroBatches(acc - 1), Buckets(tuple(ready), tuple(comms)), optimizer(w.params))
     memory = {"params": w.param_bytes, "grads": w.param_bytes, "optimizer_state": opt.bytes(w.numels)}
-    return Schedule("ddp", f"ddp acc={acc}", tuple(comms), step, memory, config=cfg,
+    label = "ddp" + (f" acc={acc}" if acc > 1 else "") + (f" buckets {cfg.bucket_cap_mb:g}MB" if cfg.bucket_cap_mb != 25 else "")
+    return Schedule("ddp", label, tuple(comms), step, memory, config=cfg,
                     notes=("bucket all-reduces overlap the last micro-batch's backward, in proportion to the "
                            "parameter elements it has freed",))
 
@@ -53,7 +54,8 @@ def zero1(w: Workload, topo: Topology, cfg: Any, group: str = "world", opt: Opti
     comms = flat_collectives(w, topo, group, cfg.reduce_dtype, "zero1") if n > 1 else ()
     step = Seq(MicroBatches(acc), Wire(comms[:1]), optimizer(flat_shard(w, n)), Wire(comms[1:]))
     memory = {**sharded_state_memory(w, topo, group, opt), "grads": w.padded(n) * w.dtype_bytes}
-    return Schedule("zero1", f"zero1 acc={acc} {cfg.reduce_dtype}", tuple(comms), step, memory, config=cfg)
+    label = "zero1" + (f" acc={acc}" if acc > 1 else "") + (f" {cfg.reduce_dtype}" if cfg.reduce_dtype != "float32" else "")
+    return Schedule("zero1", label, tuple(comms), step, memory, config=cfg)
 
 
 def fsdp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
@@ -72,7 +74,7 @@ def fsdp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> 
     step = Seq(MicroBatches(acc), Wire(gathers), Wire(scatters), Wire(across), optimizer(local))
     memory = {"param_shard": local * w.dtype_bytes, "grad_shard": 0, "params": local * w.dtype_bytes, "grads": 0,
               "optimizer_state": opt.bytes(shard_numels)}
-    return Schedule("fsdp", f"fsdp acc={acc}", comms, step, memory, config=cfg,
+    return Schedule("fsdp", "fsdp" + (f" acc={acc}" if acc > 1 else ""), comms, step, memory, config=cfg,
                     notes=("FSDP2's all-gathers run blocking through the transport: no prefetch overlap",))
 
 

@@ -30,9 +30,11 @@ class CyclicTimeline(Term):
     period: int
     stage_fractions: tuple[float, ...]
     hops: tuple[Comm, ...]
-    """Every worker's sends of a cycle, with the sender's rank in ``Comm.count``'s place: see :meth:`cost`."""
+    """Every send of a cycle, all workers' (``Comm.peer``: the receiver)."""
     senders: tuple[int, ...]
+    """The sender of each hop."""
     elements: int
+    """Parameter elements every worker's optimizer updates per cycle."""
 
     def cost(self, ctx: Ctx) -> Cost:
         n, w = self.stages, self.workers

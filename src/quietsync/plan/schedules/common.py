@@ -3,7 +3,6 @@ FSDP2's per-unit collectives, dim-0 shards and what a replicator puts on the wir
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,7 +58,7 @@ def flat_group_views(w: Workload, n: int, index: int) -> list[int]:
     """Elements of each parameter group's part of flat shard ``index`` (one optimizer tensor per group)."""
     lo, hi = index * flat_shard(w, n), (index + 1) * flat_shard(w, n)
     out, at = [], 0
-    for k, idx in zip(w.group_sizes, w.groups()):
+    for idx in w.groups():
         size = sum(w.numels[i] for i in idx)
         a, b = max(at, lo), min(at + size, hi)
         out.append(max(0, b - a))
@@ -186,29 +185,24 @@ def momentum_numel(rep, shapes: Sequence[Shape]) -> int:
 
 
 def codec_key(replicator: str, compression: float, transfer_dtype: str = "fp32", chunk: int = 64,
-              topk: int | None = None) -> str:
-    """The key of a replicator setting in :attr:`~quietsync.plan.costmodel.ComputeProfile.codec_s`."""
-    if replicator in ("full", "none"):
-        return replicator
-    key = f"{replicator}:{compression:.6g}:{transfer_dtype}"
+              topk: int | None = None, base: str = "sgd") -> str:
+    """The key of a decoupled setting in :attr:`~quietsync.plan.costmodel.ComputeProfile.codec_s`:
+    ``replicator:compression:dtype[:chunk:topk]:base`` (the replicator's name first)."""
+    key = replicator
+    if replicator not in ("full", "none"):
+        key += f":{compression:.6g}:{transfer_dtype}"
     if replicator == "dct":
         key += f":{chunk}:{topk}"
-    return key
+    return f"{key}:{base}"
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+def codec_knobs(key: str) -> dict:
+    """The knobs of :func:`codec_key`'s ``key`` (for calibrating it)."""
+    parts = key.split(":")
+    knobs: dict = {"replicator": parts[0], "base": parts[-1]}
+    if parts[0] not in ("full", "none"):
+        knobs.update(compression=float(parts[1]), transfer_dtype=parts[2])
+    if parts[0] == "dct":
+        knobs.update(chunk=int(parts[3]), topk=None if parts[4] == "None" else int(parts[4]))
+    return knobs
 
-
-def log2_ladder(lo: int, hi: int) -> list[int]:
-    """Powers of two in ``[lo, hi]``."""
-    out, v = [], 1
-    while v <= hi:
-        if v >= lo:
-            out.append(v)
-        v *= 2
-    return out
-
-
-def isqrt(x: int) -> int:
-    return math.isqrt(x)

@@ -14,7 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 from ...topology import Topology
-from ..costmodel import Comm, Every, MicroBatches, Schedule, Seq, Wire, Work, lcm, numel, optimizer, steps_where
+from ..costmodel import (
+    Comm,
+    Every,
+    MicroBatches,
+    Schedule,
+    Seq,
+    Wire,
+    Work,
+    lcm,
+    numel,
+    optimizer,
+    steps_where,
+)
 from ..workload import Shape, Workload
 from .common import (
     ADAMW,
@@ -57,7 +69,7 @@ def _decoupled_step(shapes: list[Shape], cfg: Any, rep: Any, period: int, on: tu
     """The decoupled optimizer's step over ``shapes``: codec and base rule on the main thread, the collective
     blocking, both only on replicating steps (the others apply the local gradient)."""
     elements = sum(numel(s) for s in shapes)
-    key = codec_key(cfg.replicator, cfg.compression, cfg.transfer_dtype, cfg.chunk, cfg.topk)
+    key = codec_key(cfg.replicator, cfg.compression, cfg.transfer_dtype, cfg.chunk, cfg.topk, _base(cfg))
     share = 1.0 if on is None else len(on) / period
     work = Work(f"decoupled step ({cfg.replicator} codec + {_base(cfg)})",
                 lambda ctx: share * ctx.compute.codec(key, elements) + (1 - share) * ctx.compute.optimizer_s(elements))

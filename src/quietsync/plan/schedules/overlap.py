@@ -4,9 +4,9 @@ Each stage, the main thread accumulates micro-batches while a job runs on the co
 all-reduce of the per-worker micro-batch counts (float64, one per worker), a reduce-scatter of the handed-over
 gradients, an optimizer step on this worker's shard (ACCO: an uncommitted estimate or the commit; WP: the
 commit and a second, predicted step), and an all-gather of the resulting parameters. A stage holds as many
-micro-batches as it takes for the job to finish (:class:`~quietsync.plan.costmodel.Adaptive`), so compute hides
-the network until the network takes longer than one micro-batch per worker can fill... and then it still does,
-with more micro-batches per step. ACCO has two stages per committed step, DPU and WP one.
+micro-batches as it takes for the job to finish (:class:`~quietsync.plan.costmodel.Adaptive`), so computation
+hides the network at any link speed — a slower link means more micro-batches (tokens) per step, not idle
+workers — unless ``max_accumulation`` caps the stage. ACCO has two stages per committed step, DPU and WP one.
 """
 
 from __future__ import annotations
