@@ -101,29 +101,38 @@ class Comm:
 
 @dataclass
 class Links:
-    """The links a prediction uses: one alpha-beta model per kind, and optionally a measured floor per kind."""
+    """The links a prediction uses: one alpha-beta model per kind, and optionally a measured floor per kind.
+
+    Either may also hold a model per collective kind (``by_kind[link][collective]``): a backend may not move a
+    collective at the link's speed (gloo's CPU reduce-scatter moves an all-reduce's worth of bytes while the
+    meter counts the ring algorithm's), and the probe measures each collective the strategies use."""
 
     model: dict[str, LinkModel] = field(default_factory=dict)
     """Modeled (given or emulated) links by kind; a missing kind costs nothing (unless it has a floor)."""
     floor: dict[str, LinkModel] = field(default_factory=dict)
     """What the real transport achieves (measured by the probe); a transfer takes at least this long."""
+    model_by_kind: dict[str, dict[str, LinkModel]] = field(default_factory=dict)
+    """Per link kind, per collective kind (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``p2p``): overrides
+    :attr:`model` for that collective."""
+    floor_by_kind: dict[str, dict[str, LinkModel]] = field(default_factory=dict)
+    """The same for :attr:`floor`."""
 
     def __post_init__(self) -> None:
-        for key in (*self.model, *self.floor):
+        for key in (*self.model, *self.floor, *self.model_by_kind, *self.floor_by_kind):
             if key not in LINK_NAMES:
                 raise ValueError(f"link kinds must be in {LINK_NAMES}, got {key!r}")
 
     def seconds(self, kind: str, comm: Comm, topo: Topology) -> float:
         """Seconds one run of ``comm`` occupies link ``kind`` (0 for a group of one)."""
         if comm.kind in P2P:
-            n, tkind = 2, ("send" if comm.kind in ("send", "exchange") else "recv")
+            n, tkind, coll = 2, ("send" if comm.kind in ("send", "exchange") else "recv"), "p2p"
         else:
-            n, tkind = len(topo.ranks(comm.group)), comm.kind
+            n, tkind, coll = len(topo.ranks(comm.group)), comm.kind, comm.kind
         if n <= 1:
             return 0.0
         out = 0.0
-        for table in (self.model, self.floor):
-            link = table.get(kind)
+        for table, by_kind in ((self.model, self.model_by_kind), (self.floor, self.floor_by_kind)):
+            link = by_kind.get(kind, {}).get(coll) or table.get(kind)
             if link is not None:
                 out = max(out, link.time(tkind, comm.nbytes, n))
         return out
@@ -456,8 +465,6 @@ class Schedule:
     """Bytes this worker holds per buffer (as the strategy's ``memory_report()`` names them) between steps."""
     period: int = 1
     """Steps after which the transfer pattern repeats."""
-    tokens_scale: float = 1.0
-    """Tokens per micro-batch relative to the workload's (CDP: one micro-batch is a slot of a cycle)."""
     notes: tuple[str, ...] = ()
     """What the model assumes beyond the timeline (for the report)."""
     config: Any = None

@@ -83,7 +83,7 @@ class PlanResult:
 
         def at(bw: float) -> dict[str, float]:
             links = Links(model={**self.cluster.links.model, kind: LinkModel(bw, base.latency)},
-                          floor=self.cluster.links.floor)
+                          floor=self.cluster.links.floor, floor_by_kind=self.cluster.links.floor_by_kind)
             return {r.label: 1e3 / self.predict(r.strategy, r.knobs, links).tokens_per_s for r in rows}
 
         grid = [at(bw) for bw in bws]
@@ -269,12 +269,16 @@ def _measure_worker(cfg: PlanConfig, keys: list[str], result_path: str) -> None:
                        "probe": None if result is None else {
                            "seconds": result.seconds,
                            "samples": {k: [dataclasses.asdict(s) for s in v] for k, v in result.samples.items()},
-                           "fits": {k: {"bandwidth": f.link.bandwidth, "latency": f.link.latency,
-                                        "rel_error": f.rel_error} for k, f in result.fits.items()}},
+                           "fits": {k: _fit_json(f) for k, f in result.fits.items()},
+                           "by_kind": {k: {c: _fit_json(f) for c, f in v.items()} for k, v in result.by_kind.items()}},
                        "nodes": topo.nodes, "world": topo.world_size}
             Path(result_path).write_text(json.dumps(payload))
     finally:
         transport.close()
+
+
+def _fit_json(f: Any) -> dict[str, float]:
+    return {"bandwidth": f.link.bandwidth, "latency": f.link.latency, "rel_error": f.rel_error}
 
 
 def _under_torchrun() -> bool:
@@ -314,21 +318,28 @@ def compute_from(measured: dict[str, Any], slow: dict[int, float]) -> ComputePro
 
 
 def links_from_probe(cfg: PlanConfig, measured: dict[str, Any] | None) -> tuple[Links, list[str]]:
-    """Given links as the model, the probe's fits as their floor (or as the links where none is given)."""
+    """Given links as the model, the probe's fits as their floor (or as the links where none is given); per
+    collective kind where the probe fitted one."""
     model = dict(cfg.links)
     floor: dict[str, LinkModel] = {}
+    by_kind: dict[str, dict[str, LinkModel]] = {}
     notes = []
-    fits = (measured or {}).get("probe") or {}
-    for kind, f in (fits.get("fits") or {}).items():
+    probed = (measured or {}).get("probe") or {}
+    for kind, f in (probed.get("fits") or {}).items():
         fitted = LinkModel(f["bandwidth"], f["latency"])
+        per = {c: LinkModel(g["bandwidth"], g["latency"]) for c, g in (probed.get("by_kind") or {}).get(kind, {}).items()}
+        by_kind[kind] = per
+        each = "; per collective " + ", ".join(f"{c} {m}" for c, m in sorted(per.items())) if per else ""
         if kind in model:
             floor[kind] = fitted
-            notes.append(f"{kind}: given {model[kind]}; the real transport measured {fitted} "
-                         f"(median fit error {f['rel_error']:.0%}), used as a floor")
+            notes.append(f"{kind}: given {model[kind]}; the real transport measured {fitted} (median fit error "
+                         f"{f['rel_error']:.0%}){each}, used as a floor")
         else:
             model[kind] = fitted
-            notes.append(f"{kind}: measured {fitted} by the probe (median fit error {f['rel_error']:.0%})")
-    return Links(model=model, floor=floor), notes
+            notes.append(f"{kind}: measured {fitted} by the probe (median fit error {f['rel_error']:.0%}){each}")
+    given = set(cfg.links)
+    return Links(model=model, floor=floor, model_by_kind={k: v for k, v in by_kind.items() if k not in given},
+                 floor_by_kind={k: v for k, v in by_kind.items() if k in given}), notes
 
 
 # ---------------------------------------------------------------------------------------------- predicting

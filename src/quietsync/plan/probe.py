@@ -4,13 +4,16 @@ Run by every worker of the job (it is made of collectives), over a transport **w
 sees the network as it is — a loopback, a cluster's Ethernet, or a kernel-shaped link (``tc tbf``) that the
 transport knows nothing about. Per link kind it measures
 
-* ``inter`` (workers on different nodes): all-reduces over the ``replicate`` group and point-to-point
-  exchanges around it (each worker sends to the next node's worker while receiving from the previous one's);
+* ``inter`` (workers on different nodes): all-reduces, reduce-scatters and all-gathers over the ``replicate``
+  group and point-to-point exchanges around it (each worker sends to the next node's worker while receiving
+  from the previous one's);
 * ``intra`` (inside a node): the same over the ``shard`` group;
 
 over a sweep of message sizes (doubling from ``min_bytes`` until one transfer takes ``max_op_s`` or the size
 reaches ``max_bytes``), each size ``repeats`` times after a warm-up, keeping the median of the slowest worker.
-Then :func:`~quietsync.plan.fit.fit_link` fits ``α`` and ``β`` to all samples of a kind.
+Then :func:`~quietsync.plan.fit.fit_link` fits ``α`` and ``β`` to all samples of a kind, and to each collective's
+alone: a backend need not move every collective at the link's speed (gloo's CPU reduce-scatter takes as long as
+an all-reduce of the same input), and the plan uses each collective's own fit.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class ProbeResult:
 
     samples: dict[str, list[Sample]] = field(default_factory=dict)
     fits: dict[str, Fit] = field(default_factory=dict)
+    """One link per kind, fitted to all its samples."""
+    by_kind: dict[str, dict[str, Fit]] = field(default_factory=dict)
+    """Per link kind, a link fitted to each collective's samples alone (``all_reduce``, ``reduce_scatter``,
+    ``all_gather``, ``p2p``)."""
     seconds: float = 0.0
     """How long the probe took."""
 
@@ -73,27 +80,31 @@ def probe(transport: Transport, *, min_bytes: int = 1 << 10, max_bytes: int = 1 
         samples: list[Sample] = []
         size = min_bytes
         while size <= max_bytes:
-            numel = max(1, size // 4)
-            buf = torch.zeros(numel, dtype=torch.float32, device=transport.device)
-            out = torch.empty_like(buf)
+            numel = max(n, size // 4 // n * n)
             nbytes = numel * 4
-
-            def reduce(buf: torch.Tensor = buf, group: str = group) -> None:
-                transport.all_reduce(buf, group, name="probe/all_reduce")
-
-            def ring(buf: torch.Tensor = buf, out: torch.Tensor = out, group: str = group, right: int = (me + 1) % n,
-                     left: int = (me - 1) % n) -> None:
-                transport.exchange(buf, right, out, left, group, name="probe/exchange")
-
-            t_ar = _timed(transport, group, reduce, repeats)
-            messages, sent = traffic("all_reduce", nbytes, n)
-            samples.append(Sample("all_reduce", messages, sent, t_ar))
-            t_p2p = _timed(transport, group, ring, repeats)
-            samples.append(Sample("exchange", 1, nbytes, t_p2p))
-            if max(t_ar, t_p2p) >= max_op_s:
+            full = torch.zeros(numel, dtype=torch.float32, device=transport.device)
+            other = torch.empty_like(full)
+            part = torch.zeros(numel // n, dtype=torch.float32, device=transport.device)
+            ops = {
+                "all_reduce": lambda full=full, group=group: transport.all_reduce(full, group, name="probe/all_reduce"),
+                "reduce_scatter": lambda full=full, part=part, group=group: transport.reduce_scatter(
+                    part, full, group, name="probe/reduce_scatter"),
+                "all_gather": lambda full=full, part=part, group=group: transport.all_gather(
+                    full, part, group, name="probe/all_gather"),
+                "p2p": lambda full=full, other=other, group=group, right=(me + 1) % n, left=(me - 1) % n:
+                    transport.exchange(full, right, other, left, group, name="probe/exchange"),
+            }
+            slowest = 0.0
+            for coll, op in ops.items():
+                seconds = _timed(transport, group, op, repeats)
+                messages, sent = (1, nbytes) if coll == "p2p" else traffic(coll, nbytes, n)
+                samples.append(Sample(coll, messages, sent, seconds))
+                slowest = max(slowest, seconds)
+            if slowest >= max_op_s:
                 break
             size *= 2
         result.samples[kind] = samples
         result.fits[kind] = fit_link(samples)
+        result.by_kind[kind] = {c: fit_link([s for s in samples if s.kind == c]) for c in {s.kind for s in samples}}
     result.seconds = time.perf_counter() - start
     return result

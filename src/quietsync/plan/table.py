@@ -86,7 +86,7 @@ def row_of(sched: Schedule, workload: Workload, topo: Topology, compute: Compute
            label: str | None = None) -> Row:
     """Evaluate an already built schedule."""
     cost = sched.step.cost(Ctx(compute, links, topo))
-    tokens = cost.global_micro_batches * workload.tokens_per_micro_batch * sched.tokens_scale
+    tokens = cost.global_micro_batches * workload.tokens_per_micro_batch
     sent = {g: v["sent"] for g, v in sched.bytes_per_step(topo).items()}
     return Row(
         strategy=sched.strategy, label=label or sched.label, knobs=knob_diff(sched.strategy, sched.config),
