@@ -105,3 +105,29 @@ def test_the_findings_quote_numbers_that_are_in_their_sources():
         for number in f.numbers:
             assert number in text, (f.source, number)
             assert number in f.text, (f.text, number)
+
+
+@pytest.mark.timeout(400)
+def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkeypatch):
+    import json
+
+    from quietsync.train.compare import compare_main
+    from tests.train.conftest import synthetic_text
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    data = tmp_path / "text.txt"
+    data.write_text(synthetic_text(2000))
+    out = tmp_path / "cmp"
+    rc = compare_main([
+        "--strategies", "zero1", "demo", "--predict", "--out", str(out), "--nproc", "2", "--model", "tiny",
+        "--max-steps", "3", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
+        "--link", "inter=1gbit,1ms", "--dataset", str(data), "--cache-dir", str(tmp_path / "cache"),
+        "--eval-windows", "4", "--eval-every", "0", "--no-progress", "--no-plot", "--no-export"])
+    assert rc == 0
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["predicted"]["label"] for r in rows] == ["zero1", "demo dct 1/32"]
+    for r in rows:  # bytes per step are the same every step for both: predicted exactly
+        assert r["predicted"]["bytes_sent_per_step"] == r["bytes_sent_per_step"], r["label"]
+        assert r["predicted"]["step_s"] > 0
+    assert "Predicted (quietsync plan) beside measured" in (out / "compare.md").read_text()
