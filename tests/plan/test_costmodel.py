@@ -148,3 +148,17 @@ def test_a_described_transformer_has_the_shapes_transformers_builds():
     assert described.tokens_per_micro_batch == 32
     assert described.flops_per_token == pytest.approx(6 * described.params + 12 * 3 * 24 * 16)
     assert math.prod(described.shapes[0]) > 0
+
+
+def test_fit_follows_large_transfers_through_a_token_bucket():
+    """tc tbf lets a burst through at line rate: small transfers look fast, a megabyte sees the shaped rate."""
+    rate, burst, line = 12.5e6, 64e3, 1.25e9
+
+    def seconds(nbytes: float) -> float:
+        return 1e-4 + (min(nbytes, burst) / line) + max(0.0, nbytes - burst) / rate
+
+    samples = [Sample("exchange", 1, s, seconds(s)) for s in (1 << k for k in range(10, 23))]
+    fit = fit_link(samples)
+    assert fit.link.bandwidth == pytest.approx(rate, rel=0.1)
+    for size in (1 << 21, 1 << 24):  # what a gradient takes is predicted within 10%
+        assert fit.link.time("send", size, 2) == pytest.approx(seconds(size), rel=0.1)

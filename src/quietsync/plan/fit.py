@@ -2,9 +2,16 @@
 
 Each measurement is one transfer: ``messages`` on its critical path, ``bytes`` each worker sent (both from
 :func:`quietsync.link.traffic`, as the transport counts them) and the seconds it took. The model is
-``seconds = messages·α + bytes/β``: linear in ``(α, 1/β)``, fitted by least squares with both kept ≥ 0, each
-measurement weighted by ``1/seconds`` so that small transfers (which pin α) count as much as large ones (which
-pin β) — the error minimised is relative.
+``seconds = messages·α + bytes/β``, linear in ``(α, 1/β)``:
+
+1. ``1/β`` (and a first α) by least squares on the seconds themselves, both kept ≥ 0 — the large transfers
+   dominate, as they dominate a training step's communication time;
+2. α again, as the median over the smallest third of the transfers of ``(seconds − bytes/β) / messages``
+   (≥ 0): what a small message costs beyond its bytes.
+
+Fitting relative errors instead would let the many small transfers set β — and a shaped link's token bucket
+(``tc tbf ... burst 64kb``) lets transfers below its burst through at line rate, which is not the rate a
+megabyte gradient sees.
 """
 
 from __future__ import annotations
@@ -42,15 +49,19 @@ class Fit:
 
 
 def fit_link(samples: Sequence[Sample]) -> Fit:
-    """Least-squares α ≥ 0 and 1/β ≥ 0 (relative error) for ``samples``; raises ``ValueError`` without at least
-    one sample that moved bytes."""
+    """α ≥ 0 and β > 0 for ``samples`` (see the module docstring); raises ``ValueError`` without at least one
+    sample that moved bytes."""
     rows = [(s.messages, s.nbytes, s.seconds) for s in samples if s.seconds > 0]
     if not any(b > 0 for _, b, _ in rows):
         raise ValueError("fit_link needs at least one sample that moved bytes")
-    a, x = _nnls2([(m / t, b / t) for m, b, t in rows], [1.0] * len(rows))
+    a, x = _nnls2([(m, b) for m, b, _ in rows], [t for _, _, t in rows])
     if x <= 0:  # every sample looked free of bandwidth cost: take the largest transfer's rate as the bound
         m, b, t = max(rows, key=lambda r: r[1])
         x = max(t - m * a, t * 1e-6) / b
+    small = sorted(rows, key=lambda r: r[1])[: max(1, len(rows) // 3)]
+    latencies = sorted(max(0.0, (t - b * x) / m) for m, b, t in small if m > 0)
+    if latencies:
+        a = latencies[len(latencies) // 2]
     link = LinkModel(1.0 / x, a)
     errors = sorted(abs(m * a + b * x - t) / t for m, b, t in rows)
     return Fit(link, errors[len(errors) // 2], len(rows))
