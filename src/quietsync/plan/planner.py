@@ -178,7 +178,7 @@ def build_workload(cfg: PlanConfig, *, real: bool) -> tuple[Workload, torch.nn.M
 
 
 def _can_cut(model: torch.nn.Module, n: int) -> bool:
-    from ..strategies.stages import sequential_view
+    from ..strategies.cdp.stages import sequential_view
 
     try:
         return n <= len(sequential_view(model).segments)

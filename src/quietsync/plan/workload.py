@@ -181,7 +181,7 @@ class Workload:
 def _fsdp_units(model: torch.nn.Module, index: dict[int, int]) -> tuple[tuple[int, ...], ...]:
     """FSDP units as :class:`~quietsync.strategies.fsdp_shards.FsdpShards` makes them: every element of an
     outermost ``nn.ModuleList`` that holds parameters, then the root with the rest."""
-    from ..strategies.fsdp_shards import fsdp_units
+    from ..strategies.substrates.fsdp_shards import fsdp_units
 
     units, seen = [], set()
     for unit in fsdp_units(model):
@@ -195,7 +195,7 @@ def _fsdp_units(model: torch.nn.Module, index: dict[int, int]) -> tuple[tuple[in
 
 def _stage_numels(model: torch.nn.Module, n: int) -> tuple[int, ...]:
     """Trainable elements each of ``n`` CDP stages owns (cut by parameter count, as ``cdp`` does by default)."""
-    from ..strategies.stages import partition, sequential_view
+    from ..strategies.cdp.stages import partition, sequential_view
 
     plan = partition(sequential_view(model), n, "params")
     return tuple(sum(p.numel() for p in ps if p.requires_grad) for ps in plan.owned)

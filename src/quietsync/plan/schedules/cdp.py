@@ -62,7 +62,7 @@ class CyclicTimeline(Term):
 def cdp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
     """CDP on ``world``: per cycle (committed step), each stage's gradient goes down the reduce chain and the
     mean back through the distribution chain, point to point."""
-    from ...strategies.cdp import Schedule as Timeline
+    from ...strategies.cdp.schedule import Schedule as Timeline
 
     world = topo.world_size
     n = cfg.stages if cfg.stages is not None else (world if world > 1 else 2)

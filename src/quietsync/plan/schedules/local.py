@@ -48,7 +48,7 @@ def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW)
 
 def fragments(w: Workload, count: int) -> list[list[int]]:
     """Parameter indices of each DiLoCo fragment (contiguous, balanced by elements; as ``split_fragments``)."""
-    from ...strategies.outer import split_fragments
+    from ...strategies.local.fragments import split_fragments
 
     return split_fragments(list(w.numels), count)
 
