@@ -156,3 +156,20 @@ def test_two_nodes_of_two_workers_every_strategy_bytes_and_memory_equal_the_mete
     cases = BOTH + HIERARCHICAL + CDP4
     results = run_ranks(_run, 4, cases, nodes=2, timeout=540)
     _check(cases, results, 4, 2)
+
+
+def test_every_strategy_has_its_schedule_beside_it():
+    """Each family's ``cost.py`` holds the schedules of that family's strategies (so the model cannot drift from
+    the code unseen: the tests above hold them to the meter)."""
+    from quietsync.plan.schedules import schedules
+    from quietsync.strategies.registry import available, get
+    from tests.strategies.test_contract import FAMILIES
+
+    table = schedules()
+    shipped = {n for names in FAMILIES.values() for n in names}
+    assert shipped <= set(available()) and shipped <= set(table)
+    for name in shipped:
+        family = get(name)[0].__module__.split(".")[2]
+        assert table[name].__module__ == f"quietsync.strategies.{family}.cost", name
+    covered = {c[0] for c in BOTH + HIERARCHICAL + CDP2 + CDP4}
+    assert covered == shipped  # every shipped strategy is checked against the meter above

@@ -17,22 +17,31 @@ plan`` on the command line. The parts, one job each:
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
 from typing import Any
 
-from .config import PlanConfig
-from .costmodel import Comm, ComputeProfile, Links, Schedule
-from .planner import PlanResult, plan
-from .workload import Workload
+_LAZY = {"Comm": "costmodel", "ComputeProfile": "costmodel", "Links": "costmodel", "Schedule": "costmodel",
+         "PlanConfig": "config", "PlanResult": "planner", "plan": "planner", "Workload": "workload"}
+"""Public names and their modules, imported on first use: the strategies' ``cost.py`` modules import
+:mod:`~quietsync.plan.costmodel` when the strategies are registered, which must not pull in the planner."""
 
-__all__ = ["Comm", "ComputeProfile", "Links", "PlanConfig", "PlanResult", "Schedule", "Workload", "plan"]
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _CallableModule(types.ModuleType):
     """``quietsync.plan(...)`` calls :func:`~quietsync.plan.planner.plan`; ``quietsync.plan.X`` stays a module."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> PlanResult | None:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .planner import plan
+
         return plan(*args, **kwargs)
 
 

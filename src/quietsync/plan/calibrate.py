@@ -160,7 +160,7 @@ def calibrate(model: torch.nn.Module, batch: Any, loss_fn: LossFn, *,
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
         optimizer, optimizer_kwargs: the optimizer the strategies run (AdamW, lr 1e-3 by default).
         codecs: decoupled settings to time, ``{key: {"replicator": ..., "compression": ..., "base": ...}}``
-            (keys as :func:`~quietsync.plan.schedules.common.codec_key` makes them).
+            (keys as :func:`~quietsync.plan.costmodel.codec_key` makes them).
         codec_group: workers the replicators' collective gathers from (all-gathers grow with it).
         warmup, repeats: untimed and timed repetitions of each measurement.
     """

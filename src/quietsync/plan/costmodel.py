@@ -187,7 +187,7 @@ class ComputeProfile:
 
     def codec(self, key: str, elements: float) -> float:
         """The decoupled step's own computation for ``elements`` elements with setting ``key`` (see
-        :func:`~quietsync.plan.schedules.common.codec_key`). A setting not calibrated takes the closest one of
+        :func:`~quietsync.plan.costmodel.codec_key`). A setting not calibrated takes the closest one of
         the same replicator (the codec's cost hardly depends on the compression), else the optimizer step."""
         seconds = self.codec_s.get(key)
         if seconds is None:
@@ -524,3 +524,26 @@ def chunk_rows(rows: int, n: int, index: int) -> int:
 
 def numel(shape: Sequence[int]) -> int:
     return math.prod(shape) if len(shape) else 1
+
+
+def codec_key(replicator: str, compression: float, transfer_dtype: str = "fp32", chunk: int = 64,
+              topk: int | None = None, base: str = "sgd") -> str:
+    """The key of a decoupled setting in :attr:`~quietsync.plan.costmodel.ComputeProfile.codec_s`:
+    ``replicator:compression:dtype[:chunk:topk]:base`` (the replicator's name first)."""
+    key = replicator
+    if replicator not in ("full", "none"):
+        key += f":{compression:.6g}:{transfer_dtype}"
+    if replicator == "dct":
+        key += f":{chunk}:{topk}"
+    return f"{key}:{base}"
+
+
+def codec_knobs(key: str) -> dict:
+    """The knobs of :func:`codec_key`'s ``key`` (for calibrating it)."""
+    parts = key.split(":")
+    knobs: dict = {"replicator": parts[0], "base": parts[-1]}
+    if parts[0] not in ("full", "none"):
+        knobs.update(compression=float(parts[1]), transfer_dtype=parts[2])
+    if parts[0] == "dct":
+        knobs.update(chunk=int(parts[3]), topk=None if parts[4] == "None" else int(parts[4]))
+    return knobs

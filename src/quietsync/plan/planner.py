@@ -28,10 +28,9 @@ from ..topology import Topology
 from .candidates import Tuned, default_candidates, tune_demo, tune_diloco, tune_localsgd, tune_overlap_cap
 from .cluster import Cluster, Device
 from .config import PlanConfig, transformer_shape
-from .costmodel import ComputeProfile, Links
+from .costmodel import ComputeProfile, Links, codec_key, codec_knobs
 from .recommend import HETEROGENEOUS, Advice, advise
 from .schedules import strategy_config
-from .schedules.common import codec_key, codec_knobs
 from .table import Row, evaluate, markdown
 from .workload import Workload
 

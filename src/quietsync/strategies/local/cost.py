@@ -1,4 +1,4 @@
-"""Schedules of the local family: ``localsgd`` and ``diloco`` (including Streaming and hierarchical DiLoCo).
+"""The cost of the local family, beside it: ``localsgd`` and ``diloco`` (Streaming and hierarchical DiLoCo too).
 
 Workers train alone (or synchronously inside their node) and average every so many steps: Local SGD
 all-reduces the parameters every K steps; DiLoCo syncs each of F fragments every H steps, staggered by H/F,
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...topology import Topology
-from ..costmodel import (
+from ...plan.costmodel import (
     Comm,
     Every,
     Exposed,
@@ -24,8 +23,10 @@ from ..costmodel import (
     numel,
     optimizer,
 )
-from ..workload import Workload
-from .common import ADAMW, OptimizerState, group_of, replicator, replicator_comm
+from ...plan.workload import Workload
+from ...topology import Topology
+from ..parts.cost import ADAMW, OptimizerState, group_of, replicator, replicator_comm
+from .fragments import split_fragments
 
 
 def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
@@ -48,8 +49,6 @@ def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW)
 
 def fragments(w: Workload, count: int) -> list[list[int]]:
     """Parameter indices of each DiLoCo fragment (contiguous, balanced by elements; as ``split_fragments``)."""
-    from ...strategies.local.fragments import split_fragments
-
     return split_fragments(list(w.numels), count)
 
 
@@ -82,14 +81,11 @@ def _inner(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState) -> tuple[
     if cfg.inner == "local":
         memory = {"params": w.param_bytes, "grads": w.param_bytes, "optimizer_state": opt.bytes(w.numels)}
         return [], Seq(MicroBatches(cfg.accumulation), optimizer(w.params)), memory
-    from types import SimpleNamespace
+    from ...plan.schedules import schedule_function, strategy_config
 
-    from .baselines import ddp, zero1
-
-    if cfg.inner == "ddp":
-        inner = ddp(w, topo, SimpleNamespace(accumulation=cfg.accumulation, bucket_cap_mb=25.0), "shard", opt)
-    else:
-        inner = zero1(w, topo, SimpleNamespace(accumulation=cfg.accumulation, reduce_dtype="float32"), "shard", opt)
+    # the inner strategy's own schedule, found as diloco finds the inner strategy: by name
+    inner_cfg = strategy_config(cfg.inner, {"accumulation": cfg.accumulation})
+    inner = schedule_function(cfg.inner)(w, topo, inner_cfg, group="shard", opt=opt)
     return list(inner.comms), inner.step, dict(inner.memory)
 
 
@@ -133,4 +129,5 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
     return Schedule("diloco", label, (*inner_comms, *outer), step, memory, period=H, config=cfg)
 
 
-__all__ = ["diloco", "fragments", "localsgd"]
+SCHEDULES = {"localsgd": localsgd, "diloco": diloco}
+"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

@@ -1,7 +1,7 @@
-"""Schedule of ``cdp``: Cyclic Data Parallelism's point-to-point transfers and its cyclic timeline.
+"""The cost of ``cdp``, beside it: Cyclic Data Parallelism's point-to-point transfers and its cyclic timeline.
 
 Which worker sends which stage's gradient to whom in a cycle is the strategy's own timeline
-(:class:`quietsync.strategies.cdp.Schedule`: the reduce chain over the slots, then the distribution chain from
+(:class:`~quietsync.strategies.cdp.schedule.Schedule`: the reduce chain over the slots, then the distribution chain from
 the root), read here rather than re-derived. The time model: a cycle has ``period`` time steps (``2N`` for
 v1/v2); each worker computes its ``N/W`` micro-batches' stage operations spread over them, a time step lasting
 as long as its slowest operation (stages balanced by parameters are not balanced in time: the largest stage
@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...plan.costmodel import Comm, Cost, Ctx, Schedule, Term
+from ...plan.workload import Workload
 from ...topology import Topology
-from ..costmodel import Comm, Cost, Ctx, Schedule, Term
-from ..workload import Workload
-from .common import ADAMW, OptimizerState
+from ..parts.cost import ADAMW, OptimizerState
+from .schedule import Schedule as Timeline
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,6 @@ class CyclicTimeline(Term):
 def cdp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
     """CDP on ``world``: per cycle (committed step), each stage's gradient goes down the reduce chain and the
     mean back through the distribution chain, point to point."""
-    from ...strategies.cdp.schedule import Schedule as Timeline
-
     world = topo.world_size
     n = cfg.stages if cfg.stages is not None else (world if world > 1 else 2)
     if n % world:
@@ -91,3 +90,7 @@ def cdp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> S
               "optimizer_state": opt.bytes(w.numels)}
     return Schedule("cdp", f"cdp {cfg.rule} N={n}", tuple(comms), step, memory, config=cfg,
                     notes=("cdp's memory_report() leaves out the optimizer state; the plan counts it",))
+
+
+SCHEDULES = {"cdp": cdp}
+"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

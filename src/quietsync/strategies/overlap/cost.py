@@ -1,4 +1,4 @@
-"""Schedules of the overlapping family: ``acco``, ``dpu``, ``wp``.
+"""The cost of the overlapping family, beside it: ``acco``, ``dpu``, ``wp``.
 
 Each stage, the main thread accumulates micro-batches while a job runs on the communication worker: an
 all-reduce of the per-worker micro-batch counts (float64, one per worker), a reduce-scatter of the handed-over
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...plan.costmodel import Adaptive, Comm, Schedule, Seq, Term, Wire, copy, optimizer
+from ...plan.workload import Workload
 from ...topology import Topology
-from ..costmodel import Adaptive, Comm, Schedule, Seq, Term, Wire, copy, optimizer
-from ..workload import Workload
-from .common import ADAMW, OptimizerState, flat_collectives, flat_shard, group_of, sharded_state_memory
+from ..parts.cost import ADAMW, OptimizerState, group_of
+from ..substrates.cost import flat_collectives, flat_shard, sharded_state_memory
 
 
 def _job(w: Workload, topo: Topology, cfg: Any, name: str, steps: int) -> tuple[list[Comm], Term]:
@@ -75,3 +76,7 @@ def wp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Sc
     comms, job = _job(w, topo, cfg, "wp update", 2)
     return Schedule("wp", _label("wp", cfg), tuple(comms), _stage(job, cfg, w), _memory(w, topo, opt, True, True),
                     config=cfg)
+
+
+SCHEDULES = {"acco": acco, "dpu": dpu, "wp": wp}
+"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

@@ -1,11 +1,12 @@
-"""Schedules of the baselines: ``ddp``, ``zero1``, ``fsdp`` (what each step moves, and when)."""
+"""The cost of the baselines, beside them: ``ddp``, ``zero1``, ``fsdp`` — what each step moves over which group,
+and when (:mod:`quietsync.plan.costmodel`; the planner finds :data:`SCHEDULES` here, and the tests hold each
+schedule's bytes to the transport's meter)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ...topology import Topology
-from ..costmodel import (
+from ...plan.costmodel import (
     Buckets,
     Comm,
     MicroBatches,
@@ -14,18 +15,37 @@ from ..costmodel import (
     Wire,
     optimizer,
 )
-from ..workload import Workload
-from .common import (
-    ADAMW,
-    OptimizerState,
-    ddp_buckets,
+from ...plan.workload import Workload
+from ...topology import Topology
+from ..parts.cost import ADAMW, OptimizerState, group_of
+from ..substrates.cost import (
     flat_collectives,
     flat_shard,
     fsdp_per_micro_batch,
-    group_of,
     local_shapes,
     sharded_state_memory,
 )
+
+MIB = 1024 * 1024
+DDP_FIRST_BUCKET_BYTES = MIB
+"""torch DDP's first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``): small, so communication
+starts early in the backward."""
+
+def ddp_buckets(w: Workload, cap_mb: float) -> list[list[int]]:
+    """DDP's gradient buckets: parameters in reverse ``model.parameters()`` order (the order backward frees
+    them), a bucket closed once it holds at least its limit — 1 MiB for the first, ``bucket_cap_mb`` after."""
+    limit = DDP_FIRST_BUCKET_BYTES
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for i in reversed(w.module_order):
+        buckets[-1].append(i)
+        size += w.numels[i] * w.dtype_bytes
+        if size >= limit:
+            buckets.append([])
+            size = 0
+            limit = int(cap_mb * MIB)
+    return [b for b in buckets if b]
+
 
 
 def ddp(w: Workload, topo: Topology, cfg: Any, group: str = "world", opt: OptimizerState = ADAMW) -> Schedule:
@@ -83,3 +103,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         out *= d
     return out
+
+
+SCHEDULES = {"ddp": ddp, "zero1": zero1, "fsdp": fsdp}
+"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

@@ -1,4 +1,4 @@
-"""Schedules of the decoupled-momentum family: ``demo`` and ``flexdemo``.
+"""The cost of the decoupled-momentum family, beside it: ``demo`` and ``flexdemo``.
 
 A step accumulates micro-batches with no communication, then the decoupled optimizer runs: momentum update,
 the replicator's extraction and error feedback, **one** collective of its payload (an all-gather for ``dct``,
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...topology import Topology
-from ..costmodel import (
+from ...plan.costmodel import (
     Comm,
     Every,
     MicroBatches,
@@ -22,23 +21,15 @@ from ..costmodel import (
     Seq,
     Wire,
     Work,
+    codec_key,
     lcm,
     numel,
-    optimizer,
     steps_where,
 )
-from ..workload import Shape, Workload
-from .common import (
-    ADAMW,
-    OptimizerState,
-    codec_key,
-    fsdp_per_micro_batch,
-    group_of,
-    local_shapes,
-    momentum_numel,
-    replicator,
-    replicator_comm,
-)
+from ...plan.workload import Shape, Workload
+from ...topology import Topology
+from ..parts.cost import ADAMW, OptimizerState, group_of, momentum_numel, replicator, replicator_comm
+from ..substrates.cost import fsdp_per_micro_batch, local_shapes
 
 
 def _replication(cfg: Any) -> tuple[int, tuple[int, ...] | None]:
@@ -130,4 +121,5 @@ def flexdemo(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW)
     return Schedule("flexdemo", label, comms, step, memory, period=period, config=cfg)
 
 
-__all__ = ["demo", "flexdemo", "optimizer"]
+SCHEDULES = {"demo": demo, "flexdemo": flexdemo}
+"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""
