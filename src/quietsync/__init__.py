@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import _versions  # noqa: F401  (first: refuses a torch older than the suite runs on, in one line)
 from .comm_worker import CommWorker, CommWorkerError
 from .events import ByteMeter, EventRecorder, Span
 from .flat import DTypePolicy, FlatParams
@@ -30,7 +31,7 @@ def __getattr__(name: str):  # quietsync.plan(...) without importing the planner
 
 
 __all__ = [
-    "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "DeMoSGD", "DecoupledAdamW", "EventRecorder", "FlatParams", "LinkModel",
-    "Span", "StepMetrics", "Strategy", "StrategyConfig", "Topology", "Transport", "Work", "__version__",
-    "available", "make_strategy", "parse_links", "plan",
+    "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "DeMoSGD", "DecoupledAdamW", "EventRecorder",
+    "FlatParams", "LinkModel", "Span", "StepMetrics", "Strategy", "StrategyConfig", "Topology", "Transport", "Work",
+    "__version__", "available", "make_strategy", "parse_links", "plan",
 ]
