@@ -114,7 +114,7 @@ def tune_overlap_cap(score: Score, world: int, strategy: str = "acco", cap_ratio
     row = score(strategy, {})
     per_worker = row.micro_batches / world
     stages = 2 if strategy == "acco" else 1
-    if per_worker <= cap_ratio * stages:
+    if per_worker <= cap_ratio * stages * (1 + 1e-9):
         return None
     cap = int(cap_ratio)
     capped = score(strategy, {"max_accumulation": cap})

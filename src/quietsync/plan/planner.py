@@ -29,7 +29,7 @@ from .candidates import Tuned, default_candidates, tune_demo, tune_diloco, tune_
 from .cluster import Cluster, Device
 from .config import PlanConfig, transformer_shape
 from .costmodel import ComputeProfile, Links, codec_key, codec_knobs
-from .recommend import HETEROGENEOUS, Advice, advise
+from .recommend import HETEROGENEOUS, MAX_STAGE, STAGES, Advice, advise, ranked
 from .schedules import strategy_config
 from .table import Row, evaluate, markdown
 from .workload import Workload
@@ -63,27 +63,29 @@ class PlanResult:
         return evaluate(name, knobs, self.workload, self.topology, self.compute, links or self.cluster.links)
 
     def best_rows(self) -> list[Row]:
-        """Each strategy's fastest row (tuned ones included), fastest first."""
-        best: dict[str, Row] = {}
-        for r in self.rows + [t.row for t in self.tuned]:
-            if r.strategy not in best or r.tokens_per_s > best[r.strategy].tokens_per_s:
-                best[r.strategy] = r
-        return sorted(best.values(), key=lambda r: -r.tokens_per_s)
+        """Each strategy's fastest row that may be recommended (tuned ones included; ACCO/DPU/WP with stages
+        grown past :data:`~quietsync.plan.recommend.MAX_STAGE` left out), fastest first."""
+        return ranked(self.rows + [t.row for t in self.tuned], self.cluster.world)
 
     def sweep(self, kind: str | None = None, points: int = 41, lo_bits: float = 1e6, hi_bits: float = 1e11
               ) -> tuple[str, list[float], dict[str, list[float]], list[tuple[float, str, str]]]:
-        """Each strategy's best setting (knobs fixed) at link bandwidths from ``lo_bits`` to ``hi_bits`` bit/s on
-        link ``kind`` (default: inter if there are several nodes), latency kept. Returns ``(kind, bandwidths in
+        """Each strategy's best setting (knobs fixed; ACCO/DPU/WP stages capped at MAX_STAGE micro-batches) at link
+        bandwidths from ``lo_bits`` to ``hi_bits`` bit/s on link ``kind`` (default: inter if there are several nodes), latency kept. Returns ``(kind, bandwidths in
         bytes/s, {label: seconds per 1k tokens}, crossovers [(bandwidth, was fastest, becomes fastest)])``."""
         kind = kind or ("inter" if self.cluster.nodes > 1 else "intra")
         base = self.cluster.links.model.get(kind) or LinkModel(1e9 / 8)
         bws = [lo_bits / 8 * (hi_bits / lo_bits) ** (i / (points - 1)) for i in range(points)]
         rows = self.best_rows()
 
+        def knobs(r: Row) -> dict[str, Any]:  # adaptive stages capped as the advice ranks them, at any bandwidth
+            if r.strategy in STAGES and "max_accumulation" not in r.knobs and "deterministic_accumulation" not in r.knobs:
+                return {**r.knobs, "max_accumulation": int(MAX_STAGE)}
+            return r.knobs
+
         def at(bw: float) -> dict[str, float]:
             links = Links(model={**self.cluster.links.model, kind: LinkModel(bw, base.latency)},
                           floor=self.cluster.links.floor, floor_by_kind=self.cluster.links.floor_by_kind)
-            return {r.label: 1e3 / self.predict(r.strategy, r.knobs, links).tokens_per_s for r in rows}
+            return {r.label: 1e3 / self.predict(r.strategy, knobs(r), links).tokens_per_s for r in rows}
 
         grid = [at(bw) for bw in bws]
         curves = {r.label: [g[r.label] for g in grid] for r in rows}
@@ -363,9 +365,10 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
                  tune_demo(score, cfg.target_busy, "dct"), tune_demo(score, cfg.target_busy, "random")]
         if cluster.nodes > 1 and cluster.workers_per_node > 1:
             tuned.append(tune_demo(score, cfg.target_busy, "dct", strategy="flexdemo"))
-        cap = tune_overlap_cap(score, cluster.world)
-        if cap is not None:
-            tuned.append(cap)
+        for name in ("acco", "dpu", "wp"):
+            cap = tune_overlap_cap(score, cluster.world, name)
+            if cap is not None:
+                tuned.append(cap)
     advice = advise(rows, tuned, compute, cluster.world, cfg.target_busy)
     return PlanResult(cfg, w, cluster, compute, rows, tuned, advice, probe, assumptions)
 

@@ -1,8 +1,8 @@
 """The plan's figure, ``plan.png`` (matplotlib, from the ``train`` extra): two panels.
 
-* **Step-time breakdown**: each strategy's best setting as a bar per 1k tokens (time per token is the fair
-  unit: strategies take different numbers of micro-batches per step), split into compute and exposed
-  communication, with its compute-busy fraction.
+* **Step-time breakdown**: each strategy's best setting as a bar of seconds per 1k tokens (time per token is the
+  fair unit: strategies take different numbers of micro-batches per step), split into compute and exposed
+  communication, with its compute-busy fraction (log scale: a slow link spreads them over decades).
 * **Time per 1k tokens against link bandwidth**: each strategy's best setting (knobs fixed) as the bandwidth of
   the slow link sweeps from 1 Mbit/s to 100 Gbit/s, the crossover points (where the fastest strategy changes)
   marked, and the planned link as a vertical line.
@@ -29,12 +29,16 @@ def plot_plan(result: PlanResult, path: str | Path) -> Path:
     busy = [r.compute_busy for r in rows][::-1]
     compute = [p * b for p, b in zip(per_k, busy)]
     exposed = [p - c for p, c in zip(per_k, compute)]
-    ax_bar.barh(labels, compute, label="compute")
+    floor = min(compute) / 10  # log scale: the compute bar starts here
+    ax_bar.barh(labels, [c - floor for c in compute], left=floor, label="compute")
     ax_bar.barh(labels, exposed, left=compute, label="exposed communication")
     for i, (p, b) in enumerate(zip(per_k, busy)):
-        ax_bar.text(p, i, f" {b:.0%} busy", va="center")
-    ax_bar.set(xlabel="seconds per 1k tokens (each strategy's best setting)", title="predicted step-time breakdown")
-    ax_bar.legend(loc="lower right")
+        ax_bar.text(p, i, f" {p:.3g} s, {b:.0%} busy", va="center", fontsize=8)
+    ax_bar.set_xscale("log")
+    ax_bar.set_xlim(floor, max(per_k) * 8)
+    ax_bar.set(xlabel="seconds per 1k tokens (each strategy's best setting; log scale)",
+               title="predicted step-time breakdown")
+    ax_bar.legend(loc="upper right")
     if result.cluster.world > 1:
         kind, bws, curves, crossovers = result.sweep()
         mbit = [b * 8 / 1e6 for b in bws]

@@ -23,6 +23,11 @@ _BIG_BATCH = ("; the link makes each step's batch large — tokens per step grow
               "needs (max_accumulation caps it)")
 HETEROGENEOUS = 1.15
 """Slowest / fastest worker compute above which workers count as heterogeneous."""
+MAX_STAGE = 4.0
+"""Micro-batches per stage per worker beyond which an adaptive ACCO/DPU/WP setting is not recommended: its batch
+per step has grown so much with the slow link that its speed would be paid for in tokens per target loss (the
+capped setting, ``max_accumulation``, is ranked instead)."""
+STAGES = {"acco": 2, "dpu": 1, "wp": 1}
 
 
 @dataclass
@@ -61,7 +66,7 @@ class Advice:
     def markdown(self) -> str:
         lines = [f"**Diagnosis**: {self.diagnosis}", "", "**Try first**:", ""]
         for r in self.recommendations:
-            knobs = ", ".join(f"{k}={v}" for k, v in r.knobs.items()) or "defaults"
+            knobs = ", ".join(f"{k}={fmt_knob(v)}" for k, v in r.knobs.items()) or "defaults"
             lines.append(f"{r.rank}. `{r.label}` ({knobs}): {r.tokens_per_s:,.0f} tokens/s, {r.speedup:.2f}× the "
                          f"baseline — {r.reason}")
             for f in r.loss_per_token:
@@ -106,20 +111,39 @@ def _reason(r: Row, baseline: Row, world: int) -> str:
     return busy
 
 
+def grown(r: Row, world: int) -> bool:
+    """Whether an adaptive ACCO/DPU/WP row's stages grew past :data:`MAX_STAGE` micro-batches per worker."""
+    return r.strategy in STAGES and r.micro_batches / world / STAGES[r.strategy] > MAX_STAGE * (1 + 1e-9)
+
+
+def ranked(rows: list[Row], world: int) -> list[Row]:
+    """Each strategy's fastest row that may be recommended (grown adaptive stages excluded), fastest first."""
+    best: dict[str, Row] = {}
+    for r in rows:
+        if not grown(r, world) and (r.strategy not in best or r.tokens_per_s > best[r.strategy].tokens_per_s):
+            best[r.strategy] = r
+    return sorted(best.values(), key=lambda r: -r.tokens_per_s)
+
+
+def fmt_knob(v: Any) -> str:
+    """``0.0009765625`` → ``1/1024``; other values as they are."""
+    if isinstance(v, float) and 0 < v < 1 and abs(1 / v - round(1 / v)) < 1e-9:
+        return f"1/{round(1 / v)}"
+    return str(v)
+
+
 def advise(rows: list[Row], tuned: list[Tuned], compute: ComputeProfile, world: int, target: float,
            top: int = 3) -> Advice:
     """The diagnosis and the ``top`` strategies to try first (see the module docstring)."""
     exact = [r for r in rows if r.strategy in EXACT and r.strategy != "fsdp"] or rows
     baseline = max(exact, key=lambda r: r.tokens_per_s)
-    best: dict[str, Row] = {}
-    for r in rows + [t.row for t in tuned]:
-        if r.strategy not in best or r.tokens_per_s > best[r.strategy].tokens_per_s:
-            best[r.strategy] = r
-    ranked = sorted(best.values(), key=lambda r: -r.tokens_per_s)
-    chosen = ranked[:top]
+    everything = rows + [t.row for t in tuned]
+    best = {r.strategy: r for r in ranked(everything, world)}
+    ranked_rows = list(best.values())
+    chosen = ranked_rows[:top]
     scales = compute.scales(world)
     spread = max(scales) / min(scales)
-    tuned_lines = [f"{t.strategy}: {', '.join(f'{k}={v}' for k, v in t.knobs.items())} — {t.reason} "
+    tuned_lines = [f"{t.strategy}: {', '.join(f'{k}={fmt_knob(v)}' for k, v in t.knobs.items())} — {t.reason} "
                    f"(predicted busy {t.row.compute_busy:.0%}, {t.row.tokens_per_s:,.0f} tokens/s)" for t in tuned]
     if spread > HETEROGENEOUS and "acco" in best and best["acco"] not in chosen:
         chosen = chosen[: top - 1] + [best["acco"]]
@@ -132,6 +156,10 @@ def advise(rows: list[Row], tuned: list[Tuned], compute: ComputeProfile, world: 
         recs.append(Recommendation(i, r.strategy, r.label, r.knobs, r.tokens_per_s,
                                    r.tokens_per_s / baseline.tokens_per_s, reason,
                                    [f"{f.text} ({f.source})" for f in findings_for(r.strategy)]))
+    for r in [r for r in everything if grown(r, world)]:
+        tuned_lines.append(f"{r.label}: not ranked — the link grows its stages to "
+                           f"{r.micro_batches / world / STAGES[r.strategy]:.3g} micro-batches per worker (more than "
+                           f"{MAX_STAGE:g}); its max_accumulation={int(MAX_STAGE)} setting is ranked instead")
     if spread > HETEROGENEOUS:
         tuned_lines.append(f"heterogeneous workers (slowest {spread:.2f}× the fastest): synchronous strategies run at "
                            "the slowest worker's pace; ACCO does not")
