@@ -138,3 +138,21 @@ def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkey
         assert r["predicted"]["bytes_sent_per_step"] == r["bytes_sent_per_step"], r["label"]
         assert r["predicted"]["step_s"] > 0
     assert "Predicted (quietsync plan) beside measured" in (out / "compare.md").read_text()
+
+
+def test_crossovers_are_where_the_fastest_strategy_changes():
+    result = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
+                            link=["inter=1gbit,100us", "intra=900gbit,2us"], only=True, memory_bandwidth="20gb/s",
+                            strategies=["ddp", "demo:replicator=random,compression=0.001"])
+    kind, bws, curves, crossovers = result.sweep()  # slow memory: the codec costs what a fast link saves
+    assert kind == "inter" and len(crossovers) == 1
+    bw, slow_link_winner, fast_link_winner = crossovers[0]
+    # compressed momentum wins on a slow link, plain DDP once the link is fast enough
+    assert (slow_link_winner, fast_link_winner) == ("demo random 1/1000", "ddp")
+    from quietsync.link import LinkModel
+    from quietsync.plan.costmodel import Links
+
+    at = Links(model={"inter": LinkModel(bw, 1e-4), "intra": result.cluster.links.model["intra"]})
+    a, b = (result.predict(n, k, at).tokens_per_s for n, k in (("ddp", {}), ("demo", {"replicator": "random",
+                                                                                           "compression": 0.001})))
+    assert a == pytest.approx(b, rel=0.02)
