@@ -280,6 +280,7 @@ def main() -> None:
     run_set = QUICK_SET if quick else FULL_SET
     name = args.name or ("plan_quick" if quick else "plan")
     settings = []
+    load = [os.getloadavg()[0]]  # how shared the machine was (the planner's accuracy needs an idle one)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
         work = Path(tmp)
@@ -305,6 +306,7 @@ def main() -> None:
                                                     nodes, [], steps, rs, work, shaped))
     what_if = what_if_1b()
     wall = time.perf_counter() - t0
+    load.append(os.getloadavg()[0])
     runs = [r for s in settings for r in s["runs"] if r["token_time_error"] is not None]
     errors = [abs(r["token_time_error"]) for r in runs]
     summary = {
@@ -313,6 +315,8 @@ def main() -> None:
         "max_abs_time_per_token_error": max(errors) if errors else None,
         "recommended_is_fastest": sum(s["recommended_is_fastest"] for s in settings) / max(1, len(settings)),
         "wall_s": wall,
+        "load_average_start_end": load,
+        "cpu_count": os.cpu_count(),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"summary": summary, "settings": settings, "what_if": what_if},
@@ -335,7 +339,8 @@ def main() -> None:
              f"schedule's. Summary: bytes exact {summary['bytes_exact']}, median |time/token error| "
              f"{_pct(summary['median_abs_time_per_token_error'])}, max {_pct(summary['max_abs_time_per_token_error'])}, "
              "recommended = "
-             f"measured fastest in {summary['recommended_is_fastest']:.0%} of settings. {wall:.0f} s in all.\n\n"
+             f"measured fastest in {summary['recommended_is_fastest']:.0%} of settings. {wall:.0f} s in all; 1-minute load "
+             f"average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {os.cpu_count()} cores.\n\n"
              f"{verdicts}\n\nWhat-if (1B parameters, 4 nodes × 8 GPUs):\n\n" +
              "\n\n".join(f"### inter {x['inter']}\n\n{x['markdown']}" for x in what_if) +
              f"\n\nReproduce: `python benchmarks/bench_plan.py{' --quick' if quick else ''}` (root for the shaped link). "

@@ -8,22 +8,9 @@ import math
 import pytest
 
 from quietsync.link import LinkModel
-from quietsync.plan.costmodel import (
-    Adaptive,
-    Buckets,
-    Comm,
-    ComputeProfile,
-    Ctx,
-    Every,
-    Exposed,
-    Hidden,
-    Links,
-    MicroBatches,
-    Seq,
-    Wire,
-    chunk_rows,
-)
+from quietsync.plan.costmodel import Comm, ComputeProfile, Ctx, Links, chunk_rows
 from quietsync.plan.fit import Sample, fit_link
+from quietsync.plan.terms import Adaptive, Buckets, Every, Exposed, Hidden, MicroBatches, Seq, Wire
 from quietsync.topology import Topology
 
 

@@ -22,7 +22,7 @@ import sys
 import types
 from typing import Any
 
-_LAZY = {"Comm": "costmodel", "ComputeProfile": "costmodel", "Links": "costmodel", "Schedule": "costmodel",
+_LAZY = {"Comm": "costmodel", "ComputeProfile": "compute", "Links": "costmodel", "Schedule": "costmodel",
          "PlanConfig": "config", "PlanResult": "planner", "plan": "planner", "Workload": "workload"}
 """Public names and their modules, imported on first use: the strategies' ``cost.py`` modules import
 :mod:`~quietsync.plan.costmodel` when the strategies are registered, which must not pull in the planner."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..activation_memory import ActivationMeter
-from .costmodel import ComputeProfile
+from .compute import ComputeProfile
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 

@@ -34,7 +34,6 @@ from .schedules import strategy_config
 from .table import Row, evaluate, markdown
 from .workload import Workload
 
-RESULT_ENV = "QUIETSYNC_PLAN_RESULT"
 TIE = 0.01
 """Strategies within 1% of each other's time per token count as tied (no crossover between them)."""
 
@@ -294,7 +293,7 @@ def measure(cfg: PlanConfig, keys: list[str]) -> dict[str, Any] | None:
     from ..train.launch import launch
 
     with tempfile.TemporaryDirectory(prefix="quietsync-plan-") as tmp:
-        path = os.environ.get(RESULT_ENV) or str(Path(tmp, "measured.json"))
+        path = str(Path(tmp, "measured.json"))
         launch(_measure_worker, (cfg, keys, path), nproc=cfg.nproc)
         if int(os.environ.get("RANK", "0")) != 0:
             return None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .candidates import Tuned
-from .costmodel import ComputeProfile
+from .compute import ComputeProfile
 from .knowledge import findings_for
 from .table import Row, fmt_bytes
 

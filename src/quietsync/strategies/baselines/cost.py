@@ -6,15 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plan.costmodel import (
-    Buckets,
-    Comm,
-    MicroBatches,
-    Schedule,
-    Seq,
-    Wire,
-    optimizer,
-)
+from ...plan.costmodel import Comm, Schedule
+from ...plan.terms import Buckets, MicroBatches, Seq, Wire, optimizer
 from ...plan.workload import Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState, group_of

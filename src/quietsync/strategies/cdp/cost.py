@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...plan.costmodel import Comm, Cost, Ctx, Schedule, Term
+from ...plan.costmodel import Comm, Cost, Ctx, Schedule
+from ...plan.terms import Term
 from ...plan.workload import Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState

@@ -13,19 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plan.costmodel import (
-    Comm,
-    Every,
-    MicroBatches,
-    Schedule,
-    Seq,
-    Wire,
-    Work,
-    codec_key,
-    lcm,
-    numel,
-    steps_where,
-)
+from ...plan.costmodel import Comm, Schedule, codec_key, lcm, numel, steps_where
+from ...plan.terms import Every, MicroBatches, Seq, Wire, Work
 from ...plan.workload import Shape, Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState, group_of, momentum_numel, replicator, replicator_comm

@@ -10,19 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plan.costmodel import (
-    Comm,
-    Every,
-    Exposed,
-    MicroBatches,
-    Schedule,
-    Seq,
-    Term,
-    Wire,
-    copy,
-    numel,
-    optimizer,
-)
+from ...plan.costmodel import Comm, Schedule, numel
+from ...plan.terms import Every, Exposed, MicroBatches, Seq, Term, Wire, copy, optimizer
 from ...plan.workload import Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState, group_of, replicator, replicator_comm

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plan.costmodel import Adaptive, Comm, Schedule, Seq, Term, Wire, copy, optimizer
+from ...plan.costmodel import Comm, Schedule
+from ...plan.terms import Adaptive, Seq, Term, Wire, copy, optimizer
 from ...plan.workload import Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState, group_of
