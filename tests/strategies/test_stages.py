@@ -115,3 +115,83 @@ def test_gpt_with_tied_embedding_matches_the_reference(partition_how):
     for a, b in zip(got, want):
         for name in b:
             torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------- Llama-style decoders
+def tiny_decoder(family: str, layers: int = 2, seed: int = 0):
+    """A random-weight decoder of ``family`` (llama, qwen2, mistral) from a tiny config (nothing downloaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, vocab_size=40, hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=32)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_decoder_segments_reproduce_the_model_forward_and_backward(family):
+    """Embeddings, each layer (with the masks and rotary cos/sin computed once by the model's own code), the final
+    norm, the head: the same loss and the same gradients as the model called whole."""
+    model = tiny_decoder(family, layers=3)
+    view = sequential_view(model)
+    assert view.kind == "decoder-lm"
+    assert [s.name for s in view.segments] == ["model.embed_tokens", "model.layers.0", "model.layers.1",
+                                               "model.layers.2", "model.norm", "lm_head"]
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = lm_loss(model, ids)
+    want.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    x, ctx = view.enter((), {"input_ids": ids, "labels": ids})
+    for seg in view.segments:
+        x = seg.module(x, ctx)
+    assert {"position_embeddings", "attention_mask"} <= set(ctx["layer_kwargs"][0])  # computed once, shared
+    assert all(kw["position_embeddings"] is ctx["layer_kwargs"][0]["position_embeddings"] for kw in ctx["layer_kwargs"])
+    x.loss.backward()
+    assert torch.equal(x.loss, want)
+    for p, g in zip(model.parameters(), want_grads):
+        torch.testing.assert_close(p.grad, g, atol=1e-7, rtol=0)
+
+
+def test_llama_under_cdp_matches_the_reference():
+    n, steps = 2, 3
+    data = [torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(k)) for k in range(n * 6)]
+    s = quietsync.make_strategy("cdp", tiny_decoder("llama"), torch.optim.AdamW, config={"stages": n, "rule": "v2"},
+                                lr=0.01)
+    got, k = [], 0
+    while s.steps < steps:
+        s.forward_backward(data[k], lm_loss)
+        k += 1
+        if s.step():
+            with s.committed_params() as m:
+                got.append({name: p.detach().clone() for name, p in m.named_parameters()})
+    first = [seg.name for seg in s.plan.stages[0]]
+    assert first[0] == "model.embed_tokens" and len(first) < len(s.view.segments)
+    s.close()
+    model = tiny_decoder("llama")
+    stage = {name: 1 if any(name.startswith(prefix + ".") for prefix in first) else 2
+             for name, _ in model.named_parameters()}
+    want = reference_cdp(model, torch.optim.AdamW(model.parameters(), lr=0.01), stage, "v2", n, steps,
+                         lambda t, i: data[t * n + i], lambda call, batch: call(input_ids=batch, labels=batch).loss)
+    for a, b in zip(got, want):
+        for name in b:
+            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
+
+
+def test_models_cdp_cannot_cut_are_refused_naming_what_it_supports():
+    from transformers import LlamaForCausalLM
+
+    with pytest.raises(TypeError, match="cannot cut a Linear into stages: supported are an nn.Sequential.*Llama"):
+        sequential_view(torch.nn.Linear(2, 2))
+
+    class Scaled(LlamaForCausalLM):  # a decoder whose head does more than the cut knows (say, soft-capping)
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model = Scaled(tiny_decoder("llama").config)
+    with pytest.raises(TypeError, match="stage-by-stage forward differs from the model's own.*supported are"):
+        sequential_view(model)
+    assert model.training  # the probe left the model in train mode

@@ -65,6 +65,7 @@ from ..transport import Transport
 from .checkpoint.logical import Reader, ReshardError, SavedTensors, open_round_problem
 from .checkpoint.positions import check_positions_agree
 from .parts.accounting import StepAccounting, StepMetrics
+from .parts.buffers import ModuleBuffers
 from .parts.part import Part
 
 LRSchedule = Callable[[int], float]
@@ -139,6 +140,13 @@ class Strategy(metaclass=_Constructed):
     )
     """What :meth:`finish` does for this strategy, in one sentence (docs and ``--help`` quote it)."""
 
+    buffer_sync: ClassVar[str] = "commit"
+    """How the model's running statistics (BatchNorm-style buffers the forward updates; see
+    :mod:`~quietsync.strategies.parts.buffers`) stay equal across replicas: ``commit`` — averaged at every
+    committed step; ``local`` — the strategy averages them at its own parameter syncs (localsgd, diloco); ``ddp``
+    — torch DDP broadcasts rank 0's before every forward; ``refuse`` — a model that has them is refused (cdp).
+    Persistent buffers are broadcast from rank 0 at construction in every case (``ddp``: by torch DDP)."""
+
     lockstep: ClassVar[bool] = True
     """Whether every worker reaches each step after the same number of micro-batches, so that a loop may stop,
     or communicate (a data loader broadcasting batches, a metrics gather), between any two micro-batches. False
@@ -195,6 +203,14 @@ class Strategy(metaclass=_Constructed):
         self._closed = False
         self._finished = False
         self._last_metrics: StepMetrics | None = None
+        self.buffers = self.hold("buffers", ModuleBuffers(model, self.transport, broadcast=self.buffer_sync != "ddp"))
+        """The model's buffers across replicas (running statistics averaged per :attr:`buffer_sync`)."""
+        if self.buffer_sync == "refuse" and self.buffers.running:
+            raise ValueError(
+                f"strategy {self.name} cannot keep the module buffer {self.buffers.names[0]!r} (running statistics "
+                "the forward updates) equal across replicas: use a model without them (e.g. GroupNorm or LayerNorm, "
+                "or track_running_stats=False)"
+            )
 
     # ------------------------------------------------------------------ the contract
     @property
@@ -556,7 +572,10 @@ class Strategy(metaclass=_Constructed):
         return 1.0 if self.lr_schedule is None else float(self.lr_schedule(step))
 
     def _commit(self, extra: dict[str, Any] | None = None, micro_batches: int | None = None) -> StepMetrics:
-        """Record a committed step: bump the counter and close this step's accounting."""
+        """Record a committed step: bump the counter and close this step's accounting (after averaging the running
+        statistics, under ``buffer_sync = "commit"``)."""
+        if self.buffer_sync == "commit":
+            self.buffers.sync(getattr(self, "group", None))
         self.steps += 1
         self._last_metrics = self.accounting.close_step(
             self.steps, self.base_lr * self._lr_scale(self.steps - 1), extra, micro_batches)

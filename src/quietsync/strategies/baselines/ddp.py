@@ -62,6 +62,8 @@ class DDP(Strategy):
     """
 
     discards_rounds = True
+
+    buffer_sync = "ddp"  # torch DDP syncs the module state at construction and rank 0's buffers before each forward
     reshard_refusal = None  # every worker holds the same model and optimizer state after a step
 
     config: DDPConfig
@@ -102,6 +104,10 @@ class DDP(Strategy):
             # backward() counts the whole interval as compute; the tail after the last bucket is idle
             if issued:
                 self.accounting.move_to_idle(max(0.0, t1 - max(issued)), t1, "ddp_wait")
+
+    def _finish(self, sync: bool) -> None:
+        # torch DDP gives every replica rank 0's buffers before each forward; the last forward's are rank 0's too
+        self.buffers.sync(self.group, from_rank0=True)
 
     def _discard(self) -> None:
         self._set_sync_for_next()

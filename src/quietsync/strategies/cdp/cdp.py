@@ -161,6 +161,8 @@ class CDP(Strategy):
 
     resumable = False  # micro-batches of the next step are in flight when a step commits
 
+    buffer_sync = "refuse"  # no collective to average running statistics with (see parts/buffers.py)
+
     owns_schedule = True  # forward_backward runs the stages; backward(loss) of a loss computed outside is refused
 
     finish_policy = (

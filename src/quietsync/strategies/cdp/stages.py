@@ -5,8 +5,14 @@ stage on its own, with the parameter *version* the update rule prescribes. This 
 
 * a :class:`SequentialView` of a model: a list of :class:`Segment` (the finest cut the model allows) plus
   how the model's call arguments enter the first segment. Built for ``torch.nn.Sequential`` (each child a
-  segment) and for Hugging Face GPT-Neo/GPT-2-style causal LMs (``transformer.wte/wpe``, each block of
-  ``transformer.h``, ``transformer.ln_f``, ``lm_head`` + the model's own loss when ``labels`` are given);
+  segment), for Hugging Face GPT-Neo/GPT-2-style causal LMs (``transformer.wte/wpe``, each block of
+  ``transformer.h``, ``transformer.ln_f``, ``lm_head`` + the model's own loss when ``labels`` are given) and for
+  Llama-style decoders (``model.embed_tokens``, each of ``model.layers``, ``model.norm``, ``lm_head``: Llama,
+  Qwen2, Mistral, ...). A decoder's embedding segment also computes what every layer takes besides the hidden
+  states — the attention masks and the rotary position embeddings (cos, sin), once per micro-batch — by running
+  the decoder's own forward with each layer replaced by a recorder, so the model's own mask and rotary code is
+  used, whatever the family; the layers receive them through the micro-batch's context. A transformers model's
+  cut is checked once, on a short probe sequence, against the model's own forward (else it is refused);
 * :func:`partition`: consecutive segments grouped into ``N`` stages, balanced by parameter count, by FLOPs
   (forward + backward of one sample micro-batch measured with ``torch.utils.flop_counter.FlopCounterMode``)
   or by a manual list of the segment names that start stages 2..N; the :class:`StagePlan` says which
@@ -64,7 +70,7 @@ class SequentialView:
     segments: list[Segment]
     enter: Callable[[tuple, dict], tuple[Any, dict]]
     kind: str
-    """``sequential`` or ``causal-lm``."""
+    """``sequential``, ``causal-lm`` (GPT-2/GPT-Neo style) or ``decoder-lm`` (Llama style)."""
 
 
 def _sequential_enter(args: tuple, kwargs: dict) -> tuple[Any, dict]:
@@ -90,37 +96,35 @@ def sequential_view(model: nn.Module) -> SequentialView:
                     for name, child in model.named_children()]
         return SequentialView(segments, _sequential_enter, "sequential")
     if _is_causal_lm(model):
-        return _causal_lm_view(model)
-    raise TypeError(
-        f"cdp cannot cut a {type(model).__name__} into stages: pass an nn.Sequential (one child per segment) "
-        "or a GPT-Neo/GPT-2-style causal LM (transformer.wte/wpe/h/ln_f + lm_head)"
-    )
+        return _checked(model, _causal_lm_view(model))
+    if _is_decoder_lm(model):
+        return _checked(model, _decoder_lm_view(model))
+    raise TypeError(f"cdp cannot cut a {type(model).__name__} into stages: {SUPPORTED}")
 
 
-def _causal_lm_view(model: nn.Module) -> SequentialView:
-    t = model.transformer
+SUPPORTED = (
+    "supported are an nn.Sequential (one child per segment), a GPT-Neo/GPT-2-style causal LM (transformer.wte/wpe/"
+    "h/ln_f + lm_head) and a Llama-style decoder (model.embed_tokens/layers/norm + lm_head: Llama, Qwen2, Mistral)"
+)
+"""What :func:`sequential_view` can cut (quoted by its refusals)."""
 
-    def enter(args: tuple, kwargs: dict) -> tuple[Any, dict]:
-        kwargs = dict(kwargs)
-        ids = kwargs.pop("input_ids", None)
-        if args:
-            if ids is not None or len(args) != 1:
-                raise TypeError("a staged causal LM takes input_ids once (positional or keyword)")
-            ids = args[0]
-        labels = kwargs.pop("labels", None)
-        extra = {k: v for k, v in kwargs.items() if v is not None}
-        if ids is None or extra:
-            raise TypeError(f"a staged causal LM takes input_ids and labels only, got also {sorted(extra)}")
-        return ids, {"labels": labels}
 
-    def embed(p: nn.ModuleDict, ids: torch.Tensor, ctx: dict) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-        h = p["wte"](ids) + p["wpe"](pos)
-        return p["drop"](h) if "drop" in p else h
+def _causal_lm_enter(args: tuple, kwargs: dict) -> tuple[Any, dict]:
+    kwargs = dict(kwargs)
+    ids = kwargs.pop("input_ids", None)
+    if args:
+        if ids is not None or len(args) != 1:
+            raise TypeError("a staged causal LM takes input_ids once (positional or keyword)")
+        ids = args[0]
+    labels = kwargs.pop("labels", None)
+    extra = {k: v for k, v in kwargs.items() if v is not None}
+    if ids is None or extra:
+        raise TypeError(f"a staged causal LM takes input_ids and labels only, got also {sorted(extra)}")
+    return ids, {"labels": labels}
 
-    def block(p: nn.ModuleDict, h: torch.Tensor, ctx: dict) -> torch.Tensor:
-        out = p["m"](h)
-        return out[0] if isinstance(out, tuple) else out
+
+def _lm_head(model: nn.Module) -> Callable[[nn.ModuleDict, torch.Tensor, dict], Any]:
+    """The last segment of a causal LM: logits, and the model's own loss when the call had labels."""
 
     def head(p: nn.ModuleDict, h: torch.Tensor, ctx: dict) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -132,14 +136,131 @@ def _causal_lm_view(model: nn.Module) -> SequentialView:
             loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
+    return head
+
+
+def _checked(model: nn.Module, view: SequentialView) -> SequentialView:
+    """``view``, once its segments run in turn reproduce ``model``'s own forward (logits and loss) on a short
+    probe sequence in eval mode (no dropout); a TypeError naming what is supported otherwise."""
+    config = getattr(model, "config", None)
+    vocab = int(getattr(config, "vocab_size", 2) or 2)
+    limit = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
+                  if isinstance(getattr(config, k, None), int)), 8)
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        return view
+    ids = (torch.arange(min(8, limit), device=device) * 7 % vocab).unsqueeze(0)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(input_ids=ids, labels=ids)
+            x, ctx = view.enter((), {"input_ids": ids, "labels": ids})
+            got = run_segments(view.segments, x, ctx, {id(p): p for p in model.parameters()})
+            same = torch.allclose(got.logits, want.logits, rtol=1e-4, atol=1e-5) and torch.allclose(
+                got.loss, want.loss, rtol=1e-4, atol=1e-5)
+            diff = float((got.logits - want.logits).abs().max())
+    except Exception as e:  # noqa: BLE001 - any failure of the cut is a refusal of this model
+        raise TypeError(f"cdp cannot cut a {type(model).__name__} into stages (its staged forward failed: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {SUPPORTED}") from e
+    finally:
+        model.train(was_training)
+    if not same:
+        raise TypeError(f"cdp cannot cut a {type(model).__name__} into stages: its stage-by-stage forward differs "
+                        f"from the model's own (max |logit difference| {diff:.2e} on a probe); {SUPPORTED}")
+    return view
+
+
+def _is_decoder_lm(model: nn.Module) -> bool:
+    inner = getattr(model, "model", None)
+    return (inner is not None and isinstance(getattr(inner, "embed_tokens", None), nn.Module)
+            and isinstance(getattr(inner, "layers", None), nn.ModuleList)
+            and isinstance(getattr(inner, "norm", None), nn.Module)
+            and isinstance(getattr(model, "lm_head", None), nn.Module))
+
+
+class _Recorded(Exception):
+    """Stops a decoder's forward once its last layer's call was recorded."""
+
+
+class _LayerRecorder(nn.Module):
+    """Stands in for decoder layer ``k``: records the call (hidden states, keyword arguments) and passes the hidden
+    states through; the last one stops the forward (the final norm is a segment of its own)."""
+
+    def __init__(self, calls: list[tuple[torch.Tensor, dict]], last: bool) -> None:
+        super().__init__()
+        self.calls, self.last = calls, last
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise TypeError("a decoder layer called with positional arguments besides the hidden states")
+        self.calls.append((hidden_states, kwargs))
+        if self.last:
+            raise _Recorded
+        return hidden_states
+
+
+def _layer_calls(inner: nn.Module, embeds: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
+    """What the decoder ``inner`` hands each of its layers for these input embeddings: its forward run with every
+    layer replaced by a :class:`_LayerRecorder` (the embeddings, masks and rotary cos/sin computed by the model's
+    own code; nothing cached)."""
+    layers = inner.layers
+    calls: list[tuple[torch.Tensor, dict]] = []
+    inner.layers = nn.ModuleList([_LayerRecorder(calls, k == len(layers) - 1) for k in range(len(layers))])
+    try:
+        inner(inputs_embeds=embeds, use_cache=False)
+    except _Recorded:
+        pass
+    finally:
+        inner.layers = layers
+    if len(calls) != len(layers):
+        raise RuntimeError(f"the decoder called {len(calls)} of its {len(layers)} layers")
+    return calls
+
+
+def _decoder_lm_view(model: nn.Module) -> SequentialView:
+    inner = model.model
+
+    def embed(p: nn.ModuleDict, ids: torch.Tensor, ctx: dict) -> torch.Tensor:
+        calls = _layer_calls(inner, p["m"](ids))
+        ctx["layer_kwargs"] = [kwargs for _, kwargs in calls]  # masks, position ids, rotary (cos, sin)
+        return calls[0][0]  # the hidden states entering layer 0 (a model may scale the embeddings)
+
+    def block(k: int) -> Callable[[nn.ModuleDict, torch.Tensor, dict], torch.Tensor]:
+        def run(p: nn.ModuleDict, h: torch.Tensor, ctx: dict) -> torch.Tensor:
+            out = p["m"](h, **ctx["layer_kwargs"][k])
+            return out[0] if isinstance(out, tuple) else out
+
+        return run
+
+    segments = [Segment("model.embed_tokens", _Call({"m": inner.embed_tokens}, embed))]
+    segments += [Segment(f"model.layers.{k}", _Call({"m": layer}, block(k))) for k, layer in enumerate(inner.layers)]
+    segments.append(Segment("model.norm", _Call({"m": inner.norm}, lambda p, h, ctx: p["m"](h))))
+    segments.append(Segment("lm_head", _Call({"m": model.lm_head}, _lm_head(model))))
+    return SequentialView(segments, _causal_lm_enter, "decoder-lm")
+
+
+def _causal_lm_view(model: nn.Module) -> SequentialView:
+    t = model.transformer
+
+    def embed(p: nn.ModuleDict, ids: torch.Tensor, ctx: dict) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        h = p["wte"](ids) + p["wpe"](pos)
+        return p["drop"](h) if "drop" in p else h
+
+    def block(p: nn.ModuleDict, h: torch.Tensor, ctx: dict) -> torch.Tensor:
+        out = p["m"](h)
+        return out[0] if isinstance(out, tuple) else out
+
     parts = {"wte": t.wte, "wpe": t.wpe}
     if isinstance(getattr(t, "drop", None), nn.Module):
         parts["drop"] = t.drop
     segments = [Segment("transformer.wte", _Call(parts, embed))]
     segments += [Segment(f"transformer.h.{k}", _Call({"m": b}, block)) for k, b in enumerate(t.h)]
     segments.append(Segment("transformer.ln_f", _Call({"m": t.ln_f}, lambda p, h, ctx: p["m"](h))))
-    segments.append(Segment("lm_head", _Call({"m": model.lm_head}, head)))
-    return SequentialView(segments, enter, "causal-lm")
+    segments.append(Segment("lm_head", _Call({"m": model.lm_head}, _lm_head(model))))
+    return SequentialView(segments, _causal_lm_enter, "causal-lm")
 
 
 def run_segments(segments: Sequence[Segment], x: Any, ctx: dict, values: dict[int, torch.Tensor]) -> Any:

@@ -76,6 +76,8 @@ class DiLoCo(Strategy):
 
     discards_rounds = True
 
+    buffer_sync = "local"  # running statistics are averaged whenever a fragment's outer step is merged
+
     finish_policy = (
         "every fragment with inner steps since its last sync is synced once more (an outer step on the partial "
         "round's pseudo-gradient, blocking; a fragment in flight is waited for, its delayed merge superseded) and "
@@ -131,11 +133,14 @@ class DiLoCo(Strategy):
                 return False
             self.round.step(self._lr_scale(self.steps), self.accounting)
         extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
+        if extra["applied"] != -1:
+            self.buffers.sync()
         self._commit(extra=extra)
         return True
 
     def _finish(self, sync: bool) -> None:
         self.outer.finish(self.steps, sync, self.accounting.timed, self.accounting.idle)
+        self.buffers.sync()
 
     # ------------------------------------------------------------------ contract
     @contextmanager

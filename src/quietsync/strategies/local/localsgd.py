@@ -67,6 +67,8 @@ class LocalSGD(Strategy):
 
     discards_rounds = True
 
+    buffer_sync = "local"  # running statistics are averaged with the parameters, at every sync
+
     finish_policy = (
         "the local steps since the last sync (steps mod sync_every) are averaged once more, as Accelerate's "
         "LocalSGD does on exit (sync=False: dropped, every worker resets to the last average)"
@@ -104,6 +106,7 @@ class LocalSGD(Strategy):
         else:
             with torch.no_grad():
                 torch._foreach_copy_([p.data for p in self.params], self.synced)
+            self.buffers.sync()
 
     def _average(self) -> None:
         """θ_i ← mean_j θ_j (and the optimizer state, if configured), one all-reduce each; keep the result."""
@@ -123,6 +126,7 @@ class LocalSGD(Strategy):
                     [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in group]), group)],
                 )
             torch._foreach_copy_(self.synced, [p.detach() for p in self.params])
+        self.buffers.sync()
 
     def _optimizer_state_tensors(self) -> list[torch.Tensor]:
         """Floating, non-scalar state tensors, in parameter order (the same on every worker)."""
