@@ -2,45 +2,27 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-from .distributed import free_port  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def torchrun_example(strategy: str, out: Path, *extra: str, timeout: float = 120.0) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
-           "CUDA_VISIBLE_DEVICES": ""}  # gloo workers on CPU, also on a GPU machine (its launcher would pick NCCL)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "examples" / "trainer_train.py"), "--strategy", strategy, "--out", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["rank"])
-
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("strategy", ["zero1", "ddp"])
-def test_trainer_under_torchrun_keeps_replicas_identical(strategy, tmp_path):
-    records = torchrun_example(strategy, tmp_path / "out.jsonl", "--steps", "3", "--accumulation", "2")
-    assert [r["rank"] for r in records] == [0, 1] and all(r["world"] == 2 for r in records)
-    assert records[0]["checksum"] == records[1]["checksum"]
-    assert all(r["steps"] == 3 and r["global_step"] == 3 for r in records)  # one commit per Trainer step
-    assert all(r["finite"] and math.isfinite(r["train_loss"]) and r["bytes_sent"] > 0 for r in records)
+@pytest.mark.timeout(200)
+def test_trainer_with_gradient_accumulation_under_torchrun_keeps_replicas_identical(tmp_path):
+    """gradient_accumulation_steps=2 becomes the strategy's accumulation: one commit per Trainer step (one
+    launch, two strategies; every strategy in tests/test_front_doors.py)."""
+    from .test_front_doors import torchrun_trainer
+
+    records = torchrun_trainer(tmp_path / "out.jsonl", "--strategy", "zero1,ddp", "--steps", "3",
+                               "--accumulation", "2")
+    for name, (r0, r1) in records.items():
+        assert r0["world"] == 2 and r0["checksum"] == r1["checksum"], name
+        assert r0["steps"] == 3 and r0["global_step"] == 3, name  # one commit per Trainer step
+        assert r0["finite"] and math.isfinite(r0["train_loss"]) and r0["bytes_sent"] > 0, name
 
 
 def test_trainer_refuses_gradient_clipping_and_unknown_strategies(tmp_path):

@@ -1,0 +1,230 @@
+"""Every strategy through every front door, each run asserting that steps were committed with a non-zero lr and
+that the run ended with the workers holding the same committed model (``Strategy.finish``):
+
+* ``quietsync train --model DIR`` (the CLI's job, two workers) on random-weight GPT-2, GPT-Neo, Llama and Qwen2
+  folders — the four families under all strategies in one launch of the workers — and the README's "models in"
+  path, a previous run's export, through the real command line;
+* a plain loop on the API (``forward_backward``, ``step``, ``finish``);
+* 🤗 Accelerate (``accelerate launch`` of ``examples/accelerate_train.py``, all strategies in one launch);
+* the HF Trainer (``torchrun`` of ``examples/trainer_train.py``, all strategies in one launch).
+
+Each launch has a timeout: a front door that hangs fails here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import quietsync
+from tests.distributed import free_port, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STRATEGIES = quietsync.available()
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+# Local methods sync less often than the runs are long: their committed model comes from finish()'s sync alone.
+LOCAL_FLAGS = {"localsgd": ["--sync-every", "4"], "diloco": ["--sync-every", "4"]}
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory) -> dict[str, Path]:
+    pytest.importorskip("transformers")
+    from tests.hf_models import build_folders
+
+    return build_folders(tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    from tests.train.conftest import synthetic_text
+
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text(synthetic_text(1500))
+    return path
+
+
+def _job(folder: Path, strategy: str, text: Path, root: Path) -> list[str]:
+    return ["--strategy", strategy, "--model", str(folder), "--max-steps", "2", "--micro-batch-size", "2",
+            "--seq-len", "32", "--dataset", str(text), "--cache-dir", str(root / "cache"), "--eval-windows", "2",
+            "--eval-every", "0", "--no-progress", "--no-plot", "--out", str(root / f"{folder.name}-{strategy}"),
+            *LOCAL_FLAGS.get(strategy, [])]
+
+
+def _cli_worker(rank: int, world: int, folders: dict[str, str], text: str, root: str) -> dict:
+    """What ``quietsync train`` runs on each worker (its flags parsed, then the training loop), for every
+    family and strategy in turn."""
+    from quietsync.train.cli import parse_train_args
+    from quietsync.train.loop import run
+
+    os.environ.update(OFFLINE)
+    out = {}
+    for family, folder in folders.items():
+        for strategy in STRATEGIES:
+            cfg, scfg, nodes = parse_train_args(_job(Path(folder), strategy, Path(text), Path(root)))
+            summary = run(cfg, scfg, nodes)
+            out[(family, strategy)] = None if summary is None else {
+                "steps": summary["steps"], "last_eval": summary["last_eval_loss"],
+                "first_eval": summary["first_eval_loss"]}
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_quietsync_train_takes_gpt2_gptneo_llama_and_qwen2_folders_under_every_strategy(hf_folders, text_file,
+                                                                                          tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from quietsync.train.metrics import read_jsonl
+
+    folders = {family: str(path) for family, path in hf_folders.items()}
+    results = run_ranks(_cli_worker, 2, folders, str(text_file), str(tmp_path), timeout=590)
+    for family in folders:
+        for strategy in STRATEGIES:
+            case = f"{family}/{strategy}"
+            summary = results[0][(family, strategy)]
+            assert summary["steps"] == 2, case
+            out = tmp_path / f"{family}-{strategy}"
+            steps = [r for r in read_jsonl(out / "metrics-rank0.jsonl") if "event" not in r]
+            assert [r["step"] for r in steps] == [1, 2] and max(r["lr"] for r in steps) > 0, case
+            # after finish every worker evaluates the same committed model: the same held-out loss
+            last = [[r for r in read_jsonl(out / f"metrics-rank{k}.jsonl") if r.get("event") == "eval"][-1]
+                    for k in (0, 1)]
+            assert last[0]["step"] == last[1]["step"] == 2 and last[0]["loss"] == last[1]["loss"], case
+            assert math.isfinite(summary["last_eval"]) and summary["last_eval"] != summary["first_eval"], case
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-cdp" / "model")
+        assert type(exported).__name__ == type(AutoModelForCausalLM.from_pretrained(folders[family])).__name__
+
+
+def test_the_readme_models_in_path_a_previous_runs_export_trains_from_the_command_line(hf_folders, text_file,
+                                                                                        tmp_path, monkeypatch,
+                                                                                        capsys):
+    """``quietsync train --model OUT/model`` (here a Llama folder) through the real command line, two local
+    workers; a --seq-len beyond the folder's positions is refused in one line before any worker starts."""
+    from tests.train._run import refused
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OFFLINE, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+    flags = [*_job(hf_folders["llama"], "zero1", text_file, tmp_path), "--nproc", "2"]
+    proc = subprocess.run([sys.executable, "-m", "quietsync.train.cli", "train", *flags], capture_output=True,
+                          text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "llama-zero1" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["world_size"] == 2
+    line = refused(monkeypatch, capsys, "--model", str(hf_folders["gpt2"]), "--seq-len", "65", "--nproc", "1",
+                   "--dataset", str(text_file))
+    assert line == f"quietsync train: error: --seq-len must be <= 64 for --model {hf_folders['gpt2']}, got 65"
+
+
+# ---------------------------------------------------------------------------------------------- the plain API loop
+def _api_worker(rank: int, world: int) -> dict:
+    from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
+
+    out = {}
+    for name in STRATEGIES:
+        model = tiny_model()
+        s = quietsync.make_strategy(name, model, torch.optim.AdamW, param_groups=param_groups(model), lr=1e-2,
+                                    lr_schedule=lambda step: min(1.0, step / 2))  # warm-up from 0
+        start = flat_params(model)
+        lrs, index = [], 0
+        while s.steps + s.steps_in_flight < 4:  # counting an update finish() will commit
+            s.forward_backward(micro_batch(0, rank, index), loss_fn)
+            index += 1
+            if s.step():
+                lrs.append(s.last_step_metrics().lr)
+        if s.finish():
+            lrs.append(s.last_step_metrics().lr)
+        with s.committed_params() as m:
+            committed = flat_params(m)
+        out[name] = {"steps": s.steps, "lrs": lrs, "model": flat_params(s.module), "committed": committed,
+                     "moved": float((committed - start).abs().max())}
+        s.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_plain_loop_on_the_api_commits_and_ends_level_with_every_strategy():
+    results = run_ranks(_api_worker, 2, timeout=230)
+    for name in STRATEGIES:
+        a, b = results[0][name], results[1][name]
+        assert a["steps"] == b["steps"] == 4 and len(a["lrs"]) == 4 and max(a["lrs"]) > 0, name
+        assert torch.equal(a["model"], b["model"]) and torch.equal(a["model"], a["committed"]), name
+        assert a["moved"] > 0, name
+
+
+# ---------------------------------------------------------------------------------------------- the launchers
+def _launch(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}  # gloo workers on CPU, also on a GPU machine (its launcher would pick NCCL)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _records(out: Path) -> dict[str, list[dict]]:
+    by_strategy: dict[str, list[dict]] = {}
+    for line in out.read_text().splitlines():
+        r = json.loads(line)
+        by_strategy.setdefault(r["strategy"], []).append(r)
+    return {k: sorted(v, key=lambda r: r["rank"]) for k, v in by_strategy.items()}
+
+
+def accelerate_launch(out: Path, *flags: str, timeout: float = 280) -> dict[str, list[dict]]:
+    """``examples/accelerate_train.py FLAGS`` under ``accelerate launch --multi_gpu --num_processes 2``."""
+    pytest.importorskip("accelerate")
+    _launch([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+             str(ROOT / "examples" / "accelerate_train.py"), "--out", str(out), *flags], timeout)
+    return _records(out)
+
+
+def torchrun_trainer(out: Path, *flags: str, timeout: float = 280) -> dict[str, list[dict]]:
+    """``examples/trainer_train.py FLAGS`` under ``torchrun --nproc_per_node 2``."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    _launch([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+             str(ROOT / "examples" / "trainer_train.py"), "--out", str(out), *flags], timeout)
+    return _records(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_strategy_under_accelerate_launch(tmp_path):
+    """cdp through ``accelerator.forward_backward``, the others through ``accelerator.backward``; the loop stops
+    on ``steps + steps_in_flight`` and ``optimizer.finish()`` ends it (acco/dpu/wp commit their update in flight)."""
+    records = accelerate_launch(tmp_path / "out.jsonl", "--strategy", "all", "--steps", "3")
+    assert sorted(records) == sorted(STRATEGIES)
+    for name, (r0, r1) in records.items():
+        assert r0["world"] == 2 and r0["checksum"] == r1["checksum"], name  # replicas identical after finish
+        assert r0["steps"] == r1["steps"] == 3 and max(r0["lrs"]) > 0 and r0["moved"] > 0, name
+        assert r0["final_loss"] is not None and math.isfinite(r0["final_loss"]), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_strategy_under_the_trainer(tmp_path):
+    """``QuietTrainer`` hands ``compute_loss`` to the strategy's ``forward_backward`` (cdp included); the Trainer's
+    ``max_steps`` counts its own steps, on some of which acco/dpu/wp/cdp commit; the end finishes the strategy."""
+    records = torchrun_trainer(tmp_path / "out.jsonl", "--strategy", "all", "--steps", "6")
+    assert sorted(records) == sorted(STRATEGIES)
+    for name, (r0, r1) in records.items():
+        assert r0["world"] == 2 and r0["checksum"] == r1["checksum"] and r0["finished"], name
+        assert r0["global_step"] == 6 and 1 <= r0["steps"] <= 6 and max(r0["lrs"]) > 0 and r0["moved"] > 0, name
+        assert r0["finite"] and math.isfinite(r0["train_loss"]), name
+        if _accumulates(name):
+            assert r0["steps"] == 6, name  # one commit per Trainer step
+
+
+def _accumulates(name: str) -> bool:
+    """Whether the strategy commits every ``accumulation`` micro-batches (the others decide their commits)."""
+    return "accumulation" in {f.name for f in dataclasses.fields(quietsync.strategies.get(name)[1])}
