@@ -267,13 +267,14 @@ def test_a_background_update_applies_the_schedulers_lr_of_its_own_step(strategy)
 # ---------------------------------------------------------------------------------- the real launcher
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_example_with_gradient_accumulation_under_accelerate_launch(tmp_path):
+def test_example_with_gradient_accumulation_and_forward_backward_under_accelerate_launch(tmp_path):
     """accumulate() with gradient_accumulation_steps=2: every second micro-batch commits (one launch, three
-    strategies; every strategy with accumulation 1 in tests/test_front_doors.py)."""
+    strategies, fed through accelerator.forward_backward; every strategy with accumulation 1 and the usual
+    accelerator.backward in tests/test_front_doors.py)."""
     from .test_front_doors import accelerate_launch
 
     records = accelerate_launch(tmp_path / "out.jsonl", "--strategy", "zero1,ddp,diloco", "--steps", "3",
-                                "--accumulation", "2")
+                                "--accumulation", "2", "--forward-backward")
     for name, (r0, r1) in records.items():
         assert r0["world"] == 2 and r0["checksum"] == r1["checksum"], name  # replicas identical
         assert r0["steps"] == 3 and r0["micro_batches"] == 6 and r0["moved"] > 0, name

@@ -78,15 +78,17 @@ def _cli_worker(rank: int, world: int, folders: dict[str, str], text: str, root:
     return out
 
 
-@pytest.mark.timeout(600)
-def test_quietsync_train_takes_gpt2_gptneo_llama_and_qwen2_folders_under_every_strategy(hf_folders, text_file,
-                                                                                          tmp_path):
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("families", [("gpt2", "gpt_neo"), ("llama", "qwen2")], ids=lambda f: "+".join(f))
+def test_quietsync_train_takes_gpt2_gptneo_llama_and_qwen2_folders_under_every_strategy(families, hf_folders,
+                                                                                          text_file, tmp_path):
+    """Two families per launch of the workers (the two launches can run side by side in the suite)."""
     from transformers import AutoModelForCausalLM
 
     from quietsync.train.metrics import read_jsonl
 
-    folders = {family: str(path) for family, path in hf_folders.items()}
-    results = run_ranks(_cli_worker, 2, folders, str(text_file), str(tmp_path), timeout=590)
+    folders = {family: str(hf_folders[family]) for family in families}
+    results = run_ranks(_cli_worker, 2, folders, str(text_file), str(tmp_path), timeout=390)
     for family in folders:
         for strategy in STRATEGIES:
             case = f"{family}/{strategy}"
