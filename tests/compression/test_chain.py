@@ -77,3 +77,15 @@ def test_bad_knobs():
         Cast("int8")
     with pytest.raises(ValueError, match="format must be one of"):
         Quantize("int3")
+
+
+def test_chunks_stay_inside_each_tensor():
+    sizes = [5, 12, 3]
+    x = torch.randn(20, generator=torch.Generator().manual_seed(4))
+    chain = Chain(select=TopK(chunk=4, density=0.5, sizes=sizes))
+    # chunks: 5 -> 2, 12 -> 3, 3 -> 1; k = 2 each
+    assert chain.payload_bytes(20) == 6 * 2 * (4 + 1)
+    want = torch.cat([reference_topk(part, 4, 2) for part in x.split(sizes)])
+    assert torch.equal(chain.decode(chain.encode(x), 20), want)
+    with pytest.raises(ValueError, match="this selector's tensors hold 20"):
+        chain.encode(torch.randn(21))
