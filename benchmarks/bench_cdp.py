@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from cdp_models import synthetic_digits, tiny_resnet, tiny_vit  # noqa: E402
 
 import quietsync  # noqa: E402
-from quietsync.strategies.cdp import Schedule  # noqa: E402
+from quietsync.strategies.cdp.schedule import Schedule  # noqa: E402
 from quietsync.train.model import ModelPreset, build_model  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
@@ -171,7 +171,7 @@ def bench_comm() -> dict:
     transport), and the DP all-reduce of the same gradient at the end of the step."""
     rows = []
     model = tiny_resnet()
-    from quietsync.strategies.stages import partition, sequential_view
+    from quietsync.strategies.cdp.stages import partition, sequential_view
 
     for n in (2, 4):
         plan = partition(sequential_view(model), n)

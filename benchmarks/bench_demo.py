@@ -49,7 +49,7 @@ def _bytes_worker(rank: int, world: int, port: int, shapes: list[torch.Size], ou
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     from quietsync.replicators import Segments, make_replicator
-    from quietsync.strategies.flexdemo import DimZeroShards
+    from quietsync.strategies.decoupled.flexdemo import DimZeroShards
     from quietsync.topology import Topology
     from quietsync.transport import Transport
 

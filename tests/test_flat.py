@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from quietsync import FlatParams
-from quietsync.sharded import ShardedOptimizer
-from quietsync.strategies.lr import LRScaler
+from quietsync.strategies.parts.lr import LRScaler
+from quietsync.strategies.substrates.sharded_optimizer import ShardedOptimizer
 from tests.strategies.common import param_groups, tiny_model
 
 

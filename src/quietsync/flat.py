@@ -170,10 +170,6 @@ class FlatParams:
             out.append((a - lo, b - lo) if b > a else (0, 0))
         return out
 
-    def unflatten(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``buffer`` shaped like each parameter (e.g. to read a gradient per parameter)."""
-        return [buffer[off : off + p.numel()].view(p.shape) for p, off in zip(self.params, self.offsets)]
-
 
 def normalize_param_groups(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Torch-style parameter groups as a list of dicts with a list under ``params``."""

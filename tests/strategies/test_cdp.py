@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import quietsync
-from quietsync.strategies.cdp import CDPConfig, Schedule
+from quietsync.strategies.cdp.cdp import CDPConfig
+from quietsync.strategies.cdp.schedule import Schedule
 from tests.distributed import run_ranks
 from tests.strategies.reference_cdp import reference_cdp, uses_new
 

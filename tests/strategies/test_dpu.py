@@ -55,7 +55,7 @@ def test_world_of_one_every_step_and_warmup_is_not_delayed():
             with strategy.committed_params() as model:  # DPU's model always holds θ: nothing to gather
                 assert model is strategy.model
                 torch.testing.assert_close(flat_params(model), theta, rtol=0, atol=0)
-            assert strategy.pipeline.phase == ("warmup" if commits < warmup else "fill" if commits == warmup else "overlap")
+            assert strategy.phase == ("warmup" if commits < warmup else "fill" if commits == warmup else "overlap")
     # warm-up: 1 micro-batch per step; then the pipeline fill holds one more before the first delayed commit
     assert index == warmup + 1 + (5 - warmup)
     strategy.close()

@@ -10,7 +10,7 @@ import torch
 
 import quietsync
 from quietsync.replicators import Segments, make_replicator
-from quietsync.strategies.flexdemo import DimZeroShards
+from quietsync.strategies.decoupled.flexdemo import DimZeroShards
 from tests.distributed import run_ranks
 from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, reference_run, tiny_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quietsync
-from quietsync.strategies.stages import partition, segment_flops, sequential_view
+from quietsync.strategies.cdp.stages import partition, segment_flops, sequential_view
 from tests.strategies.reference_cdp import reference_cdp
 
 _spec = importlib.util.spec_from_file_location("cdp_models", Path(__file__).parents[2] / "examples" / "cdp_models.py")

@@ -145,7 +145,7 @@ def load_and_continue(rank: int, world: int, name: str, folder: str) -> dict[str
 def refuse(rank: int, world: int, name: str, folder: str, action: str, config: dict[str, Any] | None = None) -> str:
     """``save`` or ``load`` a logical checkpoint with a strategy that cannot reshard it: return the error."""
     from quietsync.strategies import make_strategy
-    from quietsync.strategies.logical import ReshardError
+    from quietsync.strategies.checkpoint.logical import ReshardError
     from quietsync.train.logical_checkpoint import load_logical, save_logical
 
     m = model(0)

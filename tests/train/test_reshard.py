@@ -217,7 +217,7 @@ def test_logical_metadata_is_read_safely_and_an_open_round_is_not_saved(tmp_path
     import pickle
 
     from quietsync.strategies import make_strategy
-    from quietsync.strategies.logical import ReshardError
+    from quietsync.strategies.checkpoint.logical import ReshardError
     from quietsync.train.logical_checkpoint import load_logical, save_logical, saved_tensors
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):

@@ -16,13 +16,12 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .accounting import StepMetrics
 from .base import Strategy, StrategyConfig
+from .parts.accounting import StepMetrics
 from .registry import available, get, make_strategy, register
 
-_SKIP = {"base", "registry"}
-for _mod in pkgutil.iter_modules(__path__):
-    if _mod.name not in _SKIP and not _mod.name.startswith("_"):
-        importlib.import_module(f"{__name__}.{_mod.name}")
+for _mod in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
+    if not _mod.name.rsplit(".", 1)[-1].startswith("_"):
+        importlib.import_module(_mod.name)  # importing a strategy module registers it
 
 __all__ = ["StepMetrics", "Strategy", "StrategyConfig", "available", "get", "make_strategy", "register"]

@@ -16,11 +16,16 @@ Gradient convention: the gradient a step applies is the **sum over micro-batches
 loss gradients, divided by the global micro-batch count**, so workers that contributed more weigh more.
 
 Subclasses implement :meth:`_step`, and optionally :meth:`_backward`, :meth:`_state`/:meth:`_load_state`,
-:meth:`_position`, :meth:`committed_params`, :meth:`forward_backward` and :meth:`_close`. What several
-strategies share is not inherited but **held**: small parts (the sharded flat state, the overlap machinery,
-an LR scaler, an accumulator) registered with :meth:`hold` are checkpointed, reported in
-:meth:`memory_report` and closed with the strategy. Time and bytes are accounted by the
-:class:`~quietsync.strategies.accounting.StepAccounting` every strategy holds as ``self.accounting``:
+:meth:`committed_params` and :meth:`_close` (``docs/contract.md`` lists what a strategy author needs, with a
+small tested example). What several strategies share is not inherited but **held**: small
+:class:`~quietsync.strategies.parts.part.Part` objects (the sharded flat state, the overlap machinery, an LR
+scaler, an accumulator) registered with :meth:`hold` are checkpointed, reported in :meth:`memory_report` and
+closed with the strategy. A micro-batch reaches a strategy one way: :meth:`forward_backward` (the default runs
+``loss_fn`` and hands the loss to :meth:`_backward`); a strategy that schedules forward and backward itself
+(``owns_schedule``: Cyclic DP) overrides :meth:`forward_backward` and refuses :meth:`backward`. Time and bytes
+are accounted by the :class:`~quietsync.strategies.parts.accounting.StepAccounting` every strategy holds as
+``self.accounting``, restarted once construction returns (set-up traffic such as the initial broadcast belongs
+to no step):
 ``compute_s`` is the main thread's time between strategy calls plus inside ``backward`` (forward, backward,
 data loading), ``idle_s`` the time it spent blocked on communication (strategies wrap such waits in
 ``self.accounting.idle(...)``), ``comm_s`` the seconds collectives took (on any thread), bytes from the
@@ -31,15 +36,16 @@ stage counters); :meth:`load_state_dict` compares it across workers and refuses,
 checkpoint whose files were saved at different positions. Take checkpoints at the same position on every
 worker — right after ``step()`` returned True on all of them, as the trainer does. Strategies whose state
 has a world-size-independent form (``reshard_refusal is None``: ddp, zero1) also offer
-:meth:`logical_state_dict`/:meth:`load_logical_state_dict` (see :mod:`~quietsync.strategies.logical`), which the
-trainer writes through ``torch.distributed.checkpoint`` so a job can resume on another number of workers.
+:meth:`logical_state_dict`/:meth:`load_logical_state_dict` (see
+:mod:`~quietsync.strategies.checkpoint.logical`), which the trainer writes through
+``torch.distributed.checkpoint`` so a job can resume on another number of workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
@@ -49,13 +55,15 @@ import torch
 from ..events import label
 from ..flat import normalize_param_groups
 from ..transport import Transport
-from .accounting import StepAccounting, StepMetrics
-from .logical import Reader, ReshardError, SavedTensors, open_round_problem
+from .checkpoint.logical import Reader, ReshardError, SavedTensors, open_round_problem
+from .checkpoint.positions import check_positions_agree
+from .parts.accounting import StepAccounting, StepMetrics
+from .parts.part import Part
 
 LRSchedule = Callable[[int], float]
 """``f(committed_steps) -> multiplier`` of each parameter group's base learning rate."""
 
-P = TypeVar("P")
+P = TypeVar("P", bound="Part | Strategy")
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(model, batch) -> scalar loss`` of one micro-batch (see :meth:`Strategy.forward_backward`)."""
@@ -69,7 +77,17 @@ class StrategyConfig:
         return dataclasses.replace(self, **changes)
 
 
-class Strategy(ABC):
+class _Constructed(ABCMeta):
+    """Ends set-up once a strategy's constructor has returned: its step accounting restarts, so set-up traffic
+    (the initial broadcast, FSDP2's first gathers) and time count toward no step."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        strategy = super().__call__(*args, **kwargs)
+        strategy.accounting.reset()
+        return strategy
+
+
+class Strategy(metaclass=_Constructed):
     """Base class of every strategy (see the module docstring for the contract).
 
     Args:
@@ -100,7 +118,17 @@ class Strategy(ABC):
 
     discards_rounds: ClassVar[bool] = False
     """Whether the open round can be dropped before it commits (:meth:`discard_round`, the trainer's
-    ``--on-nonfinite skip``): strategies whose step commits a round of local micro-batches they hold."""
+    ``--on-nonfinite skip``): strategies whose step commits a round of local micro-batches they hold (their
+    round part reports :attr:`~quietsync.strategies.parts.part.Part.round_full`)."""
+
+    owns_schedule: ClassVar[bool] = False
+    """Whether the strategy schedules forward and backward itself (it overrides :meth:`forward_backward`, and
+    :meth:`backward` with a loss computed outside is refused): Cyclic DP runs different micro-batches at
+    different stages at once."""
+
+    optimizer: torch.optim.Optimizer | None
+    """The torch optimizer that steps this worker's parameters or shard (the user's class, built by the
+    strategy); the adapters show its ``param_groups``. Every strategy sets it in its constructor."""
 
     def __init__(
         self,
@@ -140,9 +168,9 @@ class Strategy(ABC):
         self.micro_batches = 0
         """Micro-batches this worker has computed in total."""
         self.accounting = StepAccounting(self.transport)
-        """Time and bytes of the current step (see :mod:`~quietsync.strategies.accounting`)."""
-        self._parts: dict[str, Any] = {}
-        self._micro_batch_part: Any = None
+        """Time and bytes of the current step (see :mod:`~quietsync.strategies.parts.accounting`)."""
+        self.optimizer = None
+        self._parts: dict[str, Part] = {}
         self._closed = False
         self._last_metrics: StepMetrics | None = None
 
@@ -176,6 +204,11 @@ class Strategy(ABC):
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss and accumulate its gradient locally."""
         self._check_open()
+        if self.owns_schedule:
+            raise RuntimeError(
+                f"strategy {self.name} schedules forward and backward itself: feed each micro-batch "
+                "with forward_backward(batch, loss_fn), not backward(loss)"
+            )
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("loss must be a scalar tensor")
         with label("quietsync/backward"):
@@ -197,14 +230,13 @@ class Strategy(ABC):
     def round_closes(self) -> bool | None:
         """Whether the next :meth:`step` commits (the open round is full), for strategies that know it before
         stepping (those holding a round part with ``full``, or an inner strategy that does: ddp, zero1, demo,
-        flexdemo, localsgd, diloco); ``None`` where a commit is decided inside the step or the schedule (acco, dpu, wp, cdp)."""
+        flexdemo, localsgd, diloco); ``None`` where a commit is decided inside the step or the schedule (acco,
+        dpu, wp, cdp)."""
         if not self.discards_rounds:
             return None
         for part in self._parts.values():
-            if isinstance(part, Strategy) and part.round_closes is not None:  # e.g. hierarchical DiLoCo's inner
-                return part.round_closes
-            if hasattr(part, "discard") and hasattr(part, "full"):
-                return bool(part.full)
+            if part.round_full is not None:
+                return part.round_full
         raise RuntimeError(f"{type(self).__name__}.discards_rounds is set but it holds no round part")
 
     def discard_round(self) -> None:
@@ -214,18 +246,15 @@ class Strategy(ABC):
         time and bytes count toward the next committed step's metrics."""
         self._check_open()
         if self.round_closes is None:
-            raise NotImplementedError(f"{type(self).__name__} cannot discard a round (its commits are decided "
-                                      "inside the step)")
+            raise NotImplementedError(
+                f"{type(self).__name__} cannot discard a round (its commits are decided inside the step)"
+            )
         with torch.no_grad():
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.zero_()
         for part in self._parts.values():
-            if isinstance(part, Strategy):
-                if part.round_closes is not None:
-                    part.discard_round()
-            elif hasattr(part, "discard"):
-                part.discard()
+            part.discard()
         self._discard()
 
     @contextmanager
@@ -263,6 +292,11 @@ class Strategy(ABC):
         finally:
             self.accounting.mark = time.perf_counter()
 
+    def parameters_overwritten(self) -> None:
+        """The model's parameters were overwritten from outside the strategy (an outer loop running this one
+        as its inner strategy, e.g. DiLoCo's merge): a strategy that keeps its own copy of them re-reads it
+        here."""
+
     def current_lr(self) -> float:
         """The lr the next committed step uses for the first parameter group."""
         return self.base_lr * self._lr_scale(self.steps)
@@ -273,12 +307,12 @@ class Strategy(ABC):
         Workers of one job must save checkpoints at the same position (e.g. right after ``step()`` returned
         True on all of them); :meth:`load_state_dict` checks that across workers.
         """
-        return {"steps": self.steps, **self._from_parts("position"), **self._position()}
+        return {"steps": self.steps, **self._from_parts(lambda part: part.position()), **self._position()}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of every buffer this worker holds for the strategy (parameters, gradients, optimizer state,
         communication buffers), one entry each."""
-        return {**self._from_parts("memory_report"), **self._memory()}
+        return {**self._from_parts(lambda part: part.memory_report()), **self._memory()}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this worker exactly (model, optimizer shard, pending buffers).
@@ -286,8 +320,7 @@ class Strategy(ABC):
         Held parts save first, in reverse order of holding (a part holding background work quiesces it before
         the parts it builds on are read), then the strategy's own :meth:`_state`.
         """
-        parts = {name: self._parts[name].state_dict() for name in reversed(self._parts)
-                 if hasattr(self._parts[name], "state_dict")}
+        parts = {name: self._parts[name].state_dict() for name in reversed(self._parts)}
         return {
             "strategy": self.name,
             "world_size": self.world_size,
@@ -300,9 +333,9 @@ class Strategy(ABC):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`. Every worker of the job must call it (it checks, with one collective
-        over ``world``, that all workers saved at the same :meth:`position`); a rejected checkpoint raises on
-        every worker, never hangs the others."""
+        """Resume from :meth:`state_dict`. Every worker of the job must call it (it checks, with one
+        collective over ``world``, that all workers saved at the same :meth:`position`); a rejected checkpoint
+        raises on every worker, never hangs the others."""
         problem = None
         if state.get("strategy") != self.name:
             problem = f"checkpoint is for strategy {state.get('strategy')!r}, not {self.name!r}"
@@ -317,16 +350,16 @@ class Strategy(ABC):
         self.steps = int(state["steps"])
         self.micro_batches = int(state["micro_batches"])
         for name, part in self._parts.items():
-            if hasattr(part, "load_state_dict"):
-                part.load_state_dict(state["parts"][name])
+            part.load_state_dict(state["parts"].get(name, {}))
         self._load_state(state["state"])
 
     def logical_state_dict(self) -> dict[str, torch.Tensor]:
-        """This worker's part of the world-size-independent state (see :mod:`~quietsync.strategies.logical`):
-        tensors (some DTensors) by logical name, for ``torch.distributed.checkpoint.save`` on every worker.
+        """This worker's part of the world-size-independent state (see
+        :mod:`~quietsync.strategies.checkpoint.logical`): tensors (some DTensors) by logical name, for
+        ``torch.distributed.checkpoint.save`` on every worker.
 
-        Raises :class:`~quietsync.strategies.logical.ReshardError` where the strategy cannot be resharded
-        (:attr:`reshard_refusal`) or a round is open (save right after ``step()`` returned True).
+        Raises :class:`~quietsync.strategies.checkpoint.logical.ReshardError` where the strategy cannot be
+        resharded (:attr:`reshard_refusal`) or a round is open (save right after ``step()`` returned True).
         """
         self._check_reshardable()
         problem = open_round_problem(self.name, self.position())
@@ -336,23 +369,25 @@ class Strategy(ABC):
 
     def load_logical_state_dict(self, saved: SavedTensors, read: Reader) -> None:
         """Resume from a logical checkpoint of any world size. ``saved`` lists its tensors (``{key: (shape,
-        dtype)}``); ``read(targets)`` fills tensors laid out for this worker (a collective: every worker of the
-        job calls this). The open round starts empty; ``micro_batches`` (a per-worker count) is left to the
-        caller."""
+        dtype)}``); ``read(targets)`` fills tensors laid out for this worker (a collective: every worker of
+        the job calls this). The open round starts empty; ``micro_batches`` (a per-worker count) is left to
+        the caller."""
         self._check_reshardable()
         targets = {"steps": torch.zeros((), dtype=torch.int64), **self._logical_targets(saved)}
         missing = sorted(k for k in targets if k not in saved)
         if missing:
-            raise ReshardError(f"the checkpoint lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
-                               f"(was it written by strategy {self.name} on this model?)")
+            raise ReshardError(
+                f"the checkpoint lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                f"(was it written by strategy {self.name} on this model?)"
+            )
         read(targets)
         self.steps = int(targets["steps"])
         self._load_logical(targets)
 
     @classmethod
     def reshard_problem(cls, saved_nodes: int | None, nodes: int | None) -> str | None:
-        """Why a checkpoint this strategy wrote on ``saved_nodes`` nodes cannot be loaded on ``nodes`` nodes and any
-        number of workers (None: it can; None for either count: unknown, not checked). By default
+        """Why a checkpoint this strategy wrote on ``saved_nodes`` nodes cannot be loaded on ``nodes`` nodes
+        and any number of workers (None: it can; None for either count: unknown, not checked). By default
         :attr:`reshard_refusal`; a strategy whose state is tied to the node count adds that (``flexdemo``)."""
         return cls.reshard_refusal
 
@@ -364,8 +399,7 @@ class Strategy(ABC):
         try:
             self._close()
             for part in reversed(list(self._parts.values())):
-                if hasattr(part, "close"):
-                    part.close()
+                part.close()
         finally:
             if self._owns_transport:
                 self.transport.close()
@@ -378,11 +412,9 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------------ for subclasses
     def _backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch's backward: by the part that takes micro-batches, else plain autograd."""
-        if self._micro_batch_part is not None:
-            self._micro_batch_part.backward(loss)
-        else:
-            loss.backward()
+        """One micro-batch's backward (plain autograd by default); a strategy whose round part accumulates
+        gradients its own way hands the loss to it here."""
+        loss.backward()
 
     @abstractmethod
     def _step(self) -> bool: ...
@@ -390,27 +422,26 @@ class Strategy(ABC):
     def _discard(self) -> None:
         """Strategy-specific clean-up after :meth:`discard_round` (extra gradient buffers, sync flags)."""
 
-    def _from_parts(self, method: str) -> dict[str, Any]:
-        """The merged dicts ``part.<method>()`` of the held parts that have it, in holding order."""
+    def _from_parts(self, method: Callable[[Part], dict[str, Any]]) -> dict[str, Any]:
+        """The merged dicts ``method(part)`` of the held parts, in holding order."""
         merged: dict[str, Any] = {}
         for part in self._parts.values():
-            if hasattr(part, method):
-                merged.update(getattr(part, method)())
+            merged.update(method(part))
         return merged
 
-    def hold(self, name: str, part: P, *, takes_micro_batches: bool = False) -> P:
-        """Hold ``part`` (a component with any of ``state_dict``/``load_state_dict``, ``memory_report``,
-        ``position``, ``close``): it is checkpointed under ``name``, its position counters join
-        :meth:`position`, its buffers :meth:`memory_report`, and it is closed with the strategy. With
-        ``takes_micro_batches`` its ``backward(loss)`` receives every micro-batch (the default
-        :meth:`_backward`). Returns it."""
+    def hold(self, name: str, part: P) -> P:
+        """Hold ``part`` (a :class:`~quietsync.strategies.parts.part.Part`, or another strategy run inside
+        this one): it is checkpointed under ``name``, its position counters join :meth:`position`, its buffers
+        :meth:`memory_report`, its open round is dropped by :meth:`discard_round`, and it is closed with the
+        strategy. Returns it."""
         if name in self._parts:
             raise ValueError(f"part {name!r} is held twice")
-        self._parts[name] = part
-        if takes_micro_batches:
-            if self._micro_batch_part is not None:
-                raise ValueError("only one part can take the micro-batches")
-            self._micro_batch_part = part
+        if isinstance(part, Strategy):
+            self._parts[name] = _HeldStrategy(part)
+        elif isinstance(part, Part):
+            self._parts[name] = part
+        else:
+            raise TypeError(f"part {name!r} must be a Part or a Strategy, got {type(part).__name__}")
         return part
 
     def _state(self) -> dict[str, Any]:
@@ -424,7 +455,8 @@ class Strategy(ABC):
             raise ReshardError(f"strategy {self.name} cannot be resharded: {self.reshard_refusal}")
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
-        """The world-size-independent tensors beyond ``steps`` (strategies with ``reshard_refusal = None``)."""
+        """The world-size-independent tensors beyond ``steps`` (strategies with ``reshard_refusal =
+        None``)."""
         raise NotImplementedError
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
@@ -460,7 +492,9 @@ class Strategy(ABC):
             raise RuntimeError(f"{type(self).__name__} is closed")
 
     @staticmethod
-    def _check_groups(model: torch.nn.Module, param_groups: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    def _check_groups(
+        model: torch.nn.Module, param_groups: list[dict[str, Any]] | None
+    ) -> list[dict[str, Any]]:
         if param_groups is None:
             return [{"params": [p for p in model.parameters() if p.requires_grad]}]
         groups = normalize_param_groups(param_groups)
@@ -472,31 +506,31 @@ class Strategy(ABC):
         return groups
 
 
-def check_positions_agree(transport: Transport, keys: dict[str, int], position: dict[str, Any],
-                          problem: str | None) -> None:
-    """Check across ``world`` that every worker loads a checkpoint taken at the same position.
+class _HeldStrategy(Part):
+    """A strategy run inside another (hierarchical DiLoCo's inner ddp/zero1), held like any part."""
 
-    ``keys`` fixes the counters' order; ``problem`` is this worker's own reason to reject its checkpoint
-    (then it sends a flag instead of a position). Every worker learns every other's verdict from one
-    all-gather, so all raise together.
-    """
-    names = sorted(keys)
-    mine = torch.tensor([0 if problem else 1] + [int(position.get(k, -1)) for k in names], dtype=torch.int64,
-                        device=transport.device)
-    n = transport.group_size("world")
-    every = torch.empty(n * mine.numel(), dtype=torch.int64, device=transport.device)
-    transport.all_gather(every, mine, "world", name="all_gather/checkpoint_position")
-    rows = every.view(n, -1).tolist()
-    if problem:
-        raise ValueError(problem)
-    rejected = [r for r, row in enumerate(rows) if row[0] == 0]
-    if rejected:
-        raise ValueError(f"the checkpoint of worker(s) {rejected} was rejected there (see their error)")
-    positions = [dict(zip(names, row[1:])) for row in rows]
-    if any(p != positions[0] for p in positions):
-        described = "; ".join(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in p.items())
-                              for r, p in enumerate(positions))
-        raise ValueError(
-            "workers saved this checkpoint at different positions, so resuming would continue a wrong "
-            f"trajectory ({described}). Take checkpoints at the same position on every worker: right after "
-            "step() returned True on all of them, as `quietsync train` does.")
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.strategy.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.strategy.load_state_dict(state)
+
+    def position(self) -> dict[str, int]:
+        return self.strategy.position()
+
+    def memory_report(self) -> dict[str, int]:
+        return self.strategy.memory_report()
+
+    @property
+    def round_full(self) -> bool | None:
+        return self.strategy.round_closes
+
+    def discard(self) -> None:
+        if self.strategy.round_closes is not None:
+            self.strategy.discard_round()
+
+    def close(self) -> None:
+        self.strategy.close()

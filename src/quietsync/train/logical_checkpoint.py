@@ -2,7 +2,7 @@
 
 Beside the per-worker files of a step (``OUT/checkpoints/step-N/rank{R}.pt``, exact at the same world size), a
 strategy that can reshard (``Strategy.reshard_refusal is None``: ddp, zero1, fsdp, flexdemo) also writes
-``step-N/logical/``, a DCP checkpoint of its logical state (:mod:`quietsync.strategies.logical`) plus the job's:
+``step-N/logical/``, a DCP checkpoint of its logical state (:mod:`quietsync.strategies.checkpoint.logical`) plus the job's:
 
 * ``data.epoch``, ``data.consumed`` — the data stream's world-size-independent position
   (:meth:`~quietsync.train.data.ShardedSequences.logical_position`);
@@ -40,7 +40,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..strategies import Strategy
-from ..strategies.logical import ReshardError, SavedTensors
+from ..strategies.checkpoint.logical import ReshardError, SavedTensors
 from .data import ShardedSequences
 
 LOGICAL_DIR = "logical"
@@ -135,7 +135,7 @@ def save_logical(step_folder: str | os.PathLike, strategy: Strategy, stream: Sha
                  tokens_total: int) -> Path:
     """Write the logical part of a checkpoint (every worker calls it, at the same step); returns its folder.
 
-    Raises :class:`~quietsync.strategies.logical.ReshardError` on every worker where the strategy cannot be
+    Raises :class:`~quietsync.strategies.checkpoint.logical.ReshardError` on every worker where the strategy cannot be
     resharded or a round is open."""
     state = strategy.logical_state_dict()
     epoch, consumed = stream.logical_position()
@@ -164,7 +164,7 @@ def load_logical(step_folder: str | os.PathLike, strategy: Strategy, stream: Sha
     """Resume ``strategy`` and ``stream`` from the logical part of ``step_folder`` (every worker calls it);
     returns this worker's token count. Sets ``strategy.micro_batches`` to its folded share.
 
-    Raises :class:`~quietsync.strategies.logical.ReshardError` (on every worker, before any collective) when
+    Raises :class:`~quietsync.strategies.checkpoint.logical.ReshardError` (on every worker, before any collective) when
     the strategy cannot be resharded or the checkpoint does not fit it, ``ValueError`` when its metadata
     cannot be read safely."""
     if strategy.reshard_refusal is not None:

@@ -1,0 +1,576 @@
+"""``cdp``: Cyclic Data Parallelism (Fournier & Oyallon, 2024, paper 002), executed for real.
+
+The model is cut into ``N`` stages (:mod:`~quietsync.strategies.cdp.stages`); a training step (a *cycle*) has
+``N`` micro-batches. One time step is the forward or the backward of one stage. Micro-batch ``i``
+(0-based slot) of cycle ``c`` starts at time ``s = c·2N + 2i`` (the paper's delay of 2 time steps), runs
+the forward of stage ``j`` at ``s + j`` and its backward at ``s + 2N − 1 − j``; so at every time step each
+stage does exactly one forward or backward, and about ``(N+1)/2`` micro-batches' activations are alive
+instead of DP's ``N`` at its peak.
+
+Update rules (θ_c are the parameters after ``c`` committed steps, 1-based stages ``j`` and micro-batches
+``i`` as in the paper)::
+
+    θ_{c+1} = Opt(θ_c, (1/N) Σ_i ∇f_i(θ̂_{i,c}))         with, for stage j of micro-batch i of cycle c,
+    dp     : θ̂^j = θ_c^j                                 (reference; needs a barrier: no stagger)
+    cdp-v1 : θ̂^j = θ_{c−1}^j                             (PipeDream-2BW's rule)
+    cdp-v2 : θ̂^j = θ_c^j if j ≥ N − i + 1 else θ_{c−1}^j  (the newest version the timeline has)
+
+Conventions: **θ_{−1} := θ_0** (at the first cycle only θ_0 exists), so the first step is a DP step. ∇f_i is
+taken **at the versions the forward used**: when stage ``j`` is updated between micro-batch ``i``'s forward
+and backward (``i + j ≤ N``: the update of cycle ``c−1`` arrives in between), the backward still uses the
+forward's version — every forward runs on its own leaf view of the version it was given, and an update never
+writes into a storage a pending backward holds (the optimizer steps a fresh copy; the old storage becomes the
+kept previous version). At most two versions per stage are kept (θ_c, θ_{c−1}).
+
+The CDP-v2 indexing follows from the timeline: stage ``j`` (1-based) of cycle ``c−1`` is complete when the
+last micro-batch's backward of that stage ends, at ``2N(c−1) + 2(N−1) + 2N − j``; micro-batch ``i`` of cycle
+``c`` runs that stage's forward at ``2Nc + 2(i−1) + j − 1``, strictly later iff ``i + j ≥ N + 1`` — exactly
+the paper's ``j ≥ N − i + 1``. The planner checks this for every rule (:class:`Schedule`).
+
+Executors (one code path; the :class:`Schedule` assigns slot ``i`` to worker ``i mod W``):
+
+* **one process** (``W = 1``): the worker runs all ``N`` slots, several micro-batches in flight at once;
+* **N workers** (``W = N``; any ``W`` dividing ``N`` works): worker ``w`` runs slot ``w`` of each cycle.
+  Gradients of stage ``j`` travel as a **reduce chain** over the slots: after its backward of stage ``j``,
+  slot ``i`` adds the partial sum it received from slot ``i−1`` and passes it to slot ``i+1`` (two time steps
+  later, one hop, just in time); slot ``N−1``'s worker (the *root*) then holds ``(1/N) Σ_i ∇f_i`` of stage
+  ``j``, updates the stage, and starts a **distribution chain** to the other workers, ordered by when they
+  first need the new version (v2: worker ``N−j``, ``N−j+1``, ...; then the rest), one hop per time step,
+  each applying the same optimizer step to the same mean gradient, so replicas stay identical. Per stage and
+  cycle: ``2(N−1)`` messages of the stage's gradient size, the volume of a ring all-reduce, spread over the
+  cycle, point-to-point only (no collective; the initial parameter copy is a point-to-point chain too).
+
+``forward_backward(batch, loss_fn)`` feeds this worker's next micro-batch and advances the worker's clock
+to the start of its following micro-batch (one process: 2 time steps; ``N`` workers: ``2N``); it returns the
+loss of the micro-batch(es) whose backward completed in the call, or None while the pipeline fills. ``step()``
+returns True when all ``N`` stages of a cycle were updated on this worker (the first after ``2N−1`` calls on
+one process). Micro-batches in flight when the loop stops are dropped.
+
+``loss_fn(model, batch)`` keeps its contract: it must call ``model`` once (e.g. the trainer's
+``model(input_ids=batch, labels=batch).loss``). The strategy first calls it with a recorder that captures the
+model call's arguments (the stage inputs), and at the last stage's forward calls it again with a stand-in
+model that returns the last stage's output, so the loss is computed on the last stage's graph.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ...activation_memory import ActivationMeter
+from ...events import label
+from ...validate import check_choice, check_int
+from ..base import LossFn, Strategy, StrategyConfig
+from ..parts.lr import LRScaler
+from ..registry import register
+from ..substrates.sharded_optimizer import build_optimizer
+from .capture import Replay, capture_call
+from .schedule import Message, Schedule
+from .stages import PARTITIONS, StagePlan, partition, run_segments, segment_flops, sequential_view
+
+RULES = ("dp", "v1", "v2")
+_ALIASES = {"cdp-v1": "v1", "cdp-v2": "v2"}
+
+
+@dataclass
+class CDPConfig(StrategyConfig):
+    """Knobs of the ``cdp`` strategy."""
+
+    rule: Literal["dp", "v1", "v2"] = "v2"
+    """Update rule: v2 (CDP-v2, the newest version each stage has), v1 (CDP-v1, all stages one step behind) or
+    dp (no delay; micro-batches run in lock-step, the reference)."""
+    stages: int | None = None
+    """Number of stages N = micro-batches per step (default: the number of workers, or 2 on one process)."""
+    partition: Literal["params", "flops", "manual"] = "params"
+    """How the model is cut: balance parameter counts, measured FLOPs (on the first micro-batch), or
+    manual."""
+    manual_stages: str = ""
+    """With partition manual: comma-separated names of the modules that start stages 2..N (e.g.
+    transformer.h.1,lm_head)."""
+    measure_activations: bool = False
+    """Record the bytes autograd holds for backward after every time step (activation_timeline())."""
+
+    def __post_init__(self) -> None:
+        self.rule = _ALIASES.get(self.rule, self.rule)  # type: ignore[assignment]
+        check_choice("rule", self.rule, RULES)
+        check_int("stages", self.stages, 1, allow_none=True)
+        check_choice("partition", self.partition, PARTITIONS)
+        if not isinstance(self.manual_stages, str):
+            raise ValueError(f"manual_stages must be a comma-separated string, got {self.manual_stages!r}")
+        if self.partition == "manual" and not self.manual_names:
+            raise ValueError(
+                "manual_stages must name the modules that start stages 2..N when partition is manual, got ''"
+            )
+        if self.partition != "manual" and self.manual_names:
+            raise ValueError(
+                f"manual_stages is only used with partition manual, got partition {self.partition!r}"
+            )
+
+    @property
+    def manual_names(self) -> list[str]:
+        return [s.strip() for s in self.manual_stages.split(",") if s.strip()]
+
+
+@dataclass
+class _Send:
+    """A point-to-point send still to be completed (and so metered)."""
+
+    time: int
+    """Time step it was sent at."""
+    cycle: int
+    """Cycle of the gradient or version it carries."""
+    work: Any
+    """The transport's handle."""
+    tensor: torch.Tensor
+    """What was sent (kept alive until the send completes)."""
+
+
+@dataclass
+class _MicroBatch:
+    cycle: int
+    slot: int
+    batch: Any
+    loss_fn: LossFn
+    x: Any
+    ctx: dict
+    leaves: dict[int, torch.Tensor] = field(default_factory=dict)
+    xin: dict[int, Any] = field(default_factory=dict)
+    out: dict[int, Any] = field(default_factory=dict)
+    gout: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    versions: dict[int, int] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------- the strategy
+@register("cdp", CDPConfig)
+class CDP(Strategy):
+    """Cyclic Data Parallelism; see the module docstring."""
+
+    reshard_refusal = "micro-batches of the next step are in flight when a step commits"
+
+    resumable = False  # micro-batches of the next step are in flight when a step commits
+
+    config: CDPConfig
+
+    def __init__(self, model: nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
+        super().__init__(model, optimizer, **kwargs)
+        cfg = self.config
+        world = self.world_size
+        n = cfg.stages if cfg.stages is not None else (world if world > 1 else 2)
+        if n % world:
+            raise ValueError(f"stages must be a multiple of the number of workers ({world}), got {n}")
+        self.n = n
+        self.view = sequential_view(model)
+        if n > len(self.view.segments):
+            names = ", ".join(s.name for s in self.view.segments)
+            raise ValueError(
+                f"stages must be <= the {len(self.view.segments)} segments of this model ({names}), got {n}"
+            )
+        self.schedule = Schedule(n, world, cfg.rule)
+        self.me = self.rank
+        self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
+        self.lr = self.hold("lr", LRScaler(self.optimizer))
+        self.plan: StagePlan | None = None
+        if cfg.partition != "flops":
+            self._build(partition(self.view, n, cfg.partition, cfg.manual_names))
+        self.meter = ActivationMeter(exclude=self._is_parameter) if cfg.measure_activations else None
+        self._param_ptrs: set[int] = set()
+        self.t = 0  # next time step this worker processes
+        self.fed = 0  # local micro-batches fed
+        self._inflight: dict[tuple[int, int], _MicroBatch] = {}
+        self._own: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._partial: dict[tuple[int, int], torch.Tensor] = {}
+        self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}
+        self._sends: list[_Send] = []
+        self._updates: dict[int, int] = defaultdict(int)
+        self._pending_commits: list[int] = []
+        self._done_losses: list[torch.Tensor] = []
+        self.sent_per_step: dict[int, int] = defaultdict(int)
+        """Bytes this worker handed to the transport at each time step."""
+        self.sent_completed = 0
+        """Bytes of those sends that completed (what the transport's meter has counted)."""
+        self.drained_bytes = 0
+        """Zeros sent on close so a peer still finishing its last step is not left waiting (see
+        ``_drain``)."""
+        self._initial_copy()
+        self._refresh_param_ptrs()
+
+    # ------------------------------------------------------------------ set-up
+    def _build(self, plan: StagePlan) -> None:
+        self.plan = plan
+        trainable = {id(p) for g in self.param_groups for p in g["params"]}
+        self.owned = [[p for p in ps if id(p) in trainable] for ps in plan.owned]
+        self.live = [0] * self.n
+        self.prev: list[tuple[int, list[torch.Tensor]] | None] = [None] * self.n
+        self.stage_numel = [sum(p.numel() for p in ps) for ps in self.owned]
+        self.stage_bytes = [sum(p.numel() * p.element_size() for p in ps) for ps in self.owned]
+        self._refresh_param_ptrs()
+
+    def _initial_copy(self) -> None:
+        """Replicas start from worker 0's parameters, passed down a point-to-point chain 0 → 1 → … → W−1."""
+        if self.world_size == 1:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            if self.me > 0:
+                self.transport.recv(flat, self.me - 1, name="cdp/init_params")
+            if self.me < self.world_size - 1:
+                self.transport.send(flat, self.me + 1, name="cdp/init_params")
+            torch._foreach_copy_(
+                params, [x.view_as(p) for x, p in zip(flat.split([p.numel() for p in params]), params)]
+            )
+
+    def balance(self) -> dict[str, Any]:
+        """The stage cut and its balance (see :meth:`StagePlan.balance`); None-like before the first call with
+        partition flops."""
+        if self.plan is None:
+            return {}
+        return self.plan.balance()
+
+    # ------------------------------------------------------------------ the trainer's call
+    def forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor | None:
+        self._check_open()
+        if self.plan is None:  # partition flops: measured on the first micro-batch
+            args, kwargs = capture_call(self.module, batch, loss_fn)
+            flops = segment_flops(
+                self.view, args, kwargs, lambda out: loss_fn(Replay(self.module, out), batch)
+            )
+            self._build(partition(self.view, self.n, "flops", (), flops))
+        per = self.n // self.world_size
+        c, k = divmod(self.fed, per)
+        slot = self.schedule.slots(self.me)[k]
+        args, kwargs = capture_call(self.module, batch, loss_fn)
+        x, ctx = self.view.enter(args, kwargs)
+        self._inflight[(c, slot)] = _MicroBatch(c, slot, batch, loss_fn, x, ctx)
+        self.fed += 1
+        c2, k2 = divmod(self.fed, per)
+        until = self.schedule.start(c2, self.schedule.slots(self.me)[k2])
+        while self.t < until:
+            self._time_step(self.t)
+            self.t += 1
+        done, self._done_losses = self._done_losses, []
+        if not done:
+            return None
+        return done[0] if len(done) == 1 else torch.stack(done).mean()
+
+    # ------------------------------------------------------------------ one time step
+    def _time_step(self, t: int) -> None:
+        s = self.schedule
+        me = self.me
+        cycles = s.cycles_at(t)
+        # 1. post the receives of everything sent to me at t-1, in the senders' order
+        self._post_receives(t)
+        # 2. new versions arriving now (distribution chain): apply, relay
+        for c in cycles:
+            for j in range(self.n):
+                if me != s.root() and s.arrivals(c, j).get(me) == t:
+                    buf = self._wait(("dist", c, j, 0))
+                    self._apply(c, j, buf)
+                    chain = s.chain(j)
+                    k = chain.index(me)
+                    if k + 1 < len(chain):
+                        self._send(buf, chain[k + 1], t, "dist", c)
+        # 3. forwards, then 4. backwards (activations of a step's forwards count before its backwards free
+        # theirs)
+        mine = [(c, i) for c in cycles for i in s.slots(me) if (c, i) in self._inflight]
+        for c, i in mine:
+            j = t - s.start(c, i)
+            if 0 <= j < self.n:
+                self._forward(self._inflight[(c, i)], j)
+        for c, i in mine:
+            j = 2 * self.n - 1 - (t - s.start(c, i))
+            if 0 <= j < self.n:
+                self._backward_stage(self._inflight[(c, i)], j)
+        # 5. the reduce chain: add my gradient to the partial sum; pass it on, or (the root) update and
+        # distribute
+        for c in cycles:
+            for j in range(self.n):
+                rt = s.reduce_times(c, j)
+                for i in s.slots(me):
+                    if rt[i] == t and (c, i, j) in self._own:
+                        self._reduce(c, i, j, t)
+        self._retire_sends(t)
+        if self.meter is not None:
+            self.meter.sample(t)
+
+    def _messages_at(self, t: int, *, to: int | None = None, by: int | None = None) -> list[Message]:
+        """The schedule's transfers sent at time step ``t`` (to or by one worker), in key order."""
+        s = self.schedule
+        return sorted((m for c in s.cycles_at(t) for j in range(self.n) for m in s.messages_sent(c, j)
+                       if m.time == t and (to is None or m.dst == to) and (by is None or m.src == by)),
+                      key=lambda m: m.key)
+
+    def _post_receives(self, t: int) -> None:
+        for m in self._messages_at(t - 1, to=self.me):
+            buf = torch.empty(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
+            work = self.transport.recv(buf, m.src, async_op=True, name=f"cdp/{m.kind}")
+            self._posted[(m.kind, m.cycle, m.stage, m.slot)] = (work, buf)
+
+    def _feed_end(self, w: int, steps: int) -> int:
+        """``self.t`` of worker ``w`` when a loop that stops once ``steps`` cycles are committed stops: the
+        start of the first micro-batch it would have fed after the time step that commits cycle ``steps -
+        1``."""
+        s = self.schedule
+        commit = max(s.arrivals(steps - 1, j)[w] for j in range(self.n))
+        c0 = commit // s.period
+        return min(
+            b for c in range(max(0, c0 - 1), c0 + 3) for i in s.slots(w) if (b := s.start(c, i)) > commit
+        )
+
+    def _drain(self) -> int:
+        """Workers commit cycle ``steps - 1`` at different time steps, and a worker still finishing it needs
+        the messages its peers would have sent in the time steps after they stopped (partial sums of the next
+        cycle pass through it). So on close each worker keeps the schedule's communication going, without
+        compute, until the last worker's last time step: it receives (and drops) what is sent to it, and sends
+        zeros where it would have sent a partial sum or a new version of a cycle nobody commits. Assumes the
+        loop stops as soon as ``steps`` cycles are committed (the trainer, Accelerate and the Trainer glue
+        do)."""
+        if self.plan is None or self.world_size == 1 or self.steps == 0:
+            return self.t
+        end = max(self._feed_end(w, self.steps) for w in range(self.world_size))
+        if self.t > end:
+            warnings.warn(
+                f"cdp: close() at time step {self.t}, after the last worker's last step ({end}): the loop "
+                f"fed micro-batches past the commit of step {self.steps}; peers may not receive its tail",
+                stacklevel=3,
+            )
+            return self.t
+        for t in range(self.t, end):
+            self._post_receives(t)
+            for work, _ in self._posted.values():
+                work.wait()
+            self._posted.clear()
+            if t + 1 < end:  # what is sent at end - 1 is received by nobody
+                for m in self._messages_at(t, by=self.me):
+                    buf = torch.zeros(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
+                    work = self.transport.send(buf, m.dst, async_op=True, name="cdp/drain")
+                    self._sends.append(_Send(t, m.cycle, work, buf))
+                    self.drained_bytes += buf.numel() * buf.element_size()
+        self.t = end
+        return end
+
+    def _forward(self, mb: _MicroBatch, j: int) -> None:
+        v = self.schedule.version(mb.cycle, mb.slot, j)
+        mb.versions[j] = v
+        if self.live[j] == v:
+            tensors = [p.data for p in self.owned[j]]
+        elif self.prev[j] is not None and self.prev[j][0] == v:
+            tensors = self.prev[j][1]
+        else:
+            raise RuntimeError(f"cdp: version {v} of stage {j} is not here (live {self.live[j]}, "
+                               f"previous {self.prev[j][0] if self.prev[j] else None}) — schedule bug")
+        for p, x in zip(self.owned[j], tensors):
+            mb.leaves[id(p)] = x.detach().requires_grad_()
+        values = {}
+        for seg in self.plan.stages[j]:
+            for p in seg.parameters():
+                values[id(p)] = mb.leaves.get(id(p), p)
+        x = mb.x if j == 0 else mb.out[j - 1]
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and j > 0:
+            x = x.detach().requires_grad_()
+        mb.xin[j] = x
+        with self.meter.track() if self.meter is not None else nullcontext():
+            out = run_segments(self.plan.stages[j], x, mb.ctx, values)
+            if j == self.n - 1:
+                loss = mb.loss_fn(Replay(self.module, out), mb.batch)  # type: ignore[arg-type]
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError("loss_fn must return a scalar tensor")
+                mb.loss = loss
+                out = loss / self.n  # the step's gradient is the mean over the cycle's N micro-batches
+        mb.out[j] = out
+
+    def _backward_stage(self, mb: _MicroBatch, j: int) -> None:
+        out = mb.out.pop(j)
+        grad = mb.gout.pop(j, None)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            torch.autograd.backward(out, grad)
+        del out
+        x = mb.xin.pop(j)
+        if j > 0:
+            mb.gout[j - 1] = x.grad if isinstance(x, torch.Tensor) else None
+        grads = []
+        for p in self.owned[j]:
+            leaf = mb.leaves.pop(id(p))
+            grads.append(torch.zeros_like(p).reshape(-1) if leaf.grad is None else leaf.grad.reshape(-1))
+        flat = torch.cat(grads) if grads else torch.zeros(0, dtype=self._dtype, device=self._device)
+        self._own[(mb.cycle, mb.slot, j)] = flat
+        if j == 0:
+            del self._inflight[(mb.cycle, mb.slot)]
+            self._done_losses.append(mb.loss.detach())
+            self.accounting.micro_batch_done()
+            self.micro_batches += 1
+
+    def _reduce(self, c: int, i: int, j: int, t: int) -> None:
+        s = self.schedule
+        acc = self._own.pop((c, i, j))
+        if i > 0:
+            if s.worker(i - 1) == self.me:
+                acc = self._partial.pop((c, j)).add_(acc)
+            else:
+                acc = self._wait(("partial", c, j, i - 1)).add_(acc)
+        if i < self.n - 1:
+            if s.worker(i + 1) == self.me:
+                self._partial[(c, j)] = acc
+            else:
+                self._send(acc, s.worker(i + 1), t, "partial", c)
+            return
+        self._apply(c, j, acc)  # the root: the stage's mean gradient is complete
+        chain = s.chain(j)
+        if chain:
+            self._send(acc, chain[0], t, "dist", c)
+
+    def _apply(self, c: int, j: int, flat: torch.Tensor) -> None:
+        """θ^j_{c+1} = Opt(θ^j_c, mean gradient of cycle c); θ^j_c is kept as the previous version."""
+        if self.live[j] != c:
+            raise RuntimeError(
+                f"cdp: update of cycle {c} for stage {j} at version {self.live[j]} — schedule bug"
+            )
+        params = self.owned[j]
+        kept = [p.data for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.data = p.data.clone()  # pending backwards keep the old storage: it becomes θ_c^j
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad = g.view_as(p)
+            self.lr.apply(self._lr_scale(c))
+            with label("quietsync/optimizer_step"):
+                self.optimizer.step()
+            for p in params:
+                p.grad = None
+        self.prev[j] = (c, kept)
+        self.live[j] = c + 1
+        self._refresh_param_ptrs()
+        self._updates[c] += 1
+        if self._updates[c] == self.n:
+            del self._updates[c]
+            self._pending_commits.append(c)
+
+    # ------------------------------------------------------------------ point-to-point
+    def _send(self, tensor: torch.Tensor, dst: int, t: int, kind: str, cycle: int) -> None:
+        work = self.transport.send(tensor, dst, async_op=True, name=f"cdp/{kind}")
+        self._sends.append(_Send(t, cycle, work, tensor))
+        self.sent_per_step[t] += tensor.numel() * tensor.element_size()
+
+    def _wait(self, key: tuple) -> torch.Tensor:
+        work, buf = self._posted.pop(key)
+        t0 = time.perf_counter()
+        work.wait()
+        t1 = time.perf_counter()
+        self.accounting.move_to_idle(t1 - t0, t1, "cdp_recv")
+        return buf
+
+    def _retire_sends(self, t: int) -> None:
+        """Complete (and so meter) the sends of cycles this worker has committed. Every worker commits the
+        same cycles, so their receivers post those receives: waiting cannot hang. Sends of later cycles stay
+        open (gloo cannot poll a send): a peer that stops first never receives the schedule's tail."""
+        keep = []
+        for sent in self._sends:
+            if sent.cycle < self.steps or sent.work.ready():
+                self._complete(sent)
+            else:
+                keep.append(sent)
+        self._sends = keep
+
+    def _complete(self, sent: _Send) -> None:
+        sent.work.wait()
+        if sent.work.name != "cdp/drain":  # the drain's zeros are counted in drained_bytes
+            self.sent_completed += sent.tensor.numel() * sent.tensor.element_size()
+
+    # ------------------------------------------------------------------ contract
+    def _step(self) -> bool:
+        if not self._pending_commits:
+            return False
+        for c in self._pending_commits:
+            self._commit({"cycle": c}, self.n // self.world_size)
+        self._pending_commits = []
+        return True
+
+    @contextmanager
+    def committed_params(self) -> Iterator[nn.Module]:
+        """The model holds θ_steps on every stage inside (a stage already updated past it shows its previous
+        version)."""
+        swapped = []
+        if self.plan is not None:
+            for j in range(self.n):
+                if self.live[j] != self.steps and self.prev[j] is not None and self.prev[j][0] == self.steps:
+                    for p, old in zip(self.owned[j], self.prev[j][1]):
+                        swapped.append((p, p.data))
+                        p.data = old
+        try:
+            yield self.module
+        finally:
+            for p, cur in swapped:
+                p.data = cur
+
+    def activation_timeline(self) -> list:
+        """``ActivationMeter`` samples, one per time step (with ``measure_activations``)."""
+        return [] if self.meter is None else list(self.meter.timeline)
+
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self._param_ptrs
+
+    def _refresh_param_ptrs(self) -> None:
+        if getattr(self, "meter", None) is None:
+            return
+        ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        for prev in getattr(self, "prev", []):
+            if prev is not None:
+                ptrs.update(x.untyped_storage().data_ptr() for x in prev[1])
+        for mb in self._inflight.values():
+            ptrs.update(x.untyped_storage().data_ptr() for x in mb.leaves.values())
+        self._param_ptrs = ptrs
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(iter(self.module.parameters())).dtype
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self.module.parameters())).device
+
+    def _position(self) -> dict[str, int]:
+        return {"time_step": self.t, "fed": self.fed}
+
+    def _memory(self) -> dict[str, int]:
+        prev = sum(sum(x.numel() * x.element_size() for x in p[1]) for p in getattr(self, "prev", []) if p)
+        inflight = sum(g.numel() * g.element_size() for g in self._own.values())
+        inflight += sum(g.numel() * g.element_size() for g in self._partial.values())
+        return {"params": sum(p.numel() * p.element_size() for p in self.module.parameters()),
+                "previous_versions": prev, "gradient_partials": inflight}
+
+    def _state(self) -> dict[str, Any]:
+        if self._inflight or self._own or self._partial or self._sends:
+            raise RuntimeError(
+                "cdp: state_dict() with micro-batches in flight is not supported; checkpoint before "
+                "the first forward_backward or after close-out (not implemented)"
+            )
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def _close(self) -> None:
+        """Workers leave the loop at different time steps: each keeps the schedule's communication going until
+        the last one is done (``_drain``), then completes the sends of committed cycles. Sends of the very
+        last time step are never received and never waited; when this strategy owns its transport, one barrier
+        keeps the groups alive until every peer is done (the trainer passes its transport and ends with its
+        own all-reduce of the totals, which does the same)."""
+        end = self._drain()
+        # a send is dropped only once it completed: gloo cancels a dropped pending send
+        for sent in self._sends:
+            if sent.time < end - 1:  # received at sent.time + 1 <= end - 1 by a peer in its loop or its drain
+                self._complete(sent)
+        if self._owns_transport and self.world_size > 1:
+            self.transport.barrier()
+        self._sends.clear()
+        self._posted.clear()

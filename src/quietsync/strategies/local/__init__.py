@@ -1,0 +1,2 @@
+"""Infrequent synchronisation (paper 004, DiLoCo): Local SGD / K-batch synchronous SGD, DiLoCo and Streaming
+DiLoCo, and the outer loop (θ_global, outer optimizer, fragments, pseudo-gradient exchange)."""

@@ -1,0 +1,143 @@
+"""``diloco``: DiLoCo (Douillard et al. 2023) — H local inner steps, then an outer step on the averaged
+pseudo-gradient; with Streaming DiLoCo's fragments and overlapped outer communication (Douillard et al. 2025).
+
+Every worker runs the inner optimizer (the user's, AdamW by default) on its own data; ``steps`` counts these
+inner steps. Per fragment f of the parameters (one fragment by default), every H = ``sync_every`` steps,
+staggered by H/F between fragments (the :class:`~quietsync.strategies.local.outer.OuterSync` part):
+
+    Δ_i = θ_global − θ_i                                     (pseudo-gradient of worker i)
+    Δ̄   = mean_i Δ_i                 over the sync group   (fp32 / bf16 / int8, or a replicator + error
+    feedback) θ_global ← OuterSGD(θ_global, Δ̄)  lr 0.7, momentum 0.9, Nesterov by default
+    θ_i ← θ_global                                          (τ = 0: every worker continues from θ_global)
+    θ_i ← α·θ_i + (1 − α)·θ_global                          (τ > 0: applied τ inner steps after the launch,
+                                                              the communication overlapped with them)
+
+The τ > 0 merge is Streaming DiLoCo's mixing of the local parameters, which moved on for τ steps, with the
+freshly agreed global ones (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication: towards a
+distributed free lunch", arXiv 2501.18512, the overlapping-communication section; α = ``mixing``, 0.5 by
+default, an even blend not tuned here; α = 0 discards the τ local steps). With τ = 0 replicas are identical
+after every sync; with τ > 0 they agree on θ_global but keep α·(their own drift).
+
+**Hierarchical** (``inner``): ``local`` — each worker trains alone and the sync group is ``world``; ``ddp`` /
+``zero1`` — the registered ``ddp``/``zero1`` strategy runs inside each node (group ``shard``, synchronous data
+parallelism per node) and only the outer sync crosses nodes, over ``replicate``.
+
+``committed_params()`` gives θ_global (the last globally agreed parameters, per fragment); between syncs
+``model`` holds the local θ. With outer SGD lr = 1 and momentum 0 (no Nesterov), θ_global ← mean_i θ_i:
+DiLoCo is Local SGD with K = H.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ...validate import check_choice
+from ..base import Strategy
+from ..parts.accumulation import OptimizerRound
+from ..parts.broadcast import broadcast_parameters
+from ..registry import get, register
+from ..substrates.sharded_optimizer import build_optimizer
+from .outer import OuterConfig, OuterSync
+
+_INNER = ("local", "ddp", "zero1")
+
+
+@dataclass
+class DiLoCoConfig(OuterConfig):
+    """Knobs of the ``diloco`` strategy: the outer loop's (:class:`OuterConfig`) and the inner training."""
+
+    inner: Literal["local", "ddp", "zero1"] = "local"
+    """Inner training: local (each worker alone; the sync spans world), ddp or zero1 (synchronous inside each
+    node, the sync spans nodes over replicate)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_choice("inner", self.inner, _INNER)
+
+
+@register("diloco", DiLoCoConfig)
+class DiLoCo(Strategy):
+    """DiLoCo / Streaming DiLoCo, optionally hierarchical; see the module docstring."""
+
+    reshard_refusal = (
+        "each worker's inner optimizer state is its own and its inner model drifts between outer syncs, so "
+        "there is no one state to split over another number of workers"
+    )
+
+    discards_rounds = True
+
+    config: DiLoCoConfig
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
+        super().__init__(model, optimizer, **kwargs)
+        cfg = self.config
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        broadcast_parameters(self.transport, self.params, "world")  # every replica, every node, starts equal
+        self.inner = None
+        if cfg.inner == "local":
+            self.sync_group = "world"
+            self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
+            self.round = self.hold("round", OptimizerRound(self.optimizer, cfg.accumulation, self.params))
+        else:
+            self.sync_group = "replicate"
+            cls, _ = get(cfg.inner)
+            self.inner = self.hold("inner", cls(
+                model, self.optimizer_factory, param_groups=self.param_groups, transport=self.transport,
+                config={"accumulation": cfg.accumulation}, lr_schedule=self.lr_schedule, group="shard",
+                **self.optimizer_kwargs))
+            self.optimizer = self.inner.optimizer
+        self.outer = self.hold("outer", OuterSync(self.params, self.transport, self.sync_group, cfg,
+                                                  on_params_written=self._params_written))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.module if self.inner is None else self.inner.model
+
+    def _params_written(self) -> None:
+        """The outer sync overwrote the model parameters: an inner strategy that keeps its own copy (ZeRO-1's
+        fp32 master shard) must follow, else its next all-gather would bring the old values back."""
+        if self.inner is not None:
+            self.inner.parameters_overwritten()
+
+    # ------------------------------------------------------------------ inner steps
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self.round if self.inner is None else self.inner).backward(loss)
+
+    def _step(self) -> bool:
+        if self.inner is not None:
+            if not self.inner.step():
+                return False
+            self.accounting.reclassify_as_idle(
+                self.inner.last_step_metrics().idle_s
+            )  # its blocking collectives
+        else:
+            if not self.round.full:
+                return False
+            self.round.step(self._lr_scale(self.steps), self.accounting)
+        extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
+        self._commit(extra=extra)
+        return True
+
+    # ------------------------------------------------------------------ contract
+    @contextmanager
+    def committed_params(self) -> Iterator[torch.nn.Module]:
+        """``model`` holds θ_global (the globally agreed parameters) within the context."""
+        with self.outer.global_params():
+            yield self.model
+
+    def _position(self) -> dict[str, int]:
+        return {"pending_fragment": self.outer.pending_fragment}
+
+    def _state(self) -> dict[str, Any]:
+        return (
+            {} if self.inner is not None else {"model": self.module.state_dict()}
+        )  # an inner strategy saves its own
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        if self.inner is None:
+            self.module.load_state_dict(state["model"])

@@ -1,0 +1,359 @@
+"""The outer loop of DiLoCo-style training (a part): θ_global, the outer optimizer, the fragment schedule and
+the pseudo-gradient exchange.
+
+:class:`OuterSync` splits the model's parameters into ``fragments`` contiguous fragments (by parameter tensor,
+balanced by element count) and keeps, per fragment f,
+
+* ``θ_global[f]`` — the globally agreed parameters (fp32; on CPU with ``offload``);
+* an outer ``torch.optim.SGD`` over it (lr, momentum, Nesterov) whose state is the outer momentum;
+* with a replicator, the error-feedback residual ``e[f]`` and the replicator's own state.
+
+Fragment f is synced after inner steps ``s`` with ``s mod H == ((f+1)·H/F) mod H`` (every H steps, fragments
+staggered by H/F). A sync of fragment f launched after inner step s:
+
+1. ``Δ = θ_global[f] − θ_local[f]`` (this worker's pseudo-gradient);
+2. ``Δ̄ = mean over the group of Δ`` — dense in fp32/bf16 (all-reduce), int8 with a per-fragment scale
+   (all-gather of codes and scales, decoded and averaged locally), or through a replicator:
+   ``e ← e + Δ; q = extract(e); e ← e − decode(q); Δ̄ = mean of decode(q)`` (error feedback);
+3. ``θ_global[f] ← OuterSGD(θ_global[f], Δ̄)``;
+4. applied after inner step ``s + τ`` (``τ = overlap_delay``): with τ = 0, ``θ_local[f] ← θ_global[f]``; with
+   τ > 0 steps 2–3 run on the :class:`~quietsync.comm_worker.CommWorker` while the τ inner steps continue, and
+   the merge is Streaming DiLoCo's mixing ``θ_local[f] ← α·θ_local[f] + (1 − α)·θ_global[f]`` (α = ``mixing``;
+   Douillard et al. 2025, "Streaming DiLoCo with overlapping communication", the overlapped outer step).
+
+At most one fragment is in flight (``τ ≤ H/F``; an apply due at a step runs before that step's launch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ...comm_worker import CommWorker, Job
+from ...events import label
+from ...flat import nbytes
+from ...replicators import Replicator, Segments, make_replicator
+from ...transport import Transport
+from ...validate import check_choice, check_float, check_int
+from ..parts.accumulation import AccumulationConfig
+from ..parts.part import Part
+from .fragments import split_fragments
+
+PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
+PSEUDO_GRAD_REPLICATORS = ("none", "dct", "random", "striding", "full")
+
+
+@dataclass
+class OuterConfig(AccumulationConfig):
+    """The outer loop's knobs (DiLoCo's config extends it with the inner training); checked once, here."""
+
+    sync_every: int = 64
+    """H: inner optimizer steps between two syncs of each fragment."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD on the averaged pseudo-gradient."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD (0: none)."""
+    outer_nesterov: bool = True
+    """Nesterov momentum for the outer SGD (takes effect only with outer_momentum > 0)."""
+    fragments: int = 1
+    """Streaming DiLoCo: split the parameters into this many fragments synced at staggered steps (must divide
+    sync_every)."""
+    overlap_delay: int = 0
+    """tau: inner steps a fragment's outer communication overlaps before it is merged (0: blocking; at most
+    sync_every/fragments)."""
+    mixing: float = 0.5
+    """alpha of the delayed merge theta_local <- alpha*theta_local + (1-alpha)*theta_global (only with
+    overlap_delay > 0)."""
+    pseudo_grad_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    """dtype pseudo-gradients travel in: fp32, bf16 (all-reduce) or int8 with a per-fragment scale
+    (all-gather)."""
+    pseudo_grad_replicator: Literal["none", "dct", "random", "striding", "full"] = "none"
+    """Compress pseudo-gradients with a quietsync replicator (error feedback in its residual); none: dense
+    exchange."""
+    compression: float = 1 / 32
+    """Replicator bandwidth: bytes sent / bytes of the fp32 pseudo-gradient, in (0, 1] (with
+    pseudo_grad_replicator)."""
+    seed: int = 0
+    """Shared seed of the random replicator's positions."""
+    offload_outer: bool = False
+    """Keep theta_global and the outer optimizer state on CPU (saves 2 model copies of accelerator memory)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("sync_every", self.sync_every, 1)
+        check_float("outer_lr", self.outer_lr, 0, low_open=True)
+        check_float("outer_momentum", self.outer_momentum, 0, 1, high_open=True)
+        check_int("fragments", self.fragments, 1, self.sync_every)
+        if self.sync_every % self.fragments:
+            raise ValueError(
+                f"fragments must be a divisor of sync_every ({self.sync_every}), got {self.fragments}"
+            )
+        check_int("overlap_delay", self.overlap_delay, 0, self.sync_every // self.fragments)
+        check_float("mixing", self.mixing, 0, 1)
+        check_choice("pseudo_grad_dtype", self.pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
+        check_choice("pseudo_grad_replicator", self.pseudo_grad_replicator, PSEUDO_GRAD_REPLICATORS)
+        check_float("compression", self.compression, 0, 1, low_open=True)
+        check_int("seed", self.seed, 0)
+        if self.pseudo_grad_replicator != "none" and self.pseudo_grad_dtype == "int8":
+            raise ValueError("pseudo_grad_replicator must be none with pseudo_grad_dtype int8 "
+                             "(replicators send fp32 or bf16 values)")
+
+
+@dataclass
+class _Pending:
+    """The fragment whose sync is in flight (τ > 0)."""
+
+    fragment: int
+    apply_after: int
+    """Inner step after which its merge is applied."""
+    job: Job | None
+    """The outer step running on the communication worker; None once it finished."""
+
+
+class OuterSync(Part):
+    """θ_global + outer SGD per fragment + the staggered, optionally delayed, compressed sync (module
+    docstring).
+
+    Args:
+        params: the model parameters synced (read through ``p.data`` each time: strategies may re-view them).
+        transport: the transport; ``group``: the group the pseudo-gradients are averaged over.
+        config: the outer knobs (:class:`OuterConfig`: H, F, τ, α, the outer SGD, the pseudo-gradient's dtype
+        or
+            replicator, offloading).
+        on_params_written: called after the model parameters were overwritten (e.g. to refresh a ZeRO-1
+        master).
+    """
+
+    def __init__(self, params: list[torch.Tensor], transport: Transport, group: str, config: OuterConfig,
+                 on_params_written: Callable[[], None] | None = None) -> None:
+        check_int("fragments", config.fragments, 1, len(params))  # the one check that needs the model
+        fragments, outer_lr, outer_momentum = config.fragments, config.outer_lr, config.outer_momentum
+        self.params = list(params)
+        self.transport, self.group = transport, group
+        self.H, self.F, self.tau = config.sync_every, fragments, config.overlap_delay
+        self.alpha = float(config.mixing)
+        self.dtype = config.pseudo_grad_dtype
+        self.device = self.params[0].device
+        self.store = torch.device("cpu") if config.offload_outer else self.device
+        self.on_params_written = on_params_written
+        self.fragments = split_fragments([p.numel() for p in self.params], fragments)
+        self.segments = [Segments([self.params[i].shape for i in frag]) for frag in self.fragments]
+        self.globals: list[torch.Tensor] = []
+        self.outer: list[torch.optim.SGD] = []
+        for frag in self.fragments:
+            g = torch.cat([self.params[i].detach().reshape(-1).float() for i in frag]).to(self.store)
+            self.globals.append(g)
+            self.outer.append(torch.optim.SGD([g], lr=outer_lr, momentum=outer_momentum,
+                                              nesterov=bool(config.outer_nesterov and outer_momentum > 0)))
+        self.replicators: list[Replicator] | None = None
+        self.residuals: list[torch.Tensor] = []
+        if config.pseudo_grad_replicator != "none":
+            self.replicators = [
+                make_replicator(
+                    config.pseudo_grad_replicator,
+                    compression=config.compression,
+                    transfer_dtype=config.pseudo_grad_dtype,
+                    seed=config.seed + f,
+                ).bind(transport, group)
+                for f in range(fragments)
+            ]
+            self.residuals = [torch.zeros_like(g, device=self.device) for g in self.globals]
+        self.worker = CommWorker(transport.device, timeout_s=transport.timeout_s, name="quietsync-outer") \
+            if self.tau > 0 else None
+        self.pending: _Pending | None = None
+
+    # ------------------------------------------------------------------ schedule
+    def due(self, step: int) -> list[int]:
+        """Fragments whose sync launches after inner step ``step`` (1-based)."""
+        return [f for f in range(self.F) if step % self.H == ((f + 1) * self.H // self.F) % self.H]
+
+    def after_inner_step(self, step: int, timed: Callable[[Callable[[], Any], str], None],
+                         idle: Callable[[str], Any]) -> dict[str, Any]:
+        """Apply the fragment due after ``step``, launch the ones due; return the step's metrics extras.
+
+        ``timed(fn, name)`` runs blocking work (collective time = idle); ``idle(name)`` is a context for
+        waits.
+        """
+        extra: dict[str, Any] = {"synced": False, "fragment": -1, "applied": -1, "sync_bytes": 0}
+        if self.pending is not None and self.pending.apply_after == step:
+            f, job = self.pending.fragment, self.pending.job
+            if job is not None:
+                with idle("outer_wait"):
+                    job.wait()
+            self._write(f, self.alpha)
+            self.pending = None
+            extra["applied"] = f
+        for f in self.due(step):
+            delta = self._pseudo_gradient(f)
+            extra.update(synced=True, fragment=f, sync_bytes=self.payload_bytes(f))
+            if self.tau == 0:
+                timed(lambda f=f, d=delta: self._exchange_and_step(f, d), "outer_sync")
+                self._write(f, 0.0)
+                extra["applied"] = f
+            else:
+                job = self.worker.submit(self._exchange_and_step, f, delta)
+                self.pending = _Pending(f, step + self.tau, job)
+        return extra
+
+    # ------------------------------------------------------------------ the sync of one fragment
+    def _local(self, f: int) -> torch.Tensor:
+        return torch.cat([self.params[i].detach().reshape(-1).float() for i in self.fragments[f]])
+
+    def _pseudo_gradient(self, f: int) -> torch.Tensor:
+        """Δ = θ_global[f] − θ_local[f] (fp32, on the parameters' device; a fresh buffer)."""
+        return self.globals[f].to(self.device) - self._local(f)
+
+    def _average(self, f: int, delta: torch.Tensor) -> torch.Tensor:
+        """Mean of every worker's Δ (fp32), through the configured dtype or replicator."""
+        name = f"outer/fragment{f}"
+        if self.replicators is not None:
+            self.residuals[f].add_(delta)
+            return self.replicators[f].replicate(self.residuals[f], self.segments[f])
+        if self.dtype == "int8":
+            return self._average_int8(delta, name)
+        wire = delta if self.dtype == "fp32" else delta.to(torch.bfloat16)
+        self.transport.all_reduce(wire, self.group, op="avg", name=name)
+        return wire.float()
+
+    def _average_int8(self, delta: torch.Tensor, name: str) -> torch.Tensor:
+        """int8 codes with this worker's scale ``max|Δ|/127``; all-gathered, decoded and averaged locally."""
+        n = self.transport.group_size(self.group)
+        amax = float(delta.abs().max()) if delta.numel() else 0.0
+        scale = torch.tensor([amax / 127 if amax > 0 else 1.0], dtype=torch.float32, device=delta.device)
+        codes = torch.round(delta / scale).clamp_(-127, 127).to(torch.int8)
+        all_codes = torch.empty(n * codes.numel(), dtype=torch.int8, device=delta.device)
+        all_scales = torch.empty(n, dtype=torch.float32, device=delta.device)
+        self.transport.all_gather(all_codes, codes, self.group, name=name)
+        self.transport.all_gather(all_scales, scale, self.group, name=f"{name}/scale")
+        return (all_codes.view(n, -1).float() * all_scales[:, None]).mean(0)
+
+    def _exchange_and_step(self, f: int, delta: torch.Tensor) -> None:
+        """Steps 2–3 of the module docstring (on the main thread or the communication worker)."""
+        avg = self._average(f, delta)
+        g = self.globals[f]
+        g.grad = avg.to(self.store)
+        with label("quietsync/optimizer_step"):
+            self.outer[f].step()
+        g.grad = None
+
+    def _write(self, f: int, alpha: float) -> None:
+        """θ_local[f] ← α·θ_local[f] + (1 − α)·θ_global[f]."""
+        src = self.globals[f].to(self.device)
+        with torch.no_grad():
+            for i, chunk in zip(
+                self.fragments[f], src.split([self.params[i].numel() for i in self.fragments[f]])
+            ):
+                p = self.params[i]
+                chunk = chunk.view_as(p).to(p.dtype)
+                if alpha == 0.0:
+                    p.data.copy_(chunk)
+                else:
+                    p.data.mul_(alpha).add_(chunk, alpha=1 - alpha)
+        if self.on_params_written is not None:
+            self.on_params_written()
+
+    # ------------------------------------------------------------------ bytes (hand count)
+    def payload_bytes(self, f: int) -> int:
+        """Bytes this worker puts into the collective(s) of one sync of fragment ``f``."""
+        numel = self.segments[f].numel
+        if self.replicators is not None:
+            return self.replicators[f].payload_bytes(self.segments[f])
+        if self.dtype == "int8":
+            return numel + 4
+        return numel * (4 if self.dtype == "fp32" else 2)
+
+    # ------------------------------------------------------------------ committed θ
+    def quiesce(self) -> None:
+        """Wait for the fragment in flight (its outer step done; its merge stays due)."""
+        if self.pending is not None and self.pending.job is not None:
+            self.pending.job.wait()
+            self.pending.job = None
+
+    @contextmanager
+    def global_params(self) -> Iterator[None]:
+        """Within this context the model parameters hold θ_global (the local θ comes back afterwards)."""
+        self.quiesce()
+        saved = [p.detach().clone() for p in self.params]
+        try:
+            for f in range(self.F):
+                self._write(f, 0.0)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved):
+                    p.data.copy_(s)
+            if self.on_params_written is not None:
+                self.on_params_written()
+
+    @property
+    def pending_fragment(self) -> int:
+        return -1 if self.pending is None else self.pending.fragment
+
+    # ------------------------------------------------------------------ part protocol
+    def memory_report(self) -> dict[str, int]:
+        report = {
+            "theta_global": sum(nbytes(g) for g in self.globals),
+            "outer_state": sum(
+                nbytes(v)
+                for opt in self.outer
+                for st in opt.state.values()
+                for v in st.values()
+                if isinstance(v, torch.Tensor)
+            ),
+        }
+        if self.residuals:
+            report["pseudo_grad_residual"] = sum(nbytes(r) for r in self.residuals)
+        # the pseudo-gradient buffer of one sync (the largest fragment) and its wire copy
+        largest = max(s.numel for s in self.segments)
+        wire = {"fp32": 4, "bf16": 2, "int8": 1}[self.dtype]
+        n = self.transport.group_size(self.group) if self.dtype == "int8" else 1
+        report["fragment_buffers"] = largest * 4 + largest * wire * n * (self.dtype != "fp32")
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        self.quiesce()
+        return {
+            "globals": [g.detach().clone() for g in self.globals],
+            "outer": [opt.state_dict() for opt in self.outer],
+            "residuals": [r.clone() for r in self.residuals],
+            "replicators": [r.state_dict() for r in self.replicators or []],
+            "pending": None if self.pending is None else [self.pending.fragment, self.pending.apply_after],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.quiesce()
+        if len(state["globals"]) != self.F:
+            raise ValueError(f"checkpoint has {len(state['globals'])} fragments, this run {self.F}")
+        with torch.no_grad():
+            for g, s in zip(self.globals, state["globals"]):
+                if s.numel() != g.numel():
+                    raise ValueError("checkpoint fragments do not match this model's parameters")
+                g.copy_(s)
+        for opt, s in zip(self.outer, state["outer"]):
+            opt.load_state_dict(s)
+            for st in opt.state.values():  # the optimizer casts its state to the parameter's device already
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.device != self.store and v.dim() > 0:
+                        st[k] = v.to(self.store)
+        if len(state["residuals"]) != len(self.residuals):
+            raise ValueError("checkpoint pseudo-gradient replicator does not match this run's")
+        for r, s in zip(self.residuals, state["residuals"]):
+            r.copy_(s)
+        for r, s in zip(self.replicators or [], state["replicators"]):
+            r.load_state_dict(s)
+        pending = state["pending"]
+        self.pending = None if pending is None else _Pending(int(pending[0]), int(pending[1]), None)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            try:
+                self.quiesce()
+            finally:
+                self.worker.close()
+
+
+__all__ = ["OuterConfig", "OuterSync", "PSEUDO_GRAD_DTYPES", "PSEUDO_GRAD_REPLICATORS"]

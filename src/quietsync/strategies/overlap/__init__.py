@@ -1,0 +1,2 @@
+"""Hiding communication behind computation on a sharded optimizer (papers 000/003): ACCO, DPU and weight
+prediction, and the overlap machinery they hold (buffers, the communication worker, hand-over, estimates)."""

@@ -1,0 +1,383 @@
+"""The overlap machinery ACCO, DPU and WP hold (a part): buffers, the communication worker, stage counting and
+hand-over, over the sharded flat state (with, where a strategy needs one, the
+:class:`~quietsync.strategies.overlap.estimate.EstimatingOptimizer` of :mod:`.estimate`).
+
+Buffers (flat, padded, the parameters' dtype unless noted; Ψ parameters, N workers)::
+
+    params   P  Ψ      the working parameters the model's tensors view (θ, or θ̃ while ACCO's stage 2 runs)
+    grads    G  Ψ      where autograd accumulates the current stage's micro-batches (p.grad views it)
+    comm     B  Ψ      handed to the communication worker: gradients go out of it (reduce-scatter) and
+                       gathered parameters come back into it (all-gather) — Algorithm 1's ``Buffer_i``
+    master      Ψ/N    fp32 master shard (the committed θ), ``grad shard`` Ψ/N, optimizer state K'Ψ/N
+    scratch     Ψ/N+   a copy of master + optimizer state the estimate step runs on (never committed)
+
+A **stage** is what the main thread computes between two hand-overs: it accumulates micro-batches into G
+while a job runs on the communication worker. At a hand-over (:meth:`Overlap.hand_over`): P ← B (the
+parameters the job produced), B ← G (the gradients to send), G ← 0, and the strategy submits the next job.
+The number of micro-batches per stage is
+
+* adaptive (default): at least ``min_accumulation``, then as many as it takes for the job to finish (the
+  main thread never waits on the network), at most ``max_accumulation`` if set;
+* deterministic: exactly ``deterministic_accumulation`` (the main thread waits for the job if needed).
+
+Stages with no job to overlap (ACCO's first stage, DPU/WP warm-up steps) hold ``deterministic_accumulation``
+micro-batches in deterministic mode and ``min_accumulation`` otherwise. Every job all-reduces the per-worker
+micro-batch counts (:meth:`Overlap.reduce`), so gradients are Σ over workers and micro-batches / Σ counts: a
+slow worker weighs less.
+
+The strategy files hold what differs: their state machine (which job follows which stage) and their jobs
+(the paper's recurrence): ACCO's two stages in ``acco.py``, DPU's warm-up/fill/overlap phases in ``dpu.py``,
+and WP, the DPU machine with a predicting job, in ``wp.py``.
+
+On CUDA the communication worker runs on its own stream, ordered after the main stream by events; the main
+thread only polls :meth:`~quietsync.comm_worker.Job.done` (an event query) between micro-batches, never
+synchronises the host per micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...comm_worker import CommWorker, Job
+from ...flat import nbytes, parse_dtype
+from ...validate import check_int
+from ..base import Strategy, StrategyConfig
+from ..parts.accounting import StepAccounting
+from ..parts.part import Part
+from ..substrates.sharded_state import ShardedState
+from .estimate import EstimatingOptimizer
+
+HISTORY = 100_000
+"""Stages kept in :attr:`Overlap.stage_history`."""
+
+
+@dataclass
+class OverlapConfig(StrategyConfig):
+    """Accumulation knobs of ``acco``, ``dpu`` and ``wp``."""
+
+    min_accumulation: int = 1
+    """Micro-batches each worker computes per stage at least, before it looks at the communication job."""
+    max_accumulation: int | None = None
+    """Cap on micro-batches per stage: reaching it, the worker waits for the job (None = no cap)."""
+    deterministic_accumulation: int | None = None
+    """Fixed micro-batches per stage on this worker (reproducible runs, tests); None = adaptive: keep
+    computing until the communication job has finished."""
+    reduce_dtype: str = "float32"
+    """dtype of gradients on the wire: float32, bfloat16 or float16."""
+
+    def __post_init__(self) -> None:
+        check_int("min_accumulation", self.min_accumulation, 1)
+        check_int("max_accumulation", self.max_accumulation, 1, allow_none=True)
+        check_int("deterministic_accumulation", self.deterministic_accumulation, 1, allow_none=True)
+        if self.max_accumulation is not None and self.max_accumulation < self.min_accumulation:
+            raise ValueError(
+                f"max_accumulation must be >= min_accumulation ({self.min_accumulation}) or None, "
+                f"got {self.max_accumulation}"
+            )
+        if self.deterministic_accumulation is not None and (
+            self.deterministic_accumulation < self.min_accumulation
+            or (self.max_accumulation is not None and self.deterministic_accumulation > self.max_accumulation)
+        ):
+            raise ValueError(
+                "deterministic_accumulation must lie in [min_accumulation, max_accumulation], got "
+                f"{self.deterministic_accumulation} with min_accumulation={self.min_accumulation}, "
+                f"max_accumulation={self.max_accumulation}"
+            )
+        parse_dtype(self.reduce_dtype, "reduce_dtype")
+
+
+class _Done:
+    """A finished job (restored from a checkpoint, or drained by :meth:`Overlap.state_dict`)."""
+
+    def __init__(self, result: dict[str, Any], t_start: float = 0.0, t_end: float = 0.0) -> None:
+        self.result, self.t_start, self.t_end = result, t_start, t_end
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        return self.result
+
+
+class Overlap(Part):
+    """Stage machinery, jobs and bookkeeping of an overlapping sharded strategy (see the module docstring).
+
+    Args:
+        sharded: the sharded flat state the jobs reduce into, step and gather from.
+        config: the accumulation knobs.
+        accounting: the strategy's step accounting (waits count as idle, hand-overs as compute).
+        name: thread name suffix of the communication worker.
+        estimate: keep a scratch optimizer for uncommitted steps (ACCO's estimate, WP's prediction).
+        snapshot: keep a copy of the committed master shard, so :meth:`committed_params` can rebuild θ while
+            the model holds something else (ACCO's stage 2, WP).
+        optimizer, optimizer_kwargs: the user's optimizer (for the scratch copy).
+    """
+
+    def __init__(self, sharded: ShardedState, config: OverlapConfig, accounting: StepAccounting, *, name: str,
+                 estimate: bool, snapshot: bool, optimizer: Any = None,
+                 optimizer_kwargs: dict[str, Any] | None = None) -> None:
+        self.sharded = sharded
+        self.config = config
+        self.accounting = accounting
+        self.transport = sharded.transport
+        self.group = sharded.group
+        self.n = self.transport.group_size(self.group)
+        flat = sharded.flat
+        self.grads = flat.new_grad_buffer()  # G
+        flat.attach_grads(self.grads)
+        self.comm_buf = flat.new_grad_buffer()  # B
+        self.estimator = (EstimatingOptimizer(sharded.shard, sharded.lr, optimizer, optimizer_kwargs or {})
+                          if estimate else None)
+        self.snapshot = sharded.shard.master.clone() if snapshot else None
+        self._snapshot_step = 0
+        self._master_step = 0
+        self.worker = CommWorker(
+            self.transport.device, timeout_s=self.transport.timeout_s, name=f"quietsync-{name}"
+        )
+        self.job: Job | _Done | None = None
+        self.stage_count = 0
+        """Micro-batches accumulated into G in the current stage."""
+        self.hand_overs = 0
+        """Stages ended so far (one job submitted per hand-over): this worker's position in the pipeline."""
+        self.holds_committed = True
+        """Whether P holds θ (not an estimate or a prediction)."""
+        self._last_job_end: float | None = None
+        self._comm_wait_s = 0.0  # the communication worker's idle time waiting for a hand-over, this step
+        self._compute_wait_s = 0.0
+        self.stage_history: deque[list[int]] = deque(maxlen=HISTORY)
+        """Per-worker micro-batch counts of each stage whose gradients were communicated, in order (the
+        latest ``HISTORY``)."""
+        self._pending_counts: list[list[int]] = []  # counts of stages consumed since the last commit
+
+    @classmethod
+    def for_strategy(cls, strategy: Strategy, *, estimate: bool, snapshot: bool) -> Overlap:
+        """The machinery of ``strategy`` over ``world``: its sharded state (rank 0's parameters broadcast) and
+        buffers, built from the strategy's parameter groups, optimizer and config."""
+        config = strategy.config
+        assert isinstance(config, OverlapConfig)
+        sharded = ShardedState(strategy.param_groups, strategy.optimizer_factory, strategy.optimizer_kwargs,
+                               strategy.transport, "world", config.reduce_dtype)
+        overlap = cls(sharded, config, strategy.accounting, name=strategy.name, estimate=estimate,
+                      snapshot=snapshot, optimizer=strategy.optimizer_factory,
+                      optimizer_kwargs=strategy.optimizer_kwargs)
+        return overlap
+
+    # ------------------------------------------------------------------ main thread
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch of the current stage: its gradient accumulates into G."""
+        self.sharded.flat.require_grads_attached(self.grads)
+        self.worker.check()
+        loss.backward()
+        self.stage_count += 1
+
+    @property
+    def blocking_count(self) -> int:
+        """Micro-batches of a stage that has no job to overlap with."""
+        det = self.config.deterministic_accumulation
+        return det if det is not None else self.config.min_accumulation
+
+    def start(self, job: Callable[..., dict[str, Any]], *args: Any) -> bool:
+        """A stage with no job to overlap: once it holds its micro-batches, hand its gradients over and submit
+        ``job(count, *args)``. Returns whether it did."""
+        self.worker.check()
+        if self.stage_count < self.blocking_count:
+            return False
+        self.submit(job, self.hand_over(install=False), *args)
+        return True
+
+    def stage_ready(self) -> bool:
+        """Whether the current stage may end now (called after each micro-batch while a job runs)."""
+        self.worker.check()
+        cfg, n = self.config, self.stage_count
+        if n < cfg.min_accumulation:
+            return False
+        if cfg.deterministic_accumulation is not None:
+            return n >= cfg.deterministic_accumulation
+        if cfg.max_accumulation is not None and n >= cfg.max_accumulation:
+            return True
+        assert self.job is not None
+        return self.job.done()
+
+    def wait(self, name: str) -> dict[str, Any]:
+        """Collect the running job's result, accounting any blocking as idle time."""
+        job = self.job
+        assert job is not None
+        if job.done():
+            result = job.wait()
+        else:
+            t0 = time.perf_counter()
+            with self.accounting.idle(name):
+                result = job.wait()
+            self._compute_wait_s += time.perf_counter() - t0
+        if self._last_job_end is not None and job.t_start:
+            self._comm_wait_s += max(0.0, job.t_start - self._last_job_end)
+        self._last_job_end = job.t_end or None
+        self.job = None
+        counts = result.get("counts")
+        if counts is not None:
+            self.stage_history.append(list(counts))
+            self._pending_counts.append(list(counts))
+        return result
+
+    def hand_over(self, install: bool) -> int:
+        """P ← B (if ``install``), B ← G, G ← 0; return the ended stage's local micro-batch count."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if install:
+                self.sharded.flat.data.copy_(self.comm_buf)
+            self.comm_buf.copy_(self.grads)
+            self.grads.zero_()
+        t1 = time.perf_counter()
+        self.accounting.add_compute(t1 - t0)
+        self.transport.recorder.add("compute", "hand_over", t0, t1)
+        count, self.stage_count = self.stage_count, 0
+        self.hand_overs += 1
+        return count
+
+    def install(self) -> None:
+        """P ← B without handing gradients over (a blocking step's parameters)."""
+        with torch.no_grad():
+            self.sharded.flat.data.copy_(self.comm_buf)
+
+    def submit(self, fn: Callable[..., dict[str, Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` on the communication worker (one job at a time)."""
+        self.job = self.worker.submit(fn, *args)
+
+    def step_record(self) -> tuple[dict[str, Any], int]:
+        """``(extra, local micro-batches)`` of the step being committed: the per-worker counts of the stages
+        consumed since the last commit and the two waits (main thread on the worker and vice versa)."""
+        counts = self._pending_counts
+        per_worker = [sum(c[i] for c in counts) for i in range(self.n)] if counts else [0] * self.n
+        extra = {
+            "micro_batches_per_worker": per_worker,
+            "stage_micro_batches": [list(c) for c in counts],
+            "global_micro_batches": sum(per_worker),
+            "compute_wait_s": self._compute_wait_s,
+            "comm_wait_s": self._comm_wait_s,
+        }
+        self._pending_counts = []
+        self._compute_wait_s = self._comm_wait_s = 0.0
+        return extra, per_worker[self.transport.group_rank(self.group)]
+
+    # ------------------------------------------------------------------ communication worker
+    def reduce(self, local_count: int, name: str) -> tuple[list[int], float]:
+        """Job part: all-reduce the per-worker counts, reduce-scatter B: ``shard.grad`` ← Σ over workers (not
+        divided). Returns the counts and their total."""
+        counts = torch.zeros(self.n, dtype=torch.float64, device=self.transport.device)
+        counts[self.transport.group_rank(self.group)] = float(local_count)
+        self.transport.all_reduce(counts, self.group, name=f"all_reduce/counts_{name}")
+        per_worker = [int(round(c)) for c in counts.tolist()]
+        self.sharded.reduce_scatter_grads(self.comm_buf, 1.0, name=name)
+        return per_worker, float(sum(per_worker))
+
+    def gather(self, shard: torch.Tensor, name: str) -> None:
+        """Job part: B ← every worker's ``shard`` (parameters, in the working dtype)."""
+        self.sharded.all_gather_params(self.comm_buf, shard, name)
+
+    def commit_shard(self, lr_scale: float) -> None:
+        """Job part: the real optimizer step on the master shard (state committed), keeping θ's snapshot."""
+        if self.snapshot is not None:
+            self.snapshot.copy_(self.sharded.shard.master)
+            self._snapshot_step = self._master_step
+        self.sharded.step(lr_scale)
+        self._master_step += 1
+
+    def _gather_committed(self, want_step: int, out: torch.Tensor) -> None:
+        """Job: ``out`` ← θ of committed step ``want_step`` (from the master shard or its snapshot)."""
+        if self._master_step == want_step:
+            src = self.sharded.shard.master
+        elif self.snapshot is not None and self._snapshot_step == want_step:
+            src = self.snapshot
+        else:  # pragma: no cover - a bookkeeping bug, not a user error
+            raise RuntimeError(f"committed parameters of step {want_step} are no longer available")
+        self.sharded.all_gather_params(out, src, "committed_params")
+
+    # ------------------------------------------------------------------ contract helpers
+    @contextmanager
+    def committed_params(self, model: torch.nn.Module, steps: int) -> Iterator[torch.nn.Module]:
+        """``model`` holds the committed θ of step ``steps`` inside the context.
+
+        Free when P already holds θ. Otherwise θ is all-gathered from the master shards (or the snapshot), so
+        every worker must enter the context at the same committed step — as the trainer does, right after
+        ``step()`` returned True.
+        """
+        if self.holds_committed:
+            yield model
+            return
+        flat = self.sharded.flat
+        full = torch.empty_like(flat.data)
+        self.worker.submit(self._gather_committed, steps, full).wait()
+        saved = flat.data.clone()
+        with torch.no_grad():
+            flat.data.copy_(full)
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                flat.data.copy_(saved)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of every buffer (see the module docstring for what each is)."""
+        return {
+            **self.sharded.memory_report(),
+            "grads": nbytes(self.grads),
+            "comm_buffer": nbytes(self.comm_buf),
+            "estimate_scratch": 0 if self.estimator is None else self.estimator.nbytes(),
+            "committed_snapshot": nbytes(self.snapshot),
+        }
+
+    def _drain(self) -> None:
+        """Wait for the running job (if any) and keep its result as already done."""
+        if isinstance(self.job, Job):
+            job = self.job
+            result = job.wait()
+            self.job = _Done(result, job.t_start, job.t_end)
+
+    def position(self) -> dict[str, int]:
+        return {"hand_overs": self.hand_overs}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Drains the running job first (its result is part of the state), then saves every buffer."""
+        self._drain()
+        return {
+            "sharded": self.sharded.state_dict(),
+            "grads": self.grads.clone(),
+            "comm_buf": self.comm_buf.clone(),
+            "stage_count": self.stage_count,
+            "hand_overs": self.hand_overs,
+            "holds_committed": self.holds_committed,
+            "pending_job": None if self.job is None else copy.deepcopy(self.job.result),
+            "pending_counts": [list(c) for c in self._pending_counts],
+            "master_step": self._master_step,
+            "snapshot": None if self.snapshot is None else self.snapshot.clone(),
+            "snapshot_step": self._snapshot_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(self.job, Job):
+            raise RuntimeError("load_state_dict must be called on a fresh strategy, before training")
+        self.sharded.load_state_dict(state["sharded"])
+        with torch.no_grad():
+            self.grads.copy_(state["grads"])
+            self.comm_buf.copy_(state["comm_buf"])
+        self.stage_count = int(state["stage_count"])
+        self.hand_overs = int(state["hand_overs"])
+        self.holds_committed = bool(state["holds_committed"])
+        self.job = None if state["pending_job"] is None else _Done(state["pending_job"])
+        self._pending_counts = [list(c) for c in state["pending_counts"]]
+        self._master_step = int(state["master_step"])
+        if self.snapshot is not None and state["snapshot"] is not None:
+            self.snapshot.copy_(state["snapshot"])
+        self._snapshot_step = int(state["snapshot_step"])
+        self._last_job_end = None
+
+    def close(self) -> None:
+        self.worker.close()

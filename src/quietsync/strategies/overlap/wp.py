@@ -1,0 +1,66 @@
+"""``wp``: Weight Prediction (ACCO-wp; papers 000/003, eq. WP).
+
+DPU's state machine with another job (so ``WP`` is a :class:`~quietsync.strategies.overlap.dpu.DPU`): like
+DPU, the communication worker applies the previous round's gradients while the main thread computes,
+but the main thread computes at a *prediction* of the next parameters instead of the stale ones::
+
+    gᵢ⁽ᵗ⁺¹⁾ = Σₖ ∇F(θ̃⁽ᵗ⁾, ξᵢₖ)   ‖   θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁾),   θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, ḡ⁽ᵗ⁾)
+
+The prediction is a second optimizer step with the same gradient, taken on a scratch copy of the shard
+state: it never commits optimizer state (moments, step counter). The first overlapped round computes at
+θ (the paper's ``Est(•)`` is free there). ``sync_warmup_steps`` blocking steps may come first, as for DPU.
+
+The model holds θ̃, not θ, between committed steps: ``committed_params()`` all-gathers θ from the master
+shards (a snapshot of the shard is kept so that it works while the next update is in flight), so every
+worker must enter it at the same committed step (the trainer does, right after ``step()`` returned True).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..registry import register
+from .dpu import DPU, DPUConfig
+
+
+@dataclass
+class WPConfig(DPUConfig):
+    """Knobs of ``wp`` (those of ``dpu``)."""
+
+
+@register("wp", WPConfig)
+class WP(DPU):
+    """Weight prediction; see the module docstring."""
+
+    reshard_refusal = (
+        "the gradients of the last round are applied one step late (on the predicted weights), so every "
+        "checkpoint holds a round in flight"
+    )
+
+    predicts = True
+
+    config: WPConfig
+
+    def _job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
+        """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁾) committed; B ← the prediction θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, ḡ⁽ᵗ⁾), a second step
+        with the same gradient on the scratch state (uncommitted) — or θ⁽ᵗ⁺¹⁾ itself in a blocking warm-up
+        step."""
+        counts, total = self.overlap.reduce(local_count, "grads")
+        self.shard.grad.div_(total)
+        self.overlap.commit_shard(self._lr_scale(step))
+        if overlapped:
+            self.overlap.gather(self.overlap.estimator.estimate(self._lr_scale(step + 1)), "wp_prediction")
+        else:
+            self.overlap.gather(self.shard.master, "params")
+        return {"kind": "update", "counts": counts}
+
+    @contextmanager
+    def committed_params(self) -> Iterator[torch.nn.Module]:
+        """θ, all-gathered from the master shards (or their snapshot): every worker must enter it."""
+        with self.overlap.committed_params(self.model, self.steps) as model:
+            yield model
