@@ -149,6 +149,10 @@ def test_every_registered_strategy_gets_its_flags():
     (["--dataset", "./no/such/file.txt"], "--dataset: no such file or folder"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--strategy", "cdp", "--save-every", "5"], "--save-every is not supported with --strategy cdp"),
+    (["--strategy", "diloco", "--pseudo-grad-dtype", "int3"], "--pseudo-grad-dtype: invalid choice: 'int3'"),
+    (["--strategy", "diloco", "--outer", "sparseloco", "--topk-density", "0"], "--topk-density must be in (0, 1]"),
+    (["--strategy", "diloco", "--outer", "sparseloco", "--pseudo-grad-dtype", "int8"],
+     "--pseudo-grad-dtype must be one of fp32, bf16, fp4, fp4_e3m0, int4, int2 with outer sparseloco"),
 ])
 def test_bad_values_are_one_line_errors(argv, expect, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -6,8 +6,9 @@ inner steps. Per fragment f of the parameters (one fragment by default), every H
 staggered by H/F between fragments (the :class:`~quietsync.strategies.local.outer.OuterSync` part):
 
     Δ_i = θ_global − θ_i                                     (pseudo-gradient of worker i)
-    Δ̄   = mean_i Δ_i                 over the sync group   (fp32 / bf16 / int8, or a replicator + error
-    feedback) θ_global ← OuterSGD(θ_global, Δ̄)  lr 0.7, momentum 0.9, Nesterov by default
+    Δ̄   = mean_i Δ_i                 over the sync group   (fp32 / bf16 / int8 / fp4 / int4 / int2, or a
+                                                              replicator + error feedback)
+    θ_global ← OuterSGD(θ_global, Δ̄)  lr 0.7, momentum 0.9, Nesterov by default
     θ_i ← θ_global                                          (τ = 0: every worker continues from θ_global)
     θ_i ← α·θ_i + (1 − α)·θ_global                          (τ > 0: applied τ inner steps after the launch,
                                                               the communication overlapped with them)
@@ -17,6 +18,16 @@ freshly agreed global ones (Douillard et al. 2025, "Streaming DiLoCo with overla
 distributed free lunch", arXiv 2501.18512, the overlapping-communication section; α = ``mixing``, 0.5 by
 default, an even blend not tuned here; α = 0 discards the τ local steps). With τ = 0 replicas are identical
 after every sync; with τ > 0 they agree on θ_global but keep α·(their own drift).
+
+Fragments are contiguous runs of tensors (``fragment_pattern = contiguous``) or whole layers strided over the
+depth (``strided``: layer l in fragment l mod F, Streaming DiLoCo's pattern). Low-bit pseudo-gradients
+(``fp4``, ``fp4_e3m0``, ``int4``, ``int2``) travel packed with a bf16 scale per ``pseudo_grad_block`` elements
+and are averaged in fp32 (Streaming DiLoCo sends 4-bit outer gradients).
+
+**SparseLoCo** (``outer = sparseloco``; Sarfi et al. 2025, arXiv 2508.15706) replaces the outer momentum by a
+per-worker error-feedback accumulator: ``e_i ← β·e_i + Δ_i``, ``q_i = Q(TopK(e_i))`` (chunk-wise top-k, values
+in ``pseudo_grad_dtype``, 2-bit in the paper), ``e_i ← e_i − decode(q_i)``, ``θ_global ← θ_global − lr·mean_i
+decode(q_i)``.
 
 **Hierarchical** (``inner``): ``local`` — each worker trains alone and the sync group is ``world``; ``ddp`` /
 ``zero1`` — the registered ``ddp``/``zero1`` strategy runs inside each node (group ``shard``, synchronous data
@@ -42,6 +53,7 @@ from ..parts.accumulation import OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import get, register
 from ..substrates.sharded_optimizer import build_optimizer
+from .fragments import layer_units
 from .outer import OuterConfig, OuterSync
 
 _INNER = ("local", "ddp", "zero1")
@@ -91,8 +103,9 @@ class DiLoCo(Strategy):
                 config={"accumulation": cfg.accumulation}, lr_schedule=self.lr_schedule, group="shard",
                 **self.optimizer_kwargs))
             self.optimizer = self.inner.optimizer
+        layers = layer_units(model, self.params) if cfg.fragment_pattern == "strided" else None
         self.outer = self.hold("outer", OuterSync(self.params, self.transport, self.sync_group, cfg,
-                                                  on_params_written=self._params_written))
+                                                  on_params_written=self._params_written, layers=layers))
 
     @property
     def model(self) -> torch.nn.Module:
