@@ -5,7 +5,8 @@ call ``torch.distributed`` themselves, so their bytes would bypass the meter and
 are quietsync's own, written from the algorithm (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient
 Compression for Distributed Optimization", Algorithm 1 with error feedback, one power iteration per step,
 warm start) and matching PyTorch's hook step for step, so a run with either gives the same parameters
-(``tests/test_powersgd.py`` checks that against PyTorch's hook on a plain process group).
+(``tests/strategies/test_powersgd.py`` checks that against PyTorch's hook on a plain process group). The
+``ddp`` strategy uses them with ``comm_hook = powersgd | fp16 | bf16``.
 
 **PowerSGD**, for every gradient bucket of ``n`` workers (after ``start_iter`` plain all-reduce iterations):
 
@@ -35,16 +36,18 @@ DDP's own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .transport import Transport
-from .validate import check_choice, check_float, check_int
+from ...transport import Transport
+from ...validate import check_choice, check_float, check_int
+from ..parts.part import Part
 
 __all__ = ["PowerSGDState", "powersgd_hook", "cast_hook", "CAST_HOOK_DTYPES", "orthogonalize"]
 
@@ -74,7 +77,7 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
     matrices.copy_(q)
 
 
-class PowerSGDState:
+class PowerSGDState(Part):
     """Knobs and per-bucket state of :func:`powersgd_hook` (one object for all buckets of one DDP model).
 
     Args:
@@ -90,7 +93,7 @@ class PowerSGDState:
 
     def __init__(self, rank: int = 1, start_iter: int = 1000, min_compression_rate: float = 2.0,
                  error_feedback: bool = True, warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, names: Mapping[int, str] | None = None) -> None:
         check_int("powersgd_rank", rank, 1)
         check_int("powersgd_start_iter", start_iter, 0)
         if (error_feedback or warm_start) and start_iter < 2:
@@ -112,6 +115,11 @@ class PowerSGDState:
         self.errors: dict[int, torch.Tensor] = {}
         self.ps: dict[int, torch.Tensor] = {}
         self.qs: dict[int, torch.Tensor] = {}
+        self.names = dict(names) if names is not None else None
+        """``{id(parameter): name}``: with it, :meth:`state_dict` keeps residuals and ``Q`` per parameter."""
+        self.layouts: dict[int, _Layout] = {}
+        self._loaded_errors: dict[str, torch.Tensor] = {}
+        self._loaded_qs: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ which tensors are compressed
     def plan(self, shapes: list[torch.Size]) -> tuple[list[int], list[int]]:
@@ -140,32 +148,47 @@ class PowerSGDState:
 
     # ------------------------------------------------------------------ part protocol
     def state_dict(self) -> dict[str, Any]:
-        """Iteration count, residuals, warm-start ``P``/``Q`` and the seed generator's state (exact resume)."""
+        """Iteration count, the seed generator's state, and every parameter's residual and warm-start ``Q`` by
+        parameter name -- so a resumed run, whose DDP may lay its buckets out differently before it rebuilds
+        them, continues exactly (needs ``names``)."""
+        if self.names is None and (self.errors or self.qs):
+            raise ValueError("PowerSGDState needs names (id(parameter) -> name) to save its residuals")
+        errors, qs = self._per_parameter()
         _, keys, pos, has_gauss, cached = self.rng.get_state()
         return {
             "iter": self.iter,
-            "errors": {k: v.detach().clone() for k, v in self.errors.items()},
-            "ps": {k: v.detach().clone() for k, v in self.ps.items()},
-            "qs": {k: v.detach().clone() for k, v in self.qs.items()},
+            "errors": errors,
+            "qs": qs,
             "rng": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
                     "cached": float(cached)},
         }
 
+    def _per_parameter(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Every parameter's residual and ``Q`` (copies), from the buckets and from a checkpoint not used yet."""
+        errors, qs = dict(self._loaded_errors), dict(self._loaded_qs)
+        for index, layout in self.layouts.items():
+            if index in self.errors:
+                for key, at, n in layout.params:
+                    errors[key] = self.errors[index][at: at + n].detach().clone()
+            if index in self.qs:
+                for key, at, n in layout.qs:
+                    qs[key] = self.qs[index][at: at + n].detach().clone()
+        return errors, qs
+
+    def _unbucket(self) -> None:
+        """DDP laid its buckets out anew (it rebuilds them after the first iteration, also after a resume):
+        keep the state per parameter until each new bucket takes its pieces back."""
+        self._loaded_errors, self._loaded_qs = self._per_parameter()
+        self.errors, self.ps, self.qs, self.layouts = {}, {}, {}, {}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.iter = int(state["iter"])
-        self.errors = {int(k): v.clone() for k, v in state["errors"].items()}
-        self.ps = {int(k): v.clone() for k, v in state["ps"].items()}
-        self.qs = {int(k): v.clone() for k, v in state["qs"].items()}
+        self.errors, self.ps, self.qs, self.layouts = {}, {}, {}, {}
+        self._loaded_errors = {str(k): v.clone() for k, v in state["errors"].items()}
+        self._loaded_qs = {str(k): v.clone() for k, v in state["qs"].items()}
         rng = state["rng"]
         self.rng.set_state(("MT19937", rng["keys"].numpy().astype(np.uint32), int(rng["pos"]), int(rng["has_gauss"]),
                             float(rng["cached"])))
-
-    def to(self, device: torch.device) -> PowerSGDState:
-        """Move the tensors of a loaded state to ``device``."""
-        for d in (self.errors, self.ps, self.qs):
-            for k in d:
-                d[k] = d[k].to(device)
-        return self
 
     def memory_report(self) -> dict[str, int]:
         def size(d: dict[int, torch.Tensor]) -> int:
@@ -176,6 +199,28 @@ class PowerSGDState:
     def _count(self, bucket: Any) -> None:
         if bucket.is_last():
             self.iter += 1
+
+    def _restore(self, index: int, keys: list[str], sizes: list[int], device: torch.device, dtype: torch.dtype,
+                 loaded: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """A bucket's flat tensor put back together from a checkpoint's per-parameter pieces (None: not all
+        there, e.g. the checkpoint was written before compression started)."""
+        if not keys or any(k not in loaded for k in keys):
+            return None
+        out = torch.cat([loaded[k].reshape(-1) for k in keys]).to(device=device, dtype=dtype)
+        if out.numel() != sum(sizes):
+            raise ValueError(f"checkpoint PowerSGD state of bucket {index} does not match this model's parameters")
+        for k in keys:
+            del loaded[k]
+        return out
+
+
+@dataclass
+class _Layout:
+    """Where each parameter of one bucket sits: ``(name, offset, numel)`` in the bucket (``params``) and in its
+    ``Q`` memory (``qs``, compressed parameters only)."""
+
+    params: list[tuple[str, int, int]]
+    qs: list[tuple[str, int, int]]
 
 
 def _matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -233,34 +278,56 @@ def powersgd_hook(transport: Transport, state: PowerSGDState, group: str = "worl
         if state.iter < state.start_iter:  # warm-up: the plain averaged all-reduce
             state._count(bucket)
             buf.div_(n)
-            work = transport.all_reduce(buf, group, async_op=True, name="powersgd/allreduce")
+            work = transport.all_reduce(buf, group, async_op=True, name="ddp_bucket/powersgd")
             return work.get_future().then(lambda f: (f.value(), buf)[1])
 
         index = bucket.index()
         device, dtype = buf.device, buf.dtype
+        grads = bucket.gradients()
+        keys = [state.names[id(p)] for p in bucket.parameters()] if state.names is not None else []
+        if keys and index in state.layouts and [k for k, _, _ in state.layouts[index].params] != keys:
+            state._unbucket()
         # 1. error feedback
         kept: torch.Tensor | None = None
         if state.error_feedback:
-            if index in state.errors:
-                buf.add_(state.errors[index])
-            else:
-                state.errors[index] = torch.zeros(buf.numel(), device=device, dtype=dtype)
+            if index not in state.errors:
+                restored = state._restore(index, keys, [g.numel() for g in grads], device, dtype,
+                                          state._loaded_errors)
+                state.errors[index] = restored if restored is not None else torch.zeros(
+                    buf.numel(), device=device, dtype=dtype)
+            buf.add_(state.errors[index])
             kept = buf.detach().clone()
 
         # 2. which gradients are compressed
-        grads = bucket.gradients()
         compressed, plain = state.plan([g.shape for g in grads])
         plain_grads = [grads[i] for i in plain]
-        matrices = [grads[i].view(*_matrix_shape(grads[i].shape)) for i in compressed]
-        by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
-        for m in matrices:  # grouped by shape, in order of first appearance (the P/Q memory layout)
-            by_shape.setdefault(tuple(m.shape), []).append(m)
-        ordered = [m for ms in by_shape.values() for m in ms]
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i in compressed:  # grouped by shape, in order of first appearance (the P/Q memory layout)
+            by_shape.setdefault(_matrix_shape(grads[i].shape), []).append(i)
+        order = [i for ids in by_shape.values() for i in ids]
+        ordered = [grads[i].view(*_matrix_shape(grads[i].shape)) for i in order]
         ranks = [min(m.shape[0], m.shape[1], state.rank) for m in ordered]
         p_len = sum(m.shape[0] * r for m, r in zip(ordered, ranks))
         q_len = sum(m.shape[1] * r for m, r in zip(ordered, ranks))
+        if keys and index not in state.layouts:
+            offsets = [0]
+            for g in grads:
+                offsets.append(offsets[-1] + g.numel())
+            q_at = [0]
+            for m, r in zip(ordered, ranks):
+                q_at.append(q_at[-1] + m.shape[1] * r)
+            state.layouts[index] = _Layout(
+                [(keys[i], offsets[i], grads[i].numel()) for i in range(len(grads))],
+                [(keys[i], q_at[j], q_at[j + 1] - q_at[j]) for j, i in enumerate(order)])
 
         # 3. P and Q memory: reused (warm start) or drawn afresh
+        if state.warm_start and index not in state.qs:
+            restored = state._restore(index, [keys[i] for i in order] if keys else [],
+                                      [m.shape[1] * r for m, r in zip(ordered, ranks)], device, dtype,
+                                      state._loaded_qs)
+            if restored is not None:
+                state.ps[index] = torch.empty(p_len, device=device, dtype=dtype)
+                state.qs[index] = restored
         fresh = not state.warm_start or index not in state.ps
         if fresh:
             p_mem = torch.empty(p_len, device=device, dtype=dtype)
@@ -288,20 +355,20 @@ def powersgd_hook(transport: Transport, state: PowerSGDState, group: str = "worl
             """The bucket's three all-reduces and what runs between them (on the bucket-ordered thread)."""
             if plain_grads:  # uncompressed tensors: one averaged all-reduce
                 flat_plain = torch.cat([g.reshape(-1) for g in plain_grads])
-                transport.all_reduce(flat_plain, group, name="powersgd/uncompressed")
+                transport.all_reduce(flat_plain, group, name="ddp_bucket/powersgd/uncompressed")
                 flat_plain.div_(n)
                 at = 0
                 for g in plain_grads:
                     g.copy_(flat_plain[at: at + g.numel()].view_as(g))
                     at += g.numel()
             if p_len:
-                transport.all_reduce(p_mem, group, name="powersgd/P")  # summed: P is orthogonalised
+                transport.all_reduce(p_mem, group, name="ddp_bucket/powersgd/P")  # summed: P is orthogonalised
             for p in p_views:
                 orthogonalize(p, state.epsilon)
             for m, p, q in zip(ordered, p_views, q_views):
                 torch.bmm(m.t().unsqueeze(0), p, out=q)
             if q_len:
-                transport.all_reduce(q_mem, group, name="powersgd/Q")
+                transport.all_reduce(q_mem, group, name="ddp_bucket/powersgd/Q")
             q_mem.div_(n)
             for m, p, q in zip(ordered, p_views, q_views):
                 torch.bmm(p, q.transpose(1, 2), out=m.unsqueeze(0))

@@ -14,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel
 
-from quietsync.powersgd import PowerSGDState, cast_hook, orthogonalize, powersgd_hook
+from quietsync.strategies.baselines.powersgd import PowerSGDState, cast_hook, orthogonalize, powersgd_hook
 from quietsync.topology import Topology
 from quietsync.transport import Transport
 from tests.distributed import run_ranks
@@ -175,12 +175,12 @@ def test_bad_knobs_and_state_round_trip():
     s = PowerSGDState(rank=2, start_iter=5, seed=3)
     s.rng.randint(10)
     s.iter = 7
-    s.errors[0] = torch.randn(5)
-    s.qs[0] = torch.randn(4)
     t = PowerSGDState(rank=2, start_iter=5, seed=3)
     t.load_state_dict(s.state_dict())
-    assert t.iter == 7 and torch.equal(t.errors[0], s.errors[0]) and torch.equal(t.qs[0], s.qs[0])
-    assert t.rng.randint(1_000_000_000) == s.rng.randint(1_000_000_000)
+    assert t.iter == 7 and t.rng.randint(1_000_000_000) == s.rng.randint(1_000_000_000)
+    s.errors[0] = torch.randn(5)  # residuals are saved per parameter: that needs the parameters' names
+    with pytest.raises(ValueError, match="needs names"):
+        s.state_dict()
     # which tensors are compressed: vectors never; (rows + cols)·r·2 < rows·cols decides
     assert s.plan([torch.Size([64]), torch.Size([32, 256]), torch.Size([2, 32]), torch.Size([8, 4, 3, 3])]) == (
         [1, 3], [0, 2])
