@@ -40,6 +40,10 @@ def test_lowbit_sparseloco_strided_equal_their_references_bytes_and_resume():
                                           "stochastic", "pseudo_grad_error_feedback": True}, "steps": 6},  # 5
         {"strategy": "diloco", "config": {**strided, "overlap_delay": 1, "pseudo_grad_dtype": "fp4",
                                           "pseudo_grad_block": 16}, "steps": 8},                        # 6
+        {"strategy": "diloco", "config": {"sync_every": 2, "pseudo_grad_replicator": "random",
+                                          "compression": 1 / 16, "pseudo_grad_dtype": "int4"}, "steps": 4},  # 7
+        {"strategy": "demo", "config": {"replicator": "random", "compression": 1 / 16, "transfer_dtype": "int4"},
+         "steps": 3},                                                                                   # 8
     ]
     res = run_ranks(train_many, 2, jobs, timeout=280)
     whole = [[0, 1, 2, 3]]
@@ -84,6 +88,12 @@ def test_lowbit_sparseloco_strided_equal_their_references_bytes_and_resume():
     # overlapped: the meter counts a fragment's all-gather when its merge waits for it, one step later
     assert [_sent(s) for s in res[0][6]["trace"]][:7] == [0, 0, fp4[0], 0, fp4[1], 0, fp4[0]]
     assert [e["applied"] for e in (s["extra"] for s in res[0][6]["trace"])] == [-1, -1, 0, -1, 1, -1, 0, -1]
+    # a replicator with int4 values: 1/16 of 696 bytes holds 78 values (39 code bytes + 2 bf16 scales)
+    assert [_sent(s) for s in res[0][7]["trace"]] == [0, 43, 0, 43]
+    demo = [_sent(s) for s in res[0][8]["trace"]]
+    assert len(set(demo)) == 1 and 0 < demo[0] <= 696 / 16
+    for t in range(3):  # DeMo's replicas apply the same averaged update
+        assert torch.equal(res[0][8]["trace"][t]["params"], res[1][8]["trace"][t]["params"])
 
 
 def test_layers_and_strided_assignment():

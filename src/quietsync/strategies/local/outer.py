@@ -84,7 +84,8 @@ class OuterConfig(AccumulationConfig):
     fp4 (E2M1), fp4_e3m0, int4, int2 codes with a bf16 scale per pseudo_grad_block elements (all-gather,
     averaged in fp32)."""
     pseudo_grad_block: int = 64
-    """Elements per scale of the low-bit pseudo-gradient dtypes (fp4, fp4_e3m0, int4, int2)."""
+    """Elements per scale of the low-bit pseudo-gradient dtypes (fp4, fp4_e3m0, int4, int2); with a replicator,
+    values per scale."""
     pseudo_grad_rounding: Literal["nearest", "stochastic"] = "nearest"
     """Rounding of the low-bit pseudo-gradient dtypes: nearest, or stochastic (unbiased, seeded per worker)."""
     pseudo_grad_error_feedback: bool = False
@@ -213,6 +214,7 @@ class OuterSync(Part):
                     config.pseudo_grad_replicator,
                     compression=config.compression,
                     transfer_dtype=config.pseudo_grad_dtype,
+                    transfer_block=config.pseudo_grad_block,
                     seed=config.seed + f,
                 ).bind(transport, group)
                 for f in range(fragments)
