@@ -76,19 +76,24 @@ def _duplex(rank: int, world: int, numel: int) -> dict:
     elapsed = time.perf_counter() - t0
     assert torch.all(recv == other)
     out = {"elapsed": elapsed, "modeled": work.modeled_s, "one_way": numel * 4 / link.bandwidth,
-           "peers": t.meter.peer_snapshot()}
+           "booked": (work.t_issue, work.t_wire, work.deadline), "peers": t.meter.peer_snapshot()}
     t.close()
     return out
 
 
 @pytest.mark.timeout(120)
 def test_exchange_is_full_duplex_one_transfer_time_not_two():
+    """Computed: the exchange books its send and its receive on the two queues of the link at once, so it ends one
+    transfer time after its issue (half duplex would book 2x). Wall clock: at least that, and under 1.5x of it
+    (a half-duplex wire would take 2x)."""
     numel = 250_000  # 1 MB each way at 1 MB/s: 1 s full duplex, 2 s if send and receive shared the wire
     for rank, res in enumerate(run_ranks(_duplex, 2, numel)):
         one_way = res["one_way"]
         assert one_way == pytest.approx(1.0)
         assert res["modeled"] == pytest.approx(one_way)
-        assert 0.9 * one_way <= res["elapsed"] < 1.5 * one_way, res["elapsed"]
+        issue, wire, end = res["booked"]
+        assert wire == issue and end == pytest.approx(issue + one_way, abs=1e-9)
+        assert 0.99 * one_way <= res["elapsed"] < 1.5 * one_way, res["elapsed"]
         assert res["peers"] == {1 - rank: {"sent": numel * 4, "recv": numel * 4}}
 
 
@@ -110,7 +115,7 @@ def _per_peer_links(rank: int, world: int, numel: int) -> dict:
             buf = torch.empty(numel)
             work = t.recv(buf, peer, "world", name=what)
             assert torch.all(buf == peer) and (work.src, work.dst) == (peer, None)
-        times[what] = (time.perf_counter() - t0, work.modeled_s)
+        times[what] = (time.perf_counter() - t0, work.modeled_s, work.t_issue, work.t_wire, work.deadline)
     out = {"times": times, "modeled": link.time("send", numel * 4, 2), "peers": t.meter.peer_snapshot(),
            "kinds": t.meter.by_kind()}
     t.close()
@@ -119,14 +124,19 @@ def _per_peer_links(rank: int, world: int, numel: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_point_to_point_picks_the_link_of_the_peers_node():
+    """Computed: a send/recv to a same-node peer books no link (no intra link given: not emulated), one to a
+    peer on the other node books the inter link for its modeled time. Wall clock only from below: the
+    other-node transfer is stretched to its booked end."""
     numel = 31_250  # 125 KB: 0.5 s on the inter link
     for rank, res in enumerate(run_ranks(_per_peer_links, 4, numel, nodes=2)):
         modeled = res["modeled"]
         assert modeled == pytest.approx(0.5)
-        same, same_model = res["times"]["same_node"]
-        other, other_model = res["times"]["other_node"]
-        assert same_model == 0.0 and other_model == pytest.approx(modeled)
-        assert same < 0.5 * modeled, same  # inside world, but to a same-node peer: not stretched
+        _, same_model, _, same_wire, same_end = res["times"]["same_node"]
+        other, other_model, issue, other_wire, other_end = res["times"]["other_node"]
+        # inside world, but to a same-node peer: nothing booked, not stretched
+        assert same_model == 0.0 and same_wire is None and same_end == 0.0
+        assert other_model == pytest.approx(modeled)
+        assert other_wire == issue and other_end == pytest.approx(issue + modeled, abs=1e-9)
         assert other >= 0.99 * modeled, other
         b = numel * 4
         sends_same, sends_other = rank % 2 == 0, rank < 2

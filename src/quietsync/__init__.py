@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import _versions  # noqa: F401  (first: refuses a torch older than the suite runs on, in one line)
 from .comm_worker import CommWorker, CommWorkerError
 from .events import ByteMeter, EventRecorder, Span
 from .flat import DTypePolicy, FlatParams
@@ -21,7 +22,7 @@ from .topology import Topology
 from .transport import Transport, Work
 
 __all__ = [
-    "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "DeMoSGD", "DecoupledAdamW", "EventRecorder", "FlatParams", "LinkModel",
-    "Span", "StepMetrics", "Strategy", "StrategyConfig", "Topology", "Transport", "Work", "__version__",
-    "available", "make_strategy", "parse_links",
+    "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "DeMoSGD", "DecoupledAdamW", "EventRecorder",
+    "FlatParams", "LinkModel", "Span", "StepMetrics", "Strategy", "StrategyConfig", "Topology", "Transport", "Work",
+    "__version__", "available", "make_strategy", "parse_links",
 ]

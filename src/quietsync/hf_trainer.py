@@ -13,7 +13,7 @@ in DDP. The strategy must see each micro-batch's backward and must be the only t
 subclass overrides the two hooks the Trainer documents for exactly this ("subclass and override"):
 
 * :meth:`create_optimizer` — builds the optimizer the Trainer would (``args.optim``, weight-decay groups,
-  or the one passed in ``optimizers=``) and turns it into a :class:`~quietsync.accelerate.QuietOptimizer`.
+  or the one passed in ``optimizers=``) and turns it into a :class:`~quietsync.quiet_optimizer.QuietOptimizer`.
   Its ``param_groups`` are that optimizer's, so the Trainer's scheduler (or yours) sets the lr the strategy
   applies; its ``step_was_skipped`` tells the Trainer not to step the scheduler when the strategy did not
   commit. It also hands the Trainer the strategy's forward module in a thin wrapper, so the Trainer treats
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .accelerate import QuietOptimizer
+from .quiet_optimizer import QuietOptimizer
 from .strategies import StrategyConfig
 from .strategies.registry import get as get_strategy
 from .transport import Transport

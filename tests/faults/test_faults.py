@@ -192,15 +192,18 @@ def test_the_launcher_killed_takes_every_worker_with_it(sig, tmp_path, corpus, r
 
 
 def test_killed_during_the_tokenizer_build_the_rerun_takes_over_at_once(tmp_path, corpus):
-    """The launcher is killed while the tokenizer is built (a fresh cache); the rerun does not wait on the
-    dead builder's lock."""
+    """The launcher is killed while the tokenizer is built (a fresh cache): its builder's lock is left behind,
+    naming a dead process, and the rerun takes it over at once instead of waiting on it."""
     fresh = dict(corpus, cache=tmp_path / "cache")
     cmd = _cmd("zero1", tmp_path / "run", fresh)
     cmd[cmd.index("--max-steps") + 1] = "2"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), preexec_fn=interruptible)
     deadline = time.monotonic() + 60
-    while not list(fresh["cache"].rglob("*.lock")) and proc.poll() is None and time.monotonic() < deadline:
+    locks: list[Path] = []
+    while not locks and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
+        locks = [p for p, holder in _locks(fresh["cache"]).items() if holder]  # created, its holder written
+    assert locks and proc.poll() is None, "the launcher ended (or 60 s passed) before the tokenizer's lock appeared"
     pids = _descendants(proc.pid)
     dead = [proc.pid, *pids]
     proc.kill()
@@ -209,12 +212,28 @@ def test_killed_during_the_tokenizer_build_the_rerun_takes_over_at_once(tmp_path
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _alive(p)]
+    left = _locks(fresh["cache"])
+    assert left, "the killed builder left no lock: the rerun would have nothing to take over"
+    holders = [int(h.rpartition(":")[2]) for h in left.values()]
+    assert set(holders) <= set(dead), (holders, dead)  # held by a process that is gone
     t0 = time.monotonic()
     rerun = _run(cmd + ["--overwrite"] if _has_overwrite() else cmd)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     said = rerun.stdout + rerun.stderr
     assert not [pid for pid in dead if f":{pid} (lock" in said], said  # never waits on the dead builders
+    assert not list(fresh["cache"].rglob("*.lock"))  # taken over and released
     assert time.monotonic() - t0 < 120
+
+
+def _locks(cache: Path) -> dict[Path, str]:
+    """The cache's lock files and the ``host:pid`` each holds (one removed while we look is skipped)."""
+    out = {}
+    for p in cache.rglob("*.lock"):
+        try:
+            out[p] = p.read_text()
+        except FileNotFoundError:
+            pass
+    return out
 
 
 def _has_overwrite() -> bool:

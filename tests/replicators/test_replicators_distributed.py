@@ -9,19 +9,22 @@ from quietsync.replicators import Segments, make_replicator
 from quietsync.topology import Topology
 from quietsync.transport import Transport
 from tests.distributed import run_ranks
+from tests.strategies.reference_demo import DCTReference, ks_from_compression
 
 SEG = Segments([(24, 40), (19,), (2, 3, 7)])
 NOPAD = Segments([(24, 40), (16,), (2, 3, 8)])  # multiples of chunk 8: re-encoding `sent` is exact
 
 
-def _delta(rank: int, seg: Segments = SEG) -> torch.Tensor:
-    return torch.randn(seg.numel, generator=torch.Generator().manual_seed(100 + rank))
+def _delta(rank: int, seg: Segments = SEG, shared: float = 0.0) -> torch.Tensor:
+    """This rank's momentum: its own noise plus ``shared`` times a part common to every rank."""
+    own = torch.randn(seg.numel, generator=torch.Generator().manual_seed(100 + rank))
+    return own + shared * torch.randn(seg.numel, generator=torch.Generator().manual_seed(99))
 
 
-def _exchange(rank: int, world: int, name: str, kw: dict, seg: Segments = SEG) -> dict:
+def _exchange(rank: int, world: int, name: str, kw: dict, seg: Segments = SEG, shared: float = 0.0) -> dict:
     transport = Transport(Topology.from_env())
     rep = make_replicator(name, transport=transport, group="replicate", **kw)
-    delta = _delta(rank, seg)
+    delta = _delta(rank, seg, shared)
     before = delta.clone()
     msg = rep.extract(delta, seg)
     out = {"sent": msg.sent, "meta": msg.meta if name in ("random", "striding") else None, "payload": msg.payload}
@@ -47,35 +50,43 @@ def test_shared_indices_values_only_all_reduce(name):
         b = r["payload_bytes"]
         assert b == (SEG.numel * 4 // 8 // 2) * 2
         assert r["by_kind"] == {"replicate/all_reduce": 2 * (world - 1) * b // world}
-    # the update is the average of every rank's (bf16) values at the shared positions, zero elsewhere
-    want = torch.zeros(SEG.numel)
-    want[idx] = torch.stack([r["before"][idx].to(torch.bfloat16).float() for r in res]).mean(0)
+    # the update is the average of every rank's bf16 values at the shared positions, zero elsewhere: averaged by
+    # an all-reduce in bf16 (two additions and a division, each rounding to bf16: at most 2^-8 of the sum of the
+    # magnitudes), and a bf16 number itself -- an fp32 average (no bf16 on the wire) would not be
+    sent = torch.stack([r["before"][idx].to(torch.bfloat16).float() for r in res])
+    want, bound = torch.zeros(SEG.numel), torch.zeros(SEG.numel)
+    want[idx], bound[idx] = sent.mean(0), 2**-8 * sent.abs().sum(0)
+    assert (sent.mean(0).to(torch.bfloat16).float() != sent.mean(0)).any()  # the check below can fail
     for r in res:
-        torch.testing.assert_close(r["update"], want, rtol=1e-2, atol=1e-2)
+        assert torch.equal(r["update"].to(torch.bfloat16).float(), r["update"])
+        assert ((r["update"] - want).abs() <= bound).all(), float((r["update"] - want).abs().max())
+        assert r["update"].count_nonzero() == idx.numel() and torch.equal(r["update"].nonzero().view(-1), idx.sort().values)
         torch.testing.assert_close(r["residual"] + r["sent"], r["before"], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.timeout(120)
 def test_dct_all_gather_averages_per_coefficient():
+    """3 workers: each coefficient is averaged over the workers that sent it (1, 2 or 3 of them), as the fp64
+    oracle of paper 001 computes it from every worker's momentum (``tests/strategies/reference_demo.py``)."""
     world = 3
     kw = {"compression": 1 / 8, "chunk": 8}
-    res = run_ranks(_exchange, world, "dct", kw, NOPAD)
-    rep = make_replicator("dct", **kw)
-    layout = rep.layout(NOPAD)
-    # oracle: coefficient-wise mean over the ranks that sent it, from each rank's own sent part
-    sums = [torch.zeros_like(c) for c in layout.encode(res[0]["sent"])]
-    counts = [torch.zeros_like(c) for c in sums]
-    for r in res:
-        for s, c, coef in zip(sums, counts, layout.encode(r["sent"])):
-            nz = coef.abs() > 1e-6
-            s += torch.where(nz, coef, 0)
-            c += nz.float()
-    want = layout.decode([s / c.clamp_min(1) for s, c in zip(sums, counts)])
-    for r in res:
-        torch.testing.assert_close(r["update"], want, rtol=1e-4, atol=1e-5)
+    res = run_ranks(_exchange, world, "dct", kw, NOPAD, 1.0)  # a common part: some coefficients chosen by all
+    shapes = list(NOPAD.shapes)
+    oracle = DCTReference(shapes, 8, ks_from_compression(shapes, 8, 1 / 8))
+    split = [t.reshape(s) for t, s in zip(torch.zeros(NOPAD.numel).split(list(NOPAD.sizes)), shapes)]
+    qs = [oracle.extract([b.double().view_as(t) for b, t in zip(r["before"].split(list(NOPAD.sizes)), split)])
+          for r in res]
+    assert oracle.margins.topk_gap > 1e-5  # no top-k choice within fp32 rounding
+    counts = torch.cat([sum(q[i][0].to(torch.int64) for q in qs).reshape(-1) for i in range(len(shapes))])
+    assert {1, 2, 3} <= set(counts.unique().tolist())  # coefficients sent by one, two and all three workers
+    want = torch.cat([u.reshape(-1) for u in oracle.average(qs)])
+    for r, q in zip(res, qs):
+        torch.testing.assert_close(r["update"].double(), want, rtol=1e-5, atol=1e-6)
+        sent = torch.cat([x.reshape(-1) for x in oracle.sent(q)])
+        torch.testing.assert_close(r["residual"].double(), r["before"].double() - sent, rtol=1e-5, atol=1e-6)
         b = r["payload_bytes"]
         # by hand: 15 blocks 8x8 (k=round(960*4/8/(15*5))=6), 2 of 8 (k=1), 3 of 2x8 (k=2); 4+1 bytes each
-        assert b == rep.payload_bytes(NOPAD) == 15 * 6 * 5 + 2 * 1 * 5 + 3 * 2 * 5
+        assert b == make_replicator("dct", **kw).payload_bytes(NOPAD) == 15 * 6 * 5 + 2 * 1 * 5 + 3 * 2 * 5
         assert r["by_kind"] == {"replicate/all_gather": (world - 1) * b}  # grows with the group
         torch.testing.assert_close(r["residual"] + r["sent"], r["before"], rtol=1e-6, atol=1e-6)
 

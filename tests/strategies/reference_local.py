@@ -10,6 +10,7 @@ each worker is its own replica.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import torch
@@ -55,20 +56,33 @@ def reference_localsgd(world: int, sync_every: int, steps: int, make_opt: Callab
     return [flat_params(m) for m in models]
 
 
+def _group_order(model: torch.nn.Module) -> list[int]:
+    """Indices (into ``model.parameters()``) in the order of :func:`param_groups`: the weights, then the biases --
+    how a strategy concatenates a fragment's pseudo-gradient into one buffer."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    return [index[id(p)] for g in param_groups(model) for p in g["params"]]
+
+
 def reference_diloco(world: int, nodes: int, sync_every: int, steps: int, make_opt: Callable, *,
                      outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                      fragments: list[list[int]] | None = None, delay: int = 0, alpha: float = 0.5,
-                     accumulation: int = 1, record: dict | None = None) -> list[torch.Tensor]:
+                     accumulation: int = 1, record: dict | None = None,
+                     average: Callable[[int, list[torch.Tensor]], torch.Tensor] | None = None) -> list[torch.Tensor]:
     """DiLoCo with staggered fragments and delayed merge; returns every replica's flat parameters.
 
     Fragment f (a list of parameter indices) launches after inner step s (1-based) when
     ``s mod H == ((f+1)·H/F) mod H``: Δ = mean_k(θ_g − θ_k); b ← μ·b + Δ (b = Δ the first time);
     θ_g ← θ_g − lr·(Δ + μ·b if Nesterov else b); merged after step s + τ: θ_k ← θ_g if τ = 0 else
     α·θ_k + (1−α)·θ_g. ``record`` (optional) receives ``{"global": flat θ_g}`` at the end.
+
+    ``average(f, [Δ_k])`` (optional) replaces the plain mean: it receives every replica's pseudo-gradient of
+    fragment f as one flat fp32 buffer (the fragment's tensors in :func:`param_groups` order) and returns Δ̄ --
+    for pseudo-gradients that travel rounded or compressed.
     """
     per = world // nodes
     models, opts = _replicas(nodes, make_opt)
     n_params = len(list(models[0].parameters()))
+    order = _group_order(models[0])
     fragments = fragments or [list(range(n_params))]
     F = len(fragments)
     theta_g = [p.detach().clone() for p in models[0].parameters()]
@@ -92,8 +106,17 @@ def reference_diloco(world: int, nodes: int, sync_every: int, steps: int, make_o
             if s % sync_every != ((f + 1) * sync_every // F) % sync_every:
                 continue
             with torch.no_grad():
+                members = [i for i in order if i in fragments[f]]
+                if average is None:
+                    mean = {i: torch.stack([theta_g[i] - list(m.parameters())[i] for m in models]).mean(0)
+                            for i in members}
+                else:
+                    flat = average(f, [torch.cat([(theta_g[i] - list(m.parameters())[i]).reshape(-1) for i in members])
+                                       for m in models])
+                    pieces = flat.split([theta_g[i].numel() for i in members])
+                    mean = {i: piece.view_as(theta_g[i]) for i, piece in zip(members, pieces)}
                 for i in fragments[f]:
-                    delta = torch.stack([theta_g[i] - list(m.parameters())[i] for m in models]).mean(0)
+                    delta = mean[i]
                     if outer_momentum > 0:
                         buf[i] = delta.clone() if i not in buf else outer_momentum * buf[i] + delta
                         d = delta + outer_momentum * buf[i] if nesterov else buf[i]
@@ -107,3 +130,55 @@ def reference_diloco(world: int, nodes: int, sync_every: int, steps: int, make_o
     if record is not None:
         record["global"] = torch.cat([t.reshape(-1) for t in theta_g])
     return [flat_params(m) for m in models]
+
+
+# ---------------------------------------------------------------------------------------------- compressed Δ
+# What each pseudo-gradient goes through on the wire (docs/local.md, "Compressed pseudo-gradients"), for
+# ``reference_diloco(average=...)``: the same roundings, written from that description.
+
+def bf16_mean(f: int, deltas: list[torch.Tensor]) -> torch.Tensor:
+    """bf16 all-reduce: every Δ_k rounded to bf16, summed in bf16 (each addition rounds), divided by n."""
+    total = deltas[0].to(torch.bfloat16)
+    for d in deltas[1:]:
+        total = total + d.to(torch.bfloat16)
+    return (total / len(deltas)).float()
+
+
+def int8_mean(f: int, deltas: list[torch.Tensor]) -> torch.Tensor:
+    """int8 codes: worker k's scale s_k = max|Δ_k| / 127 (fp32), codes round(Δ_k / s_k) (half to even) in
+    [−127, 127]; everyone decodes every worker's codes · s_k and takes the mean."""
+    decoded = []
+    for d in deltas:
+        amax = float(d.abs().max())
+        scale = torch.tensor(amax / 127 if amax > 0 else 1.0, dtype=torch.float32)
+        codes = torch.round(d / scale).clamp(-127, 127)
+        decoded.append(codes * scale)
+    return torch.stack(decoded).mean(0)
+
+
+class ReplicatorMean:
+    """A replicator with error feedback per worker (one residual e_k per fragment):
+    ``e_k ← e_k + Δ_k; q_k = extract(e_k); e_k ← e_k − decode(q_k); Δ̄ = average of the q_k, decoded``.
+
+    ``make(f)`` builds fragment f's fp64 oracle replicator (:mod:`tests.strategies.reference_demo`); shapes are
+    those of the fragment's tensors in :func:`param_groups` order."""
+
+    def __init__(self, make: Callable[[int], object], shapes: dict[int, list[tuple[int, ...]]]) -> None:
+        self.make, self.shapes = make, shapes
+        self.reps: dict[int, object] = {}
+        self.residuals: dict[int, list[list[torch.Tensor]]] = {}
+
+    def __call__(self, f: int, deltas: list[torch.Tensor]) -> torch.Tensor:
+        shapes = self.shapes[f]
+        sizes = [math.prod(s) for s in shapes]
+        if f not in self.reps:
+            self.reps[f] = self.make(f)
+            self.residuals[f] = [[torch.zeros(s, dtype=torch.float64) for s in shapes] for _ in deltas]
+        rep, res = self.reps[f], self.residuals[f]
+        qs = []
+        for k, d in enumerate(deltas):
+            res[k] = [e + x.view(s).double() for e, x, s in zip(res[k], d.split(sizes), shapes)]
+            q = rep.extract(res[k])
+            res[k] = [e - x for e, x in zip(res[k], rep.sent(q))]
+            qs.append(q)
+        return torch.cat([u.reshape(-1) for u in rep.average(qs)]).float()

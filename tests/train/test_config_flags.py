@@ -165,20 +165,32 @@ def test_bad_values_are_one_line_errors(argv, expect, capsys, monkeypatch):
 
 
 def test_flag_of_another_strategy_is_named(capsys):
+    """For every ordered pair of registered strategies (a, b) where b has a field a lacks, ``--strategy a`` with b's
+    flag is refused in one line naming the flag, a, and b among the owners. Fields named like a job flag are
+    ``--<strategy>-<field>`` (see test_strategy_fields_named_like_job_flags_are_prefixed)."""
     import dataclasses
 
     names = available()
-    own = {n: {f.name for f in dataclasses.fields(get(n)[1])} for n in names}
+    job = {f.name for f in dataclasses.fields(TrainConfig)}
+    own = {n: {f.name for f in dataclasses.fields(get(n)[1]) if f.init and not f.name.startswith("_")} for n in names}
+    checked = 0
     for name in names:
         for other in names:
             extra = sorted(own[other] - own[name])
-            if extra:
-                flag = "--" + extra[0].replace("_", "-")
-                with pytest.raises(SystemExit):
-                    parse_train_args(["--strategy", name, flag, "1"])
-                assert f"{flag} is not a flag of strategy {name}" in capsys.readouterr().err
-                return
-    pytest.skip("no two registered strategies with different flags")
+            if not extra:
+                continue
+            field = extra[0]
+            flag = "--" + (f"{other}_{field}" if field in job else field).replace("_", "-")
+            with pytest.raises(SystemExit) as e:
+                parse_train_args(["--strategy", name, flag, "1"])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.count("\n") == 1, (name, other, err)
+            assert f"{flag} is not a flag of strategy {name} (it belongs to " in err, (name, other, err)
+            owners = err.split("(it belongs to ", 1)[1].rsplit(")", 1)[0].split(", ")
+            assert other in owners and name not in owners, (name, other, err)
+            checked += 1
+    # 11 strategies: all but a few of the 110 ordered pairs differ (fsdp's knobs are a subset of most others')
+    assert checked >= len(names) * (len(names) - 1) // 2, checked
 
 
 def test_colliding_field_gets_a_prefixed_flag():
@@ -234,12 +246,30 @@ def _float_fields(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if "float" in str(hints[f.name])]
 
 
-@pytest.mark.parametrize("strategy", [None, *available()])
+FLOAT_FIELDS = {
+    None: {"max_time_s", "target_loss", "lr", "weight_decay", "min_lr_ratio", "eval_fraction", "timeout_s"},
+    "ddp": {"bucket_cap_mb"},
+    "demo": {"compression", "beta"},
+    "flexdemo": {"compression", "beta"},
+    "diloco": {"outer_lr", "outer_momentum", "mixing", "compression"},
+}
+"""Every float field of the job's config (None) and of each strategy's config that has one: the float flags the
+next test sends NaN and infinities to."""
+
+
+def test_the_float_fields_are_the_ones_checked():
+    """A new float field (or a strategy gaining its first) shows up here, so it cannot escape the NaN test."""
+    found = {s: set(_float_fields(TrainConfig if s is None else get(s)[1])) for s in [None, *available()]}
+    assert {s: f for s, f in found.items() if f} == FLOAT_FIELDS
+
+
+@pytest.mark.parametrize("strategy", list(FLOAT_FIELDS), ids=lambda s: s or "job")
 def test_every_float_flag_refuses_nan_and_infinities(strategy, capsys, monkeypatch):
     """A NaN or infinite value of any float flag (the job's and every strategy's) is one line naming the flag,
     exit 2, before any worker starts: e.g. ``--lr inf`` or ``--weight-decay nan``."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     fields = _float_fields(TrainConfig if strategy is None else get(strategy)[1])
+    assert set(fields) == FLOAT_FIELDS[strategy]
     chosen = [] if strategy is None else ["--strategy", strategy]
     for name in fields:
         flag = "--" + name.replace("_", "-")

@@ -21,9 +21,8 @@ concatenated (padded segments go through a zero-padded copy of their own); the s
 list of tensors (the gradients of a step). :meth:`BlockLayout.stacked_views` lays the groups' stacked blocks
 end to end in one flat buffer (where a decoupled optimizer keeps a DCT-domain momentum) and
 :meth:`BlockLayout.segment_blocks` gives each segment's own blocks in it. :class:`BlockWorkspace` holds
-the stacked buffers of one layout so a replicator reuses them step after step. The stacked blocks and
-the batched matmuls are the same as those of the earlier gather-based implementation, so coefficients
-and decoded values are bit-identical to it (``tests/codecs/reference_dct_codec.py`` is that oracle).
+the stacked buffers of one layout so a replicator reuses them step after step. The oracle is an fp64 DCT-II
+written from paper 001 in ``tests/strategies/reference_demo.py`` (``tests/codecs/test_dct_oracle.py``).
 """
 
 from __future__ import annotations

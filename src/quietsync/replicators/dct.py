@@ -18,9 +18,9 @@ of padded tensors back onto blocks that are zero in their padding (so the residu
 spatial momentum keeps), all-gathers, sums and counts the received coefficients into reused buffers and
 decodes their mean with one inverse transform: two transforms a step where a spatial momentum needs three
 (encode, decode what was sent, decode the mean). :meth:`DCTReplicator.replicate` is the spatial entry point
-(DiLoCo's pseudo-gradients): it converts, steps and converts back. Up to rounding the values are those of
-the implementation before (kept as the oracle in ``tests/codecs/reference_dct_codec.py``); the top-k may pick
-other positions only among coefficients of equal magnitude (:func:`~quietsync.codecs.topk_positions`).
+(DiLoCo's pseudo-gradients): it converts, steps and converts back. The fp64 oracle written from paper 001
+(``tests/strategies/reference_demo.py``) agrees up to fp32 rounding; the top-k may pick other positions only
+among coefficients of equal magnitude (:func:`~quietsync.codecs.topk_positions`).
 
 ``k`` per block follows from ``compression`` (bytes per coefficient = value + position bytes), or
 is fixed by ``topk`` (DeMo's own knob; then ``compression`` is not used). With a low-bit ``transfer_dtype``

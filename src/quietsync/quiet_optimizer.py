@@ -1,0 +1,293 @@
+"""A ``torch.optim.Optimizer`` in front of a quietsync strategy: what the 🤗 Accelerate and HF Trainer adapters
+hand the user's loop.
+
+The user's own optimizer is a *specification*: :func:`strategy_kwargs_from_optimizer` reads its class, options
+and parameter groups, the strategy builds (and possibly shards) the real optimizer, and :class:`QuietOptimizer`
+keeps the specification's ``param_groups`` as its own so any LR scheduler steers the lr the strategy applies.
+``docs/accelerate.md`` describes how the adapters use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from .strategies import StepMetrics, Strategy, StrategyConfig, make_strategy
+from .strategies.registry import get as get_strategy
+from .transport import Transport
+
+__all__ = ["QuietOptimizer", "strategy_kwargs_from_optimizer"]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` for option values (floats, tuples, bools, tensors), False when not comparable."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - tensors with several elements, exotic values
+        return a is b
+
+
+def strategy_kwargs_from_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The ``make_strategy`` arguments that rebuild ``optimizer``: its class, options and parameter groups.
+
+    Options equal to the class's own defaults are left out (as a user would write the call), so a strategy
+    that swaps the optimizer for its own (``demo``'s DeMo-SGD) receives only what the user chose. The
+    learning rate is each group's *base* lr: ``initial_lr`` when a scheduler already set it, else ``lr``.
+
+    Returns:
+        ``{"optimizer": cls, "param_groups": [...], **optimizer_kwargs}``.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    cls = type(optimizer)
+    try:
+        sig = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        sig = {}
+    kwargs: dict[str, Any] = {}
+    for key, value in optimizer.defaults.items():
+        param = sig.get(key)
+        if param is None:
+            continue
+        if key != "lr" and param.default is not inspect.Parameter.empty and _same(value, param.default):
+            continue
+        kwargs[key] = value
+    groups = []
+    for g in optimizer.param_groups:
+        group: dict[str, Any] = {"params": list(g["params"])}
+        for key, value in g.items():
+            if key in ("params", "initial_lr", "lr"):
+                continue
+            if key in optimizer.defaults and not _same(value, optimizer.defaults[key]):
+                group[key] = value
+        group["lr"] = float(g.get("initial_lr", g["lr"]))
+        groups.append(group)
+    return {"optimizer": cls, "param_groups": groups, **kwargs}
+
+
+class QuietOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` front for a quietsync strategy (what ``QuietAccelerator.prepare`` returns).
+
+    Args:
+        model: the model, already on its device (the strategy may move its parameters into flat buffers).
+        optimizer: the optimizer *specification*: a ``torch.optim.Optimizer`` over ``model``'s parameters.
+            Its class, options and groups build the strategy's optimizer; its ``param_groups`` stay the ones
+            schedulers and users see and edit. It is never stepped itself.
+        strategy: a registered strategy name (``quietsync.strategies.available()``).
+        config: the strategy's config dataclass or a dict of its fields.
+        accumulation: micro-batches per step (Accelerate's ``gradient_accumulation_steps``); written into
+            the config's ``accumulation`` field when the strategy has one; must be 1 otherwise.
+        transport: the transport; default ``Transport()`` from the launcher's environment (reusing an
+            initialised default process group).
+
+    Behaviour:
+        * :meth:`backward` runs one micro-batch's backward through the strategy and then ``Strategy.step()``.
+        * :meth:`step` commits nothing itself; it records whether the strategy committed since the previous
+          call (``step_was_skipped`` is True when it did not, which Accelerate's scheduler wrapper and the
+          HF Trainer honour).
+        * :meth:`zero_grad` is a no-op: the strategy owns and resets the gradients.
+        * The lr the strategy applies at a committed step is the lr in ``param_groups`` at that moment
+          (schedulers must scale every group by the same factor — all torch and transformers schedulers do).
+
+    Raises:
+        ValueError: unknown strategy (the message lists the choices), accumulation that the strategy cannot
+            honour, a zero base learning rate, or parameters that are not ``model``'s.
+    """
+
+    _is_accelerate_prepared = True
+    """Tells ``Accelerator.prepare`` not to wrap this object in an ``AcceleratedOptimizer``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        strategy: str,
+        *,
+        config: StrategyConfig | dict[str, Any] | None = None,
+        accumulation: int = 1,
+        transport: Transport | None = None,
+    ) -> None:
+        # torch.optim.Optimizer.__init__ is not called on purpose: param_groups/defaults/state are the
+        # specification's and the strategy's (properties below). These are what torch's hooks expect.
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(optimizer, QuietOptimizer):
+            raise TypeError("optimizer is already a QuietOptimizer; pass the plain torch optimizer")
+        if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+            raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
+        _, config_cls = get_strategy(strategy)  # ValueError listing the choices
+        if isinstance(config, dict):
+            config = config_cls(**config)
+        if config is None:
+            config = config_cls()
+        if not isinstance(config, config_cls):
+            raise TypeError(f"config must be a {config_cls.__name__} or a dict, got {type(config).__name__}")
+        fields = {f.name for f in dataclasses.fields(config)}
+        if "accumulation" in fields:
+            if accumulation != 1 and config.accumulation not in (1, accumulation):
+                raise ValueError(
+                    f"gradient_accumulation_steps={accumulation} conflicts with the {strategy} config's "
+                    f"accumulation={config.accumulation}; set one of them"
+                )
+            if accumulation != 1:
+                config = config.replace(accumulation=accumulation)
+        elif accumulation != 1:
+            raise ValueError(
+                f"strategy {strategy!r} decides its own accumulation (see its config: "
+                f"{', '.join(sorted(fields))}); use gradient_accumulation_steps=1, got {accumulation}"
+            )
+        self.optimizer = optimizer
+        """The specification optimizer (its ``param_groups`` are this object's)."""
+        spec = strategy_kwargs_from_optimizer(optimizer)
+        self._base_lrs = [float(g["lr"]) for g in spec["param_groups"]]
+        if self._base_lrs[0] == 0.0:
+            raise ValueError("the learning rate of parameter group 0 is 0: schedules are applied as a multiple of it")
+        self._scales: dict[int, float] = {}
+        self._scale_lock = threading.Lock()
+        self.strategy: Strategy = make_strategy(
+            strategy, model, spec.pop("optimizer"), config=config, transport=transport,
+            lr_schedule=self._lr_scale, **spec,
+        )
+        """The quietsync strategy doing the work."""
+        self._committed_since_step = False
+        self._was_skipped = False
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer surface
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The specification's parameter groups: edit ``lr`` here (or let a scheduler do it)."""
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The state of the optimizer the strategy runs (on sharded strategies: this worker's shard)."""
+        inner = self.strategy.optimizer
+        return inner.state if isinstance(inner, torch.optim.Optimizer) else {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("a strategy's parameters are fixed at construction; build a new QuietOptimizer")
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """One micro-batch: ``Strategy.backward(loss)`` then ``Strategy.step()``; True when a step committed.
+
+        ``loss`` is the micro-batch's own (undivided) loss: the strategy divides by its micro-batch count.
+        """
+        self.strategy.backward(loss)
+        committed = self.strategy.step()
+        if committed:
+            self._committed_since_step = True
+        return committed
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """Close an optimizer step of the user's loop; the strategy already committed (or not) in backward."""
+        if closure is not None:
+            raise ValueError("closures are not supported: the strategy decides when the optimizer runs")
+        self._was_skipped = not self._committed_since_step
+        self._committed_since_step = False
+        # A scheduler built on the specification tracks *its* step calls (torch warns otherwise).
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: the strategy owns the gradient buffers and resets them after each committed step."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when no committed step happened between the last two :meth:`step` calls."""
+        return self._was_skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's full state: the strategy's (sharded strategies: this rank's shard) + group options.
+
+        Save it **per rank** (e.g. ``torch.save(opt.state_dict(), f"opt_{rank}.pt")``).
+        """
+        return {
+            "quietsync": self.strategy.state_dict(),
+            "rank": self.strategy.rank,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "base_lrs": list(self._base_lrs),
+            "pending_commit": self._committed_since_step,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` saved by the same rank of a run with the same strategy and world size."""
+        if not isinstance(state_dict, dict) or "quietsync" not in state_dict:
+            raise ValueError("state_dict was not saved by a QuietOptimizer (no 'quietsync' entry)")
+        if state_dict.get("rank") != self.strategy.rank:
+            raise ValueError(f"state_dict was saved by rank {state_dict.get('rank')}, this is rank {self.strategy.rank}")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}")
+        self.strategy.load_state_dict(state_dict["quietsync"])
+        for g, saved in zip(self.param_groups, groups):
+            g.update(saved)
+        self._base_lrs = [float(x) for x in state_dict["base_lrs"]]
+        self._committed_since_step = bool(state_dict.get("pending_commit", False))
+        with self._scale_lock:
+            self._scales.clear()
+
+    def __repr__(self) -> str:
+        return f"QuietOptimizer(strategy={self.strategy.name!r}, optimizer={type(self.optimizer).__name__})"
+
+    # ------------------------------------------------------------------ quietsync surface
+    @property
+    def model(self) -> torch.nn.Module:
+        """The module to call forward on (the strategy's wrapper, e.g. ``ddp``'s metered DDP)."""
+        return self.strategy.model
+
+    @property
+    def steps(self) -> int:
+        """Committed optimizer steps."""
+        return self.strategy.steps
+
+    def last_step_metrics(self) -> StepMetrics | None:
+        """Metrics of the latest committed step (bytes sent/received, compute/idle seconds, lr, ...)."""
+        return self.strategy.last_step_metrics()
+
+    @contextlib.contextmanager
+    def committed_params(self) -> Iterator[torch.nn.Module]:
+        """Within this context the model holds the committed parameters (for evaluation and saving)."""
+        with self.strategy.committed_params() as model:
+            yield model
+
+    def close(self) -> None:
+        """Stop the strategy's background work and release its process groups; safe to call twice."""
+        self.strategy.close()
+
+    def _lr_scale(self, step: int) -> float:
+        """The strategy's ``lr_schedule``: the current lr of the groups over their base lr, fixed per step."""
+        with self._scale_lock:
+            if step in self._scales:
+                return self._scales[step]
+            groups = self.param_groups
+            scale = float(groups[0]["lr"]) / self._base_lrs[0]
+            for i, (g, base) in enumerate(zip(groups, self._base_lrs)):
+                if not math.isclose(float(g["lr"]), base * scale, rel_tol=1e-6, abs_tol=1e-12):
+                    raise ValueError(
+                        f"parameter group {i} has lr {g['lr']} but group 0's schedule factor {scale} gives "
+                        f"{base * scale}: quietsync strategies scale every group's lr by one factor"
+                    )
+            self._scales[step] = scale
+            for old in [s for s in self._scales if s < step - 4]:
+                del self._scales[old]
+            return scale
