@@ -21,8 +21,17 @@ from .strategies import StepMetrics, Strategy, StrategyConfig, available, make_s
 from .topology import Topology
 from .transport import Transport, Work
 
+
+def __getattr__(name: str):  # quietsync.plan(...) without importing the planner with the library
+    if name == "plan":
+        import importlib
+
+        return importlib.import_module(".plan", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "DeMoSGD", "DecoupledAdamW", "EventRecorder",
     "FlatParams", "LinkModel", "Span", "StepMetrics", "Strategy", "StrategyConfig", "Topology", "Transport", "Work",
-    "__version__", "available", "make_strategy", "parse_links",
+    "__version__", "available", "make_strategy", "parse_links", "plan",
 ]
