@@ -221,7 +221,7 @@ class OuterSync(Part):
             ]
             self.residuals = [torch.zeros_like(g, device=self.device) for g in self.globals]
         self.packed: list[PackedExchange] | None = None
-        if sparseloco or self.dtype in LOWBIT_PSEUDO_GRAD_DTYPES:
+        if self.replicators is None and (sparseloco or self.dtype in LOWBIT_PSEUDO_GRAD_DTYPES):
             rank = transport.group_rank(group)
             self.packed = [packed_exchange(
                 dtype=self.dtype, sizes=list(self.segments[f].sizes), transport=transport, group=group,
@@ -387,9 +387,11 @@ class OuterSync(Part):
             report["fragment_buffers"] = largest * 4 + max(r["packed_buffers"] for r in parts)
             return report
         # the pseudo-gradient buffer of one sync (the largest fragment) and its wire copy
-        wire = {"fp32": 4, "bf16": 2, "int8": 1}[self.dtype]
+        # (a replicator with low-bit values: its payload is a small part of the fragment)
+        wire = {"fp32": 4, "bf16": 2, "int8": 1}.get(self.dtype, 4)
         n = self.transport.group_size(self.group) if self.dtype == "int8" else 1
-        report["fragment_buffers"] = largest * 4 + largest * wire * n * (self.dtype != "fp32")
+        copied = self.dtype not in ("fp32", *LOWBIT_PSEUDO_GRAD_DTYPES)
+        report["fragment_buffers"] = largest * 4 + largest * wire * n * copied
         return report
 
     def state_dict(self) -> dict[str, Any]:

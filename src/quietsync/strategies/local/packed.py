@@ -83,20 +83,26 @@ class PackedExchange(Part):
             self.chain.load_state_dict(state["chain"])
 
 
-def packed_exchange(*, dtype: str, sizes: list[int], transport: Transport, group: str, sparseloco: bool,
-                    block: int, rounding: str, error_feedback: bool, decay: float, density: float, chunk: int,
-                    seed: int, device: torch.device | str, name: str) -> PackedExchange:
-    """The :class:`PackedExchange` of one fragment of tensors of ``sizes`` elements.
+def packed_chain(*, dtype: str, sizes: list[int], sparseloco: bool, block: int, rounding: str, density: float,
+                 chunk: int, seed: int) -> Chain:
+    """The compression chain of one fragment of tensors of ``sizes`` elements.
 
-    SparseLoCo (``sparseloco``): chunk-wise top-k of every tensor (``chunk``, ``density``), the kept values in
-    ``dtype`` with one scale per chunk (block = k), error feedback with decay ``decay``. Otherwise the whole
-    fragment in ``dtype`` with a scale per ``block`` elements, error feedback as asked (β = 1).
+    SparseLoCo (``sparseloco``): chunk-wise top-k of every tensor (``chunk`` elements, at most the largest tensor;
+    ``density``), the kept values in ``dtype`` with one scale per chunk (block = k). Otherwise the whole
+    fragment in ``dtype`` with a scale per ``block`` elements.
     """
     if sparseloco:
         select = TopK(chunk=min(chunk, max(sizes)), density=density, sizes=sizes)
-        chain = Chain(select=select, quantize=values_codec(dtype, select.k, rounding, seed))
-        return PackedExchange(chain, sum(sizes), transport, group, error_feedback=True, decay=decay, device=device,
-                              name=name)
-    chain = Chain(quantize=values_codec(dtype, block, rounding, seed))
-    return PackedExchange(chain, sum(sizes), transport, group, error_feedback=error_feedback, device=device,
-                          name=name)
+        return Chain(select=select, quantize=values_codec(dtype, select.k, rounding, seed))
+    return Chain(quantize=values_codec(dtype, block, rounding, seed))
+
+
+def packed_exchange(*, dtype: str, sizes: list[int], transport: Transport, group: str, sparseloco: bool,
+                    block: int, rounding: str, error_feedback: bool, decay: float, density: float, chunk: int,
+                    seed: int, device: torch.device | str, name: str) -> PackedExchange:
+    """The :class:`PackedExchange` of one fragment (:func:`packed_chain`); SparseLoCo always keeps an error
+    feedback residual decayed by ``decay``, the low-bit dtypes one (β = 1) with ``error_feedback``."""
+    chain = packed_chain(dtype=dtype, sizes=sizes, sparseloco=sparseloco, block=block, rounding=rounding,
+                         density=density, chunk=chunk, seed=seed)
+    return PackedExchange(chain, sum(sizes), transport, group, error_feedback=error_feedback or sparseloco,
+                          decay=decay if sparseloco else 1.0, device=device, name=name)
