@@ -9,6 +9,9 @@ Because DDP decides at *forward* time whether the coming backward synchronises, 
 for the next micro-batch at the end of each :meth:`step` (and at construction): call ``strategy.model``'s
 forward after the previous ``step()``, as the ordinary loop does.
 
+Precision and clipping: the averaged gradient (``p.grad`` after DDP's all-reduce, equal on every worker) is
+unscaled (fp16) and clipped by its norm, computed locally — no collective is added.
+
 Accounting: ``idle_s`` is the time the last micro-batch's backward spent after its last bucket's
 all-reduce was issued (autograd has nothing left to compute then); the rest of that backward is compute.
 """
@@ -110,8 +113,14 @@ class DDP(Strategy):
         if not self.round.full:
             self._set_sync_for_next()
             return False
+        # the averaged gradient, equal on every worker of the group (DDP's all-reduce)
+        extra = self._prepare_commit([p.grad for p in self.round.params if p.grad is not None],
+                                     shared=self.group == "world")
+        if extra is None:  # fp16 overflow: the round is dropped on every worker
+            self.discard_round()
+            return False
         self.round.step(self._lr_scale(self.steps), self.accounting)
-        self._commit()
+        self._commit(extra or None)
         self._set_sync_for_next()
         return True
 
