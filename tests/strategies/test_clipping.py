@@ -23,7 +23,7 @@ import torch
 import quietsync
 from tests.distributed import run_ranks
 from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
-from tests.strategies.overlap_common import det_count, flat, reference, run_many
+from tests.strategies.overlap_common import det_count, flat, reference
 
 OPT = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 SGD = {"lr": 5e-2, "momentum": 0.9}
