@@ -84,9 +84,18 @@ def test_without_clipping_nothing_is_measured_or_sent():
 
 
 def test_bad_max_grad_norm_is_refused_at_construction():
-    for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
-        with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0 or None"):
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match=r"max_grad_norm must be a number > 0 \(inf: measure"):
             quietsync.make_strategy("ddp", tiny_model(), max_grad_norm=bad)
+
+
+def test_an_infinite_max_grad_norm_measures_without_clipping():
+    clipped, extras = synchronous(0, 1, "zero1", 1, 2, float("inf"))
+    plain, _ = synchronous(0, 1, "zero1", 1, 2, None)
+    want, norms = oracle(1, 1, 2, float("inf"))
+    assert [e["grad_norm"] for e in extras] == pytest.approx(norms, rel=1e-5)
+    assert [e["clipped"] for e in extras] == [False, False]
+    assert torch.equal(clipped[-1], plain[-1])
 
 
 # --------------------------------------------------------------------------- acco / dpu / wp: recurrences

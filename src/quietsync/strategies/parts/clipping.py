@@ -32,12 +32,14 @@ CLIP_EPS = 1e-6
 
 
 def check_max_grad_norm(value: object) -> float | None:
-    """``max_grad_norm`` is None (no clipping) or a finite number > 0; returned as a float."""
+    """``max_grad_norm`` is None (no clipping), a number > 0, or ``inf`` (measure the norm, clip nothing);
+    returned as a float."""
     if value is None:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0  # NaN fails too
     if not ok:
-        raise ValueError(f"max_grad_norm must be a finite number > 0 or None (no clipping), got {value!r}")
+        raise ValueError(f"max_grad_norm must be a number > 0 (inf: measure the norm without clipping) or None "
+                         f"(no clipping), got {value!r}")
     return float(value)
 
 
