@@ -33,5 +33,5 @@ def test_readme_layer_diagram_puts_the_comm_worker_inside_the_strategy():
     layers = [line.split()[1] for line in diagram.splitlines() if line.lstrip().startswith("->")]
     assert layers == ["strategy", "transport", "torch.distributed"]
     parts = diagram[diagram.index("-> strategy"):diagram.index("-> transport")]
-    for part in ("flat.py", "sharded.py", "replicators/", "codecs/", "comm_worker.py"):
+    for part in ("parts/", "substrates/", "checkpoint/", "flat.py", "replicators/", "codecs/", "comm_worker.py"):
         assert part in parts, part

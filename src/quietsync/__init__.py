@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import _versions  # noqa: F401  (first: refuses a torch older than the suite runs on, in one line)
 from .comm_worker import CommWorker, CommWorkerError
 from .events import ByteMeter, EventRecorder, Span
 from .flat import DTypePolicy, FlatParams
@@ -20,8 +21,17 @@ from .strategies import StepMetrics, Strategy, StrategyConfig, available, make_s
 from .topology import Topology
 from .transport import Transport, Work
 
+
+def __getattr__(name: str):  # quietsync.plan(...) without importing the planner with the library
+    if name == "plan":
+        import importlib
+
+        return importlib.import_module(".plan", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "DeMoSGD", "DecoupledAdamW", "EventRecorder", "FlatParams", "LinkModel",
-    "Span", "StepMetrics", "Strategy", "StrategyConfig", "Topology", "Transport", "Work", "__version__",
-    "available", "make_strategy", "parse_links",
+    "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "DeMoSGD", "DecoupledAdamW", "EventRecorder",
+    "FlatParams", "LinkModel", "Span", "StepMetrics", "Strategy", "StrategyConfig", "Topology", "Transport", "Work",
+    "__version__", "available", "make_strategy", "parse_links", "plan",
 ]

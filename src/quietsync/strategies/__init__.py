@@ -1,14 +1,21 @@
 """Strategies: how and when gradients or parameters cross the network, and when the optimizer runs.
 
-One module per strategy; importing this package imports them all, which registers each under its name
-(``quietsync.strategies.available()``). The other modules are **parts** that strategies hold, and register
-nothing: ``accounting`` (time and bytes per step), ``lr`` (LR scaling), ``broadcast`` (the initial
-broadcast), ``accumulation`` (fixed accumulation), ``sharded_state`` (flat parameters + ZeRO-1 optimizer
-shard), ``fsdp_shards`` (FSDP2 parameter sharding inside the node, through the transport); family parts
-beside their family: ``overlap`` (acco, dpu, wp), ``decoupled`` (demo, flexdemo), ``dim0_shards``
-(flexdemo's flat substrate),
-``outer`` (diloco's θ_global, outer optimizer and fragment schedule), ``stages`` (cdp's model cut into
-stages). A strategy module never imports another strategy module.
+``base.py`` holds the contract every strategy keeps (:class:`Strategy`) and ``registry.py`` the names. The rest
+is folders, one per family, over three shared layers:
+
+* families, each strategy one module that registers itself under its name when imported (this package imports
+  every module below it, so ``quietsync.strategies.available()`` lists them all):
+  ``baselines/`` (ddp, zero1, fsdp), ``overlap/`` (acco, dpu, wp, with the overlap machinery and the
+  estimate), ``decoupled/`` (demo, flexdemo, with their config and round), ``local/`` (localsgd, diloco,
+  with the outer loop and the fragments), ``cdp/`` (cdp, with its schedule, loss capture and stage cutting);
+* ``parts/``: what any strategy may hold (the :class:`~quietsync.strategies.parts.part.Part` protocol, step
+  accounting, lr scaling, the initial broadcast, accumulation);
+* ``substrates/``: where parameters, gradients and optimizer state live (the sharded optimizer, the flat
+  ZeRO-1 state, dim-0 shards on flat buffers and on FSDP2);
+* ``checkpoint/``: checkpoint forms that reshard and the check that all workers saved at one position.
+
+No family imports another (hierarchical DiLoCo builds its inner strategy through the registry); shared
+layers register nothing. ``docs/contract.md`` is the guide for a new strategy.
 """
 
 from __future__ import annotations

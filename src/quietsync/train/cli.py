@@ -1,4 +1,5 @@
-"""The ``quietsync`` command line: ``quietsync train`` (the main job), ``quietsync compare``, ``quietsync --version``.
+"""The ``quietsync`` command line: ``quietsync train`` (the main job), ``quietsync compare``, ``quietsync plan``,
+``quietsync --version``.
 
 The entry points live here; parsing is in :mod:`quietsync.train.args` (flags, one-line errors) and
 running a parsed job in :mod:`quietsync.train.run_job` (in place under torchrun, else on ``--nproc`` local
@@ -13,6 +14,13 @@ from .args import PROG, OneLineParser, parse_train_args, train_parser
 from .compare import compare_main
 from .run_job import run_job
 
+
+def plan_main(argv: list[str]) -> int:
+    """``quietsync plan``: see :mod:`quietsync.plan.cli`."""
+    from ..plan.cli import plan_main as main_
+
+    return main_(argv)
+
 __all__ = ["main", "train_main", "compare_main", "COMMANDS", "OneLineParser", "parse_train_args", "train_parser"]
 
 
@@ -25,6 +33,8 @@ def train_main(argv: list[str]) -> int:
 COMMANDS = {
     "train": (train_main, "train a model with a strategy (the main job)"),
     "compare": (compare_main, "run several strategies on the same job; loss-vs-time, bytes and busy-time plots"),
+    "plan": (plan_main, "predict every strategy's step time, bytes and memory here or on a described cluster; "
+                        "recommend one"),
 }
 """Sub-commands: name -> (function(argv) -> exit status, one-line description)."""
 

@@ -14,6 +14,10 @@ slow worker, budgets), each into ``OUT/<label>``, then writes the files below. A
 * ``OUT/timelines.png`` (with ``--trace``): every run's timeline (a few steps from the middle of the run, one
   row per worker and lane) side by side, on one time scale.
 
+With ``--predict`` the runs are first predicted by ``quietsync plan`` (:mod:`quietsync.plan`: the same model,
+micro-batch, workers and links, calibrated on this machine), and the predictions are printed (and saved in
+``compare.json`` under ``predicted``) beside the measurements.
+
 The budgets (``--max-steps``, ``--max-tokens``, ``--max-time-s``, ``--target-loss``; see
 :mod:`quietsync.train.budgets`) go to every run, each stopping at the first it reaches. An equal token budget
 (``--max-tokens``, with ``--max-steps`` large enough never to be reached first) is the fair comparison: strategies
@@ -154,6 +158,35 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plan_config(job: tuple[Any, Any, int | None], strategies: list[str]) -> Any:
+    """The :class:`~quietsync.plan.config.PlanConfig` predicting the runs of ``quietsync compare --predict``."""
+    from ..plan.config import PlanConfig
+
+    cfg, _, nodes = job
+    return PlanConfig(model=cfg.model, nproc=cfg.nproc, nodes=nodes, link=list(cfg.link),
+                      micro_batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
+                      strategies=list(strategies), only=True, threads=cfg.threads, timeout_s=cfg.timeout_s,
+                      slow_worker=[cfg.slow_worker] if cfg.slow_worker else [])
+
+
+def _predicted_markdown(rows: list[dict[str, Any]]) -> str:
+    """Predictions beside measurements (``--predict``): step time, tokens/s, micro-batches and bytes per step,
+    compute-busy."""
+    lines = ["", "Predicted (quietsync plan) beside measured:", "",
+             "| run | step s pred / meas | tokens/s pred / meas | micro-batches/step pred / meas "
+             "| MB sent/step pred / meas | compute-busy pred / meas |", "|" + "---|" * 6]
+    for r in rows:
+        p = r.get("predicted")
+        if p is None:
+            continue
+        step = r["wall_s"] / max(1, r["steps"])
+        lines.append(f"| {r['label']} | {p['step_s']:.3g} / {step:.3g} | {p['tokens_per_s']:,.0f} / {r['tokens_per_s']:,.0f} "
+                     f"| {p['micro_batches_per_step']:.3g} / {r['micro_batches_per_step']:.3g} "
+                     f"| {p['bytes_sent_per_step'] / 1e6:.3g} / {r['bytes_sent_per_step'] / 1e6:.3g} "
+                     f"| {p['compute_busy']:.0%} / {r['compute_fraction']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
     """Draw ``OUT/compare.png`` (loss vs time, bytes per step by group, compute/idle per worker)."""
     plt = pyplot()
@@ -211,6 +244,9 @@ def compare_main(argv: list[str]) -> int:
     parser.add_argument("--target-loss", type=float, default=None, metavar="X",
                         help="stop each run at its first evaluation (every --eval-every steps) with a held-out "
                              "loss <= X, and report its training time and tokens to it")
+    parser.add_argument("--predict", action="store_true",
+                        help="first predict every run with quietsync plan (the same model, micro-batch, workers and "
+                             "links; calibrated here), then print the predictions beside the measurements")
     parser.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
                         help="with --target-loss: stop each run there (default); --no-stop-at-target only reports "
                              "the time and tokens to it, the runs go on to their other budgets")
@@ -236,8 +272,20 @@ def compare_main(argv: list[str]) -> int:
     problem = compare_out_problem(out, runs[0][1][0].overwrite)
     if problem is not None:
         parser.error(problem)
+    plan_config = None
+    if args.predict:
+        try:
+            plan_config = _plan_config(runs[0][1], args.strategies)
+        except ValueError as e:
+            parser.error(f"--predict: {e}")
     if runs[0][1][0].overwrite and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         remove_outputs(out, COMPARE_OUTPUTS)
+    predicted = None
+    if plan_config is not None:
+        from ..plan import plan
+
+        print("== quietsync compare: predicting (quietsync plan)", flush=True)
+        predicted = plan(plan_config)
     for label, (cfg, strategy_config, nodes) in runs:
         print(f"== quietsync compare: {label}", flush=True)
         rc = run_job(cfg, strategy_config, nodes, nproc_given="--nproc" in job)
@@ -247,8 +295,13 @@ def compare_main(argv: list[str]) -> int:
     if "RANK" in os.environ and os.environ.get("RANK") != "0":
         return 0
     rows = _rows(out, labels, args.target_loss)
+    if predicted is not None:
+        for row, p in zip(rows, predicted.rows):
+            row["predicted"] = {"label": p.label, "step_s": p.step_s, "tokens_per_s": p.tokens_per_s,
+                                "compute_busy": p.compute_busy, "micro_batches_per_step": p.micro_batches,
+                                "bytes_sent_per_step": sum(p.bytes_per_step.values()) * row["workers"]}
     (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
-    table = _markdown(rows)
+    table = _markdown(rows) + (_predicted_markdown(rows) if predicted is not None else "")
     (out / "compare.md").write_text(table)
     plot_compare(out, rows)
     if any(cfg.trace for _, (cfg, _, _) in runs):

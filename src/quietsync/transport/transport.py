@@ -1,48 +1,21 @@
-"""The one door to ``torch.distributed``: every collective and point-to-point transfer quietsync runs goes
-through :class:`Transport`.
-
-Because there is one door, three things hold for every algorithm, baselines included:
-
-* **metering** — bytes sent and received are counted per group and per direction from the collective's
-  algorithm (:func:`quietsync.link.traffic`), together with the seconds each group's operations took;
-  point-to-point traffic (``send``, ``recv``, ``exchange``) is also counted per peer
-  (:meth:`~quietsync.events.ByteMeter.peer_snapshot`);
-* **timelines** — every operation becomes one ``comm`` span in the :class:`~quietsync.events.EventRecorder`;
-* **link emulation** — with a :class:`~quietsync.link.LinkModel` for the ``inter`` and ``intra`` links, each
-  operation is stretched to at least its modeled time, so a laptop behaves like two nodes on a 100 Mbit/s
-  network. A collective uses ``inter`` iff its group spans nodes and books both directions of the link; a
-  point-to-point operation uses the link of its peer's node (``inter`` iff the peer is on another node) and
-  books the transmit queue (send) or the receive queue (recv) — links are full duplex, so an ``exchange``
-  that sends and receives B bytes takes B/β. The stretch happens in :meth:`Work.wait`, i.e. on whichever
-  thread waits: the communication worker's in overlapped strategies, the main thread otherwise.
-
-Groups are named ``world``, ``shard`` (inside a node) and ``replicate`` (across nodes); the transport
-creates its own process group for each (all ranks, same order), so operations issued from the
-communication worker thread never interleave with another thread's on the same group. A group of one
-never touches the network. Failures do not hang: operations wait at most ``timeout_s`` and a dead peer
-surfaces as an error on the others. :meth:`Transport.close` tears down what the transport created,
-torch.distributed's default process group included when a transport initialised it.
-
-Optimizers and replicators depend only on :class:`Collectives`, the part of the transport they use.
-"""
+"""The operations of the one door to ``torch.distributed``: collectives and point-to-point transfers, each metered
+and, with a link model, stretched to its modeled time (see the package docstring)."""
 
 from __future__ import annotations
 
-import datetime
 import functools
-import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .events import ByteMeter, EventRecorder, label
-from .link import LINK_NAMES, LinkModel, traffic
-from .topology import GROUPS, Topology
+from ..events import ByteMeter, EventRecorder
+from ..link import LINK_NAMES, LinkModel, traffic
+from ..topology import Topology
+from .groups import ProcessGroups
+from .work import Work
 
 OPS = ("sum", "avg", "max", "min")
 
@@ -67,194 +40,7 @@ def _labeled(text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return wrap
 
 
-
-class _DefaultGroupRecord:
-    """Process-wide record of a default process group initialised by a transport.
-
-    ``generation`` counts the default groups transports have initialised in this process; ``users`` the open
-    transports on the current one. The last of them to close destroys it, so closing one transport never
-    pulls the default group from under another one still open.
-
-    The rendezvous store outlives the default groups, and each generation rendezvouses under its own key
-    prefix: a worker that closes and re-initialises before a slower peer has closed then waits for that peer
-    on the same live store, instead of joining the peer's old store just before it is torn down (with
-    ``env://`` re-run each time, the store server lives on rank 0 and dies with rank 0's default group).
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.generation = 0
-        self.owned = False
-        self.users = 0
-        self.store: Any = None
-        """The ``env://`` rendezvous store, kept for the life of the process (see :meth:`Transport._init_groups`)."""
-
-
-_DEFAULT_GROUP = _DefaultGroupRecord()
-
-RENDEZVOUS_ENV = "QUIETSYNC_RENDEZVOUS"
-"""Environment variable naming the rendezvous URL (default ``env://``, torchrun's); the local launcher sets a
-``file://`` URL, so a run on one machine listens on no network interface for its rendezvous."""
-
-
-class PendingWork(Protocol):
-    """What a caller may do with the handle of an asynchronous operation."""
-
-    def wait(self) -> None: ...
-
-    def is_completed(self) -> bool: ...
-
-
-@runtime_checkable
-class Collectives(Protocol):
-    """What optimizers and replicators need of a transport: group queries and blocking or async collectives.
-
-    :class:`Transport` implements it; a test double or another backend only has to provide these.
-    """
-
-    device: torch.device
-    """Where communication buffers live (``cuda`` with NCCL, ``cpu`` with gloo)."""
-
-    def group_size(self, group: str) -> int: ...
-
-    def group_rank(self, group: str) -> int: ...
-
-    def all_reduce(self, tensor: torch.Tensor, group: str = "world", op: str = "sum", async_op: bool = False,
-                   name: str = "all_reduce") -> PendingWork: ...
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: str = "world", async_op: bool = False,
-                   name: str = "all_gather") -> PendingWork: ...
-
-    def all_gather_uneven(self, tensor: torch.Tensor, group: str = "world",
-                          name: str = "all_gather_uneven") -> list[torch.Tensor]: ...
-
-
-@dataclass(eq=False)
-class Work:
-    """Handle of a (possibly asynchronous) transport operation. :meth:`wait` is idempotent.
-
-    Every field is fixed when the operation is issued; the transport fills them in.
-    """
-
-    transport: Transport = field(repr=False)
-    """The transport that issued the operation (it meters and records it on completion)."""
-    handles: tuple[Any, ...]
-    """The torch.distributed request handles; empty when nothing goes on the network (a group of one)."""
-    kind: str
-    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``send``, ``recv`` or ``exchange``."""
-    group: str
-    """Transport group name."""
-    nbytes: int
-    """``B`` of the traffic table in :mod:`quietsync.link` (for ``exchange``: the bytes sent)."""
-    name: str
-    """Label of the ``comm`` span."""
-    sent: int
-    """Bytes this worker sends, as metered."""
-    recv: int
-    """Bytes this worker receives, as metered."""
-    src: int | None = None
-    """Group rank of the broadcast root, or of the peer received from (``recv``, ``exchange``)."""
-    dst: int | None = None
-    """Group rank of the peer sent to (``send``, ``exchange``)."""
-    modeled_s: float = 0.0
-    """Modeled wire seconds on idle links (0 without link emulation)."""
-    t_issue: float = field(default_factory=time.perf_counter)
-    """``perf_counter`` time the operation was issued."""
-    deadline: float = 0.0
-    """``perf_counter`` time its emulated wire time ends (queueing behind earlier transfers included)."""
-    t_wire: float | None = None
-    """``perf_counter`` time its transfer starts being served on the emulated link, after what was queued
-    before it (for a point-to-point operation booking two queues: the earlier start); None without link
-    emulation."""
-    cuda_events: tuple[Any, Any] | None = field(default=None, repr=False)
-    """On CUDA: an event recorded on the issuing stream after the issue, and one at completion (device time
-    of the ``comm`` span); None on CPU."""
-    finish: Callable[[], None] | None = field(default=None, repr=False)
-    """Run once the data has arrived (e.g. the division of an ``avg`` all-reduce)."""
-    _done: bool = field(default=False, init=False, repr=False)
-
-    def wait(self) -> None:
-        """Block until the operation (and its emulated wire time) is over; re-raise its error."""
-        if self._done:
-            return
-        with label("quietsync/comm/wait"):
-            for handle in self.handles:
-                self.transport._wait_handle(handle, self)
-            self._complete()
-
-    def _complete(self) -> None:
-        if self._done:
-            return
-        remaining = self.deadline - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)  # the link emulation
-        if self.finish is not None:
-            self.finish()
-        if self.cuda_events is not None:
-            self.cuda_events[1].record()
-        t1 = time.perf_counter()
-        self._done = True
-        self.transport._account(self, t1)
-
-    def is_completed(self) -> bool:
-        """Whether :meth:`wait` has completed the operation (metered and recorded)."""
-        return self._done
-
-    def ready(self) -> bool:
-        """Whether the data has moved, so :meth:`wait` would only sit out emulated wire time; never blocks."""
-        return self._done or all(h.is_completed() for h in self.handles)
-
-    def get_future(self) -> torch.futures.Future:
-        """A future that resolves after the emulated wire time, for DDP communication hooks."""
-        if not self.handles:
-            self._complete()
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result(None)
-            return fut
-        if len(self.handles) == 1:
-            inner = self.handles[0].get_future()
-
-            def then(_f: torch.futures.Future) -> None:
-                _f.value()  # re-raise a failure
-                self._complete()
-        else:
-            inner = torch.futures.collect_all([h.get_future() for h in self.handles])
-
-            def then(_f: torch.futures.Future) -> None:
-                for f in _f.value():
-                    f.value()  # re-raise a failure of any part
-                self._complete()
-
-        return inner.then(then)
-
-
-BACKEND_ENV = "QUIETSYNC_BACKEND"
-"""Environment variable that overrides :func:`default_backend` (``gloo`` or ``nccl``)."""
-
-
-def _processes_here(topology: Topology) -> int:
-    """Worker processes on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (else the whole world)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
-
-
-def default_backend(topology: Topology) -> str:
-    """``nccl`` when every worker process on this machine can have a CUDA device of its own, else ``gloo``.
-
-    NCCL refuses two ranks on one GPU, so a 4-process run on a 1-GPU machine falls back to gloo on CPU
-    rather than failing inside NCCL's setup. The environment variable ``QUIETSYNC_BACKEND`` (``gloo`` or
-    ``nccl``) overrides the choice, e.g. for gloo tests on a GPU machine.
-    """
-    forced = os.environ.get(BACKEND_ENV, "")
-    if forced:
-        if forced not in ("gloo", "nccl"):
-            raise ValueError(f"{BACKEND_ENV} must be 'gloo' or 'nccl', got {forced!r}")
-        return forced
-    if not torch.cuda.is_available():
-        return "gloo"
-    return "nccl" if topology.world_size == 1 or torch.cuda.device_count() >= _processes_here(topology) else "gloo"
-
-
-class Transport:
+class Transport(ProcessGroups):
     """Metered, link-emulating collectives over the ``world``, ``shard`` and ``replicate`` groups.
 
     Args:
@@ -278,143 +64,16 @@ class Transport:
         timeout_s: float = 300.0,
         backend: str | None = None,
     ) -> None:
-        self.topology = topology if topology is not None else Topology.from_env()
         links = dict(links or {})
         for key in links:
             if key not in LINK_NAMES:
                 raise ValueError(f"links keys must be in {LINK_NAMES}, got {key!r}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.links: dict[str, LinkModel] = links
         self.recorder = recorder if recorder is not None else EventRecorder()
         self.meter = ByteMeter()
-        self.timeout_s = float(timeout_s)
-        self._timeout = datetime.timedelta(seconds=timeout_s)
-        if backend is None:
-            backend = default_backend(self.topology)
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        if backend == "nccl" and self.topology.world_size > 1 and torch.cuda.device_count() < _processes_here(
-                self.topology):
-            raise ValueError(
-                f"backend 'nccl' needs one CUDA device per worker process on this machine: "
-                f"{_processes_here(self.topology)} processes, {torch.cuda.device_count()} devices "
-                "(use backend 'gloo', or fewer processes per machine)")
-        self.backend = backend
-        self.device = (
-            torch.device("cuda", self.topology.local_rank % max(1, torch.cuda.device_count()))
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
-        self._groups: dict[str, Any] = {}
-        self._meshes: dict[str, Any] = {}
-        self._global_ranks: dict[str, tuple[int, ...]] = {g: self.topology.ranks(g) for g in GROUPS}
-        self.initialized_default_group = False
-        """Whether this transport initialised torch.distributed's default process group."""
-        self._default_generation: int | None = None  # the default group this transport counts as a user of
-        self._closed = False
-        if self.topology.world_size > 1:
-            self._init_groups()
+        super().__init__(topology, timeout_s, backend)
 
-    # ------------------------------------------------------------------ setup
-    def _init_groups(self) -> None:
-        topo = self.topology
-        with _DEFAULT_GROUP.lock:
-            if not dist.is_initialized():
-                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-                if self.backend == "nccl":
-                    torch.cuda.set_device(self.device)
-                if _DEFAULT_GROUP.store is None:
-                    url = os.environ.get(RENDEZVOUS_ENV, "env://")
-                    _DEFAULT_GROUP.store, _, _ = next(
-                        dist.rendezvous(url, rank=topo.rank, world_size=topo.world_size, timeout=self._timeout)
-                    )
-                _DEFAULT_GROUP.generation += 1
-                store = dist.PrefixStore(f"quietsync/default{_DEFAULT_GROUP.generation}/", _DEFAULT_GROUP.store)
-                dist.init_process_group(
-                    self.backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=self._timeout
-                )
-                self.initialized_default_group = True
-                _DEFAULT_GROUP.owned = True
-                _DEFAULT_GROUP.users = 0
-            if _DEFAULT_GROUP.owned:
-                _DEFAULT_GROUP.users += 1
-                self._default_generation = _DEFAULT_GROUP.generation
-        if dist.get_world_size() != topo.world_size or dist.get_rank() != topo.rank:
-            raise RuntimeError(
-                f"torch.distributed has rank {dist.get_rank()}/{dist.get_world_size()} but the topology says "
-                f"{topo.rank}/{topo.world_size}"
-            )
-        # Every rank creates every group in the same order (a torch.distributed requirement).
-        self._groups["world"] = dist.new_group(list(range(topo.world_size)), timeout=self._timeout)
-        for name, all_groups in (("shard", topo.all_shard_groups()), ("replicate", topo.all_replicate_groups())):
-            for ranks in all_groups:
-                pg = dist.new_group(list(ranks), timeout=self._timeout) if len(ranks) > 1 else None
-                if topo.rank in ranks:
-                    self._groups[name] = pg
-
-    def close(self) -> None:
-        """Tear down what this transport created; idempotent, local (no collective), safe after a peer died.
-
-        Destroys the process groups this transport created, then torch.distributed's default process group
-        if a transport initialised it and no other open transport of this process still uses it (so the
-        transport that set torch.distributed up also takes it down, deferred to the last of its users).
-        A default group initialised by someone else (a launcher, the user) is left alone.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        for pg in {id(g): g for g in self._groups.values() if g is not None}.values():
-            try:
-                dist.destroy_process_group(pg)
-            except Exception:  # noqa: BLE001 - best effort at shutdown (a dead peer, an already destroyed group)
-                pass
-        self._groups.clear()
-        self._meshes.clear()
-        with _DEFAULT_GROUP.lock:
-            if self._default_generation is None or self._default_generation != _DEFAULT_GROUP.generation:
-                return
-            self._default_generation = None
-            _DEFAULT_GROUP.users -= 1
-            if _DEFAULT_GROUP.users > 0 or not _DEFAULT_GROUP.owned:
-                return
-            _DEFAULT_GROUP.owned = False
-            if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001 - best effort at shutdown
-                    pass
-
-    # ------------------------------------------------------------------ queries
-    def group_size(self, group: str) -> int:
-        return len(self._ranks(group))
-
-    def group_rank(self, group: str) -> int:
-        return self._ranks(group).index(self.topology.rank)
-
-    def global_rank(self, group: str, group_rank: int) -> int:
-        return self._ranks(group)[group_rank]
-
-    def process_group(self, group: str) -> Any:
-        """The torch ProcessGroup behind ``group`` (for torch DDP/FSDP construction only), None if size 1."""
-        self._ranks(group)
-        return self._groups.get(group)
-
-    def device_mesh(self, group: str) -> Any:
-        """A 1-D ``DeviceMesh`` over ``group`` (dimension named after it), None for a group of one; built once.
-
-        For torch components that take a mesh (FSDP2, DTensors of checkpoints). What they run on it bypasses
-        the meter unless routed back through this transport (FSDP2's collectives are; DCP's few small planning
-        collectives are not)."""
-        pg = self.process_group(group)
-        if pg is None:
-            return None
-        if group not in self._meshes:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            self._meshes[group] = DeviceMesh.from_group(pg, self.device.type, mesh_dim_names=(group,))
-        return self._meshes[group]
-
+    # ------------------------------------------------------------------ links
     def link_for(self, group: str) -> LinkModel | None:
         """The link a collective over ``group`` uses: ``inter`` iff the group spans nodes, else ``intra``."""
         self._ranks(group)
@@ -424,12 +83,6 @@ class Transport:
         """The link point-to-point traffic with global rank ``peer`` uses: ``inter`` iff it is on another node."""
         other_node = self.topology.node_of(peer) != self.topology.node
         return self.links.get("inter" if other_node else "intra")
-
-    def _ranks(self, group: str) -> tuple[int, ...]:
-        try:
-            return self._global_ranks[group]
-        except KeyError:
-            raise ValueError(f"group must be one of {GROUPS}, got {group!r}") from None
 
     # ------------------------------------------------------------------ collectives
     @_labeled("quietsync/comm/all_reduce")

@@ -1,0 +1,376 @@
+"""The planner checked against measured runs: predicted vs measured bytes, step time and the fastest strategy.
+
+For each setting — a topology (2 workers as 2 nodes; 2 nodes × 2 workers) and a link (emulated by the transport
+at about 10, 100 and 1000 Mbit/s; or **really shaped**: two network namespaces joined by a veth pair with
+``tc qdisc ... tbf rate 100mbit burst 64kb latency 400ms``, which the transport knows nothing about, so the
+planner must measure it with its probe) — the benchmark
+
+1. runs ``quietsync plan`` for the model and micro-batch (calibration and probe in the launched workers), with
+   every strategy of the run set as a row;
+2. runs ``quietsync train`` for every strategy of the run set and for the plan's recommendation, a few steps each;
+3. compares, per strategy: bytes per step per group of every worker against the schedule (exact equality),
+   step time (predicted vs measured: the mean over the steps after the warm-up), tokens per second; and per
+   setting whether the recommended strategy is the measured fastest at equal tokens (highest tokens/s) among the
+   runs, and whether the predicted order's fastest is.
+
+It also prints what-if predictions for a 1B-parameter GPT-style model on 4 nodes of 8 GPUs over 100 Gbit and
+1 Gbit, with the assumptions.
+
+Speed numbers mean something only on an otherwise idle machine; on a shared one (other jobs on the cores) the
+calibration and the runs see different loads. Results: ``benchmarks/results/plan.{json,md}`` (``--quick``:
+``plan_quick.*``).
+
+    python benchmarks/bench_plan.py --quick        # 2 workers, one emulated link, 4 strategies, the shaped link
+    python benchmarks/bench_plan.py                # everything (long: run it on an idle machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, run_train, step_stats, write_markdown  # noqa: E402
+
+PY_MAIN = "import sys; from quietsync.train.cli import main; sys.exit(main())"
+INTRA = "intra=10gbit,0.05ms"
+
+FULL_SET: list[tuple[str, dict[str, Any]]] = [
+    ("ddp", {}), ("zero1", {}), ("fsdp", {}), ("acco", {}), ("dpu", {}), ("wp", {}),
+    ("demo", {}), ("demo", {"replicator": "random"}), ("flexdemo", {}),
+    ("localsgd", {"sync_every": 4}), ("diloco", {"sync_every": 4}),
+    ("diloco", {"sync_every": 4, "fragments": 2, "overlap_delay": 2}), ("cdp", {}),
+]
+QUICK_SET: list[tuple[str, dict[str, Any]]] = [("zero1", {}), ("acco", {}), ("demo", {}), ("diloco", {"sync_every": 4})]
+
+
+def flags_of(knobs: dict[str, Any]) -> list[str]:
+    """``{"sync_every": 4, "sign": False}`` → ``["--sync-every", "4", "--no-sign"]``."""
+    out = []
+    for k, v in knobs.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, repr(v) if isinstance(v, float) else str(v)]
+    return out
+
+
+def spec_of(name: str, knobs: dict[str, Any]) -> str:
+    """``quietsync plan --strategies`` spelling."""
+    return name + (":" + ",".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "")
+
+
+def key_of(name: str, knobs: dict[str, Any]) -> str:
+    return spec_of(name, dict(sorted(knobs.items())))
+
+
+# ---------------------------------------------------------------------------------------------- shaped link
+class ShapedLink:
+    """Two network namespaces joined by a veth pair, each end shaped with ``tc tbf`` (needs root; no netem)."""
+
+    _port = 29610
+
+    def __init__(self, rate: str = "100mbit", burst: str = "64kb", latency: str = "400ms") -> None:
+        self.ns = ("qsplan0", "qsplan1")
+        self.dev = ("qsplanv0", "qsplanv1")
+        self.ip = ("10.78.0.1", "10.78.0.2")
+        self.rate, self.burst, self.latency = rate, burst, latency
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def __enter__(self) -> ShapedLink:
+        self.__exit__()
+        for ns in self.ns:
+            self._ip("netns", "add", ns)
+        self._ip("link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+        for ns, dev, ip in zip(self.ns, self.dev, self.ip):
+            self._ip("link", "set", dev, "netns", ns)
+            self._ip("netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
+            self._ip("netns", "exec", ns, "ip", "link", "set", dev, "up")
+            self._ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            self._ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                     "burst", self.burst, "latency", self.latency)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def describe(self) -> str:
+        return f"tc tbf rate {self.rate} burst {self.burst} latency {self.latency} on a veth pair between two netns"
+
+    def run(self, args: list[str], workers_per_node: int, timeout: float) -> None:
+        """Run ``quietsync ARGS`` on 2 nodes (one per namespace) × ``workers_per_node``, torchrun-style env."""
+        world = 2 * workers_per_node
+        ShapedLink._port += 1
+        port = ShapedLink._port
+        procs = []
+        env_base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        for node in range(2):
+            for local in range(workers_per_node):
+                rank = node * workers_per_node + local
+                env = {**env_base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+                       "LOCAL_WORLD_SIZE": str(workers_per_node), "MASTER_ADDR": self.ip[0],
+                       "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": self.dev[node], "QUIETSYNC_BACKEND": "gloo",
+                       "OMP_NUM_THREADS": "1"}
+                cmd = ["ip", "netns", "exec", self.ns[node], sys.executable, "-c", PY_MAIN, *args]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                              text=True))
+        deadline = time.monotonic() + timeout
+        outs = []
+        try:
+            for p in procs:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                outs.append(out)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"shaped-link run {' '.join(args[:3])} failed:\n" + "\n".join(o[-2000:] for o in outs))
+
+
+def read_run(out: Path) -> dict[str, Any]:
+    summary = json.loads((out / "summary.json").read_text())
+    summary["records"] = [[json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+                          for p in sorted(out.glob("metrics-rank*.jsonl"), key=lambda p: int(p.stem[12:]))]
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------- one setting
+def bytes_exact(records_by_rank: list[list[dict]], name: str, knobs: dict, w: Any, world: int, nodes: int) -> bool:
+    """Whether every worker's bytes per step per group equal the schedule's (transfers on a communication
+    worker — diloco with overlap_delay — compared as totals; cdp from its second step)."""
+    from quietsync.plan.schedules import schedule
+    from quietsync.topology import Topology
+
+    for rank, records in enumerate(records_by_rank):
+        topo = Topology(rank, world, nodes)
+        sched = schedule(name, w, topo, knobs)
+        steps = [r for r in records if "event" not in r]
+        got = [{g: v for g, v in r["bytes_by_group"].items() if v["sent"] or v["recv"]} for r in steps]
+        want = [{g: v for g, v in sched.bytes_at(r["step"], topo).items() if v["sent"] or v["recv"]} for r in steps]
+        if name == "cdp":
+            got, want = got[1:], want[1:]
+        if knobs.get("overlap_delay"):
+            # an overlapped sync launched at step s is metered in one of steps s .. s+τ: the running total must lie
+            # between the schedule's totals τ steps ago and now, and equal it whenever no sync is in flight
+            tau = knobs["overlap_delay"]
+
+            def cum(xs: list[dict], k: int) -> dict:
+                return {g: sum(x.get(g, {}).get("sent", 0) for x in xs[:max(0, k)]) for g in ("world", "shard", "replicate")}
+
+            launches = [k + 1 for k, x in enumerate(want) if x]
+            for k in range(1, len(got) + 1):
+                lo, hi, mine = cum(want, k - tau), cum(want, k), cum(got, k)
+                if any(not lo[g] <= mine[g] <= hi[g] for g in mine):
+                    return False
+                if not any(k - tau < s_ <= k for s_ in launches) and mine != hi:
+                    return False
+        elif got != want:
+            return False
+    return True
+
+
+def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: int, links: list[str], steps: int,
+                run_set: list[tuple[str, dict]], work: Path, shaped: ShapedLink | None) -> dict[str, Any]:
+    """Plan, then run every strategy of ``run_set`` (and the recommendation); compare."""
+    import quietsync
+    from quietsync.plan.config import PlanConfig
+    from quietsync.plan.planner import build_workload
+
+    threads = max(1, (os.cpu_count() or 1) // nproc)  # as the local launcher gives each of nproc workers
+    base = ["--model", model, "--micro-batch-size", str(mbs), "--seq-len", str(seq), "--threads", str(threads)]
+    specs = [spec_of(n, k) for n, k in run_set]
+    t0 = time.perf_counter()
+    plan_out = work / f"{label}-plan"
+    if shaped is None:
+        result = quietsync.plan(model=model, micro_batch_size=mbs, seq_len=seq, nproc=nproc, nodes=nodes, link=links,
+                                strategies=specs, threads=threads)
+        plan_json = result.to_dict()
+        result.save(plan_out, plot=True)
+    else:
+        shaped.run(["plan", *base, "--strategies", *specs, "--out", str(plan_out), "--no-plot"],
+                   nproc // nodes, timeout=900)
+        plan_json = json.loads((plan_out / "plan.json").read_text())
+    plan_s = time.perf_counter() - t0
+    rows = {key_of(r["strategy"], r["knobs"]): r for r in plan_json["rows"]}
+    for t in plan_json["tuned"]:
+        rows.setdefault(key_of(t["strategy"], t["row"]["knobs"]), t["row"])
+    rec = plan_json["advice"]["recommendations"][0]
+    runs = list(run_set)
+    if (rec["strategy"], rec["knobs"]) not in runs:
+        runs.append((rec["strategy"], rec["knobs"]))
+    cfg = PlanConfig(model=model, micro_batch_size=mbs, seq_len=seq, nproc=nproc, nodes=nodes)
+    w, _ = build_workload(cfg, real=False)
+    measured = []
+    for name, knobs in runs:
+        period = int(knobs.get("sync_every", 64 if name == "diloco" else 8 if name == "localsgd" else 1))
+        run_steps = max(steps, 2 + 2 * period + int(knobs.get("overlap_delay", 0)))  # two whole periods measured
+        out = work / f"{label}-{key_of(name, knobs).replace(':', '_').replace(',', '_').replace('=', '')}"
+        flags = [*base, "--strategy", name, *flags_of(knobs), "--max-steps", str(run_steps), "--eval-every", "0",
+                 "--overwrite"]
+        if shaped is None:
+            summary = run_train(out, "--nproc", str(nproc), "--nodes", str(nodes),
+                                *[f for link in links for f in ("--link", link)], *flags)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            shaped.run(["train", "--out", str(out), "--no-progress", "--no-plot", "--no-export", *flags],
+                       nproc // nodes, timeout=1800)
+            summary = read_run(out)
+        stats = step_stats(summary, skip=2)
+        pred = rows.get(key_of(name, knobs))
+        tokens_per_mb = mbs * seq
+        m_tokens_s = stats["micro_batches_per_s"] * nproc * tokens_per_mb
+        measured.append({
+            "strategy": name, "knobs": knobs, "label": pred["label"] if pred else spec_of(name, knobs),
+            "predicted_step_s": pred["step_s"] if pred else None, "measured_step_s": stats["step_s"],
+            "step_error": (pred["step_s"] / stats["step_s"] - 1) if pred else None,
+            # time per token: the step time per token each run really had (adaptive stages vary their batch)
+            "token_time_error": (m_tokens_s / pred["tokens_per_s"] - 1) if pred else None,
+            "predicted_tokens_per_s": pred["tokens_per_s"] if pred else None, "measured_tokens_per_s": m_tokens_s,
+            "predicted_busy": pred["compute_busy"] if pred else None, "measured_busy": stats["busy"],
+            "predicted_micro_batches": pred["micro_batches"] if pred else None,
+            "measured_micro_batches": stats["micro_batches"] * nproc,
+            "bytes_exact": bytes_exact(summary["records"], name, knobs, w, nproc, nodes),
+        })
+    in_plan = [m for m in measured if m["predicted_tokens_per_s"] is not None]
+    fastest = max(in_plan, key=lambda m: m["measured_tokens_per_s"])
+    predicted_fastest = max(in_plan, key=lambda m: m["predicted_tokens_per_s"])
+    return {
+        "setting": label, "nproc": nproc, "nodes": nodes, "links": links if shaped is None else [shaped.describe()],
+        "plan_links": plan_json["cluster"]["links"], "plan_s": plan_s, "diagnosis": plan_json["advice"]["diagnosis"],
+        "recommended": spec_of(rec["strategy"], rec["knobs"]), "measured_fastest": spec_of(fastest["strategy"], fastest["knobs"]),
+        "recommended_is_fastest": (rec["strategy"], rec["knobs"]) == (fastest["strategy"], fastest["knobs"]),
+        "predicted_order_fastest": spec_of(predicted_fastest["strategy"], predicted_fastest["knobs"]),
+        "runs": measured,
+    }
+
+
+def what_if_1b() -> list[dict[str, Any]]:
+    """Predictions for a 1B-parameter model on 4 nodes × 8 GPUs over 100 Gbit and 1 Gbit."""
+    import quietsync
+
+    out = []
+    for inter in ("100gbit,10us", "1gbit,100us"):
+        r = quietsync.plan(what_if=True, model="1b", nodes=4, workers_per_node=8, seq_len=2048, micro_batch_size=4,
+                           link=[f"inter={inter}", "intra=900gbit,2us"], device_memory="80GB")
+        out.append({"inter": inter, "markdown": r.markdown(), "plan": r.to_dict()})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 workers, one emulated link, 4 strategies, shaped link")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=None, help="committed steps per run (default 14; quick 8)")
+    ap.add_argument("--links", nargs="+", default=None, help="emulated inter links (default 10, 100, 1000 Mbit)")
+    ap.add_argument("--shaped", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the tc-tbf shaped link between two network namespaces (needs root)")
+    ap.add_argument("--name", default=None, help="results name (default plan, or plan_quick)")
+    args = ap.parse_args()
+    quick = args.quick
+    steps = args.steps or (8 if quick else 14)
+    links = args.links or (["100mbit,5ms"] if quick else ["10mbit,5ms", "100mbit,5ms", "1000mbit,1ms"])
+    topologies = [(2, 2)] if quick else [(2, 2), (4, 2)]
+    run_set = QUICK_SET if quick else FULL_SET
+    name = args.name or ("plan_quick" if quick else "plan")
+    settings = []
+    load = [os.getloadavg()[0]]  # how shared the machine was (the planner's accuracy needs an idle one)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
+        work = Path(tmp)
+        for nproc, nodes in topologies:
+            for link in links:
+                link_flags = [f"inter={link}"] + ([INTRA] if nproc > nodes else [])
+                rs = [(n, k) for n, k in run_set if n != "flexdemo" or nproc > nodes]
+                label = f"{nodes}x{nproc // nodes} inter={link}"
+                print(f"== {label}", flush=True)
+                settings.append(run_setting(label, args.model, args.micro_batch_size, args.seq_len, nproc, nodes,
+                                            link_flags, steps, rs, work, None))
+        if args.shaped:
+            if os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None:
+                print("== shaped link skipped: needs root, ip and tc", flush=True)
+            else:
+                shaped_sets = [(2, 2)] if quick else [(2, 2), (4, 2)]
+                with ShapedLink() as shaped:
+                    for nproc, nodes in shaped_sets:
+                        rs = [(n, k) for n, k in run_set if n != "flexdemo" or nproc > nodes]
+                        label = f"{nodes}x{nproc // nodes} shaped 100mbit tbf"
+                        print(f"== {label}", flush=True)
+                        settings.append(run_setting(label, args.model, args.micro_batch_size, args.seq_len, nproc,
+                                                    nodes, [], steps, rs, work, shaped))
+    what_if = what_if_1b()
+    wall = time.perf_counter() - t0
+    load.append(os.getloadavg()[0])
+    runs = [r for s in settings for r in s["runs"] if r["token_time_error"] is not None]
+    errors = [abs(r["token_time_error"]) for r in runs]
+    summary = {
+        "bytes_exact": all(r["bytes_exact"] for s in settings for r in s["runs"]),
+        "median_abs_time_per_token_error": statistics.median(errors) if errors else None,
+        "max_abs_time_per_token_error": max(errors) if errors else None,
+        "recommended_is_fastest": sum(s["recommended_is_fastest"] for s in settings) / max(1, len(settings)),
+        "wall_s": wall,
+        "load_average_start_end": load,
+        "cpu_count": os.cpu_count(),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"summary": summary, "settings": settings, "what_if": what_if},
+                                                     indent=2, default=str) + "\n")
+    table = []
+    for s in settings:
+        for r in s["runs"]:
+            table.append([s["setting"], r["label"], _f(r["predicted_step_s"]), _f(r["measured_step_s"]),
+                          _f(r["predicted_micro_batches"]), _f(r["measured_micro_batches"]),
+                          _f(r["predicted_tokens_per_s"], 0), _f(r["measured_tokens_per_s"], 0), _pct(r["token_time_error"]),
+                          _f(r["predicted_busy"], 2), _f(r["measured_busy"], 2), "✓" if r["bytes_exact"] else "✗"])
+    verdicts = "\n".join(f"- {s['setting']}: recommended `{s['recommended']}`, measured fastest `{s['measured_fastest']}`"
+                         f" ({'same' if s['recommended_is_fastest'] else 'different'}); plan links {s['plan_links']}"
+                         for s in settings)
+    notes = (f"Model {args.model}, micro-batch {args.micro_batch_size}×{args.seq_len} tokens, {steps} committed steps per "
+             f"run (Local SGD and DiLoCo: 2 + two sync periods + τ), the first 2 skipped, 2 workers as 2 nodes" + ("" if quick else " and 2 nodes × 2 workers (intra "
+             f"{INTRA})") + ". Micro-batches per step: all workers. Time/token error = predicted time per token / "
+             "measured − 1 (for fixed-batch strategies the step-time error; ACCO/DPU/WP grow their steps with the link, "
+             "so their step times are not comparable). Bytes: every worker's bytes per step per group equal the "
+             f"schedule's. Summary: bytes exact {summary['bytes_exact']}, median |time/token error| "
+             f"{_pct(summary['median_abs_time_per_token_error'])}, max {_pct(summary['max_abs_time_per_token_error'])}, "
+             "recommended = "
+             f"measured fastest in {summary['recommended_is_fastest']:.0%} of settings. {wall:.0f} s in all; 1-minute load "
+             f"average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {os.cpu_count()} cores.\n\n"
+             f"{verdicts}\n\nWhat-if (1B parameters, 4 nodes × 8 GPUs):\n\n" +
+             "\n\n".join(f"### inter {x['inter']}\n\n{x['markdown']}" for x in what_if) +
+             f"\n\nReproduce: `python benchmarks/bench_plan.py{' --quick' if quick else ''}` (root for the shaped link). "
+             "Timings from a shared machine are not the planner's accuracy: run it on an idle one.")
+    path = write_markdown(name, "quietsync plan: predicted vs measured",
+                          ["setting", "strategy", "pred step s", "meas step s", "pred micro-batches/step",
+                           "meas micro-batches/step", "pred tokens/s", "meas tokens/s", "time/token error", "pred busy",
+                           "meas busy", "bytes exact"], table, notes)
+    print(path.read_text())
+
+
+def _f(v: float | None, digits: int = 3) -> str:
+    if v is None:
+        return "—"
+    return f"{v:,.{digits}f}" if digits == 0 else f"{v:.{digits}g}"
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{v:+.0%}" if v is not None and v < 0 else f"{v:.0%}"
+
+
+if __name__ == "__main__":
+    main()

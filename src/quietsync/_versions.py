@@ -1,0 +1,20 @@
+"""The versions quietsync runs on, checked once on import: an older torch is refused in one line, not later as
+an ``AttributeError`` deep in FSDP2 or a collective."""
+
+from __future__ import annotations
+
+import torch
+
+TORCH_MIN = (2, 13)
+"""The oldest torch the suite runs on (FSDP2's custom collectives; the flat collectives' names)."""
+
+
+def check_torch(version: str) -> None:
+    """Raise ``ImportError`` naming the required version when ``version`` (``torch.__version__``) is older."""
+    found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if found < TORCH_MIN:
+        need = f"{TORCH_MIN[0]}.{TORCH_MIN[1]}"
+        raise ImportError(f"quietsync needs torch >= {need}, found {version}: pip install 'torch>={need}'")
+
+
+check_torch(torch.__version__)

@@ -1,0 +1,201 @@
+"""The inputs of a plan (``quietsync plan`` flags, ``quietsync.plan(...)`` arguments), checked at once.
+
+Every field is validated in ``__post_init__`` with an error naming the field and what is allowed, so a bad
+value fails before any worker starts (the CLI prints it as one line and exits 2): an unknown model, a topology
+that cannot be (``nproc`` not divisible by ``nodes``), a link that does not parse.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from ..link import parse_links
+from ..validate import check_float, check_int
+from .cluster import BYTES_UNITS, FLOPS_UNITS, RATE_UNITS, Device, parse_quantity
+
+WHAT_IF_MODELS = {
+    "1b": {"hidden": 2048, "layers": 18, "vocab": 50257},
+    "7b": {"hidden": 4096, "layers": 32, "vocab": 32000},
+}
+"""Described GPT-style sizes for ``--what-if`` (parameters: 1b ≈ 1.01 B at sequence length 2048, 7b ≈ 6.7 B)."""
+
+_TRANSFORMER = re.compile(r"transformer:(.*)")
+
+
+@dataclass
+class PlanConfig:
+    """What to plan for."""
+
+    model: str = "default"
+    """A preset (tiny, default, 10m), a Hugging Face model folder, a described size for --what-if (1b, 7b), or
+    transformer:hidden=H,layers=L,vocab=V."""
+    nproc: int = 2
+    """Workers (measured: local processes when not under torchrun; --what-if: nodes x workers_per_node)."""
+    nodes: int | None = None
+    """Nodes; must divide nproc (default: one node per worker, as quietsync train's local workers)."""
+    link: list[str] = field(default_factory=list, metadata={"flag": {"metavar": "NAME=BANDWIDTH[,LATENCY]"}})
+    """Links NAME=BANDWIDTH[,LATENCY], NAME in inter, intra (e.g. inter=1gbit,20ms); measured by the probe where
+    not given."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch per worker."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    vocab_size: int = 4096
+    """Vocabulary of a preset model (the tokenizer's size in quietsync train)."""
+    strategies: list[str] = field(default_factory=list, metadata={"flag": {
+        "action": "extend", "nargs": "+", "metavar": "NAME[:FIELD=VALUE,...]"}})
+    """Extra rows NAME[:FIELD=VALUE,...] (as quietsync compare takes them); the defaults are always evaluated."""
+    only: bool = False
+    """Evaluate only --strategies (no default rows, no tuning)."""
+    target_busy: float = 0.9
+    """Compute-busy fraction the knob tuners aim for."""
+    what_if: bool = False
+    """Describe the cluster instead of measuring: no workers are started."""
+    workers_per_node: int | None = None
+    """--what-if: workers per node (default: nproc / nodes)."""
+    device_flops: str = "989tflops"
+    """--what-if: peak FLOP/s of each worker's device (e.g. 989tflops for an H100 in bf16)."""
+    mfu: float = 0.4
+    """--what-if: fraction of peak FLOP/s training reaches."""
+    memory_bandwidth: str = "3.35tb/s"
+    """--what-if: device memory bandwidth (bytes/s)."""
+    device_memory: str | None = None
+    """--what-if: device memory (e.g. 80GB), to flag plans that do not fit."""
+    probe: bool = True
+    """Measure the real links between the workers (the floor under emulated links; the link where none is given)."""
+    slow_worker: list[str] = field(default_factory=list, metadata={"flag": {"metavar": "RANK:FACTOR"}})
+    """RANK:FACTOR: predict as if worker RANK computed FACTOR times slower (as quietsync train --slow-worker)."""
+    threads: int = 0
+    """torch threads per worker (0: CPU cores / workers on this machine)."""
+    repeats: int = 5
+    """Timed repetitions of each calibration measurement (after a warm-up)."""
+    timeout_s: float = 300.0
+    """How long a worker waits for its peers."""
+    out: str | None = None
+    """Folder for plan.json, plan.md and the plots (none: print only)."""
+    plot: bool = True
+    """Draw the plots (needs matplotlib) when --out is given."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a preset, a model folder or a described size, got {self.model!r}")
+        self.model_kind = _model_kind(self.model, self.what_if)
+        check_int("nproc", self.nproc, 1)
+        check_int("nodes", self.nodes, 1, allow_none=True)
+        if self.nodes is not None and self.nproc % self.nodes and not (self.what_if and self.workers_per_node):
+            raise ValueError(f"nodes must divide nproc ({self.nproc} workers cannot sit on {self.nodes} nodes)")
+        check_int("workers_per_node", self.workers_per_node, 1, allow_none=True)
+        if self.workers_per_node is not None and not self.what_if:
+            raise ValueError("workers_per_node is only used with what_if (measured runs use nproc and nodes)")
+        try:
+            self.links = parse_links(self.link)
+        except ValueError as e:
+            text = str(e)
+            raise ValueError(text if text.startswith("--link") else f"link {text}") from None
+        if self.what_if:
+            wpn = self.world // self.node_count
+            needed = (["inter"] if self.node_count > 1 else []) + (["intra"] if wpn > 1 else [])
+            missing = [k for k in needed if k not in self.links]
+            if missing:
+                raise ValueError(f"link must be given for {', '.join(missing)} with what_if (e.g. --link "
+                                 "inter=100gbit,10us --link intra=900gbit,2us): nothing is measured")
+        for what, v in (("micro_batch_size", self.micro_batch_size), ("seq_len", self.seq_len),
+                        ("vocab_size", self.vocab_size), ("repeats", self.repeats)):
+            check_int(what, v, 1)
+        check_int("threads", self.threads, 0)
+        check_float("target_busy", self.target_busy, 0, 1, low_open=True)
+        check_float("mfu", self.mfu, 0, 1, low_open=True)
+        check_float("timeout_s", self.timeout_s, 0, low_open=True)
+        self.device = Device(
+            flops=parse_quantity(self.device_flops, "device_flops", FLOPS_UNITS, "989tflops, 82.6tflops"),
+            mfu=self.mfu,
+            memory_bandwidth=parse_quantity(self.memory_bandwidth, "memory_bandwidth", RATE_UNITS, "3.35tb/s, 900gb/s"),
+            memory_bytes=(parse_quantity(self.device_memory, "device_memory", BYTES_UNITS, "80GB, 24GiB")
+                          if self.device_memory else None))
+        self.slow = _parse_slow(self.slow_worker, self.world)
+        from .strategies_spec import parse_specs
+
+        self.extra = parse_specs(self.strategies)
+
+    def __getstate__(self) -> dict:
+        """Only the fields travel to the workers (what ``__post_init__`` derives is rebuilt there)."""
+        import dataclasses
+
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
+
+    @property
+    def world(self) -> int:
+        if self.what_if and self.workers_per_node is not None:
+            return (self.nodes or 1) * self.workers_per_node
+        return self.nproc
+
+    @property
+    def node_count(self) -> int:
+        if self.nodes is not None:
+            return self.nodes
+        return 1 if self.what_if and self.workers_per_node is not None else self.world
+
+    def threads_per_worker(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // max(1, self.world))
+
+
+def _parse_slow(specs: list[str], world: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for spec in specs:
+        rank, sep, factor = str(spec).partition(":")
+        try:
+            r, f = int(rank), float(factor)
+        except ValueError:
+            r, f = -1, 0.0
+        if not sep or not 0 <= r < world or not f >= 1:
+            raise ValueError(f"slow_worker must look like RANK:FACTOR with RANK in [0, {world}) and FACTOR >= 1, "
+                             f"got {spec!r}")
+        out[r] = f
+    return out
+
+
+def _model_kind(model: str, what_if: bool) -> str:
+    """``preset``, ``folder``, ``described``; raises for anything else."""
+    from pathlib import Path
+
+    from ..train.model import PRESETS
+
+    if model in PRESETS:
+        return "preset"
+    if model in WHAT_IF_MODELS or _TRANSFORMER.fullmatch(model):
+        if not what_if:
+            raise ValueError(f"model {model!r} is a described size, only for what_if (it is not built); presets: "
+                             f"{', '.join(PRESETS)}")
+        transformer_shape(model)
+        return "described"
+    folder = Path(model)
+    if folder.is_dir() and (folder / "config.json").is_file():
+        return "folder"
+    raise ValueError(f"model must be a preset ({', '.join(PRESETS)}), a Hugging Face model folder (with config.json)"
+                     f"{', or with what_if ' + ', '.join(WHAT_IF_MODELS) + ' or transformer:hidden=H,layers=L,vocab=V'}"
+                     f", got {model!r}")
+
+
+def transformer_shape(model: str) -> dict[str, int]:
+    """``{"hidden", "layers", "vocab"}`` of a described size (``1b`` or ``transformer:hidden=...``)."""
+    if model in WHAT_IF_MODELS:
+        return dict(WHAT_IF_MODELS[model])
+    m = _TRANSFORMER.fullmatch(model)
+    if not m:
+        raise ValueError(f"model must be {', '.join(WHAT_IF_MODELS)} or transformer:hidden=H,layers=L,vocab=V, "
+                         f"got {model!r}")
+    out: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in m.group(1).split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("hidden", "layers", "vocab") or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"model transformer:... takes hidden=H,layers=L,vocab=V (positive integers), got {model!r}")
+        out[key] = int(value)
+    if set(out) != {"hidden", "layers", "vocab"}:
+        raise ValueError(f"model transformer:... needs hidden, layers and vocab, got {model!r}")
+    return out

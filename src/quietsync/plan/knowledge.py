@@ -1,0 +1,54 @@
+"""What this project has measured about each strategy's loss per token (its equal-token benchmarks).
+
+The planner predicts speed; whether the faster strategy also learns as much from each token is a property of
+the algorithm that only training tells. These are the equal-token results in ``benchmarks/results/``, quoted
+with their file so a reader can check them (a test checks that every number quoted is in the cited file).
+They are miniatures (tiny GPT-Neo on CPU, tens of steps): directions, not guarantees at scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One measured statement about a strategy's loss per token."""
+
+    strategies: tuple[str, ...]
+    """The strategies it concerns."""
+    text: str
+    """The finding, with its numbers."""
+    source: str
+    """The results file (relative to the repository root) it quotes."""
+    numbers: tuple[str, ...]
+    """The numbers quoted, as they appear in the source (checked by the tests)."""
+
+
+FINDINGS: tuple[Finding, ...] = (
+    Finding(("ddp", "zero1", "fsdp"), "exact synchronous data parallelism: the reference loss per token "
+            "(ZeRO-1 and FSDP equal DDP up to float rounding, tested)", "benchmarks/results/baselines.md", ()),
+    Finding(("acco",), "ACCO needs more tokens for the same loss (it takes more micro-batches per step): "
+            "913408 vs 450560 tokens to loss 5.2 with comm≈1× compute, 1448960 vs 491520 with comm≈3× "
+            "(4 workers); its wall time to that loss was 1.16× and 1.11× ZeRO-1's there",
+            "benchmarks/results/acco_paper.md", ("913408", "450560", "1448960", "491520", "1.16", "1.11")),
+    Finding(("acco",), "with one worker 4× slower ACCO kept 0.993 of the time busy but needed 2194432 tokens against ZeRO-1's "
+            "450560 to loss 5.19", "benchmarks/results/acco_paper.md", ("2194432", "450560", "0.993")),
+    Finding(("demo", "flexdemo"), "FlexDeMo DCT (1/32, sign) at equal steps and tokens: held-out loss 6.16 "
+            "against 6.01 for hybrid-sharded AdamW; the random replicator 7.67; DCT without sign 7.97",
+            "benchmarks/results/demo_paper.md", ("6.16", "6.01", "7.67", "7.97")),
+    Finding(("localsgd", "diloco"), "at equal tokens (4 workers, 256 micro-batches): full sync 5.5, Local SGD "
+            "K=8 5.67, DiLoCo H=16 5.78, Streaming DiLoCo H=16 F=4 5.96, DiLoCo H=4 6.57 (outer lr 0.7 is tuned "
+            "for large H)", "benchmarks/results/local.md", ("5.5", "5.67", "5.78", "5.96", "6.57")),
+    Finding(("cdp",), "CDP changes which parameter version each stage sees: on the tiny ResNet, test accuracy "
+            "69.97% for dp, 51.53% for cdp-v2, 21.00% for cdp-v1 at equal steps",
+            "benchmarks/results/cdp_results.md", ("69.97", "51.53", "21.00")),
+    Finding(("dpu", "wp", "acco"), "at equal tokens and batch (4 workers, 100 steps): held-out loss ddp 5.23, ACCO "
+            "5.13, DPU 5.91 without warm-up and 5.48 with 25 warm-up steps, WP 5.91 (the one-step delay costs loss)",
+            "benchmarks/results/acco_dynamics.md", ("5.23", "5.13", "5.91", "5.48")),
+)
+
+
+def findings_for(strategy: str) -> list[Finding]:
+    """The findings about ``strategy``."""
+    return [f for f in FINDINGS if strategy in f.strategies]

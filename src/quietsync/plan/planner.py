@@ -1,0 +1,434 @@
+"""``quietsync.plan(...)``: measure (or describe) the job, predict every strategy, recommend.
+
+Measured (the default): the workers are launched as ``quietsync train`` launches them (local processes, or in
+place under torchrun), and each, at the same time as the others, calibrates the model and micro-batch on its
+device (:mod:`~quietsync.plan.calibrate`); then they probe the links between them (:mod:`~quietsync.plan.probe`).
+Rank 0 predicts. ``what_if``: nothing runs; the compute comes from the device's FLOP/s
+(:class:`~quietsync.plan.cluster.Device`) and the links are the ones given.
+
+The result (:class:`PlanResult`) holds the table (:mod:`~quietsync.plan.table`), the advice
+(:mod:`~quietsync.plan.recommend`), what was measured, and can re-predict at other link speeds (the plots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..link import LinkModel
+from ..topology import Topology
+from .candidates import Tuned, default_candidates, tune_demo, tune_diloco, tune_localsgd, tune_overlap_cap
+from .cluster import Cluster, Device
+from .config import PlanConfig, transformer_shape
+from .costmodel import ComputeProfile, Links, codec_key, codec_knobs
+from .recommend import HETEROGENEOUS, MAX_STAGE, STAGES, Advice, advise, ranked
+from .schedules import strategy_config
+from .table import Row, evaluate, markdown
+from .workload import Workload
+
+TIE = 0.01
+"""Strategies within 1% of each other's time per token count as tied (no crossover between them)."""
+
+
+@dataclass
+class PlanResult:
+    """A plan: the table, the advice, and what they rest on."""
+
+    config: PlanConfig
+    workload: Workload
+    cluster: Cluster
+    compute: ComputeProfile
+    rows: list[Row]
+    tuned: list[Tuned]
+    advice: Advice
+    probe: dict[str, Any] | None = None
+    """The probe's samples and fits per link kind (measured plans)."""
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(0, self.cluster.world, self.cluster.nodes)
+
+    def predict(self, name: str, knobs: dict[str, Any], links: Links | None = None) -> Row:
+        """One more row, optionally on other links."""
+        return evaluate(name, knobs, self.workload, self.topology, self.compute, links or self.cluster.links)
+
+    def best_rows(self) -> list[Row]:
+        """Each strategy's fastest row that may be recommended (tuned ones included; ACCO/DPU/WP with stages
+        grown past :data:`~quietsync.plan.recommend.MAX_STAGE` left out), fastest first."""
+        return ranked(self.rows + [t.row for t in self.tuned], self.cluster.world)
+
+    def sweep(self, kind: str | None = None, points: int = 41, lo_bits: float = 1e6, hi_bits: float = 1e11
+              ) -> tuple[str, list[float], dict[str, list[float]], list[tuple[float, str, str]]]:
+        """Each strategy's best setting (knobs fixed; ACCO/DPU/WP stages capped at MAX_STAGE micro-batches) at link
+        bandwidths from ``lo_bits`` to ``hi_bits`` bit/s on link ``kind`` (default: inter if there are several nodes), latency kept. Returns ``(kind, bandwidths in
+        bytes/s, {label: seconds per 1k tokens}, crossovers [(bandwidth, was fastest, becomes fastest)])``."""
+        kind = kind or ("inter" if self.cluster.nodes > 1 else "intra")
+        base = self.cluster.links.model.get(kind) or LinkModel(1e9 / 8)
+        bws = [lo_bits / 8 * (hi_bits / lo_bits) ** (i / (points - 1)) for i in range(points)]
+        rows = self.best_rows()
+
+        def knobs(r: Row) -> dict[str, Any]:  # adaptive stages capped as the advice ranks them, at any bandwidth
+            if r.strategy in STAGES and "max_accumulation" not in r.knobs and "deterministic_accumulation" not in r.knobs:
+                return {**r.knobs, "max_accumulation": int(MAX_STAGE)}
+            return r.knobs
+
+        def at(bw: float) -> dict[str, float]:
+            links = Links(model={**self.cluster.links.model, kind: LinkModel(bw, base.latency)},
+                          floor=self.cluster.links.floor, floor_by_kind=self.cluster.links.floor_by_kind)
+            return {r.label: 1e3 / self.predict(r.strategy, knobs(r), links).tokens_per_s for r in rows}
+
+        grid = [at(bw) for bw in bws]
+        curves = {r.label: [g[r.label] for g in grid] for r in rows}
+        crossovers = []
+        lead = min(grid[0], key=grid[0].get)
+        for i in range(1, points):
+            b = min(grid[i], key=grid[i].get)
+            if b != lead and grid[i][lead] > grid[i][b] * (1 + TIE):  # clearly overtaken: bisect on log bandwidth
+                lo, hi = bws[i - 1], bws[i]
+                for _ in range(30):
+                    mid = (lo * hi) ** 0.5
+                    g = at(mid)
+                    lo, hi = (mid, hi) if g[lead] <= g[b] * (1 + TIE) else (lo, mid)
+                crossovers.append(((lo * hi) ** 0.5, lead, b))
+                lead = b
+        return kind, bws, curves, crossovers
+
+    def markdown(self) -> str:
+        c = self.compute
+        head = [
+            f"# quietsync plan: {self.workload.name}, {self.cluster.describe()}",
+            "",
+            f"Model: {self.workload.params:,} parameters, micro-batch {self.workload.tokens_per_micro_batch:,} tokens. "
+            f"Compute ({c.source}): forward {c.forward_s * 1e3:.3g} ms + backward {c.backward_s * 1e3:.3g} ms per "
+            f"micro-batch, optimizer step {c.optimizer_s(self.workload.params) * 1e3:.3g} ms.",
+            "",
+        ]
+        scales = c.scales(self.cluster.world)
+        if max(scales) != min(scales):
+            head += ["Per-worker compute time relative to the median: "
+                     + ", ".join(f"{r}: {s:.2f}" for r, s in enumerate(scales)) + ".", ""]
+        if self.assumptions:
+            head += ["Assumptions:", ""] + [f"- {a}" for a in self.assumptions] + [""]
+        head.append("")
+        rows = self.rows + [t.row for t in self.tuned]
+        text = "\n".join(head) + markdown(rows) + "\n" + self.advice.markdown()
+        if self.cluster.world > 1:
+            kind, _, _, crossovers = self.sweep()
+            lines = [f"- at {b * 8 / 1e6:,.4g} Mbit/s: {a} → {c}" for b, a, c in crossovers]
+            text += (f"\n**Crossovers** (fastest per token as the {kind} bandwidth grows, each strategy's best "
+                     "setting above):\n\n" + ("\n".join(lines) if lines else "- none between 1 Mbit/s and 100 Gbit/s") + "\n")
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": {"name": self.workload.name, "params": self.workload.params,
+                         "tokens_per_micro_batch": self.workload.tokens_per_micro_batch},
+            "cluster": {"nodes": self.cluster.nodes, "workers_per_node": self.cluster.workers_per_node,
+                        "links": self.cluster.links.describe()},
+            "compute": dataclasses.asdict(self.compute),
+            "rows": [r.to_dict() for r in self.rows],
+            "tuned": [{"strategy": t.strategy, "knobs": t.knobs, "reason": t.reason, "reached": t.reached,
+                       "row": t.row.to_dict()} for t in self.tuned],
+            "advice": self.advice.to_dict(),
+            "probe": self.probe,
+            "assumptions": self.assumptions,
+        }
+
+    def save(self, out: str | os.PathLike[str], plot: bool = True) -> list[Path]:
+        """Write ``plan.md``, ``plan.json`` and (``plot``) ``plan.png`` under ``out``; return the paths."""
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = [folder / "plan.md", folder / "plan.json"]
+        paths[0].write_text(self.markdown())
+        paths[1].write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        if plot:
+            from .plots import plot_plan
+
+            paths.append(plot_plan(self, folder / "plan.png"))
+        return paths
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def build_workload(cfg: PlanConfig, *, real: bool) -> tuple[Workload, torch.nn.Module | None]:
+    """The workload of ``cfg.model`` (and the model itself when ``real``: for calibration)."""
+    stages = tuple(sorted({cfg.world, 2}))
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    if cfg.model_kind == "described":
+        shape = transformer_shape(cfg.model)
+        w = Workload.transformer(**shape, seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size,
+                                 name=cfg.model, stages=tuple(s for s in stages if s <= shape["layers"] + 3))
+        return w, None
+    model = _build_model(cfg, meta=not real)
+    from ..train.model import param_groups
+
+    groups = param_groups(model, 0.1)
+    ok_stages = tuple(s for s in stages if _can_cut(model, s))
+    w = Workload.from_model(model, tokens_per_micro_batch=tokens, param_groups=groups, name=cfg.model,
+                            stages=ok_stages)
+    return w, model
+
+
+def _can_cut(model: torch.nn.Module, n: int) -> bool:
+    from ..strategies.cdp.stages import sequential_view
+
+    try:
+        return n <= len(sequential_view(model).segments)
+    except (TypeError, ValueError):
+        return False
+
+
+def _build_model(cfg: PlanConfig, meta: bool) -> torch.nn.Module:
+    from ..train.model import build_model, load_pretrained
+
+    ctx = torch.device("meta") if meta else torch.device("cpu")
+    if cfg.model_kind == "preset":
+        with ctx:
+            return build_model(cfg.model, cfg.vocab_size, seed=None if meta else 0)
+    if meta:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with ctx:
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model))
+    return load_pretrained(cfg.model)
+
+
+def _lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+def _activation_estimate(w: Workload, cfg: PlanConfig) -> int:
+    """Activation bytes of one micro-batch of a GPT-style model not run here: Korthikanti et al. (2022)'s
+    ``s·b·h·(34 + 5·a·s/h)`` bytes per layer in 16-bit, heads ``a = h / 128``."""
+    shapes = [s for s in w.shapes if len(s) == 2 and s[0] == s[1]]
+    if not shapes:
+        return 0
+    h = shapes[0][0]
+    layers = max(1, len(shapes) // 4)
+    s, b = cfg.seq_len, cfg.micro_batch_size
+    a = max(1, h // 128)
+    return int(layers * s * b * h * (34 + 5 * a * s / h))
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+def candidates(cfg: PlanConfig, w: Workload, topo: Topology) -> list[tuple[str, dict[str, Any]]]:
+    """The rows to evaluate: the defaults (unless ``only``) and the ``strategies`` given."""
+    out = [] if cfg.only else default_candidates(w, topo)
+    return out + [(n, k) for n, k in cfg.extra if (n, k) not in out]
+
+
+def codec_keys(cfg: PlanConfig, w: Workload, topo: Topology) -> list[str]:
+    """The decoupled settings whose codec the calibration times."""
+    keys = []
+    for name, knobs in candidates(cfg, w, topo) + [("demo", {"replicator": "dct"}), ("demo", {"replicator": "random"})]:
+        if name in ("demo", "flexdemo"):
+            c = strategy_config(name, knobs)
+            base = "adamw" if c.base in ("adamw", "auto") else "sgd"
+            key = codec_key(c.replicator, c.compression, c.transfer_dtype, c.chunk, c.topk, base)
+            if key not in keys and c.replicator != "none":
+                keys.append(key)
+    return keys
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def _measure_worker(cfg: PlanConfig, keys: list[str], result_path: str) -> None:
+    """In every worker: calibrate (all at once), agree on per-worker speeds, probe the links; rank 0 writes."""
+    from ..transport import Transport
+    from .calibrate import calibrate
+    from .probe import probe
+
+    torch.set_num_threads(cfg.threads_per_worker())
+    topo = Topology.from_env(cfg.node_count)
+    transport = Transport(topo, links={}, timeout_s=cfg.timeout_s)
+    try:
+        _, model = build_workload(cfg, real=True)
+        assert model is not None
+        model.to(transport.device).train()
+        vocab = model.get_input_embeddings().num_embeddings
+        batch = torch.randint(0, vocab, (cfg.micro_batch_size, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+        batch = batch.to(transport.device)
+        transport.barrier()
+        profile = calibrate(model, batch, _lm_loss, codecs={k: codec_knobs(k) for k in keys},
+                            codec_group=topo.world_size, repeats=cfg.repeats)
+        mine = torch.tensor([profile.micro_batch_s], dtype=torch.float64, device=transport.device)
+        every = torch.empty(topo.world_size, dtype=torch.float64, device=transport.device)
+        transport.all_gather(every, mine, name="plan/calibration")
+        times = every.tolist()
+        del model
+        result = probe(transport) if cfg.probe and topo.world_size > 1 else None
+        if topo.rank == 0:
+            payload = {"profile": dataclasses.asdict(profile), "micro_batch_s": times,
+                       "probe": None if result is None else {
+                           "seconds": result.seconds,
+                           "samples": {k: [dataclasses.asdict(s) for s in v] for k, v in result.samples.items()},
+                           "fits": {k: _fit_json(f) for k, f in result.fits.items()},
+                           "by_kind": {k: {c: _fit_json(f) for c, f in v.items()} for k, v in result.by_kind.items()}},
+                       "nodes": topo.nodes, "world": topo.world_size}
+            Path(result_path).write_text(json.dumps(payload))
+    finally:
+        transport.close()
+
+
+def _fit_json(f: Any) -> dict[str, float]:
+    return {"bandwidth": f.link.bandwidth, "latency": f.link.latency, "rel_error": f.rel_error}
+
+
+def _under_torchrun() -> bool:
+    from ..train.launch import under_torchrun
+
+    return under_torchrun()
+
+
+def measure(cfg: PlanConfig, keys: list[str]) -> dict[str, Any] | None:
+    """Launch the workers (or run in place under torchrun) and return rank 0's measurements (None on other
+    ranks under torchrun)."""
+    from ..train.launch import launch
+
+    with tempfile.TemporaryDirectory(prefix="quietsync-plan-") as tmp:
+        path = str(Path(tmp, "measured.json"))
+        launch(_measure_worker, (cfg, keys, path), nproc=cfg.nproc)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return None
+        return json.loads(Path(path).read_text())
+
+
+def compute_from(measured: dict[str, Any], slow: dict[int, float]) -> ComputeProfile:
+    """The calibrated profile at the median worker's speed, each worker's speed relative to it, ``slow``
+    factors applied."""
+    p = dict(measured["profile"])
+    times = measured["micro_batch_s"]
+    median = statistics.median(times)
+    scale = [t / median for t in times]
+    if max(scale) / min(scale) < HETEROGENEOUS:  # within calibration noise: equal workers
+        scale = [1.0] * len(times)
+    for r, f in slow.items():
+        scale[r] *= f
+    k = median / (p["forward_s"] + p["backward_s"])
+    p.update(forward_s=p["forward_s"] * k, backward_s=p["backward_s"] * k, worker_scale=tuple(scale))
+    p["codec_s"] = dict(p["codec_s"])
+    return ComputeProfile(**p)
+
+
+def links_from_probe(cfg: PlanConfig, measured: dict[str, Any] | None) -> tuple[Links, list[str]]:
+    """Given links as the model, the probe's fits as their floor (or as the links where none is given); per
+    collective kind where the probe fitted one."""
+    model = dict(cfg.links)
+    floor: dict[str, LinkModel] = {}
+    by_kind: dict[str, dict[str, LinkModel]] = {}
+    notes = []
+    probed = (measured or {}).get("probe") or {}
+    for kind, f in (probed.get("fits") or {}).items():
+        fitted = LinkModel(f["bandwidth"], f["latency"])
+        per = {c: LinkModel(g["bandwidth"], g["latency"]) for c, g in (probed.get("by_kind") or {}).get(kind, {}).items()}
+        by_kind[kind] = per
+        each = "; per collective " + ", ".join(f"{c} {m}" for c, m in sorted(per.items())) if per else ""
+        if kind in model:
+            floor[kind] = fitted
+            notes.append(f"{kind}: given {model[kind]}; the real transport measured {fitted} (median fit error "
+                         f"{f['rel_error']:.0%}){each}, used as a floor")
+        else:
+            model[kind] = fitted
+            notes.append(f"{kind}: measured {fitted} by the probe (median fit error {f['rel_error']:.0%}){each}")
+    given = set(cfg.links)
+    return Links(model=model, floor=floor, model_by_kind={k: v for k, v in by_kind.items() if k not in given},
+                 floor_by_kind={k: v for k, v in by_kind.items() if k in given}), notes
+
+
+# ---------------------------------------------------------------------------------------------- predicting
+def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProfile, *,
+            probe: dict[str, Any] | None = None, assumptions: list[str] | None = None) -> PlanResult:
+    """Evaluate the candidates, tune the knobs, advise."""
+    topo = Topology(0, cluster.world, cluster.nodes)
+
+    def score(name: str, knobs: dict[str, Any]) -> Row:
+        return evaluate(name, knobs, w, topo, compute, cluster.links)
+
+    rows = []
+    assumptions = list(assumptions or [])
+    for name, knobs in candidates(cfg, w, topo):
+        try:
+            rows.append(score(name, knobs))
+        except ValueError as e:  # a setting this model or topology cannot take (e.g. too few CDP stages)
+            assumptions.append(f"{name} {knobs}: skipped ({e})")
+    tuned: list[Tuned] = []
+    if not cfg.only and cluster.world > 1:
+        tuned = [tune_diloco(score, cfg.target_busy), tune_localsgd(score, cfg.target_busy),
+                 tune_demo(score, cfg.target_busy, "dct"), tune_demo(score, cfg.target_busy, "random")]
+        if cluster.nodes > 1 and cluster.workers_per_node > 1:
+            tuned.append(tune_demo(score, cfg.target_busy, "dct", strategy="flexdemo"))
+        for name in ("acco", "dpu", "wp"):
+            cap = tune_overlap_cap(score, cluster.world, name)
+            if cap is not None:
+                tuned.append(cap)
+    advice = advise(rows, tuned, compute, cluster.world, cfg.target_busy)
+    return PlanResult(cfg, w, cluster, compute, rows, tuned, advice, probe, assumptions)
+
+
+def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
+    """Plan a job: ``quietsync.plan(model="tiny", nproc=4, nodes=2, link=["inter=1gbit,20ms"])`` (the fields of
+    :class:`~quietsync.plan.config.PlanConfig`). Measures unless ``what_if``; returns the :class:`PlanResult`
+    (None on ranks other than 0 under torchrun). Bad arguments raise ``ValueError`` before anything starts."""
+    cfg = config if config is not None else PlanConfig(**kwargs)
+    if config is not None and kwargs:
+        cfg = dataclasses.replace(config, **kwargs)
+    if cfg.what_if:
+        return _what_if(cfg, build_workload(cfg, real=False)[0])
+    if _under_torchrun():  # the launcher decides the world; nodes: one per torchrun agent unless given
+        world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        cfg = dataclasses.replace(cfg, nproc=world, nodes=cfg.nodes or max(1, world // max(1, local)))
+    w, _ = build_workload(cfg, real=False)
+    topo = Topology(0, cfg.world, cfg.node_count)
+    measured = measure(cfg, codec_keys(cfg, w, topo))
+    if measured is None:
+        return None
+    compute = compute_from(measured, cfg.slow)
+    links, notes = links_from_probe(cfg, measured)
+    cluster = Cluster(topo.nodes, topo.workers_per_node, links)
+    assumptions = notes + [f"worker {r} computes {f:g}× slower (slow_worker)" for r, f in cfg.slow.items()]
+    return predict(cfg, w, cluster, compute, probe=measured.get("probe"), assumptions=assumptions)
+
+
+def _what_if(cfg: PlanConfig, w: Workload) -> PlanResult:
+    nodes = cfg.node_count
+    wpn = cfg.world // nodes
+    device: Device = cfg.device
+    topo = Topology(0, nodes * wpn, nodes)
+    compute = device.profile(w, {k: k.split(":")[0] for k in codec_keys(cfg, w, topo)})
+    compute = dataclasses.replace(compute, activation_bytes=_activation_estimate(w, cfg))
+    if cfg.slow:
+        scale = [1.0] * (nodes * wpn)
+        for r, f in cfg.slow.items():
+            scale[r] = f
+        compute = dataclasses.replace(compute, worker_scale=tuple(scale))
+    from .cluster import ADAMW_BYTES, CODEC_BYTES, CODEC_FLOPS, CODEC_MFU
+
+    assumptions = [
+        f"compute from FLOPs: {w.training_flops() / w.tokens_per_micro_batch:.3g} FLOPs per token (6 × parameters + "
+        f"attention), {device.flops / 1e12:g} TFLOP/s peak at {device.mfu:.0%} MFU; forward 1/3, backward 2/3",
+        f"optimizer: AdamW in fp32, {ADAMW_BYTES:g} bytes per parameter through {device.memory_bandwidth / 1e12:g} TB/s",
+        f"DeMo codec: DCT {CODEC_FLOPS:g} FLOPs/element at {CODEC_MFU:.0%} of peak + {CODEC_BYTES:g} bytes/element of "
+        "memory traffic (random/striding: the memory part only)",
+        "parameters, gradients and communication in fp32 (the library's default); links as given, alpha-beta, "
+        "full duplex, ring collectives",
+        "activations: Korthikanti et al. (2022), 16-bit, heads of 128",
+    ]
+    cluster = Cluster(nodes, wpn, Links(model=dict(cfg.links)), device)
+    result = predict(cfg, w, cluster, compute, assumptions=assumptions)
+    if device.memory_bytes is not None:
+        for r in result.rows + [t.row for t in result.tuned]:
+            if r.memory_bytes > device.memory_bytes:
+                r.notes.append(f"does not fit: {r.memory_bytes / 1e9:.3g} GB per worker > "
+                               f"{device.memory_bytes / 1e9:.3g} GB")
+    return result
+
+
+__all__ = ["PlanResult", "build_workload", "measure", "plan", "predict"]

@@ -1,0 +1,45 @@
+"""``NAME[:FIELD=VALUE,...]`` strategy specs (as ``quietsync compare --strategies`` takes them) → typed knobs.
+
+Values are parsed by the strategy's own config flags (:mod:`quietsync.train.config_flags`), so ``diloco:
+sync_every=16,overlap_delay=4`` gives ``{"sync_every": 16, "overlap_delay": 4}`` and a bad field or value is
+an error naming the spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+class _Raising(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"diloco:sync_every=16"`` → ``("diloco", {"sync_every": 16})`` (values checked by the config)."""
+    from ..strategies.registry import available, get
+    from ..train.compare import parse_strategy_spec
+    from ..train.config_flags import add_dataclass_flags, given_values
+
+    name, _, flags = parse_strategy_spec(spec)
+    if name not in available():
+        raise ValueError(f"strategies: {name!r} in {spec!r} is not a strategy (choose from {', '.join(available())})")
+    _, cls = get(name)
+    parser = _Raising(prog=name, add_help=False)
+    fields = add_dataclass_flags(parser, cls)
+    try:
+        args = parser.parse_args(flags)
+    except ValueError as e:
+        raise ValueError(f"strategies: {spec!r}: {e}") from None
+    values = given_values(args, fields)
+    try:
+        cls(**values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"strategies: {spec!r}: {e}") from None
+    return name, values
+
+
+def parse_specs(specs: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Every spec of ``specs``."""
+    return [parse_spec(s) for s in specs]

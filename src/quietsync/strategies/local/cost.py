@@ -1,0 +1,122 @@
+"""The cost of the local family, beside it: ``localsgd`` and ``diloco`` (Streaming and hierarchical DiLoCo too).
+
+Workers train alone (or synchronously inside their node) and average every so many steps: Local SGD
+all-reduces the parameters every K steps; DiLoCo syncs each of F fragments every H steps, staggered by H/F,
+with the pseudo-gradient in fp32 or bf16 (all-reduce), int8 with a scale (two all-gathers) or through a
+replicator, and with τ > 0 that exchange runs on the communication worker while τ inner steps go on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...plan.costmodel import Comm, Schedule, numel
+from ...plan.terms import Every, Exposed, MicroBatches, Seq, Term, Wire, copy, optimizer
+from ...plan.workload import Workload
+from ...topology import Topology
+from ..parts.cost import ADAMW, OptimizerState, group_of, replicator, replicator_comm
+from .fragments import split_fragments
+
+
+def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
+    """Local SGD: a local optimizer step every ``accumulation`` micro-batches; every ``sync_every`` steps one
+    all-reduce of the parameters (and of the optimizer's per-element state with ``average_optimizer_state``,
+    packed into the same buffer: all fp32)."""
+    k = cfg.sync_every
+    n = group_of(topo, "world")
+    elements = w.params * (1 + (opt.per_element // 4 if cfg.average_optimizer_state else 0))
+    comms = []
+    if n > 1:
+        comms = [Comm("all_reduce", "world", elements * w.dtype_bytes, "localsgd: all-reduce parameters",
+                      steps=(k,))]
+    step = Seq(MicroBatches(cfg.accumulation), optimizer(w.params), Every(Wire(comms), k))
+    memory = {"params": w.param_bytes, "grads": w.param_bytes, "optimizer_state": opt.bytes(w.numels),
+              "synced_params": w.param_bytes}
+    label = f"localsgd K={k}" + (" +state" if cfg.average_optimizer_state else "")
+    return Schedule("localsgd", label, tuple(comms), step, memory, period=k, config=cfg)
+
+
+def fragments(w: Workload, count: int) -> list[list[int]]:
+    """Parameter indices of each DiLoCo fragment (contiguous, balanced by elements; as ``split_fragments``)."""
+    return split_fragments(list(w.numels), count)
+
+
+def _outer_comms(w: Workload, topo: Topology, cfg: Any, group: str) -> list[Comm]:
+    """The transfers of every fragment's sync over one period of H steps."""
+    n = group_of(topo, group)
+    if n == 1:
+        return []
+    H, F = cfg.sync_every, cfg.fragments
+    out: list[Comm] = []
+    for f, idx in enumerate(fragments(w, F)):
+        at = ((f + 1) * H // F) % H or H
+        shapes = [w.shapes[i] for i in idx]
+        size = sum(numel(s) for s in shapes)
+        name = f"diloco fragment {f}"
+        if cfg.pseudo_grad_replicator != "none":
+            rep = replicator(cfg.pseudo_grad_replicator, cfg.compression, cfg.pseudo_grad_dtype, seed=cfg.seed + f)
+            out += replicator_comm(rep, shapes, group, n, name, (at,))
+        elif cfg.pseudo_grad_dtype == "int8":
+            out += [Comm("all_gather", group, n * size, f"{name}: all-gather int8 codes", steps=(at,)),
+                    Comm("all_gather", group, 4 * n, f"{name}: all-gather scales", steps=(at,))]
+        else:
+            wire = 4 if cfg.pseudo_grad_dtype == "fp32" else 2
+            out.append(Comm("all_reduce", group, size * wire, f"{name}: all-reduce pseudo-gradient", steps=(at,)))
+    return out
+
+
+def _inner(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState) -> tuple[list[Comm], Term, dict[str, int]]:
+    """The inner step: alone (``local``), or ``ddp``/``zero1`` on the shard group."""
+    if cfg.inner == "local":
+        memory = {"params": w.param_bytes, "grads": w.param_bytes, "optimizer_state": opt.bytes(w.numels)}
+        return [], Seq(MicroBatches(cfg.accumulation), optimizer(w.params)), memory
+    from ...plan.schedules import schedule_function, strategy_config
+
+    # the inner strategy's own schedule, found as diloco finds the inner strategy: by name
+    inner_cfg = strategy_config(cfg.inner, {"accumulation": cfg.accumulation})
+    inner = schedule_function(cfg.inner)(w, topo, inner_cfg, group="shard", opt=opt)
+    return list(inner.comms), inner.step, dict(inner.memory)
+
+
+def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
+    """DiLoCo: inner steps; fragment f's pseudo-gradient exchanged and the outer step taken every H steps
+    (blocking, or hidden behind τ inner steps on the communication worker)."""
+    H, F, tau = cfg.sync_every, cfg.fragments, cfg.overlap_delay
+    group = "world" if cfg.inner == "local" else "replicate"
+    inner_comms, inner, memory = _inner(w, topo, cfg, opt)
+    outer = _outer_comms(w, topo, cfg, group)
+    frag_sizes = [sum(w.numels[i] for i in idx) for idx in fragments(w, F)]
+    largest = max(frag_sizes)
+    # per sync: the pseudo-gradient (θ_global − θ_local), the outer SGD step, the write-back; per fragment
+    sync_work = Seq(copy(3 * largest * 4, "pseudo-gradient and write-back"), optimizer(largest / 4, "outer SGD"))
+    per_fragment = [[c for c in outer if c.name.startswith(f"diloco fragment {f}:")] for f in range(F)]
+    syncs: list[Term] = []
+    for comms in per_fragment:
+        wire = Wire(comms)
+        if tau == 0:
+            syncs.append(Seq(sync_work, wire))
+        else:  # the exchange runs on the communication worker while τ inner steps go on
+            syncs.append(Seq(sync_work, Exposed(wire, Seq(*([inner] * tau)))))
+    step = Seq(inner, *(Every(s, H) for s in syncs))
+    rep_mem = {}
+    if cfg.pseudo_grad_replicator != "none":
+        rep_mem = {"pseudo_grad_residual": w.params * 4}
+    wire_bytes = {"fp32": 4, "bf16": 2, "int8": 1}[cfg.pseudo_grad_dtype]
+    n = group_of(topo, group)
+    memory.update({"theta_global": w.params * 4,
+                   "outer_state": w.params * 4 if cfg.outer_momentum > 0 else 0,
+                   **rep_mem,
+                   "fragment_buffers": largest * 4 + largest * wire_bytes * (n if cfg.pseudo_grad_dtype == "int8" else 1)
+                   * (cfg.pseudo_grad_dtype != "fp32")})
+    label = f"diloco H={H}" + (f" F={F}" if F > 1 else "") + (f" τ={tau}" if tau else "")
+    if cfg.inner != "local":
+        label += f" inner={cfg.inner}"
+    if cfg.pseudo_grad_replicator != "none":
+        label += f" {cfg.pseudo_grad_replicator} 1/{1 / cfg.compression:.4g}"
+    elif cfg.pseudo_grad_dtype != "fp32":
+        label += f" {cfg.pseudo_grad_dtype}"
+    return Schedule("diloco", label, (*inner_comms, *outer), step, memory, period=H, config=cfg)
+
+
+SCHEDULES = {"localsgd": localsgd, "diloco": diloco}
+"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

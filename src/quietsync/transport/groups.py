@@ -1,0 +1,224 @@
+"""The process-group side of the transport: which backend, the default group's lifecycle, and one process group
+per transport group (``world``, ``shard``, ``replicate``), with the queries the rest of quietsync asks of them.
+
+:class:`ProcessGroups` is what :class:`~quietsync.transport.Transport` builds its operations on. With more than one
+worker it initialises ``torch.distributed`` from the environment (``env://``, torchrun's, or the launcher's
+``file://`` store) unless it is initialised already, and creates its own process group per transport group, so
+operations issued from the communication worker thread never interleave with another thread's on one group. Its
+:meth:`~ProcessGroups.close` is local and safe after a peer died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..topology import GROUPS, Topology
+
+
+class _DefaultGroupRecord:
+    """Process-wide record of a default process group initialised by a transport.
+
+    ``generation`` counts the default groups transports have initialised in this process; ``users`` the open
+    transports on the current one. The last of them to close destroys it, so closing one transport never
+    pulls the default group from under another one still open.
+
+    The rendezvous store outlives the default groups, and each generation rendezvouses under its own key
+    prefix: a worker that closes and re-initialises before a slower peer has closed then waits for that peer
+    on the same live store, instead of joining the peer's old store just before it is torn down (with
+    ``env://`` re-run each time, the store server lives on rank 0 and dies with rank 0's default group).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.generation = 0
+        self.owned = False
+        self.users = 0
+        self.store: Any = None
+        """The ``env://`` rendezvous store, kept for the life of the process (see :meth:`Transport._init_groups`)."""
+
+
+_DEFAULT_GROUP = _DefaultGroupRecord()
+
+RENDEZVOUS_ENV = "QUIETSYNC_RENDEZVOUS"
+"""Environment variable naming the rendezvous URL (default ``env://``, torchrun's); the local launcher sets a
+``file://`` URL, so a run on one machine listens on no network interface for its rendezvous."""
+
+
+BACKEND_ENV = "QUIETSYNC_BACKEND"
+"""Environment variable that overrides :func:`default_backend` (``gloo`` or ``nccl``)."""
+
+
+def _processes_here(topology: Topology) -> int:
+    """Worker processes on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (else the whole world)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
+
+
+def default_backend(topology: Topology) -> str:
+    """``nccl`` when every worker process on this machine can have a CUDA device of its own, else ``gloo``.
+
+    NCCL refuses two ranks on one GPU, so a 4-process run on a 1-GPU machine falls back to gloo on CPU
+    rather than failing inside NCCL's setup. The environment variable ``QUIETSYNC_BACKEND`` (``gloo`` or
+    ``nccl``) overrides the choice, e.g. for gloo tests on a GPU machine.
+    """
+    forced = os.environ.get(BACKEND_ENV, "")
+    if forced:
+        if forced not in ("gloo", "nccl"):
+            raise ValueError(f"{BACKEND_ENV} must be 'gloo' or 'nccl', got {forced!r}")
+        return forced
+    if not torch.cuda.is_available():
+        return "gloo"
+    return "nccl" if topology.world_size == 1 or torch.cuda.device_count() >= _processes_here(topology) else "gloo"
+
+
+class ProcessGroups:
+    """torch.distributed's groups behind the transport groups ``world``, ``shard`` and ``replicate``.
+
+    Args:
+        topology: who is where; by default :meth:`Topology.from_env`.
+        timeout_s: how long any collective may wait for its peers before failing.
+        backend: ``gloo`` or ``nccl``; default :func:`default_backend`.
+    """
+
+    def __init__(self, topology: Topology | None = None, timeout_s: float = 300.0,
+                 backend: str | None = None) -> None:
+        self.topology = topology if topology is not None else Topology.from_env()
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        if backend is None:
+            backend = default_backend(self.topology)
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and self.topology.world_size > 1 and torch.cuda.device_count() < _processes_here(
+                self.topology):
+            raise ValueError(
+                f"backend 'nccl' needs one CUDA device per worker process on this machine: "
+                f"{_processes_here(self.topology)} processes, {torch.cuda.device_count()} devices "
+                "(use backend 'gloo', or fewer processes per machine)")
+        self.backend = backend
+        self.device = (
+            torch.device("cuda", self.topology.local_rank % max(1, torch.cuda.device_count()))
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        self._groups: dict[str, Any] = {}
+        self._meshes: dict[str, Any] = {}
+        self._global_ranks: dict[str, tuple[int, ...]] = {g: self.topology.ranks(g) for g in GROUPS}
+        self.initialized_default_group = False
+        """Whether this transport initialised torch.distributed's default process group."""
+        self._default_generation: int | None = None  # the default group this transport counts as a user of
+        self._closed = False
+        if self.topology.world_size > 1:
+            self._init_groups()
+
+    # ------------------------------------------------------------------ setup
+    def _init_groups(self) -> None:
+        topo = self.topology
+        with _DEFAULT_GROUP.lock:
+            if not dist.is_initialized():
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                if self.backend == "nccl":
+                    torch.cuda.set_device(self.device)
+                if _DEFAULT_GROUP.store is None:
+                    url = os.environ.get(RENDEZVOUS_ENV, "env://")
+                    _DEFAULT_GROUP.store, _, _ = next(
+                        dist.rendezvous(url, rank=topo.rank, world_size=topo.world_size, timeout=self._timeout)
+                    )
+                _DEFAULT_GROUP.generation += 1
+                store = dist.PrefixStore(f"quietsync/default{_DEFAULT_GROUP.generation}/", _DEFAULT_GROUP.store)
+                dist.init_process_group(
+                    self.backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=self._timeout
+                )
+                self.initialized_default_group = True
+                _DEFAULT_GROUP.owned = True
+                _DEFAULT_GROUP.users = 0
+            if _DEFAULT_GROUP.owned:
+                _DEFAULT_GROUP.users += 1
+                self._default_generation = _DEFAULT_GROUP.generation
+        if dist.get_world_size() != topo.world_size or dist.get_rank() != topo.rank:
+            raise RuntimeError(
+                f"torch.distributed has rank {dist.get_rank()}/{dist.get_world_size()} but the topology says "
+                f"{topo.rank}/{topo.world_size}"
+            )
+        # Every rank creates every group in the same order (a torch.distributed requirement).
+        self._groups["world"] = dist.new_group(list(range(topo.world_size)), timeout=self._timeout)
+        for name, all_groups in (("shard", topo.all_shard_groups()), ("replicate", topo.all_replicate_groups())):
+            for ranks in all_groups:
+                pg = dist.new_group(list(ranks), timeout=self._timeout) if len(ranks) > 1 else None
+                if topo.rank in ranks:
+                    self._groups[name] = pg
+
+    def close(self) -> None:
+        """Tear down what this transport created; idempotent, local (no collective), safe after a peer died.
+
+        Destroys the process groups this transport created, then torch.distributed's default process group
+        if a transport initialised it and no other open transport of this process still uses it (so the
+        transport that set torch.distributed up also takes it down, deferred to the last of its users).
+        A default group initialised by someone else (a launcher, the user) is left alone.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for pg in {id(g): g for g in self._groups.values() if g is not None}.values():
+            try:
+                dist.destroy_process_group(pg)
+            except Exception:  # noqa: BLE001 - best effort at shutdown (a dead peer, an already destroyed group)
+                pass
+        self._groups.clear()
+        self._meshes.clear()
+        with _DEFAULT_GROUP.lock:
+            if self._default_generation is None or self._default_generation != _DEFAULT_GROUP.generation:
+                return
+            self._default_generation = None
+            _DEFAULT_GROUP.users -= 1
+            if _DEFAULT_GROUP.users > 0 or not _DEFAULT_GROUP.owned:
+                return
+            _DEFAULT_GROUP.owned = False
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
+
+    # ------------------------------------------------------------------ queries
+    def group_size(self, group: str) -> int:
+        return len(self._ranks(group))
+
+    def group_rank(self, group: str) -> int:
+        return self._ranks(group).index(self.topology.rank)
+
+    def global_rank(self, group: str, group_rank: int) -> int:
+        return self._ranks(group)[group_rank]
+
+    def process_group(self, group: str) -> Any:
+        """The torch ProcessGroup behind ``group`` (for torch DDP/FSDP construction only), None if size 1."""
+        self._ranks(group)
+        return self._groups.get(group)
+
+    def device_mesh(self, group: str) -> Any:
+        """A 1-D ``DeviceMesh`` over ``group`` (dimension named after it), None for a group of one; built once.
+
+        For torch components that take a mesh (FSDP2, DTensors of checkpoints). What they run on it bypasses
+        the meter unless routed back through this transport (FSDP2's collectives are; DCP's few small planning
+        collectives are not)."""
+        pg = self.process_group(group)
+        if pg is None:
+            return None
+        if group not in self._meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._meshes[group] = DeviceMesh.from_group(pg, self.device.type, mesh_dim_names=(group,))
+        return self._meshes[group]
+
+    def _ranks(self, group: str) -> tuple[int, ...]:
+        try:
+            return self._global_ranks[group]
+        except KeyError:
+            raise ValueError(f"group must be one of {GROUPS}, got {group!r}") from None

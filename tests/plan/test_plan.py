@@ -1,0 +1,158 @@
+"""``quietsync plan`` and ``quietsync.plan(...)``: bad input is one line and exit 2 before anything starts, a
+described cluster is predicted without running anything, a measured plan calibrates and probes real workers,
+and the equal-token findings quoted to users are in the files they cite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import quietsync  # noqa: E402
+from quietsync.plan.knowledge import FINDINGS  # noqa: E402
+from quietsync.train.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "8", "--seq-len", "2048",
+           "--micro-batch-size", "4", "--link", "intra=900gbit,2us"]
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--model", "nope"], "--model must be a preset"),
+    (["--model", "1b"], "--model '1b' is a described size, only for what_if"),
+    (["--nproc", "4", "--nodes", "3"], "--nodes must divide nproc"),
+    (["--link", "inter=100xx"], "--link bandwidth must be a number with a unit"),
+    (["--link", "between=1gbit"], "--link must look like 'inter=100mbit,5ms'"),
+    (["--slow-worker", "5:2"], "--slow-worker must look like RANK:FACTOR"),
+    (["--strategies", "nosuch"], "'nosuch' in 'nosuch' is not a strategy"),
+    (["--strategies", "diloco:sync_every=0"], "sync_every must be an integer >= 1"),
+    (["--target-busy", "1.5"], "--target-busy must be in (0, 1]"),
+    (WHAT_IF[:-2] + ["--link", "inter=1gbit"], "--link must be given for intra with what_if"),
+    (["--what-if", "--model", "transformer:hidden=8"], "needs hidden, layers and vocab"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_worker(argv, says, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("quietsync plan: error: "), err
+    assert says in err, err
+
+
+def test_what_if_predicts_every_strategy_with_exact_bytes_and_recommends_the_fastest():
+    result = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                            micro_batch_size=4, link=["inter=100gbit,10us", "intra=900gbit,2us"])
+    strategies = {r.strategy for r in result.rows}
+    assert strategies >= {"ddp", "zero1", "fsdp", "acco", "dpu", "wp", "demo", "flexdemo", "localsgd", "diloco",
+                          "cdp"}
+    p, n = result.workload.params, 16
+    ddp = next(r for r in result.rows if r.label == "ddp")
+    assert ddp.bytes_per_link["inter"] == pytest.approx(2 * (n - 1) * p * 4 // n, rel=1e-6)  # one ring all-reduce
+    zero1 = next(r for r in result.rows if r.label == "zero1")
+    padded = -(-p // n) * n
+    assert zero1.bytes_per_link["inter"] == 2 * ((n - 1) * padded * 4 // n)  # reduce-scatter + all-gather
+    for r in result.rows:
+        assert r.step_s > 0 and r.tokens_per_s > 0 and 0 < r.compute_busy <= 1 + 1e-9, r.label
+    from quietsync.plan.recommend import MAX_STAGE, STAGES
+
+    # the first recommendation is the fastest row, except adaptive stages grown past MAX_STAGE micro-batches
+    allowed = [r for r in result.rows + [t.row for t in result.tuned]
+               if r.strategy not in STAGES or r.micro_batches / 16 / STAGES[r.strategy] <= MAX_STAGE]
+    assert result.advice.recommendations[0].tokens_per_s == pytest.approx(max(r.tokens_per_s for r in allowed))
+    acco = next(r for r in result.rows if r.label == "acco adaptive")
+    assert acco.micro_batches / 16 / 2 > MAX_STAGE  # at 100 Gbit a 1B model's stages grow past 4 micro-batches
+    assert "acco adaptive: not ranked" in "\n".join(result.advice.tuned)
+    text = result.markdown()
+    assert "Diagnosis" in text and "Assumptions" in text and "6 × parameters" in text
+
+
+def test_what_if_prediction_never_gets_slower_with_a_faster_link():
+    slow = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
+                          link=["inter=1gbit,1ms", "intra=900gbit,2us"], only=True,
+                          strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
+    fast = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
+                          link=["inter=100gbit,1ms", "intra=900gbit,2us"], only=True,
+                          strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
+    for a, b in zip(slow.rows, fast.rows):
+        assert a.label == b.label
+        assert b.step_s <= a.step_s * (1 + 1e-9), a.label
+        if a.strategy != "acco":  # ACCO's stages grow with a slow link: fewer hand-overs per token, not slower
+            assert b.tokens_per_s >= a.tokens_per_s * (1 - 1e-9), a.label
+        assert b.bytes_per_step == a.bytes_per_step
+
+
+def test_quietsync_plan_is_callable_and_a_package():
+    import quietsync.plan.costmodel as costmodel
+
+    assert callable(quietsync.plan)
+    assert quietsync.plan.Workload is quietsync.plan.workload.Workload
+    assert costmodel.Comm is quietsync.plan.Comm
+
+
+@pytest.mark.timeout(300)
+def test_a_measured_plan_calibrates_and_probes_two_workers(tmp_path, capsys):
+    rc = main(["plan", "--model", "tiny", "--nproc", "2", "--micro-batch-size", "2", "--seq-len", "16",
+               "--repeats", "2", "--link", "inter=100mbit,5ms", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Diagnosis" in out and "| strategy |" in out
+    import json
+
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["compute"]["source"].startswith("calibrated on")
+    assert saved["compute"]["forward_s"] > 0 and saved["compute"]["activation_bytes"] > 0
+    assert set(saved["probe"]["fits"]) == {"inter"}  # 2 workers as 2 nodes: one link kind
+    assert saved["cluster"]["links"]["inter"].startswith("100mbit,5ms, floor ")
+    assert {r["strategy"] for r in saved["rows"]} >= {"ddp", "zero1", "acco", "demo", "diloco", "cdp"}
+
+
+def test_the_findings_quote_numbers_that_are_in_their_sources():
+    for f in FINDINGS:
+        text = (ROOT / f.source).read_text()
+        for number in f.numbers:
+            assert number in text, (f.source, number)
+            assert number in f.text, (f.text, number)
+
+
+@pytest.mark.timeout(400)
+def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkeypatch):
+    import json
+
+    from quietsync.train.compare import compare_main
+    from tests.train.conftest import synthetic_text
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    data = tmp_path / "text.txt"
+    data.write_text(synthetic_text(2000))
+    out = tmp_path / "cmp"
+    rc = compare_main([
+        "--strategies", "zero1", "demo", "--predict", "--out", str(out), "--nproc", "2", "--model", "tiny",
+        "--max-steps", "3", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
+        "--link", "inter=1gbit,1ms", "--dataset", str(data), "--cache-dir", str(tmp_path / "cache"),
+        "--eval-windows", "4", "--eval-every", "0", "--no-progress", "--no-plot", "--no-export"])
+    assert rc == 0
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["predicted"]["label"] for r in rows] == ["zero1", "demo dct 1/32"]
+    for r in rows:  # bytes per step are the same every step for both: predicted exactly
+        assert r["predicted"]["bytes_sent_per_step"] == r["bytes_sent_per_step"], r["label"]
+        assert r["predicted"]["step_s"] > 0
+    assert "Predicted (quietsync plan) beside measured" in (out / "compare.md").read_text()
+
+
+def test_crossovers_are_where_the_fastest_strategy_changes():
+    result = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
+                            link=["inter=1gbit,100us", "intra=900gbit,2us"], only=True, memory_bandwidth="20gb/s",
+                            strategies=["ddp", "demo:replicator=random,compression=0.001"])
+    kind, bws, curves, crossovers = result.sweep()  # slow memory: the codec costs what a fast link saves
+    assert kind == "inter" and len(crossovers) == 1
+    bw, slow_link_winner, fast_link_winner = crossovers[0]
+    # compressed momentum wins on a slow link, plain DDP once the link is fast enough
+    assert (slow_link_winner, fast_link_winner) == ("demo random 1/1000", "ddp")
+    from quietsync.link import LinkModel
+    from quietsync.plan.costmodel import Links
+
+    at = Links(model={"inter": LinkModel(bw, 1e-4), "intra": result.cluster.links.model["intra"]})
+    a, b = (result.predict(n, k, at).tokens_per_s for n, k in (("ddp", {}), ("demo", {"replicator": "random",
+                                                                                           "compression": 0.001})))
+    assert a == pytest.approx(b, rel=0.02)
