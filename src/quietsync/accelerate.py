@@ -28,8 +28,10 @@ How the pieces map (see ``docs/accelerate.md``):
   ``torch.compile``; never ``DistributedDataParallel``) and returns the module the strategy wants forward
   called on (``ddp`` returns its own metered DDP wrapper).
 * **backward is the strategy's.** ``accelerator.backward(loss)`` gives the *undivided* micro-batch loss to
-  ``Strategy.backward`` and then calls ``Strategy.step()`` — the contract's "step after every backward" —
-  so the strategy sees every micro-batch and commits when *it* decides. The strategy divides by its
+  ``Strategy.backward``; the ``Strategy.step()`` that the contract wants after every backward is owed and runs
+  in ``clip_grad_norm_``, ``optimizer.step()`` or the next backward (whichever comes first, so a clip in
+  between applies to the step that commits) — the strategy sees every micro-batch and commits when *it*
+  decides. The strategy divides by its
   micro-batch count itself (the contract's gradient convention), which replaces Accelerate's division by
   ``gradient_accumulation_steps``.
 * **Accumulation.** A strategy with an ``accumulation`` knob (ddp, zero1, demo, flexdemo, ...) gets
@@ -209,7 +211,8 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """The micro-batch's undivided loss goes to the strategy (backward, then ``Strategy.step()``)."""
+        """The micro-batch's undivided loss goes to the strategy's backward (its ``Strategy.step()`` is owed: see
+        :class:`QuietOptimizer`)."""
         if kwargs:
             raise TypeError(f"backward arguments {sorted(kwargs)} are not supported with quietsync strategies")
         if self.quiet_optimizer is None:

@@ -18,9 +18,10 @@ subclass overrides the two hooks the Trainer documents for exactly this ("subcla
   applies; its ``step_was_skipped`` tells the Trainer not to step the scheduler when the strategy did not
   commit. It also hands the Trainer the strategy's forward module in a thin wrapper, so the Trainer treats
   the model as already wrapped and does not ask Accelerate for DDP.
-* :meth:`training_step` — forward through the strategy's module, the micro-batch's own mean loss to
-  ``Strategy.backward`` + ``Strategy.step()`` (the strategy divides by its micro-batch count, replacing
-  the Trainer's division by ``gradient_accumulation_steps``).
+* :meth:`training_step` — forward through the strategy's module (under its autocast), the micro-batch's own
+  mean loss to ``Strategy.backward`` (the strategy divides by its micro-batch count, replacing the Trainer's
+  division by ``gradient_accumulation_steps``); the ``Strategy.step()`` owed for it runs in
+  :meth:`_clip_grad_norm` or the Trainer's ``optimizer.step()``.
 
 Accumulation: the Trainer's ``gradient_accumulation_steps`` becomes the strategy's ``accumulation`` (ddp,
 zero1, demo, ...); strategies that decide their own (acco, dpu, wp) need it to be 1. Evaluation and

@@ -193,3 +193,20 @@ def test_an_fp16_overflow_on_one_worker_skips_the_round_on_every_worker(case):
             torch.testing.assert_close(a["theta"], b["theta"], rtol=1e-4, atol=1e-5)
     for out in poisoned[1:]:  # the committed parameters are the same on every worker
         torch.testing.assert_close(out["theta"], poisoned[0]["theta"], rtol=0, atol=0)
+
+
+def test_the_trainer_guard_leaves_fp16_overflows_to_the_loss_scaler():
+    from quietsync.train.nonfinite import NonFiniteError, NonFiniteGuard, gradients_finite
+
+    s = quietsync.make_strategy("acco", tiny_model(), precision="fp16", config={"deterministic_accumulation": 1},
+                                **OPT)
+    guard = NonFiniteGuard("stop", s)
+    assert not guard.checks_gradients
+    with s.autocast():
+        loss = loss_fn(s.model, micro_batch(0, 0, 0))
+    s.backward(loss * 1e10)  # scaled by 2**16, in fp16: the gradient overflows
+    assert not gradients_finite(s.module)
+    guard.see(loss.detach())  # a finite loss: no error, the strategy will skip the round
+    with pytest.raises(NonFiniteError, match="non-finite loss"):
+        guard.see(torch.tensor(float("inf")))
+    s.close()
