@@ -61,7 +61,7 @@ def test_trainer_takes_its_default_clipping_and_refuses_what_it_cannot_do(tmp_pa
     with pytest.raises(ValueError, match="fp16 is not supported by strategy cdp"):
         QuietTrainer(model=model, args=fp16, strategy="cdp")
 
-def _regression_trainer(cls, tmp_path, **kwargs):
+def _regression_trainer(cls, tmp_path, args_overrides=None, seen=None, **kwargs):
     import torch
     from transformers import TrainingArguments
 
@@ -72,6 +72,8 @@ def _regression_trainer(cls, tmp_path, **kwargs):
             self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
         def forward(self, x, labels):
+            if seen is not None:
+                seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
             out = self.net(x)
             return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
 
@@ -80,7 +82,7 @@ def _regression_trainer(cls, tmp_path, **kwargs):
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=4,
                              per_device_train_batch_size=4, learning_rate=0.1, optim="sgd",
                              lr_scheduler_type="constant", logging_steps=1, max_grad_norm=0.05, save_strategy="no",
-                             seed=1)
+                             seed=1, **(args_overrides or {}))
     model = Regression()
     trainer = cls(model=model, args=args, train_dataset=data, **kwargs)
     trainer.train()
@@ -101,3 +103,15 @@ def test_trainer_max_grad_norm_clips_like_the_plain_trainer(tmp_path):
     assert norms == pytest.approx(want_norms, rel=1e-5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(120)
+def test_trainer_bf16_runs_the_forward_under_the_strategy_autocast(tmp_path):
+    import torch
+
+    from quietsync.hf_trainer import QuietTrainer
+
+    seen: list = []
+    params, norms = _regression_trainer(QuietTrainer, tmp_path, {"bf16": True}, seen, strategy="ddp")
+    assert seen and all(dtype == torch.bfloat16 for dtype in seen)
+    assert len(norms) == 4 and all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in params)
