@@ -263,6 +263,7 @@ class QuietOptimizer(torch.optim.Optimizer):
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "base_lrs": list(self._base_lrs),
             "pending_commit": self._committed_since_step,
+            "owed_step": self._owed,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -279,6 +280,7 @@ class QuietOptimizer(torch.optim.Optimizer):
             g.update(saved)
         self._base_lrs = [float(x) for x in state_dict["base_lrs"]]
         self._committed_since_step = bool(state_dict.get("pending_commit", False))
+        self._owed = bool(state_dict.get("owed_step", False))  # saved between a backward and its step
         with self._scale_lock:
             self._scales.clear()
 
