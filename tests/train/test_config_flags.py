@@ -247,7 +247,8 @@ def _float_fields(cls: type) -> list[str]:
 
 
 FLOAT_FIELDS = {
-    None: {"max_time_s", "target_loss", "lr", "weight_decay", "min_lr_ratio", "eval_fraction", "timeout_s"},
+    None: {"max_time_s", "target_loss", "lr", "weight_decay", "min_lr_ratio", "eval_fraction", "timeout_s",
+           "max_grad_norm"},
     "ddp": {"bucket_cap_mb"},
     "demo": {"compression", "beta"},
     "flexdemo": {"compression", "beta"},

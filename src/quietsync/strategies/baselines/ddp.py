@@ -10,8 +10,10 @@ algorithm through the transport) or an fp16/bf16 average. PowerSGD's state (per-
 so such a checkpoint is not resharded.
 
 Because DDP decides at *forward* time whether the coming backward synchronises, the strategy sets that
-for the next micro-batch at the end of each :meth:`step` (and at construction): call ``strategy.model``'s
-forward after the previous ``step()``, as the ordinary loop does.
+for the next micro-batch at the end of each backward and each :meth:`step` (and at construction).
+
+Precision and clipping: the averaged gradient (``p.grad`` after DDP's all-reduce, equal on every worker) is
+unscaled (fp16) and clipped by its norm, computed locally — no collective is added.
 
 Accounting: ``idle_s`` is the time the last micro-batch's backward spent after its last bucket's
 all-reduce was issued (autograd has nothing left to compute then); the rest of that backward is compute.
@@ -139,13 +141,20 @@ class DDP(Strategy):
         return self._ddp if self._ddp is not None else self.module
 
     def _set_sync_for_next(self) -> None:
+        """Whether the next micro-batch's backward all-reduces (DDP reads it in that micro-batch's forward): set
+        after every backward as well as after every step, so a loop whose ``step()`` comes after the next forward
+        (an adapter paying the step late) still syncs the right micro-batch — a full round commits (or is
+        dropped) before the next micro-batch counts."""
         if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = self.round.accumulator.next_is_last
+            acc = self.round.accumulator
+            count = acc.count if acc.count < acc.size else 0
+            self._ddp.require_backward_grad_sync = count == acc.size - 1
 
     def _backward(self, loss: torch.Tensor) -> None:
         last = self.round.accumulator.next_is_last
         t0 = time.perf_counter()
         self.round.backward(loss)
+        self._set_sync_for_next()
         if last and self._ddp is not None:
             t1 = time.perf_counter()
             issued = [s.t0 for s in self.transport.recorder.spans("comm", since=t0)
@@ -161,8 +170,14 @@ class DDP(Strategy):
         if not self.round.full:
             self._set_sync_for_next()
             return False
+        # the averaged gradient, equal on every worker of the group (DDP's all-reduce)
+        extra = self._prepare_commit([p.grad for p in self.round.params if p.grad is not None],
+                                     shared=self.group == "world")
+        if extra is None:  # fp16 overflow: the round is dropped on every worker
+            self.discard_round()
+            return False
         self.round.step(self._lr_scale(self.steps), self.accounting)
-        self._commit()
+        self._commit(extra or None)
         self._set_sync_for_next()
         return True
 

@@ -33,6 +33,10 @@ decode(q_i)``.
 ``zero1`` — the registered ``ddp``/``zero1`` strategy runs inside each node (group ``shard``, synchronous data
 parallelism per node) and only the outer sync crosses nodes, over ``replicate``.
 
+Precision and clipping: ``max_grad_norm`` clips the inner gradient of every inner step by its norm — the local
+gradient (``local``), or the node-averaged one (``ddp``/``zero1``, done by the inner strategy); fp16 drops a round
+that overflowed on any worker on every worker (the inner strategy agrees over ``world``).
+
 ``committed_params()`` gives θ_global (the last globally agreed parameters, per fragment); between syncs
 ``model`` holds the local θ. With outer SGD lr = 1 and momentum 0 (no Nesterov), θ_global ← mean_i θ_i:
 DiLoCo is Local SGD with K = H.
@@ -101,7 +105,7 @@ class DiLoCo(Strategy):
             self.inner = self.hold("inner", cls(
                 model, self.optimizer_factory, param_groups=self.param_groups, transport=self.transport,
                 config={"accumulation": cfg.accumulation}, lr_schedule=self.lr_schedule, group="shard",
-                **self.optimizer_kwargs))
+                precision=self.precision, max_grad_norm=self.max_grad_norm, **self.optimizer_kwargs))
             self.optimizer = self.inner.optimizer
         layers = layer_units(model, self.params) if cfg.fragment_pattern == "strided" else None
         self.outer = self.hold("outer", OuterSync(self.params, self.transport, self.sync_group, cfg,
@@ -121,19 +125,31 @@ class DiLoCo(Strategy):
     def _backward(self, loss: torch.Tensor) -> None:
         (self.round if self.inner is None else self.inner).backward(loss)
 
+    def _scales_own_loss(self) -> bool:
+        """With an inner ddp/zero1, the inner strategy scales the loss (fp16) and drops overflowing rounds."""
+        return self.config.inner == "local"
+
     def _step(self) -> bool:
+        check: dict[str, Any] = {}
         if self.inner is not None:
+            self.inner.max_grad_norm = self.max_grad_norm  # it clips the node-averaged inner gradient
             if not self.inner.step():
                 return False
-            self.accounting.reclassify_as_idle(
-                self.inner.last_step_metrics().idle_s
-            )  # its blocking collectives
+            inner = self.inner.last_step_metrics()
+            self.accounting.reclassify_as_idle(inner.idle_s)  # its blocking collectives
+            check = {k: v for k, v in inner.extra.items()
+                     if k in ("grad_norm", "clipped", "loss_scale", "overflow_skips")}
         else:
             if not self.round.full:
                 return False
+            # the local inner gradient of this worker
+            check = self._prepare_commit([p.grad for p in self.params if p.grad is not None])
+            if check is None:  # fp16 overflow on some worker: the round is dropped on every worker
+                self.discard_round()
+                return False
             self.round.step(self._lr_scale(self.steps), self.accounting)
         extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
-        self._commit(extra=extra)
+        self._commit(extra={**extra, **check})
         return True
 
     # ------------------------------------------------------------------ contract
