@@ -12,7 +12,9 @@ A strategy that schedules forward and backward itself (``cdp``) is fed with
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --strategy diloco \
         --strategy-config '{"sync_every": 4}'
 
-(on a CPU-only machine ``--multi_gpu`` starts gloo workers). ``--strategy`` takes any registered name
+(on a CPU-only machine ``--multi_gpu`` starts gloo workers; ``accelerate launch --mixed_precision bf16`` trains in
+bf16, and the loop clips with ``accelerator.clip_grad_norm_`` as Accelerate's own examples do). ``--strategy``
+takes any registered name
 (``quietsync.strategies.available()``), several separated by commas, or ``all`` (each trained in turn, from the
 same initial model, in the same processes). ``--out FILE`` appends one JSON line per rank and strategy (for the
 tests).
@@ -90,6 +92,8 @@ def train(args: argparse.Namespace, strategy: str, last: bool) -> dict:
             else:
                 loss = model(**batch).loss
                 accelerator.backward(loss)
+            if args.max_grad_norm and accelerator.sync_gradients:  # clips the gradient the strategy commits
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -135,6 +139,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--sgd", action="store_true", help="torch.optim.SGD instead of AdamW")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="accelerator.clip_grad_norm_ before each step (0: no clipping)")
     parser.add_argument("--forward-backward", action="store_true",
                         help="feed every strategy with accelerator.forward_backward (cdp always is)")
     parser.add_argument("--strategy-config", type=json.loads, default=None,

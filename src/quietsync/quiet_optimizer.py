@@ -91,18 +91,27 @@ class QuietOptimizer(torch.optim.Optimizer):
             the config's ``accumulation`` field when the strategy has one; must be 1 otherwise.
         transport: the transport; default ``Transport()`` from the launcher's environment (reusing an
             initialised default process group).
+        precision: the strategy's ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"``; Accelerate's
+            ``mixed_precision``, the Trainer's ``bf16``/``fp16``).
+        max_grad_norm: the strategy's ``max_grad_norm`` (None: no clipping; :meth:`clip_grad_norm_` sets it too).
 
     Behaviour:
-        * :meth:`forward_backward` runs one micro-batch through the strategy's per-micro-batch contract
-          (``Strategy.forward_backward(batch, loss_fn)``, then ``Strategy.step()``): every strategy takes it,
-          and it is the only way in for a strategy that schedules forward and backward itself (``cdp``).
-        * :meth:`backward` runs one micro-batch's backward through the strategy and then ``Strategy.step()``
-          (refused, in one line naming :meth:`forward_backward`, by a strategy that owns its schedule).
+        * :meth:`forward_backward` runs one micro-batch through the strategy's per-micro-batch contract,
+          ``Strategy.forward_backward(batch, loss_fn)``; its ``Strategy.step()`` is owed, as after
+          :meth:`backward`. Every strategy takes it, and it is the only way in for a strategy that schedules
+          forward and backward itself (``cdp``).
+        * :meth:`backward` runs one micro-batch's backward through the strategy (refused, in one line naming
+          :meth:`forward_backward`, by a strategy that owns its schedule); the ``Strategy.step()`` that must
+          follow it is *owed* and paid by :meth:`clip_grad_norm_`, :meth:`step` or the next :meth:`backward` /
+          :meth:`forward_backward`, whichever comes first — so a clip requested between backward and step
+          (Accelerate's and the Trainer's order) applies to the step that commits.
+        * :meth:`step` pays the owed ``Strategy.step()`` and records whether the strategy committed since the
+          previous call (``step_was_skipped`` is True when it did not, which Accelerate's scheduler wrapper and
+          the HF Trainer honour).
+        * :meth:`clip_grad_norm_` sets the strategy's ``max_grad_norm`` and returns the pre-clip global norm of
+          the gradient the strategy committed (NaN when nothing committed).
         * :meth:`finish` ends training (``Strategy.finish``: local methods sync their last partial round,
           overlapped methods drain theirs); the adapters call it at the end of training.
-        * :meth:`step` commits nothing itself; it records whether the strategy committed since the previous
-          call (``step_was_skipped`` is True when it did not, which Accelerate's scheduler wrapper and the
-          HF Trainer honour).
         * :meth:`zero_grad` is a no-op: the strategy owns and resets the gradients.
         * The lr the strategy applies at a committed step is the lr in ``param_groups`` at that moment
           (schedulers must scale every group by the same factor — all torch and transformers schedulers do).
@@ -124,6 +133,8 @@ class QuietOptimizer(torch.optim.Optimizer):
         config: StrategyConfig | dict[str, Any] | None = None,
         accumulation: int = 1,
         transport: Transport | None = None,
+        precision: str = "fp32",
+        max_grad_norm: float | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups/defaults/state are the
         # specification's and the strategy's (properties below). These are what torch's hooks expect.
@@ -173,11 +184,13 @@ class QuietOptimizer(torch.optim.Optimizer):
         self._release = threading.Condition(self._scale_lock)
         self.strategy: Strategy = make_strategy(
             strategy, model, spec.pop("optimizer"), config=config, transport=transport,
-            lr_schedule=self._lr_scale, **spec,
+            lr_schedule=self._lr_scale, precision=precision, max_grad_norm=max_grad_norm, **spec,
         )
         """The quietsync strategy doing the work."""
         self._committed_since_step = False
         self._was_skipped = False
+        self._owed = False  # a backward whose Strategy.step() has not run yet
+        self._last_norm = float("nan")  # pre-clip norm of the step committed by the last paid step()
 
     # ------------------------------------------------------------------ torch.optim.Optimizer surface
     @property
@@ -205,22 +218,23 @@ class QuietOptimizer(torch.optim.Optimizer):
         return self.strategy.owns_schedule
 
     def forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor | None:
-        """One micro-batch: ``Strategy.forward_backward(batch, loss_fn)`` then ``Strategy.step()``.
+        """One micro-batch: ``Strategy.forward_backward(batch, loss_fn)``; its ``Strategy.step()`` is owed (see
+        the class doc).
 
         ``loss_fn(model, batch)`` returns the micro-batch's own (undivided) loss and calls ``model`` once (the
         module it receives; ``cdp`` runs it one stage at a time). Returns the detached loss of the micro-batch(es)
         whose backward completed in this call, None while a pipeline fills (``cdp``).
         """
-        self._release_lrs()
+        self._enter()
         loss = self.strategy.forward_backward(batch, loss_fn)
-        if self.strategy.step():
-            self._committed_since_step = True
+        self._owed = True
         return loss
 
-    def backward(self, loss: torch.Tensor) -> bool:
-        """One micro-batch: ``Strategy.backward(loss)`` then ``Strategy.step()``; True when a step committed.
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch: ``Strategy.backward(loss)``; its ``Strategy.step()`` is owed (see the class doc).
 
-        ``loss`` is the micro-batch's own (undivided) loss: the strategy divides by its micro-batch count.
+        ``loss`` is the micro-batch's own (undivided) loss: the strategy divides by its micro-batch count (and
+        scales it, under fp16).
 
         Raises:
             RuntimeError: the strategy schedules forward and backward itself (use :meth:`forward_backward`).
@@ -231,17 +245,48 @@ class QuietOptimizer(torch.optim.Optimizer):
                 "computed outside: feed each micro-batch with forward_backward(batch, loss_fn) instead of "
                 "computing the loss and calling backward(loss)"
             )
-        self._release_lrs()
+        self._enter()
         self.strategy.backward(loss)
+        self._owed = True
+
+    def _enter(self) -> None:
+        """The loop feeds a micro-batch: its scheduler has stepped for every step committed so far, so their lrs
+        are final (released *before* paying an owed step: a background job that step starts must wait for the
+        scheduler's next step); a step paid only now was never followed by ``step()`` and its scheduler step, so
+        nothing more will come before the next call: released too."""
+        self._release_lrs()
+        if self.pay_step():
+            self._release_lrs()
+
+    def pay_step(self) -> bool:
+        """Run the ``Strategy.step()`` owed for the last backward, if any; True when it committed a step."""
+        if not self._owed:
+            return False
+        self._owed = False
         committed = self.strategy.step()
         if committed:
             self._committed_since_step = True
+            self._last_norm = float(self.strategy.last_step_metrics().extra.get("grad_norm", float("nan")))
         return committed
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient the strategy commits to ``max_norm`` (its global L2 norm, as the strategy defines
+        it: ``docs/contract.md``); from now on every committed step is clipped. Pays the owed step and returns
+        the pre-clip norm of the gradient it committed, as ``torch.nn.utils.clip_grad_norm_`` returns it (NaN
+        when no step committed here). ``max_norm=inf`` measures without clipping."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type must be 2 (quietsync strategies clip by the L2 norm), got {norm_type!r}")
+        self.strategy.max_grad_norm = float(max_norm)
+        self._last_norm = float("nan")
+        self.pay_step()
+        return torch.tensor(self._last_norm)
+
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        """Close an optimizer step of the user's loop; the strategy already committed (or not) in backward."""
+        """Close an optimizer step of the user's loop: pay the owed ``Strategy.step()`` and record whether the
+        strategy committed since the previous call."""
         if closure is not None:
             raise ValueError("closures are not supported: the strategy decides when the optimizer runs")
+        self.pay_step()
         self._was_skipped = not self._committed_since_step
         self._committed_since_step = False
         # A scheduler built on the specification tracks *its* step calls (torch warns otherwise).
@@ -266,6 +311,7 @@ class QuietOptimizer(torch.optim.Optimizer):
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "base_lrs": list(self._base_lrs),
             "pending_commit": self._committed_since_step,
+            "owed_step": self._owed,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -282,6 +328,7 @@ class QuietOptimizer(torch.optim.Optimizer):
             g.update(saved)
         self._base_lrs = [float(x) for x in state_dict["base_lrs"]]
         self._committed_since_step = bool(state_dict.get("pending_commit", False))
+        self._owed = bool(state_dict.get("owed_step", False))  # saved between a backward and its step
         with self._scale_lock:
             self._scales.clear()
             self._released = self.strategy.steps
@@ -322,8 +369,11 @@ class QuietOptimizer(torch.optim.Optimizer):
         Call it on every process after the last step, before evaluating or saving the final model; the
         adapters' end of training (``QuietAccelerator.end_training``, the end of ``QuietTrainer.train``) does.
         Calling it again does nothing."""
+        if self.strategy.finished:
+            return 0
         self._release_lrs(everything=True)
-        added = self.strategy.finish(sync)
+        added = int(self.pay_step())  # the step owed for the last micro-batch, then the strategy's end
+        added += self.strategy.finish(sync)
         if added:
             self._committed_since_step = True
         return added
@@ -332,6 +382,8 @@ class QuietOptimizer(torch.optim.Optimizer):
         """Stop the strategy's background work and release its process groups; safe to call twice. It does not
         finish the run (see :meth:`finish`): it also runs on failure paths, where peers may be gone."""
         self._release_lrs(everything=True)
+        if not self.strategy._closed and not self.strategy.finished:
+            self.pay_step()
         self.strategy.close()
 
     def _lr_scale(self, step: int) -> float:
