@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+"""Names of step folders under ``OUT/checkpoints``."""
+
+PARTIAL_WRITES = ("rank*.pt.tmp", "logical/*.tmp")
+"""What a write cut short (``kill -9`` mid-save) leaves in a step folder: the temporary names files are
+written under before their rename (rank files; DCP's ``.metadata``)."""
 
 
 def checkpoint_root(out: str | os.PathLike) -> Path:
@@ -34,6 +39,33 @@ def checkpoint_root(out: str | os.PathLike) -> Path:
 def rank_file(folder: str | os.PathLike, rank: int) -> Path:
     """``FOLDER/rank{rank}.pt``."""
     return Path(folder) / f"rank{rank}.pt"
+
+
+def run_files(step_folder: str | os.PathLike) -> list[Path]:
+    """What runs write into a step folder: rank files, the ``logical/`` part, partial writes."""
+    folder = Path(step_folder)
+    found = [*folder.glob("rank*.pt"), *folder.glob("rank*.pt.tmp")]
+    logical = folder / "logical"
+    if logical.exists():
+        found.append(logical)
+    return found
+
+
+def remove_partial_writes(out: str | os.PathLike) -> list[Path]:
+    """Delete what writes cut short left under ``OUT/checkpoints`` (:data:`PARTIAL_WRITES`); return them.
+
+    Call it only while no worker of the run can be writing (at a resume, before training)."""
+    root = checkpoint_root(out)
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for step in root.iterdir():
+        if STEP_DIR.match(step.name) and step.is_dir():
+            for pattern in PARTIAL_WRITES:
+                for path in step.glob(pattern):
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+    return removed
 
 
 def save_checkpoint(out: str | os.PathLike, step: int, rank: int, payload: dict[str, Any]) -> Path:
@@ -67,7 +99,7 @@ def latest_checkpoint(out: str | os.PathLike, ranks: Iterable[int]) -> Path | No
     ranks = list(ranks)
     found = []
     for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
+        m = STEP_DIR.match(d.name)
         if m and d.is_dir() and _complete(d, ranks):
             found.append((int(m.group(1)), d))
     return max(found)[1] if found else None
