@@ -14,15 +14,13 @@ STEPS = 4
 """Steps before the checkpoint (with sync_every 3: one step of drift since the last sync)."""
 
 CASES: dict[str, tuple[str, dict[str, Any], int]] = {
-    # case: (strategy, config, nodes per world of 4: hierarchical and flexdemo cases need nodes)
+    # case: (strategy, config, nodes of the saving world: hierarchical diloco and flexdemo are saved on 2 x 2)
     "localsgd": ("localsgd", {"sync_every": 3}, 0),
-    "diloco": ("diloco", {"sync_every": 3}, 0),
+    "diloco": ("diloco", {"sync_every": 3, "pseudo_grad_replicator": "random", "compression": 0.5}, 0),
     "diloco-streaming": ("diloco", {"sync_every": 4, "fragments": 2, "overlap_delay": 1}, 0),
-    "diloco-residual": ("diloco", {"sync_every": 3, "pseudo_grad_replicator": "random", "compression": 0.5}, 0),
     "diloco-zero1": ("diloco", {"sync_every": 3, "inner": "zero1"}, 2),
     "diloco-ddp": ("diloco", {"sync_every": 3, "inner": "ddp"}, 2),
-    "demo": ("demo", {"base": "adamw", "replicator": "random", "compression": 0.5, "sign": False}, 0),
-    "demo-dct": ("demo", {"replicator": "dct", "chunk": 4, "topk": 3}, 0),
+    "demo": ("demo", {"base": "adamw", "replicator": "dct", "chunk": 4, "topk": 3, "sign": False}, 0),
     "flexdemo": ("flexdemo", {"base": "adamw", "replicator": "random", "compression": 0.5, "sign": False,
                               "params": "replicated"}, 2),
     "acco": ("acco", {"deterministic_accumulation": 1}, 0),
@@ -63,8 +61,9 @@ def held(strategy) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": strategy.steps, "rank": strategy.rank,
                            "params": {k: v.detach().clone() for k, v in strategy.module.named_parameters()}}
     name = strategy.name
+    names = {id(p): n for n, p in strategy.module.named_parameters()}
     if name == "localsgd":
-        out["synced"] = [t.clone() for t in strategy.synced]
+        out["synced"] = {names[id(p)]: t.clone() for p, t in zip(strategy.params, strategy.synced)}
         out["optim"] = _named_optimizer_state(strategy)
     elif name == "diloco":
         outer = strategy.outer
@@ -75,6 +74,7 @@ def held(strategy) -> dict[str, Any]:
         out["residuals"] = [r.clone() for r in outer.residuals]
         out["pending"] = outer.pending_fragment
         out["replica"] = strategy.replica
+        out["flat_params"] = torch.cat([p.detach().reshape(-1).float() for p in strategy.params])
         if strategy.inner is None:
             out["optim"] = _named_optimizer_state(strategy)
         elif strategy.inner.name == "ddp":
@@ -109,6 +109,8 @@ def held(strategy) -> dict[str, Any]:
         out["master"] = o.sharded.shard.master.clone()
         views = [g["params"][0] for g in o.sharded.optimizer.param_groups]
         out["exp_avg"] = torch.cat([o.sharded.optimizer.state[v]["exp_avg"] for v in views])
+        out["exp_avg_sq"] = torch.cat([o.sharded.optimizer.state[v]["exp_avg_sq"] for v in views])
+        out["opt_step"] = [float(o.sharded.optimizer.state[v]["step"]) for v in views]
         out["counters"] = (o.hand_overs, o._master_step, o._snapshot_step, o.holds_committed)
         out["job"] = None if o.job is None else dict(o.job.result)
         if name == "acco":
@@ -136,8 +138,7 @@ def train_and_save(rank: int, world: int, case: str, folder: str, more: int) -> 
         _step(strategy, s, rank)
     save_logical(folder, strategy, stream, tokens_total=100 + rank)
     saved = held(strategy)
-    losses = [_step(strategy, s, rank) for s in range(STEPS, STEPS + more)]
-    saved["continued"] = {"held": held(strategy), "losses": losses}
+    saved["continued"] = _continue(strategy, rank, more)
     strategy.close()
     return saved
 
@@ -149,7 +150,16 @@ def load_and_continue(rank: int, world: int, case: str, folder: str, more: int) 
     strategy, stream = _strategy(case, seed=1), base._stream(rank, world)
     load_logical(folder, strategy, stream)
     loaded = held(strategy)
-    losses = [_step(strategy, s, rank) for s in range(STEPS, STEPS + more)]
-    loaded["continued"] = {"held": held(strategy), "losses": losses}
+    loaded["continued"] = _continue(strategy, rank, more)
     strategy.close()
     return loaded
+
+
+def _continue(strategy, rank: int, more: int) -> dict[str, Any]:
+    """``more`` steps after the checkpoint: the losses, the parameters after the first, what is held at the end."""
+    losses, first = [], None
+    for s in range(STEPS, STEPS + more):
+        losses.append(_step(strategy, s, rank))
+        if first is None:
+            first = {k: v.detach().clone() for k, v in strategy.module.named_parameters()}
+    return {"losses": losses, "first_params": first, "held": held(strategy)}
