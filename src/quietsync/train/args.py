@@ -179,6 +179,19 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
                      f"so a round cannot be dropped first); use stop, or one of {skippers}")
     from .launch import under_torchrun
 
+    if cfg.elastic:
+        if not under_torchrun():
+            parser.error("--elastic needs torchrun, which restarts the workers when nodes leave or join: torchrun "
+                         "--nnodes MIN:MAX --max-restarts K --rdzv-backend c10d ... -m quietsync.train.cli train "
+                         "--elastic (docs/train.md, 'Elastic runs')")
+        if not cls.resumable:
+            parser.error(f"--elastic is not supported with --strategy {strategy} (it cannot checkpoint mid-run)")
+        if "save_every" in job_values and cfg.save_every == 0:
+            parser.error("--save-every must be >= 1 with --elastic (a restart resumes from a checkpoint), got 0")
+        if cfg.save_every == 0:
+            from .elastic import default_save_every
+
+            cfg.save_every = default_save_every(strategy, strategy_config)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         nodes = cfg.nodes

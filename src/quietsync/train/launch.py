@@ -1,7 +1,9 @@
 """Start the workers of a job: in place under torchrun, or as local processes.
 
 * Under torchrun (``RANK`` and ``WORLD_SIZE`` in the environment) every process runs the job function
-  unchanged, across as many nodes as torchrun spans; ``--nproc`` is ignored.
+  unchanged, across as many nodes as torchrun spans; ``--nproc`` is ignored. A worker started by torchrun's
+  agent dies with it (the same parent-death signal as below): a node whose agent is killed leaves no worker
+  behind, which matters to elastic runs (a stray worker could still be writing a checkpoint).
 * Otherwise, with ``nproc > 1``, :func:`launch` spawns ``nproc`` local workers (``torch.multiprocessing``,
   *spawn* start method) on a free local port, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun would; gloo on CPU, bound to
@@ -110,6 +112,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
     :class:`WorkerFailed` for the worker that failed first; re-raises ``KeyboardInterrupt`` after stopping
     every worker.
     """
+    if under_torchrun() and "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_launcher(os.getppid())  # torchrun's agent: a node whose agent is killed takes its workers along
     if under_torchrun() or nproc <= 1:
         return fn(*args)
     import torch.multiprocessing as mp

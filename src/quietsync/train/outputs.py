@@ -94,16 +94,16 @@ def remove_checkpoints(out: str | os.PathLike) -> bool:
             else:
                 path.unlink(missing_ok=True)
             removed = True
-        _remove_if_empty(step)
-    _remove_if_empty(root)
-    return removed
+        removed = _remove_if_empty(step) or removed
+    return _remove_if_empty(root) or removed
 
 
-def _remove_if_empty(folder: Path) -> None:
+def _remove_if_empty(folder: Path) -> bool:
     try:
         folder.rmdir()
     except OSError:  # not empty (a file of the user's own), or already gone
-        pass
+        return False
+    return True
 
 
 def remove_outputs(out: str | os.PathLike, patterns: tuple[str, ...] = RUN_OUTPUTS) -> list[str]:

@@ -30,7 +30,7 @@ def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -
     from .resume_check import check_resume
 
     torchrun = under_torchrun()
-    problem = out_problem(cfg)
+    problem = None if cfg.elastic else out_problem(cfg)  # an elastic run continues the run in --out
     if problem is not None:
         raise FlagError("--out", problem)
     world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc
