@@ -186,6 +186,10 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
                          "--elastic (docs/train.md, 'Elastic runs')")
         if not cls.resumable:
             parser.error(f"--elastic is not supported with --strategy {strategy} (it cannot checkpoint mid-run)")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            parser.error("--elastic needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every "
+                         "node: with its store shared (torch's default) a node that joins a running job never "
+                         "receives the store's address and the rendezvous times out (docs/train.md, 'Elastic runs')")
         if "save_every" in job_values and cfg.save_every == 0:
             parser.error("--save-every must be >= 1 with --elastic (a restart resumes from a checkpoint), got 0")
         if cfg.save_every == 0:

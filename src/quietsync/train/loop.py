@@ -73,8 +73,8 @@ _STEP_SUMS = ("compute_s", "comm_s", "idle_s", "bytes_sent", "bytes_recv")
 
 AUDIT_ENV = "QUIETSYNC_AUDIT_DATA"
 """Set to 1: every step record also holds ``windows``, the ``[epoch, first token offset]`` of each training
-window this worker fed since the previous committed step (an audit of the data order: across resumes and
-membership changes no window may be read twice or skipped)."""
+window this worker fed since the previous committed step, and ``world_size`` (an audit of the data order:
+across resumes and membership changes no window may be read twice or skipped)."""
 
 
 def _local_ranks(topology: Topology) -> list[int]:
@@ -138,6 +138,8 @@ class _Resume:
     same_layout: bool
     """Whether the checkpoint was written by this world size and node count (then the rank files are loaded,
     exactly; else its world-size-independent part)."""
+    finished: bool = False
+    """An elastic run whose newest checkpoint already reached ``--max-steps``: there is nothing left to do."""
 
 
 @dataclasses.dataclass
@@ -215,6 +217,9 @@ def _resume_point(cfg: TrainConfig, strategy_config: StrategyConfig | None, topo
     same = (head.get("world_size") == world and head.get("nodes", topology.nodes) == topology.nodes
             and all(rank_file(folder, r).is_file() for r in local))
     state = load_checkpoint(folder, rank) if same and rank != 0 else load_checkpoint(folder, 0, mmap=not same)
+    position = float(head.get("schedule_position", head["strategy"]["steps"]))
+    if cfg.elastic and position >= cfg.max_steps:  # e.g. a node that rejoins as the run ends: nothing to do
+        return _Resume(folder, state, same, finished=True)
     for note in check_checkpoint(state, cfg, strategy_config, world, topology.nodes, folder):
         if rank == 0 and under_torchrun() and ERRORS_ENV not in os.environ:  # else the launcher did
             print(f"quietsync train: {note}", flush=True)
@@ -263,6 +268,12 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
     device = transport.device
     strategy = None
     try:
+        resume = _resume_point(cfg, strategy_config, topology, transport)
+        if resume is not None and resume.finished:
+            if rank == 0:
+                print(f"quietsync train: --elastic: the run is complete ({resume.folder.name} reached --max-steps "
+                      f"{cfg.max_steps}); results in {os.path.abspath(cfg.out)}", flush=True)
+            return None
         corpus = load_corpus(cfg.dataset, cfg.eval_fraction)
         tokenizer, eos = job_tokenizer(cfg.tokenizer, corpus, cfg.vocab_size, cfg.cache_dir)
         train_tokens = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir)
@@ -280,7 +291,6 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             )
         model.to(device)
         n_params = count_parameters(model)
-        resume = _resume_point(cfg, strategy_config, topology, transport)
         run_config, clock, nominal = _step_plan(cfg, strategy_config, world, resume)
         strategy = make_strategy(
             cfg.strategy, model, torch.optim.AdamW,
@@ -428,6 +438,7 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
                 record["extra"] = m.extra
             if audit:
                 record["windows"], windows = windows, []
+                record["world_size"] = strategy.world_size
             skipped = guard.committed()
             if skipped:
                 record["skipped_rounds"] = skipped
