@@ -39,9 +39,11 @@ pytestmark = [
 
 STEPS = 48
 AUDIT = {"QUIETSYNC_AUDIT_DATA": "1"}
-FINAL_LOSS_TOLERANCE = 0.1
+FINAL_LOSS_TOLERANCE = 0.15
 """|final held-out loss - the uninterrupted run's| allowed after losing and regaining a node (nats); measured
-0.00-0.03 on this machine (docs/train.md, 'Elastic runs')."""
+0.027, 0.029 and 0.078 in three runs on this machine (the uninterrupted run: 3.920 from 5.70 at step 0), the
+spread coming from where the kill and the rejoin land; a joiner starting from anything but θ_global, or a
+reload that lost the run's progress, misses it by far more (docs/train.md, 'Elastic runs')."""
 CONTINUE_WITHIN_S = 240
 """Seconds from the kill to the first step the two survivors commit, on this loaded 2-core machine (measured
 30-60 s: detection, the restart, re-rendezvous, process start-up, reload and one step)."""
@@ -157,7 +159,7 @@ def test_a_node_lost_and_regained(job, tmp_path):
     worlds = [x["world_size"] for x in rows]
     assert [x["step"] for x in rows] == list(range(1, len(rows) + 1))  # every step once
     phases = [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
-    assert phases == [3, 2, 3], worlds  # lost a node, then regained it
+    assert phases == [3, 2, 3], (worlds, agents.logs())  # lost a node, then regained it
     # --batch-policy global: 2 micro-batches per worker on 2 workers (4 windows of the first 3 x 1), so the
     # schedule (and --max-steps) advance 4/3 per step there: the run ends in fewer than STEPS steps
     assert {x["micro_batches"] for x, w in zip(rows, worlds) if w == 2} == {2}
