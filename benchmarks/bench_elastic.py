@@ -18,7 +18,10 @@ checkpoint, the two others go on, then agent 2 is started again and rejoins. Per
     python benchmarks/bench_elastic.py [--strategies diloco zero1] [--steps 60]
 
 Writes ``benchmarks/results/elastic.{json,md}``. Absolute seconds depend on the machine and its load (here: 2
-cores shared with other jobs); the components and their proportions are the point.
+cores shared with other jobs); the components and their proportions are the point. Rank 0 is slowed
+(``--slow-worker 0:10``, timing only) so that a tiny-model step is not negligible next to a restart, and so
+that the two survivors are still training when the third agent, started right after their first step,
+rejoins.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from tests.train.conftest import synthetic_text  # noqa: E402
 CONFIGS = {"diloco": ["--strategy", "diloco", "--sync-every", "4"], "zero1": ["--strategy", "zero1"]}
 
 
-def _flags(root: Path, out: Path, strategy: str, steps: int) -> list[str]:
-    return [*CONFIGS[strategy], "--model", "tiny", "--max-steps", str(steps), "--micro-batch-size", "2",
+def _flags(root: Path, out: Path, strategy: str, steps: int, slow: int) -> list[str]:
+    slower = ["--slow-worker", f"0:{slow}"] if slow > 1 else []
+    return [*CONFIGS[strategy], *slower, "--model", "tiny", "--max-steps", str(steps), "--micro-batch-size", "2",
             "--seq-len", "32", "--vocab-size", "300", "--dataset", str(root / "text.txt"), "--cache-dir",
             str(root / "cache"), "--eval-every", "0", "--eval-windows", "8", "--no-progress", "--no-plot",
             "--no-export", "--timeout-s", "30", "--threads", "1", "--out", str(out)]
@@ -84,16 +88,23 @@ def _wait(cond, limit: float = 600) -> float:
 
 
 def _change(agents: Agents, t: float, out: Path, world: int, agents_kept: list[int]) -> dict:
-    """Timeline of a membership change at monotonic time ``t`` to a world of ``world`` workers."""
+    """Timeline of a membership change at monotonic time ``t`` to a world of ``world`` workers, and the steps
+    the old world had committed after the checkpoint the new one resumed from (redone)."""
     old = [s for s in agents.seen.values() if s.worker and s.agent in agents_kept and s.first < t <= s.last + 0.5]
     resumes = len(_resumed_from(agents))
-    new_first = _wait(lambda: any(s.worker and s.first > t for s in agents.seen.values()))
+    last = [max((r["step"] for r in _records(out)), default=0)]
+
+    def started() -> bool:
+        last[0] = max([last[0], *(r["step"] for r in _records(out))])
+        return any(s.worker and s.first > t for s in agents.seen.values())
+
+    new_first = _wait(started)
     _wait(lambda: len(_resumed_from(agents)) > resumes)  # rank 0 of the new world says where it resumed
-    step = max(_resumed_from(agents)) + 1
-    first_step = _wait(lambda: any(r.get("world_size") == world and r["step"] == step for r in _records(out)))
+    resumed = max(_resumed_from(agents))
+    first_step = _wait(lambda: any(r.get("world_size") == world and r["step"] == resumed + 1 for r in _records(out)))
     exited = max((s.last for s in old), default=t)
     return {"detect_s": exited - t, "restart_s": new_first - exited, "reload_s": first_step - new_first,
-            "total_s": first_step - t}
+            "total_s": first_step - t, "resumed_from": resumed, "redone_steps": last[0] - resumed}
 
 
 def _step_times(rows: list[dict], save_every: int) -> tuple[float, float]:
@@ -114,7 +125,7 @@ def _resumed_from(agents: Agents) -> list[int]:
     return sorted(int(ln.split("resuming step-")[1][:7]) for ln in lines if "--elastic: resuming step-" in ln)
 
 
-def run_strategy(strategy: str, steps: int, root: Path) -> dict:
+def run_strategy(strategy: str, steps: int, slow: int, root: Path) -> dict:
     from quietsync.strategies import get
     from quietsync.train.elastic import default_save_every
 
@@ -123,7 +134,7 @@ def run_strategy(strategy: str, steps: int, root: Path) -> dict:
     folder.mkdir()
     cfg_cls = get(strategy)[1]
     save_every = default_save_every(strategy, cfg_cls(sync_every=4) if strategy == "diloco" else cfg_cls())
-    agents = Agents(folder, 3, _flags(root, out, strategy, steps), nnodes="2:3", max_restarts=3,
+    agents = Agents(folder, 3, _flags(root, out, strategy, steps, slow), nnodes="2:3", max_restarts=3,
                     env={"QUIETSYNC_AUDIT_DATA": "1"})
     try:
         agents.start(0)
@@ -133,13 +144,9 @@ def run_strategy(strategy: str, steps: int, root: Path) -> dict:
         _wait(lambda: _newest(out)[0] >= 2 * save_every and _newest(out)[1] == 3)
         mid = _newest(out)[0] + max(1, save_every // 2)  # half-way to the next checkpoint: the expected loss
         _wait(lambda: max((r["step"] for r in _records(out)), default=0) >= mid)
-        before = max(r["step"] for r in _records(out))
         killed = agents.kill_agent(2)
         leave = _change(agents, killed, out, 2, [0, 1])
-        resumed_at = max(_resumed_from(agents))
-        leave.update(redone_steps=before - resumed_at)
-        _wait(lambda: _newest(out)[1] == 2 and _newest(out)[0] > resumed_at)
-        rejoined = time.monotonic()
+        rejoined = time.monotonic()  # right after the survivors' first step (they save while it starts)
         agents.start(2)
         join = _change(agents, rejoined, out, 3, [0, 1])
         codes = agents.wait(900)
@@ -150,6 +157,7 @@ def run_strategy(strategy: str, steps: int, root: Path) -> dict:
     step3, save3 = _step_times([r for r in rows if r["world_size"] == 3], save_every)
     step2, save2 = _step_times([r for r in rows if r["world_size"] == 2], save_every)
     leave["redone_s"] = leave["redone_steps"] * step3
+    join["redone_s"] = join["redone_steps"] * step2
     sizes = {}
     for step_dir in sorted((out / "checkpoints").glob("step-*"))[-1:]:
         sizes["rank_files_bytes"] = sum(p.stat().st_size for p in step_dir.glob("rank*.pt"))
@@ -207,12 +215,15 @@ def _count_load(rank: int, world: int, folder: str, strategy: str, config: dict,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategies", nargs="+", default=["diloco", "zero1"])
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--slow", type=int, default=10,
+                   help="--slow-worker 0:SLOW: rank 0 sleeps (SLOW-1) x its compute per micro-batch, so a tiny-model "
+                        "step takes about as long as a real one would relative to a restart (1: off)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
         root = Path(tmp)
         (root / "text.txt").write_text(synthetic_text(3000))
-        results = [run_strategy(s, args.steps, root) for s in args.strategies]
+        results = [run_strategy(s, args.steps, args.slow, root) for s in args.strategies]
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(["python", *sys.argv]), "load_average": os.getloadavg(), "results": results}
     (RESULTS / "elastic.json").write_text(json.dumps(meta, indent=2) + "\n")

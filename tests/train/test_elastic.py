@@ -49,6 +49,11 @@ CONTINUE_WITHIN_S = 240
 30-60 s: detection, the restart, re-rendezvous, process start-up, reload and one step)."""
 
 
+SLOWER = ["--slow-worker", "0:10"]
+"""Rank 0 sleeps 9 x its compute after each micro-batch (timing only; the trajectory is the same): the two
+survivors must still be training when the third agent, started right after their first step, has rejoined."""
+
+
 def _flags(root: Path, out: Path) -> list[str]:
     return ["--strategy", "diloco", "--sync-every", "2", "--model", "tiny", "--max-steps", str(STEPS),
             "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--dataset", str(root / "text.txt"),
@@ -135,7 +140,7 @@ def _final_loss(out: Path) -> float:
 
 def test_a_node_lost_and_regained(job, tmp_path):
     root, out = job["root"], tmp_path / "run"
-    agents = Agents(tmp_path, 3, _flags(root, out), nnodes="2:3", max_restarts=3, env=AUDIT)
+    agents = Agents(tmp_path, 3, [*_flags(root, out), *SLOWER], nnodes="2:3", max_restarts=3, env=AUDIT)
     try:
         agents.start(0)
         time.sleep(1.0)  # agent 0 hosts the rendezvous store: the others may come and go
@@ -146,8 +151,7 @@ def test_a_node_lost_and_regained(job, tmp_path):
         lost_at = max((x["step"] for x in _steps(out, 0)), default=0)
         continued = _wait(lambda: any(x.get("world_size") == 2 for x in _steps(out, 0)), agents,
                           CONTINUE_WITHIN_S, "step committed by the two survivors")
-        _wait(lambda: _newest(out)[1] == 2, agents, 300, "checkpoint written by the two survivors")
-        agents.start(2)  # the node comes back
+        agents.start(2)  # the node comes back (its agent takes seconds to start: the survivors save first)
         codes = agents.wait(400)
         assert codes == {0: 0, 1: 0, 2: 0}, agents.logs()
         assert agents.survivors() == [], "processes outlived the job"
