@@ -146,12 +146,16 @@ def _resume_matches_reference(job: str, out: Path, corpus, reference) -> None:
     assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
 
 
-def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, reference, *, named: bool) -> None:
+def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, reference, *, named: bool) -> float:
+    """Signal worker ``rank``; check the job ends as promised and resumes exactly; return the seconds from the
+    signal to the launcher's exit."""
     out = tmp_path / "run"
     proc, pids = _start(job, out, corpus)
     victim = next(p for p in pids if _rank_of(p) == rank)
+    t0 = time.monotonic()
     os.kill(victim, sig)
     code, err = _ends(proc, pids, within=TIMEOUT_S + 30)
+    elapsed = time.monotonic() - t0
     if sig == signal.SIGSTOP:
         os.kill(victim, signal.SIGKILL) if _alive(victim) else None
     assert code != 0
@@ -161,6 +165,7 @@ def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, ref
     if named:
         assert f"worker {rank} failed" in line, line
     _resume_matches_reference(job, out, corpus, reference)
+    return elapsed
 
 
 @pytest.mark.parametrize("job", list(JOBS))
@@ -175,8 +180,12 @@ def test_sigint_of_a_worker_stops_the_job_and_names_it(tmp_path, corpus, referen
 
 def test_sigstop_of_a_worker_is_caught_by_the_timeout(tmp_path, corpus, reference):
     """A frozen worker raises nothing: its peer times out after --timeout-s and the job ends (the launcher
-    reports the peer's timeout, which says a peer died, raised or exceeded the timeout)."""
-    _kill_worker("zero1", signal.SIGSTOP, 1, tmp_path, corpus, reference, named=False)
+    reports the peer's timeout, which says a peer died, raised or exceeded the timeout). The frozen worker is
+    killed as soon as its peer failed, not after the two 5 s grace periods torch's join gives (measured 23 s
+    from the SIGSTOP with --timeout-s 10 before; 14-15 s now, on this machine under load): the bound checked
+    is the documented --timeout-s + 5 s, with 3 s of slack for a loaded machine."""
+    elapsed = _kill_worker("zero1", signal.SIGSTOP, 1, tmp_path, corpus, reference, named=False)
+    assert elapsed < TIMEOUT_S + 5 + 3, f"the job ended {elapsed:.1f} s after the SIGSTOP"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])

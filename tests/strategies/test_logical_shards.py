@@ -9,7 +9,7 @@ themselves, and the tests put the rows of a shard group back together):
 * ``flexdemo`` keeps **each node's** state: parameters, decoupled momentum (spatial; converted into the DCT
   domain of the new cut), Adam moments and counters of node ``r`` come back on node ``r`` on another number of
   workers per node, either substrate; at the same layout the run continues as if never stopped;
-* ``flexdemo`` on another number of nodes refuses, on every worker, saying why.
+* ``flexdemo`` on another number of nodes: each node is a replica (``tests/train/test_reshard_replicas.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.train._reshard_workers import adamw_from, refuse
+from tests.train._reshard_workers import adamw_from
 
 from . import _logical_shards_workers as w
 
@@ -106,15 +106,6 @@ def test_flexdemo_keeps_each_nodes_state_on_another_number_of_workers_per_node(t
                 assert h["continued"]["losses"] == pytest.approx(s["continued"]["losses"], rel=1e-5)
             for k, v in s["continued"]["params"].items():
                 torch.testing.assert_close(h["continued"]["params"][k], v, rtol=1e-5, atol=1e-6)
-
-
-def test_flexdemo_refuses_another_number_of_nodes_on_every_worker(tmp_path):
-    config = {**FLEX, "replicator": "striding"}
-    folder = str(tmp_path / "step")
-    run_ranks(w.train_and_save, 4, "flexdemo", config, folder, nodes=2)
-    errors = run_ranks(refuse, 4, "flexdemo", folder, "load", config, nodes=4)
-    assert len(set(errors)) == 1
-    assert errors[0].startswith("strategy flexdemo cannot be resharded from 2 nodes onto 4: each node keeps its own")
 
 
 class _WithScalar(torch.nn.Module):

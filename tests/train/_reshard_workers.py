@@ -151,8 +151,7 @@ def refuse(rank: int, world: int, name: str, folder: str, action: str, config: d
     m = model(0)
     strategy = make_strategy(name, m, torch.optim.AdamW, lr=LR, config=config)
     try:
-        if action == "save":
-            strategy.forward_backward(batch(0, rank), loss_fn)
+        if action == "save":  # refused before anything is fed or written
             save_logical(folder, strategy, _stream(rank, world), 0)
         else:
             load_logical(folder, strategy, _stream(rank, world))

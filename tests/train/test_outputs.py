@@ -43,6 +43,31 @@ def test_overwrite_removes_only_what_a_run_writes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
 
 
+def test_overwrite_keeps_a_users_own_files_inside_checkpoints(tmp_path):
+    """--overwrite removes the rank files, logical parts and partial writes of step folders, and the folders it
+    empties; a file of the user's own there (and the folders holding it) stays."""
+    root = tmp_path / "checkpoints"
+    mine = root / "README.txt"
+    kept_step = root / "step-0000004"
+    gone_step = root / "step-0000002"
+    for step in (kept_step, gone_step):
+        (step / "logical").mkdir(parents=True)
+        (step / "logical" / ".metadata").write_text("x")
+        (step / "logical" / "__0_0.distcp").write_text("x")
+        (step / "rank0.pt").write_text("x")
+        (step / "rank1.pt.tmp").write_text("x")  # left by a kill -9 during a save
+    mine.write_text("my notes on this run")
+    (kept_step / "eval-notes.md").write_text("mine too")
+    (root / "scratch").mkdir()
+    (root / "scratch" / "rank0.pt").write_text("not a step folder: not ours")
+    removed = remove_outputs(tmp_path)
+    assert removed == ["checkpoints"]
+    assert mine.read_text() == "my notes on this run"
+    assert sorted(p.name for p in kept_step.iterdir()) == ["eval-notes.md"]
+    assert not gone_step.exists()
+    assert (root / "scratch" / "rank0.pt").exists()
+
+
 @pytest.mark.timeout(300)
 def test_a_used_out_is_refused_and_overwrite_replaces_it(tmp_path, monkeypatch, capsys):
     job, out = small_job(tmp_path), tmp_path / "run"

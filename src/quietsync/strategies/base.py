@@ -50,7 +50,7 @@ Checkpoints: :meth:`state_dict` records the worker's :meth:`position` (committed
 stage counters); :meth:`load_state_dict` compares it across workers and refuses, on every worker, a
 checkpoint whose files were saved at different positions. Take checkpoints at the same position on every
 worker — right after ``step()`` returned True on all of them, as the trainer does. Strategies whose state
-has a world-size-independent form (``reshard_refusal is None``: ddp, zero1) also offer
+has a world-size-independent form (``reshard_refusal is None``: every strategy but cdp) also offer
 :meth:`logical_state_dict`/:meth:`load_logical_state_dict` (see
 :mod:`~quietsync.strategies.checkpoint.logical`), which the trainer writes through
 ``torch.distributed.checkpoint`` so a job can resume on another number of workers.
@@ -500,7 +500,7 @@ class Strategy(metaclass=_Constructed):
         resharded (:attr:`reshard_refusal`) or a round is open (save right after ``step()`` returned True).
         """
         self._check_reshardable()
-        problem = open_round_problem(self.name, self.position())
+        problem = open_round_problem(self.name, self._open_round())
         if problem:
             raise ReshardError(problem)
         return {"steps": torch.tensor(self.steps, dtype=torch.int64), **self._logical_state()}
@@ -647,6 +647,13 @@ class Strategy(metaclass=_Constructed):
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         """Take the state :meth:`_logical_targets` was filled with."""
         raise NotImplementedError
+
+    def _open_round(self) -> dict[str, int]:
+        """Counters of work fed but not yet part of a committed step (all 0 at a step boundary, where a logical
+        checkpoint may be written). Default: every :meth:`position` counter but ``steps``; a strategy whose
+        position counts pipeline stages or fragments in flight (which a logical checkpoint holds) says which
+        counters are an open round."""
+        return {k: v for k, v in self.position().items() if k != "steps"}
 
     def _position(self) -> dict[str, int]:
         """The strategy's own position counters beyond its parts' (e.g. ACCO's stage)."""

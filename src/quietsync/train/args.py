@@ -182,6 +182,23 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
                      "use bf16 or fp32")
     from .launch import under_torchrun
 
+    if cfg.elastic:
+        if not under_torchrun():
+            parser.error("--elastic needs torchrun, which restarts the workers when nodes leave or join: torchrun "
+                         "--nnodes MIN:MAX --max-restarts K --rdzv-backend c10d ... -m quietsync.train.cli train "
+                         "--elastic (docs/train.md, 'Elastic runs')")
+        if not cls.resumable:
+            parser.error(f"--elastic is not supported with --strategy {strategy} (it cannot checkpoint mid-run)")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            parser.error("--elastic needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment on every "
+                         "node: with its store shared (torch's default) a node that joins a running job never "
+                         "receives the store's address and the rendezvous times out (docs/train.md, 'Elastic runs')")
+        if "save_every" in job_values and cfg.save_every == 0:
+            parser.error("--save-every must be >= 1 with --elastic (a restart resumes from a checkpoint), got 0")
+        if cfg.save_every == 0:
+            from .elastic import default_save_every
+
+            cfg.save_every = default_save_every(strategy, strategy_config)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         nodes = cfg.nodes

@@ -57,7 +57,7 @@ class Budgets:
         """Whether a budget besides ``max_steps`` is set (then the workers agree once per committed step)."""
         return any(v is not None for v in (self.max_tokens, self.max_time_s, self.target_loss))
 
-    def reached(self, steps: int, tokens: float, time_s: float, eval_loss: float | None) -> str | None:
+    def reached(self, steps: float, tokens: float, time_s: float, eval_loss: float | None) -> str | None:
         """The budget (a name of :data:`BUDGETS`) that stops the run after a committed step with these totals,
         or None. ``eval_loss`` is the loss of the evaluation after this step (None when none ran)."""
         hits = {
@@ -100,13 +100,15 @@ class BudgetWatch:
         self.strategy = strategy
         self.group = group
 
-    def check(self, tokens: int, time_s: float, eval_loss: float | None) -> str | None:
+    def check(self, tokens: int, time_s: float, eval_loss: float | None, steps: float | None = None) -> str | None:
         """After a committed step: which budget stops the run now (the same on every worker), or None.
 
         ``tokens``: this worker's tokens fed so far; ``time_s``: its seconds since the start of training;
-        ``eval_loss``: its evaluation after this step, None when none ran.
+        ``eval_loss``: its evaluation after this step, None when none ran; ``steps``: the steps ``--max-steps``
+        counts (default the committed steps; after a resume on another number of workers, the learning-rate
+        schedule's position, which follows tokens: :mod:`quietsync.train.elastic`).
         """
-        steps = self.strategy.steps + self.strategy.steps_in_flight  # what the model holds after finish()
+        steps = (self.strategy.steps + self.strategy.steps_in_flight) if steps is None else steps
         if not self.budgets.agreed:
             return self.budgets.reached(steps, 0, 0.0, None)
         tokens_all, time_all, loss0 = self.agree(tokens, time_s, eval_loss)

@@ -6,9 +6,12 @@ resume on the same number of workers loads, exactly. Strategies that can reshard
 ``step-0000100/logical/`` (:mod:`~quietsync.train.logical_checkpoint`, through torch.distributed.checkpoint),
 what a resume on another number of workers loads.
 Files are written to a temporary name and renamed, so a file that exists is complete; a step folder is
-complete for a set of workers when each one's rank file is in it, or, to resume on another number of
-workers, when its logical part is complete and so is every rank file of the workers that wrote it.
-``--resume`` without a folder takes the newest complete one.
+complete when its logical part is complete and so is every rank file of the workers that wrote it (it then
+loads on any number of workers), or — a strategy without a logical part (cdp cannot checkpoint at all; older
+checkpoints) — when each of this run's workers has its rank file in it. Before workers start, every file a
+resume reads is checked (:func:`files_problem`), so a cut-short shard is named, not met as a bare ``EOFError``.
+``--resume`` without a folder takes the newest complete one. A write cut short leaves only files under a
+temporary name (:data:`PARTIAL_WRITES`), removed at the next resume (:func:`remove_partial_writes`).
 Files are read back with ``weights_only=True``: tensors and plain data only, so loading never runs code.
 """
 
@@ -23,7 +26,12 @@ from typing import Any
 
 import torch
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+"""Names of step folders under ``OUT/checkpoints``."""
+
+PARTIAL_WRITES = ("rank*.pt.tmp", "logical/*.tmp")
+"""What a write cut short (``kill -9`` mid-save) leaves in a step folder: the temporary names files are
+written under before their rename (rank files; DCP's ``.metadata``)."""
 
 
 def checkpoint_root(out: str | os.PathLike) -> Path:
@@ -36,9 +44,36 @@ def rank_file(folder: str | os.PathLike, rank: int) -> Path:
     return Path(folder) / f"rank{rank}.pt"
 
 
+def run_files(step_folder: str | os.PathLike) -> list[Path]:
+    """What runs write into a step folder: rank files, the ``logical/`` part, partial writes."""
+    folder = Path(step_folder)
+    found = [*folder.glob("rank*.pt"), *folder.glob("rank*.pt.tmp")]
+    logical = folder / "logical"
+    if logical.exists():
+        found.append(logical)
+    return found
+
+
+def remove_partial_writes(out: str | os.PathLike) -> list[Path]:
+    """Delete what writes cut short left under ``OUT/checkpoints`` (:data:`PARTIAL_WRITES`); return them.
+
+    Call it only while no worker of the run can be writing (at a resume, before training)."""
+    root = checkpoint_root(out)
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for step in root.iterdir():
+        if STEP_DIR.match(step.name) and step.is_dir():
+            for pattern in PARTIAL_WRITES:
+                for path in step.glob(pattern):
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+    return removed
+
+
 def save_checkpoint(out: str | os.PathLike, step: int, rank: int, payload: dict[str, Any]) -> Path:
     """Write this worker's checkpoint for ``step`` atomically and return its path."""
-    folder = checkpoint_root(out) / f"step-{step:07d}"
+    folder = step_folder(out, step)
     folder.mkdir(parents=True, exist_ok=True)
     path = rank_file(folder, rank)
     tmp = path.with_name(f"{path.name}.tmp")
@@ -48,29 +83,69 @@ def save_checkpoint(out: str | os.PathLike, step: int, rank: int, payload: dict[
 
 
 def _complete(folder: Path, ranks: list[int]) -> bool:
-    """A file for each of ``ranks``; or (another world size) a complete logical part and a file for each of
-    the workers that wrote it."""
+    """A complete logical part and a file for each of the workers that wrote it (loadable on any number of
+    workers); or, without a logical part (cdp, or an older quietsync), a file for each of ``ranks``."""
     from .logical_checkpoint import logical_world
 
-    if all(rank_file(folder, r).is_file() for r in ranks):
-        return True
     old = logical_world(folder)
-    return old is not None and all(rank_file(folder, q).is_file() for q in range(old))
+    if old is not None:
+        return all(rank_file(folder, q).is_file() for q in range(old))
+    return all(rank_file(folder, r).is_file() for r in ranks)
+
+
+def files_problem(folder: str | os.PathLike, world: int, nodes: int | None) -> str | None:
+    """Why a resume of ``folder`` on ``world`` workers (``nodes`` nodes) would fail to read a file, naming it
+    (None when every file it reads is whole): on the checkpoint's own layout each worker's rank file, else rank
+    0's file and every file of the logical part. Rank files are opened memory-mapped (their index and pickle
+    read, the tensors not), the logical part's data files checked against the sizes its metadata lists."""
+    folder = Path(folder)
+    try:
+        first = load_checkpoint(folder, 0, mmap=True)
+    except ValueError as e:
+        return str(e)
+    same = first.get("world_size") == world and first.get("nodes", nodes) == nodes
+    if same and all(rank_file(folder, r).is_file() for r in range(world)):
+        for r in range(1, world):
+            try:
+                load_checkpoint(folder, r, mmap=True)
+            except ValueError as e:
+                return str(e)
+        return None
+    from .logical_checkpoint import check_logical_files, has_logical
+
+    if not has_logical(folder):
+        return None  # the world-size check says why it cannot be resumed here
+    try:
+        check_logical_files(folder)
+    except (ValueError, OSError) as e:
+        return str(e)
+    return None
+
+
+def complete_checkpoints(out: str | os.PathLike, ranks: Iterable[int]) -> list[Path]:
+    """Step folders under ``OUT/checkpoints`` complete for ``ranks`` (see the module docstring), newest first."""
+    root = checkpoint_root(out)
+    if not root.is_dir():
+        return []
+    ranks = list(ranks)
+    found = []
+    for d in root.iterdir():
+        m = STEP_DIR.match(d.name)
+        if m and d.is_dir() and _complete(d, ranks):
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found, reverse=True)]
 
 
 def latest_checkpoint(out: str | os.PathLike, ranks: Iterable[int]) -> Path | None:
     """Newest step folder under ``OUT/checkpoints`` complete for ``ranks`` (see the module docstring; None if
     none)."""
-    root = checkpoint_root(out)
-    if not root.is_dir():
-        return None
-    ranks = list(ranks)
-    found = []
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if m and d.is_dir() and _complete(d, ranks):
-            found.append((int(m.group(1)), d))
-    return max(found)[1] if found else None
+    found = complete_checkpoints(out, ranks)
+    return found[0] if found else None
+
+
+def step_folder(out: str | os.PathLike, step: int) -> Path:
+    """``OUT/checkpoints/step-NNNNNNN``."""
+    return checkpoint_root(out) / f"step-{step:07d}"
 
 
 def resolve_resume(resume: str, out: str | os.PathLike, ranks: Iterable[int]) -> Path:

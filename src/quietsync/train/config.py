@@ -91,6 +91,10 @@ class TrainConfig:
     """Save a checkpoint every N steps under OUT/checkpoints (0 = never)."""
     resume: str | None = field(default=None, metadata={"flag": {"nargs": "?", "const": "latest", "metavar": "DIR"}})
     """Resume from a checkpoint folder; bare --resume takes the latest complete one under OUT/checkpoints."""
+    elastic: bool = False
+    """Under torchrun --nnodes MIN:MAX --max-restarts K: every (re)start of the workers resumes from the newest complete checkpoint under --out (a fresh run when there is none), on whatever workers the rendezvous admitted; checkpoints every outer sync (diloco, localsgd) or 10 steps unless --save-every; --out must be on a file system every node sees."""
+    batch_policy: Literal["global", "worker"] = "global"
+    """What a step holds after a resume on another number of workers: global = the run's first tokens per step (each worker's micro-batches rescaled, rounded up), worker = the same micro-batches per worker; the lr schedule and --max-steps follow tokens either way."""
     cache_dir: str | None = None
     """Tokenizer and token cache folder (default: ~/.cache/quietsync)."""
     threads: int = 0
@@ -145,6 +149,10 @@ class TrainConfig:
             v = self.max_grad_norm
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"max_grad_norm must be a finite number > 0, or 0 for no clipping, got {v!r}")
+        check_choice("batch_policy", self.batch_policy, ("global", "worker"))
+        if self.elastic and self.overwrite:
+            raise ValueError("overwrite cannot be combined with --elastic: every restart would delete the "
+                             "checkpoints it resumes from (start an elastic run in a fresh --out)")
         check_float("lr", self.lr, 0, low_open=True)
         check_float("weight_decay", self.weight_decay, 0)
         check_float("min_lr_ratio", self.min_lr_ratio, 0, 1)

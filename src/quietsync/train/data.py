@@ -102,6 +102,8 @@ class ShardedSequences:
         self._order_epoch = -1
         self._offset = 0
         self._mine = torch.empty(0, dtype=torch.long)
+        self.last_starts: tuple[int, torch.Tensor] | None = None
+        """``(epoch, start offsets)`` of the windows of the latest micro-batch (the data audit reads it)."""
 
     def _order(self) -> None:
         if self._order_epoch == self.epoch:
@@ -131,6 +133,7 @@ class ShardedSequences:
             self.base = 0
         starts = self.window_starts()[self.index : self.index + self.micro_batch_size]
         self.index += self.micro_batch_size
+        self.last_starts = (self.epoch, starts)
         idx = starts[:, None] + torch.arange(self.seq_len)[None, :]
         return self.tokens[idx]
 

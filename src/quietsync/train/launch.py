@@ -1,13 +1,18 @@
 """Start the workers of a job: in place under torchrun, or as local processes.
 
 * Under torchrun (``RANK`` and ``WORLD_SIZE`` in the environment) every process runs the job function
-  unchanged, across as many nodes as torchrun spans; ``--nproc`` is ignored.
+  unchanged, across as many nodes as torchrun spans; ``--nproc`` is ignored. A worker started by torchrun's
+  agent dies with it (the same parent-death signal as below): a node whose agent is killed leaves no worker
+  behind, which matters to elastic runs (a stray worker could still be writing a checkpoint).
 * Otherwise, with ``nproc > 1``, :func:`launch` spawns ``nproc`` local workers (``torch.multiprocessing``,
   *spawn* start method) on a free local port, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun would; gloo on CPU, bound to
   the loopback interface, with a file-based rendezvous (no store listening on the network). If one worker fails, the others are terminated and :class:`WorkerFailed` names
   the worker that failed **first** (the root cause — its peers typically fail a moment later with a broken
-  connection) with its traceback. An interrupt (SIGINT) of the launcher stops every worker within seconds
+  connection) with its traceback. The others are stopped as soon as one failed: SIGTERM, SIGKILL after
+  :data:`GRACE_S` (at once for a stopped, SIGSTOP'd, worker, which cannot act on SIGTERM), so a frozen worker
+  ends the job ``--timeout-s`` after it froze plus its peer's clean-up (about 2 s), within the documented
+  ``--timeout-s`` + 5 s. An interrupt (SIGINT) of the launcher stops every worker within seconds
   (SIGTERM, then SIGKILL after a grace period); checkpoints are written atomically, so one cut short is
   simply absent. A launcher killed outright (``kill -9``) takes its workers with it (Linux: the kernel
   sends each worker SIGTERM when its parent dies).
@@ -110,6 +115,8 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
     :class:`WorkerFailed` for the worker that failed first; re-raises ``KeyboardInterrupt`` after stopping
     every worker.
     """
+    if under_torchrun() and "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_launcher(os.getppid())  # torchrun's agent: a node whose agent is killed takes its workers along
     if under_torchrun() or nproc <= 1:
         return fn(*args)
     import torch.multiprocessing as mp
@@ -119,9 +126,9 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
         worker_args = (fn, args, nproc, free_port(), errors, os.getpid())
         context = mp.start_processes(_worker, args=worker_args, nprocs=nproc, join=False, start_method="spawn")
         try:
-            while not context.join(timeout=0.5, grace_period=GRACE_S):  # then SIGTERM, then SIGKILL
+            while not _wait_for_workers(context, errors):
                 pass
-        except mp.ProcessRaisedException as e:  # join has terminated the other workers
+        except mp.ProcessRaisedException as e:  # (join found the failure first)
             raise _first_failure(errors, e.error_index, e.msg) from None
         except mp.ProcessExitedException as e:
             raise _first_failure(errors, e.error_index, str(e)) from None
@@ -129,6 +136,41 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
             stop_workers(context.processes)
             raise
     return None
+
+
+def _wait_for_workers(context: Any, errors: str, poll_s: float = 0.5) -> bool:
+    """Wait up to ``poll_s`` for the workers; True once all ended well. When one failed, the others are stopped
+    at once (:func:`stop_workers`; torch's own join would give them two 5 s grace periods) and
+    :class:`WorkerFailed` names the root cause."""
+    import multiprocessing.connection
+
+    running = [p.sentinel for p in context.processes if p.exitcode is None]
+    if running:
+        multiprocessing.connection.wait(running, timeout=poll_s)
+    failed = [i for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)]
+    if failed:
+        stop_workers(context.processes)
+        raise _first_failure(errors, failed[0], _exit_details(context, failed[0]))
+    if any(p.exitcode is None for p in context.processes):
+        return False
+    return context.join(timeout=0)
+
+
+def _exit_details(context: Any, index: int) -> str:
+    """The traceback a failed worker left (torch's error file), or how it ended."""
+    import pickle
+
+    try:
+        with open(context.error_files[index], "rb") as fh:
+            return str(pickle.load(fh))
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, IndexError):
+        code = context.processes[index].exitcode
+        if code is not None and code < 0:
+            try:
+                return f"process {index} terminated with signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"process {index} terminated with signal {-code}"
+        return f"process {index} terminated with exit code {code}"
 
 
 def _quiet_teardown() -> None:
@@ -154,11 +196,20 @@ def _first_failure(errors: str, rank: int, details: str) -> WorkerFailed:
     return WorkerFailed(rank, details)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, ``T`` in /proc): it cannot act on SIGTERM until continued."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def stop_workers(processes: list[Any], grace_s: float = GRACE_S) -> None:
-    """SIGTERM every live worker, wait up to ``grace_s`` for all, then SIGKILL the rest."""
+    """SIGTERM every live worker (SIGKILL at once to a stopped one, which could not act on it), wait up to
+    ``grace_s`` for all, then SIGKILL the rest."""
     for p in processes:
         if p.is_alive():
-            os.kill(p.pid, signal.SIGTERM)
+            os.kill(p.pid, signal.SIGKILL if _stopped(p.pid) else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))

@@ -103,6 +103,29 @@ def saved_tensors(step_folder: str | os.PathLike) -> SavedTensors:
             if isinstance(m, TensorStorageMetadata)}
 
 
+def check_logical_files(step_folder: str | os.PathLike) -> None:
+    """Check every file a load of ``step_folder``'s logical part reads: the metadata (read safely) and each
+    data file it points into, which must exist and be long enough for every piece it holds. Raises
+    ``ValueError`` naming the bad file (a shard cut short by a crash or a full disk would otherwise end the
+    load in a bare ``EOFError`` deep inside DCP)."""
+    folder = logical_folder(step_folder)
+    metadata = SafeReader(folder).read_metadata()
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if not isinstance(path, str) or "/" in path or path.startswith("."):
+            raise ValueError(f"checkpoint metadata {folder / '.metadata'} names a data file {path!r} outside "
+                             "its folder")
+        need[path] = max(need.get(path, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(need.items()):
+        path = folder / name
+        if not path.is_file():
+            raise ValueError(f"checkpoint file {path} is missing (its metadata lists it)")
+        size = path.stat().st_size
+        if size < end:
+            raise ValueError(f"checkpoint file {path} is truncated: {size} bytes, its metadata needs {end}")
+
+
 def logical_world(step_folder: str | os.PathLike) -> int | None:
     """How many workers wrote ``step_folder``'s logical part (None when it has no complete, readable one)."""
     if not has_logical(step_folder):
@@ -172,6 +195,7 @@ def load_logical(step_folder: str | os.PathLike, strategy: Strategy, stream: Sha
     folder = logical_folder(step_folder)
     if not has_logical(step_folder):
         raise ReshardError(f"{step_folder} has no complete world-size-independent part ({folder}/.metadata)")
+    check_logical_files(step_folder)  # every worker, before any collective: all raise, naming the file
     saved = saved_tensors(step_folder)
     old_ranks = sorted({int(k.split(".")[1]) for k in saved if k.startswith("worker.") and k.endswith(".tokens")})
     meta = {"data.epoch": torch.zeros((), dtype=torch.int64), "data.consumed": torch.zeros((), dtype=torch.int64),

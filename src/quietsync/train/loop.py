@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,15 +48,20 @@ from ..transport import Transport
 from .budgets import BudgetWatch
 from .checkpoint import (
     checkpoint_root,
+    complete_checkpoints,
+    files_problem,
     latest_checkpoint,
     load_checkpoint,
     rank_file,
+    remove_partial_writes,
     resolve_resume,
     save_checkpoint,
+    step_folder,
 )
 from .config import TrainConfig
 from .corpus import load_corpus
 from .data import ShardedSequences, encode_split, eval_batches
+from .elastic import Nominal, TokenSchedule, accumulation_field, rescaled
 from .export import MODEL_DIR, export_model
 from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
@@ -83,6 +89,11 @@ ADAMW_BETAS = (0.9, 0.95)
 
 _STEP_SUMS = ("compute_s", "comm_s", "idle_s", "bytes_sent", "bytes_recv")
 """Per-step record keys summed over steps and workers for the summary."""
+
+AUDIT_ENV = "QUIETSYNC_AUDIT_DATA"
+"""Set to 1: every step record also holds ``windows``, the ``[epoch, first token offset]`` of each training
+window this worker fed since the previous committed step, and ``world_size`` (an audit of the data order:
+across resumes and membership changes no window may be read twice or skipped)."""
 
 
 def _local_ranks(topology: Topology) -> list[int]:
@@ -136,6 +147,133 @@ class _Printer:
             print(text, flush=True)
 
 
+@dataclasses.dataclass
+class _Resume:
+    """The checkpoint this worker resumes from."""
+
+    folder: Path
+    state: dict[str, Any]
+    """This worker's rank file (``same_layout``), else rank 0's, tensors memory-mapped (config and counters)."""
+    same_layout: bool
+    """Whether the checkpoint was written by this world size and node count (then the rank files are loaded,
+    exactly; else its world-size-independent part)."""
+    finished: bool = False
+    """An elastic run whose newest checkpoint already reached ``--max-steps``: there is nothing left to do."""
+
+
+@dataclasses.dataclass
+class _Job:
+    """What one worker's step loop needs besides the strategy."""
+
+    cfg: TrainConfig
+    strategy_flags: StrategyConfig | None
+    """The strategy's config as the flags gave it (the batch policy may have rescaled the one it runs)."""
+    clock: TokenSchedule
+    """The learning-rate schedule's position by committed step (follows tokens: train/elastic.py)."""
+    nominal: Nominal
+    """What a step held when the run started (the batch policy's reference)."""
+    stream: ShardedSequences
+    held_out: list[torch.Tensor]
+    device: torch.device
+    rank: int
+    slow: SlowWorker | None
+    t_setup: float
+
+
+def _agreed_checkpoint(cfg: TrainConfig, topology: Topology, transport: Transport, required: bool) -> Path | None:
+    """The newest complete checkpoint under ``--out`` whose files are whole, as rank 0 sees it, broadcast so every
+    worker loads the same one (None when there is none and ``required`` is False). Under ``--elastic`` a
+    checkpoint with a bad file is passed over, with a note naming it, for the next older one."""
+    code, problem = -1, None
+    if topology.rank == 0:
+        for folder in complete_checkpoints(cfg.out, _local_ranks(topology)):
+            problem = files_problem(folder, topology.world_size, topology.nodes)
+            if problem is None:
+                code = int(folder.name.split("-")[1])
+                break
+            if not cfg.elastic:
+                code = -2
+                break
+            print(f"quietsync train: --elastic: passing over {folder}: {problem}", flush=True)
+            problem = None
+    if topology.world_size > 1:
+        agreed = torch.tensor([code], dtype=torch.int64, device=transport.device)
+        transport.broadcast(agreed, src=0, group="world", name="resume_step")
+        code = int(agreed.item())
+    if code == -2:
+        raise ValueError(f"--resume: {problem}" if problem else "--resume: rank 0 found a bad checkpoint file "
+                         "(see its error)")
+    if code < 0:
+        if required:
+            raise ValueError(f"--resume found no complete checkpoint under {checkpoint_root(cfg.out)}")
+        return None
+    return step_folder(cfg.out, code)
+
+
+def _resume_point(cfg: TrainConfig, strategy_config: StrategyConfig | None, topology: Topology,
+                  transport: Transport) -> _Resume | None:
+    """Where this worker resumes from (None: a fresh run), its checkpoint checked against this run (one
+    :class:`~quietsync.train.resume_check.ResumeMismatch` line on every worker otherwise).
+
+    ``--resume`` (bare: the newest complete checkpoint under ``--out``) or ``--resume DIR``; under ``--elastic``
+    every start takes the newest complete checkpoint under ``--out``, else ``--resume DIR``, else none. What a
+    write cut short left (``*.tmp``) is removed first (no worker of the run is writing now)."""
+    rank, world = topology.rank, topology.world_size
+    if cfg.resume is None and not cfg.elastic:
+        return None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        remove_partial_writes(cfg.out)
+    if cfg.elastic or cfg.resume == "latest":
+        folder = _agreed_checkpoint(cfg, topology, transport, required=not cfg.elastic)
+        if folder is None and cfg.resume not in (None, "latest"):
+            folder = resolve_resume(str(cfg.resume), cfg.out, _local_ranks(topology))
+    else:
+        folder = resolve_resume(str(cfg.resume), cfg.out, _local_ranks(topology))
+    if folder is None:
+        return None
+    head = load_checkpoint(folder, 0, mmap=True)
+    local = _local_ranks(topology)  # the same choice on every worker: all use the rank files, or none
+    same = (head.get("world_size") == world and head.get("nodes", topology.nodes) == topology.nodes
+            and all(rank_file(folder, r).is_file() for r in local))
+    state = load_checkpoint(folder, rank) if same and rank != 0 else load_checkpoint(folder, 0, mmap=not same)
+    position = float(head.get("schedule_position", head["strategy"]["steps"]))
+    if cfg.elastic and position >= cfg.max_steps:  # e.g. a node that rejoins as the run ends: nothing to do
+        return _Resume(folder, state, same, finished=True)
+    for note in check_checkpoint(state, cfg, strategy_config, world, topology.nodes, folder):
+        if rank == 0 and under_torchrun() and ERRORS_ENV not in os.environ:  # else the launcher did
+            print(f"quietsync train: {note}", flush=True)
+    return _Resume(folder, state, same)
+
+
+def _step_plan(cfg: TrainConfig, strategy_config: StrategyConfig | None, world: int,
+               resume: _Resume | None) -> tuple[StrategyConfig | None, TokenSchedule, Nominal]:
+    """The strategy config this world runs (``--batch-policy``), the learning-rate schedule's clock and the run's
+    nominal step."""
+    schedule = warmup_cosine(cfg.warmup, cfg.max_steps, cfg.min_lr_ratio)
+    if resume is None:
+        return strategy_config, TokenSchedule(schedule, 0, 0.0, 1.0), Nominal.of(strategy_config, world)
+    state = resume.state
+    if "nominal" in state:
+        nominal = Nominal(**state["nominal"])
+    else:  # a checkpoint of an older quietsync: its world at the flags' accumulation
+        nominal = Nominal(int(state.get("world_size", world)), Nominal.of(strategy_config, 1).accumulation)
+    step = int(state["strategy"]["steps"])
+    position = float(state.get("schedule_position", step))
+    run_config, ratio = rescaled(strategy_config, cfg.batch_policy, nominal, world)
+    return run_config, TokenSchedule(schedule, step, position, ratio), nominal
+
+
+def _elastic_note(cfg: TrainConfig, resume: _Resume | None, world: int, run_config: Any,
+                  clock: TokenSchedule) -> str:
+    if resume is None:
+        return f"no complete checkpoint under {checkpoint_root(cfg.out)}: the run starts on {world} worker(s)"
+    field = accumulation_field(run_config)
+    per = f", {getattr(run_config, field)} micro-batch(es) per worker per step" if field else ""
+    return (f"resuming {resume.folder.name} (written by {resume.state.get('world_size')} worker(s)) on {world} "
+            f"worker(s){per}; a step holds {clock.ratio:g} x the run's first tokens per step; learning-rate "
+            f"schedule at step {clock.anchor_position:g} of {cfg.max_steps}")
+
+
 def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: int | None = None) -> dict | None:
     """Train as one worker of the job described by the environment; rank 0 returns the summary."""
     t_setup = time.perf_counter()
@@ -149,6 +287,12 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
     device = transport.device
     strategy = None
     try:
+        resume = _resume_point(cfg, strategy_config, topology, transport)
+        if resume is not None and resume.finished:
+            if rank == 0:
+                print(f"quietsync train: --elastic: the run is complete ({resume.folder.name} reached --max-steps "
+                      f"{cfg.max_steps}); results in {os.path.abspath(cfg.out)}", flush=True)
+            return None
         corpus = load_corpus(cfg.dataset, cfg.eval_fraction)
         tokenizer, eos = job_tokenizer(cfg.tokenizer, corpus, cfg.vocab_size, cfg.cache_dir)
         train_tokens = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir)
@@ -169,11 +313,13 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             enable_activation_checkpointing(model)
         if cfg.compile:
             compile_blocks(model)
+        run_config, clock, nominal = _step_plan(cfg, strategy_config, world, resume)
         strategy = make_strategy(
             cfg.strategy, model, torch.optim.AdamW,
             param_groups=param_groups(model, cfg.weight_decay),
-            transport=transport, config=strategy_config,
-            lr_schedule=warmup_cosine(cfg.warmup, cfg.max_steps, cfg.min_lr_ratio),
+            transport=transport, config=run_config,
+            lr_schedule=clock.schedule if clock.ratio == 1.0 and clock.anchor_position == clock.anchor_step
+            else clock,
             precision=cfg.precision, max_grad_norm=cfg.clip_norm,
             lr=cfg.lr, weight_decay=cfg.weight_decay, betas=ADAMW_BETAS,
         )
@@ -181,27 +327,22 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
         tokens_total = 0
         resume_step = None
-        if cfg.resume:
-            folder = resolve_resume(cfg.resume, cfg.out, _local_ranks(topology))
-            own = rank_file(folder, rank).is_file()
-            state = load_checkpoint(folder, rank if own else 0, mmap=not own)
-            for note in check_checkpoint(state, cfg, strategy_config, world, topology.nodes, folder):
-                if rank == 0 and under_torchrun() and ERRORS_ENV not in os.environ:  # else the launcher did
-                    print(f"quietsync train: {note}", flush=True)
-            local = _local_ranks(topology)  # the same choice on every worker: all use the rank files, or none
-            same_layout = state.get("world_size") == world and state.get("nodes", topology.nodes) == topology.nodes
-            if same_layout and all(rank_file(folder, r).is_file() for r in local):
-                strategy.load_state_dict(state["strategy"])
-                stream.load_state_dict(state["data"])
-                tokens_total = int(state["tokens_total"])
-                torch.set_rng_state(state["rng"])
-            else:  # another world size or node count (check_checkpoint allowed it), or a rank file missing
+        if resume is not None:
+            if resume.same_layout:
+                strategy.load_state_dict(resume.state["strategy"])
+                stream.load_state_dict(resume.state["data"])
+                tokens_total = int(resume.state["tokens_total"])
+                torch.set_rng_state(resume.state["rng"])
+            else:  # another world size or node count (check_checkpoint allowed it)
                 from .logical_checkpoint import load_logical  # torch.distributed.checkpoint: 1.4 s to import
 
-                tokens_total = load_logical(folder, strategy, stream)
+                tokens_total = load_logical(resume.folder, strategy, stream)
             resume_step = strategy.steps
+        if rank == 0 and cfg.elastic:
+            print(f"quietsync train: --elastic: {_elastic_note(cfg, resume, world, run_config, clock)}", flush=True)
         clock_offset = time.time() - time.perf_counter()
-        result = _train(cfg, strategy, stream, held_out, device, rank, tokens_total, resume_step, slow, t_setup)
+        job = _Job(cfg, strategy_config, clock, nominal, stream, held_out, device, rank, slow, t_setup)
+        result = _train(job, strategy, tokens_total, resume_step)
         if cfg.export:  # the committed parameters, as from_pretrained loads them (every worker: fsdp gathers)
             with strategy.paused(), strategy.committed_params() as module:
                 if rank == 0:
@@ -237,21 +378,15 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         transport.close()  # also takes down torch.distributed's default group when the transport set it up
 
 
-def _train(
-    cfg: TrainConfig,
-    strategy: Strategy,
-    stream: ShardedSequences,
-    held_out: list[torch.Tensor],
-    device: torch.device,
-    rank: int,
-    tokens_total: int,
-    resume_step: int | None,
-    slow: SlowWorker | None,
-    t_setup: float,
-) -> dict[str, Any]:
+def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | None) -> dict[str, Any]:
     """The step loop of one worker: micro-batches until the first budget is reached (``--max-steps`` committed
-    steps, or one of train/budgets.py, agreed by every worker); logs, evals, saves."""
+    steps — the schedule's position, after a resume on another number of workers —, or one of
+    train/budgets.py, agreed by every worker); logs, evals, saves."""
     from tqdm.auto import tqdm
+
+    cfg, stream, held_out, device, rank, slow = job.cfg, job.stream, job.held_out, job.device, job.rank, job.slow
+    t_setup, clock = job.t_setup, job.clock
+    audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
 
     metrics = MetricsWriter(cfg.out, rank, resume_step, sinks=open_sinks(
         cfg.log_with, cfg.out, rank, resume=resume_step is not None,
@@ -296,6 +431,10 @@ def _train(
         }
         if m.extra:
             record["extra"] = m.extra
+        if audit:
+            record["windows"] = list(windows)
+            record["world_size"] = strategy.world_size
+            windows.clear()
         skipped = guard.committed()
         if skipped:
             record["skipped_rounds"] = skipped
@@ -310,9 +449,10 @@ def _train(
             shown["grad_norm"] = f"{m.extra['grad_norm']:.3g}"
         bar.set_postfix(shown, refresh=False)
 
+    windows: list[list[int]] = []  # --audit: the windows fed since the last committed step
     guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
     budgets = BudgetWatch(cfg.budgets(), strategy, guard.group)
-    stopped_by = "max_steps" if strategy.steps >= cfg.max_steps else None  # a resume of a finished run
+    stopped_by = "max_steps" if clock.position(strategy.steps) >= cfg.max_steps else None  # a finished run
     profiler = StepProfiler(cfg.profile_steps, cfg.out, rank, device)
     skipped_before = sum(r.get("skipped_rounds", 0) for r in metrics.kept if "event" not in r)
     try:
@@ -323,6 +463,9 @@ def _train(
         while stopped_by is None:
             profiler.before_micro_batch(strategy.steps)
             batch = next(stream).to(device, non_blocking=True)
+            if audit:
+                epoch, starts = stream.last_starts
+                windows += [[epoch, int(x)] for x in starts]
             timer.start()
             loss = strategy.forward_backward(batch, lm_loss)
             timer.stop()
@@ -340,8 +483,10 @@ def _train(
                 log_step(losses, step_tokens)
                 losses, step_tokens = [], 0
                 eval_loss = run_eval() if cfg.eval_every and strategy.steps % cfg.eval_every == 0 else None
-                stopped_by = budgets.check(tokens_total, time.perf_counter() - t0, eval_loss)
-            elif strategy.steps_in_flight and strategy.steps + strategy.steps_in_flight >= cfg.max_steps:
+                stopped_by = budgets.check(tokens_total, time.perf_counter() - t0, eval_loss,
+                                           steps=clock.position(strategy.steps + strategy.steps_in_flight))
+            elif (strategy.steps_in_flight
+                  and clock.position(strategy.steps + strategy.steps_in_flight) >= cfg.max_steps):
                 stopped_by = "max_steps"  # an update began that finish() will commit: the last step is in flight
             else:
                 continue
@@ -358,7 +503,7 @@ def _train(
                     run_eval()
             if cfg.save_every and (strategy.steps % cfg.save_every == 0 or stopped_by is not None):
                 with strategy.paused():
-                    _save(cfg, strategy, stream, rank, tokens_total, guard)
+                    _save(job, strategy, tokens_total, guard)
         strategy.finish()  # a no-op after the loop's own call; a resumed run that had nothing left to train
         guard.check_parameters()
         guard.close()  # not on a failure: tearing its group down would cut the peers' view of who failed first
@@ -381,19 +526,23 @@ def _checkpoint_note(cfg: TrainConfig, strategy: Strategy) -> str:
     return f"newest checkpoint: {newest}" if newest is not None else "no checkpoint was written"
 
 
-def _save(cfg: TrainConfig, strategy: Any, stream: Any, rank: int, tokens_total: int, guard: NonFiniteGuard) -> None:
+def _save(job: _Job, strategy: Any, tokens_total: int, guard: NonFiniteGuard) -> None:
     """Write this worker's checkpoint file, unless any worker's state is not finite (then all raise); first,
     for a strategy that can reshard, the world-size-independent part (every worker takes part)."""
+    cfg, stream = job.cfg, job.stream
     state = strategy.state_dict()
     guard.check_state(state, strategy.steps)
     if strategy.reshard_refusal is None:
         from .logical_checkpoint import save_logical  # torch.distributed.checkpoint: imported when first used
 
-        save_logical(checkpoint_root(cfg.out) / f"step-{strategy.steps:07d}", strategy, stream, tokens_total)
-    save_checkpoint(cfg.out, strategy.steps, rank, {
+        save_logical(step_folder(cfg.out, strategy.steps), strategy, stream, tokens_total)
+    save_checkpoint(cfg.out, strategy.steps, job.rank, {
         "strategy": state, "data": stream.state_dict(),
         "tokens_total": tokens_total, "rng": torch.get_rng_state(),
         "config": dataclasses.asdict(cfg),  # the strategy's config is in strategy.state_dict()["config"]
+        "strategy_flags": None if job.strategy_flags is None else dataclasses.asdict(job.strategy_flags),
+        "nominal": job.nominal.state(),
+        "schedule_position": job.clock.position(strategy.steps),
         "world_size": strategy.world_size, "nodes": strategy.transport.topology.nodes,
     })
 

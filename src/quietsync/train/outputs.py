@@ -2,8 +2,10 @@
 
 * A **new run** (no ``--resume``) needs an empty or missing ``--out``. A non-empty one is refused before any
   worker starts, unless ``--overwrite`` is given: then the files a run writes (:data:`RUN_OUTPUTS`:
-  metrics, summary, plots, traces, checkpoints, the exported model) are removed first. Anything else in the folder is left
-  alone — ``--overwrite`` never empties a folder it did not fill.
+  metrics, summary, plots, traces, the exported model, and under ``checkpoints/`` the step folders' rank files,
+  their ``logical/`` parts and what an interrupted write left, :func:`remove_checkpoints`) are removed first.
+  Anything else in the folder is left alone — ``--overwrite`` never empties a folder it did not fill, and a
+  file of the user's own inside ``checkpoints/`` (or a step folder) keeps that folder.
 * A **resumed run** continues the run in ``--out`` when its checkpoint lies under ``OUT/checkpoints``
   (bare ``--resume`` always does); ``--overwrite`` would delete that checkpoint and is refused. A checkpoint
   from elsewhere starts a new ``--out``, under the new-run rule.
@@ -24,9 +26,10 @@ __all__ = ["RUN_OUTPUTS", "COMPARE_OUTPUTS", "out_problem", "compare_out_problem
 RUN_OUTPUTS = (
     "metrics-rank*.jsonl", "summary.json", "summary.json.tmp", "loss.png", "trace.json", "trace-rank*.json", "timeline.png",
     "profile-rank*.json",
-    "checkpoints", "model", "metrics-rank*.csv", "tensorboard", "wandb",
+    "model", "metrics-rank*.csv", "tensorboard", "wandb",
 )
-"""Glob patterns of what ``quietsync train`` writes under ``--out`` (what ``--overwrite`` removes)."""
+"""Glob patterns of what ``quietsync train`` writes under ``--out`` (what ``--overwrite`` removes, with
+:func:`remove_checkpoints` for ``checkpoints/``)."""
 
 COMPARE_OUTPUTS = ("compare.json", "compare.md", "compare.png", "timelines.png")
 """What ``quietsync compare`` writes under its ``--out`` besides one sub-folder per run."""
@@ -72,8 +75,40 @@ def compare_out_problem(out: str | os.PathLike, overwrite: bool) -> str | None:
             "or choose another --out")
 
 
+def remove_checkpoints(out: str | os.PathLike) -> bool:
+    """Delete what runs wrote under ``OUT/checkpoints``: in each ``step-N`` folder the rank files, the
+    ``logical/`` part and what an interrupted write left (``*.tmp``); then each folder left empty, and
+    ``checkpoints/`` itself when it is empty. Returns whether anything was removed."""
+    from .checkpoint import STEP_DIR, checkpoint_root, run_files
+
+    root = checkpoint_root(out)
+    if not root.is_dir() or root.is_symlink():
+        return False
+    removed = False
+    for step in root.iterdir():
+        if not (STEP_DIR.match(step.name) and step.is_dir() and not step.is_symlink()):
+            continue
+        for path in run_files(step):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed = True
+        removed = _remove_if_empty(step) or removed
+    return _remove_if_empty(root) or removed
+
+
+def _remove_if_empty(folder: Path) -> bool:
+    try:
+        folder.rmdir()
+    except OSError:  # not empty (a file of the user's own), or already gone
+        return False
+    return True
+
+
 def remove_outputs(out: str | os.PathLike, patterns: tuple[str, ...] = RUN_OUTPUTS) -> list[str]:
-    """Delete what a run (``patterns``) wrote under ``out``; return the names removed (sorted).
+    """Delete what a run (``patterns``, and for ``quietsync train`` its checkpoints) wrote under ``out``;
+    return the names removed (sorted).
 
     Safe when several processes do it at once (something already gone is skipped).
     """
@@ -81,6 +116,8 @@ def remove_outputs(out: str | os.PathLike, patterns: tuple[str, ...] = RUN_OUTPU
     if not out.is_dir():
         return []
     removed = []
+    if patterns is RUN_OUTPUTS and remove_checkpoints(out):
+        removed.append("checkpoints")
     for pattern in patterns:
         for path in out.glob(pattern):
             if path.is_dir() and not path.is_symlink():

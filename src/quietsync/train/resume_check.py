@@ -26,7 +26,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import checkpoint_root, latest_checkpoint, load_checkpoint, rank_file, resolve_resume
+from .checkpoint import (
+    checkpoint_root,
+    files_problem,
+    latest_checkpoint,
+    load_checkpoint,
+    rank_file,
+    resolve_resume,
+)
 from .config import TrainConfig
 from .config_flags import FlagError, flag_name
 
@@ -57,6 +64,8 @@ NOTED: dict[str, str] = {
     "threads": "kernels may sum in another order, so the continuation need not be bit-identical",
     "link": "only the emulated link timing changes",
     "slow_worker": "only the slowed worker's timing changes",
+    "batch_policy": "steps after {step} on another number of workers than the run started on hold what the new "
+                    "policy says",
 }
 """Job fields a resumed run may change, with a note of what it changes (``{step}``, ``{old}``, ``{new}``)."""
 
@@ -64,6 +73,7 @@ SAFE = frozenset({
     "out", "overwrite", "eval_every", "save_every", "resume", "cache_dir", "timeout_s", "progress", "plot",
     "trace", "profile_steps", "export", "on_nonfinite", "nonfinite_skip_limit", "log_with",
     "max_tokens", "max_time_s", "target_loss",  # only when the run stops (tokens and time count from step 0)
+    "elastic",  # how restarts find the checkpoint, not what it holds
 })
 """Job fields a resumed run may change without a word."""
 
@@ -133,7 +143,7 @@ def _reshard_refusal(payload: dict[str, Any], where: str, nodes: int | None) -> 
         return f"strategy {name} cannot be resharded: {refusal}"
     if not where or not has_logical(where):
         return ("it has no world-size-independent part (logical/), which quietsync writes beside the rank files "
-                "for the strategies that can reshard (ddp, zero1, fsdp, flexdemo)")
+                "for every strategy that can reshard (all but cdp; older versions: only ddp, zero1, fsdp, flexdemo)")
     return None
 
 
@@ -205,7 +215,8 @@ def check_checkpoint(
         else:
             was.append(_show(flag, saved[name]))
             has.append(_show(flag, now[name]))
-    saved_strategy = _strategy_state(payload).get("config")
+    # the strategy's flags as given (the batch policy may have rescaled the config the strategy ran with)
+    saved_strategy = payload.get("strategy_flags", _strategy_state(payload).get("config"))
     if saved.get("strategy") == now["strategy"] and isinstance(saved_strategy, dict) and strategy_config:
         flags = _strategy_flags(cfg.strategy)
         current = _plain(dataclasses.asdict(strategy_config))
@@ -219,8 +230,10 @@ def check_checkpoint(
         raise ResumeMismatch(
             f"--resume: the checkpoint was written with {', '.join(was)}; this run has {', '.join(has)} "
             "(these cannot change on resume: use the checkpoint's values, or start a new run)")
-    if cfg.max_steps <= step:
-        raise ResumeMismatch(f"--max-steps must be > the checkpoint's step {step} to resume it, got {cfg.max_steps}")
+    position = float(payload.get("schedule_position", step))  # in steps of the run's first world (elastic.py)
+    if cfg.max_steps <= position:
+        at = f"step {step}" if position == step else f"step {step} (schedule position {position:g})"
+        raise ResumeMismatch(f"--max-steps must be > the checkpoint's {at} to resume it, got {cfg.max_steps}")
     return topology_notes + notes
 
 
@@ -254,4 +267,7 @@ def check_resume(cfg: TrainConfig, strategy_config: Any, world: int, nodes: int 
         resolve_resume(str(folder), cfg.out, range(world))
     except ValueError as e:
         raise ResumeMismatch(f"--resume: {e}") from None
+    problem = files_problem(folder, world, nodes)
+    if problem is not None:
+        raise ResumeMismatch(f"--resume: {problem}")
     return notes

@@ -24,14 +24,19 @@ def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -
     this, and the checkpoint and data checks are left to the workers (files may be on other nodes).
     """
     from .launch import under_torchrun
+    from .model_check import model_problem
     from .outputs import out_problem, remove_outputs
     from .preflight import check_data
     from .resume_check import check_resume
 
     torchrun = under_torchrun()
-    problem = out_problem(cfg)
+    problem = None if cfg.elastic else out_problem(cfg)  # an elastic run continues the run in --out
     if problem is not None:
         raise FlagError("--out", problem)
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc
+    problem = model_problem(cfg, strategy_config, world)
+    if problem is not None:
+        raise FlagError(problem.split()[0], problem)
     notes: list[str] = []
     if cfg.resume is not None and not torchrun:
         notes += check_resume(cfg, strategy_config, cfg.nproc, nodes)

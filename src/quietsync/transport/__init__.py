@@ -26,9 +26,12 @@ torch.distributed's default process group included when a transport initialised 
 Optimizers and replicators depend only on :class:`Collectives`, the part of the transport they use.
 """
 
+from .agent_store import AGENT_STORE_ENV, worker_group_store
 from .groups import BACKEND_ENV, RENDEZVOUS_ENV, ProcessGroups, default_backend
 from .transport import OPS, Transport
 from .work import Collectives, PendingWork, Work
 
-__all__ = ["BACKEND_ENV", "OPS", "RENDEZVOUS_ENV", "Collectives", "PendingWork", "ProcessGroups", "Transport", "Work",
-           "default_backend"]
+__all__ = [
+    "AGENT_STORE_ENV", "BACKEND_ENV", "OPS", "RENDEZVOUS_ENV", "Collectives", "PendingWork", "ProcessGroups",
+    "Transport", "Work", "default_backend", "worker_group_store",
+]

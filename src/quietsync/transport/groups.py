@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import GROUPS, Topology
+from .agent_store import uses_agent_store, worker_group_store
 
 
 class _DefaultGroupRecord:
@@ -132,6 +133,8 @@ class ProcessGroups:
                     _DEFAULT_GROUP.store, _, _ = next(
                         dist.rendezvous(url, rank=topo.rank, world_size=topo.world_size, timeout=self._timeout)
                     )
+                    if uses_agent_store():  # torchrun's store, shared across restarts
+                        _DEFAULT_GROUP.store = worker_group_store(_DEFAULT_GROUP.store, topo, self.timeout_s)
                 _DEFAULT_GROUP.generation += 1
                 store = dist.PrefixStore(f"quietsync/default{_DEFAULT_GROUP.generation}/", _DEFAULT_GROUP.store)
                 dist.init_process_group(

@@ -17,6 +17,14 @@ Every worker holds the whole model and its own decoupled momentum ``delta``. A s
 Workers' parameters stay identical (they all apply the same averaged update). The knobs of
 :class:`~quietsync.strategies.decoupled.round.DecoupledConfig` become the CLI flags ``--replicator
 --compression --chunk --topk --sign/--no-sign --transfer-dtype --beta --replicate-every --skip-every``.
+
+Checkpoints that reshard: the parameters (identical on every worker), the base lrs and the decoupled step and
+replicator counters once; each worker's decoupled momentum δ (in its replicator's domain, which does not
+depend on the world size: every worker holds whole parameters) and base-optimizer state as its own replica
+(:mod:`~quietsync.strategies.checkpoint.replicas`). On another number of workers a survivor keeps its δ and
+moments; a joiner starts with δ = 0 (it owes the others nothing, as at the start of a run) and the saved
+workers' mean moments (equal to each worker's where they agree: decoupled AdamW's moments of the shared
+update); a leaver's δ — the part of its gradients not yet sent — is dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +34,18 @@ from typing import Any
 import torch
 
 from ..base import Strategy
+from ..checkpoint import replicas
+from ..checkpoint.logical import (
+    SavedTensors,
+    base_lrs_state,
+    base_lrs_target,
+    load_module,
+    module_state,
+    module_targets,
+    optimizer_state,
+    optimizer_targets,
+    parameter_names,
+)
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
 from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
@@ -35,11 +55,7 @@ from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 class DeMo(Strategy):
     """DeMo over plain data parallelism; see the module docstring."""
 
-    reshard_refusal = (
-        "each worker's decoupled momentum δ is its own (only a compressed part of it ever crosses the "
-        "network) and its AdamW moments stay local, so there is no one state to split over another number of "
-        "workers"
-    )
+    reshard_refusal = None  # the model once, each worker's δ and moments as a replica (module docstring)
 
     discards_rounds = True
 
@@ -82,3 +98,45 @@ class DeMo(Strategy):
 
     def _load_state(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
+
+    # ------------------------------------------------------------------ checkpoints that reshard
+    @staticmethod
+    def join_rule(key: str) -> replicas.JoinRule:
+        """A joining worker's δ starts empty; its base-optimizer state is the saved workers' mean."""
+        return "zero" if key.endswith(".delta") else "mean"
+
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        opt = self.optimizer
+        out = {**module_state(self.module), **base_lrs_state(self.round.lr.base_lrs),
+               "optim.decoupled.step": torch.tensor(opt.decoupled_step, dtype=torch.int64)}
+        for key, value in opt.replicator.state_dict().items():
+            out[f"optim.replicator.{key}"] = torch.tensor(int(value), dtype=torch.int64)
+        return {**out, **replicas.own(self.rank, optimizer_state(opt, parameter_names(self.module)))}
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        names = parameter_names(self.module)
+        self._replica_load = replicas.ReplicaLoad(
+            saved, self.rank, lambda keys: optimizer_targets(self.optimizer, names, keys), self.join_rule)
+        counters = {k: torch.zeros((), dtype=torch.int64) for k in saved
+                    if k == "optim.decoupled.step" or k.startswith("optim.replicator.")}
+        return {**module_targets(self.module), **base_lrs_target(self.round.lr.base_lrs, saved),
+                "optim.decoupled.step": torch.zeros((), dtype=torch.int64), **counters,
+                **self._replica_load.targets}
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        load_module(self.module, filled)
+        mine = self._replica_load.merged(filled)
+        names = parameter_names(self.module)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for i, p in enumerate(q for g in self.optimizer.param_groups for q in g["params"]):
+            head = f"optim.{names[id(p)]}."
+            entry = {k[len(head):]: v for k, v in mine.items() if k.startswith(head) and "." not in k[len(head):]}
+            if entry:
+                state[i] = entry
+        replicator = {k[len("optim.replicator."):]: int(v) for k, v in filled.items()
+                      if k.startswith("optim.replicator.")}
+        self.optimizer.load_state_dict({  # δ in the domain it was saved in: this run's replicator's
+            "state": state, "param_groups": self.optimizer.state_dict()["param_groups"],
+            "decoupled": {"step": int(filled["optim.decoupled.step"]), "replicator": replicator,
+                          "momentum_domain": self.optimizer.replicator.momentum_domain}})
+        self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]

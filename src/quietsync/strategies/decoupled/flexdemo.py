@@ -39,7 +39,10 @@ Substrate (``params``), both dim-0 sharded and both with every byte metered and 
 Checkpoints that reshard: each node's state (parameter shards, decoupled momentum, optimizer state, counters)
 is written under ``replica.<node>.`` as ``Shard(0)`` pieces over the node's workers
 (:mod:`~quietsync.strategies.checkpoint.logical_shards`), so a job resumes on another number of workers per
-node, either substrate, but on the same number of nodes (:meth:`FlexDeMo.reshard_problem`).
+node, either substrate; on another number of nodes each node is a replica
+(:mod:`~quietsync.strategies.checkpoint.replicas`): a surviving node keeps its state, a joining node starts
+from the saved parameters (the same on every node) with δ = 0 and the nodes' mean optimizer moments, a leaving
+node's δ is dropped.
 
 See ``docs/flexdemo.md`` for the memory and speed of both.
 """
@@ -55,7 +58,8 @@ import torch
 
 from ...validate import check_choice
 from ..base import Strategy
-from ..checkpoint.logical import ReshardError, SavedTensors, base_lrs_state, base_lrs_target
+from ..checkpoint import replicas
+from ..checkpoint.logical import SavedTensors, base_lrs_state, base_lrs_target
 from ..checkpoint.logical_shards import load_shards, shard_state, shard_targets
 from ..registry import register
 from ..substrates.dim0_shards import DimZeroShards, FlatDimZeroShards
@@ -83,7 +87,7 @@ class FlexDeMoConfig(DecoupledConfig):
 class FlexDeMo(Strategy):
     """Hybrid-sharded decoupled momentum; see the module docstring."""
 
-    reshard_refusal = None  # across workers per node; the number of nodes is fixed (see reshard_problem)
+    reshard_refusal = None  # across workers per node and across nodes (each node a replica)
 
     discards_rounds = True
 
@@ -140,37 +144,27 @@ class FlexDeMo(Strategy):
         return {"optimizer_state": opt_state}
 
     # ------------------------------------------------------------------ checkpoints that reshard
-    @classmethod
-    def reshard_problem(cls, saved_nodes: int | None, nodes: int | None) -> str | None:
-        if saved_nodes is not None and nodes is not None and saved_nodes != nodes:
-            return (
-                f"each node keeps its own decoupled momentum (only a compressed part of it ever crosses the "
-                f"network), so the {saved_nodes} nodes' momenta have no home on {nodes}; resume on "
-                f"{saved_nodes} nodes (--nodes {saved_nodes}), with any number of workers per node"
-            )
-        return None
+    @property
+    def replica(self) -> int:
+        """This worker's node (each node keeps its own decoupled momentum)."""
+        return self.transport.group_rank("replicate")
 
-    def _prefix(self) -> str:
-        return f"replica.{self.transport.group_rank('replicate')}."
+    @staticmethod
+    def join_rule(key: str) -> replicas.JoinRule:
+        """A joining node's δ starts empty; its parameters (the same on every node) and base-optimizer state
+        are the saved nodes' (their mean where they differ)."""
+        return "zero" if key.endswith(".delta") else "mean"
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
-        state = shard_state(self.shards, self.module, self.optimizer, self._prefix())
+        state = shard_state(self.shards, self.module, self.optimizer, replicas.prefix(self.replica))
         return {**state, **base_lrs_state(self.round.lr.base_lrs)}
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
-        replicas = {k.split(".")[1] for k in saved if k.startswith("replica.")}
-        nodes = self.transport.group_size("replicate")
-        if not replicas:
-            raise ReshardError("the checkpoint holds no flexdemo state (replica.<node>.*): was it written by "
-                               "strategy flexdemo?")
-        if len(replicas) != nodes:
-            raise ReshardError(
-                f"strategy flexdemo cannot be resharded from {len(replicas)} nodes onto {nodes}: "
-                f"{self.reshard_problem(len(replicas), nodes)}"
-            )
-        targets = shard_targets(self.shards, self.module, self.optimizer, saved, self._prefix())
-        return {**targets, **base_lrs_target(self.round.lr.base_lrs, saved)}
+        self._replica_load = replicas.ReplicaLoad(
+            saved, self.replica, lambda keys: shard_targets(self.shards, self.module, self.optimizer, keys),
+            self.join_rule)
+        return {**self._replica_load.targets, **base_lrs_target(self.round.lr.base_lrs, saved)}
 
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
-        load_shards(self.shards, self.module, self.optimizer, filled, self._prefix())
+        load_shards(self.shards, self.module, self.optimizer, self._replica_load.merged(filled))
         self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]

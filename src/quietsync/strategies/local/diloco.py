@@ -45,6 +45,15 @@ the committed and exported model holds every inner step; ``finish(sync=False)`` 
 ``committed_params()`` gives θ_global (the last globally agreed parameters, per fragment); between syncs
 ``model`` holds the local θ. With outer SGD lr = 1 and momentum 0 (no Nesterov), θ_global ← mean_i θ_i:
 DiLoCo is Local SGD with K = H.
+
+Checkpoints that reshard: θ_global, the outer optimizer, the fragment schedule (``steps``, the fragment in
+flight) once; each **replica** — a worker with ``inner=local``, a node with ``inner=ddp|zero1`` (its inner
+strategy's state, sharded over the node's workers for zero1) — writes its local θ, its inner optimizer state
+and its error-feedback residuals under ``replica.<i>.`` (:mod:`~quietsync.strategies.checkpoint.replicas`). On
+another number of replicas a survivor continues its own; a joiner starts from θ_global with the saved
+replicas' mean inner optimizer state and an empty residual; a leaver's drift since its last sync is dropped.
+Saved right after an outer sync with τ = 0 (the trainer's default cadence under ``--elastic`` with one
+fragment), every local θ equals θ_global, so only the inner moments are approximated.
 """
 
 from __future__ import annotations
@@ -58,6 +67,19 @@ import torch
 
 from ...validate import check_choice
 from ..base import Strategy
+from ..checkpoint import replicas
+from ..checkpoint.logical import (
+    SavedTensors,
+    base_lrs_state,
+    base_lrs_target,
+    load_module,
+    load_optimizer,
+    module_state,
+    module_targets,
+    optimizer_state,
+    optimizer_targets,
+    parameter_names,
+)
 from ..parts.accumulation import OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import get, register
@@ -85,10 +107,7 @@ class DiLoCoConfig(OuterConfig):
 class DiLoCo(Strategy):
     """DiLoCo / Streaming DiLoCo, optionally hierarchical; see the module docstring."""
 
-    reshard_refusal = (
-        "each worker's inner optimizer state is its own and its inner model drifts between outer syncs, so "
-        "there is no one state to split over another number of workers"
-    )
+    reshard_refusal = None  # θ_global and the outer state once, each replica's inner state (module docstring)
 
     discards_rounds = True
 
@@ -181,6 +200,10 @@ class DiLoCo(Strategy):
     def _position(self) -> dict[str, int]:
         return {"pending_fragment": self.outer.pending_fragment}
 
+    def _open_round(self) -> dict[str, int]:
+        """The inner round only: a fragment in flight is part of the logical state."""
+        return {k: v for k, v in self.position().items() if k not in ("steps", "pending_fragment")}
+
     def _state(self) -> dict[str, Any]:
         return (
             {} if self.inner is not None else {"model": self.module.state_dict()}
@@ -189,3 +212,67 @@ class DiLoCo(Strategy):
     def _load_state(self, state: dict[str, Any]) -> None:
         if self.inner is None:
             self.module.load_state_dict(state["model"])
+
+    # ------------------------------------------------------------------ checkpoints that reshard
+    @property
+    def replica(self) -> int:
+        """This worker's replica: its rank with local inner steps, its node with an inner ddp/zero1."""
+        return self.transport.group_rank(self.sync_group)
+
+    def join_rule(self, key: str) -> replicas.JoinRule:
+        """What a joining replica gets for ``key``: θ_global for its parameters and a ZeRO-1 master
+        (``skip``: written from θ_global), the outer slots' own rules, the mean of the rest (inner optimizer
+        state)."""
+        slots = self.outer.worker_slots()
+        if key in slots:
+            return slots[key][1]
+        return "skip" if key.startswith("model.") or key == "optim.flat.master" else "mean"
+
+    def _mine(self) -> dict[str, torch.Tensor]:
+        if self.inner is None:
+            names = parameter_names(self.module)
+            state = {**module_state(self.module), **optimizer_state(self.optimizer, names)}
+        else:
+            state = self.inner._logical_state()  # noqa: SLF001 - the inner strategy is held, not a peer
+        return {**state, **{k: t for k, (t, _) in self.outer.worker_slots().items()}}
+
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        out = {**self.outer.logical_state(), **replicas.own(self.replica, self._mine())}
+        if self.inner is None:
+            out.update(base_lrs_state(self.round.lr.base_lrs))
+        return out
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        names = parameter_names(self.module)
+
+        def build(keys: Any) -> dict[str, torch.Tensor]:
+            if self.inner is None:
+                out = {**module_targets(self.module), **optimizer_targets(self.optimizer, names, keys)}
+            else:
+                out = self.inner._logical_targets(keys)  # noqa: SLF001
+            out.update({k: torch.empty_like(t) for k, (t, _) in self.outer.worker_slots().items()})
+            return out
+
+        self._replica_load = replicas.ReplicaLoad(saved, self.replica, build, self.join_rule)
+        out = {**self.outer.logical_targets(saved), **self._replica_load.targets}
+        if self.inner is None:
+            out.update(base_lrs_target(self.round.lr.base_lrs, saved))
+        return out
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        load = self._replica_load
+        mine = load.merged(filled)
+        self.outer.load_logical(filled, mine)
+        inner_state = {k: v for k, v in mine.items() if not k.startswith("outer.")}
+        if self.inner is None:
+            if not load.joined:
+                load_module(self.module, inner_state)
+            load_optimizer(self.optimizer, parameter_names(self.module), inner_state)
+            self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]
+        else:
+            if load.joined:  # its parameters come from θ_global below; its buffers are this model's own
+                inner_state.update(module_state(self.module))
+            self.inner._load_logical(inner_state)  # noqa: SLF001
+            self.inner.steps = self.steps
+        if load.joined:
+            self.outer.start_from_global()

@@ -22,6 +22,12 @@ every worker to the last averaged θ (those local steps are dropped).
 
 ``committed_params()`` gives the **last averaged θ** (the globally agreed parameters); between syncs
 ``model`` holds this worker's local θ_i. Replicas are identical right after every sync.
+
+Checkpoints that reshard (:mod:`~quietsync.strategies.checkpoint.replicas`): the last averaged θ and the base
+lrs once; each worker's θ_i and optimizer state as its own replica. On another number of workers a surviving
+worker continues its own θ_i and moments, a joining one starts from the last averaged θ with the mean of the
+saved moments, a leaving one's drift since the last sync is dropped. Saved right after a sync (the trainer's
+default cadence under ``--elastic``), θ_i equals θ for every worker and only the moments are approximated.
 """
 
 from __future__ import annotations
@@ -36,6 +42,19 @@ import torch
 from ...flat import nbytes
 from ...validate import check_int
 from ..base import Strategy
+from ..checkpoint import replicas
+from ..checkpoint.logical import (
+    SavedTensors,
+    base_lrs_state,
+    base_lrs_target,
+    load_module,
+    load_optimizer,
+    module_state,
+    module_targets,
+    optimizer_state,
+    optimizer_targets,
+    parameter_names,
+)
 from ..parts.accumulation import AccumulationConfig, OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
@@ -61,10 +80,7 @@ class LocalSGDConfig(AccumulationConfig):
 class LocalSGD(Strategy):
     """Local SGD with periodic parameter averaging over ``world``; see the module docstring."""
 
-    reshard_refusal = (
-        "each worker's local optimizer state (AdamW moments) is its own and its parameters drift between "
-        "syncs, so there is no one state to split over another number of workers"
-    )
+    reshard_refusal = None  # the synced θ once, each worker's θ_i and moments as a replica (module docstring)
 
     discards_rounds = True
 
@@ -165,3 +181,40 @@ class LocalSGD(Strategy):
         self.module.load_state_dict(state["model"])
         with torch.no_grad():
             torch._foreach_copy_(self.synced, state["synced"])
+
+    # ------------------------------------------------------------------ checkpoints that reshard
+    @staticmethod
+    def join_rule(key: str) -> replicas.JoinRule:
+        """A joining worker's θ_i is the last averaged θ (``skip``: set from ``synced``); its moments are the
+        saved workers' mean."""
+        return "skip" if key.startswith("model.") else "mean"
+
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        names = parameter_names(self.module)
+        mine = {**module_state(self.module), **optimizer_state(self.optimizer, names)}
+        return {**base_lrs_state(self.round.lr.base_lrs),
+                **{f"synced.{names[id(p)]}": s for p, s in zip(self.params, self.synced)},
+                **replicas.own(self.rank, mine)}
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        names = parameter_names(self.module)
+        self._replica_load = replicas.ReplicaLoad(
+            saved, self.rank,
+            lambda keys: {**module_targets(self.module), **optimizer_targets(self.optimizer, names, keys)},
+            self.join_rule)
+        return {**base_lrs_target(self.round.lr.base_lrs, saved),
+                **{f"synced.{names[id(p)]}": torch.empty_like(s) for p, s in zip(self.params, self.synced)},
+                **self._replica_load.targets}
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        names = parameter_names(self.module)
+        load = self._replica_load
+        mine = load.merged(filled)
+        with torch.no_grad():
+            torch._foreach_copy_(self.synced, [filled[f"synced.{names[id(p)]}"] for p in self.params])
+            if load.joined:
+                torch._foreach_copy_([p.data for p in self.params], self.synced)
+            else:
+                load_module(self.module, mine)
+        load_optimizer(self.optimizer, names, mine)
+        self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]

@@ -32,6 +32,12 @@ The end of training (:meth:`OuterSync.finish`): the fragment in flight is waited
 θ_global; its delayed merge is superseded), every fragment with inner steps since its last launch is synced
 once more — steps 1–3, blocking — and every fragment's θ_global is written into the model (α = 0), so every
 worker ends on the same, committed parameters.
+
+Checkpoints that reshard: θ_global, the outer SGD state, the replicators' counters and the fragment in flight
+(its outer step finished first) are the same on every worker and written once (:meth:`OuterSync.logical_state`);
+what each worker keeps of its own — the error-feedback residuals — are its :meth:`OuterSync.worker_slots`,
+written as its replica's state with the rule a joining worker follows
+(:mod:`~quietsync.strategies.checkpoint.replicas`).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ from ...flat import nbytes
 from ...replicators import Replicator, Segments, make_replicator
 from ...transport import Transport
 from ...validate import check_choice, check_float, check_int
+from ..checkpoint.logical import SavedTensors, local_part
+from ..checkpoint.replicas import JoinRule
 from ..parts.accumulation import AccumulationConfig
 from ..parts.part import Part
 from .fragments import FRAGMENT_PATTERNS, split_fragments, strided_fragments
@@ -460,6 +468,81 @@ class OuterSync(Part):
             p.load_state_dict(s)
         pending = state["pending"]
         self.pending = None if pending is None else _Pending(int(pending[0]), int(pending[1]), None)
+
+    # ------------------------------------------------------------------ checkpoints that reshard
+    def worker_slots(self) -> dict[str, tuple[torch.Tensor, JoinRule]]:
+        """This worker's own outer state, by logical key, each with what a worker that joins a resharded job
+        gets (:mod:`~quietsync.strategies.checkpoint.replicas`). A new per-worker buffer is one line here."""
+        slots: dict[str, tuple[torch.Tensor, JoinRule]] = {}
+        for f, r in enumerate(self.residuals):
+            slots[f"outer.residual.{f}"] = (r, "zero")  # error feedback: a joining worker owes nothing yet
+        for f, p in enumerate(self.packed or []):
+            if p.feedback is not None:  # low-bit / SparseLoCo error feedback: the same rule
+                slots[f"outer.packed_residual.{f}"] = (p.feedback.residual, "zero")
+        return slots
+
+    def logical_state(self) -> dict[str, torch.Tensor]:
+        """The world-size-independent outer state (the same on every worker): ``outer.global.<f>`` (θ_global),
+        ``outer.<f>.<key>`` (the outer SGD's state), ``outer.replicator.<f>.<key>`` (counters) and
+        ``outer.pending`` (the fragment in flight and the step its merge is due after, or -1, -1); the
+        fragment in flight is waited for first, so its outer step is in θ_global."""
+        self.quiesce()
+        pending = [-1, -1] if self.pending is None else [self.pending.fragment, self.pending.apply_after]
+        out = {"outer.pending": torch.tensor(pending, dtype=torch.int64)}
+        for f, (g, opt) in enumerate(zip(self.globals, self.outer)):
+            out[f"outer.global.{f}"] = g.detach()
+            for key, value in opt.state.get(g, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"outer.{f}.{key}"] = value.detach()
+            for key, value in (self.replicators[f].state_dict() if self.replicators else {}).items():
+                out[f"outer.replicator.{f}.{key}"] = torch.tensor(int(value), dtype=torch.int64)
+        return out
+
+    def logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        """Tensors to read :meth:`logical_state` into (checks the fragments match)."""
+        out = {"outer.pending": torch.zeros(2, dtype=torch.int64)}
+        for f, g in enumerate(self.globals):
+            key = f"outer.global.{f}"
+            shape = saved.get(key, (None, None))[0]
+            if shape is not None and tuple(shape) != tuple(g.shape):
+                raise ValueError(f"the checkpoint's {key} has {tuple(shape)} elements, this run's fragment "
+                                 f"{f} {tuple(g.shape)} (another model or --fragments?)")
+            out[key] = torch.empty_like(g)
+            head = f"outer.{f}."
+            for k, (shape, dtype) in saved.items():
+                if k.startswith(head) and "." not in k[len(head):]:
+                    out[k] = torch.empty(shape, dtype=dtype)
+                elif k.startswith(f"outer.replicator.{f}."):
+                    out[k] = torch.zeros((), dtype=torch.int64)
+        return out
+
+    def load_logical(self, filled: dict[str, torch.Tensor], mine: dict[str, torch.Tensor]) -> None:
+        """Take :meth:`logical_targets` filled, and this worker's :meth:`worker_slots` from ``mine``."""
+        with torch.no_grad():
+            for f, (g, opt) in enumerate(zip(self.globals, self.outer)):
+                g.copy_(filled[f"outer.global.{f}"])
+                head = f"outer.{f}."
+                state = {k[len(head):]: v for k, v in filled.items()
+                         if k.startswith(head) and "." not in k[len(head):]}
+                opt.load_state_dict({"state": {0: state} if state else {},
+                                     "param_groups": opt.state_dict()["param_groups"]})
+                for st in opt.state.values():
+                    for k, v in st.items():
+                        if isinstance(v, torch.Tensor) and v.device != self.store and v.dim() > 0:
+                            st[k] = v.to(self.store)
+                if self.replicators:
+                    head = f"outer.replicator.{f}."
+                    self.replicators[f].load_state_dict(
+                        {k[len(head):]: int(v) for k, v in filled.items() if k.startswith(head)})
+            for key, (t, _) in self.worker_slots().items():
+                t.copy_(local_part(mine[key]))
+        fragment, apply_after = (int(x) for x in filled["outer.pending"])
+        self.pending = None if fragment < 0 else _Pending(fragment, apply_after, None)
+
+    def start_from_global(self) -> None:
+        """θ_local ← θ_global for every fragment (a worker that joins a resharded job)."""
+        for f in range(self.F):
+            self._write(f, 0.0)
 
     def close(self) -> None:
         if self.worker is not None:

@@ -33,6 +33,12 @@ Traffic per committed step is two reduce-scatters and two all-gathers (twice ZeR
 computation when the link allows; memory is ZeRO-1's plus one communication buffer (Table 1,
 (2+2+2+K/N)Ψ), plus here the estimate's scratch copy of the shard state and a shard of Σg̃ (see
 ``docs/acco.md``).
+
+Checkpoints that reshard drain the round in flight first (:mod:`~quietsync.strategies.overlap.machinery`):
+after a commit that is stage 1's estimate job, whose Σᵢg̃ᵢ (a ``Shard(0)`` piece of the flat vector) and ΣÑ are
+world-size independent, so a job on another number of workers commits
+θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, (Σg_new + Σg̃_old)/(ΣN_new + ΣÑ_old)) — the paper's rule with the old workers' estimate-stage
+micro-batches counted as they were.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from typing import Any
 import torch
 
 from ..base import Strategy
+from ..checkpoint.logical import SavedTensors
 from ..registry import register
 from .machinery import Overlap, OverlapConfig
 
@@ -61,11 +68,7 @@ class ACCOConfig(OverlapConfig):
 class ACCO(Strategy):
     """ACCO on the flat sharded substrate; see the module docstring."""
 
-    reshard_refusal = (
-        "every worker holds its part of a round in flight (the gradients of the estimate stage, not yet "
-        "applied, and the estimate θ̃ they were computed at), which has no counterpart on another number of "
-        "workers"
-    )
+    reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
 
     finish_policy = (
         "drains the round in flight: a commit job already running (stage 2) is waited for and committed; the "
@@ -207,3 +210,25 @@ class ACCO(Strategy):
         self.stage = state["stage"]
         self.tilde_sum.copy_(state["tilde_sum"])
         self._tilde_count = float(state["tilde_count"])
+
+    # ------------------------------------------------------------------ checkpoints that reshard
+    def _open_round(self) -> dict[str, int]:
+        return {"stage_micro_batches": self.overlap.stage_count}
+
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        out = self.overlap.logical_state()  # drains the estimate job, which writes Σg̃
+        return {**out, "acco.tilde_sum": self.overlap.sharded.logical_piece(self.tilde_sum),
+                "acco.tilde_count": torch.tensor(self._tilde_count, dtype=torch.float64),
+                "acco.stage": torch.tensor(STAGES.index(self.stage), dtype=torch.int64)}
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        return {**self.overlap.logical_targets(saved),
+                "acco.tilde_sum": self.overlap.sharded.logical_piece_target(self.tilde_sum.dtype),
+                "acco.tilde_count": torch.zeros((), dtype=torch.float64),
+                "acco.stage": torch.zeros((), dtype=torch.int64)}
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        self.overlap.load_logical(filled)
+        self.overlap.sharded.load_logical_piece(self.tilde_sum, filled["acco.tilde_sum"])
+        self._tilde_count = float(filled["acco.tilde_count"])
+        self.stage = STAGES[int(filled["acco.stage"])]

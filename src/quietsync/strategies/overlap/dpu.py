@@ -27,6 +27,10 @@ all-reduce) and, under fp16, skips the update on every worker when it overflowed
 ``step()`` returns True each time an update is collected and the new θ installed; the model always holds
 the committed θ (``committed_params()`` is free). Accumulation per stage: see
 :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`.
+
+Checkpoints that reshard drain the update in flight first (:mod:`~quietsync.strategies.overlap.machinery`):
+its gradients are the old workers', already reduced; the new workers install its result at their first
+hand-over and send their own gradients with it, as the old ones would have.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 
 from ...validate import check_int
 from ..base import Strategy
+from ..checkpoint.logical import SavedTensors
 from ..registry import register
 from .machinery import Overlap, OverlapConfig
 
@@ -60,10 +65,7 @@ class DPUConfig(OverlapConfig):
 class DPU(Strategy):
     """Delayed Parameter Update; see the module docstring."""
 
-    reshard_refusal = (
-        "the gradients of the last round are applied one step late, so every checkpoint holds a round in "
-        "flight, summed over the old workers' micro-batches"
-    )
+    reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
 
     lockstep = False  # see Strategy.lockstep
 
@@ -183,3 +185,17 @@ class DPU(Strategy):
         if state["phase"] not in PHASES:
             raise ValueError(f"checkpoint phase must be one of {', '.join(PHASES)}, got {state['phase']!r}")
         self.phase = state["phase"]
+
+    # ------------------------------------------------------------------ checkpoints that reshard
+    def _open_round(self) -> dict[str, int]:
+        return {"stage_micro_batches": self.overlap.stage_count}
+
+    def _logical_state(self) -> dict[str, torch.Tensor]:
+        return {**self.overlap.logical_state(), "dpu.phase": torch.tensor(PHASES.index(self.phase))}
+
+    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        return {**self.overlap.logical_targets(saved), "dpu.phase": torch.zeros((), dtype=torch.int64)}
+
+    def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        self.overlap.load_logical(filled)
+        self.phase = PHASES[int(filled["dpu.phase"])]

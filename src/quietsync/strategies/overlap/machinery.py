@@ -36,6 +36,14 @@ The strategy files hold what differs: their state machine (which job follows whi
 (the paper's recurrence): ACCO's two stages in ``acco.py``, DPU's warm-up/fill/overlap phases in ``dpu.py``,
 and WP, the DPU machine with a predicting job, in ``wp.py``.
 
+Checkpoints that reshard (:meth:`Overlap.logical_state`): the job in flight is **drained** first — its
+gradients, summed over the old workers and divided by their micro-batch count, are reduced and its update
+taken — so what is left is world-size independent: P and B (whole parameter vectors every worker holds
+alike), the master shard, its optimizer state and the snapshot (each a ``Shard(0)`` piece of the unpadded
+flat vector), the counters, and the drained job's per-worker micro-batch counts (folded onto the new workers
+like the trainer's token counts: only metrics read them). A resumed job on any number of workers installs the
+drained round at its next hand-over, exactly as the old world would have.
+
 On CUDA the communication worker runs on its own stream, ordered after the main stream by events; the main
 thread only polls :meth:`~quietsync.comm_worker.Job.done` (an event query) between micro-batches, never
 synchronises the host per micro-batch.
@@ -57,6 +65,7 @@ from ...comm_worker import CommWorker, Job
 from ...flat import nbytes, parse_dtype
 from ...validate import check_int
 from ..base import Strategy, StrategyConfig
+from ..checkpoint.logical import ReshardError, SavedTensors, local_part
 from ..parts.accounting import StepAccounting
 from ..parts.clipping import GradientCheck, prepare_gradient
 from ..parts.part import Part
@@ -65,6 +74,18 @@ from .estimate import EstimatingOptimizer
 
 HISTORY = 100_000
 """Stages kept in :attr:`Overlap.stage_history`."""
+
+JOB_KINDS = ("estimate", "commit", "update")
+"""The ``kind`` of a job's result (ACCO's two stages, DPU/WP's update), by index in a logical checkpoint."""
+
+
+def fold_counts(counts: list[int], n: int) -> list[int]:
+    """Per-worker counts of ``len(counts)`` old workers onto ``n`` new ones: new worker ``r`` takes the sum over
+    old ``q`` with ``q mod n == r`` (totals kept)."""
+    out = [0] * n
+    for q, c in enumerate(counts):
+        out[q % n] += int(c)
+    return out
 
 
 @dataclass
@@ -433,6 +454,68 @@ class Overlap(Part):
             self.snapshot.copy_(state["snapshot"])
         self._snapshot_step = int(state["snapshot_step"])
         self._last_job_end = None
+
+    # ------------------------------------------------------------------ checkpoints that reshard
+    def logical_state(self) -> dict[str, torch.Tensor]:
+        """The world-size-independent state after draining the job in flight (see the module docstring):
+        the sharded state's (``optim.*``), ``overlap.params`` (P), ``overlap.comm`` (B), ``overlap.snapshot``,
+        ``overlap.counters`` and ``overlap.job_counts``."""
+        self._drain()
+        if self.stage_count or self._pending_counts:
+            raise ReshardError("a stage is open (micro-batches not yet handed over): a checkpoint that reshards "
+                               "is written right after a committed step")
+        numel = self.sharded.flat.numel
+        kind = -1 if self.job is None else JOB_KINDS.index(self.job.result["kind"])
+        out = {
+            **self.sharded.logical_state_dict(),
+            "overlap.params": self.sharded.flat.data[:numel].detach(),
+            "overlap.comm": self.comm_buf[:numel].detach(),
+            "overlap.counters": torch.tensor([self.hand_overs, self._master_step, self._snapshot_step,
+                                              int(self.holds_committed), kind], dtype=torch.int64),
+        }
+        if self.job is not None:
+            out["overlap.job_counts"] = torch.tensor(self.job.result["counts"], dtype=torch.int64)
+        if self.snapshot is not None:
+            out["overlap.snapshot"] = self.sharded.logical_piece(self.snapshot)
+        return out
+
+    def logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
+        """Tensors of this worker's layout to read :meth:`logical_state` of any world size into."""
+        flat = self.sharded.flat
+        out = self.sharded.logical_targets(saved)
+        for key in ("overlap.params", "overlap.comm"):
+            shape = saved.get(key, (None, None))[0]
+            if shape is not None and tuple(shape) != (flat.numel,):
+                raise ReshardError(f"the checkpoint's {key} has shape {tuple(shape)}; this model's flat buffer "
+                                   f"has {flat.numel} elements")
+            out[key] = torch.zeros(flat.numel, dtype=flat.dtype, device=flat.device)
+        out["overlap.counters"] = torch.zeros(5, dtype=torch.int64)
+        if "overlap.job_counts" in saved:
+            out["overlap.job_counts"] = torch.zeros(saved["overlap.job_counts"][0], dtype=torch.int64)
+        if self.snapshot is not None:
+            out["overlap.snapshot"] = self.sharded.logical_piece_target(self.snapshot.dtype)
+        return out
+
+    def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        """Take :meth:`logical_targets` filled: the drained job is done, its result waiting to be collected."""
+        if isinstance(self.job, Job):
+            raise RuntimeError("load_logical must be called on a fresh strategy, before training")
+        self.sharded.load_logical(filled)
+        flat, numel = self.sharded.flat, self.sharded.flat.numel
+        with torch.no_grad():
+            for dst, key in ((flat.data, "overlap.params"), (self.comm_buf, "overlap.comm")):
+                dst.zero_()
+                dst[:numel].copy_(filled[key])
+            self.grads.zero_()
+        if self.snapshot is not None:
+            self.sharded.load_logical_piece(self.snapshot, filled["overlap.snapshot"])
+        hand_overs, master_step, snapshot_step, holds, kind = (int(x) for x in filled["overlap.counters"])
+        self.hand_overs, self._master_step, self._snapshot_step = hand_overs, master_step, snapshot_step
+        self.holds_committed = bool(holds)
+        counts = fold_counts(local_part(filled["overlap.job_counts"]).tolist(), self.n) \
+            if "overlap.job_counts" in filled else None
+        self.job = None if kind < 0 else _Done({"kind": JOB_KINDS[kind], "counts": counts})
+        self.stage_count, self._pending_counts, self._last_job_end = 0, [], None
 
     def close(self) -> None:
         self.worker.close()

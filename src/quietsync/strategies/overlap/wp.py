@@ -37,11 +37,6 @@ class WPConfig(DPUConfig):
 class WP(DPU):
     """Weight prediction; see the module docstring."""
 
-    reshard_refusal = (
-        "the gradients of the last round are applied one step late (on the predicted weights), so every "
-        "checkpoint holds a round in flight"
-    )
-
     predicts = True
 
     config: WPConfig

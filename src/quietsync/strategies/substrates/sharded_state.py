@@ -121,6 +121,23 @@ class ShardedState(Part):
     def _views(self) -> list[torch.Tensor]:
         return [g["params"][0] for g in self.optimizer.param_groups]
 
+    def logical_piece(self, shard: torch.Tensor) -> torch.Tensor:
+        """``shard`` (a tensor laid out like this worker's master shard) as its piece of the logical
+        unpadded flat tensor: a DTensor ``Shard(0)`` over the group (see the module docstring)."""
+        return flat_tensor(shard[:self._local_len()], self.flat.numel, self._mesh())
+
+    def logical_piece_target(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zero :meth:`logical_piece` of ``dtype`` to read a checkpoint into."""
+        return flat_tensor(torch.zeros(self._local_len(), dtype=dtype, device=self.flat.device), self.flat.numel,
+                           self._mesh())
+
+    def load_logical_piece(self, shard: torch.Tensor, filled: torch.Tensor) -> None:
+        """``shard`` ← the filled :meth:`logical_piece_target` (its padding zeroed)."""
+        length = self._local_len()
+        with torch.no_grad():
+            shard.zero_()
+            shard[:length].copy_(local_part(filled))
+
     def logical_state_dict(self) -> dict[str, torch.Tensor]:
         """``optim.flat.master``, ``optim.flat.<key>`` (DTensors over the unpadded flat buffer),
         ``optim.group<i>.<key>`` (scalars) and ``optim.base_lrs``."""
