@@ -231,7 +231,8 @@ def test_quiet_accelerator_rejects_unknown_strategy_before_touching_accelerate()
 # ---------------------------------------------------------------------------------- the real launcher
 def launch_example(script: str, strategy: str, out: Path, *extra: str, timeout: float = 120.0) -> list[dict]:
     """Run ``script`` under ``accelerate launch --multi_gpu --num_processes 2`` (no config file)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1",
            "CUDA_VISIBLE_DEVICES": ""}  # gloo workers on CPU, also on a GPU machine (its launcher would pick NCCL)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
