@@ -58,21 +58,21 @@ if _log:
 
 
 def _kind(argv: str) -> str:
-    """A coarse name for an interpreter from its first arguments."""
+    """A coarse name for an interpreter from its arguments."""
     if "multiprocessing.resource_tracker" in argv:
         return "resource tracker"
     if "from multiprocessing.forkserver import main" in argv:
         return "forkserver"
     if "from multiprocessing.spawn import spawn_main" in argv or "--multiprocessing-fork" in argv:
         return "spawned worker"
-    if "execnet" in argv or "xdist" in argv or "import sys;exec(eval(sys.stdin" in argv:
+    if "import sys;exec(eval(sys.stdin" in argv:
         return "xdist worker"
-    if "pytest" in argv:
-        return "pytest"
-    if "quietsync.train.cli" in argv or "quietsync " in argv or argv.endswith("quietsync"):
+    if "quietsync.train.cli" in argv or "bin/quietsync " in argv:
         return "quietsync cli"
-    if "torchrun" in argv or "accelerate" in argv:
+    if "bin/torchrun" in argv or "bin/accelerate" in argv:
         return "torchrun/accelerate"
+    if argv.startswith("-m pytest"):
+        return "pytest"
     return "other"
 
 
@@ -123,7 +123,7 @@ def measure(pytest_args: list[str], env_extra: dict[str, str] | None = None) -> 
         "interpreters": len(starts), "with_torch": len(imports["torch"]),
         "with_transformers": len(imports["transformers"]),
         "by_kind": dict(kinds), "by_kind_with_torch": dict(kinds_torch),
-        "other_argv": sorted({a[:80] for a in starts.values() if _kind(a) == "other"})[:10],
+        "other_argv": sorted({a[:100] for a in starts.values() if _kind(a) == "other"})[:12],
         "alive_after_pytest": max((len(x) for x in leftovers), default=0),
         "load_avg_1m_at_end": os.getloadavg()[0],
     }
