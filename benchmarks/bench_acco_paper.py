@@ -18,13 +18,15 @@ against tokens. 4 local gloo workers share this machine's 2 cores, tiny GPT-Neo,
 Options to separate the effects: ``--nproc 2`` (two workers on the two cores: each its own core, so a
 worker's idle time is really idle), ``--ratios 1`` / ``--no-slow`` (one setting), ``--deterministic`` (a
 third run: acco with exactly 1 micro-batch per stage, the overlap without extras), ``--trace`` (each run's
-trace.json and timeline kept under benchmarks/results/NAME-trace/), ``--name`` (results file stem).
+trace.json and timeline kept under benchmarks/results/NAME-trace/), ``--name`` (results file stem),
+``--repeats N`` (every setting N times with seeds 0..N−1; the table gets the mean ± std of acco ÷ zero1).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -35,7 +37,7 @@ from common import RESULTS, run_train, step_stats, write_markdown
 from quietsync.train.compare import eval_curve
 
 NPROC = 4
-BASE = ["--model", "tiny", "--seed", "0", "--eval-windows", "8"]
+BASE = ["--model", "tiny", "--eval-windows", "8"]
 RUNS = {"zero1 (accumulation 2)": ["--strategy", "zero1", "--accumulation", "2"],
         "acco (1 micro-batch per stage, adaptive)": ["--strategy", "acco", "--min-accumulation", "1"]}
 
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true", help="add acco at exactly 1 micro-batch per stage")
     ap.add_argument("--trace", action="store_true", help="keep each run's trace.json and timeline.png")
     ap.add_argument("--name", default="acco_paper")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every setting, seeds 0..N-1")
     args = ap.parse_args()
     nproc = args.nproc
     base = ["--nproc", str(nproc), *BASE]
@@ -77,7 +80,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        comm_100, compute = calibrate(tmp, base)
+        comm_100, compute = calibrate(tmp, [*base, "--seed", "0"])
         out["calibration"] = {"zero1_comm_s_per_step_at_100mbit": comm_100, "micro_batch_compute_s": compute}
         print("calibration", out["calibration"], flush=True)
         for ratio in args.ratios:
@@ -86,8 +89,10 @@ def main() -> None:
             settings = {"homogeneous": [], "one worker 4x slower": ["--slow-worker", f"{nproc - 1}:4"]}
             if args.no_slow:
                 settings.pop("one worker 4x slower")
-            for setting, extra in settings.items():
-                key = f"comm≈{ratio}× compute ({link}), {setting}"
+            for (setting, extra), seed in [(item, seed) for item in settings.items()
+                                           for seed in range(args.repeats)]:
+                key = f"comm≈{ratio}× compute ({link}), {setting}" + (f", seed {seed}" if args.repeats > 1 else "")
+                extra = [*extra, "--seed", str(seed)]
                 runs = {}
                 for label, flags in runs_spec.items():
                     run_dir = (trace_dir / f"r{len(out)}-{len(runs)}") if args.trace else tmp / f"r{len(out)}-{len(runs)}"
@@ -110,10 +115,19 @@ def main() -> None:
                              a["tokens_to_target"], z["micro_batches_per_step"], a["micro_batches_per_step"],
                              z["stats"]["busy"], a["stats"]["busy"], z["last_eval_loss"], a["last_eval_loss"]])
                 out[key] = {"target": target, "runs": runs}
+    if args.repeats > 1:  # mean ± std over seeds of each setting's acco ÷ zero1 time to target
+        by_setting: dict[str, list[float]] = {}
+        for row in rows:
+            by_setting.setdefault(row[0].rsplit(", seed", 1)[0], []).append(row[4])
+        for setting, ratios in by_setting.items():
+            rows.append([f"{setting}: mean ± std over {len(ratios)} seeds", "", "", "",
+                         f"{statistics.mean(ratios):.2f} ± {statistics.stdev(ratios):.2f}", "", "", "", "", "", "", "",
+                         ""])
+        out["repeats"] = {k: v for k, v in by_setting.items()}
     extra_runs = {k: {label: {"time_to_target_s": r["time_to_target_s"], "tokens_to_target": r["tokens_to_target"],
                               "busy": r["stats"]["busy"], "wall_s": r["wall_s"]}
                       for label, r in list(v["runs"].items())[2:]}
-                  for k, v in out.items() if k != "calibration"}
+                  for k, v in out.items() if k not in ("calibration", "repeats")}
     notes = (f"{nproc} workers (each its own node on the emulated link), tiny GPT-Neo, 8×128 micro-batches, "
              f"{args.steps} committed steps each, evaluation every {args.eval_every} steps (times and tokens to "
              "target are quantised to it). Calibration: zero1's communication per step at 100 Mbit/s = "
@@ -138,7 +152,7 @@ def _plot(out: dict[str, Any], name: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in out if k != "calibration"]
+    keys = [k for k in out if k not in ("calibration", "repeats") and "seed" not in k or k.endswith("seed 0")]
     fig, axes = plt.subplots(2, len(keys), figsize=(4.2 * len(keys), 7), squeeze=False)
     for col, key in enumerate(keys):
         for label, r in out[key]["runs"].items():

@@ -8,7 +8,8 @@ the usual Accelerate idiom (prepare, accumulate, backward, optimizer/scheduler s
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py --strategy diloco \
         --strategy-config '{"sync_every": 4}'
 
-(on a CPU-only machine ``--multi_gpu`` starts gloo workers). ``--strategy`` takes any registered name
+(on a CPU-only machine ``--multi_gpu`` starts gloo workers; ``accelerate launch --mixed_precision bf16`` trains in
+bf16, and the loop clips with ``accelerator.clip_grad_norm_`` as Accelerate's own examples do). ``--strategy`` takes any registered name
 (``quietsync.strategies.available()``). ``--out FILE`` writes one JSON line per rank (for the tests).
 """
 
@@ -63,6 +64,8 @@ def main() -> None:
     parser.add_argument("--sgd", action="store_true", help="torch.optim.SGD instead of AdamW")
     parser.add_argument("--strategy-config", type=json.loads, default=None,
                         help='the strategy\'s knobs as JSON, e.g. \'{"sync_every": 16}\' for diloco')
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="accelerator.clip_grad_norm_ before each step (0: no clipping)")
     parser.add_argument("--out", default=None, help="append one JSON line per rank with the outcome")
     args = parser.parse_args()
 
@@ -86,6 +89,8 @@ def main() -> None:
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
+            if args.max_grad_norm and accelerator.sync_gradients:  # clips the gradient the strategy commits
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()

@@ -1,7 +1,7 @@
 """A 🤗 ``transformers.Trainer`` run of a tiny causal LM through a quietsync strategy.
 
-The only quietsync-specific lines: ``QuietTrainer`` in place of ``Trainer`` with ``strategy=...``, and
-``max_grad_norm=0.0`` (the strategy owns the gradients). Run::
+The only quietsync-specific line: ``QuietTrainer`` in place of ``Trainer`` with ``strategy=...``; the Trainer's
+own clipping (``max_grad_norm``, 1.0 by default) and ``bf16``/``fp16`` go to the strategy. Run::
 
     torchrun --nproc_per_node 2 examples/trainer_train.py --strategy zero1
     accelerate launch --multi_gpu --num_processes 2 examples/trainer_train.py --strategy ddp --accumulation 2
@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="the Trainer's max_grad_norm (0: off)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--out", default=None, help="append one JSON line per rank with the outcome")
     args = parser.parse_args()
 
@@ -60,7 +62,7 @@ def main() -> None:
         training_args = TrainingArguments(
             output_dir=out_dir, max_steps=args.steps, learning_rate=args.lr, per_device_train_batch_size=args.batch_size,
             gradient_accumulation_steps=args.accumulation, lr_scheduler_type="cosine", warmup_steps=2,
-            max_grad_norm=0.0,  # quietsync: the strategy owns the gradients
+            max_grad_norm=args.max_grad_norm, bf16=args.precision == "bf16", fp16=args.precision == "fp16",
             logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
         )
         trainer = QuietTrainer(model=model, args=training_args, train_dataset=train, strategy=args.strategy)

@@ -44,8 +44,10 @@ def _factor(step: int) -> float:
     return min(1.0, (step + 1) / 3) * 0.8 ** max(0, step - 2)
 
 
-def _reference(steps: int, micro: int, world: int, lr: float, sched_per_step: int) -> list[torch.Tensor]:
-    """Plain single-process SGD: each step on the concatenation of every worker's micro-batches."""
+def _reference(steps: int, micro: int, world: int, lr: float, sched_per_step: int, clip: float | None = None,
+               norms: list | None = None) -> list[torch.Tensor]:
+    """Plain single-process SGD: each step on the concatenation of every worker's micro-batches (with ``clip``,
+    ``torch.nn.utils.clip_grad_norm_`` first; its pre-clip norms appended to ``norms``)."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _factor)
@@ -56,6 +58,10 @@ def _reference(steps: int, micro: int, world: int, lr: float, sched_per_step: in
         y = torch.cat([c[1] for c in chunk])
         opt.zero_grad()
         _loss(model, (x, y)).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         for _ in range(sched_per_step):
             sched.step()
@@ -63,22 +69,30 @@ def _reference(steps: int, micro: int, world: int, lr: float, sched_per_step: in
 
 
 # ---------------------------------------------------------------------------------- workers (2 gloo ranks)
-def _accelerate_worker(rank: int, world: int, strategy: str, steps: int, micro: int, lr: float) -> dict:
-    """An ordinary Accelerate loop with a QuietAccelerator; rank r trains on its own micro-batches."""
+def _accelerate_worker(rank: int, world: int, strategy: str, steps: int, micro: int, lr: float,
+                       clip: float | None = None, mixed_precision: str = "no") -> dict:
+    """An ordinary Accelerate loop with a QuietAccelerator; rank r trains on its own micro-batches (with
+    ``clip``: ``accelerator.clip_grad_norm_`` between backward and step, as Accelerate's docs write it)."""
     from quietsync.accelerate import QuietAccelerator
 
-    accelerator = QuietAccelerator(strategy=strategy, gradient_accumulation_steps=micro)
+    accelerator = QuietAccelerator(strategy=strategy, gradient_accumulation_steps=micro,
+                                   mixed_precision=mixed_precision)
     model = _model()
+    autocast_seen = []
+    model[1].register_forward_hook(lambda m, i, o: autocast_seen.append((torch.is_autocast_enabled("cpu"),
+                                                                         i[0].dtype)))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _factor)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     assert not isinstance(model, torch.nn.parallel.DistributedDataParallel) or strategy == "ddp"
-    commits, applied, scheduled = [], [], []
+    commits, applied, scheduled, norms = [], [], [], []
     for batch in _batches(steps * micro, 4, seed=10 + rank):
         with accelerator.accumulate(model):
             loss = _loss(model, batch)
             lr_now = optimizer.param_groups[0]["lr"]
             accelerator.backward(loss)
+            if clip is not None and accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), clip)))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -89,7 +103,9 @@ def _accelerate_worker(rank: int, world: int, strategy: str, steps: int, micro: 
             applied.append(optimizer.strategy.optimizer.param_groups[0]["lr"])  # what the strategy stepped with
     with optimizer.committed_params() as m:
         params = [p.detach().clone() for p in accelerator.unwrap_model(m).parameters()]
-    out = {"params": params, "commits": commits, "applied": applied, "scheduled": scheduled,
+    out = {"params": params, "commits": commits, "applied": applied, "scheduled": scheduled, "norms": norms,
+           "autocast": autocast_seen, "precision": optimizer.strategy.precision.name,
+           "overflows": 0 if optimizer.strategy.scaler is None else optimizer.strategy.scaler.skipped_total,
            "steps": optimizer.steps, "bytes": optimizer.last_step_metrics().bytes_sent,
            "ddp_wrapped_by_accelerate": any(isinstance(x, torch.nn.parallel.DistributedDataParallel)
                                             and x is not optimizer.model for x in accelerator._models)}
@@ -122,6 +138,33 @@ def test_accumulate_with_two_steps_commits_every_second_micro_batch(strategy):
             torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("strategy", "micro"), [("zero1", 1), ("ddp", 2)])
+def test_clip_grad_norm_clips_the_committed_gradient_and_returns_its_norm(strategy, micro):
+    steps, lr, clip = 3, 0.2, 0.05
+    results = run_ranks(_accelerate_worker, 2, strategy, steps, micro, lr, clip, timeout=85)
+    norms: list[float] = []
+    ref = _reference(steps, micro, 2, lr, sched_per_step=2, clip=clip, norms=norms)
+    assert all(n > clip for n in norms)  # every step clips
+    for r in results:
+        assert r["norms"] == pytest.approx(norms, rel=1e-5)
+        for p, q in zip(r["params"], ref):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mixed_precision", ["bf16", "fp16"])
+def test_mixed_precision_becomes_the_strategy_precision(mixed_precision):
+    results = run_ranks(_accelerate_worker, 2, "zero1", 3, 1, 0.2, None, mixed_precision, timeout=85)
+    want = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+    for r in results:
+        # fp16: loss scaling starts at 2**16; a round that overflows is skipped (on both workers)
+        assert r["precision"] == mixed_precision and r["steps"] + r["overflows"] == 3 and r["steps"] > 0
+        assert r["autocast"] and all(on and dtype == want for on, dtype in r["autocast"])
+        assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in r["params"])
+    torch.testing.assert_close(results[0]["params"], results[1]["params"], atol=0, rtol=0)
+
+
 @pytest.mark.timeout(60)
 def test_the_lr_the_strategy_applies_follows_the_scheduler():
     results = run_ranks(_accelerate_worker, 2, "zero1", 4, 1, 0.2, timeout=55)
@@ -140,8 +183,9 @@ def test_single_process_schedule_and_sgd_match_plain_torch():
     plain = torch.optim.SGD(plain_model.parameters(), lr=0.1)
     plain_sched = torch.optim.lr_scheduler.LambdaLR(plain, _factor)
     for batch in _batches(5, 4):
-        assert quiet.backward(_loss(quiet.model, batch))
+        quiet.backward(_loss(quiet.model, batch))  # the strategy's step is owed until step()
         quiet.step()
+        assert not quiet.step_was_skipped
         sched.step()
         quiet.zero_grad()
         plain.zero_grad()

@@ -28,8 +28,10 @@ How the pieces map (see ``docs/accelerate.md``):
   ``torch.compile``; never ``DistributedDataParallel``) and returns the module the strategy wants forward
   called on (``ddp`` returns its own metered DDP wrapper).
 * **backward is the strategy's.** ``accelerator.backward(loss)`` gives the *undivided* micro-batch loss to
-  ``Strategy.backward`` and then calls ``Strategy.step()`` — the contract's "step after every backward" —
-  so the strategy sees every micro-batch and commits when *it* decides. The strategy divides by its
+  ``Strategy.backward``; the ``Strategy.step()`` that the contract wants after every backward is owed and runs
+  in ``clip_grad_norm_``, ``optimizer.step()`` or the next backward (whichever comes first, so a clip in
+  between applies to the step that commits) — the strategy sees every micro-batch and commits when *it*
+  decides. The strategy divides by its
   micro-batch count itself (the contract's gradient convention), which replaces Accelerate's division by
   ``gradient_accumulation_steps``.
 * **Accumulation.** A strategy with an ``accumulation`` knob (ddp, zero1, demo, flexdemo, ...) gets
@@ -40,13 +42,21 @@ How the pieces map (see ``docs/accelerate.md``):
 * **Topology** comes from the environment the launcher set (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_*);
   the transport reuses the default process group Accelerate already initialised.
 
-Not supported (clear errors): fp16 loss scaling (bf16 autocast works), gradient clipping through the
-accelerator, DeepSpeed/FSDP/Megatron/XLA, several models or optimizers in one ``prepare``.
+* **Precision and clipping are the strategy's.** ``mixed_precision="bf16"|"fp16"`` becomes the strategy's
+  ``precision`` (autocast of the forward — added by quietsync where Accelerate does not, e.g. fp16 on CPU —, fp32
+  master weights, and for fp16 the strategy's loss scaling whose skip decision every worker shares, in place of
+  Accelerate's ``GradScaler``). ``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` clips the gradient
+  the strategy commits (``docs/contract.md`` says which, per strategy) and returns its pre-clip norm: the
+  strategy's step owed by ``accelerator.backward`` runs inside it (or in ``optimizer.step()``).
+
+Not supported (clear errors): ``clip_grad_value_``, fp8, DeepSpeed/FSDP/Megatron/XLA, several models or
+optimizers in one ``prepare``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -72,6 +82,22 @@ def _accelerate() -> Any:
 
 _Accelerator: Any = _accelerate().Accelerator
 
+_PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+"""Accelerate's ``mixed_precision`` → the strategy's ``precision``."""
+
+
+def _autocast_forward(module: torch.nn.Module, strategy: Any) -> None:
+    """Run ``module``'s forward under the strategy's autocast (what Accelerate's ``prepare_model`` does where it
+    autocasts itself)."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with strategy.autocast():
+            return forward(*args, **kwargs)
+
+    module.forward = autocast_forward  # type: ignore[method-assign]
+
 
 class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
     """``accelerate.Accelerator`` whose ``prepare`` puts a quietsync strategy in place of DDP.
@@ -89,7 +115,7 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
     returned for the optimizer).
 
     Raises:
-        ValueError: unknown strategy (listing the choices), fp16 mixed precision, an Accelerate mode that
+        ValueError: unknown strategy (listing the choices), fp8 mixed precision, an Accelerate mode that
             brings its own parallelism (DeepSpeed, FSDP, Megatron-LM, XLA), or a world size that differs from
             the launcher's environment.
     """
@@ -111,8 +137,9 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
                 f"quietsync strategies replace Accelerate's data parallelism; {self.distributed_type} is not "
                 "supported (use a plain multi-CPU/multi-GPU launch)"
             )
-        if self.mixed_precision == "fp16":
-            raise ValueError("mixed_precision='fp16' (loss scaling) is not supported with quietsync; use 'bf16' or 'no'")
+        if str(self.mixed_precision) not in _PRECISION:
+            raise ValueError(f"mixed_precision={self.mixed_precision!r} is not supported with quietsync strategies; "
+                             f"use one of {', '.join(_PRECISION)}")
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.num_processes != env_world:
             raise ValueError(
@@ -153,10 +180,14 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
                 raise ValueError("prepare already built a strategy; one QuietAccelerator drives one model")
             mi, oi = models[0], optims[0]
             model = self.prepare_model(args[mi], device_placement=places[mi])
+            precision = _PRECISION[str(self.mixed_precision)]
             quiet = QuietOptimizer(
                 model, args[oi], self.quiet_strategy, config=self.quiet_config,
                 accumulation=self.gradient_accumulation_steps, transport=self.quiet_transport,
+                precision=precision,
             )
+            if precision != "fp32" and not self.native_amp:  # Accelerate does not autocast here (fp16 on CPU)
+                _autocast_forward(quiet.model, quiet.strategy)
             if quiet.strategy.world_size != self.num_processes or quiet.strategy.rank != self.process_index:
                 raise ValueError(
                     f"the transport has rank {quiet.strategy.rank}/{quiet.strategy.world_size}, Accelerate "
@@ -180,7 +211,8 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """The micro-batch's undivided loss goes to the strategy (backward, then ``Strategy.step()``)."""
+        """The micro-batch's undivided loss goes to the strategy's backward (its ``Strategy.step()`` is owed: see
+        :class:`QuietOptimizer`)."""
         if kwargs:
             raise TypeError(f"backward arguments {sorted(kwargs)} are not supported with quietsync strategies")
         if self.quiet_optimizer is None:
@@ -193,13 +225,18 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         yield
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
-        raise NotImplementedError(
-            "gradient clipping is not part of the quietsync strategy contract (the strategy commits inside "
-            "accelerator.backward, before a clip could run)"
-        )
+        """Clip the gradient the strategy commits to ``max_norm`` and return its pre-clip global norm (see
+        :meth:`QuietOptimizer.clip_grad_norm_`); ``parameters`` must be the prepared model's (the strategy
+        clips all of them, by the norm of the gradient it commits)."""
+        if self.quiet_optimizer is None:
+            raise RuntimeError("call accelerator.prepare(model, optimizer, ...) before accelerator.clip_grad_norm_")
+        return self.quiet_optimizer.clip_grad_norm_(max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        raise NotImplementedError("gradient clipping is not part of the quietsync strategy contract")
+        raise NotImplementedError(
+            "clip_grad_value_ is not supported with quietsync strategies (they clip the committed gradient by "
+            "its norm: use clip_grad_norm_)"
+        )
 
     def end_training(self) -> None:
         """Close the strategy (background threads, process groups), then Accelerate's own end of training."""

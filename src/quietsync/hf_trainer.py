@@ -2,7 +2,7 @@
 
 ::
 
-    trainer = QuietTrainer(model=model, args=TrainingArguments(..., max_grad_norm=0.0),
+    trainer = QuietTrainer(model=model, args=TrainingArguments(..., bf16=True),
                            train_dataset=ds, strategy="zero1")        # was Trainer(model=..., args=..., ...)
     trainer.train()
 
@@ -18,16 +18,21 @@ subclass overrides the two hooks the Trainer documents for exactly this ("subcla
   applies; its ``step_was_skipped`` tells the Trainer not to step the scheduler when the strategy did not
   commit. It also hands the Trainer the strategy's forward module in a thin wrapper, so the Trainer treats
   the model as already wrapped and does not ask Accelerate for DDP.
-* :meth:`training_step` — forward through the strategy's module, the micro-batch's own mean loss to
-  ``Strategy.backward`` + ``Strategy.step()`` (the strategy divides by its micro-batch count, replacing
-  the Trainer's division by ``gradient_accumulation_steps``).
+* :meth:`training_step` — forward through the strategy's module (under its autocast), the micro-batch's own
+  mean loss to ``Strategy.backward`` (the strategy divides by its micro-batch count, replacing the Trainer's
+  division by ``gradient_accumulation_steps``); the ``Strategy.step()`` owed for it runs in
+  :meth:`_clip_grad_norm` or the Trainer's ``optimizer.step()``.
 
 Accumulation: the Trainer's ``gradient_accumulation_steps`` becomes the strategy's ``accumulation`` (ddp,
 zero1, demo, ...); strategies that decide their own (acco, dpu, wp) need it to be 1. Evaluation and
 ``save_model`` run inside ``committed_params()``.
 
-Not supported: gradient clipping (``max_grad_norm`` must be 0 — the strategy commits inside backward, before
-the Trainer would clip), fp16 loss scaling, DeepSpeed/FSDP, resuming the *optimizer* from a Trainer
+Precision and clipping are the strategy's: ``bf16``/``fp16`` become its ``precision`` (autocast of the forward
+in ``training_step`` and evaluation, fp32 master weights; fp16 adds the strategy's loss scaling, whose skip
+decision every worker shares), and ``max_grad_norm`` (the Trainer's default 1.0 included; 0 = off) its
+``max_grad_norm``: the strategy clips the gradient it commits and the Trainer logs the pre-clip ``grad_norm``.
+
+Not supported: DeepSpeed/FSDP, resuming the *optimizer* from a Trainer
 checkpoint (the strategy state is per rank and the Trainer saves one optimizer file; use
 ``save_only_model=True`` or save ``trainer.optimizer.state_dict()`` per rank yourself).
 """
@@ -82,7 +87,8 @@ class QuietTrainer(Trainer):
         *args, **kwargs: ``Trainer``'s arguments.
 
     Raises:
-        ValueError: unknown strategy (listing the choices), ``max_grad_norm > 0``, fp16, DeepSpeed or FSDP.
+        ValueError: unknown strategy (listing the choices), a negative ``max_grad_norm``, DeepSpeed or FSDP, a
+            strategy that refuses the precision (cdp: fp16).
     """
 
     def __init__(self, *args: Any, strategy: str, strategy_config: StrategyConfig | dict[str, Any] | None = None,
@@ -92,13 +98,14 @@ class QuietTrainer(Trainer):
         self.quiet_config = strategy_config
         self.quiet_transport = transport
         super().__init__(*args, **kwargs)
-        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
-            raise ValueError(
-                f"max_grad_norm={self.args.max_grad_norm}: gradient clipping is not supported with quietsync "
-                "strategies (they commit inside backward); pass TrainingArguments(max_grad_norm=0.0)"
-            )
-        if self.args.fp16:
-            raise ValueError("fp16 (loss scaling) is not supported with quietsync strategies; use bf16 or fp32")
+        norm = self.args.max_grad_norm
+        if norm is not None and not norm >= 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0: no clipping), got {norm}")
+        self.quiet_precision = "fp16" if self.args.fp16 else "bf16" if self.args.bf16 else "fp32"
+        """The strategy's ``precision``, from ``args.fp16`` / ``args.bf16``."""
+        cls, _ = get_strategy(strategy)
+        if self.quiet_precision == "fp16" and cls.fp16_refusal:
+            raise ValueError(f"fp16 is not supported by strategy {strategy}: {cls.fp16_refusal}; use bf16")
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("quietsync strategies replace data parallelism; DeepSpeed/FSDP are not supported")
 
@@ -115,6 +122,7 @@ class QuietTrainer(Trainer):
         self.optimizer = QuietOptimizer(
             self.model, spec, self.quiet_strategy, config=self.quiet_config,
             accumulation=self.args.gradient_accumulation_steps, transport=self.quiet_transport,
+            precision=self.quiet_precision, max_grad_norm=self.args.max_grad_norm or None,
         )
         if self.optimizer.strategy.world_size != self.accelerator.num_processes:
             raise ValueError(
@@ -140,9 +148,25 @@ class QuietTrainer(Trainer):
         quiet.backward(loss)
         return loss.detach() / self.current_gradient_accumulation_steps
 
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
+        """The strategy's autocast (``bf16``/``fp16``) around the forward of training and evaluation: the
+        Trainer leaves autocast to Accelerate's model preparation, which a quietsync model skips."""
+        quiet = self.quiet_optimizer
+        return quiet.strategy.autocast() if quiet is not None else contextlib.nullcontext()
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        """The strategy clips the gradient it commits (to ``max_grad_norm``): pay the step the last backward
+        owes and return the committed gradient's pre-clip norm (NaN when no step committed)."""
+        quiet = self.quiet_optimizer
+        assert quiet is not None
+        return quiet.clip_grad_norm_(self.args.max_grad_norm)
+
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        # The strategy has already committed (and reset its gradients): a norm here would read 0.
-        return grad_norm
+        """The pre-clip norm of the committed gradient, as a float (None when it was not measured: no clipping)."""
+        if grad_norm is None:
+            return None
+        value = float(grad_norm)
+        return None if value != value else value  # NaN: no step committed here
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """``Trainer.evaluate`` on the committed parameters."""

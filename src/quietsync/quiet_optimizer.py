@@ -90,12 +90,20 @@ class QuietOptimizer(torch.optim.Optimizer):
             the config's ``accumulation`` field when the strategy has one; must be 1 otherwise.
         transport: the transport; default ``Transport()`` from the launcher's environment (reusing an
             initialised default process group).
+        precision: the strategy's ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"``; Accelerate's
+            ``mixed_precision``, the Trainer's ``bf16``/``fp16``).
+        max_grad_norm: the strategy's ``max_grad_norm`` (None: no clipping; :meth:`clip_grad_norm_` sets it too).
 
     Behaviour:
-        * :meth:`backward` runs one micro-batch's backward through the strategy and then ``Strategy.step()``.
-        * :meth:`step` commits nothing itself; it records whether the strategy committed since the previous
-          call (``step_was_skipped`` is True when it did not, which Accelerate's scheduler wrapper and the
-          HF Trainer honour).
+        * :meth:`backward` runs one micro-batch's backward through the strategy; the ``Strategy.step()`` that
+          must follow it is *owed* and paid by :meth:`clip_grad_norm_`, :meth:`step` or the next
+          :meth:`backward`, whichever comes first — so a clip requested between backward and step (Accelerate's
+          and the Trainer's order) applies to the step that commits.
+        * :meth:`step` pays the owed ``Strategy.step()`` and records whether the strategy committed since the
+          previous call (``step_was_skipped`` is True when it did not, which Accelerate's scheduler wrapper and
+          the HF Trainer honour).
+        * :meth:`clip_grad_norm_` sets the strategy's ``max_grad_norm`` and returns the pre-clip global norm of
+          the gradient the strategy committed (NaN when nothing committed).
         * :meth:`zero_grad` is a no-op: the strategy owns and resets the gradients.
         * The lr the strategy applies at a committed step is the lr in ``param_groups`` at that moment
           (schedulers must scale every group by the same factor — all torch and transformers schedulers do).
@@ -117,6 +125,8 @@ class QuietOptimizer(torch.optim.Optimizer):
         config: StrategyConfig | dict[str, Any] | None = None,
         accumulation: int = 1,
         transport: Transport | None = None,
+        precision: str = "fp32",
+        max_grad_norm: float | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups/defaults/state are the
         # specification's and the strategy's (properties below). These are what torch's hooks expect.
@@ -163,11 +173,13 @@ class QuietOptimizer(torch.optim.Optimizer):
         self._scale_lock = threading.Lock()
         self.strategy: Strategy = make_strategy(
             strategy, model, spec.pop("optimizer"), config=config, transport=transport,
-            lr_schedule=self._lr_scale, **spec,
+            lr_schedule=self._lr_scale, precision=precision, max_grad_norm=max_grad_norm, **spec,
         )
         """The quietsync strategy doing the work."""
         self._committed_since_step = False
         self._was_skipped = False
+        self._owed = False  # a backward whose Strategy.step() has not run yet
+        self._last_norm = float("nan")  # pre-clip norm of the step committed by the last paid step()
 
     # ------------------------------------------------------------------ torch.optim.Optimizer surface
     @property
@@ -188,21 +200,45 @@ class QuietOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("a strategy's parameters are fixed at construction; build a new QuietOptimizer")
 
-    def backward(self, loss: torch.Tensor) -> bool:
-        """One micro-batch: ``Strategy.backward(loss)`` then ``Strategy.step()``; True when a step committed.
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-batch: ``Strategy.backward(loss)``; its ``Strategy.step()`` is owed (see the class doc).
 
-        ``loss`` is the micro-batch's own (undivided) loss: the strategy divides by its micro-batch count.
+        ``loss`` is the micro-batch's own (undivided) loss: the strategy divides by its micro-batch count (and
+        scales it, under fp16).
         """
+        self.pay_step()
         self.strategy.backward(loss)
+        self._owed = True
+
+    def pay_step(self) -> bool:
+        """Run the ``Strategy.step()`` owed for the last backward, if any; True when it committed a step."""
+        if not self._owed:
+            return False
+        self._owed = False
         committed = self.strategy.step()
         if committed:
             self._committed_since_step = True
+            self._last_norm = float(self.strategy.last_step_metrics().extra.get("grad_norm", float("nan")))
         return committed
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient the strategy commits to ``max_norm`` (its global L2 norm, as the strategy defines
+        it: ``docs/contract.md``); from now on every committed step is clipped. Pays the owed step and returns
+        the pre-clip norm of the gradient it committed, as ``torch.nn.utils.clip_grad_norm_`` returns it (NaN
+        when no step committed here). ``max_norm=inf`` measures without clipping."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type must be 2 (quietsync strategies clip by the L2 norm), got {norm_type!r}")
+        self.strategy.max_grad_norm = float(max_norm)
+        self._last_norm = float("nan")
+        self.pay_step()
+        return torch.tensor(self._last_norm)
+
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        """Close an optimizer step of the user's loop; the strategy already committed (or not) in backward."""
+        """Close an optimizer step of the user's loop: pay the owed ``Strategy.step()`` and record whether the
+        strategy committed since the previous call."""
         if closure is not None:
             raise ValueError("closures are not supported: the strategy decides when the optimizer runs")
+        self.pay_step()
         self._was_skipped = not self._committed_since_step
         self._committed_since_step = False
         # A scheduler built on the specification tracks *its* step calls (torch warns otherwise).
@@ -227,6 +263,7 @@ class QuietOptimizer(torch.optim.Optimizer):
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "base_lrs": list(self._base_lrs),
             "pending_commit": self._committed_since_step,
+            "owed_step": self._owed,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -243,6 +280,7 @@ class QuietOptimizer(torch.optim.Optimizer):
             g.update(saved)
         self._base_lrs = [float(x) for x in state_dict["base_lrs"]]
         self._committed_since_step = bool(state_dict.get("pending_commit", False))
+        self._owed = bool(state_dict.get("owed_step", False))  # saved between a backward and its step
         with self._scale_lock:
             self._scales.clear()
 
@@ -272,6 +310,8 @@ class QuietOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stop the strategy's background work and release its process groups; safe to call twice."""
+        if not self.strategy._closed:
+            self.pay_step()
         self.strategy.close()
 
     def _lr_scale(self, step: int) -> float:

@@ -32,11 +32,14 @@ def batch(rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return micro_batch(0, rank, index)
 
 
-def make(name: str, opt: str, config: dict[str, Any], transport=None) -> quietsync.strategies.Strategy:
+def make(name: str, opt: str, config: dict[str, Any], transport=None, **strategy_kwargs: Any
+         ) -> quietsync.strategies.Strategy:
+    """``strategy_kwargs``: further ``make_strategy`` arguments (``max_grad_norm``, ``precision``)."""
     model = tiny_model()
     factory, kwargs = (torch.optim.AdamW, ADAMW) if opt == "adamw" else (torch.optim.SGD, SGD)
     return quietsync.make_strategy(name, model, factory, param_groups=param_groups(model, WEIGHT_DECAY),
-                                   config=config, lr_schedule=lr_schedule, transport=transport, **kwargs)
+                                   config=config, lr_schedule=lr_schedule, transport=transport,
+                                   **strategy_kwargs, **kwargs)
 
 
 def train(strategy, rank: int, steps: int, start_index: int = 0, sleep_factor: float = 1.0,
@@ -65,17 +68,34 @@ def train(strategy, rank: int, steps: int, start_index: int = 0, sleep_factor: f
     return index
 
 
-def run_deterministic(rank: int, world: int, name: str, opt: str, steps: int, extra: dict | None = None
-                      ) -> dict[str, Any]:
-    """Worker body: a deterministic-mode run; returns θ after ``steps`` committed steps."""
-    strategy = make(name, opt, {"deterministic_accumulation": det_count(rank), **(extra or {})})
+def run_deterministic(rank: int, world: int, name: str, opt: str, steps: int, extra: dict | None = None,
+                      strategy_kwargs: dict | None = None) -> dict[str, Any]:
+    """Worker body: a deterministic-mode run; returns θ after ``steps`` committed steps (and the extras of every
+    committed step under ``extras``)."""
+    strategy = make(name, opt, {"deterministic_accumulation": det_count(rank), **(extra or {})},
+                    **(strategy_kwargs or {}))
+    extras = []
+    strategy.step = _recording(strategy, extras)  # type: ignore[method-assign]
     train(strategy, rank, steps)
     with strategy.committed_params() as model:
         theta = flat_params(model)
     out = {"theta": theta, "history": list(strategy.overlap.stage_history), "steps": strategy.steps,
-           "micro_batches": strategy.micro_batches}
+           "micro_batches": strategy.micro_batches, "extras": extras}
     strategy.close()
     return out
+
+
+def _recording(strategy, extras: list):
+    """``strategy.step`` that also keeps the extras of every committed step."""
+    step = strategy.step
+
+    def recorded() -> bool:
+        committed = step()
+        if committed:
+            extras.append(dict(strategy.last_step_metrics().extra))
+        return committed
+
+    return recorded
 
 
 def run_many(rank: int, world: int, name: str, runs: list[tuple[str, dict]], steps: int) -> list[dict[str, Any]]:
@@ -83,8 +103,9 @@ def run_many(rank: int, world: int, name: str, runs: list[tuple[str, dict]], ste
     return [run_deterministic(rank, world, name, opt, steps, extra) for opt, extra in runs]
 
 
-def reference(kind: str, world: int, opt: str, steps: int, counts=None, **kw) -> ref.Trace:
-    """The single-process reference of ``kind`` (acco, dpu, wp, sync) on the same data and optimizer."""
+def reference(kind: str, world: int, opt: str, steps: int, counts=None, wrap=None, **kw) -> ref.Trace:
+    """The single-process reference of ``kind`` (acco, dpu, wp, sync) on the same data and optimizer
+    (``wrap(optimizer)``, when given, replaces the pure optimizer: e.g. a clipping one)."""
     model = tiny_model()
     names = [n for n, _ in model.named_parameters()]
     params0 = [p.detach().clone() for p in model.parameters()]
@@ -105,6 +126,8 @@ def reference(kind: str, world: int, opt: str, steps: int, counts=None, **kw) ->
             yield batch(rank, k)
             k += 1
 
+    if wrap is not None:
+        optimizer = wrap(optimizer)
     batches = [stream(r) for r in range(world)]
     counts = counts if counts is not None else det_count
     lr = lambda s: base_lr * lr_schedule(s)  # noqa: E731

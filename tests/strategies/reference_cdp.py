@@ -30,9 +30,11 @@ def uses_new(rule: str, i: int, j: int, n: int) -> bool:
 
 def reference_cdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stage_of: dict[str, int], rule: str,
                   n: int, steps: int, data: Callable[[int, int], Any],
-                  loss: Callable[[Callable, Any], torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+                  loss: Callable[[Callable, Any], torch.Tensor],
+                  stage_max_norm: float | None = None) -> list[dict[str, torch.Tensor]]:
     """Run ``steps`` steps; returns θ_1 … θ_steps (name → tensor). ``data(t, i)`` is micro-batch i (0-based) of
-    step t; ``loss(call, batch)`` computes its loss with ``call(*args, **kwargs)`` standing for the model."""
+    step t; ``loss(call, batch)`` computes its loss with ``call(*args, **kwargs)`` standing for the model.
+    ``stage_max_norm``: each stage's mean gradient is scaled by ``min(1, max / (‖g_stage‖ + 1e-6))`` first."""
     params = dict(model.named_parameters())
     prev = {k: p.detach().clone() for k, p in params.items()}  # θ_{-1} := θ_0
     out = []
@@ -50,6 +52,13 @@ def reference_cdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stag
                 if g is not None:
                     grads[k] += g
         prev = {k: p.detach().clone() for k, p in params.items()}
+        if stage_max_norm is not None:
+            for j in set(stage_of.values()):
+                names = [k for k in grads if stage_of[k] == j]
+                norm = float(sum((grads[k].double() ** 2).sum() for k in names)) ** 0.5
+                coef = min(1.0, stage_max_norm / (norm + 1e-6))
+                for k in names:
+                    grads[k] = grads[k] * coef
         for k, p in params.items():
             p.grad = grads[k]
         optimizer.step()

@@ -149,6 +149,10 @@ def test_every_registered_strategy_gets_its_flags():
     (["--dataset", "./no/such/file.txt"], "--dataset: no such file or folder"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--strategy", "cdp", "--save-every", "5"], "--save-every is not supported with --strategy cdp"),
+    (["--strategy", "diloco", "--pseudo-grad-dtype", "int3"], "--pseudo-grad-dtype: invalid choice: 'int3'"),
+    (["--strategy", "diloco", "--outer", "sparseloco", "--topk-density", "0"], "--topk-density must be in (0, 1]"),
+    (["--strategy", "diloco", "--outer", "sparseloco", "--pseudo-grad-dtype", "int8"],
+     "--pseudo-grad-dtype must be one of fp32, bf16, fp4, fp4_e3m0, int4, int2 with outer sparseloco"),
 ])
 def test_bad_values_are_one_line_errors(argv, expect, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -243,11 +247,12 @@ def _float_fields(cls: type) -> list[str]:
 
 
 FLOAT_FIELDS = {
-    None: {"max_time_s", "target_loss", "lr", "weight_decay", "min_lr_ratio", "eval_fraction", "timeout_s"},
+    None: {"max_time_s", "target_loss", "lr", "weight_decay", "min_lr_ratio", "eval_fraction", "timeout_s",
+           "max_grad_norm"},
     "ddp": {"bucket_cap_mb"},
     "demo": {"compression", "beta"},
     "flexdemo": {"compression", "beta"},
-    "diloco": {"outer_lr", "outer_momentum", "mixing", "compression"},
+    "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density"},
 }
 """Every float field of the job's config (None) and of each strategy's config that has one: the float flags the
 next test sends NaN and infinities to."""

@@ -43,6 +43,9 @@ class Workload:
     """Bytes per parameter element (fp32: 4)."""
     stage_numels: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """CDP: parameter elements of each stage, by number of stages."""
+    layers: tuple[tuple[int, ...], ...] = ()
+    """Layers (a layer's weight and bias together) as Streaming DiLoCo's strided fragments take them: indices
+    into :attr:`shapes` (:func:`quietsync.strategies.local.fragments.layer_units`); empty: one per tensor."""
     flops_per_token: float = 0.0
     """Training FLOPs per token (forward + backward), for compute derived from FLOP/s; 6 × parameters when
     unknown."""
@@ -125,9 +128,12 @@ class Workload:
         if len(dtypes) != 1:
             raise ValueError(f"the model's trainable parameters have mixed dtypes {sorted(map(str, dtypes))}")
         stage_numels = {n: _stage_numels(model, n) for n in stages}
+        from ..strategies.local.fragments import layer_units
+
+        layers = tuple(tuple(u) for u in layer_units(model, ordered))
         return cls(name=name, shapes=tuple(tuple(p.shape) for p in ordered), group_sizes=tuple(sizes),
                    module_order=tuple(module_order), units=units, tokens_per_micro_batch=tokens_per_micro_batch,
-                   dtype_bytes=ordered[0].element_size(), stage_numels=stage_numels)
+                   dtype_bytes=ordered[0].element_size(), stage_numels=stage_numels, layers=layers)
 
     @classmethod
     def transformer(cls, *, hidden: int, layers: int, vocab: int, seq_len: int, micro_batch_size: int,
@@ -163,10 +169,13 @@ class Workload:
             tuple(idx[n] for n, _ in module if n not in in_blocks),)
         params = sum(math.prod(shape_of[n]) for n in order)
         flops = 6.0 * params + 12.0 * layers * d * seq_len
+        # strided fragments' layers: wte, wpe, the blocks, ln_f (as layer_units finds them in GPT-Neo)
+        layer_list = ((idx["wte"],), (idx["wpe"],), *(tuple(sorted(idx[n] for n in u)) for u in units_named),
+                      tuple(sorted((idx["ln_f.w"], idx["ln_f.b"]))))
         w = cls(name=name or f"transformer d={hidden} L={layers} V={vocab}", shapes=tuple(shape_of[n] for n in order),
                 group_sizes=(len(decay), len(no_decay)), module_order=tuple(idx[n] for n, _ in module),
                 units=units, tokens_per_micro_batch=seq_len * micro_batch_size, dtype_bytes=dtype_bytes,
-                flops_per_token=flops)
+                flops_per_token=flops, layers=layer_list)
         if stages:
             w = w.with_stages({n: _balanced_stages([math.prod(shape_of[n]) for n, _ in module], n) for n in stages})
         return w

@@ -36,9 +36,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..codecs import TRANSFER_DTYPES
 from ..codecs import transfer_dtype as _transfer_dtype
+from ..codecs.lowbit import LOWBIT_FORMATS, BlockQuantizer
 from ..transport import Collectives
-from ..validate import check_float
+from ..validate import check_choice, check_float, check_int
 
 __all__ = ["Segments", "Message", "Replicator", "SparseUpdate"]
 
@@ -118,15 +120,20 @@ class Replicator(ABC):
 
     Args:
         compression: bytes sent per step / bytes of the full fp32 gradient, in ``(0, 1]``.
-        transfer_dtype: dtype values travel in (``fp32``, ``bf16``, ``fp16``).
+        transfer_dtype: what values travel in: ``fp32``, ``bf16``, ``fp16``, or packed low-bit codes ``fp4``,
+            ``fp4_e3m0``, ``int4``, ``int2`` (:mod:`quietsync.codecs.lowbit`, a bf16 absmax scale per
+            ``transfer_block`` values; the residual keeps what quantization lost). Low-bit payloads cannot be
+            summed, so they are all-gathered and averaged after decoding, whatever the replicator's float
+            collective.
         transport: the :class:`~quietsync.transport.Transport` (None: a world of one).
         group: the transport group replicated over (``replicate`` for FlexDeMo, ``world`` for DeMo).
+        transfer_block: values per scale of a low-bit ``transfer_dtype`` (``dct``: the k values of a block).
     """
 
     name: ClassVar[str] = ""
     sends_indices: ClassVar[bool] = False
     collective: ClassVar[str] = "all_reduce"
-    knobs: ClassVar[tuple[str, ...]] = ("compression", "transfer_dtype", "transport", "group")
+    knobs: ClassVar[tuple[str, ...]] = ("compression", "transfer_dtype", "transport", "group", "transfer_block")
     """The keyword arguments of ``__init__`` that :func:`~quietsync.replicators.make_replicator` passes on;
     a subclass with knobs of its own extends this tuple."""
 
@@ -136,10 +143,21 @@ class Replicator(ABC):
         transfer_dtype: str | torch.dtype = "fp32",
         transport: Collectives | None = None,
         group: str = "replicate",
+        transfer_block: int = 64,
     ) -> None:
         check_float("compression", compression, 0, 1, low_open=True)
+        check_int("transfer_block", transfer_block, 1)
         self.compression = float(compression)
-        self.transfer_dtype = _transfer_dtype(transfer_dtype)
+        self.lowbit: BlockQuantizer | None = None
+        """The low-bit codec of the values (None: they travel as ``transfer_dtype``)."""
+        if isinstance(transfer_dtype, str) and transfer_dtype in LOWBIT_FORMATS:
+            self.lowbit = BlockQuantizer(transfer_dtype, block=transfer_block)
+            self.transfer_dtype = torch.float32  # what the values decode to
+        else:
+            if isinstance(transfer_dtype, str):
+                check_choice("transfer_dtype", transfer_dtype, (*TRANSFER_DTYPES, *LOWBIT_FORMATS))
+            self.transfer_dtype = _transfer_dtype(transfer_dtype)
+        self.transfer_block = transfer_block
         self.transport = transport
         self.group = group
 
@@ -156,6 +174,56 @@ class Replicator(ABC):
     @property
     def value_bytes(self) -> int:
         return torch.empty((), dtype=self.transfer_dtype).element_size()
+
+    # ------------------------------------------------------------------ values on the wire
+    def values_payload_bytes(self, m: int, block: int | None = None) -> int:
+        """Bytes of ``m`` values on the wire (low-bit: codes + scales, a scale per ``block`` values)."""
+        if self.lowbit is None:
+            return m * self.value_bytes
+        return self._quantizer(block).payload_bytes(m)
+
+    def values_that_fit(self, budget: float, limit: int) -> int:
+        """The most values (1 to ``limit``) whose payload fits ``budget`` bytes."""
+        if self.lowbit is None:
+            return max(1, min(limit, int(budget // self.value_bytes)))
+        per = self.lowbit.bits / 8 + self.lowbit.scale_bytes / self.transfer_block
+        m = max(1, min(limit, int(budget / per) + 1))
+        while m > 1 and self.values_payload_bytes(m) > budget:
+            m -= 1
+        return m
+
+    def _quantizer(self, block: int | None) -> BlockQuantizer:
+        assert self.lowbit is not None
+        if block is None or block == self.lowbit.block:
+            return self.lowbit
+        cache = self.__dict__.setdefault("_quantizers", {})
+        if block not in cache:
+            cache[block] = BlockQuantizer(self.lowbit.format.name, block=block)
+        return cache[block]
+
+    def encode_values(self, values: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(payload, sent)``: what travels for flat ``values`` and what it decodes to (``values``' dtype; the
+        sender's residual keeps ``values − sent``)."""
+        if self.lowbit is None:
+            payload = values.to(self.transfer_dtype).contiguous()
+            if payload.data_ptr() == values.data_ptr():
+                payload = payload.clone()
+            return payload, payload.to(values.dtype)
+        q = self._quantizer(block)
+        payload = q.encode(values)
+        return payload, q.decode(payload, values.numel()).to(values.dtype)
+
+    def decode_values(self, gathered: torch.Tensor, m: int, block: int | None = None) -> torch.Tensor:
+        """Every worker's ``m`` values, ``(workers, m)`` fp32, from their gathered low-bit payloads
+        ``(workers, bytes)``."""
+        return self._quantizer(block).decode(gathered, m)
+
+    def average_lowbit(self, payload: torch.Tensor, m: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        """All-gather every worker's low-bit payload of ``m`` values; their decoded mean (fp32 sum, ``dtype``)."""
+        n = self.group_size
+        gathered = payload.new_empty(n * payload.numel())
+        self.transport.all_gather(gathered, payload, self.group, name=name)
+        return self.decode_values(gathered.view(n, -1), m).sum(0).div_(n).to(dtype)
 
     # ------------------------------------------------------------------ the momentum's domain
     @property
@@ -239,5 +307,5 @@ class Replicator(ABC):
         """Restore what :meth:`state_dict` returned."""
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(compression={self.compression:g}, "
-                f"transfer_dtype={self.transfer_dtype}, group={self.group!r})")
+        values = self.lowbit.format.name if self.lowbit is not None else self.transfer_dtype
+        return f"{type(self).__name__}(compression={self.compression:g}, transfer_dtype={values}, group={self.group!r})"

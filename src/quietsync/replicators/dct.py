@@ -23,7 +23,10 @@ decodes their mean with one inverse transform: two transforms a step where a spa
 among coefficients of equal magnitude (:func:`~quietsync.codecs.topk_positions`).
 
 ``k`` per block follows from ``compression`` (bytes per coefficient = value + position bytes), or
-is fixed by ``topk`` (DeMo's own knob; then ``compression`` is not used).
+is fixed by ``topk`` (DeMo's own knob; then ``compression`` is not used). With a low-bit ``transfer_dtype``
+the ``k`` values of a block travel as packed codes with one bf16 scale for the block (the residual keeps what
+quantization lost), so about 4x (fp4) or 8x (int2) as many coefficients fit the same bytes as in fp32 minus
+what the positions take.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ class DCTReplicator(Replicator):
     knobs = (*Replicator.knobs, "chunk", "topk")
 
     def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Collectives | None = None,
-                 group: str = "replicate", chunk: int = 64, topk: int | None = None) -> None:
-        super().__init__(compression, transfer_dtype, transport, group)
+                 group: str = "replicate", chunk: int = 64, topk: int | None = None, transfer_block: int = 64) -> None:
+        super().__init__(compression, transfer_dtype, transport, group, transfer_block)
         check_int("chunk", chunk, 1)
         check_int("topk", topk, 1, chunk * chunk, allow_none=True)  # at most chunk**2 per block
         self.chunk = chunk
@@ -91,10 +94,14 @@ class DCTReplicator(Replicator):
         eb = torch.empty((), dtype=dtype).element_size()
         out = []
         for g in self.layout(segments).groups:
+            position = torch.empty((), dtype=index_dtype(g.block_numel)).element_size()
             if self.topk is not None:
                 k = self.topk
+            elif self.lowbit is not None:  # k codes + k positions + one scale per block
+                per_coeff = self.lowbit.bits / 8 + position
+                k = round((self.compression * g.real * eb / g.num_blocks - self.lowbit.scale_bytes) / per_coeff)
             else:
-                per_coeff = self.value_bytes + torch.empty((), dtype=index_dtype(g.block_numel)).element_size()
+                per_coeff = self.value_bytes + position
                 k = round(self.compression * g.real * eb / (g.num_blocks * per_coeff))
             out.append(max(1, min(g.block_numel, k)))
         return out
@@ -102,9 +109,18 @@ class DCTReplicator(Replicator):
     def _specs(self, segments: Segments, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         specs: list[tuple[tuple[int, ...], torch.dtype]] = []
         for g, k in zip(self.layout(segments).groups, self.ks(segments, dtype)):
-            specs.append(((g.num_blocks, k), self.transfer_dtype))
+            if self.lowbit is not None:  # packed codes, a scale per block's k values
+                specs.append(((self.values_payload_bytes(g.num_blocks * k, k),), torch.uint8))
+            else:
+                specs.append(((g.num_blocks, k), self.transfer_dtype))
             specs.append(((g.num_blocks, k), index_dtype(g.block_numel)))
         return specs
+
+    def _values_of(self, tensor: torch.Tensor, g: Any, k: int) -> torch.Tensor:
+        """The ``(workers, blocks, k)`` values of one block group from an unpacked (gathered) payload."""
+        if self.lowbit is None:
+            return tensor
+        return self.decode_values(tensor.reshape(tensor.shape[0], -1), g.num_blocks * k, k).view(-1, g.num_blocks, k)
 
     def _workspace(self, segments: Segments, delta: torch.Tensor) -> _Workspace:
         key = (segments, str(delta.device), delta.dtype)
@@ -188,8 +204,12 @@ class DCTReplicator(Replicator):
             c2 = c.view(g.num_blocks, g.block_numel)
             pos = topk_positions(c2, k, scratch=mag)
             vals = torch.gather(c2, 1, pos)
-            sent = vals.to(self.transfer_dtype)
-            c2.scatter_(1, pos, vals - sent.to(vals.dtype))  # error feedback: 0 in fp32, the cast's loss otherwise
+            if self.lowbit is not None:
+                sent, own = self.encode_values(vals.reshape(-1), k)
+                c2.scatter_(1, pos, vals - own.view_as(vals))  # error feedback: what quantization lost
+            else:
+                sent = vals.to(self.transfer_dtype)
+                c2.scatter_(1, pos, vals - sent.to(vals.dtype))  # error feedback: 0 in fp32, the cast's loss
             parts += [sent, pos.to(index_dtype(g.block_numel))]
         _project_padding(layout, layout.stacked_views(momentum))
         payload = pack(parts)
@@ -197,9 +217,9 @@ class DCTReplicator(Replicator):
         gathered = payload.new_empty(n * payload.numel())
         self.transport.all_gather(gathered, payload, self.group, name="replicate/dct")
         tensors = unpack(gathered.reshape(n, -1), self._specs(segments, momentum.dtype))
-        for i, g in enumerate(layout.groups):
-            k = tensors[2 * i].shape[-1]
-            vals = tensors[2 * i].permute(1, 0, 2).reshape(g.num_blocks, n * k).to(momentum.dtype)
+        for i, (g, k) in enumerate(zip(layout.groups, self.ks(segments, momentum.dtype))):
+            vals = self._values_of(tensors[2 * i], g, k).permute(1, 0, 2).reshape(g.num_blocks, n * k)
+            vals = vals.to(momentum.dtype)
             pos = tensors[2 * i + 1].permute(1, 0, 2).reshape(g.num_blocks, n * k).long()
             total, count = ws.sent[i], ws.count[i]
             total.scatter_add_(1, pos, vals)  # worker by worker, as the reference's index_add_
@@ -217,6 +237,11 @@ class DCTReplicator(Replicator):
         parts, dense = [], []
         for g, k, coeffs in zip(layout.groups, self.ks(segments, delta.dtype), layout.encode(delta)):
             vals, pos = topk_per_block(coeffs.reshape(g.num_blocks, g.block_numel), k)
+            if self.lowbit is not None:
+                payload, own = self.encode_values(vals.reshape(-1), k)
+                parts += [payload, pos]
+                dense.append(densify(own.view_as(vals).to(delta.dtype), pos, g.block_numel).reshape(coeffs.shape))
+                continue
             vals = vals.to(self.transfer_dtype)
             parts += [vals, pos]
             dense.append(densify(vals.to(delta.dtype), pos, g.block_numel).reshape(coeffs.shape))
@@ -230,8 +255,8 @@ class DCTReplicator(Replicator):
         tensors = unpack(gathered.reshape(n, -1), msg.meta)
         layout = self.layout(segments, msg.sent.device)
         coeffs = []
-        for i, g in enumerate(layout.groups):
-            vals, pos = tensors[2 * i], tensors[2 * i + 1]
+        for i, (g, k) in enumerate(zip(layout.groups, self.ks(segments, msg.sent.dtype))):
+            vals, pos = self._values_of(tensors[2 * i], g, k), tensors[2 * i + 1]
             mean = scatter_mean(vals, pos, g.block_numel, dtype=msg.sent.dtype)
             coeffs.append(mean.reshape(g.num_blocks, *g.block_shape))
         return layout.decode(coeffs)

@@ -1,6 +1,7 @@
 """``full``: the whole decoupled momentum, all-reduced (hybrid-sharded AdamW's sync in decoupled form).
 
-``compression`` is ignored (it is ``value_bytes / 4`` by construction: 1 in fp32, 1/2 in bf16).
+``compression`` is ignored (it is ``value_bytes / 4`` by construction: 1 in fp32, 1/2 in bf16, about 1/8
+with packed 4-bit codes, which are all-gathered and averaged after decoding).
 With decay 0 and no sign, DeMo-SGD over ``full`` is exactly SGD on the all-reduced gradient.
 """
 
@@ -17,14 +18,14 @@ class FullReplicator(Replicator):
     name = "full"
 
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
-        payload = delta.to(self.transfer_dtype).contiguous()
-        if payload.data_ptr() == delta.data_ptr():
-            payload = payload.clone()
-        return Message(payload, payload.to(delta.dtype))
+        payload, sent = self.encode_values(delta)
+        return Message(payload, sent)
 
     def exchange(self, msg: Message, segments: Segments) -> torch.Tensor:
+        if self.lowbit is not None:  # packed codes: all-gathered, decoded, averaged
+            return self.average_lowbit(msg.payload, msg.sent.numel(), msg.sent.dtype, "replicate/full")
         self.transport.all_reduce(msg.payload, self.group, op="avg", name="replicate/full")
         return msg.payload.to(msg.sent.dtype)
 
     def payload_bytes(self, segments: Segments, dtype: torch.dtype = torch.float32) -> int:
-        return segments.numel * self.value_bytes
+        return self.values_payload_bytes(segments.numel)

@@ -50,8 +50,8 @@ class RandomReplicator(Replicator):
     knobs = (*Replicator.knobs, "seed")
 
     def __init__(self, compression: float = 1 / 32, transfer_dtype: Any = "fp32", transport: Collectives | None = None,
-                 group: str = "replicate", seed: int = 0) -> None:
-        super().__init__(compression, transfer_dtype, transport, group)
+                 group: str = "replicate", seed: int = 0, transfer_block: int = 64) -> None:
+        super().__init__(compression, transfer_dtype, transport, group, transfer_block)
         check_int("seed", seed)
         self.seed = seed
         self.counter = 0
@@ -59,6 +59,8 @@ class RandomReplicator(Replicator):
     def count(self, segments: Segments, dtype: torch.dtype = torch.float32) -> int:
         """Number of values sent per step."""
         eb = torch.empty((), dtype=dtype).element_size()
+        if self.lowbit is not None:
+            return self.values_that_fit(self.compression * segments.numel * eb, segments.numel)
         m = int(self.compression * segments.numel * eb // self.value_bytes)
         return max(1, min(segments.numel, m))
 
@@ -85,6 +87,11 @@ class RandomReplicator(Replicator):
         idx = _ascending(self.indices(segments, self.counter, delta.device))
         self.counter += 1
         vals = delta.index_select(0, idx)
+        if self.lowbit is not None:  # packed codes: all-gathered, decoded, averaged
+            payload, sent = self.encode_values(vals)
+            delta.index_copy_(0, idx, vals - sent)
+            mean = self.average_lowbit(payload, vals.numel(), delta.dtype, f"replicate/{self.name}")
+            return SparseUpdate(idx, mean, delta.numel())
         payload = vals.to(self.transfer_dtype)
         delta.index_copy_(0, idx, vals - payload.to(delta.dtype))
         self.transport.all_reduce(payload, self.group, op="avg", name=f"replicate/{self.name}")
@@ -92,20 +99,26 @@ class RandomReplicator(Replicator):
 
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
         idx = self.indices(segments, self.counter, delta.device)
+        if self.lowbit is not None:  # low-bit values are blocked in ascending position order, as replicate's
+            idx = _ascending(idx)
         self.counter += 1
-        payload = delta[idx].to(self.transfer_dtype)
+        payload, values = self.encode_values(delta[idx])
         sent = torch.zeros_like(delta)
-        sent[idx] = payload.to(delta.dtype)
+        sent[idx] = values
         return Message(payload, sent, idx)
 
     def exchange(self, msg: Message, segments: Segments) -> torch.Tensor:
-        self.transport.all_reduce(msg.payload, self.group, op="avg", name=f"replicate/{self.name}")
         update = torch.zeros_like(msg.sent)
+        if self.lowbit is not None:
+            update[msg.meta] = self.average_lowbit(msg.payload, msg.meta.numel(), update.dtype,
+                                                   f"replicate/{self.name}")
+            return update
+        self.transport.all_reduce(msg.payload, self.group, op="avg", name=f"replicate/{self.name}")
         update[msg.meta] = msg.payload.to(update.dtype)
         return update
 
     def payload_bytes(self, segments: Segments, dtype: torch.dtype = torch.float32) -> int:
-        return self.count(segments, dtype) * self.value_bytes
+        return self.values_payload_bytes(self.count(segments, dtype))
 
     def state_dict(self) -> dict[str, Any]:
         return {"counter": self.counter, "seed": self.seed}

@@ -31,6 +31,14 @@ data loading), ``idle_s`` the time it spent blocked on communication (strategies
 ``self.accounting.idle(...)``), ``comm_s`` the seconds collectives took (on any thread), bytes from the
 transport's meter.
 
+Precision and clipping (what a real run needs from every strategy): ``precision`` (``"fp32"``, ``"bf16"``,
+``"fp16"``; :mod:`~quietsync.strategies.parts.precision`) runs the forward under :meth:`autocast` and, for fp16,
+scales each loss and drops a round whose gradient overflowed on every worker; ``max_grad_norm`` clips the
+gradient a strategy commits by that gradient's global norm (:mod:`~quietsync.strategies.parts.clipping`). Both
+are the strategy's, not the loop's, because only the strategy holds the gradient it commits (averaged, sharded,
+or on its communication thread); every front door (the CLI, a plain loop, Accelerate, the Trainer) sets them
+here. Which gradient each strategy clips is listed in ``docs/contract.md``.
+
 Checkpoints: :meth:`state_dict` records the worker's :meth:`position` (committed steps and the strategy's
 stage counters); :meth:`load_state_dict` compares it across workers and refuses, on every worker, a
 checkpoint whose files were saved at different positions. Take checkpoints at the same position on every
@@ -43,6 +51,7 @@ has a world-size-independent form (``reshard_refusal is None``: ddp, zero1) also
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from abc import ABCMeta, abstractmethod
@@ -58,7 +67,9 @@ from ..transport import Transport
 from .checkpoint.logical import Reader, ReshardError, SavedTensors, open_round_problem
 from .checkpoint.positions import check_positions_agree
 from .parts.accounting import StepAccounting, StepMetrics
+from .parts.clipping import GradientCheck, check_max_grad_norm, prepare_gradient
 from .parts.part import Part
+from .parts.precision import LossScaler, Precision, check_model_dtype, parse_precision
 
 LRSchedule = Callable[[int], float]
 """``f(committed_steps) -> multiplier`` of each parameter group's base learning rate."""
@@ -99,6 +110,12 @@ class Strategy(metaclass=_Constructed):
         transport: the transport to communicate through; default ``Transport()`` from the environment.
         config: this strategy's config dataclass (or a dict of its fields); default: its defaults.
         lr_schedule: ``f(committed_steps) -> lr multiplier``, applied before every optimizer step.
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (or a
+            :class:`~quietsync.strategies.parts.precision.Precision` with other loss-scaling constants): the
+            forward runs under :meth:`autocast`; fp16 adds dynamic loss scaling with a skip decision every worker
+            shares. The model's trainable parameters must be fp32 for bf16/fp16 (they stay the master weights).
+        max_grad_norm: clip the gradient each step commits to this global L2 norm (None: no clipping); the
+            pre-clip norm is reported in ``last_step_metrics().extra["grad_norm"]``.
         **optimizer_kwargs: passed to ``optimizer`` (``lr``, ``weight_decay``, ...).
 
     Raises:
@@ -126,6 +143,10 @@ class Strategy(metaclass=_Constructed):
     :meth:`backward` with a loss computed outside is refused): Cyclic DP runs different micro-batches at
     different stages at once."""
 
+    fp16_refusal: ClassVar[str | None] = None
+    """Why this strategy cannot train with ``precision="fp16"`` (dynamic loss scaling needs one skip decision
+    that every worker takes before anything of the round commits); None where it can."""
+
     optimizer: torch.optim.Optimizer | None
     """The torch optimizer that steps this worker's parameters or shard (the user's class, built by the
     strategy); the adapters show its ``param_groups``. Every strategy sets it in its constructor."""
@@ -139,10 +160,19 @@ class Strategy(metaclass=_Constructed):
         transport: Transport | None = None,
         config: StrategyConfig | dict[str, Any] | None = None,
         lr_schedule: LRSchedule | None = None,
+        precision: str | Precision = "fp32",
+        max_grad_norm: float | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.precision = parse_precision(precision)
+        """The mixed-precision policy (``self.precision.name``: fp32, bf16 or fp16)."""
+        if self.precision.loss_scaling and self.fp16_refusal:
+            raise ValueError(f"precision fp16 is not supported by strategy {self.name}: {self.fp16_refusal}; "
+                             "use bf16 or fp32")
+        check_model_dtype(model, self.precision)
+        self._max_grad_norm = check_max_grad_norm(max_grad_norm)
         if not callable(optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer class or factory, got {optimizer!r}")
         if lr_schedule is not None and not callable(lr_schedule):
@@ -173,12 +203,31 @@ class Strategy(metaclass=_Constructed):
         self._parts: dict[str, Part] = {}
         self._closed = False
         self._last_metrics: StepMetrics | None = None
+        self.scaler: LossScaler | None = None
+        """fp16's dynamic loss scale (a held part), None otherwise (or where an inner strategy scales)."""
+        if self.precision.loss_scaling and self._scales_own_loss():
+            self.scaler = self.hold("loss_scale", LossScaler(self.precision))
 
     # ------------------------------------------------------------------ the contract
     @property
     def model(self) -> torch.nn.Module:
         """The module to call forward on (a wrapper, for strategies that need one)."""
         return self.module
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Clip the committed gradient to this global norm (None: off); settable between steps."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        self._max_grad_norm = check_max_grad_norm(value)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The precision's autocast on the strategy's device (a do-nothing context for fp32).
+        :meth:`forward_backward` runs ``loss_fn`` inside it; a loop that calls the model itself and hands the loss
+        to :meth:`backward` wraps its forward in it (Accelerate and the Trainer use their own, the same)."""
+        return self.precision.autocast(self.transport.device.type)
 
     @property
     def world_size(self) -> int:
@@ -196,7 +245,7 @@ class Strategy(metaclass=_Constructed):
         different stages at once) overrides it. Returns the detached loss of the micro-batch(es) whose
         backward completed in this call, or None when none did (a strategy filling its pipeline).
         """
-        with label("quietsync/forward"):
+        with label("quietsync/forward"), self.autocast():
             loss = loss_fn(self.model, batch)
         self.backward(loss)
         return loss.detach()
@@ -211,6 +260,8 @@ class Strategy(metaclass=_Constructed):
             )
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("loss must be a scalar tensor")
+        if self.scaler is not None:
+            loss = self.scaler.scale_loss(loss)
         with label("quietsync/backward"):
             self._backward(loss)
         self.accounting.micro_batch_done()
@@ -418,6 +469,46 @@ class Strategy(metaclass=_Constructed):
 
     @abstractmethod
     def _step(self) -> bool: ...
+
+    def _scales_own_loss(self) -> bool:
+        """Whether this strategy holds the fp16 loss scale itself (False where an inner strategy it runs does)."""
+        return True
+
+    def _prepare_commit(self, grads: list[torch.Tensor], *, norm_group: str | None = None,
+                        shared: bool = False) -> dict[str, Any] | None:
+        """The round's gradient, about to be committed, made ready on the main thread: unscaled (fp16), its
+        global norm measured, clipped (``max_grad_norm``) — see :mod:`~quietsync.strategies.parts.clipping`.
+
+        ``grads`` is this worker's part of the gradient the optimizer will use; ``norm_group`` the group it is
+        sharded over (None: whole here); ``shared``: whether the gradient is already equal on every worker of
+        ``world`` (or its norm is after the ``norm_group`` sum), so an fp16 overflow needs no flag all-reduce.
+        Returns the step's extras (``grad_norm``, fp16's ``loss_scale`` and ``overflow_skips``), ``{}`` with
+        neither knob set (nothing runs), or **None** when fp16 found an overflow: the caller drops the round
+        (:meth:`discard_round`) — every worker gets None for the same round.
+        """
+        if self.scaler is None and self._max_grad_norm is None:
+            return {}
+        scale = None if self.scaler is None else self.scaler.scale
+        with self.accounting.idle("grad_norm"):
+            check = prepare_gradient(
+                grads, max_norm=self._max_grad_norm, scale=scale, transport=self.transport,
+                norm_group=norm_group, agree_group=None if shared else "world")
+        return self._gradient_extras(check, scale)
+
+    def _gradient_extras(self, check: GradientCheck, scale: float | None) -> dict[str, Any] | None:
+        """Record a :class:`GradientCheck` of the round's gradient (main thread): the loss scale follows it;
+        None when the round overflowed under fp16 (drop it), else the step's extras."""
+        if self.scaler is not None:
+            self.scaler.update(check.finite)
+            if not check.finite:
+                return None
+        extra: dict[str, Any] = {"grad_norm": check.norm}
+        if self._max_grad_norm is not None:
+            extra["clipped"] = check.clipped
+        if self.scaler is not None:
+            extra["loss_scale"] = scale
+            extra["overflow_skips"] = self.scaler.take_skipped()
+        return extra
 
     def _discard(self) -> None:
         """Strategy-specific clean-up after :meth:`discard_round` (extra gradient buffers, sync flags)."""

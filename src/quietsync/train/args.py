@@ -177,6 +177,9 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
         skippers = ", ".join(n for n in names if get(n)[0].discards_rounds)
         parser.error(f"--on-nonfinite skip is not supported by strategy {strategy} (it commits inside its step, "
                      f"so a round cannot be dropped first); use stop, or one of {skippers}")
+    if cfg.precision == "fp16" and cls.fp16_refusal:
+        parser.error(f"--precision fp16 is not supported by strategy {strategy}: {cls.fp16_refusal}; "
+                     "use bf16 or fp32")
     from .launch import under_torchrun
 
     if under_torchrun():

@@ -7,6 +7,7 @@ default job: a small GPT-Neo on the King James Bible, 2 local workers, ZeRO-1, a
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +97,14 @@ class TrainConfig:
     """torch threads per worker (0 = CPU cores / local workers)."""
     timeout_s: float = 300.0
     """Seconds a collective may wait for its peers before the job fails."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Mixed precision: fp32; bf16 (forward under autocast, fp32 master weights and optimizer state); fp16 (the same plus dynamic loss scaling: a round whose gradient overflows is skipped on every worker). Not fp16 with cdp."""
+    max_grad_norm: float | None = None
+    """Clip the gradient each step commits to this global L2 norm (which gradient, per strategy: docs/train.md); 0 or none = no clipping."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations during backward instead of keeping them (less activation memory, one more block forward per backward)."""
+    compile: bool = False
+    """torch.compile each transformer block of the model (needs a C compiler on CPU; the first steps include compiling)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite loss or gradient: stop (every worker, naming the step; nothing of it is committed) or skip the round on every worker (ddp, zero1, demo, flexdemo, localsgd, diloco)."""
     nonfinite_skip_limit: int = 10
@@ -131,6 +140,11 @@ class TrainConfig:
         check_int("seed", self.seed)
         check_int("nonfinite_skip_limit", self.nonfinite_skip_limit, 1)
         check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        if self.max_grad_norm is not None:
+            v = self.max_grad_norm
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"max_grad_norm must be a finite number > 0, or 0 for no clipping, got {v!r}")
         check_float("lr", self.lr, 0, low_open=True)
         check_float("weight_decay", self.weight_decay, 0)
         check_float("min_lr_ratio", self.min_lr_ratio, 0, 1)
@@ -164,6 +178,11 @@ class TrainConfig:
                 raise ValueError(f"profile_steps must end by max_steps ({self.max_steps}), got {self.profile_steps!r}")
         if self.log_with is not None:
             self.log_with = ",".join(parse_log_with(self.log_with)) or None
+
+    @property
+    def clip_norm(self) -> float | None:
+        """``max_grad_norm`` as the strategies take it: None for no clipping (0 on the command line)."""
+        return None if not self.max_grad_norm else float(self.max_grad_norm)
 
     @property
     def warmup(self) -> int:

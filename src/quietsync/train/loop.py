@@ -11,6 +11,11 @@ tokenizer, build the GPT-Neo preset (same seed on every worker) and the strategy
             stopped_by = budgets.check(...)                  # the budgets, agreed (train/budgets.py),
             ...                                              # the last eval, checkpoint
 
+The model is built, then (``--activation-checkpointing``, ``--compile``) checkpointed and compiled block by
+block, then handed to the strategy with ``--precision`` and ``--max-grad-norm`` (the strategy autocasts the
+forward, scales the fp16 loss and clips the gradient it commits; see ``Strategy``). Evaluation runs under the
+same autocast.
+
 Evaluation needs no communication: every worker evaluates the same held-out windows on its committed
 parameters (identical across workers for synchronous strategies) and logs the result; rank 0's is the one
 reported. The collectives the loop issues itself: the non-finite guard's agreements (one tiny all-reduce per
@@ -49,7 +54,15 @@ from .data import ShardedSequences, encode_split, eval_batches
 from .export import MODEL_DIR, export_model
 from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
-from .model import build_model, count_parameters, is_pretrained, load_pretrained, param_groups
+from .model import (
+    build_model,
+    compile_blocks,
+    count_parameters,
+    enable_activation_checkpointing,
+    is_pretrained,
+    load_pretrained,
+    param_groups,
+)
 from .nonfinite import NonFiniteError, NonFiniteGuard
 from .preflight import data_problem
 from .profile import StepProfiler
@@ -147,11 +160,16 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             )
         model.to(device)
         n_params = count_parameters(model)
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
+        if cfg.compile:
+            compile_blocks(model)
         strategy = make_strategy(
             cfg.strategy, model, torch.optim.AdamW,
             param_groups=param_groups(model, cfg.weight_decay),
             transport=transport, config=strategy_config,
             lr_schedule=warmup_cosine(cfg.warmup, cfg.max_steps, cfg.min_lr_ratio),
+            precision=cfg.precision, max_grad_norm=cfg.clip_norm,
             lr=cfg.lr, weight_decay=cfg.weight_decay, betas=ADAMW_BETAS,
         )
         stream = ShardedSequences(train_tokens, cfg.seq_len, cfg.micro_batch_size, rank, world, cfg.seed)
@@ -250,7 +268,7 @@ def _train(
     def run_eval() -> float:
         t = time.perf_counter()
         # the raw module: no wrapper hooks or collectives in eval; its time is not the next step's compute
-        with strategy.paused(), strategy.committed_params():
+        with strategy.paused(), strategy.committed_params(), strategy.autocast():  # the run's --precision
             loss = evaluate(strategy.module, held_out, device)
         now = time.perf_counter()
         evals.append(metrics.eval(strategy.steps, loss, tokens_total, now - t, now - t0))
@@ -307,7 +325,10 @@ def _train(
             timer.slept_s = 0.0
             losses, step_tokens = [], 0
             bar.update(1)
-            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{m.lr:.2e}", refresh=False)
+            shown = {"loss": f"{step_loss:.3f}", "lr": f"{m.lr:.2e}"}
+            if m.extra.get("grad_norm") is not None:
+                shown["grad_norm"] = f"{m.extra['grad_norm']:.3g}"
+            bar.set_postfix(shown, refresh=False)
             eval_loss = run_eval() if cfg.eval_every and strategy.steps % cfg.eval_every == 0 else None
             stopped_by = budgets.check(tokens_total, time.perf_counter() - t0, eval_loss)
             if stopped_by is not None:

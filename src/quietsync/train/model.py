@@ -4,6 +4,12 @@ The papers' architecture, ``transformers.GPTNeoForCausalLM``, at sizes a CPU can
 ``default`` for the out-of-the-box job, ``10m`` for benchmarks. Dropout is off (the runs are short and the
 oracles compare strategies step by step); the output embedding is tied to the input one.
 
+Two transformations of the model before a strategy takes it (``--activation-checkpointing``, ``--compile``):
+:func:`enable_activation_checkpointing` (each transformer block recomputes its activations in backward; the
+model's own ``activation_checkpointing_enable``, non-reentrant) and :func:`compile_blocks` (``torch.compile``
+of each transformer block, in place). Both work block by block, so strategies that shard by block (FSDP2) or
+run blocks on their own (Cyclic DP's stages) keep working.
+
 ``--model`` also takes a local Hugging Face model folder (one with a ``config.json``, e.g. a previous run's
 ``OUT/model``) or, where a network exists, a hub name: any causal-LM architecture transformers knows, loaded
 with ``AutoModelForCausalLM.from_pretrained`` (:func:`load_pretrained`).
@@ -122,3 +128,49 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         (no_decay if p.ndim < 2 or id(p) in embedding_ids else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: every element of every outermost ``nn.ModuleList`` that holds parameters (a
+    transformer's layers), in module order."""
+    blocks: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and id(module) not in seen:
+            for child in module:
+                if any(True for _ in child.parameters()):
+                    blocks.append(child)
+                for sub in child.modules():
+                    seen.add(id(sub))
+    return blocks
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each transformer block's activations during backward (Hugging Face models: their own
+    ``activation_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``, one checkpoint per block).
+
+    Raises ``ValueError`` (naming ``--activation-checkpointing``) for a model that does not support it."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None)
+    if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"--activation-checkpointing: {type(model).__name__} does not support activation "
+                         "checkpointing (a Hugging Face model with supports_gradient_checkpointing is needed)")
+    try:
+        enable({"use_reentrant": False})
+    except ValueError as e:
+        raise ValueError(f"--activation-checkpointing: {e}") from None
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """``torch.compile`` each transformer block in place (``module.compile()``: the module, its parameters and
+    its hooks stay what they were, so a strategy may still move parameters into flat buffers, shard the blocks
+    with FSDP2 or call them stage by stage). Returns the number of blocks compiled.
+
+    Raises ``ValueError`` (naming ``--compile``) for a model without repeated blocks."""
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ValueError(f"--compile: {type(model).__name__} has no transformer blocks (an nn.ModuleList of "
+                         "layers) to compile")
+    for block in blocks:
+        block.compile()
+    return len(blocks)

@@ -22,6 +22,9 @@ Where it is checked depends on when a strategy commits:
   inside ``forward_backward``, so there the check comes after the micro-batch's stage updates (the run still
   stops, and nothing is saved or exported). ``skip`` is refused for them at parse time.
 
+Under ``--precision fp16`` gradients are not checked here: dynamic loss scaling expects some rounds to overflow
+and the strategy itself drops them on every worker (``StepMetrics.extra["overflow_skips"]``); losses still are.
+
 Whatever the strategy, a checkpoint is only written when every floating value of every worker's state is
 finite, and the run only ends successfully (summary, exported model) when the committed parameters are; both
 checks are agreed across workers, so all of them stop together.
@@ -134,6 +137,10 @@ class NonFiniteGuard:
         self.limit = limit
         self.agrees = bool(strategy.discards_rounds)
         """Whether rounds are checked and agreed on before they commit (else each micro-batch, locally)."""
+        precision = getattr(strategy, "precision", None)
+        self.checks_gradients = getattr(precision, "name", "fp32") != "fp16"
+        """Whether gradients are checked: not under fp16, whose loss scaling expects overflowing gradients and
+        drops those rounds itself, on every worker (losses are still checked)."""
         self.skipped = 0
         """Rounds dropped so far."""
         self.skipped_since_commit = 0
@@ -165,7 +172,7 @@ class NonFiniteGuard:
         code = 0
         if loss is not None and not _all_finite([loss.detach()]):
             code = _LOSS
-        elif not gradients_finite(self.strategy.module):
+        elif self.checks_gradients and not gradients_finite(self.strategy.module):
             code = _GRADIENT
         if code:
             raise NonFiniteError(f"non-finite {_WHAT[code]} in step {self.strategy.steps + 1} on rank "
@@ -179,7 +186,7 @@ class NonFiniteGuard:
         code = 0
         if self._loss_bad is not None and bool(self._loss_bad):
             code = _LOSS
-        elif not gradients_finite(self.strategy.module):
+        elif self.checks_gradients and not gradients_finite(self.strategy.module):
             code = _GRADIENT
         self._loss_bad = None
         codes = self.agree(code, idle=True)

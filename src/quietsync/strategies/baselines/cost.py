@@ -18,6 +18,7 @@ from ..substrates.cost import (
     local_shapes,
     sharded_state_memory,
 )
+from .powersgd import PowerSGDState
 
 MIB = 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = MIB
@@ -45,18 +46,37 @@ def ddp(w: Workload, topo: Topology, cfg: Any, group: str = "world", opt: Optimi
     """torch DDP: ``accumulation`` micro-batches, the last one's backward all-reducing gradient buckets through
     the transport as they fill (1 MiB first, then ``bucket_cap_mb``), then the full optimizer on every worker."""
     acc = cfg.accumulation
+    hook = getattr(cfg, "comm_hook", "allreduce")
     buckets = ddp_buckets(w, cfg.bucket_cap_mb) if group_of(topo, group) > 1 else []
-    comms, ready, done = [], [], 0
+    psgd = None
+    if hook == "powersgd":
+        psgd = PowerSGDState(rank=cfg.powersgd_rank, start_iter=cfg.powersgd_start_iter,
+                             warm_start=cfg.powersgd_warm_start, error_feedback=cfg.powersgd_error_feedback)
+    element = 2 if hook in ("fp16", "bf16") else w.dtype_bytes
+    comms, ready, done, factors = [], [], 0, 0
     for k, b in enumerate(buckets):
         done += sum(w.numels[i] for i in b)
         ready.append(done / w.params)
-        comms.append(Comm("all_reduce", group, sum(w.numels[i] for i in b) * w.dtype_bytes, f"ddp bucket {k}"))
+        if psgd is None:
+            comms.append(Comm("all_reduce", group, sum(w.numels[i] for i in b) * element, f"ddp bucket {k}"))
+            continue
+        # PowerSGD after its warm-up: the uncompressed tensors, then the P and Q factors (summed all-reduces)
+        parts = psgd.bucket_bytes([w.shapes[i] for i in b], w.dtype_bytes)
+        factors += parts["P"] + parts["Q"]
+        comms += [Comm("all_reduce", group, parts[what], f"ddp bucket {k}: powersgd {what}")
+                  for what in ("uncompressed", "P", "Q") if parts[what]]
     step = Seq(MicroBatches(acc - 1), Buckets(tuple(ready), tuple(comms)), optimizer(w.params))
     memory = {"params": w.param_bytes, "grads": w.param_bytes, "optimizer_state": opt.bytes(w.numels)}
+    notes = ["bucket all-reduces overlap the last micro-batch's backward, in proportion to the parameter elements "
+             "it has freed"]
+    if psgd is not None:
+        memory.update({"powersgd_error": w.param_bytes if psgd.error_feedback and buckets else 0,
+                       "powersgd_pq": factors if psgd.warm_start else 0})
+        notes.append(f"PowerSGD's steady state: its first {psgd.start_iter} steps all-reduce the fp32 buckets")
     label = "ddp" + (f" acc={acc}" if acc > 1 else "") + (f" buckets {cfg.bucket_cap_mb:g}MB" if cfg.bucket_cap_mb != 25 else "")
-    return Schedule("ddp", label, tuple(comms), step, memory, config=cfg,
-                    notes=("bucket all-reduces overlap the last micro-batch's backward, in proportion to the "
-                           "parameter elements it has freed",))
+    if hook != "allreduce":
+        label += f" {hook}" + (f" r={cfg.powersgd_rank}" if psgd is not None else "")
+    return Schedule("ddp", label, tuple(comms), step, memory, config=cfg, notes=tuple(notes))
 
 
 def zero1(w: Workload, topo: Topology, cfg: Any, group: str = "world", opt: OptimizerState = ADAMW) -> Schedule:

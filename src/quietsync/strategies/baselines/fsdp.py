@@ -10,7 +10,9 @@ holding the same shard average their gradient shards. A step:
 2. one all-reduce of this worker's gradient shards over ``replicate`` (the slow link), averaging them
    across nodes — the replicate dimension of HSDP, issued by this strategy on the transport instead of
    by FSDP's internal all-reduce so that it is metered and link-emulated;
-3. the optimizer (any torch optimizer, AdamW by default) on this worker's parameter shard.
+3. the optimizer (any torch optimizer, AdamW by default) on this worker's parameter shard — with
+   ``max_grad_norm`` (or fp16) after clipping the averaged gradient by its global norm: squares of the shards
+   summed over ``shard`` (one scalar all-reduce; the replicas across nodes hold the same shards).
 
 Checkpoints that reshard (another number of nodes or workers per node): every replica holds the same state, so
 the logical state is each parameter's and each optimizer state's ``Shard(0)`` pieces over the shard group
@@ -82,9 +84,15 @@ class FSDP(Strategy):
             return False
         self.shards.gather_grads(self.accounting)
         average_across_nodes(self, [t.grad for t in self.shards.local])
+        # the averaged gradient's shards: squares summed over the node (replicas hold the same shards)
+        extra = self._prepare_commit([t.grad for t in self.shards.local if t.grad is not None],
+                                     norm_group="shard", shared=True)
+        if extra is None:  # fp16 overflow: the round is dropped on every worker
+            self.discard_round()
+            return False
         self.round.step(self._lr_scale(self.steps), self.accounting)
         self.shards.publish(self.accounting)
-        self._commit()
+        self._commit(extra or None)
         return True
 
     @contextmanager

@@ -10,6 +10,9 @@ Each worker keeps optimizer state for only its ``1/n`` of the parameters. A step
 3. the optimizer (any torch optimizer, original parameter groups kept) steps the fp32 master shard;
 4. **all-gather** the updated shards into the flat parameter buffer the model's parameters view.
 
+With ``max_grad_norm`` (or fp16 loss scaling) the reduced shard is clipped between 2 and 3 by the global norm
+of the averaged gradient: each worker sums its shard's squares, one scalar all-reduce adds them.
+
 Everything is blocking here (the main thread idles during 2–4); ACCO overlaps the same jobs with
 computation. Equal to DDP with the same optimizer up to float rounding (tested), with the communication
 of a ring all-reduce split into its two halves.
@@ -79,6 +82,12 @@ class Zero1(Strategy):
         n = self.transport.group_size(self.group)
         with self.accounting.idle("reduce_scatter"):
             self.sharded.reduce_scatter_grads(self.grads, n * self.config.accumulation)
+        # the averaged gradient's shard: its squares summed over the group (one scalar all-reduce)
+        extra = self._prepare_commit([self.sharded.shard.grad], norm_group=self.group,
+                                     shared=self.group == "world")
+        if extra is None:  # fp16 overflow: the round is dropped on every worker
+            self.discard_round()
+            return False
         t0 = time.perf_counter()
         self.sharded.step(self._lr_scale(self.steps))
         self.accounting.add_compute(time.perf_counter() - t0)
@@ -86,7 +95,7 @@ class Zero1(Strategy):
             self.sharded.all_gather_params()
         self.grads.zero_()
         self.round.reset()
-        self._commit()
+        self._commit(extra or None)
         return True
 
 

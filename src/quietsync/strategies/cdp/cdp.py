@@ -40,6 +40,17 @@ Executors (one code path; the :class:`Schedule` assigns slot ``i`` to worker ``i
   cycle: ``2(N−1)`` messages of the stage's gradient size, the volume of a ring all-reduce, spread over the
   cycle, point-to-point only (no collective; the initial parameter copy is a point-to-point chain too).
 
+Precision and clipping: bf16 runs every stage's forward (and the loss) under autocast; fp16 is refused (a
+cycle's stages commit at different time steps, so no skip decision can come before all of them).
+``max_grad_norm`` clips **each stage's** mean gradient by that stage's own norm when the stage is updated (the
+global norm of the cycle is not known before its first stage must be updated); the committed step reports the
+per-stage norms (``grad_norm_per_stage``) and their root sum of squares (``grad_norm``).
+
+Activation checkpointing: a block whose model asked for checkpointing (Hugging Face's
+``activation_checkpointing_enable``) would recompute with whatever version the module holds at backward time;
+cdp turns the block's own checkpointing off and checkpoints that segment itself, recomputing it with the
+forward's version (tested equal to the run without checkpointing).
+
 ``forward_backward(batch, loss_fn)`` feeds this worker's next micro-batch and advances the worker's clock
 to the start of its following micro-batch (one process: 2 time steps; ``N`` workers: ``2N``); it returns the
 loss of the micro-batch(es) whose backward completed in the call, or None while the pipeline fills. ``step()``
@@ -54,6 +65,7 @@ model that returns the last stage's output, so the loss is computed on the last 
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections import defaultdict
@@ -64,11 +76,13 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ...activation_memory import ActivationMeter
 from ...events import label
 from ...validate import check_choice, check_int
 from ..base import LossFn, Strategy, StrategyConfig
+from ..parts.clipping import CLIP_EPS
 from ..parts.lr import LRScaler
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
@@ -158,6 +172,11 @@ class CDP(Strategy):
 
     resumable = False  # micro-batches of the next step are in flight when a step commits
 
+    fp16_refusal = (
+        "each stage is updated at its own time step on each worker, so a round cannot be dropped as a whole on "
+        "every worker before any of it commits (fp16 loss scaling)"
+    )
+
     config: CDPConfig
 
     def __init__(self, model: nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
@@ -174,6 +193,7 @@ class CDP(Strategy):
             raise ValueError(
                 f"stages must be <= the {len(self.view.segments)} segments of this model ({names}), got {n}"
             )
+        self._checkpointed = self._take_over_checkpointing()
         self.schedule = Schedule(n, world, cfg.rule)
         self.me = self.rank
         self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
@@ -193,6 +213,7 @@ class CDP(Strategy):
         self._updates: dict[int, int] = defaultdict(int)
         self._pending_commits: list[int] = []
         self._done_losses: list[torch.Tensor] = []
+        self._stage_norms: dict[int, dict[int, float]] = defaultdict(dict)  # cycle -> stage -> pre-clip norm
         self.sent_per_step: dict[int, int] = defaultdict(int)
         """Bytes this worker handed to the transport at each time step."""
         self.sent_completed = 0
@@ -228,6 +249,34 @@ class CDP(Strategy):
             torch._foreach_copy_(
                 params, [x.view_as(p) for x, p in zip(flat.split([p.numel() for p in params]), params)]
             )
+
+    def _take_over_checkpointing(self) -> set[int]:
+        """Activation checkpointing the model asked for (Hugging Face blocks with ``gradient_checkpointing``
+        on) recomputes a block in backward with the parameters *the module holds then* — here another version
+        than the forward used, whenever the stage was updated in between. So cdp turns the blocks' own flag off
+        and checkpoints those segments itself (:meth:`_run_stage`), recomputing them with the forward's version.
+        Returns the ids of the segments it checkpoints."""
+        ids = set()
+        for seg in self.view.segments:
+            flagged = [m for m in seg.module.modules() if getattr(m, "gradient_checkpointing", False) is True]
+            for m in flagged:
+                m.gradient_checkpointing = False
+            if flagged:
+                ids.add(id(seg))
+        return ids
+
+    def _run_stage(self, j: int, x: Any, ctx: dict, values: dict[int, torch.Tensor]) -> Any:
+        """Stage ``j``'s segments on ``x`` with the parameter tensors ``values``; a segment the model wanted
+        checkpointed runs under a non-reentrant ``torch.utils.checkpoint`` whose recomputation calls it with the
+        same ``values`` again (the version the forward used)."""
+        if not self._checkpointed:
+            return run_segments(self.plan.stages[j], x, ctx, values)
+        for seg in self.plan.stages[j]:
+            if id(seg) in self._checkpointed:
+                x = checkpoint(run_segments, [seg], x, ctx, values, use_reentrant=False)
+            else:
+                x = run_segments([seg], x, ctx, values)
+        return x
 
     def balance(self) -> dict[str, Any]:
         """The stage cut and its balance (see :meth:`StagePlan.balance`); None-like before the first call with
@@ -378,8 +427,8 @@ class CDP(Strategy):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and j > 0:
             x = x.detach().requires_grad_()
         mb.xin[j] = x
-        with self.meter.track() if self.meter is not None else nullcontext():
-            out = run_segments(self.plan.stages[j], x, mb.ctx, values)
+        with self.meter.track() if self.meter is not None else nullcontext(), self.autocast():
+            out = self._run_stage(j, x, mb.ctx, values)
             if j == self.n - 1:
                 loss = mb.loss_fn(Replay(self.module, out), mb.batch)  # type: ignore[arg-type]
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -436,11 +485,12 @@ class CDP(Strategy):
             )
         params = self.owned[j]
         kept = [p.data for p in params]
+        coef = self._clip_stage(c, j, flat)
         with torch.no_grad():
             for p in params:
                 p.data = p.data.clone()  # pending backwards keep the old storage: it becomes θ_c^j
             for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad = g.view_as(p)
+                p.grad = g.view_as(p) if coef is None else g.view_as(p) * coef
             self.lr.apply(self._lr_scale(c))
             with label("quietsync/optimizer_step"):
                 self.optimizer.step()
@@ -453,6 +503,19 @@ class CDP(Strategy):
         if self._updates[c] == self.n:
             del self._updates[c]
             self._pending_commits.append(c)
+
+    def _clip_stage(self, c: int, j: int, flat: torch.Tensor) -> float | None:
+        """With ``max_grad_norm``: the factor that clips stage ``j``'s mean gradient of cycle ``c`` by **its own**
+        norm (a stage is updated before the other stages' gradients exist, so the global norm is never known
+        in time); None when it needs no clipping. Every worker applies the same gradient (the distribution chain
+        passes it unchanged), so every worker takes the same decision. The norm is kept for the step's
+        metrics."""
+        if self.max_grad_norm is None:
+            return None
+        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float32))
+        self._stage_norms[c][j] = norm
+        coef = self.max_grad_norm / (norm + CLIP_EPS)
+        return coef if math.isfinite(coef) and coef < 1.0 else None
 
     # ------------------------------------------------------------------ point-to-point
     def _send(self, tensor: torch.Tensor, dst: int, t: int, kind: str, cycle: int) -> None:
@@ -490,7 +553,13 @@ class CDP(Strategy):
         if not self._pending_commits:
             return False
         for c in self._pending_commits:
-            self._commit({"cycle": c}, self.n // self.world_size)
+            extra: dict[str, Any] = {"cycle": c}
+            norms = self._stage_norms.pop(c, None)
+            if norms is not None:
+                per_stage = [norms[j] for j in range(self.n)]
+                extra["grad_norm_per_stage"] = per_stage
+                extra["grad_norm"] = math.sqrt(sum(x * x for x in per_stage))
+            self._commit(extra, self.n // self.world_size)
         self._pending_commits = []
         return True
 

@@ -71,7 +71,8 @@ def demo(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> 
     """DeMo over plain data parallelism: one collective of the replicator's payload over ``world`` per
     replicating step."""
     n = group_of(topo, "world")
-    rep = replicator(cfg.replicator, cfg.compression, cfg.transfer_dtype, cfg.chunk, cfg.topk, cfg.seed)
+    rep = replicator(cfg.replicator, cfg.compression, cfg.transfer_dtype, cfg.chunk, cfg.topk, cfg.seed,
+                     cfg.transfer_block)
     period, on = _replication(cfg)
     comms = replicator_comm(rep, w.shapes, "world", n, "demo", on)
     step = Seq(MicroBatches(cfg.accumulation), _decoupled_step(list(w.shapes), cfg, rep, period, on, comms))
@@ -85,7 +86,8 @@ def flexdemo(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW)
     acc = cfg.accumulation
     m = group_of(topo, "shard")
     nodes = group_of(topo, "replicate")
-    rep = replicator(cfg.replicator, cfg.compression, cfg.transfer_dtype, cfg.chunk, cfg.topk, cfg.seed)
+    rep = replicator(cfg.replicator, cfg.compression, cfg.transfer_dtype, cfg.chunk, cfg.topk, cfg.seed,
+                     cfg.transfer_block)
     period, on = _replication(cfg)
     sharded = cfg.params == "sharded"
     shapes = local_shapes(w, topo, "shard", padded=not sharded)

@@ -2,7 +2,9 @@
 
 Every worker holds the whole model and its own decoupled momentum ``delta``. A step:
 
-1. accumulate ``accumulation`` micro-batches locally (no communication at all during backward);
+1. accumulate ``accumulation`` micro-batches locally (no communication at all during backward); with
+   ``max_grad_norm`` this local gradient is clipped by its own norm before it enters the momentum (fp16: an
+   overflow on any worker drops the round on all, one flag all-reduce);
 2. ``delta <- beta * delta + lr * g`` (DeMo-SGD; ``+ g`` for decoupled AdamW);
 3. the **replicator** extracts a small part ``q`` of ``delta`` for all parameters at once
    (``dct``: top-k DCT-II coefficients per chunk; ``random`` / ``striding``: positions every rank
@@ -64,9 +66,14 @@ class DeMo(Strategy):
     def _step(self) -> bool:
         if not self.round.full:
             return False
+        # the local gradient, before it enters the decoupled momentum (workers' gradients differ)
+        check = self._prepare_commit([p.grad for p in self.round.params if p.grad is not None])
+        if check is None:  # fp16 overflow on some worker: the round is dropped on every worker
+            self.discard_round()
+            return False
         extra = self.round.step(self._lr_scale(self.steps), self.accounting)
         self.optimizer.zero_grad(set_to_none=True)
-        self._commit(extra=extra)
+        self._commit(extra={**extra, **check})
         return True
 
 

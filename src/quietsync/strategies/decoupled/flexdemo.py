@@ -8,7 +8,9 @@ form the **replicate group**. A step (Algorithm 1 of paper 001):
    every worker receives the node-averaged gradient of its shard. Each parameter is sharded along
    dim 0 (rows padded to a multiple of the node size), as FSDP2 does, so a shard of a matrix is
    still a matrix and DeMo's 2-D DCT blocks keep their meaning;
-3. the decoupled optimizer runs on the shard only -- momentum, Adam moments and the fp32 master
+3. (with ``max_grad_norm``: the node-averaged gradient is clipped by its norm over the node — squares summed
+   over ``shard``, one scalar all-reduce; fp16: an overflow on any node drops the round everywhere)
+   the decoupled optimizer runs on the shard only -- momentum, Adam moments and the fp32 master
    copy exist for ``1/workers_per_node`` of the model on each worker -- and its replicator sends the
    compressed shard to the workers holding **the same shard** on the other nodes (one collective
    on ``replicate``, the slow link); the gather therefore grows with the number of nodes, not of
@@ -107,8 +109,14 @@ class FlexDeMo(Strategy):
             return False
         # 1. this worker's shard of the node-averaged gradient (reduce-scatter on ``shard``)
         self.shards.gather_grads(self.accounting)
+        # the node-averaged gradient (what enters the momentum), clipped by its norm over the node
+        check = self._prepare_commit([t.grad for t in self.shards.local if t.grad is not None],
+                                     norm_group="shard")
+        if check is None:  # fp16 overflow on some node: the round is dropped on every worker
+            self.discard_round()
+            return False
         # 2. the decoupled optimizer on the shard; replication across nodes happens inside
-        extra = self.round.step(self._lr_scale(self.steps), self.accounting)
+        extra = {**self.round.step(self._lr_scale(self.steps), self.accounting), **check}
         # 3. the updated shards into the model (replicated: all-gather on ``shard``; sharded: FSDP's next
         # forward)
         self.shards.publish(self.accounting)

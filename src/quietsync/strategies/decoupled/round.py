@@ -23,7 +23,7 @@ from ...validate import check_choice, check_float, check_int
 from ..parts.accounting import StepAccounting
 from ..parts.accumulation import AccumulationConfig, OptimizerRound
 
-_TRANSFER = ("fp32", "bf16", "fp16")
+_TRANSFER = ("fp32", "bf16", "fp16", "fp4", "fp4_e3m0", "int4", "int2")
 _BASES = ("sgd", "adamw", "auto")
 
 
@@ -48,8 +48,12 @@ class DecoupledConfig(AccumulationConfig):
     --compression."""
     sign: bool = True
     """Apply sign() to the replicated update before the base optimizer uses it."""
-    transfer_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """dtype the replicated values travel in (the residual keeps what the cast loses)."""
+    transfer_dtype: Literal["fp32", "bf16", "fp16", "fp4", "fp4_e3m0", "int4", "int2"] = "fp32"
+    """What the replicated values travel in: fp32, bf16, fp16, or packed fp4, fp4_e3m0, int4, int2 codes with a
+    bf16 scale per transfer_block values (all-gathered; the residual keeps what the cast or quantization
+    loses)."""
+    transfer_block: int = 64
+    """Values per scale of a low-bit transfer_dtype (the dct replicator uses one scale per block's k values)."""
     beta: float = 0.999
     """Decay of the decoupled momentum: delta <- beta * delta + lr * g (DeMo's compression_decay)."""
     replicate_every: int = 1
@@ -68,6 +72,7 @@ class DecoupledConfig(AccumulationConfig):
         check_int("chunk", self.chunk, 1)
         check_int("topk", self.topk, 1, self.chunk**2, allow_none=True)
         check_choice("transfer_dtype", self.transfer_dtype, _TRANSFER)
+        check_int("transfer_block", self.transfer_block, 1)
         check_float("beta", self.beta, 0, 1)
         check_replication_schedule(self.replicate_every, self.skip_every)
 
@@ -95,7 +100,7 @@ def build_decoupled_optimizer(
     opt_kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     replicator = make_replicator(
         config.replicator, compression=config.compression, transfer_dtype=config.transfer_dtype,
-        chunk=config.chunk, topk=config.topk, seed=config.seed,
+        transfer_block=config.transfer_block, chunk=config.chunk, topk=config.topk, seed=config.seed,
     )
     return cls(
         groups,

@@ -2,8 +2,9 @@
 
 Workers train alone (or synchronously inside their node) and average every so many steps: Local SGD
 all-reduces the parameters every K steps; DiLoCo syncs each of F fragments every H steps, staggered by H/F,
-with the pseudo-gradient in fp32 or bf16 (all-reduce), int8 with a scale (two all-gathers) or through a
-replicator, and with τ > 0 that exchange runs on the communication worker while τ inner steps go on.
+with the pseudo-gradient in fp32 or bf16 (all-reduce), int8 with a scale (two all-gathers), packed low-bit codes
+or SparseLoCo's top-k (one all-gather of the packed payload) or through a replicator, and with τ > 0 that
+exchange runs on the communication worker while τ inner steps go on. Fragments: contiguous or strided layers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from ...plan.terms import Every, Exposed, MicroBatches, Seq, Term, Wire, copy, o
 from ...plan.workload import Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState, group_of, replicator, replicator_comm
-from .fragments import split_fragments
+from .fragments import split_fragments, strided_fragments
+from .packed import LOWBIT_PSEUDO_GRAD_DTYPES, packed_chain
 
 
 def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
@@ -36,9 +38,24 @@ def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW)
     return Schedule("localsgd", label, tuple(comms), step, memory, period=k, config=cfg)
 
 
-def fragments(w: Workload, count: int) -> list[list[int]]:
-    """Parameter indices of each DiLoCo fragment (contiguous, balanced by elements; as ``split_fragments``)."""
+def fragments(w: Workload, count: int, pattern: str = "contiguous") -> list[list[int]]:
+    """Parameter indices of each DiLoCo fragment: contiguous, balanced by elements (as ``split_fragments``), or
+    strided whole layers (as ``strided_fragments`` over the workload's layers)."""
+    if pattern == "strided":
+        layers = [list(u) for u in w.layers] or [[i] for i in range(len(w.shapes))]
+        return strided_fragments(layers, count)
     return split_fragments(list(w.numels), count)
+
+
+def _chain(cfg: Any, sizes: list[int], f: int):
+    """The packed compression chain of a fragment (low-bit dtypes, SparseLoCo), as the strategy builds it."""
+    return packed_chain(dtype=cfg.pseudo_grad_dtype, sizes=sizes, sparseloco=cfg.outer == "sparseloco",
+                        block=cfg.pseudo_grad_block, rounding=cfg.pseudo_grad_rounding, density=cfg.topk_density,
+                        chunk=cfg.topk_chunk, seed=cfg.seed + f)
+
+
+def _packed(cfg: Any) -> bool:
+    return cfg.outer == "sparseloco" or cfg.pseudo_grad_dtype in LOWBIT_PSEUDO_GRAD_DTYPES
 
 
 def _outer_comms(w: Workload, topo: Topology, cfg: Any, group: str) -> list[Comm]:
@@ -48,14 +65,19 @@ def _outer_comms(w: Workload, topo: Topology, cfg: Any, group: str) -> list[Comm
         return []
     H, F = cfg.sync_every, cfg.fragments
     out: list[Comm] = []
-    for f, idx in enumerate(fragments(w, F)):
+    for f, idx in enumerate(fragments(w, F, cfg.fragment_pattern)):
         at = ((f + 1) * H // F) % H or H
         shapes = [w.shapes[i] for i in idx]
         size = sum(numel(s) for s in shapes)
         name = f"diloco fragment {f}"
         if cfg.pseudo_grad_replicator != "none":
-            rep = replicator(cfg.pseudo_grad_replicator, cfg.compression, cfg.pseudo_grad_dtype, seed=cfg.seed + f)
+            rep = replicator(cfg.pseudo_grad_replicator, cfg.compression, cfg.pseudo_grad_dtype, seed=cfg.seed + f,
+                             transfer_block=cfg.pseudo_grad_block)
             out += replicator_comm(rep, shapes, group, n, name, (at,))
+        elif _packed(cfg):  # packed codes (+ positions): gathered, decoded and averaged in fp32
+            payload = _chain(cfg, [numel(s) for s in shapes], f).payload_bytes(size)
+            out.append(Comm("all_gather", group, n * payload, f"{name}: all-gather packed pseudo-gradient",
+                            steps=(at,)))
         elif cfg.pseudo_grad_dtype == "int8":
             out += [Comm("all_gather", group, n * size, f"{name}: all-gather int8 codes", steps=(at,)),
                     Comm("all_gather", group, 4 * n, f"{name}: all-gather scales", steps=(at,))]
@@ -85,7 +107,8 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
     group = "world" if cfg.inner == "local" else "replicate"
     inner_comms, inner, memory = _inner(w, topo, cfg, opt)
     outer = _outer_comms(w, topo, cfg, group)
-    frag_sizes = [sum(w.numels[i] for i in idx) for idx in fragments(w, F)]
+    frags = fragments(w, F, cfg.fragment_pattern)
+    frag_sizes = [sum(w.numels[i] for i in idx) for idx in frags]
     largest = max(frag_sizes)
     # per sync: the pseudo-gradient (θ_global − θ_local), the outer SGD step, the write-back; per fragment
     sync_work = Seq(copy(3 * largest * 4, "pseudo-gradient and write-back"), optimizer(largest / 4, "outer SGD"))
@@ -99,18 +122,30 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
             syncs.append(Seq(sync_work, Exposed(wire, Seq(*([inner] * tau)))))
     step = Seq(inner, *(Every(s, H) for s in syncs))
     rep_mem = {}
-    if cfg.pseudo_grad_replicator != "none":
-        rep_mem = {"pseudo_grad_residual": w.params * 4}
-    wire_bytes = {"fp32": 4, "bf16": 2, "int8": 1}[cfg.pseudo_grad_dtype]
     n = group_of(topo, group)
+    sparseloco = cfg.outer == "sparseloco"
+    if cfg.pseudo_grad_replicator != "none" or sparseloco or (_packed(cfg) and cfg.pseudo_grad_error_feedback):
+        rep_mem = {"pseudo_grad_residual": w.params * 4}
+    if cfg.pseudo_grad_replicator == "none" and _packed(cfg):
+        # the pseudo-gradient, and of the largest: every worker's payload gathered and decoded in fp32
+        gathered = max(n * _chain(cfg, [w.numels[i] for i in idx], f).payload_bytes(size) + n * size * 4
+                       for f, (idx, size) in enumerate(zip(frags, frag_sizes)))
+        buffers = largest * 4 + gathered
+    else:
+        wire_bytes = {"fp32": 4, "bf16": 2, "int8": 1}.get(cfg.pseudo_grad_dtype, 4)
+        buffers = largest * 4 + largest * wire_bytes * (n if cfg.pseudo_grad_dtype == "int8" else 1) * (
+            cfg.pseudo_grad_dtype not in ("fp32", *LOWBIT_PSEUDO_GRAD_DTYPES))
     memory.update({"theta_global": w.params * 4,
-                   "outer_state": w.params * 4 if cfg.outer_momentum > 0 else 0,
+                   "outer_state": w.params * 4 if cfg.outer_momentum > 0 and not sparseloco else 0,
                    **rep_mem,
-                   "fragment_buffers": largest * 4 + largest * wire_bytes * (n if cfg.pseudo_grad_dtype == "int8" else 1)
-                   * (cfg.pseudo_grad_dtype != "fp32")})
+                   "fragment_buffers": buffers})
     label = f"diloco H={H}" + (f" F={F}" if F > 1 else "") + (f" τ={tau}" if tau else "")
     if cfg.inner != "local":
         label += f" inner={cfg.inner}"
+    if cfg.fragment_pattern == "strided":
+        label += " strided"
+    if sparseloco:
+        label += f" sparseloco top {cfg.topk_density:.3g}"
     if cfg.pseudo_grad_replicator != "none":
         label += f" {cfg.pseudo_grad_replicator} 1/{1 / cfg.compression:.4g}"
     elif cfg.pseudo_grad_dtype != "fp32":

@@ -6,8 +6,9 @@ inner steps. Per fragment f of the parameters (one fragment by default), every H
 staggered by H/F between fragments (the :class:`~quietsync.strategies.local.outer.OuterSync` part):
 
     Δ_i = θ_global − θ_i                                     (pseudo-gradient of worker i)
-    Δ̄   = mean_i Δ_i                 over the sync group   (fp32 / bf16 / int8, or a replicator + error
-    feedback) θ_global ← OuterSGD(θ_global, Δ̄)  lr 0.7, momentum 0.9, Nesterov by default
+    Δ̄   = mean_i Δ_i                 over the sync group   (fp32 / bf16 / int8 / fp4 / int4 / int2, or a
+                                                              replicator + error feedback)
+    θ_global ← OuterSGD(θ_global, Δ̄)  lr 0.7, momentum 0.9, Nesterov by default
     θ_i ← θ_global                                          (τ = 0: every worker continues from θ_global)
     θ_i ← α·θ_i + (1 − α)·θ_global                          (τ > 0: applied τ inner steps after the launch,
                                                               the communication overlapped with them)
@@ -18,9 +19,23 @@ distributed free lunch", arXiv 2501.18512, the overlapping-communication section
 default, an even blend not tuned here; α = 0 discards the τ local steps). With τ = 0 replicas are identical
 after every sync; with τ > 0 they agree on θ_global but keep α·(their own drift).
 
+Fragments are contiguous runs of tensors (``fragment_pattern = contiguous``) or whole layers strided over the
+depth (``strided``: layer l in fragment l mod F, Streaming DiLoCo's pattern). Low-bit pseudo-gradients
+(``fp4``, ``fp4_e3m0``, ``int4``, ``int2``) travel packed with a bf16 scale per ``pseudo_grad_block`` elements
+and are averaged in fp32 (Streaming DiLoCo sends 4-bit outer gradients).
+
+**SparseLoCo** (``outer = sparseloco``; Sarfi et al. 2025, arXiv 2508.15706) replaces the outer momentum by a
+per-worker error-feedback accumulator: ``e_i ← β·e_i + Δ_i``, ``q_i = Q(TopK(e_i))`` (chunk-wise top-k, values
+in ``pseudo_grad_dtype``, 2-bit in the paper), ``e_i ← e_i − decode(q_i)``, ``θ_global ← θ_global − lr·mean_i
+decode(q_i)``.
+
 **Hierarchical** (``inner``): ``local`` — each worker trains alone and the sync group is ``world``; ``ddp`` /
 ``zero1`` — the registered ``ddp``/``zero1`` strategy runs inside each node (group ``shard``, synchronous data
 parallelism per node) and only the outer sync crosses nodes, over ``replicate``.
+
+Precision and clipping: ``max_grad_norm`` clips the inner gradient of every inner step by its norm — the local
+gradient (``local``), or the node-averaged one (``ddp``/``zero1``, done by the inner strategy); fp16 drops a round
+that overflowed on any worker on every worker (the inner strategy agrees over ``world``).
 
 ``committed_params()`` gives θ_global (the last globally agreed parameters, per fragment); between syncs
 ``model`` holds the local θ. With outer SGD lr = 1 and momentum 0 (no Nesterov), θ_global ← mean_i θ_i:
@@ -42,6 +57,7 @@ from ..parts.accumulation import OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import get, register
 from ..substrates.sharded_optimizer import build_optimizer
+from .fragments import layer_units
 from .outer import OuterConfig, OuterSync
 
 _INNER = ("local", "ddp", "zero1")
@@ -89,10 +105,11 @@ class DiLoCo(Strategy):
             self.inner = self.hold("inner", cls(
                 model, self.optimizer_factory, param_groups=self.param_groups, transport=self.transport,
                 config={"accumulation": cfg.accumulation}, lr_schedule=self.lr_schedule, group="shard",
-                **self.optimizer_kwargs))
+                precision=self.precision, max_grad_norm=self.max_grad_norm, **self.optimizer_kwargs))
             self.optimizer = self.inner.optimizer
+        layers = layer_units(model, self.params) if cfg.fragment_pattern == "strided" else None
         self.outer = self.hold("outer", OuterSync(self.params, self.transport, self.sync_group, cfg,
-                                                  on_params_written=self._params_written))
+                                                  on_params_written=self._params_written, layers=layers))
 
     @property
     def model(self) -> torch.nn.Module:
@@ -108,19 +125,31 @@ class DiLoCo(Strategy):
     def _backward(self, loss: torch.Tensor) -> None:
         (self.round if self.inner is None else self.inner).backward(loss)
 
+    def _scales_own_loss(self) -> bool:
+        """With an inner ddp/zero1, the inner strategy scales the loss (fp16) and drops overflowing rounds."""
+        return self.config.inner == "local"
+
     def _step(self) -> bool:
+        check: dict[str, Any] = {}
         if self.inner is not None:
+            self.inner.max_grad_norm = self.max_grad_norm  # it clips the node-averaged inner gradient
             if not self.inner.step():
                 return False
-            self.accounting.reclassify_as_idle(
-                self.inner.last_step_metrics().idle_s
-            )  # its blocking collectives
+            inner = self.inner.last_step_metrics()
+            self.accounting.reclassify_as_idle(inner.idle_s)  # its blocking collectives
+            check = {k: v for k, v in inner.extra.items()
+                     if k in ("grad_norm", "clipped", "loss_scale", "overflow_skips")}
         else:
             if not self.round.full:
                 return False
+            # the local inner gradient of this worker
+            check = self._prepare_commit([p.grad for p in self.params if p.grad is not None])
+            if check is None:  # fp16 overflow on some worker: the round is dropped on every worker
+                self.discard_round()
+                return False
             self.round.step(self._lr_scale(self.steps), self.accounting)
         extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
-        self._commit(extra=extra)
+        self._commit(extra={**extra, **check})
         return True
 
     # ------------------------------------------------------------------ contract

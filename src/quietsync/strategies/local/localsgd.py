@@ -4,7 +4,8 @@ steps.
 Every worker holds the whole model and its own copy of the optimizer (any torch optimizer). A step is
 
 1. accumulate ``accumulation`` micro-batches locally: ``g = (1/A)·Σ ∇loss`` (no communication);
-2. ``θ_i ← Opt_i(θ_i, g_i)`` — a local optimizer step, committed (``steps`` counts these inner steps);
+2. ``θ_i ← Opt_i(θ_i, g_i)`` — a local optimizer step, committed (``steps`` counts these inner steps); with
+   ``max_grad_norm``, ``g_i`` (the local gradient) is clipped by its own norm first;
 3. after every ``sync_every`` (K)-th step: ``θ_i ← mean over world of θ_j`` in one all-reduce; with
    ``average_optimizer_state`` also every floating, non-scalar optimizer state tensor (Adam moments, SGD
    momentum buffers) is averaged the same way.
@@ -79,11 +80,16 @@ class LocalSGD(Strategy):
     def _step(self) -> bool:
         if not self.round.full:
             return False
+        # the local gradient of this worker's inner step
+        check = self._prepare_commit([p.grad for p in self.params if p.grad is not None])
+        if check is None:  # fp16 overflow on some worker: the round is dropped on every worker
+            self.discard_round()
+            return False
         self.round.step(self._lr_scale(self.steps), self.accounting)
         sync = (self.steps + 1) % self.config.sync_every == 0
         if sync:
             self.accounting.timed(self._average, "average")
-        self._commit(extra={"synced": sync})
+        self._commit(extra={"synced": sync, **check})
         return True
 
     def _average(self) -> None:

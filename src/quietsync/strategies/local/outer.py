@@ -1,12 +1,14 @@
 """The outer loop of DiLoCo-style training (a part): θ_global, the outer optimizer, the fragment schedule and
 the pseudo-gradient exchange.
 
-:class:`OuterSync` splits the model's parameters into ``fragments`` contiguous fragments (by parameter tensor,
-balanced by element count) and keeps, per fragment f,
+:class:`OuterSync` splits the model's parameters into ``fragments`` fragments -- contiguous runs of tensors
+balanced by element count, or whole layers strided over the depth (:mod:`.fragments`) -- and keeps, per
+fragment f,
 
 * ``θ_global[f]`` — the globally agreed parameters (fp32; on CPU with ``offload``);
 * an outer ``torch.optim.SGD`` over it (lr, momentum, Nesterov) whose state is the outer momentum;
-* with a replicator, the error-feedback residual ``e[f]`` and the replicator's own state.
+* with a replicator, the error-feedback residual ``e[f]`` and the replicator's own state;
+* with a low-bit dtype or SparseLoCo, a :class:`~.packed.PackedExchange` (its residual, its generator).
 
 Fragment f is synced after inner steps ``s`` with ``s mod H == ((f+1)·H/F) mod H`` (every H steps, fragments
 staggered by H/F). A sync of fragment f launched after inner step s:
@@ -14,8 +16,11 @@ staggered by H/F). A sync of fragment f launched after inner step s:
 1. ``Δ = θ_global[f] − θ_local[f]`` (this worker's pseudo-gradient);
 2. ``Δ̄ = mean over the group of Δ`` — dense in fp32/bf16 (all-reduce), int8 with a per-fragment scale
    (all-gather of codes and scales, decoded and averaged locally), or through a replicator:
-   ``e ← e + Δ; q = extract(e); e ← e − decode(q); Δ̄ = mean of decode(q)`` (error feedback);
-3. ``θ_global[f] ← OuterSGD(θ_global[f], Δ̄)``;
+   ``e ← e + Δ; q = extract(e); e ← e − decode(q); Δ̄ = mean of decode(q)`` (error feedback); or packed
+   (:mod:`.packed`): fp4 / fp4_e3m0 / int4 / int2 codes with block scales, all-gathered and averaged in fp32,
+   optionally with error feedback; with ``outer = sparseloco`` (Sarfi et al. 2025, arXiv 2508.15706)
+   ``e ← β·e + Δ; q = Q(TopK(e)); e ← e − decode(q); Δ̄ = mean of decode(q)``;
+3. ``θ_global[f] ← OuterSGD(θ_global[f], Δ̄)`` (SparseLoCo: momentum 0, ``θ_global[f] ← θ_global[f] − lr·Δ̄``);
 4. applied after inner step ``s + τ`` (``τ = overlap_delay``): with τ = 0, ``θ_local[f] ← θ_global[f]``; with
    τ > 0 steps 2–3 run on the :class:`~quietsync.comm_worker.CommWorker` while the τ inner steps continue, and
    the merge is Streaming DiLoCo's mixing ``θ_local[f] ← α·θ_local[f] + (1 − α)·θ_global[f]`` (α = ``mixing``;
@@ -33,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 
+from ...codecs.lowbit import ROUNDINGS
 from ...comm_worker import CommWorker, Job
 from ...events import label
 from ...flat import nbytes
@@ -41,10 +47,12 @@ from ...transport import Transport
 from ...validate import check_choice, check_float, check_int
 from ..parts.accumulation import AccumulationConfig
 from ..parts.part import Part
-from .fragments import split_fragments
+from .fragments import FRAGMENT_PATTERNS, split_fragments, strided_fragments
+from .packed import LOWBIT_PSEUDO_GRAD_DTYPES, PackedExchange, packed_exchange
 
-PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8")
+PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8", *LOWBIT_PSEUDO_GRAD_DTYPES)
 PSEUDO_GRAD_REPLICATORS = ("none", "dct", "random", "striding", "full")
+OUTER_STEPS = ("sgd", "sparseloco")
 
 
 @dataclass
@@ -68,9 +76,30 @@ class OuterConfig(AccumulationConfig):
     mixing: float = 0.5
     """alpha of the delayed merge theta_local <- alpha*theta_local + (1-alpha)*theta_global (only with
     overlap_delay > 0)."""
-    pseudo_grad_dtype: Literal["fp32", "bf16", "int8"] = "fp32"
-    """dtype pseudo-gradients travel in: fp32, bf16 (all-reduce) or int8 with a per-fragment scale
-    (all-gather)."""
+    fragment_pattern: Literal["contiguous", "strided"] = "contiguous"
+    """How parameters form fragments: contiguous (consecutive tensors balanced by size) or strided (whole
+    layers, layer l in fragment l mod fragments, Streaming DiLoCo's pattern)."""
+    pseudo_grad_dtype: Literal["fp32", "bf16", "int8", "fp4", "fp4_e3m0", "int4", "int2"] = "fp32"
+    """dtype pseudo-gradients travel in: fp32, bf16 (all-reduce), int8 with a per-fragment scale, or packed
+    fp4 (E2M1), fp4_e3m0, int4, int2 codes with a bf16 scale per pseudo_grad_block elements (all-gather,
+    averaged in fp32)."""
+    pseudo_grad_block: int = 64
+    """Elements per scale of the low-bit pseudo-gradient dtypes (fp4, fp4_e3m0, int4, int2); with a replicator,
+    values per scale."""
+    pseudo_grad_rounding: Literal["nearest", "stochastic"] = "nearest"
+    """Rounding of the low-bit pseudo-gradient dtypes: nearest, or stochastic (unbiased, seeded per worker)."""
+    pseudo_grad_error_feedback: bool = False
+    """Keep what low-bit quantization lost and add it to the next sync's pseudo-gradient (low-bit dtypes)."""
+    outer: Literal["sgd", "sparseloco"] = "sgd"
+    """Outer step: sgd (outer_lr, outer_momentum, Nesterov), or sparseloco (per-worker error feedback decayed
+    by error_decay in place of momentum, chunk-wise top-k values in pseudo_grad_dtype, plain step
+    theta <- theta - outer_lr * mean)."""
+    error_decay: float = 0.95
+    """SparseLoCo's beta: e <- beta*e + pseudo-gradient before the top-k (outer sparseloco)."""
+    topk_density: float = 1 / 64
+    """SparseLoCo: fraction of each chunk sent, in (0, 1] (outer sparseloco)."""
+    topk_chunk: int = 4096
+    """SparseLoCo: elements per top-k chunk; chunks stay inside each tensor (at most the largest one)."""
     pseudo_grad_replicator: Literal["none", "dct", "random", "striding", "full"] = "none"
     """Compress pseudo-gradients with a quietsync replicator (error feedback in its residual); none: dense
     exchange."""
@@ -94,13 +123,30 @@ class OuterConfig(AccumulationConfig):
             )
         check_int("overlap_delay", self.overlap_delay, 0, self.sync_every // self.fragments)
         check_float("mixing", self.mixing, 0, 1)
+        check_choice("fragment_pattern", self.fragment_pattern, FRAGMENT_PATTERNS)
         check_choice("pseudo_grad_dtype", self.pseudo_grad_dtype, PSEUDO_GRAD_DTYPES)
+        check_int("pseudo_grad_block", self.pseudo_grad_block, 1)
+        check_choice("pseudo_grad_rounding", self.pseudo_grad_rounding, ROUNDINGS)
         check_choice("pseudo_grad_replicator", self.pseudo_grad_replicator, PSEUDO_GRAD_REPLICATORS)
         check_float("compression", self.compression, 0, 1, low_open=True)
         check_int("seed", self.seed, 0)
+        check_choice("outer", self.outer, OUTER_STEPS)
+        check_float("error_decay", self.error_decay, 0, 1)
+        check_float("topk_density", self.topk_density, 0, 1, low_open=True)
+        check_int("topk_chunk", self.topk_chunk, 1)
         if self.pseudo_grad_replicator != "none" and self.pseudo_grad_dtype == "int8":
             raise ValueError("pseudo_grad_replicator must be none with pseudo_grad_dtype int8 "
-                             "(replicators send fp32 or bf16 values)")
+                             "(replicators send fp32, bf16 or low-bit values)")
+        if self.pseudo_grad_error_feedback and self.pseudo_grad_dtype not in LOWBIT_PSEUDO_GRAD_DTYPES:
+            raise ValueError(f"pseudo_grad_error_feedback needs a low-bit pseudo_grad_dtype "
+                             f"({', '.join(LOWBIT_PSEUDO_GRAD_DTYPES)}), got {self.pseudo_grad_dtype!r}")
+        if self.outer == "sparseloco":
+            if self.pseudo_grad_replicator != "none":
+                raise ValueError(f"pseudo_grad_replicator must be none with outer sparseloco (it selects its own "
+                                 f"top-k), got {self.pseudo_grad_replicator!r}")
+            if self.pseudo_grad_dtype == "int8":
+                values = ", ".join(d for d in PSEUDO_GRAD_DTYPES if d != "int8")
+                raise ValueError(f"pseudo_grad_dtype must be one of {values} with outer sparseloco, got 'int8'")
 
 
 @dataclass
@@ -129,9 +175,12 @@ class OuterSync(Part):
     """
 
     def __init__(self, params: list[torch.Tensor], transport: Transport, group: str, config: OuterConfig,
-                 on_params_written: Callable[[], None] | None = None) -> None:
-        check_int("fragments", config.fragments, 1, len(params))  # the one check that needs the model
+                 on_params_written: Callable[[], None] | None = None,
+                 layers: list[list[int]] | None = None) -> None:
         fragments, outer_lr, outer_momentum = config.fragments, config.outer_lr, config.outer_momentum
+        sparseloco = config.outer == "sparseloco"
+        if sparseloco:  # SparseLoCo's outer step is plain: its error feedback stands in for the momentum
+            outer_momentum = 0.0
         self.params = list(params)
         self.transport, self.group = transport, group
         self.H, self.F, self.tau = config.sync_every, fragments, config.overlap_delay
@@ -140,7 +189,15 @@ class OuterSync(Part):
         self.device = self.params[0].device
         self.store = torch.device("cpu") if config.offload_outer else self.device
         self.on_params_written = on_params_written
-        self.fragments = split_fragments([p.numel() for p in self.params], fragments)
+        if config.fragment_pattern == "strided":
+            layers = layers if layers is not None else [[i] for i in range(len(self.params))]
+            if fragments > len(layers):  # the checks that need the model
+                raise ValueError(f"fragments must be at most the model's {len(layers)} layers with "
+                                 f"fragment_pattern strided, got {fragments}")
+            self.fragments = strided_fragments(layers, fragments)
+        else:
+            check_int("fragments", fragments, 1, len(params))
+            self.fragments = split_fragments([p.numel() for p in self.params], fragments)
         self.segments = [Segments([self.params[i].shape for i in frag]) for frag in self.fragments]
         self.globals: list[torch.Tensor] = []
         self.outer: list[torch.optim.SGD] = []
@@ -157,11 +214,21 @@ class OuterSync(Part):
                     config.pseudo_grad_replicator,
                     compression=config.compression,
                     transfer_dtype=config.pseudo_grad_dtype,
+                    transfer_block=config.pseudo_grad_block,
                     seed=config.seed + f,
                 ).bind(transport, group)
                 for f in range(fragments)
             ]
             self.residuals = [torch.zeros_like(g, device=self.device) for g in self.globals]
+        self.packed: list[PackedExchange] | None = None
+        if self.replicators is None and (sparseloco or self.dtype in LOWBIT_PSEUDO_GRAD_DTYPES):
+            rank = transport.group_rank(group)
+            self.packed = [packed_exchange(
+                dtype=self.dtype, sizes=list(self.segments[f].sizes), transport=transport, group=group,
+                sparseloco=sparseloco, block=config.pseudo_grad_block, rounding=config.pseudo_grad_rounding,
+                error_feedback=config.pseudo_grad_error_feedback, decay=config.error_decay,
+                density=config.topk_density, chunk=config.topk_chunk, seed=config.seed + 7919 * rank + f,
+                device=self.device, name=f"outer/fragment{f}") for f in range(fragments)]
         self.worker = CommWorker(transport.device, timeout_s=transport.timeout_s, name="quietsync-outer") \
             if self.tau > 0 else None
         self.pending: _Pending | None = None
@@ -213,6 +280,8 @@ class OuterSync(Part):
         if self.replicators is not None:
             self.residuals[f].add_(delta)
             return self.replicators[f].replicate(self.residuals[f], self.segments[f])
+        if self.packed is not None:
+            return self.packed[f].average(delta)
         if self.dtype == "int8":
             return self._average_int8(delta, name)
         wire = delta if self.dtype == "fp32" else delta.to(torch.bfloat16)
@@ -262,6 +331,8 @@ class OuterSync(Part):
         numel = self.segments[f].numel
         if self.replicators is not None:
             return self.replicators[f].payload_bytes(self.segments[f])
+        if self.packed is not None:
+            return self.packed[f].payload_bytes()
         if self.dtype == "int8":
             return numel + 4
         return numel * (4 if self.dtype == "fp32" else 2)
@@ -307,11 +378,20 @@ class OuterSync(Part):
         }
         if self.residuals:
             report["pseudo_grad_residual"] = sum(nbytes(r) for r in self.residuals)
-        # the pseudo-gradient buffer of one sync (the largest fragment) and its wire copy
         largest = max(s.numel for s in self.segments)
-        wire = {"fp32": 4, "bf16": 2, "int8": 1}[self.dtype]
+        if self.packed is not None:
+            parts = [p.memory_report() for p in self.packed]
+            if "pseudo_grad_residual" in parts[0]:
+                report["pseudo_grad_residual"] = sum(r["pseudo_grad_residual"] for r in parts)
+            # the pseudo-gradient of one sync (the largest fragment), its gathered payloads and their decoding
+            report["fragment_buffers"] = largest * 4 + max(r["packed_buffers"] for r in parts)
+            return report
+        # the pseudo-gradient buffer of one sync (the largest fragment) and its wire copy
+        # (a replicator with low-bit values: its payload is a small part of the fragment)
+        wire = {"fp32": 4, "bf16": 2, "int8": 1}.get(self.dtype, 4)
         n = self.transport.group_size(self.group) if self.dtype == "int8" else 1
-        report["fragment_buffers"] = largest * 4 + largest * wire * n * (self.dtype != "fp32")
+        copied = self.dtype not in ("fp32", *LOWBIT_PSEUDO_GRAD_DTYPES)
+        report["fragment_buffers"] = largest * 4 + largest * wire * n * copied
         return report
 
     def state_dict(self) -> dict[str, Any]:
@@ -321,6 +401,7 @@ class OuterSync(Part):
             "outer": [opt.state_dict() for opt in self.outer],
             "residuals": [r.clone() for r in self.residuals],
             "replicators": [r.state_dict() for r in self.replicators or []],
+            **({"packed": [p.state_dict() for p in self.packed]} if self.packed is not None else {}),
             "pending": None if self.pending is None else [self.pending.fragment, self.pending.apply_after],
         }
 
@@ -345,6 +426,11 @@ class OuterSync(Part):
             r.copy_(s)
         for r, s in zip(self.replicators or [], state["replicators"]):
             r.load_state_dict(s)
+        if ("packed" in state) != (self.packed is not None):
+            raise ValueError("checkpoint pseudo-gradient packing (low-bit dtype / sparseloco) does not match "
+                             "this run's")
+        for p, s in zip(self.packed or [], state.get("packed", [])):
+            p.load_state_dict(s)
         pending = state["pending"]
         self.pending = None if pending is None else _Pending(int(pending[0]), int(pending[1]), None)
 

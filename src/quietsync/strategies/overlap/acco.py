@@ -15,6 +15,11 @@ Initialisation as in Algorithm 1: the first stage computes g̃ᵢ⁽⁰⁾ at θ
 paper's one — otherwise). ``step()`` returns True when stage 2's job is collected: θ⁽ᵗ⁺¹⁾ is then installed
 in the model, so evaluation right after a committed step sees θ, never θ̃.
 
+Precision and clipping: both jobs clip the gradient their optimizer step uses (the estimate's Σg̃/ΣÑ, the
+commit's (Σg + Σg̃)/(ΣN + ΣÑ)) by its global norm, one scalar all-reduce each; under fp16 each stage's
+gradient is unscaled by its own stage's scale and an overflow skips the commit on every worker (see
+:mod:`~quietsync.strategies.overlap.machinery`).
+
 Per committed step, ``last_step_metrics().extra`` holds the micro-batches each worker contributed to it
 (Nᵢ⁽ᵗ⁾ + Ñᵢ⁽ᵗ⁾), the per-stage counts, and how long the main thread waited on the worker
 (``compute_wait_s``) and the worker on the main thread (``comm_wait_s``).
@@ -75,44 +80,78 @@ class ACCO(Strategy):
     def _step(self) -> bool:
         o = self.overlap
         if self.stage == "init":  # g̃⁽⁰⁾ at θ⁽⁰⁾, nothing to overlap with yet
-            if o.start(self._estimate_job, self.steps):
+            if o.start(self._estimate_job, self.steps, self._stage_scale(), self.max_grad_norm):
                 self.stage = "stage1"
             return False
         if not o.stage_ready():
             return False
+        scale = self._stage_scale()  # of the stage ending now (the scale changes only when a commit is collected)
         if self.stage == "stage1":
             o.wait("acco/estimate")
             count = o.hand_over(install=True)  # P ← θ̃⁽ᵗ⁺¹⁾, B ← gᵢ⁽ᵗ⁾
             o.holds_committed = False
-            o.submit(self._commit_job, count, self.steps)
+            o.submit(self._commit_job, count, self.steps, scale, self.max_grad_norm)
             self.stage = "stage2"
             return False
-        o.wait("acco/commit")
+        result = o.wait("acco/commit")
         count = o.hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾, B ← g̃ᵢ⁽ᵗ⁺¹⁾
         o.holds_committed = True
-        self._commit(*o.step_record())
-        o.submit(self._estimate_job, count, self.steps)
+        committed = self._collected(result)
+        o.submit(self._estimate_job, count, self.steps, scale, self.max_grad_norm)
         self.stage = "stage1"
+        return committed
+
+    def _stage_scale(self) -> float | None:
+        """The fp16 loss scale the current stage's micro-batches carry (None without fp16)."""
+        return None if self.scaler is None else self.scaler.scale
+
+    def _collected(self, result: dict[str, Any]) -> bool:
+        """Commit the round, or — an fp16 overflow, skipped by the commit job on every worker — nothing."""
+        check = result.get("check")
+        extras: dict[str, Any] | None = {}
+        if check is not None:
+            extras = self._gradient_extras(check, result["scale"])
+            if extras is None:
+                self.overlap.drop_pending()
+                return False
+        extra, local = self.overlap.step_record()
+        self._commit({**extra, **extras}, local)
         return True
 
     # ------------------------------------------------------------------ communication worker
-    def _estimate_job(self, local_count: int, step: int) -> dict[str, Any]:
-        """Stage 1: θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg̃/ΣÑ) on the shard (state not committed), all-gathered into B."""
+    def _estimate_job(self, local_count: int, step: int, scale: float | None = None,
+                      max_norm: float | None = None) -> dict[str, Any]:
+        """Stage 1: θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg̃/ΣÑ) on the shard (state not committed), all-gathered into B. With
+        clipping the estimate's gradient is clipped as the real step would clip its own; under fp16 an
+        overflow (agreed) makes the estimate θ⁽ᵗ⁾ itself, and the commit that includes Σg̃ is skipped."""
         counts, total = self.overlap.reduce(local_count, "acco_tilde")
+        if scale is not None:
+            self.shard.grad.div_(scale)
         self.tilde_sum.copy_(self.shard.grad)
         self._tilde_count = total
         self.shard.grad.div_(total)
-        estimate = self.overlap.estimator.estimate(self._lr_scale(step))
+        check = self.overlap.prepare(max_norm, scale is not None)
+        if check is not None and scale is not None and not check.finite:
+            estimate = self.shard.master
+        else:
+            estimate = self.overlap.estimator.estimate(self._lr_scale(step))
         self.overlap.gather(estimate, "acco_estimate")
         return {"kind": "estimate", "counts": counts}
 
-    def _commit_job(self, local_count: int, step: int) -> dict[str, Any]:
-        """Stage 2: θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, (Σg + Σg̃)/(ΣN + ΣÑ)), committed, all-gathered into B."""
+    def _commit_job(self, local_count: int, step: int, scale: float | None = None,
+                    max_norm: float | None = None) -> dict[str, Any]:
+        """Stage 2: θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, (Σg + Σg̃)/(ΣN + ΣÑ)), committed, all-gathered into B. That gradient is
+        clipped by its global norm; under fp16 an overflow (agreed) skips the step on every worker."""
         counts, total = self.overlap.reduce(local_count, "acco_grad")
+        if scale is not None:
+            self.shard.grad.div_(scale)
         self.shard.grad.add_(self.tilde_sum).div_(total + self._tilde_count)
-        self.overlap.commit_shard(self._lr_scale(step))
+        check = self.overlap.prepare(max_norm, scale is not None)
+        skipped = check is not None and scale is not None and not check.finite
+        if not skipped:
+            self.overlap.commit_shard(self._lr_scale(step))
         self.overlap.gather(self.shard.master, "acco_params")
-        return {"kind": "commit", "counts": counts}
+        return {"kind": "commit", "counts": counts, "check": check, "scale": scale, "skipped": skipped}
 
     # ------------------------------------------------------------------ contract
     @contextmanager

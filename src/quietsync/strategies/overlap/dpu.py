@@ -16,6 +16,10 @@ and waited for at once), ``fill`` (the first overlapped stage: its gradient is c
 nothing is in flight yet) and ``overlap`` (each stage's gradients go out while the previous round's update is
 collected and installed). Weight prediction (``wp``) is the same machine with another job.
 
+Precision and clipping: the update job clips the averaged gradient Σg/ΣN by its global norm (one scalar
+all-reduce) and, under fp16, skips the update on every worker when it overflowed (see
+:mod:`~quietsync.strategies.overlap.machinery`); ``step()`` then returns False for that round.
+
 ``step()`` returns True each time an update is collected and the new θ installed; the model always holds
 the committed θ (``committed_params()`` is free). Accumulation per stage: see
 :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`.
@@ -76,35 +80,66 @@ class DPU(Strategy):
     def _step(self) -> bool:
         o = self.overlap
         if self.phase == "warmup":
-            if not o.start(self._job, self.steps, False):
+            if not o.start(self._job, self.steps, False, self._stage_scale(), self.max_grad_norm):
                 return False
-            o.wait("sync_update")
+            result = o.wait("sync_update")
             o.install()
             o.holds_committed = True
-            self._commit(*o.step_record())
+            committed = self._collected(result)
             if self.steps >= self.config.sync_warmup_steps:
                 self.phase = "fill"
-            return True
+            return committed
         if self.phase == "fill":
-            if o.start(self._job, self.steps, True):
+            if o.start(self._job, self.steps, True, self._stage_scale(), self.max_grad_norm):
                 self.phase = "overlap"
             return False
         if not o.stage_ready():
             return False
-        o.wait("delayed_update")
+        scale = self._stage_scale()  # of the stage ending now (the scale changes only in _collected)
+        result = o.wait("delayed_update")
         count = o.hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾ (WP: θ̃⁽ᵗ⁺¹⁾), B ← gradients computed at the old P
         o.holds_committed = not self.predicts
-        self._commit(*o.step_record())
-        o.submit(self._job, count, self.steps, True)
+        committed = self._collected(result)
+        o.submit(self._job, count, self.steps, True, scale, self.max_grad_norm)
+        return committed
+
+    def _stage_scale(self) -> float | None:
+        """The fp16 loss scale the current stage's micro-batches carry (None without fp16)."""
+        return None if self.scaler is None else self.scaler.scale
+
+    def _collected(self, result: dict[str, Any]) -> bool:
+        """Commit the update job's step, or — an fp16 overflow, skipped by the job on every worker — nothing."""
+        check = result.get("check")
+        extras: dict[str, Any] | None = {}
+        if check is not None:
+            extras = self._gradient_extras(check, result["scale"])
+            if extras is None:
+                self.overlap.drop_pending()
+                return False
+        extra, local = self.overlap.step_record()
+        self._commit({**extra, **extras}, local)
         return True
 
-    def _job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
-        """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg/ΣN), committed and all-gathered into B (the same job, overlapped or not)."""
+    def _update(self, local_count: int, step: int, scale: float | None,
+                max_norm: float | None) -> tuple[list[int], dict[str, Any]]:
+        """Job part: reduce, unscale, average, measure and clip; θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ) committed unless fp16
+        found an overflow. Returns the counts and the result fields."""
         counts, total = self.overlap.reduce(local_count, "grads")
+        if scale is not None:
+            self.shard.grad.div_(scale)
         self.shard.grad.div_(total)
-        self.overlap.commit_shard(self._lr_scale(step))
+        check = self.overlap.prepare(max_norm, scale is not None)
+        skipped = check is not None and scale is not None and not check.finite
+        if not skipped:
+            self.overlap.commit_shard(self._lr_scale(step))
+        return counts, {"kind": "update", "counts": counts, "check": check, "scale": scale, "skipped": skipped}
+
+    def _job(self, local_count: int, step: int, overlapped: bool, scale: float | None = None,
+             max_norm: float | None = None) -> dict[str, Any]:
+        """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg/ΣN), committed and all-gathered into B (the same job, overlapped or not)."""
+        _, result = self._update(local_count, step, scale, max_norm)
         self.overlap.gather(self.shard.master, "params")
-        return {"kind": "update", "counts": counts}
+        return result
 
     def _position(self) -> dict[str, int]:
         return {"phase": PHASES.index(self.phase)}

@@ -25,6 +25,13 @@ micro-batches in deterministic mode and ``min_accumulation`` otherwise. Every jo
 micro-batch counts (:meth:`Overlap.reduce`), so gradients are Σ over workers and micro-batches / Σ counts: a
 slow worker weighs less.
 
+Precision and clipping: a job that is about to step the optimizer (DPU's and WP's update, ACCO's estimate and
+commit) divides the reduced gradient by the loss scale of the stage(s) that produced it (fp16; the main thread
+passes each stage's scale with its job and changes the scale only when it collects a commit, so every worker
+follows the same sequence), measures its global norm with one scalar all-reduce (:meth:`Overlap.prepare`) and
+clips it; an fp16 overflow — the same decision on every worker — skips that optimizer step (θ stays) and the
+main thread commits nothing for it.
+
 The strategy files hold what differs: their state machine (which job follows which stage) and their jobs
 (the paper's recurrence): ACCO's two stages in ``acco.py``, DPU's warm-up/fill/overlap phases in ``dpu.py``,
 and WP, the DPU machine with a predicting job, in ``wp.py``.
@@ -51,6 +58,7 @@ from ...flat import nbytes, parse_dtype
 from ...validate import check_int
 from ..base import Strategy, StrategyConfig
 from ..parts.accounting import StepAccounting
+from ..parts.clipping import GradientCheck, prepare_gradient
 from ..parts.part import Part
 from ..substrates.sharded_state import ShardedState
 from .estimate import EstimatingOptimizer
@@ -267,6 +275,10 @@ class Overlap(Part):
         self._compute_wait_s = self._comm_wait_s = 0.0
         return extra, per_worker[self.transport.group_rank(self.group)]
 
+    def drop_pending(self) -> None:
+        """Forget the stages consumed since the last commit (their round was dropped: an fp16 overflow)."""
+        self._pending_counts = []
+
     # ------------------------------------------------------------------ communication worker
     def reduce(self, local_count: int, name: str) -> tuple[list[int], float]:
         """Job part: all-reduce the per-worker counts, reduce-scatter B: ``shard.grad`` ← Σ over workers (not
@@ -277,6 +289,15 @@ class Overlap(Part):
         per_worker = [int(round(c)) for c in counts.tolist()]
         self.sharded.reduce_scatter_grads(self.comm_buf, 1.0, name=name)
         return per_worker, float(sum(per_worker))
+
+    def prepare(self, max_norm: float | None, fp16: bool) -> GradientCheck | None:
+        """Job part: ``shard.grad`` (the averaged gradient's shard, already unscaled) measured over the group —
+        one scalar all-reduce, so the finite decision is the same on every worker — and clipped to
+        ``max_norm``. None when neither clipping nor fp16 is on (nothing runs)."""
+        if max_norm is None and not fp16:
+            return None
+        return prepare_gradient([self.sharded.shard.grad], max_norm=max_norm, scale=None,
+                                transport=self.transport, norm_group=self.group)
 
     def gather(self, shard: torch.Tensor, name: str) -> None:
         """Job part: B ← every worker's ``shard`` (parameters, in the working dtype)."""

@@ -46,18 +46,17 @@ class WP(DPU):
 
     config: WPConfig
 
-    def _job(self, local_count: int, step: int, overlapped: bool) -> dict[str, Any]:
+    def _job(self, local_count: int, step: int, overlapped: bool, scale: float | None = None,
+             max_norm: float | None = None) -> dict[str, Any]:
         """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁾) committed; B ← the prediction θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, ḡ⁽ᵗ⁾), a second step
-        with the same gradient on the scratch state (uncommitted) — or θ⁽ᵗ⁺¹⁾ itself in a blocking warm-up
-        step."""
-        counts, total = self.overlap.reduce(local_count, "grads")
-        self.shard.grad.div_(total)
-        self.overlap.commit_shard(self._lr_scale(step))
-        if overlapped:
+        with the same (clipped) gradient on the scratch state (uncommitted) — or θ⁽ᵗ⁺¹⁾ itself in a blocking
+        warm-up step, or θ⁽ᵗ⁾ when fp16 skipped the update."""
+        _, result = self._update(local_count, step, scale, max_norm)
+        if overlapped and not result["skipped"]:
             self.overlap.gather(self.overlap.estimator.estimate(self._lr_scale(step + 1)), "wp_prediction")
         else:
             self.overlap.gather(self.shard.master, "params")
-        return {"kind": "update", "counts": counts}
+        return result
 
     @contextmanager
     def committed_params(self) -> Iterator[torch.nn.Module]:

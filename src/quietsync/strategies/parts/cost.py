@@ -49,25 +49,26 @@ def group_of(topo: Topology, group: str) -> int:
 
 
 def replicator(name: str, compression: float, transfer_dtype: str, chunk: int = 64, topk: int | None = None,
-               seed: int = 0):
+               seed: int = 0, transfer_block: int = 64):
     """The library's replicator with these knobs (its declared payload is what the schedule sends)."""
     from ...replicators import make_replicator
 
     return make_replicator(name, compression=compression, transfer_dtype=transfer_dtype, chunk=chunk, topk=topk,
-                           seed=seed)
+                           seed=seed, transfer_block=transfer_block)
 
 
 def replicator_comm(rep, shapes: Sequence[Shape], group: str, n: int, name: str,
                     steps: tuple[int, ...] | None = None) -> list[Comm]:
     """The one collective a replicator runs for tensors of ``shapes`` over a group of ``n``: an all-gather of
-    every worker's payload (``dct``), an all-reduce of it (the others), nothing (``none``, a group of one)."""
+    every worker's payload (``dct``, and any replicator with a low-bit ``transfer_dtype``), an all-reduce of it
+    (the others), nothing (``none``, a group of one)."""
     from ...replicators import Segments
 
     if n == 1 or rep.collective == "none":
         return []
     shapes = [s for s in shapes if numel(s) > 0]
     payload = rep.payload_bytes(Segments(shapes))
-    if rep.collective == "all_gather":
+    if rep.collective == "all_gather" or rep.lowbit is not None:  # low-bit payloads are gathered, never summed
         return [Comm("all_gather", group, n * payload, f"{name}: all-gather {rep.name} payload", steps=steps)]
     return [Comm("all_reduce", group, payload, f"{name}: all-reduce {rep.name} payload", steps=steps)]
 
