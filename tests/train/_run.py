@@ -42,6 +42,22 @@ def small_job(tmp_path: Path, nproc: int = 2) -> list[str]:
             "--eval-every", "0", "--no-progress", "--no-plot"]
 
 
+def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str, nproc: int = 2) -> tuple[Path, list[str]]:
+    """A finished ``train(*small_job(F, nproc), *flags, "--out", F/"run")`` in a folder F of this test session, run
+    once whichever test process asks first (:func:`tests.shared.shared_folder`); returns ``(F/"run",
+    small_job(F, nproc))`` — the job's flags, for a test that resumes a copy (the dataset path must not change).
+    Read it, or copy it first (:func:`tests.shared.copy_of`)."""
+    from tests.shared import shared_folder
+
+    def build(folder: Path) -> None:
+        proc = train(*small_job(folder, nproc), *flags, "--out", str(folder / "run"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (folder / "stdout.txt").write_text(proc.stdout)
+
+    folder = shared_folder(tmp_path_factory, name, build)
+    return folder / "run", small_job(folder, nproc)
+
+
 @dataclass
 class Finished:
     """A finished ``quietsync train``: its exit status and what it printed (the fields of
