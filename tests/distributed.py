@@ -1,6 +1,7 @@
 """Run a function on N local gloo workers, with a hard timeout, for multi-process tests.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (forkserver, torch preloaded), sets
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (forked from a forkserver that imported
+torch, quietsync, the training loop and transformers once: :mod:`tests.worker_preload`), sets
 the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), calls
 ``fn(rank, world_size, *args)`` in each and returns the list of results by rank. A worker that raises
 fails the test with its traceback; a worker that hangs (or a peer waiting on it) fails it at ``timeout``
@@ -21,7 +22,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "quietsync"])
+_CTX.set_forkserver_preload(["torch", "quietsync", "tests.worker_preload"])  # what workers import, imported once
 
 
 def interruptible() -> None:
@@ -68,7 +69,8 @@ def _worker(rank: int, world: int, nodes: int, port: int, fn: Callable[..., Any]
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0, nodes: int | None = None,
-              env: dict[str, str] | None = None, expect_failure: bool = False) -> list[Any]:
+              env: dict[str, str] | None = None, expect_failure: bool = False,
+              grace_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo workers; results by rank.
 
     Args:
@@ -76,6 +78,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         env: extra environment variables for the workers.
         expect_failure: return ``{rank: ("ok", result) | ("error", traceback) | ("missing", None)}`` instead
             of raising when a worker fails (for tests of failure handling).
+        grace_s: with ``expect_failure``, how long the others may still take once one worker failed (then they
+            are killed and reported missing, as a launcher stops the peers of a failed worker); default: until
+            ``timeout``.
     """
     nodes = world_size if nodes is None else nodes
     results = _CTX.Queue()
@@ -99,6 +104,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 got[rank] = (status, value)
                 if status == "error" and not expect_failure:
                     break
+                if status == "error" and grace_s is not None:
+                    deadline = min(deadline, time.monotonic() + grace_s)
             except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break

@@ -2,7 +2,13 @@
 the launcher, during training, during checkpoint writes, inside ACCO's communication thread and while the
 tokenizer is built. Each asserts what the README's reliability section promises: every process is gone within
 the timeout, the exit status is non-zero with the failing worker named, the newest complete checkpoint loads,
-and resuming from it continues the uninterrupted run bit for bit."""
+and resuming from it continues the uninterrupted run bit for bit.
+
+The interrupted runs are real ``quietsync train`` subprocesses (their launcher and spawned workers are what is
+tested). The uninterrupted reference runs (once per test session, shared by all test processes) and the resumed
+runs go through the tests' forked harness (tests/train/_run.train: the same command and worker code, workers
+forked instead of spawned; test_cli_smoke checks both give the same run step for step).
+"""
 
 from __future__ import annotations
 
@@ -19,21 +25,30 @@ import pytest
 from quietsync.train.checkpoint import latest_checkpoint, load_checkpoint
 from quietsync.train.metrics import read_jsonl
 from tests.distributed import interruptible
+from tests.shared import shared_folder
+from tests.train._run import train
 from tests.train.conftest import synthetic_text
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 30
+STEPS = 16
+SAVE_EVERY = 4
 TIMEOUT_S = 10
+SLOWED = ["--slow-worker", "0:5"]
+"""Interrupted runs: worker 0 sleeps 4x its compute after each micro-batch (timing only: the same trajectory), so
+the job is still running for many step times after its first checkpoint, when the test interrupts it, even if
+the test process is starved of CPU meanwhile; and the victim, worker 1, mostly waits on worker 0 in a
+collective."""
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 JOBS = {"zero1": ["--strategy", "zero1"],
         "acco": ["--strategy", "acco", "--deterministic-accumulation", "1"]}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("faults")
-    (root / "text.txt").write_text(synthetic_text(3000))
+    """The text and its tokenizer cache, shared by the session (the cache's own locks guard concurrent users)."""
+    root = shared_folder(tmp_path_factory, "faults-corpus",
+                         lambda folder: (folder / "text.txt").write_text(synthetic_text(3000)))
     return {"data": root / "text.txt", "cache": root / "cache", "root": root}
 
 
@@ -44,28 +59,29 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _cmd(job: str, out: Path, corpus: dict[str, Path], *extra: str) -> list[str]:
-    return [sys.executable, "-m", "quietsync.train.cli", "train", *JOBS[job], "--nproc", "2", "--model", "tiny",
+def _flags(job: str, out: Path, corpus: dict[str, Path], *extra: str) -> list[str]:
+    return [*JOBS[job], "--nproc", "2", "--model", "tiny",
             "--max-steps", str(STEPS), "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
             "--dataset", str(corpus["data"]), "--cache-dir", str(corpus["cache"]), "--eval-every", "0",
-            "--eval-windows", "4", "--save-every", "5", "--timeout-s", str(TIMEOUT_S), "--no-progress",
+            "--eval-windows", "4", "--save-every", str(SAVE_EVERY), "--timeout-s", str(TIMEOUT_S), "--no-progress",
             "--no-plot", "--out", str(out), *extra]
 
 
-def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+def _cmd(job: str, out: Path, corpus: dict[str, Path], *extra: str) -> list[str]:
+    return [sys.executable, "-m", "quietsync.train.cli", "train", *_flags(job, out, corpus, *extra)]
 
 
-@pytest.fixture(scope="module")
-def reference(corpus) -> dict[str, list[float]]:
-    """Per-step losses (rank 0 and 1) of uninterrupted runs, one per job."""
-    out = {}
-    for job in JOBS:
-        folder = corpus["root"] / f"ref-{job}"
-        proc = _run(_cmd(job, folder, corpus))
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[job] = _losses(folder)
-    return out
+@pytest.fixture(scope="session")
+def reference(corpus, tmp_path_factory) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """Per-step losses (rank 0 and 1) of uninterrupted runs, one per job (computed once per session)."""
+    def build(job: str):
+        def run(folder: Path) -> None:
+            proc = train(*_flags(job, folder / "run", corpus), "--no-export")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        return run
+
+    return {job: _losses(shared_folder(tmp_path_factory, f"faults-reference-{job}", build(job)) / "run")
+            for job in JOBS}
 
 
 def _losses(out: Path) -> dict[int, list[tuple[int, float]]]:
@@ -93,8 +109,8 @@ def _alive(pid: int) -> bool:
 
 def _start(job: str, out: Path, corpus) -> tuple[subprocess.Popen, list[int]]:
     """Start a run; return it and its two workers' pids once a checkpoint exists (so there is one to resume)."""
-    proc = subprocess.Popen(_cmd(job, out, corpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), preexec_fn=interruptible)
+    proc = subprocess.Popen(_cmd(job, out, corpus, *SLOWED), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(), preexec_fn=interruptible)
     deadline = time.monotonic() + 120
     while latest_checkpoint(out, [0, 1]) is None:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -137,7 +153,7 @@ def _resume_matches_reference(job: str, out: Path, corpus, reference) -> None:
     step = int(folder.name.split("-")[1])
     for rank in (0, 1):
         assert load_checkpoint(folder, rank)["strategy"]  # loads (weights_only), complete
-    proc = _run(_cmd(job, out, corpus, "--resume", str(folder)))
+    proc = train(*_flags(job, out, corpus, "--resume", str(folder)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = _losses(out)
     for rank in (0, 1):
@@ -191,7 +207,8 @@ def test_sigstop_of_a_worker_is_caught_by_the_timeout(tmp_path, corpus, referenc
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_the_launcher_killed_takes_every_worker_with_it(sig, tmp_path, corpus, reference):
     """kill -9 of `quietsync train` (the kernel signals the orphaned workers) and Ctrl-C (the launcher stops
-    them). Checkpoints are written every 5 steps, so a signal may land inside a write: what is left loads."""
+    them). Checkpoints are written every SAVE_EVERY steps, so a signal may land inside a write: what is left
+    loads."""
     out = tmp_path / "run"
     proc, pids = _start("zero1", out, corpus)
     proc.send_signal(sig)
@@ -226,7 +243,7 @@ def test_killed_during_the_tokenizer_build_the_rerun_takes_over_at_once(tmp_path
     holders = [int(h.rpartition(":")[2]) for h in left.values()]
     assert set(holders) <= set(dead), (holders, dead)  # held by a process that is gone
     t0 = time.monotonic()
-    rerun = _run(cmd + ["--overwrite"] if _has_overwrite() else cmd)
+    rerun = train(*cmd[4:], "--overwrite")  # the rerun's workers take the lock over (forked: see the module doc)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     said = rerun.stdout + rerun.stderr
     assert not [pid for pid in dead if f":{pid} (lock" in said], said  # never waits on the dead builders
@@ -244,8 +261,3 @@ def _locks(cache: Path) -> dict[Path, str]:
             pass
     return out
 
-
-def _has_overwrite() -> bool:
-    from quietsync.train.config import TrainConfig
-
-    return "overwrite" in TrainConfig.__dataclass_fields__

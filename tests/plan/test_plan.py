@@ -90,7 +90,7 @@ def test_quietsync_plan_is_callable_and_a_package():
 
 
 @pytest.mark.timeout(300)
-def test_a_measured_plan_calibrates_and_probes_two_workers(tmp_path, capsys):
+def test_a_measured_plan_calibrates_and_probes_two_workers(tmp_path, capsys, forked_launch):
     rc = main(["plan", "--model", "tiny", "--nproc", "2", "--micro-batch-size", "2", "--seq-len", "16",
                "--repeats", "2", "--link", "inter=100mbit,5ms", "--out", str(tmp_path), "--no-plot"])
     assert rc == 0
@@ -115,7 +115,7 @@ def test_the_findings_quote_numbers_that_are_in_their_sources():
 
 
 @pytest.mark.timeout(400)
-def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkeypatch):
+def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkeypatch, forked_launch):
     import json
 
     from quietsync.train.compare import compare_main

@@ -12,22 +12,26 @@ import pytest
 from quietsync.train.checkpoint import latest_checkpoint, resolve_resume
 from quietsync.train.metrics import EVAL_FIELDS, STEP_FIELDS, SUMMARY_FIELDS, read_jsonl
 
+from ._run import train
 from .conftest import synthetic_text
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_cli_two_workers_smoke(tmp_path):
+    """The command as a user runs it (spawned workers), end to end; then the same job through the tests' forked
+    harness (tests/train/_run.train, used by the other whole-run tests) gives the same run, step for step."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     env.update(OFFLINE)
-    cmd = [
-        sys.executable, "-m", "quietsync.train.cli", "train", "--nproc", "2", "--model", "tiny",
+    flags = [
+        "--nproc", "2", "--model", "tiny",
         "--max-steps", "4", "--eval-every", "2", "--eval-windows", "8", "--micro-batch-size", "2",
-        "--seq-len", "32", "--vocab-size", "512", "--out", str(out), "--cache-dir", str(tmp_path / "cache"),
+        "--seq-len", "32", "--vocab-size", "512", "--cache-dir", str(tmp_path / "cache"),
         "--link", "inter=1gbit,1ms", "--slow-worker", "1:1.5", "--no-progress", "--trace",
     ]
+    cmd = [sys.executable, "-m", "quietsync.train.cli", "train", *flags, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval loss first -> last" in proc.stdout and proc.stdout.count("strategy ") == 2  # rank 0 only
@@ -59,6 +63,20 @@ def test_cli_two_workers_smoke(tmp_path):
     assert summary["bytes_sent"] > rank_bytes  # plus the initial parameter broadcast
     assert summary["bytes_sent_per_step"] * 4 == pytest.approx(rank_bytes)
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+    forked = train(*flags, "--out", str(tmp_path / "forked"))
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    assert "eval loss first -> last" in forked.stdout and forked.stdout.count("strategy ") == 2
+    assert sorted(p.name for p in (tmp_path / "forked").iterdir()) == sorted(p.name for p in out.iterdir())
+    keys = ("step", "rank", "loss", "lr", "tokens", "tokens_total", "micro_batches", "bytes_sent", "bytes_recv",
+            "bytes_by_group")
+    for rank in (0, 1):
+        rows = [{k: r.get(k) for k in keys} for r in read_jsonl(out / f"metrics-rank{rank}.jsonl")]
+        again = [{k: r.get(k) for k in keys} for r in read_jsonl(tmp_path / "forked" / f"metrics-rank{rank}.jsonl")]
+        assert again == rows  # the same losses, bit for bit, and the same bytes
+    again = json.loads((tmp_path / "forked" / "summary.json").read_text())
+    for k in ("steps", "tokens", "micro_batches", "bytes_sent", "bytes_by_group", "eval", "nodes", "world_size"):
+        assert again[k] == summary[k], k
 
 
 @pytest.mark.timeout(240)

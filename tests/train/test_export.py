@@ -120,19 +120,21 @@ def test_a_run_ends_with_a_model_from_pretrained_loads_and_the_next_run_starts_f
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["wp", "ddp"])
-def test_a_two_worker_run_exports_where_the_committed_parameters_need_a_collective(strategy, text_file, tmp_path):
+def test_a_two_worker_run_exports_where_the_committed_parameters_need_a_collective(strategy, text_file, tmp_path,
+                                                                                    request):
     """wp gathers the committed parameters (a collective every worker must join) and ddp's model is wrapped:
-    both used to fail at the end of a 2-worker run (a hang, an error) before the model folder was written."""
-    import subprocess
-    import sys
-
+    both used to fail at the end of a 2-worker run (a hang, an error) before the model folder was written.
+    ddp: the shared finished 2-worker ddp run (tests/train/conftest.py), which exports."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "quietsync.train.cli", "train", "--strategy", strategy, "--nproc", "2",
-           "--model", "tiny", "--max-steps", "2", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size",
-           "300", "--dataset", str(text_file), "--cache-dir", str(tmp_path / "cache"), "--eval-every", "0",
-           "--no-progress", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    from ._run import train
+
+    if strategy == "ddp":
+        out = request.getfixturevalue("finished_ddp_run")
+    else:
+        out = tmp_path / "out"
+        proc = train("--strategy", strategy, "--nproc", "2", "--model", "tiny", "--max-steps", "2",
+                     "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--dataset", str(text_file),
+                     "--cache-dir", str(tmp_path / "cache"), "--eval-every", "0", "--no-progress", "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-2000:]
     assert AutoModelForCausalLM.from_pretrained(out / "model").num_parameters() > 0

@@ -10,6 +10,7 @@ import pytest
 from quietsync.train.config import TrainConfig
 from quietsync.train.metrics import read_jsonl
 from quietsync.train.outputs import out_problem, remove_outputs
+from tests.shared import copy_of
 
 from ._run import refused, small_job, train
 
@@ -69,10 +70,11 @@ def test_overwrite_keeps_a_users_own_files_inside_checkpoints(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_used_out_is_refused_and_overwrite_replaces_it(tmp_path, monkeypatch, capsys):
-    job, out = small_job(tmp_path), tmp_path / "run"
-    first = train(*job, "--max-steps", "2", "--save-every", "1", "--out", str(out))
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_a_used_out_is_refused_and_overwrite_replaces_it(tmp_path, monkeypatch, capsys, finished_zero1_run):
+    """A copy of the shared finished zero1 run (tests/train/conftest.py: 2 workers, 4 steps, checkpoints)."""
+    shared, job = finished_zero1_run
+    out = copy_of(shared, tmp_path / "run")
+    assert (out / "checkpoints").is_dir()
     (out / "notes.txt").write_text("mine")
     before = (out / "metrics-rank0.jsonl").read_text()
     line = refused(monkeypatch, capsys, *job, "--max-steps", "3", "--out", str(out))

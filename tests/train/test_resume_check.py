@@ -20,8 +20,9 @@ from quietsync.train.resume_check import (
     check_checkpoint,
     check_resume,
 )
+from tests.shared import copy_of
 
-from ._run import refused, small_job, train
+from ._run import refused, train
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,10 +108,11 @@ def test_flexdemo_and_fsdp_may_change_workers_per_node_and_nodes(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_resume_from_the_command_line(tmp_path, monkeypatch, capsys):
-    job, out = small_job(tmp_path), tmp_path / "run"
-    first = train(*job, "--max-steps", "4", "--save-every", "2", "--out", str(out))
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_resume_from_the_command_line(tmp_path, monkeypatch, capsys, finished_zero1_run):
+    """A copy of the shared finished zero1 run (tests/train/conftest.py: 2 workers, 4 steps, checkpoints at 2
+    and 4)."""
+    shared, job = finished_zero1_run
+    out = copy_of(shared, tmp_path / "run")
     step2 = out / "checkpoints" / "step-0000002"
     line = refused(monkeypatch, capsys, *job, "--max-steps", "4", "--out", str(out), "--resume", str(step2),
                    "--seq-len", "16")

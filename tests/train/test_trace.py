@@ -21,7 +21,7 @@ from quietsync.train.trace import (
     trace_events,
 )
 
-from ._run import refused, small_job, train
+from ._run import refused
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -121,11 +121,10 @@ def test_profile_steps_spelling(monkeypatch, capsys):
     assert "--profile-steps must end by" in line
 
 
-def test_two_workers_merged_trace_and_profile(tmp_path):
-    out = tmp_path / "run"
-    proc = train(*small_job(tmp_path), "--strategy", "ddp", "--max-steps", "3", "--no-export", "--trace",
-                 "--link", "inter=200mbit,1ms", "--link", "intra=200mbit,1ms", "--profile-steps", "2:2", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_two_workers_merged_trace_and_profile(finished_ddp_run):
+    """The shared finished run (tests/train/conftest.py): ddp on 2 workers, --trace, links on both groups,
+    --profile-steps 2:2."""
+    out = finished_ddp_run
     assert not list(out.glob("trace-rank*.json"))  # one merged file, no per-worker ones
     events = json.loads((out / TRACE_FILE).read_text())["traceEvents"]
     assert {e["pid"] for e in events} == {0, 1}

@@ -93,6 +93,14 @@ def _die_with_launcher(launcher_pid: int) -> None:
 def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, errors: str,
             launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
+    run_local_worker(local_rank, fn, args, nproc, port, errors)
+
+
+def run_local_worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int,
+                     errors: str) -> Any:
+    """What each local worker of :func:`launch` runs, in whatever process starts it: torchrun's environment for
+    worker ``local_rank`` of ``nproc`` on one node (port ``port``), loopback gloo, a file rendezvous and the
+    failure notes in the folder ``errors``; then ``fn(*args)`` (its result returned), noting a failure."""
     os.environ.update({
         "RANK": str(local_rank), "WORLD_SIZE": str(nproc),
         "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(nproc),
@@ -102,7 +110,7 @@ def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, po
     os.environ.setdefault(RENDEZVOUS_ENV, f"file://{errors}/rendezvous")  # ... and meet through a file
     os.environ[ERRORS_ENV] = errors
     try:
-        fn(*args)
+        return fn(*args)
     except BaseException:
         note_failure()  # when it failed, and why, unless fn noted it earlier
         raise
@@ -128,10 +136,10 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
         try:
             while not _wait_for_workers(context, errors):
                 pass
-        except mp.ProcessRaisedException as e:  # (join found the failure first)
-            raise _first_failure(errors, e.error_index, e.msg) from None
+        except mp.ProcessRaisedException as e:  # join has terminated the other workers
+            raise first_failure(errors, e.error_index, e.msg) from None
         except mp.ProcessExitedException as e:
-            raise _first_failure(errors, e.error_index, str(e)) from None
+            raise first_failure(errors, e.error_index, str(e)) from None
         except KeyboardInterrupt:
             stop_workers(context.processes)
             raise
@@ -150,7 +158,7 @@ def _wait_for_workers(context: Any, errors: str, poll_s: float = 0.5) -> bool:
     failed = [i for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)]
     if failed:
         stop_workers(context.processes)
-        raise _first_failure(errors, failed[0], _exit_details(context, failed[0]))
+        raise first_failure(errors, failed[0], _exit_details(context, failed[0]))
     if any(p.exitcode is None for p in context.processes):
         return False
     return context.join(timeout=0)
@@ -182,7 +190,7 @@ def _quiet_teardown() -> None:
         sys.warnoptions.append(quiet)
 
 
-def _first_failure(errors: str, rank: int, details: str) -> WorkerFailed:
+def first_failure(errors: str, rank: int, details: str) -> WorkerFailed:
     """The :class:`WorkerFailed` of the root cause. ``rank`` is the worker torch saw exit first: if it died
     without noting an error (killed by a signal, or an ``os._exit``), its peers' errors are the consequence
     and it is blamed; otherwise the worker whose noted error came first is."""

@@ -1,0 +1,96 @@
+"""The local launcher of quietsync with forked workers, for tests whose claim is not about the launcher itself.
+
+:func:`quietsync.train.launch.launch` spawns each local worker as a fresh interpreter, which imports torch,
+transformers and the training loop (seconds of CPU per worker). :func:`launch_forked` does what it does —
+``fn(*args)`` on ``nproc`` workers, each running :func:`quietsync.train.launch.run_local_worker` (torchrun's
+environment, loopback gloo, the file rendezvous, the failure note), the launcher's
+:class:`~quietsync.train.launch.WorkerFailed` for the worker that failed first, a world of one in this process
+— with workers forked from the forkserver of :mod:`tests.distributed`, which imported all that once. Each
+worker's standard output and error are copied to this process's, by rank, when they finish.
+
+``with forked_launcher(): ...`` makes every ``quietsync`` entry point that launches workers (``quietsync
+train``, ``compare``, ``plan``) use it; the ``forked_launch`` fixture (tests/conftest.py) does the same for one
+test. What it does not exercise — spawning, signals, a killed launcher, the death signal — is tested through real
+subprocesses (tests/train/test_launch.py, tests/faults, tests/train/test_cli_smoke.py, which also checks that a
+forked run equals a spawned one step for step).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tests.distributed import run_ranks
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+"""No network in tests: the Hugging Face libraries read only their local caches."""
+
+DEFAULT_TIMEOUT_S = 200.0
+
+
+def launch_forked(fn: Callable[..., Any], args: tuple = (), nproc: int = 1,
+                  timeout: float = DEFAULT_TIMEOUT_S) -> Any:
+    """:func:`quietsync.train.launch.launch` with forked workers (see the module doc)."""
+    from quietsync.train.launch import GRACE_S, first_failure
+
+    if nproc <= 1:
+        return fn(*args)
+    with tempfile.TemporaryDirectory(prefix="quietsync-launch-") as errors:
+        got = run_ranks(_forked_worker, nproc, fn, args, errors, timeout=timeout, nodes=1, env=dict(OFFLINE),
+                        expect_failure=True, grace_s=GRACE_S)
+        for rank in range(nproc):
+            for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):
+                path = Path(errors, f"{name}-{rank}")
+                if path.exists():
+                    stream.write(path.read_text())
+        failed = [r for r in range(nproc) if got[r][0] == "error"]
+        if failed:
+            noted = [r for r in failed if Path(errors, f"rank{r}").exists()]
+            rank = (noted or failed)[0]
+            raise first_failure(errors, rank, got[rank][1])
+        missing = [r for r in range(nproc) if got[r][0] != "ok"]
+        if missing:
+            raise TimeoutError(f"workers {missing} of {nproc} did not finish within {timeout:g}s")
+    return None
+
+
+def _forked_worker(rank: int, world: int, fn: Callable[..., Any], args: tuple, errors: str) -> None:
+    """One forked worker: what a launched worker runs, its output kept in files for the parent."""
+    from quietsync.train.launch import run_local_worker
+
+    with open(Path(errors, f"stdout-{rank}"), "w", buffering=1) as out, \
+            open(Path(errors, f"stderr-{rank}"), "w", buffering=1) as err:
+        sys.stdout, sys.stderr = out, err
+        try:
+            run_local_worker(rank, fn, args, world, int(os.environ["MASTER_PORT"]), errors)
+        finally:
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+
+
+@contextmanager
+def forked_launcher(timeout: float = DEFAULT_TIMEOUT_S) -> Iterator[None]:
+    """Within: :func:`quietsync.train.launch.launch` is :func:`launch_forked`, the Hugging Face libraries are
+    offline, and this process has no torchrun variables (as a user's shell runs a command)."""
+    from quietsync.train import launch as launch_module
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", *OFFLINE)
+    saved = {k: os.environ.get(k) for k in keys}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(k, None)
+    os.environ.update(OFFLINE)
+    real = launch_module.launch
+    launch_module.launch = lambda fn, args=(), nproc=1: launch_forked(fn, args, nproc, timeout)
+    try:
+        yield
+    finally:
+        launch_module.launch = real
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
