@@ -106,10 +106,10 @@ def bench_memory(quick: bool, out: Path) -> dict:
     return {"rows": rows}
 
 
-def bench_accuracy(quick: bool, jobs: int, out: Path) -> dict:
+def bench_accuracy(quick: bool, jobs: int, out: Path, cache: Path | None) -> dict:
     """Paper Tab. 2 / Fig. 3 in fair miniature (benchmarks/cdp_table2.py): same batch per step for every rule,
     lr swept per rule on a validation split, 5 seeds, and the diagnosis of the gap."""
-    res = cdp_table2.bench_table2(quick, jobs)
+    res = cdp_table2.bench_table2(quick, jobs, cache)
     try:
         cdp_table2.plot(res, out / "cdp_loss.png")
     except ImportError:
@@ -179,6 +179,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a smoke run (written to --out, by default a temp folder)")
     p.add_argument("--only", default="memory,accuracy,comm")
     p.add_argument("--jobs", type=int, default=1, help="processes for the accuracy runs (one thread each)")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="accuracy runs: a JSON-lines file of finished runs, reused when the same run is asked again")
     p.add_argument("--out", type=Path, default=None,
                    help=f"results folder (default {OUT.relative_to(ROOT)}; with --quick a temp folder)")
     args = p.parse_args()
@@ -203,7 +205,7 @@ def main() -> None:
     if "comm" in parts:
         res["comm"] = bench_comm()
     if "accuracy" in parts:
-        res["accuracy"] = bench_accuracy(args.quick, args.jobs, out)
+        res["accuracy"] = bench_accuracy(args.quick, args.jobs, out, args.cache)
     res["commands"] = commands
     (out / "cdp_results.json").write_text(json.dumps(res, indent=1))
     write_md(res, commands, out)

@@ -22,6 +22,7 @@ Runs are deterministic (one thread each) and independent, so they can go to ``jo
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
 import statistics
@@ -54,8 +55,8 @@ class Setup:
     """N: stages = micro-batches per step (the paper: 4)."""
     micro_batch: int = 16
     """Samples per micro-batch; the batch per step is ``stages × micro_batch`` for every rule."""
-    steps: int = 2000
-    """Committed optimizer steps per run."""
+    steps: int = 4000
+    """Committed optimizer steps per run (62 epochs of the training set)."""
     train: int = 4096
     val: int = 4000
     test: int = 10000
@@ -68,9 +69,11 @@ class Setup:
     decay: float = 0.2
     momentum: float = 0.9
     weight_decay: float = 5e-4
-    lrs: tuple[float, ...] = (0.003125, 0.00625, 0.0125, 0.025, 0.05, 0.1)
+    lrs: tuple[float, ...] = (0.0125, 0.025, 0.05, 0.1, 0.2)
     """The lr grid swept for every rule."""
-    sweep_seeds: tuple[int, ...] = (100,)
+    momentum0_lrs: tuple[float, ...] = (0.125, 0.25, 0.5)
+    """The diagnosis with momentum 0 (10× the momentum-0.9 lrs keeps the effective lr η/(1−β))."""
+    sweep_seeds: tuple[int, ...] = (100, 101)
     final_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     sharpness_at: tuple[float, ...] = (0.02, 0.05, 0.1, 0.2, 0.3, 0.6, 1.0)
     """Fractions of the steps at which the diagnosis run measures the sharpness."""
@@ -83,8 +86,9 @@ class Setup:
         return warm * self.decay ** sum(step >= round(m * self.steps) for m in self.milestones)
 
 
-QUICK = Setup(steps=120, train=1024, val=1000, test=1000, lrs=(0.0125, 0.05), final_seeds=(0, 1),
-              sharpness_at=(0.5, 1.0), sharpness_iters=4, sharpness_samples=64)
+QUICK = Setup(steps=120, train=1024, val=1000, test=1000, lrs=(0.0125, 0.05), momentum0_lrs=(0.25,),
+              sweep_seeds=(100,), final_seeds=(0, 1), sharpness_at=(0.5, 1.0), sharpness_iters=4,
+              sharpness_samples=64)
 
 
 @dataclass(frozen=True)
@@ -220,43 +224,72 @@ def _sharpness(s: Any, model: torch.nn.Module, stage_names: list[list[str]], sch
     return {"step": s.steps, "eta": eta, "lambda": whole, "lambda_stage": per_stage}
 
 
-def run_jobs(jobs: list[Job], workers: int) -> list[dict[str, Any]]:
-    """Run ``jobs`` (in order of the list) on ``workers`` processes."""
-    if workers <= 1:
-        return [train_run(j) for j in jobs]
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        return pool.map(train_run, jobs, chunksize=1)
+def job_key(job: Job) -> str:
+    """A run's identity (everything that determines its result) as a string."""
+    return json.dumps(asdict(job), sort_keys=True)
+
+
+def run_jobs(jobs: list[Job], workers: int, cache: Path | None = None) -> list[dict[str, Any]]:
+    """Run ``jobs`` on ``workers`` processes; results in the order of ``jobs``. With ``cache`` (a JSON-lines
+    file), runs already recorded there under the same :func:`job_key` are read back instead of rerun, and
+    every finished run is appended (the runs are deterministic, so this only saves time)."""
+    done: dict[str, dict[str, Any]] = {}
+    if cache is not None and cache.exists():
+        for line in cache.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                done[rec["key"]] = rec["result"]
+    todo = [j for j in jobs if job_key(j) not in done]
+    pool = multiprocessing.get_context("spawn").Pool(workers) if workers > 1 and len(todo) > 1 else None
+    try:
+        results = pool.imap_unordered(_run_keyed, todo) if pool else map(_run_keyed, todo)
+        for k, (key, result) in enumerate(results, 1):
+            done[key] = result
+            print(f"[cdp accuracy] {k}/{len(todo)}: {result['tag']} {result['rule']} lr {result['lr']:g} "
+                  f"momentum {result['momentum']:g} seed {result['seed']} steps {result['steps']}: "
+                  f"{result['split']} accuracy {result['acc']:.2f}", file=sys.stderr, flush=True)
+            if cache is not None:
+                with cache.open("a") as f:
+                    f.write(json.dumps({"key": key, "result": result}) + "\n")
+    finally:
+        if pool:
+            pool.close()
+            pool.join()
+    return [done[job_key(j)] for j in jobs]
+
+
+def _run_keyed(job: Job) -> tuple[str, dict[str, Any]]:
+    return job_key(job), train_run(job)
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def bench_table2(quick: bool, workers: int = 1, diagnose: bool = True) -> dict[str, Any]:
+def bench_table2(quick: bool, workers: int = 1, cache: Path | None = None) -> dict[str, Any]:
     """The sweep, the final runs and the diagnosis; returns everything the report and plot need."""
     setup = QUICK if quick else Setup()
     sweep_jobs = [Job(r, lr, seed, setup, "val", tag="sweep") for r in RULES for lr in setup.lrs
                   for seed in setup.sweep_seeds]
-    sweep = run_jobs(sweep_jobs, workers)
+    seed = setup.final_seeds[0]
+    # the diagnosis that does not depend on the chosen lrs runs alongside the sweep
+    diag_jobs = [Job(r, 0.05, seed, setup, "test", warmup=False, tag="paper_schedule") for r in RULES]
+    diag_jobs += [Job(r, lr, setup.sweep_seeds[0], setup, "val", momentum=0.0, tag="momentum0")
+                  for r in RULES for lr in setup.momentum0_lrs]
+    first = run_jobs(sweep_jobs + diag_jobs, workers, cache)
+    sweep = first[:len(sweep_jobs)]
     chosen = {}
     for rule in RULES:
         by_lr = {lr: [x for x in sweep if x["rule"] == rule and x["lr"] == lr] for lr in setup.lrs}
-        # best mean validation accuracy; a tie goes to the lower validation loss
+        # best mean validation accuracy over the sweep seeds; a tie goes to the lower validation loss
         chosen[rule] = max(setup.lrs, key=lambda lr, b=by_lr: (
             statistics.mean(x["acc"] for x in b[lr]),
             -statistics.mean(x["loss"] if math.isfinite(x["loss"]) else math.inf for x in b[lr])))
-    final_jobs = [Job(r, chosen[r], seed, setup, "test", tag="final", sharpness=(seed == setup.final_seeds[0]))
-                  for r in RULES for seed in setup.final_seeds]
-    diag_jobs: list[Job] = []
-    if diagnose:
-        seed = setup.final_seeds[0]
-        diag_jobs += [Job(r, chosen[r], seed, setup, "test", steps=2 * setup.steps, tag="long") for r in RULES]
-        diag_jobs += [Job(r, 0.05, seed, setup, "test", warmup=False, tag="paper_schedule") for r in RULES]
-        lrs0 = sorted({round(10 * lr, 6) for lr in setup.lrs[1:-1]})
-        diag_jobs += [Job(r, lr, setup.sweep_seeds[0], setup, "val", momentum=0.0, tag="momentum0")
-                      for r in RULES for lr in lrs0]
-    rest = run_jobs(final_jobs + diag_jobs, workers)
-    final = [x for x in rest if x["tag"] == "final"]
+    final_jobs = [Job(r, chosen[r], sd, setup, "test", tag="final", sharpness=(sd == seed))
+                  for r in RULES for sd in setup.final_seeds]
+    long_jobs = [Job(r, chosen[r], seed, setup, "test", steps=2 * setup.steps, tag="long") for r in RULES]
+    rest = run_jobs(final_jobs + long_jobs, workers, cache)
+    final = rest[:len(final_jobs)]
     summary = {}
     for rule in RULES:
         runs = [x for x in final if x["rule"] == rule]
@@ -265,17 +298,38 @@ def bench_table2(quick: bool, workers: int = 1, diagnose: bool = True) -> dict[s
                          "test_loss": _mean_std([x["loss"] for x in runs]),
                          "train_loss": _mean_std([x["train_loss"] for x in runs]),
                          "train_acc": _mean_std([x["train_acc"] for x in runs]),
-                         "flatness": _mean_std([_flatness(x["curve"]) for x in runs])}
+                         "flatness": _mean_std([flatness(x["curve"]) for x in runs]),
+                         "plateau": [plateau(x["curve"], setup) for x in runs]}
     stability = delay_stability.table(setup.stages, simulate=not quick)
-    return {"setup": asdict(setup), "chosen_lr": chosen, "summary": summary, "sweep": sweep, "final": final,
-            "diagnosis": [x for x in rest if x["tag"] != "final"], "stability": stability}
+    diagnosis = first[len(sweep_jobs):] + rest[len(final_jobs):]
+    return {"setup": asdict(setup), "chosen_lr": chosen, "summary": summary,
+            "sweep": [_thin(x) for x in sweep], "final": final, "diagnosis": [_thin(x) for x in diagnosis],
+            "stability": stability}
 
 
-def _flatness(curve: list[float]) -> float:
-    """Relative change of the per-step training loss between the last two tenths of the run."""
-    k = max(1, len(curve) // 10)
+def _thin(run: dict[str, Any], every: int = 10) -> dict[str, Any]:
+    """The run with its per-step curve averaged over blocks of ``every`` steps (``curve_every``)."""
+    c = run["curve"]
+    return {**run, "curve": [sum(c[a:a + every]) / len(c[a:a + every]) for a in range(0, len(c), every)],
+            "curve_every": every}
+
+
+def flatness(curve: list[float]) -> float:
+    """Relative change of the per-step training loss between the two halves of the last tenth of the run
+    (both at the last lr of the schedule): about 0 when the training loss is flat."""
+    k = max(1, len(curve) // 20)
     a, b = statistics.mean(curve[-2 * k:-k]), statistics.mean(curve[-k:])
     return (b - a) / a
+
+
+def plateau(curve: list[float], setup: Setup) -> int:
+    """Steps until the training loss (1-epoch window) first falls below 90% of chance (ln 10): how long a
+    run sits on the plateau at chance."""
+    w = max(1, setup.train // (setup.stages * setup.micro_batch))
+    for t, x in enumerate(smooth(curve, w)):
+        if t >= w and x < 0.9 * math.log(10):
+            return t + 1
+    return len(curve)
 
 
 def smooth(xs: list[float], w: int) -> list[float]:
@@ -316,19 +370,24 @@ def plot(res: dict[str, Any], path: Path) -> None:
     same = [x for x in res["sweep"] if x["lr"] == 0.05] or res["sweep"]
     for rule in RULES:
         for r in [x for x in same if x["rule"] == rule][:1]:
-            ax.plot(range(1, len(r["curve"]) + 1), smooth(r["curve"], w), label=f"{LABEL[rule]} (lr {r['lr']:g})")
+            e = r["curve_every"]
+            ax.plot([e * (k + 1) for k in range(len(r["curve"]))], smooth(r["curve"], max(1, w // e)),
+                    label=f"{LABEL[rule]} (lr {r['lr']:g})")
     ax.set_yscale("log")
     ax.set_xlabel("training step")
-    ax.set_ylabel("training loss (1 seed, 1-epoch window)")
+    ax.set_ylabel(f"training loss (sweep seed {setup['sweep_seeds'][0]}, 1-epoch window)")
     ax.set_title("all rules at the paper's lr 0.05 (with warm-up)")
     ax.legend()
     ax = axes[2]
     for rule in RULES:
-        pts = sorted((x["lr"], x["acc"]) for x in res["sweep"] if x["rule"] == rule)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=LABEL[rule])
+        runs = [x for x in res["sweep"] if x["rule"] == rule]
+        lrs = sorted({x["lr"] for x in runs})
+        line = ax.plot(lrs, [statistics.mean(x["acc"] for x in runs if x["lr"] == lr) for lr in lrs], "o-",
+                       label=LABEL[rule])[0]
+        ax.scatter([x["lr"] for x in runs], [x["acc"] for x in runs], s=8, color=line.get_color(), alpha=0.5)
     ax.set_xscale("log")
-    ax.set_xlabel("peak lr (SGD, momentum 0.9)")
-    ax.set_ylabel("validation accuracy %")
+    ax.set_xlabel(f"peak lr (SGD, momentum {setup['momentum']})")
+    ax.set_ylabel(f"validation accuracy % (mean of {len(setup['sweep_seeds'])} seeds; dots: each)")
     ax.set_title("lr sweep")
     ax.legend()
     fig.tight_layout()
@@ -351,18 +410,22 @@ def markdown(res: dict[str, Any]) -> list[str]:
              "`quietsync.make_strategy(\"cdp\", …)` with rule dp / v1 / v2.", "",
              f"### Final: each rule at its best lr, {len(st['final_seeds'])} seeds (mean ± std)", "",
              "| rule | lr | test accuracy % | test loss | training loss (train set) | training accuracy % | "
-             "last-tenth change of the training loss | paper (CIFAR-10, ResNet-18) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "change of the training loss over the last 5% of steps | steps on the chance plateau, per seed | "
+             "paper (CIFAR-10, ResNet-18) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     paper = {"dp": "94.7", "v1": "94.1", "v2": "94.8"}
     for rule in RULES:
         s = res["summary"][rule]
         lines.append(f"| {LABEL[rule]} | {s['lr']:g} | {s['test_acc'][0]:.2f} ± {s['test_acc'][1]:.2f} | "
                      f"{s['test_loss'][0]:.4f} ± {s['test_loss'][1]:.4f} | {s['train_loss'][0]:.4f} ± "
                      f"{s['train_loss'][1]:.4f} | {s['train_acc'][0]:.2f} ± {s['train_acc'][1]:.2f} | "
-                     f"{s['flatness'][0]:+.2%} | {paper[rule]} |")
+                     f"{s['flatness'][0]:+.2%} | {', '.join(map(str, s['plateau']))} | {paper[rule]} |")
     lines += ["", "![loss](cdp_loss.png)", "",
-              f"### lr sweep (validation accuracy % / validation loss; seed {', '.join(map(str, st['sweep_seeds']))}, "
-              "not a final seed; **bold** = chosen: best validation accuracy)", "",
+              "The plateau: steps until the training loss (1-epoch window) first falls below 0.9·ln 10 "
+              "(chance is ln 10 = 2.303).", "",
+              f"### lr sweep (validation accuracy % / validation loss, mean of seeds "
+              f"{', '.join(map(str, st['sweep_seeds']))} (not final seeds), each seed's accuracy in brackets; "
+              "**bold** = chosen: best mean validation accuracy)", "",
               "| lr | " + " | ".join(LABEL[r] for r in RULES) + " |", "|---|" + "---|" * len(RULES)]
     for lr in st["lrs"]:
         cells = []
@@ -370,7 +433,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
             runs = [x for x in res["sweep"] if x["rule"] == rule and x["lr"] == lr]
             acc = statistics.mean(x["acc"] for x in runs)
             loss = statistics.mean(x["loss"] for x in runs)
-            cell = f"{acc:.2f} / {loss:.3f}"
+            each = ", ".join(f"{x['acc']:.1f}" for x in runs)
+            cell = f"{acc:.2f} / {loss:.3f} ({each})"
             cells.append(f"**{cell}**" if res["chosen_lr"][rule] == lr else cell)
         lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
     diag = res["diagnosis"]
