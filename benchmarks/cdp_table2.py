@@ -71,6 +71,8 @@ class Setup:
     weight_decay: float = 5e-4
     lrs: tuple[float, ...] = (0.0125, 0.025, 0.05, 0.1, 0.2)
     """The lr grid swept for every rule."""
+    extend: int = 2
+    """How many times a rule's grid may grow by one lr (×2 or ÷2) when its best lr is at an end."""
     momentum0_lrs: tuple[float, ...] = (0.25,)
     """The diagnosis with momentum 0 (10× the momentum-0.9 lrs keeps the effective lr η/(1−β))."""
     sweep_seeds: tuple[int, ...] = (100,)
@@ -226,7 +228,7 @@ def _sharpness(s: Any, model: torch.nn.Module, stage_names: list[list[str]], sch
 
 def job_key(job: Job) -> str:
     """A run's identity (everything that determines its result, not the benchmark's plan) as a string."""
-    setup = replace(job.setup, lrs=(), momentum0_lrs=(), sweep_seeds=(), final_seeds=())
+    setup = replace(job.setup, lrs=(), momentum0_lrs=(), sweep_seeds=(), final_seeds=(), extend=0)
     if not job.sharpness:
         setup = replace(setup, sharpness_at=(), sharpness_samples=0, sharpness_iters=0)
     return json.dumps(asdict(replace(job, setup=setup)), sort_keys=True)
@@ -281,13 +283,19 @@ def bench_table2(quick: bool, workers: int = 1, cache: Path | None = None) -> di
                   for r in RULES for lr in setup.momentum0_lrs]
     first = run_jobs(sweep_jobs + diag_jobs, workers, cache)
     sweep = first[:len(sweep_jobs)]
-    chosen = {}
-    for rule in RULES:
-        by_lr = {lr: [x for x in sweep if x["rule"] == rule and x["lr"] == lr] for lr in setup.lrs}
-        # best mean validation accuracy over the sweep seeds; a tie goes to the lower validation loss
-        chosen[rule] = max(setup.lrs, key=lambda lr, b=by_lr: (
-            statistics.mean(x["acc"] for x in b[lr]),
-            -statistics.mean(x["loss"] if math.isfinite(x["loss"]) else math.inf for x in b[lr])))
+    # a rule whose best lr is at an end of its grid gets the next lr (×2 or ÷2) until the best is inside
+    for _ in range(setup.extend):
+        more = []
+        for rule in RULES:
+            tried = sorted({x["lr"] for x in sweep if x["rule"] == rule})
+            best = best_lr(sweep, rule)
+            nxt = best * 2 if best == tried[-1] else best / 2 if best == tried[0] else None
+            if nxt is not None:
+                more += [Job(rule, nxt, sd, setup, "val", tag="sweep") for sd in setup.sweep_seeds]
+        if not more:
+            break
+        sweep += run_jobs(more, workers, cache)
+    chosen = {rule: best_lr(sweep, rule) for rule in RULES}
     final_jobs = [Job(r, chosen[r], sd, setup, "test", tag="final", sharpness=(sd == seed))
                   for r in RULES for sd in setup.final_seeds]
     long_jobs = [Job(r, chosen[r], seed, setup, "test", steps=2 * setup.steps, tag="long") for r in RULES]
@@ -308,6 +316,18 @@ def bench_table2(quick: bool, workers: int = 1, cache: Path | None = None) -> di
     return {"setup": asdict(setup), "chosen_lr": chosen, "summary": summary,
             "sweep": [_thin(x) for x in sweep], "final": final, "diagnosis": [_thin(x) for x in diagnosis],
             "stability": stability}
+
+
+def best_lr(sweep: list[dict[str, Any]], rule: str) -> float:
+    """The lr with the best mean validation accuracy over the sweep seeds (a tie: the lower validation loss)."""
+    lrs = sorted({x["lr"] for x in sweep if x["rule"] == rule})
+
+    def score(lr: float) -> tuple[float, float]:
+        runs = [x for x in sweep if x["rule"] == rule and x["lr"] == lr]
+        loss = statistics.mean(x["loss"] if math.isfinite(x["loss"]) else math.inf for x in runs)
+        return statistics.mean(x["acc"] for x in runs), -loss
+
+    return max(lrs, key=score)
 
 
 def _thin(run: dict[str, Any], every: int = 10) -> dict[str, Any]:
@@ -428,12 +448,15 @@ def markdown(res: dict[str, Any]) -> list[str]:
               "(chance is ln 10 = 2.303).", "",
               f"### lr sweep (validation accuracy % / validation loss, mean of seeds "
               f"{', '.join(map(str, st['sweep_seeds']))} (not final seeds), each seed's accuracy in brackets; "
-              "**bold** = chosen: best mean validation accuracy)", "",
+              "**bold** = chosen: best mean validation accuracy; a grid grows by ×2 / ÷2 while its best is at an end)", "",
               "| lr | " + " | ".join(LABEL[r] for r in RULES) + " |", "|---|" + "---|" * len(RULES)]
-    for lr in st["lrs"]:
+    for lr in sorted({x["lr"] for x in res["sweep"]}):
         cells = []
         for rule in RULES:
             runs = [x for x in res["sweep"] if x["rule"] == rule and x["lr"] == lr]
+            if not runs:
+                cells.append("—")
+                continue
             acc = statistics.mean(x["acc"] for x in runs)
             loss = statistics.mean(x["loss"] for x in runs)
             each = ", ".join(f"{x['acc']:.1f}" for x in runs)
