@@ -1,7 +1,10 @@
 """CDP benchmark in miniature: activation memory (paper Fig. 4), accuracy of dp / cdp-v1 / cdp-v2 (Tab. 2,
 Fig. 3) and communication per time step. Writes benchmarks/results/cdp_*.{md,json,png}.
 
-    PYTHONPATH=src python benchmarks/bench_cdp.py [--quick] [--only memory,accuracy,comm]
+    PYTHONPATH=src python benchmarks/bench_cdp.py [--quick] [--only memory,accuracy,comm] [--jobs 2]
+
+A part not run keeps its previous results in cdp_results.json (``--only accuracy`` runs alone); ``--quick``
+writes to a temporary folder unless ``--out`` is given. The accuracy part is benchmarks/cdp_table2.py.
 
 Activation memory is *measured* (quietsync.activation_memory: autograd's saved tensors, per storage, over
 time) on one process running the N micro-batches on the DP timeline (rule dp: lock-step) and on the cyclic
@@ -12,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,8 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cdp_models import synthetic_digits, tiny_resnet, tiny_vit  # noqa: E402
+import cdp_table2  # noqa: E402
+from cdp_models import tiny_resnet, tiny_vit  # noqa: E402
 
 import quietsync  # noqa: E402
 from quietsync.strategies.cdp.schedule import Schedule  # noqa: E402
@@ -66,7 +70,7 @@ def memory_run(kind: str, n: int, rule: str) -> dict:
             "timeline": [x.bytes for x in tl], "balance_flops": bal.get("flops_max_over_mean")}
 
 
-def bench_memory(quick: bool) -> dict:
+def bench_memory(quick: bool, out: Path) -> dict:
     rows = []
     for kind in ("gpt", "vit"):
         for n in ((2, 4) if quick else (2, 4, 8)):
@@ -96,74 +100,21 @@ def bench_memory(quick: bool) -> dict:
             ax.set_ylabel("MB")
             ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(OUT / "cdp_memory.png", dpi=110)
+        fig.savefig(out / "cdp_memory.png", dpi=110)
     except ImportError:
         pass
     return {"rows": rows}
 
 
-def bench_accuracy(quick: bool) -> dict:
-    n, micro, epochs = 4, 16, (2 if quick else 6)
-    xtr, ytr = synthetic_digits(1024 if quick else 2048, seed=1)
-    xte, yte = synthetic_digits(1000, seed=2)
-    per_step = n * micro
-    steps_per_epoch = len(xtr) // per_step
-    total = epochs * steps_per_epoch
-    milestones = [int(total * 0.5), int(total * 0.75)]
-
-    def schedule(step: int) -> float:
-        return 0.2 ** sum(step >= m for m in milestones)
-
-    results: dict = {}
-    for rule in ("dp", "v1", "v2"):
-        for seed in (0, 1, 2):
-            model = tiny_resnet(seed=seed)
-            s = quietsync.make_strategy("cdp", model, torch.optim.SGD,
-                                        config={"rule": rule, "stages": n, "partition": "flops"},
-                                        lr_schedule=schedule, lr=0.05, momentum=0.9, weight_decay=5e-4)
-            g = torch.Generator().manual_seed(100 + seed)
-            curve, k = [], 0
-            order = torch.randperm(len(xtr), generator=g)
-            t0 = time.perf_counter()
-            while s.steps < total:
-                if (k + 1) * micro > len(order):
-                    order, k = torch.randperm(len(xtr), generator=g), 0
-                idx = order[k * micro:(k + 1) * micro]
-                k += 1
-                loss = s.forward_backward((xtr[idx], ytr[idx]), ce_loss)
-                if loss is not None:
-                    curve.append(float(loss))
-                s.step()
-            with torch.no_grad(), s.committed_params() as m:
-                acc = (m(xte).argmax(1) == yte).float().mean().item() * 100
-            s.close()
-            results.setdefault(rule, []).append({"seed": seed, "acc": acc, "curve": curve,
-                                                 "seconds": time.perf_counter() - t0})
+def bench_accuracy(quick: bool, jobs: int, out: Path, cache: Path | None) -> dict:
+    """Paper Tab. 2 / Fig. 3 in fair miniature (benchmarks/cdp_table2.py): same batch per step for every rule,
+    lr swept per rule on a validation split, 5 seeds, and the diagnosis of the gap."""
+    res = cdp_table2.bench_table2(quick, jobs, cache)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        for rule, runs in results.items():
-            length = min(len(r["curve"]) for r in runs)
-            mean = [statistics.mean(r["curve"][t] for r in runs) for t in range(length)]
-            w = 16
-            smooth = [statistics.mean(mean[max(0, t - w):t + 1]) for t in range(length)]
-            ax.plot(smooth, label={"dp": "DP", "v1": "CDP-v1", "v2": "CDP-v2"}[rule])
-        ax.set_xlabel("micro-batch")
-        ax.set_ylabel("training loss (3 seeds, smoothed)")
-        ax.set_yscale("log")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(OUT / "cdp_loss.png", dpi=110)
+        cdp_table2.plot(res, out / "cdp_loss.png")
     except ImportError:
         pass
-    return {"setup": {"stages": n, "micro_batch": micro, "epochs": epochs, "steps": total, "train": len(xtr),
-                      "test": len(xte), "lr": 0.05, "decay": "x0.2 at 50%, 75%", "momentum": 0.9,
-                      "weight_decay": 5e-4},
-            "runs": results}
+    return res
 
 
 def bench_comm() -> dict:
@@ -194,9 +145,9 @@ def bench_comm() -> dict:
     return {"rows": rows}
 
 
-def write_md(res: dict, seconds: float, argv: list[str]) -> None:
-    lines = ["# CDP benchmark (miniature)", "", f"`PYTHONPATH=src python benchmarks/bench_cdp.py {' '.join(argv)}`"
-             f" — {seconds:.0f} s on this machine (CPU).", ""]
+def write_md(res: dict, commands: dict[str, str], out: Path) -> None:
+    lines = ["# CDP benchmark (miniature)", "", "Each part was last written by:", ""]
+    lines += [f"- {part}: `{cmd}`" for part, cmd in commands.items() if part in res] + [""]
     if "memory" in res:
         lines += ["## Activation memory per worker (measured: autograd saved tensors, one process, total / N)", "",
                   "| model | N | DP peak (MB) | CDP peak (MB) | CDP/DP measured | ideal (N+1)/2N | stage FLOPs max/mean |",
@@ -207,22 +158,7 @@ def write_md(res: dict, seconds: float, argv: list[str]) -> None:
                          f"{r['flops_max_over_mean']:.2f} |")
         lines += ["", "![memory](cdp_memory.png)", ""]
     if "accuracy" in res:
-        a = res["accuracy"]
-        st = a["setup"]
-        lines += ["## Accuracy (paper Tab. 2 in miniature)", "",
-                  f"tiny ResNet on the offline synthetic digits ({st['train']} train / {st['test']} test), "
-                  f"{st['stages']} stages = micro-batches of {st['micro_batch']}, SGD momentum 0.9, lr 0.05 "
-                  f"{st['decay']}, wd 5e-4, {st['steps']} steps ({st['epochs']} epochs), 3 seeds.", "",
-                  "| rule | test accuracy % (mean ± std) | first-third train loss | last-third train loss |",
-                  "|---|---|---|---|"]
-        for rule, runs in a["runs"].items():
-            accs = [r["acc"] for r in runs]
-            length = min(len(r["curve"]) for r in runs)
-            early = statistics.mean(statistics.mean(r["curve"][:length // 3]) for r in runs)
-            late = statistics.mean(statistics.mean(r["curve"][-length // 3:]) for r in runs)
-            lines.append(f"| {rule} | {statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f} | {early:.3f} | "
-                         f"{late:.3f} |")
-        lines += ["", "![loss](cdp_loss.png)", ""]
+        lines += cdp_table2.markdown(res["accuracy"])
     if "comm" in res:
         lines += ["## Communication (N workers, ResNet, fp32 gradients; from the executor's plan, which the tests "
                   "check against the transport's meter)", "",
@@ -235,28 +171,45 @@ def write_md(res: dict, seconds: float, argv: list[str]) -> None:
                          f"{r['cdp_largest_burst_one_worker']} | {r['cdp_max_bytes_in_one_time_step_all_workers']} | "
                          f"{r['cdp_time_steps_with_traffic']:.0f} of {r['time_steps_per_cycle']} |")
         lines.append("")
-    (OUT / "cdp_results.md").write_text("\n".join(lines))
+    (out / "cdp_results.md").write_text("\n".join(lines))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a smoke run (written to --out, by default a temp folder)")
     p.add_argument("--only", default="memory,accuracy,comm")
+    p.add_argument("--jobs", type=int, default=1, help="processes for the accuracy runs (one thread each)")
+    p.add_argument("--cache", type=Path, default=None,
+                   help="accuracy runs: a JSON-lines file of finished runs, reused when the same run is asked again")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"results folder (default {OUT.relative_to(ROOT)}; with --quick a temp folder)")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    OUT.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    res: dict = {}
     parts = args.only.split(",")
+    unknown = set(parts) - {"memory", "accuracy", "comm"}
+    if unknown:
+        p.error(f"--only takes memory, accuracy, comm; got {', '.join(sorted(unknown))}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    out = args.out or (Path(tempfile.gettempdir()) / "quietsync_cdp_quick" if args.quick else OUT)
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    # parts not run now keep their previous results (so --only accuracy leaves memory and comm in place)
+    old = json.loads((out / "cdp_results.json").read_text()) if (out / "cdp_results.json").exists() else {}
+    res: dict = {k: v for k, v in old.items() if k not in parts and k != "commands"}
+    commands = {k: old.get("commands", {}).get(k, "PYTHONPATH=src python benchmarks/bench_cdp.py")
+                for k in res}  # results from before commands were recorded: the full default run
+    cmd = "PYTHONPATH=src python benchmarks/bench_cdp.py " + " ".join(sys.argv[1:])
+    commands.update({part: cmd.strip() for part in parts})
     if "memory" in parts:
-        res["memory"] = bench_memory(args.quick)
+        res["memory"] = bench_memory(args.quick, out)
     if "comm" in parts:
         res["comm"] = bench_comm()
     if "accuracy" in parts:
-        res["accuracy"] = bench_accuracy(args.quick)
-    (OUT / "cdp_results.json").write_text(json.dumps(res, indent=1))
-    write_md(res, time.perf_counter() - t0, sys.argv[1:])
-    print((OUT / "cdp_results.md").read_text())
+        res["accuracy"] = bench_accuracy(args.quick, args.jobs, out, args.cache)
+    res["commands"] = commands
+    (out / "cdp_results.json").write_text(json.dumps(res, indent=1))
+    write_md(res, commands, out)
+    print((out / "cdp_results.md").read_text())
 
 
 if __name__ == "__main__":
