@@ -51,6 +51,7 @@ INCOMPATIBLE: dict[str, str] = {
     "model": "another model",
     "vocab_size": "another tokenizer",
     "tokenizer": "another tokenizer",
+    "precision": "the checkpoint's state (with fp16: its loss scale) belongs to that precision",
 }
 """Job fields a resumed run may not change, with why."""
 
@@ -64,6 +65,7 @@ NOTED: dict[str, str] = {
     "threads": "kernels may sum in another order, so the continuation need not be bit-identical",
     "link": "only the emulated link timing changes",
     "slow_worker": "only the slowed worker's timing changes",
+    "max_grad_norm": "gradients after step {step} are clipped to the new norm ({old} -> {new})",
     "batch_policy": "steps after {step} on another number of workers than the run started on hold what the new "
                     "policy says",
 }
@@ -74,6 +76,7 @@ SAFE = frozenset({
     "trace", "profile_steps", "export", "on_nonfinite", "nonfinite_skip_limit", "log_with",
     "max_tokens", "max_time_s", "target_loss",  # only when the run stops (tokens and time count from step 0)
     "elastic",  # how restarts find the checkpoint, not what it holds
+    "activation_checkpointing", "compile",  # the same computation, other memory and speed
 })
 """Job fields a resumed run may change without a word."""
 
