@@ -137,7 +137,8 @@ def dynamics(tmp: Path, args: argparse.Namespace) -> None:
         rows.append([label, c["tokens"], c["eval_loss"][-1], c["eval_loss"][-1] - ref["eval_loss"][-1],
                      max(gap), statistics.mean(gap[1:]) if len(gap) > 1 else 0.0])
     path = write_markdown(
-        "acco_dynamics", f"Training dynamics — {NPROC} workers, {steps} steps, same tokens (paper 003 Sec. 4.3 in miniature)",
+        "acco_dynamics",
+        f"Training dynamics — {NPROC} workers, {steps} steps, same tokens (paper 003 Sec. 4.3 in miniature)",
         ["run", "tokens", "final held-out loss", "final - ddp", "max gap to ddp (over evals)",
          "mean gap to ddp"], rows,
         notes=(f"Tiny GPT-Neo on the embedded corpus, AdamW lr {args.lr} with the trainer's warm-up + cosine "

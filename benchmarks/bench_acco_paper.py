@@ -95,7 +95,8 @@ def main() -> None:
                 extra = [*extra, "--seed", str(seed)]
                 runs = {}
                 for label, flags in runs_spec.items():
-                    run_dir = (trace_dir / f"r{len(out)}-{len(runs)}") if args.trace else tmp / f"r{len(out)}-{len(runs)}"
+                    run_dir = ((trace_dir / f"r{len(out)}-{len(runs)}") if args.trace
+                               else tmp / f"r{len(out)}-{len(runs)}")
                     s = run_train(run_dir, *base, *flags, *extra, "--link", link, *(["--trace"] if args.trace else []),
                                   "--max-steps", str(args.steps), "--eval-every", str(args.eval_every))
                     runs[label] = {"curve": curve(s), "wall_s": s["wall_s"], "tokens": s["tokens"],
@@ -109,7 +110,8 @@ def main() -> None:
                 z, a = list(runs.values())[:2]
                 for label, r in list(runs.items())[2:]:
                     print(f"{key} {label}: {r['time_to_target_s']:.1f} s to target "
-                          f"({r['time_to_target_s'] / z['time_to_target_s']:.2f}× zero1), busy {r['stats']['busy']:.2f}")
+                          f"({r['time_to_target_s'] / z['time_to_target_s']:.2f}× zero1), "
+                          f"busy {r['stats']['busy']:.2f}")
                 rows.append([key, target, z["time_to_target_s"], a["time_to_target_s"],
                              a["time_to_target_s"] / z["time_to_target_s"], z["tokens_to_target"],
                              a["tokens_to_target"], z["micro_batches_per_step"], a["micro_batches_per_step"],

@@ -18,7 +18,8 @@ the same number of steps: every row consumes 4 micro-batches per step). Rows:
 
 Columns: bytes crossing nodes (sent during the training steps on groups that span the two nodes — ``world``
 and ``replicate``, summed over workers; a ring collective over ``world`` also carries some intra-node hops,
-which the meter counts with it; the start-up broadcast of the parameters, the same in every row, is left out), those bytes per token, the final held-out loss, tokens and seconds until the held-out loss first reaches
+which the meter counts with it; the start-up broadcast of the parameters, the same in every row, is left out), those
+bytes per token, the final held-out loss, tokens and seconds until the held-out loss first reaches
 the target (ddp's final loss + 2%), the compute-busy fraction, and the peak bytes one worker sent across
 nodes in a single step (Streaming DiLoCo's "peak bandwidth").
 

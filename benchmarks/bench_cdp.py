@@ -150,7 +150,8 @@ def write_md(res: dict, commands: dict[str, str], out: Path) -> None:
     lines += [f"- {part}: `{cmd}`" for part, cmd in commands.items() if part in res] + [""]
     if "memory" in res:
         lines += ["## Activation memory per worker (measured: autograd saved tensors, one process, total / N)", "",
-                  "| model | N | DP peak (MB) | CDP peak (MB) | CDP/DP measured | ideal (N+1)/2N | stage FLOPs max/mean |",
+                  "| model | N | DP peak (MB) | CDP peak (MB) | CDP/DP measured | ideal (N+1)/2N "
+                  "| stage FLOPs max/mean |",
                   "|---|---|---|---|---|---|---|"]
         for r in res["memory"]["rows"]:
             lines.append(f"| {r['model']} | {r['N']} | {r['dp_peak_per_worker'] / 1e6:.2f} | "

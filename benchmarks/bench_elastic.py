@@ -234,7 +234,8 @@ def main() -> None:
             rows.append([r["strategy"], kind, c["detect_s"], c["restart_s"], c["reload_s"], c["total_s"],
                          c.get("redone_steps", 0), c.get("redone_s", 0.0)])
     notes = "\n".join(
-        f"- {r['strategy']}: checkpoint every {r['save_every']} steps (--elastic default), step {r['step_s_3_workers']:.3f} s "
+        f"- {r['strategy']}: checkpoint every {r['save_every']} steps (--elastic default), "
+        f"step {r['step_s_3_workers']:.3f} s "
         f"on 3 workers / {r['step_s_2_workers']:.3f} s on 2, a checkpoint adds {r['save_extra_s']:.3f} s; newest "
         f"checkpoint {r['checkpoint'].get('rank_files_bytes', 0) / 1e6:.1f} MB of rank files + "
         f"{r['checkpoint'].get('logical_bytes', 0) / 1e6:.1f} MB logical; a 3-worker world loading a 2-worker "

@@ -170,7 +170,8 @@ def bytes_exact(records_by_rank: list[list[dict]], name: str, knobs: dict, w: An
             tau = knobs["overlap_delay"]
 
             def cum(xs: list[dict], k: int) -> dict:
-                return {g: sum(x.get(g, {}).get("sent", 0) for x in xs[:max(0, k)]) for g in ("world", "shard", "replicate")}
+                return {g: sum(x.get(g, {}).get("sent", 0) for x in xs[:max(0, k)])
+                        for g in ("world", "shard", "replicate")}
 
             launches = [k + 1 for k, x in enumerate(want) if x]
             for k in range(1, len(got) + 1):
@@ -252,7 +253,8 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
     return {
         "setting": label, "nproc": nproc, "nodes": nodes, "links": links if shaped is None else [shaped.describe()],
         "plan_links": plan_json["cluster"]["links"], "plan_s": plan_s, "diagnosis": plan_json["advice"]["diagnosis"],
-        "recommended": spec_of(rec["strategy"], rec["knobs"]), "measured_fastest": spec_of(fastest["strategy"], fastest["knobs"]),
+        "recommended": spec_of(rec["strategy"], rec["knobs"]),
+        "measured_fastest": spec_of(fastest["strategy"], fastest["knobs"]),
         "recommended_is_fastest": (rec["strategy"], rec["knobs"]) == (fastest["strategy"], fastest["knobs"]),
         "predicted_order_fastest": spec_of(predicted_fastest["strategy"], predicted_fastest["knobs"]),
         "runs": measured,
@@ -336,24 +338,30 @@ def main() -> None:
         for r in s["runs"]:
             table.append([s["setting"], r["label"], _f(r["predicted_step_s"]), _f(r["measured_step_s"]),
                           _f(r["predicted_micro_batches"]), _f(r["measured_micro_batches"]),
-                          _f(r["predicted_tokens_per_s"], 0), _f(r["measured_tokens_per_s"], 0), _pct(r["token_time_error"]),
+                          _f(r["predicted_tokens_per_s"], 0), _f(r["measured_tokens_per_s"], 0),
+                          _pct(r["token_time_error"]),
                           _f(r["predicted_busy"], 2), _f(r["measured_busy"], 2), "✓" if r["bytes_exact"] else "✗"])
-    verdicts = "\n".join(f"- {s['setting']}: recommended `{s['recommended']}`, measured fastest `{s['measured_fastest']}`"
+    verdicts = "\n".join(f"- {s['setting']}: recommended `{s['recommended']}`, "
+                         f"measured fastest `{s['measured_fastest']}`"
                          f" ({'same' if s['recommended_is_fastest'] else 'different'}); plan links {s['plan_links']}"
                          for s in settings)
-    notes = (f"Model {args.model}, micro-batch {args.micro_batch_size}×{args.seq_len} tokens, {steps} committed steps per "
-             f"run (Local SGD and DiLoCo: 2 + two sync periods + τ), the first 2 skipped, 2 workers as 2 nodes" + ("" if quick else " and 2 nodes × 2 workers (intra "
+    notes = (f"Model {args.model}, micro-batch {args.micro_batch_size}×{args.seq_len} tokens, {steps} committed "
+             f"steps per run (Local SGD and DiLoCo: 2 + two sync periods + τ), the first 2 skipped, "
+             "2 workers as 2 nodes" + ("" if quick else " and 2 nodes × 2 workers (intra "
              f"{INTRA})") + ". Micro-batches per step: all workers. Time/token error = predicted time per token / "
-             "measured − 1 (for fixed-batch strategies the step-time error; ACCO/DPU/WP grow their steps with the link, "
-             "so their step times are not comparable). Bytes: every worker's bytes per step per group equal the "
+             "measured − 1 (for fixed-batch strategies the step-time error; ACCO/DPU/WP grow their steps with the "
+             "link, so their step times are not comparable). Bytes: every worker's bytes per step per group equal the "
              f"schedule's. Summary: bytes exact {summary['bytes_exact']}, median |time/token error| "
-             f"{_pct(summary['median_abs_time_per_token_error'])}, max {_pct(summary['max_abs_time_per_token_error'])}, "
+             f"{_pct(summary['median_abs_time_per_token_error'])}, "
+             f"max {_pct(summary['max_abs_time_per_token_error'])}, "
              "recommended = "
-             f"measured fastest in {summary['recommended_is_fastest']:.0%} of settings. {wall:.0f} s in all; 1-minute load "
-             f"average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {os.cpu_count()} cores.\n\n"
+             f"measured fastest in {summary['recommended_is_fastest']:.0%} of settings. {wall:.0f} s in all; "
+             f"1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, "
+             f"on {os.cpu_count()} cores.\n\n"
              f"{verdicts}\n\nWhat-if (1B parameters, 4 nodes × 8 GPUs):\n\n" +
              "\n\n".join(f"### inter {x['inter']}\n\n{x['markdown']}" for x in what_if) +
-             f"\n\nReproduce: `python benchmarks/bench_plan.py{' --quick' if quick else ''}` (root for the shaped link). "
+             f"\n\nReproduce: `python benchmarks/bench_plan.py{' --quick' if quick else ''}` "
+             "(root for the shaped link). "
              "Timings from a shared machine are not the planner's accuracy: run it on an idle one.")
     path = write_markdown(name, "quietsync plan: predicted vs measured",
                           ["setting", "strategy", "pred step s", "meas step s", "pred micro-batches/step",

@@ -448,7 +448,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
               "(chance is ln 10 = 2.303).", "",
               f"### lr sweep (validation accuracy % / validation loss, mean of seeds "
               f"{', '.join(map(str, st['sweep_seeds']))} (not final seeds), each seed's accuracy in brackets; "
-              "**bold** = chosen: best mean validation accuracy; a grid grows by ×2 / ÷2 while its best is at an end)", "",
+              "**bold** = chosen: best mean validation accuracy; a grid grows by ×2 / ÷2 while its best is at an "
+              "end)", "",
               "| lr | " + " | ".join(LABEL[r] for r in RULES) + " |", "|---|" + "---|" * len(RULES)]
     for lr in sorted({x["lr"] for x in res["sweep"]}):
         cells = []

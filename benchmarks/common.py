@@ -25,7 +25,8 @@ def run_train(out: Path, *flags: str, timeout: float = 1800) -> dict[str, Any]:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(flags)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(flags)} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     summary["process_s"] = time.perf_counter() - t0
     ranks = []

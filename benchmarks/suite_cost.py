@@ -16,7 +16,8 @@ Prints wall-clock seconds, CPU seconds (user + system), interpreters started (to
 transformers), a breakdown by kind of interpreter, the ``--top`` tests with the most CPU seconds (a plugin
 counts each test's own process, its reaped subprocesses and its forkserver's reaped workers; CPU of a process
 orphaned by the test, or reaped after the test ended, goes uncounted there but not in the total), and
-processes still alive when pytest exited (leaks). ``--json`` appends the record to a JSON list. Tests that replace ``PYTHONPATH`` in the environment they give a
+processes still alive when pytest exited (leaks). ``--json`` appends the record to a JSON list. Tests that replace
+``PYTHONPATH`` in the environment they give a
 subprocess hide that subprocess's interpreters from the count (prepend to it instead).
 """
 

@@ -41,7 +41,8 @@ def corpus_bytes() -> bytes:
 
         return "".join(kjv_chapters()[:40]).encode()
     except (ImportError, FileNotFoundError):
-        return (" ".join(f"line {i} of a small offline corpus about gradients and networks." for i in range(4000))).encode()
+        return (" ".join(f"line {i} of a small offline corpus about gradients and networks."
+                         for i in range(4000))).encode()
 
 
 class ByteWindows(torch.utils.data.IterableDataset):

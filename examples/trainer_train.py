@@ -34,7 +34,8 @@ def corpus_bytes() -> bytes:
 
         return "".join(kjv_chapters()[:40]).encode()
     except (ImportError, FileNotFoundError):
-        return (" ".join(f"line {i} of a small offline corpus about gradients and networks." for i in range(4000))).encode()
+        return (" ".join(f"line {i} of a small offline corpus about gradients and networks."
+                         for i in range(4000))).encode()
 
 
 def byte_windows(data: bytes, seq_len: int, count: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -77,7 +78,8 @@ def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str
     if optimizer.steps > len(committed.lrs):  # the step finish() committed (dpu, wp, acco: the update in flight)
         committed.lrs.append(optimizer.last_step_metrics().lr)
     with optimizer.committed_params() as model_now:
-        flat = torch.cat([p.detach().float().flatten() for p in trainer.accelerator.unwrap_model(model_now).parameters()])
+        flat = torch.cat([p.detach().float().flatten()
+                          for p in trainer.accelerator.unwrap_model(model_now).parameters()])
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     metrics = optimizer.last_step_metrics()
     if trainer.is_world_process_zero():

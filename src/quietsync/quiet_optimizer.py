@@ -319,7 +319,8 @@ class QuietOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "quietsync" not in state_dict:
             raise ValueError("state_dict was not saved by a QuietOptimizer (no 'quietsync' entry)")
         if state_dict.get("rank") != self.strategy.rank:
-            raise ValueError(f"state_dict was saved by rank {state_dict.get('rank')}, this is rank {self.strategy.rank}")
+            raise ValueError(f"state_dict was saved by rank {state_dict.get('rank')}, "
+                             f"this is rank {self.strategy.rank}")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}")

@@ -140,7 +140,8 @@ def test_zeros_and_all_equal_blocks(name):
     for b, c in ((1, 0.3), (2, -2.0)):
         s = stored_scales(payload, 3)[b]
         # |c| / s is within the float rounding of qmax: the nearest level is ±qmax
-        assert torch.allclose(y[4 * b: 4 * b + 4], torch.full((4,), math.copysign(qmax * s, c))[: len(y[4 * b:4 * b + 4])])
+        assert torch.allclose(y[4 * b: 4 * b + 4],
+                              torch.full((4,), math.copysign(qmax * s, c))[: len(y[4 * b:4 * b + 4])])
 
 
 @pytest.mark.parametrize("name", list(GRIDS))

@@ -73,7 +73,8 @@ def test_dct_sent_is_exactly_decoded_topk():
     msg = rep.extract(delta, seg)
     # independent oracle: DCT matrix from the cosine formula, top-k per 8x8 block by hand
     n = 8
-    d = torch.tensor([[(math.sqrt(1 / n) if k == 0 else math.sqrt(2 / n)) * math.cos(math.pi * (2 * i + 1) * k / (2 * n))
+    d = torch.tensor([[(math.sqrt(1 / n) if k == 0 else math.sqrt(2 / n))
+                       * math.cos(math.pi * (2 * i + 1) * k / (2 * n))
                        for i in range(n)] for k in range(n)], dtype=torch.float64)
     (k,) = rep.ks(seg, torch.float64)
     x = delta.reshape(16, 16)

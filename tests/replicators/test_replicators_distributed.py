@@ -60,7 +60,8 @@ def test_shared_indices_values_only_all_reduce(name):
     for r in res:
         assert torch.equal(r["update"].to(torch.bfloat16).float(), r["update"])
         assert ((r["update"] - want).abs() <= bound).all(), float((r["update"] - want).abs().max())
-        assert r["update"].count_nonzero() == idx.numel() and torch.equal(r["update"].nonzero().view(-1), idx.sort().values)
+        assert (r["update"].count_nonzero() == idx.numel()
+                and torch.equal(r["update"].nonzero().view(-1), idx.sort().values))
         torch.testing.assert_close(r["residual"] + r["sent"], r["before"], rtol=1e-6, atol=1e-6)
 
 

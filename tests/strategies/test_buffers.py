@@ -16,7 +16,8 @@ SGD = {"lr": 0.1}
 
 def bn_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.BatchNorm1d(13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.BatchNorm1d(13), torch.nn.Tanh(),
+                               torch.nn.Linear(13, 5))
 
 
 def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -85,7 +86,8 @@ def test_running_statistics_stay_equal_across_replicas_in_every_strategy_that_ca
         assert torch.equal(a["start"]["1.running_mean"], torch.zeros(13)), name  # rank 0's, broadcast
         for key in a["end"]:
             assert torch.equal(a["end"][key], b["end"][key]), (name, key)  # equal replicas after finish
-        if name not in ("localsgd", "diloco", "ddp"):  # averaged at every commit: equal after each (ddp: at each forward)
+        # averaged at every commit: equal after each (ddp: at each forward)
+        if name not in ("localsgd", "diloco", "ddp"):
             for sa, sb in zip(a["per_step"], b["per_step"]):
                 assert all(torch.equal(sa[k], sb[k]) for k in sa), name
         assert int(a["end"]["1.num_batches_tracked"]) >= steps, name

@@ -34,7 +34,8 @@ def _train(rank: int, world: int, name: str, config: dict, steps: int, opt: dict
 @pytest.mark.parametrize("base", ["sgd", "adamw"])
 def test_full_no_decay_no_sign_is_plain_data_parallel(base):
     cfg = {"replicator": "full", "beta": 0.0, "sign": False, "accumulation": 2, "base": base}
-    opt = {"lr": 0.05, "weight_decay": 0.1} if base == "sgd" else {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    opt = ({"lr": 0.05, "weight_decay": 0.1} if base == "sgd"
+           else {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1})
     results = run_ranks(_train, 2, "demo", cfg, 4, opt)
     if base == "sgd":
         want = reference_run(2, 2, 4, optimizer="sgd", **opt)
@@ -103,7 +104,8 @@ def _resume(rank: int, world: int, cfg: dict) -> tuple[torch.Tensor, torch.Tenso
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rep", ["dct", "striding"])  # random: tests/optim and tests/strategies/test_flexdemo.py
 def test_resume_is_exact(rep):
-    cfg = {"replicator": rep, "accumulation": 2, "compression": 1 / 4, "chunk": 4, "base": "adamw" if rep == "striding" else "sgd"}
+    cfg = {"replicator": rep, "accumulation": 2, "compression": 1 / 4, "chunk": 4,
+           "base": "adamw" if rep == "striding" else "sgd"}
     for straight, resumed in run_ranks(_resume, 2, cfg):
         assert torch.equal(straight, resumed)
 

@@ -246,7 +246,8 @@ def _check(results: list[dict], topology: str, case: str) -> None:
                     if cfg["replicator"] == "dct":  # (blocks, *block) per tensor, blocks row-major over the grid
                         ref = Blocking(tuple(group.replicator.shapes[t]), cfg["chunk"]).encode(ref)
                     torch.testing.assert_close(lib.double().reshape(-1), ref.reshape(-1), rtol=0,
-                                               atol=MOMENTUM_ATOL, msg=lambda m, s=s: f"{topology} {case} δ step {s}: {m}")
+                                               atol=MOMENTUM_ATOL,
+                                               msg=lambda m, s=s: f"{topology} {case} δ step {s}: {m}")
     # the tolerance tells a wrong algorithm apart
     wrongs = [{"error_feedback": False}] + ([{"mean_over": "all"}] if cfg["replicator"] == "dct" else [])
     for wrong in wrongs:

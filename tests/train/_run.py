@@ -37,12 +37,14 @@ def small_job(tmp_path: Path, nproc: int = 2) -> list[str]:
     data = tmp_path / "text.txt"
     if not data.exists():
         data.write_text(synthetic_text(1500))
-    return ["--model", "tiny", "--nproc", str(nproc), "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
+    return ["--model", "tiny", "--nproc", str(nproc), "--micro-batch-size", "2", "--seq-len", "32",
+            "--vocab-size", "300",
             "--dataset", str(data), "--cache-dir", str(tmp_path / "cache"), "--eval-windows", "4",
             "--eval-every", "0", "--no-progress", "--no-plot"]
 
 
-def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str, nproc: int = 2) -> tuple[Path, list[str]]:
+def shared_run(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str,
+               nproc: int = 2) -> tuple[Path, list[str]]:
     """A finished ``train(*small_job(F, nproc), *flags, "--out", F/"run")`` in a folder F of this test session, run
     once whichever test process asks first (:func:`tests.shared.shared_folder`); returns ``(F/"run",
     small_job(F, nproc))`` — the job's flags, for a test that resumes a copy (the dataset path must not change).

@@ -234,7 +234,9 @@ def test_compare_at_an_equal_token_budget(tmp_path, monkeypatch):
                        "--max-steps", "50", "--max-tokens", str(4 * TOKENS_PER_MICRO_BATCH), "--trace"])
     assert rc == 0
     rows = json.loads((out / "compare.json").read_text())
-    assert [(r["stopped_by"], r["steps"], r["tokens"]) for r in rows] == [("max_tokens", 4, 256), ("max_tokens", 2, 256)]
+    assert [(r["stopped_by"], r["steps"], r["tokens"]) for r in rows] == [("max_tokens", 4, 256),
+                                                                           ("max_tokens", 2, 256)]
     table = (out / "compare.md").read_text()
-    assert "| stopped by | steps |" in table and "| max_tokens | 4 |" in table and "different token budgets" not in table
+    assert ("| stopped by | steps |" in table and "| max_tokens | 4 |" in table
+            and "different token budgets" not in table)
     assert (out / "timelines.png").read_bytes()[:4] == b"\x89PNG"

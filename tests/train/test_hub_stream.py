@@ -24,7 +24,8 @@ def test_a_streamed_dataset_gives_documents_from_its_text_column_up_to_max_chars
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     folder = tmp_path / "ds"
     folder.mkdir()
-    _write(folder / "train.jsonl", [{"id": i, "body": f"line {i} " * 10} for i in range(100)] + [{"id": -1, "body": " "}])
+    _write(folder / "train.jsonl",
+           [{"id": i, "body": f"line {i} " * 10} for i in range(100)] + [{"id": -1, "body": " "}])
     _write(folder / "validation.jsonl", [{"id": i, "body": f"held {i}"} for i in range(5)])
     corpus = load_hub(str(folder), 0.02, max_chars=500)
     assert corpus.documents[0] == "line 0 " * 10

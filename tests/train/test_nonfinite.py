@@ -80,7 +80,8 @@ def _loop(rank: int, world: int, name: str, config: dict, poison: set, steps: in
         s.close()
 
 
-def _reference(name: str, config: dict, world: int, feed: list[list[int]], steps: int, nodes: int | None) -> torch.Tensor:
+def _reference(name: str, config: dict, world: int, feed: list[list[int]], steps: int,
+               nodes: int | None) -> torch.Tensor:
     """The same run on clean data: micro-batch indices ``feed[r]`` per rank (the poisoned rounds left out)."""
     return run_ranks(_clean, world, name, config, feed, steps, timeout=120, nodes=nodes)[0]
 

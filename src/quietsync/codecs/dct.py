@@ -267,7 +267,8 @@ class BlockLayout:
 class BlockWorkspace:
     """Stacked buffers of one :class:`BlockLayout`, kept across steps (one dtype and device).
 
-    ``blocks`` (spatial blocks; :meth:`BlockLayout.gather_blocks` rewrites their padding with zeros), ``coeffs`` (transform output) and ``tmp`` (the
+    ``blocks`` (spatial blocks; :meth:`BlockLayout.gather_blocks` rewrites their padding with zeros), ``coeffs``
+    (transform output) and ``tmp`` (the
     intermediate product of a 2-D transform) have one ``(num_blocks, *block_shape)`` tensor per group.
     """
 

@@ -194,7 +194,8 @@ def transformer_shape(model: str) -> dict[str, int]:
     for item in filter(None, (s.strip() for s in m.group(1).split(","))):
         key, sep, value = item.partition("=")
         if not sep or key not in ("hidden", "layers", "vocab") or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"model transformer:... takes hidden=H,layers=L,vocab=V (positive integers), got {model!r}")
+            raise ValueError("model transformer:... takes hidden=H,layers=L,vocab=V (positive integers), "
+                             f"got {model!r}")
         out[key] = int(value)
     if set(out) != {"hidden", "layers", "vocab"}:
         raise ValueError(f"model transformer:... needs hidden, layers and vocab, got {model!r}")

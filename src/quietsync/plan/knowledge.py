@@ -32,8 +32,8 @@ FINDINGS: tuple[Finding, ...] = (
             "913408 vs 450560 tokens to loss 5.2 with comm≈1× compute, 1448960 vs 491520 with comm≈3× "
             "(4 workers); its wall time to that loss was 1.16× and 1.11× ZeRO-1's there",
             "benchmarks/results/acco_paper.md", ("913408", "450560", "1448960", "491520", "1.16", "1.11")),
-    Finding(("acco",), "with one worker 4× slower ACCO kept 0.993 of the time busy but needed 2194432 tokens against ZeRO-1's "
-            "450560 to loss 5.19", "benchmarks/results/acco_paper.md", ("2194432", "450560", "0.993")),
+    Finding(("acco",), "with one worker 4× slower ACCO kept 0.993 of the time busy but needed 2194432 tokens "
+            "against ZeRO-1's 450560 to loss 5.19", "benchmarks/results/acco_paper.md", ("2194432", "450560", "0.993")),
     Finding(("demo", "flexdemo"), "FlexDeMo DCT (1/32, sign) at equal steps and tokens: held-out loss 6.16 "
             "against 6.01 for hybrid-sharded AdamW; the random replicator 7.67; DCT without sign 7.97",
             "benchmarks/results/demo_paper.md", ("6.16", "6.01", "7.67", "7.97")),

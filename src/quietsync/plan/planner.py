@@ -69,15 +69,17 @@ class PlanResult:
     def sweep(self, kind: str | None = None, points: int = 41, lo_bits: float = 1e6, hi_bits: float = 1e11
               ) -> tuple[str, list[float], dict[str, list[float]], list[tuple[float, str, str]]]:
         """Each strategy's best setting (knobs fixed; ACCO/DPU/WP stages capped at MAX_STAGE micro-batches) at link
-        bandwidths from ``lo_bits`` to ``hi_bits`` bit/s on link ``kind`` (default: inter if there are several nodes), latency kept. Returns ``(kind, bandwidths in
-        bytes/s, {label: seconds per 1k tokens}, crossovers [(bandwidth, was fastest, becomes fastest)])``."""
+        bandwidths from ``lo_bits`` to ``hi_bits`` bit/s on link ``kind`` (default: inter if there are several nodes),
+        latency kept. Returns ``(kind, bandwidths in bytes/s, {label: seconds per 1k tokens}, crossovers
+        [(bandwidth, was fastest, becomes fastest)])``."""
         kind = kind or ("inter" if self.cluster.nodes > 1 else "intra")
         base = self.cluster.links.model.get(kind) or LinkModel(1e9 / 8)
         bws = [lo_bits / 8 * (hi_bits / lo_bits) ** (i / (points - 1)) for i in range(points)]
         rows = self.best_rows()
 
         def knobs(r: Row) -> dict[str, Any]:  # adaptive stages capped as the advice ranks them, at any bandwidth
-            if r.strategy in STAGES and "max_accumulation" not in r.knobs and "deterministic_accumulation" not in r.knobs:
+            if (r.strategy in STAGES and "max_accumulation" not in r.knobs
+                    and "deterministic_accumulation" not in r.knobs):
                 return {**r.knobs, "max_accumulation": int(MAX_STAGE)}
             return r.knobs
 
@@ -125,7 +127,8 @@ class PlanResult:
             kind, _, _, crossovers = self.sweep()
             lines = [f"- at {b * 8 / 1e6:,.4g} Mbit/s: {a} → {c}" for b, a, c in crossovers]
             text += (f"\n**Crossovers** (fastest per token as the {kind} bandwidth grows, each strategy's best "
-                     "setting above):\n\n" + ("\n".join(lines) if lines else "- none between 1 Mbit/s and 100 Gbit/s") + "\n")
+                     "setting above):\n\n" + ("\n".join(lines) if lines else "- none between 1 Mbit/s and 100 Gbit/s")
+                     + "\n")
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -327,7 +330,8 @@ def links_from_probe(cfg: PlanConfig, measured: dict[str, Any] | None) -> tuple[
     probed = (measured or {}).get("probe") or {}
     for kind, f in (probed.get("fits") or {}).items():
         fitted = LinkModel(f["bandwidth"], f["latency"])
-        per = {c: LinkModel(g["bandwidth"], g["latency"]) for c, g in (probed.get("by_kind") or {}).get(kind, {}).items()}
+        per = {c: LinkModel(g["bandwidth"], g["latency"])
+               for c, g in (probed.get("by_kind") or {}).get(kind, {}).items()}
         by_kind[kind] = per
         each = "; per collective " + ", ".join(f"{c} {m}" for c, m in sorted(per.items())) if per else ""
         if kind in model:
@@ -414,7 +418,8 @@ def _what_if(cfg: PlanConfig, w: Workload) -> PlanResult:
     assumptions = [
         f"compute from FLOPs: {w.training_flops() / w.tokens_per_micro_batch:.3g} FLOPs per token (6 × parameters + "
         f"attention), {device.flops / 1e12:g} TFLOP/s peak at {device.mfu:.0%} MFU; forward 1/3, backward 2/3",
-        f"optimizer: AdamW in fp32, {ADAMW_BYTES:g} bytes per parameter through {device.memory_bandwidth / 1e12:g} TB/s",
+        f"optimizer: AdamW in fp32, {ADAMW_BYTES:g} bytes per parameter through "
+        f"{device.memory_bandwidth / 1e12:g} TB/s",
         f"DeMo codec: DCT {CODEC_FLOPS:g} FLOPs/element at {CODEC_MFU:.0%} of peak + {CODEC_BYTES:g} bytes/element of "
         "memory traffic (random/striding: the memory part only)",
         "parameters, gradients and communication in fp32 (the library's default); links as given, alpha-beta, "

@@ -82,7 +82,8 @@ def diagnosis(baseline: Row) -> str:
     where = f"{baseline.label}: {baseline.comm_s:.3g} s of communication per {baseline.compute_s:.3g} s of compute"
     if baseline.compute_busy >= 0.9:
         return f"compute-bound: comm {ratio:.2g}× compute ({where}); synchronous training keeps the workers busy"
-    return f"link-bound: comm {ratio:.2g}× compute ({where}); the workers compute {baseline.compute_busy:.0%} of the time"
+    return (f"link-bound: comm {ratio:.2g}× compute ({where}); "
+            f"the workers compute {baseline.compute_busy:.0%} of the time")
 
 
 def _reason(r: Row, baseline: Row, world: int) -> str:
@@ -101,7 +102,8 @@ def _reason(r: Row, baseline: Row, world: int) -> str:
         return out + (_BIG_BATCH if per > 4 else "")
     if r.strategy in ("demo", "flexdemo"):
         return (f"{busy}; sends {fmt_bytes(inter or sum(r.bytes_per_link.values()))} per step across nodes "
-                f"instead of {fmt_bytes(baseline.bytes_per_link.get('inter', 0.0) or sum(baseline.bytes_per_link.values()))}")
+                "instead of "
+                f"{fmt_bytes(baseline.bytes_per_link.get('inter', 0.0) or sum(baseline.bytes_per_link.values()))}")
     if r.strategy == "localsgd":
         return f"{busy}; averages parameters every {r.knobs.get('sync_every', 8)} steps"
     if r.strategy == "diloco":

@@ -102,7 +102,8 @@ class SparseUpdate:
         """``(local positions, values)`` of consecutive pieces of ``sizes`` elements (e.g. one per parameter)."""
         starts = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.long, device=self.indices.device)
         bounds = torch.searchsorted(self.indices, starts).tolist()
-        return [(self.indices[a:b] - int(starts[i]), self.values[a:b]) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        return [(self.indices[a:b] - int(starts[i]), self.values[a:b])
+                for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
 
 def _equal_runs(betas: Sequence[float], scales: Sequence[float]) -> list[tuple[int, int]]:

@@ -143,7 +143,8 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['label']} | {r['first_eval_loss']:.3f} → {r['last_eval_loss']:.3f} | {r['stopped_by']} | "
             f"{r['steps']} | {r['wall_s']:.1f} | "
             f"{r['tokens']:,} | {r['micro_batches_per_step']:.2f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['bytes_sent_per_step'] / 1e6:.2f} | {r['mb_sent_per_1k_tokens']:.3f} | {r['compute_s_per_worker']:.1f} | "
+            f"{r['bytes_sent_per_step'] / 1e6:.2f} | {r['mb_sent_per_1k_tokens']:.3f} | "
+            f"{r['compute_s_per_worker']:.1f} | "
             f"{r['idle_s_per_worker']:.1f} | {r['comm_s_per_worker']:.1f} | {r['compute_fraction']:.1%} |"
         )
         if target is not None:
@@ -180,7 +181,8 @@ def _predicted_markdown(rows: list[dict[str, Any]]) -> str:
         if p is None:
             continue
         step = r["wall_s"] / max(1, r["steps"])
-        lines.append(f"| {r['label']} | {p['step_s']:.3g} / {step:.3g} | {p['tokens_per_s']:,.0f} / {r['tokens_per_s']:,.0f} "
+        lines.append(f"| {r['label']} | {p['step_s']:.3g} / {step:.3g} "
+                     f"| {p['tokens_per_s']:,.0f} / {r['tokens_per_s']:,.0f} "
                      f"| {p['micro_batches_per_step']:.3g} / {r['micro_batches_per_step']:.3g} "
                      f"| {p['bytes_sent_per_step'] / 1e6:.3g} / {r['bytes_sent_per_step'] / 1e6:.3g} "
                      f"| {p['compute_busy']:.0%} / {r['compute_fraction']:.0%} |")

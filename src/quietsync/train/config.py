@@ -42,13 +42,17 @@ class TrainConfig:
     nproc: int = 2
     """Local worker processes to spawn when not under torchrun (1 = train in this process)."""
     nodes: int | None = None
-    """Nodes for the topology; default: WORLD_SIZE/LOCAL_WORLD_SIZE under torchrun, and with local workers one node per worker (so --link inter=... applies between them)."""
+    """Nodes for the topology; default: WORLD_SIZE/LOCAL_WORLD_SIZE under torchrun, and with local workers one node per
+    worker (so --link inter=... applies between them)."""
     max_steps: int = 300
-    """Committed optimizer steps to train for (the lr schedule spans them); with other budgets, the run stops at the first one reached."""
+    """Committed optimizer steps to train for (the lr schedule spans them); with other budgets, the run stops at the
+    first one reached."""
     max_tokens: int | None = None
-    """Token budget: stop after the first committed step at which all workers together have fed N tokens (the fair budget for comparing strategies)."""
+    """Token budget: stop after the first committed step at which all workers together have fed N tokens (the fair
+    budget for comparing strategies)."""
     max_time_s: float | None = None
-    """Time budget: stop after the first committed step at which S seconds of training have passed (the slowest worker's clock)."""
+    """Time budget: stop after the first committed step at which S seconds of training have passed (the slowest worker's
+    clock)."""
     target_loss: float | None = None
     """Stop at the first evaluation (every --eval-every steps) whose held-out loss is at or below X."""
     micro_batch_size: int = 8
@@ -78,9 +82,11 @@ class TrainConfig:
     seed: int = 0
     """Seed of the model initialisation and of the data order."""
     model: str = "default"
-    """Model: a size preset, tiny (~1M parameters), default (~2.6M), 10m (~10.6M); or a Hugging Face causal-LM folder (e.g. a previous run's OUT/model) or hub name (needs a network)."""
+    """Model: a size preset, tiny (~1M parameters), default (~2.6M), 10m (~10.6M); or a Hugging Face causal-LM folder
+    (e.g. a previous run's OUT/model) or hub name (needs a network)."""
     tokenizer: str | None = None
-    """Pretrained tokenizer: a folder with tokenizer.json (e.g. OUT/model) or a hub name; default: the --model folder's own, else a byte-level BPE of --vocab-size trained on the corpus."""
+    """Pretrained tokenizer: a folder with tokenizer.json (e.g. OUT/model) or a hub name; default: the --model folder's
+    own, else a byte-level BPE of --vocab-size trained on the corpus."""
     vocab_size: int = 4096
     """Size of the byte-level BPE vocabulary trained on the corpus (at least 257: the 256 bytes and end-of-text)."""
     eval_every: int = 50
@@ -92,9 +98,14 @@ class TrainConfig:
     resume: str | None = field(default=None, metadata={"flag": {"nargs": "?", "const": "latest", "metavar": "DIR"}})
     """Resume from a checkpoint folder; bare --resume takes the latest complete one under OUT/checkpoints."""
     elastic: bool = False
-    """Under torchrun --nnodes MIN:MAX --max-restarts K: every (re)start of the workers resumes from the newest complete checkpoint under --out (a fresh run when there is none), on whatever workers the rendezvous admitted; checkpoints every outer sync (diloco, localsgd) or 10 steps unless --save-every; --out must be on a file system every node sees."""
+    """Under torchrun --nnodes MIN:MAX --max-restarts K: every (re)start of the workers resumes from the newest complete
+    checkpoint under --out (a fresh run when there is none), on whatever workers the rendezvous admitted; checkpoints
+    every outer sync (diloco, localsgd) or 10 steps unless --save-every; --out must be on a file system every node
+    sees."""
     batch_policy: Literal["global", "worker"] = "global"
-    """What a step holds after a resume on another number of workers: global = the run's first tokens per step (each worker's micro-batches rescaled, rounded up), worker = the same micro-batches per worker; the lr schedule and --max-steps follow tokens either way."""
+    """What a step holds after a resume on another number of workers: global = the run's first tokens per step (each
+    worker's micro-batches rescaled, rounded up), worker = the same micro-batches per worker; the lr schedule and
+    --max-steps follow tokens either way."""
     cache_dir: str | None = None
     """Tokenizer and token cache folder (default: ~/.cache/quietsync)."""
     threads: int = 0
@@ -102,15 +113,20 @@ class TrainConfig:
     timeout_s: float = 300.0
     """Seconds a collective may wait for its peers before the job fails."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Mixed precision: fp32; bf16 (forward under autocast, fp32 master weights and optimizer state); fp16 (the same plus dynamic loss scaling: a round whose gradient overflows is skipped on every worker). Not fp16 with cdp."""
+    """Mixed precision: fp32; bf16 (forward under autocast, fp32 master weights and optimizer state); fp16 (the same
+    plus dynamic loss scaling: a round whose gradient overflows is skipped on every worker). Not fp16 with cdp."""
     max_grad_norm: float | None = None
-    """Clip the gradient each step commits to this global L2 norm (which gradient, per strategy: docs/train.md); 0 or none = no clipping."""
+    """Clip the gradient each step commits to this global L2 norm (which gradient, per strategy: docs/train.md); 0 or
+    none = no clipping."""
     activation_checkpointing: bool = False
-    """Recompute each transformer block's activations during backward instead of keeping them (less activation memory, one more block forward per backward)."""
+    """Recompute each transformer block's activations during backward instead of keeping them (less activation memory,
+    one more block forward per backward)."""
     compile: bool = False
-    """torch.compile each transformer block of the model (needs a C compiler on CPU; the first steps include compiling)."""
+    """torch.compile each transformer block of the model (needs a C compiler on CPU; the first steps include
+    compiling)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
-    """A non-finite loss or gradient: stop (every worker, naming the step; nothing of it is committed) or skip the round on every worker (ddp, zero1, demo, flexdemo, localsgd, diloco)."""
+    """A non-finite loss or gradient: stop (every worker, naming the step; nothing of it is committed) or skip the round
+    on every worker (ddp, zero1, demo, flexdemo, localsgd, diloco)."""
     nonfinite_skip_limit: int = 10
     """With --on-nonfinite skip: the most non-finite rounds skipped in a row; the next one stops the job."""
     progress: bool = True
@@ -120,11 +136,14 @@ class TrainConfig:
     trace: bool = False
     """Write trace.json (one Chrome/Perfetto trace of every worker's compute, comm and idle spans) and timeline.png."""
     profile_steps: str | None = field(default=None, metadata={"flag": {"metavar": "A:B"}})
-    """Run torch.profiler over committed steps A to B and write profile-rank{R}.json (Chrome trace with quietsync's record_function labels)."""
+    """Run torch.profiler over committed steps A to B and write profile-rank{R}.json (Chrome trace with quietsync's
+    record_function labels)."""
     export: bool = True
-    """Write OUT/model/ at the end: the committed model (safetensors) and its tokenizer, for AutoModelForCausalLM / AutoTokenizer.from_pretrained."""
+    """Write OUT/model/ at the end: the committed model (safetensors) and its tokenizer, for AutoModelForCausalLM /
+    AutoTokenizer.from_pretrained."""
     log_with: str | None = field(default=None, metadata={"flag": {"metavar": "LIST"}})
-    """Metrics outputs besides the JSONL, comma-separated: tensorboard (rank 0, OUT/tensorboard), csv (OUT/metrics-rank{R}.csv), wandb (rank 0); default: none."""
+    """Metrics outputs besides the JSONL, comma-separated: tensorboard (rank 0, OUT/tensorboard), csv
+    (OUT/metrics-rank{R}.csv), wandb (rank 0); default: none."""
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_steps", "micro_batch_size", "eval_windows"):

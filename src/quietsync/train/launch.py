@@ -7,7 +7,8 @@
 * Otherwise, with ``nproc > 1``, :func:`launch` spawns ``nproc`` local workers (``torch.multiprocessing``,
   *spawn* start method) on a free local port, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun would; gloo on CPU, bound to
-  the loopback interface, with a file-based rendezvous (no store listening on the network). If one worker fails, the others are terminated and :class:`WorkerFailed` names
+  the loopback interface, with a file-based rendezvous (no store listening on the network). If one worker fails, the
+  others are terminated and :class:`WorkerFailed` names
   the worker that failed **first** (the root cause — its peers typically fail a moment later with a broken
   connection) with its traceback. The others are stopped as soon as one failed: SIGTERM, SIGKILL after
   :data:`GRACE_S` (at once for a stopped, SIGSTOP'd, worker, which cannot act on SIGTERM), so a frozen worker

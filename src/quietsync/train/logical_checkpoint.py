@@ -2,7 +2,8 @@
 
 Beside the per-worker files of a step (``OUT/checkpoints/step-N/rank{R}.pt``, exact at the same world size), a
 strategy that can reshard (``Strategy.reshard_refusal is None``: ddp, zero1, fsdp, flexdemo) also writes
-``step-N/logical/``, a DCP checkpoint of its logical state (:mod:`quietsync.strategies.checkpoint.logical`) plus the job's:
+``step-N/logical/``, a DCP checkpoint of its logical state (:mod:`quietsync.strategies.checkpoint.logical`) plus the
+job's:
 
 * ``data.epoch``, ``data.consumed`` — the data stream's world-size-independent position
   (:meth:`~quietsync.train.data.ShardedSequences.logical_position`);

@@ -24,8 +24,8 @@ from .config import TrainConfig
 __all__ = ["RUN_OUTPUTS", "COMPARE_OUTPUTS", "out_problem", "compare_out_problem", "remove_outputs"]
 
 RUN_OUTPUTS = (
-    "metrics-rank*.jsonl", "summary.json", "summary.json.tmp", "loss.png", "trace.json", "trace-rank*.json", "timeline.png",
-    "profile-rank*.json",
+    "metrics-rank*.jsonl", "summary.json", "summary.json.tmp", "loss.png", "trace.json", "trace-rank*.json",
+    "timeline.png", "profile-rank*.json",
     "model", "metrics-rank*.csv", "tensorboard", "wandb",
 )
 """Glob patterns of what ``quietsync train`` writes under ``--out`` (what ``--overwrite`` removes, with

@@ -126,7 +126,8 @@ def _warmup(max_steps: int, warmup_steps: int | None) -> int:
 def _strategy_state(payload: dict[str, Any]) -> dict[str, Any]:
     state = payload.get("strategy")
     if not isinstance(state, dict):
-        raise ResumeMismatch("--resume: the checkpoint is not a quietsync checkpoint (its strategy state is not a dict)")
+        raise ResumeMismatch("--resume: the checkpoint is not a quietsync checkpoint "
+                             "(its strategy state is not a dict)")
     return state
 
 

@@ -73,7 +73,8 @@ def ddp(w: Workload, topo: Topology, cfg: Any, group: str = "world", opt: Optimi
         memory.update({"powersgd_error": w.param_bytes if psgd.error_feedback and buckets else 0,
                        "powersgd_pq": factors if psgd.warm_start else 0})
         notes.append(f"PowerSGD's steady state: its first {psgd.start_iter} steps all-reduce the fp32 buckets")
-    label = "ddp" + (f" acc={acc}" if acc > 1 else "") + (f" buckets {cfg.bucket_cap_mb:g}MB" if cfg.bucket_cap_mb != 25 else "")
+    label = ("ddp" + (f" acc={acc}" if acc > 1 else "")
+             + (f" buckets {cfg.bucket_cap_mb:g}MB" if cfg.bucket_cap_mb != 25 else ""))
     if hook != "allreduce":
         label += f" {hook}" + (f" r={cfg.powersgd_rank}" if psgd is not None else "")
     return Schedule("ddp", label, tuple(comms), step, memory, config=cfg, notes=tuple(notes))
@@ -87,7 +88,8 @@ def zero1(w: Workload, topo: Topology, cfg: Any, group: str = "world", opt: Opti
     comms = flat_collectives(w, topo, group, cfg.reduce_dtype, "zero1") if n > 1 else ()
     step = Seq(MicroBatches(acc), Wire(comms[:1]), optimizer(flat_shard(w, n)), Wire(comms[1:]))
     memory = {**sharded_state_memory(w, topo, group, opt), "grads": w.padded(n) * w.dtype_bytes}
-    label = "zero1" + (f" acc={acc}" if acc > 1 else "") + (f" {cfg.reduce_dtype}" if cfg.reduce_dtype != "float32" else "")
+    label = ("zero1" + (f" acc={acc}" if acc > 1 else "")
+             + (f" {cfg.reduce_dtype}" if cfg.reduce_dtype != "float32" else ""))
     return Schedule("zero1", label, tuple(comms), step, memory, config=cfg)
 
 
