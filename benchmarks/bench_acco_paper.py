@@ -126,6 +126,18 @@ def main() -> None:
                          f"{statistics.mean(ratios):.2f} ± {statistics.stdev(ratios):.2f}", "", "", "", "", "", "", "",
                          ""])
         out["repeats"] = {k: v for k, v in by_setting.items()}
+        extra_ratios: dict[tuple[str, str], list[float]] = {}  # the extra runs' time ÷ zero1's, per setting
+        for key, v in out.items():
+            if key in ("calibration", "repeats"):
+                continue
+            z = next(iter(v["runs"].values()))["time_to_target_s"]
+            for label, r in list(v["runs"].items())[2:]:
+                extra_ratios.setdefault((key.rsplit(", seed", 1)[0], label), []).append(r["time_to_target_s"] / z)
+        repeats_note = " ".join(
+            f"{label} ÷ zero1, {setting}: {statistics.mean(v):.2f} ± {statistics.stdev(v):.2f} "
+            f"({', '.join(f'{x:.3f}' for x in v)})." for (setting, label), v in extra_ratios.items())
+    else:
+        repeats_note = ""
     extra_runs = {k: {label: {"time_to_target_s": r["time_to_target_s"], "tokens_to_target": r["tokens_to_target"],
                               "busy": r["stats"]["busy"], "wall_s": r["wall_s"]}
                       for label, r in list(v["runs"].items())[2:]}
@@ -135,7 +147,7 @@ def main() -> None:
              "target are quantised to it). Calibration: zero1's communication per step at 100 Mbit/s = "
              f"{comm_100:.2f} s, one micro-batch = {compute:.2f} s of compute. The target is the lowest held-out "
              f"loss both runs reach. {nproc} processes share this machine's cores. Reproduce: "
-             f"`python benchmarks/bench_acco_paper.py {' '.join(sys.argv[1:])}`."
+             f"`python benchmarks/bench_acco_paper.py {' '.join(sys.argv[1:])}`. {repeats_note}"
              + (f" Extra runs (time and tokens to the same target): {json.dumps(extra_runs, ensure_ascii=False)}"
                 if any(extra_runs.values()) else ""))
     path = write_markdown(
