@@ -182,7 +182,8 @@ def write(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespac
                           r["peak_step_bytes"] / 1e6, r["wall_s"]])
         notes += [f"{bandwidth}: " + line for line in goals(res, h_long)]
     cmd = "python benchmarks/bench_bits.py" + (" --quick" if args.quick else f" --links {args.links}") + (
-        f" --tokens {args.tokens}" if args.tokens else "")
+        f" --tokens {args.tokens}" if args.tokens else "") + (
+        f" --eval-every {args.eval_every}" if args.eval_every != 64 and not args.quick else "")
     text = (
         f"2 nodes x 2 workers (local processes), links inter=<bandwidth>,5ms and intra=10gbit,0.05ms; model "
         f"`{args.model}`, {steps} steps = {tokens:,} tokens in every row (micro-batch {args.micro_batch_size} x "

@@ -41,6 +41,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, run_train, step_stats, write_markdown  # noqa: E402
 
+from quietsync.plan.recommend import MAX_STAGE, STAGES  # noqa: E402
+
 PY_MAIN = "import sys; from quietsync.train.cli import main; sys.exit(main())"
 INTRA = "intra=10gbit,0.05ms"
 
@@ -250,6 +252,11 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
     in_plan = [m for m in measured if m["predicted_tokens_per_s"] is not None]
     fastest = max(in_plan, key=lambda m: m["measured_tokens_per_s"])
     predicted_fastest = max(in_plan, key=lambda m: m["predicted_tokens_per_s"])
+    # the planner never recommends an adaptive ACCO/DPU/WP setting whose stages grew past MAX_STAGE micro-batches
+    # per worker (its speed is paid in tokens per target loss); judged on what each run really did
+    eligible = [m for m in in_plan if not (m["strategy"] in STAGES and m["measured_micro_batches"] / nproc
+                                           / STAGES[m["strategy"]] > MAX_STAGE * (1 + 1e-9))] or in_plan
+    fastest_eligible = max(eligible, key=lambda m: m["measured_tokens_per_s"])
     return {
         "setting": label, "nproc": nproc, "nodes": nodes, "links": links if shaped is None else [shaped.describe()],
         "plan_links": plan_json["cluster"]["links"], "plan_s": plan_s, "diagnosis": plan_json["advice"]["diagnosis"],
@@ -257,6 +264,9 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
         "measured_fastest": spec_of(fastest["strategy"], fastest["knobs"]),
         "recommended_is_fastest": (rec["strategy"], rec["knobs"]) == (fastest["strategy"], fastest["knobs"]),
         "predicted_order_fastest": spec_of(predicted_fastest["strategy"], predicted_fastest["knobs"]),
+        "measured_fastest_recommendable": spec_of(fastest_eligible["strategy"], fastest_eligible["knobs"]),
+        "recommended_is_fastest_recommendable": (rec["strategy"], rec["knobs"]) == (fastest_eligible["strategy"],
+                                                                                    fastest_eligible["knobs"]),
         "runs": measured,
     }
 
@@ -284,12 +294,26 @@ def main() -> None:
     ap.add_argument("--shaped", action=argparse.BooleanOptionalAction, default=True,
                     help="also the tc-tbf shaped link between two network namespaces (needs root)")
     ap.add_argument("--name", default=None, help="results name (default plan, or plan_quick)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="STRATEGY",
+                    help="run only these strategies of the run set (the plan still ranks every strategy)")
+    ap.add_argument("--topologies", nargs="+", default=None, metavar="WORKERSxNODES",
+                    help="worker x node counts (default 2x2 4x2; quick 2x2)")
     args = ap.parse_args()
     quick = args.quick
     steps = args.steps or (8 if quick else 14)
     links = args.links or (["100mbit,5ms"] if quick else ["10mbit,5ms", "100mbit,5ms", "1000mbit,1ms"])
-    topologies = [(2, 2)] if quick else [(2, 2), (4, 2)]
+    if args.topologies:
+        try:
+            topologies = [tuple(int(x) for x in t.lower().split("x")) for t in args.topologies]
+        except ValueError:
+            ap.error(f"--topologies takes WORKERSxNODES, e.g. 2x2 4x2, got {' '.join(args.topologies)}")
+    else:
+        topologies = [(2, 2)] if quick else [(2, 2), (4, 2)]
     run_set = QUICK_SET if quick else FULL_SET
+    if args.only:
+        run_set = [(n, k) for n, k in run_set if n in args.only]
+        if not run_set:
+            ap.error(f"--only: none of {' '.join(args.only)} is in the run set")
     name = args.name or ("plan_quick" if quick else "plan")
     settings = []
     load = [os.getloadavg()[0]]  # how shared the machine was (the planner's accuracy needs an idle one)
@@ -308,7 +332,7 @@ def main() -> None:
             if os.geteuid() != 0 or shutil.which("tc") is None or shutil.which("ip") is None:
                 print("== shaped link skipped: needs root, ip and tc", flush=True)
             else:
-                shaped_sets = [(2, 2)] if quick else [(2, 2), (4, 2)]
+                shaped_sets = topologies
                 with ShapedLink() as shaped:
                     for nproc, nodes in shaped_sets:
                         rs = [(n, k) for n, k in run_set if n != "flexdemo" or nproc > nodes]
@@ -326,6 +350,8 @@ def main() -> None:
         "median_abs_time_per_token_error": statistics.median(errors) if errors else None,
         "max_abs_time_per_token_error": max(errors) if errors else None,
         "recommended_is_fastest": sum(s["recommended_is_fastest"] for s in settings) / max(1, len(settings)),
+        "recommended_is_fastest_recommendable": sum(s["recommended_is_fastest_recommendable"] for s in settings)
+        / max(1, len(settings)),
         "wall_s": wall,
         "load_average_start_end": load,
         "cpu_count": os.cpu_count(),
@@ -343,24 +369,32 @@ def main() -> None:
                           _f(r["predicted_busy"], 2), _f(r["measured_busy"], 2), "✓" if r["bytes_exact"] else "✗"])
     verdicts = "\n".join(f"- {s['setting']}: recommended `{s['recommended']}`, "
                          f"measured fastest `{s['measured_fastest']}`"
-                         f" ({'same' if s['recommended_is_fastest'] else 'different'}); plan links {s['plan_links']}"
+                         f" ({'same' if s['recommended_is_fastest'] else 'different'}); measured fastest among "
+                         f"what the planner may recommend `{s['measured_fastest_recommendable']}` ("
+                         f"{'same' if s['recommended_is_fastest_recommendable'] else 'different'}); "
+                         f"plan links {s['plan_links']}"
                          for s in settings)
     notes = (f"Model {args.model}, micro-batch {args.micro_batch_size}×{args.seq_len} tokens, {steps} committed "
              f"steps per run (Local SGD and DiLoCo: 2 + two sync periods + τ), the first 2 skipped, "
-             "2 workers as 2 nodes" + ("" if quick else " and 2 nodes × 2 workers (intra "
-             f"{INTRA})") + ". Micro-batches per step: all workers. Time/token error = predicted time per token / "
+             + " and ".join(f"{n} workers as {k} nodes" for n, k in topologies)
+             + (f" (intra {INTRA})" if any(n > k for n, k in topologies) else "")
+             + ". Micro-batches per step: all workers. Time/token error = predicted time per token / "
              "measured − 1 (for fixed-batch strategies the step-time error; ACCO/DPU/WP grow their steps with the "
              "link, so their step times are not comparable). Bytes: every worker's bytes per step per group equal the "
              f"schedule's. Summary: bytes exact {summary['bytes_exact']}, median |time/token error| "
              f"{_pct(summary['median_abs_time_per_token_error'])}, "
              f"max {_pct(summary['max_abs_time_per_token_error'])}, "
              "recommended = "
-             f"measured fastest in {summary['recommended_is_fastest']:.0%} of settings. {wall:.0f} s in all; "
+             f"measured fastest in {summary['recommended_is_fastest']:.0%} of settings, the measured fastest among "
+             "the settings the planner may recommend (adaptive ACCO/DPU/WP whose measured stages grew past "
+             f"{MAX_STAGE:g} micro-batches per worker excluded, as the planner excludes them: their speed is paid "
+             f"in tokens per target loss) in {summary['recommended_is_fastest_recommendable']:.0%}. "
+             f"{wall:.0f} s in all; "
              f"1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, "
              f"on {os.cpu_count()} cores.\n\n"
              f"{verdicts}\n\nWhat-if (1B parameters, 4 nodes × 8 GPUs):\n\n" +
              "\n\n".join(f"### inter {x['inter']}\n\n{x['markdown']}" for x in what_if) +
-             f"\n\nReproduce: `python benchmarks/bench_plan.py{' --quick' if quick else ''}` "
+             f"\n\nReproduce: `python benchmarks/bench_plan.py {' '.join(sys.argv[1:])}` "
              "(root for the shaped link). "
              "Timings from a shared machine are not the planner's accuracy: run it on an idle one.")
     path = write_markdown(name, "quietsync plan: predicted vs measured",

@@ -25,6 +25,8 @@ import pytest
 from quietsync.train.checkpoint import latest_checkpoint, load_checkpoint
 from quietsync.train.metrics import read_jsonl
 from tests.distributed import interruptible
+from tests.elastic_agents import alive as _alive
+from tests.elastic_agents import descendants as _descendants
 from tests.shared import shared_folder
 from tests.train._run import train
 from tests.train.conftest import synthetic_text
@@ -87,24 +89,6 @@ def reference(corpus, tmp_path_factory) -> dict[str, dict[int, list[tuple[int, f
 def _losses(out: Path) -> dict[int, list[tuple[int, float]]]:
     return {r: [(x["step"], x["loss"]) for x in read_jsonl(out / f"metrics-rank{r}.jsonl") if "event" not in x]
             for r in (0, 1)}
-
-
-def _descendants(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return kids + [d for k in kids for d in _descendants(k)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _start(job: str, out: Path, corpus) -> tuple[subprocess.Popen, list[int]]:

@@ -5,9 +5,12 @@ Which worker sends which stage's gradient to whom in a cycle is the strategy's o
 the root), read here rather than re-derived. The time model: a cycle has ``period`` time steps (``2N`` for
 v1/v2); each worker computes its ``N/W`` micro-batches' stage operations spread over them, a time step lasting
 as long as its slowest operation (stages balanced by parameters are not balanced in time: the largest stage
-sets the pace); a hop of the chains must arrive before the next time step, so a hop slower than a time step
-stretches every time step to it; and each worker's link must carry its cycle's sends (and receives) within the
-cycle, full duplex. Every worker applies every stage's update once per cycle (the root and each relay).
+sets the pace); a hop of the chains must arrive before the time step that uses it, so a hop slower than a time
+step stretches that time step by the difference — the hops one worker sends go one after the other on its link,
+so their stretches add up (measured: on a link slower than compute a cycle takes about one worker's sends, not
+``period`` hops; stretching every time step to the slowest hop over-predicted 2.1–2.3×, benchmarks/results/
+plan.md); and each worker's link must carry its cycle's sends (and receives) within the cycle, full duplex.
+Every worker applies every stage's update once per cycle (the root and each relay).
 """
 
 from __future__ import annotations
@@ -43,16 +46,16 @@ class CyclicTimeline(Term):
         mb = ctx.compute.micro_batch_s * ctx.slowest
         imbalance = max(self.stage_fractions) * n
         t_step = (n / w) * (mb / (2 * n)) * imbalance
-        hop = 0.0
         tx = [0.0] * w
         rx = [0.0] * w
+        stretch = [0.0] * w  # how far a worker's hops push the time steps that wait for them
         for c, src in zip(self.hops, self.senders):
             topo = Topology(src, ctx.topo.world_size, ctx.topo.nodes)
             t = ctx.links.seconds(c.link(topo), c, topo)
-            hop = max(hop, t)
             tx[src] += t
             rx[c.peer] += t
-        cycle = max(self.period * max(t_step, hop), max(tx), max(rx))
+            stretch[src] += max(0.0, t - t_step)
+        cycle = max(self.period * t_step + max(stretch), max(tx), max(rx))
         opt = ctx.compute.optimizer_s(self.elements) * ctx.slowest
         compute = (n / w) * mb + opt
         return Cost(cycle + opt, compute, sum(tx[ctx.topo.rank:ctx.topo.rank + 1]), n / w, float(n))
