@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 
-from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
 from .machinery import Overlap, OverlapConfig
+from .strategy import OverlapStrategy
 
 STAGES = ("init", "stage1", "stage2")
 
@@ -65,18 +65,14 @@ class ACCOConfig(OverlapConfig):
 
 
 @register("acco", ACCOConfig)
-class ACCO(Strategy):
+class ACCO(OverlapStrategy):
     """ACCO on the flat sharded substrate; see the module docstring."""
-
-    reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
 
     finish_policy = (
         "drains the round in flight: a commit job already running (stage 2) is waited for and committed; the "
         "last stage's gradients at the estimate (and an unfinished stage's) are dropped, since they only enter "
         "a commit together with gradients at theta that are never computed"
     )
-
-    lockstep = False  # see Strategy.lockstep
 
     config: ACCOConfig
 
@@ -117,24 +113,6 @@ class ACCO(Strategy):
         self.stage = "stage1"
         return committed
 
-    def _stage_scale(self) -> float | None:
-        """The fp16 loss scale the current stage's micro-batches carry (None without fp16)."""
-        return None if self.scaler is None else self.scaler.scale
-
-    def _collected(self, result: dict[str, Any]) -> bool:
-        """Commit the round, or — an fp16 overflow, skipped by the commit job on every worker — nothing."""
-        check = result.get("check")
-        extras: dict[str, Any] | None = {}
-        if check is not None:
-            extras = self._gradient_extras(check, result["scale"])
-            if extras is None:
-                self.overlap.drop_pending()
-                return False
-        extra, local = self.overlap.step_record()
-        self._commit({**extra, **extras}, local)
-        return True
-
-    # ------------------------------------------------------------------ communication worker
     def _estimate_job(self, local_count: int, step: int, scale: float | None = None,
                       max_norm: float | None = None) -> dict[str, Any]:
         """Stage 1: θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg̃/ΣÑ) on the shard (state not committed), all-gathered into B. With

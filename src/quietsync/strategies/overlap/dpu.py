@@ -41,10 +41,10 @@ from typing import Any, ClassVar
 import torch
 
 from ...validate import check_int
-from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
 from .machinery import Overlap, OverlapConfig
+from .strategy import OverlapStrategy
 
 PHASES = ("warmup", "fill", "overlap")
 
@@ -62,12 +62,8 @@ class DPUConfig(OverlapConfig):
 
 
 @register("dpu", DPUConfig)
-class DPU(Strategy):
+class DPU(OverlapStrategy):
     """Delayed Parameter Update; see the module docstring."""
-
-    reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
-
-    lockstep = False  # see Strategy.lockstep
 
     predicts: ClassVar[bool] = False
     """Whether the update job installs a prediction rather than θ (``wp``): then the model does not hold θ."""
@@ -115,23 +111,6 @@ class DPU(Strategy):
         committed = self._collected(result)
         o.submit(self._job, count, self.steps, True, scale, self.max_grad_norm)
         return committed
-
-    def _stage_scale(self) -> float | None:
-        """The fp16 loss scale the current stage's micro-batches carry (None without fp16)."""
-        return None if self.scaler is None else self.scaler.scale
-
-    def _collected(self, result: dict[str, Any]) -> bool:
-        """Commit the update job's step, or — an fp16 overflow, skipped by the job on every worker — nothing."""
-        check = result.get("check")
-        extras: dict[str, Any] | None = {}
-        if check is not None:
-            extras = self._gradient_extras(check, result["scale"])
-            if extras is None:
-                self.overlap.drop_pending()
-                return False
-        extra, local = self.overlap.step_record()
-        self._commit({**extra, **extras}, local)
-        return True
 
     @property
     def steps_in_flight(self) -> int:
