@@ -50,10 +50,11 @@ from typing import Any
 
 import torch
 
+from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
 from .machinery import Overlap, OverlapConfig
-from .strategy import OverlapStrategy
+from .strategy import collected, stage_scale
 
 STAGES = ("init", "stage1", "stage2")
 
@@ -65,14 +66,18 @@ class ACCOConfig(OverlapConfig):
 
 
 @register("acco", ACCOConfig)
-class ACCO(OverlapStrategy):
+class ACCO(Strategy):
     """ACCO on the flat sharded substrate; see the module docstring."""
+
+    reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
 
     finish_policy = (
         "drains the round in flight: a commit job already running (stage 2) is waited for and committed; the "
         "last stage's gradients at the estimate (and an unfinished stage's) are dropped, since they only enter "
         "a commit together with gradients at theta that are never computed"
     )
+
+    lockstep = False  # see Strategy.lockstep
 
     config: ACCOConfig
 
@@ -92,12 +97,12 @@ class ACCO(OverlapStrategy):
     def _step(self) -> bool:
         o = self.overlap
         if self.stage == "init":  # g̃⁽⁰⁾ at θ⁽⁰⁾, nothing to overlap with yet
-            if o.start(self._estimate_job, self.steps, self._stage_scale(), self.max_grad_norm):
+            if o.start(self._estimate_job, self.steps, stage_scale(self), self.max_grad_norm):
                 self.stage = "stage1"
             return False
         if not o.stage_ready():
             return False
-        scale = self._stage_scale()  # of the stage ending now (the scale changes only when a commit is collected)
+        scale = stage_scale(self)  # of the stage ending now (the scale changes only when a commit is collected)
         if self.stage == "stage1":
             o.wait("acco/estimate")
             count = o.hand_over(install=True)  # P ← θ̃⁽ᵗ⁺¹⁾, B ← gᵢ⁽ᵗ⁾
@@ -108,7 +113,7 @@ class ACCO(OverlapStrategy):
         result = o.wait("acco/commit")
         count = o.hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾, B ← g̃ᵢ⁽ᵗ⁺¹⁾
         o.holds_committed = True
-        committed = self._collected(result)
+        committed = collected(self, self.overlap, result)
         o.submit(self._estimate_job, count, self.steps, scale, self.max_grad_norm)
         self.stage = "stage1"
         return committed
@@ -160,7 +165,7 @@ class ACCO(OverlapStrategy):
             result = o.wait("acco/commit")
             o.install()
             o.holds_committed = True
-            self._collected(result)  # (an fp16 overflow was skipped by the job on every worker: no step)
+            collected(self, self.overlap, result)  # (an fp16 overflow was skipped by the job on every worker: no step)
         elif self.stage == "stage1":  # the estimate on g̃: nothing it computes is ever committed
             o.wait("acco/estimate")
         o.drop_stage()

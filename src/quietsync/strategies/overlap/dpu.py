@@ -41,10 +41,11 @@ from typing import Any, ClassVar
 import torch
 
 from ...validate import check_int
+from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
 from .machinery import Overlap, OverlapConfig
-from .strategy import OverlapStrategy
+from .strategy import collected, stage_scale
 
 PHASES = ("warmup", "fill", "overlap")
 
@@ -62,8 +63,12 @@ class DPUConfig(OverlapConfig):
 
 
 @register("dpu", DPUConfig)
-class DPU(OverlapStrategy):
+class DPU(Strategy):
     """Delayed Parameter Update; see the module docstring."""
+
+    reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
+
+    lockstep = False  # see Strategy.lockstep
 
     predicts: ClassVar[bool] = False
     """Whether the update job installs a prediction rather than θ (``wp``): then the model does not hold θ."""
@@ -89,26 +94,26 @@ class DPU(OverlapStrategy):
     def _step(self) -> bool:
         o = self.overlap
         if self.phase == "warmup":
-            if not o.start(self._job, self.steps, False, self._stage_scale(), self.max_grad_norm):
+            if not o.start(self._job, self.steps, False, stage_scale(self), self.max_grad_norm):
                 return False
             result = o.wait("sync_update")
             o.install()
             o.holds_committed = True
-            committed = self._collected(result)
+            committed = collected(self, self.overlap, result)
             if self.steps >= self.config.sync_warmup_steps:
                 self.phase = "fill"
             return committed
         if self.phase == "fill":
-            if o.start(self._job, self.steps, True, self._stage_scale(), self.max_grad_norm):
+            if o.start(self._job, self.steps, True, stage_scale(self), self.max_grad_norm):
                 self.phase = "overlap"
             return False
         if not o.stage_ready():
             return False
-        scale = self._stage_scale()  # of the stage ending now (the scale changes only in _collected)
+        scale = stage_scale(self)  # of the stage ending now (the scale changes only in _collected)
         result = o.wait("delayed_update")
         count = o.hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾ (WP: θ̃⁽ᵗ⁺¹⁾), B ← gradients computed at the old P
         o.holds_committed = not self.predicts
-        committed = self._collected(result)
+        committed = collected(self, self.overlap, result)
         o.submit(self._job, count, self.steps, True, scale, self.max_grad_norm)
         return committed
 
@@ -127,7 +132,7 @@ class DPU(OverlapStrategy):
                 o.holds_committed = False
             else:
                 o.install()
-            self._collected(result)  # (an fp16 overflow was skipped by the job on every worker: no step)
+            collected(self, self.overlap, result)  # (an fp16 overflow was skipped by the job on every worker: no step)
         o.install_committed(self.steps)  # wp: θ, not the prediction B holds
         o.drop_stage()
         if self.phase == "overlap":  # nothing in flight: a run resumed from here refills the pipeline

@@ -1,9 +1,10 @@
-"""The base class of the overlap family's strategies (acco, dpu, wp): what they share around the background job.
+"""What the overlap family's strategies (acco, dpu, wp) share around their background job, as functions.
 
 Each runs its optimizer step as a job on the communication thread (:mod:`.machinery`) and commits the job's
-result on the training thread; :class:`OverlapStrategy` holds the two pieces that are the same for all of them —
-the fp16 loss scale a stage's micro-batches carry, and the commit of a job's result (or nothing, when the job
-found an fp16 overflow and skipped the step on every worker).
+result on the training thread. The pieces that are the same for all of them — the fp16 loss scale a stage's
+micro-batches carry, and the commit of a job's result (or nothing, when the job found an fp16 overflow and
+skipped the step on every worker) — live here once. Functions rather than a base class: strategies stay at most
+two levels below :class:`~quietsync.strategies.base.Strategy` (wp is a dpu).
 """
 
 from __future__ import annotations
@@ -14,28 +15,21 @@ from ..base import Strategy
 from .machinery import Overlap
 
 
-class OverlapStrategy(Strategy):
-    """A strategy whose step runs as a background job on an :class:`~.machinery.Overlap` (``self.overlap``)."""
+def stage_scale(strategy: Strategy) -> float | None:
+    """The fp16 loss scale the current stage's micro-batches carry (None without fp16)."""
+    return None if strategy.scaler is None else strategy.scaler.scale
 
-    reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
 
-    lockstep = False  # see Strategy.lockstep: workers may be a stage apart
-
-    overlap: Overlap
-
-    def _stage_scale(self) -> float | None:
-        """The fp16 loss scale the current stage's micro-batches carry (None without fp16)."""
-        return None if self.scaler is None else self.scaler.scale
-
-    def _collected(self, result: dict[str, Any]) -> bool:
-        """Commit the job's step, or — an fp16 overflow, skipped by the job on every worker — nothing."""
-        check = result.get("check")
-        extras: dict[str, Any] | None = {}
-        if check is not None:
-            extras = self._gradient_extras(check, result["scale"])
-            if extras is None:
-                self.overlap.drop_pending()
-                return False
-        extra, local = self.overlap.step_record()
-        self._commit({**extra, **extras}, local)
-        return True
+def collected(strategy: Strategy, overlap: Overlap, result: dict[str, Any]) -> bool:
+    """Commit the job's step on ``strategy``, or — an fp16 overflow, skipped by the job on every worker —
+    nothing (the overlap's pending record is dropped). Returns whether a step was committed."""
+    check = result.get("check")
+    extras: dict[str, Any] | None = {}
+    if check is not None:
+        extras = strategy._gradient_extras(check, result["scale"])  # noqa: SLF001 - the family's own commit path
+        if extras is None:
+            overlap.drop_pending()
+            return False
+    extra, local = overlap.step_record()
+    strategy._commit({**extra, **extras}, local)  # noqa: SLF001
+    return True
