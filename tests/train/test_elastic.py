@@ -39,11 +39,13 @@ pytestmark = [
 
 STEPS = 48
 AUDIT = {"QUIETSYNC_AUDIT_DATA": "1"}
-FINAL_LOSS_TOLERANCE = 0.15
-"""|final held-out loss - the uninterrupted run's| allowed after losing and regaining a node (nats); measured
-0.027, 0.029 and 0.078 in three runs on this machine (the uninterrupted run: 3.920 from 5.70 at step 0), the
-spread coming from where the kill and the rejoin land; a joiner starting from anything but θ_global, or a
-reload that lost the run's progress, misses it by far more (docs/train.md, 'Elastic runs')."""
+FINAL_LOSS_TOLERANCE = 0.3
+"""|final held-out loss - the uninterrupted run's| allowed after losing and regaining a node (nats): a gross check
+(the uninterrupted run goes from 5.70 at step 0 to 3.92 at step 48: a run that lost most of its progress ends far
+above it). Measured 0.027, 0.029, 0.078 with late kills and 0.16, 0.19 with the kill at step 6, where
+most of the run is on 2 workers with --batch-policy global (fewer, larger steps: a different trajectory). The
+exact checks of the resume are the data-order audit below, every step logged once, and the joiner's state
+against the oracle in test_reshard_replicas.py."""
 CONTINUE_WITHIN_S = 240
 """Seconds from the kill to the first step the two survivors commit, on this loaded 2-core machine (measured
 30-60 s: detection, the restart, re-rendezvous, process start-up, reload and one step)."""
@@ -151,7 +153,8 @@ def test_a_node_lost_and_regained(job, tmp_path):
         lost_at = max((x["step"] for x in _steps(out, 0)), default=0)
         continued = _wait(lambda: any(x.get("world_size") == 2 for x in _steps(out, 0)), agents,
                           CONTINUE_WITHIN_S, "step committed by the two survivors")
-        agents.start(2)  # the node comes back (its agent takes seconds to start: the survivors save first)
+        _wait(lambda: _newest(out)[1] == 2, agents, 300, "checkpoint written by the two survivors")
+        agents.start(2)  # the node comes back (rank 0 is slowed: the survivors are still training when it joins)
         codes = agents.wait(400)
         assert codes == {0: 0, 1: 0, 2: 0}, agents.logs()
         assert agents.survivors() == [], "processes outlived the job"
