@@ -221,7 +221,10 @@ def test_every_strategy_under_the_trainer(tmp_path):
     assert sorted(records) == sorted(STRATEGIES)
     for name, (r0, r1) in records.items():
         assert r0["world"] == 2 and r0["checksum"] == r1["checksum"] and r0["finished"], name
-        assert r0["global_step"] == 6 and 1 <= r0["steps"] <= 6 and max(r0["lrs"]) > 0 and r0["moved"] > 0, name
+        assert r0["global_step"] == 6 and 1 <= r0["steps"] <= 6 and r0["moved"] > 0, name
+        # the Trainer's scheduler steps on committed steps only, and its warm-up starts at lr 0: the first commit
+        # runs at lr 0 (as in a plain Trainer); adaptive acco/dpu/wp on a loaded machine may commit only at the end
+        assert max(r0["lrs"]) > 0 or r0["steps"] == 1, (name, r0["lrs"])
         assert r0["finite"] and math.isfinite(r0["train_loss"]), name
         if _accumulates(name):
             assert r0["steps"] == 6, name  # one commit per Trainer step
