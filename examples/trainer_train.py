@@ -66,7 +66,7 @@ def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str
     initial = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     training_args = TrainingArguments(
         output_dir=out_dir, max_steps=args.steps, learning_rate=args.lr, per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.accumulation, lr_scheduler_type="cosine", warmup_steps=2,
+        gradient_accumulation_steps=args.accumulation, lr_scheduler_type="cosine", warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm, bf16=args.precision == "bf16", fp16=args.precision == "fp16",
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
     )
@@ -101,6 +101,7 @@ def main() -> None:
                         help=f"one of {', '.join(quietsync.available())}, several separated by commas, or all")
     parser.add_argument("--steps", type=int, default=20, help="Trainer steps (max_steps)")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=2, help="the Trainer's linear warm-up (from lr 0)")
     parser.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=32)
