@@ -46,10 +46,9 @@ FINDINGS: tuple[Finding, ...] = (
             "DiLoCo H=4 6.33 (outer lr 0.7 is tuned for large H); gradient accumulation 16 at the same bytes 6.74",
             "benchmarks/results/local.md", ("5.22", "5.42", "1.7", "5.43", "5.8", "6.33", "6.74")),
     Finding(("cdp",), "CDP changes which parameter version each stage sees: on the tiny ResNet at an equal batch "
-            "per step, 2000 steps, each rule at its best lr, test accuracy 94.53 ± 1.69% for dp, 82.30 ± 16.43% "
-            "for cdp-v2 and 69.99 ± 27.34% for cdp-v1 over 5 seeds (some delayed-rule seeds stall near chance); "
-            "at twice the steps (one seed) 96.76 / 95.30 / 93.17",
-            "benchmarks/results/cdp_results.md", ("94.53", "82.30", "69.99", "96.76", "95.30", "93.17")),
+            "per step, each rule at its best lr, 5 seeds, 4000 steps: test accuracy 96.61 ± 0.41% for dp, "
+            "95.65 ± 0.49% for cdp-v2, 91.01 ± 4.00% for cdp-v1 (at 2000 steps some delayed-rule seeds still stall)",
+            "benchmarks/results/cdp_longer.md", ("96.61 ± 0.41", "95.65 ± 0.49", "91.01 ± 4.00")),
     Finding(("dpu", "wp", "acco"), "at equal tokens and batch (4 workers, 100 steps): held-out loss ddp 5.23, ACCO "
             "5.13, DPU 5.91 without warm-up and 5.48 with 25 warm-up steps, WP 5.91 (the one-step delay costs loss)",
             "benchmarks/results/acco_dynamics.md", ("5.23", "5.13", "5.91", "5.48")),
