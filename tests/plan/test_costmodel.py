@@ -149,3 +149,20 @@ def test_fit_follows_large_transfers_through_a_token_bucket():
     assert fit.link.bandwidth == pytest.approx(rate, rel=0.1)
     for size in (1 << 21, 1 << 24):  # what a gradient takes is predicted within 10%
         assert fit.link.time("send", size, 2) == pytest.approx(seconds(size), rel=0.1)
+
+
+def test_a_cdp_cycle_is_its_time_steps_stretched_by_each_workers_hops_not_a_hop_per_time_step():
+    """N = 2 stages on 2 workers (2 nodes): a cycle of 2N = 4 time steps of a quarter micro-batch each (0.3 s / 4),
+    every worker sending 2 hops. A hop slower than a time step stretches the time step it feeds by the difference,
+    and one worker's hops go one after the other on its link (measured: benchmarks/results/plan_cdp.md)."""
+    from quietsync.strategies.cdp.cost import CyclicTimeline
+
+    def cycle(bandwidth: float) -> float:
+        hops = tuple(Comm("send", "world", 1000, peer=1 - src) for src in (0, 0, 1, 1))
+        term = CyclicTimeline(2, 2, 4, (0.5, 0.5), hops, (0, 0, 1, 1), elements=1)
+        return term.cost(_ctx(Links({"inter": LinkModel(bandwidth, 0.0)}), world=2, nodes=2)).time
+
+    t_step = 0.3 / 4
+    assert cycle(1e3) == pytest.approx(4 * t_step + 2 * (1.0 - t_step))  # 1 s hops: 2.15 s, not 4 x 1 s
+    assert cycle(1e6) == pytest.approx(4 * t_step)  # 1 ms hops hide inside the time steps
+    assert cycle(1e4) == pytest.approx(4 * t_step + 2 * (0.1 - t_step))  # 0.1 s hops: 0.025 s over each

@@ -52,6 +52,10 @@ def test_incompatible_changes_are_listed_in_one_line():
                    "the checkpoint's values, or start a new run)")
     with pytest.raises(ResumeMismatch, match=r"--strategy zero1; this run has --strategy ddp"):
         check_checkpoint(saved, TrainConfig(strategy="ddp", seq_len=128, max_steps=8), get("ddp")[1](), 2, 2)
+    with pytest.raises(ResumeMismatch, match=r"--precision fp32; this run has --precision bf16"):
+        check_checkpoint(saved, TrainConfig(seq_len=128, lr=2e-3, max_steps=8, precision="bf16"), scfg, 2, 2)
+    note = check_checkpoint(saved, TrainConfig(seq_len=128, lr=2e-3, max_steps=8, max_grad_norm=0.5), scfg, 2, 2)
+    assert len(note) == 1 and "clipped to the new norm" in note[0], note
 
 
 def test_safe_changes_pass_and_schedule_changes_get_a_note():
