@@ -62,3 +62,13 @@ def test_a_bf16_clipped_checkpointed_run_trains_and_logs_the_norm(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["precision"] == "bf16" and summary["config"]["max_grad_norm"] == 0.5
     assert summary["last_eval_loss"] < summary["first_eval_loss"]
+
+
+@pytest.mark.parametrize(("cxx", "said"), [("/nonexistent/g++", "the compiler '/nonexistent/g++' was not found"),
+                                           ("false", "failed on a one-line program (exit 1)")])
+def test_compile_without_a_working_compiler_is_refused_before_workers_start(cxx, said, monkeypatch, capsys):
+    """No C++ compiler (or a broken one): one line naming --compile and the compiler, exit 2, nothing started."""
+    monkeypatch.setenv("CXX", cxx)
+    line = refused(monkeypatch, capsys, "--compile")
+    assert line.startswith("quietsync train: error: --compile needs a working C++ compiler on CPU"), line
+    assert said in line, line

@@ -131,3 +131,27 @@ def test_resume_from_the_command_line(tmp_path, monkeypatch, capsys, finished_ze
     assert "--resume: --max-steps 4 -> 6:" in resumed.stdout and "schedule after step 2" in resumed.stdout
     steps = [r["step"] for r in read_jsonl(out / "metrics-rank0.jsonl") if "event" not in r]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_reshard_note_says_what_a_step_holds_under_each_batch_policy(tmp_path):
+    """4 workers' checkpoint on 2: --batch-policy global keeps the global batch (each worker feeds twice the
+    micro-batches), --batch-policy worker halves it; a strategy that adapts its micro-batches says so."""
+    (tmp_path / "logical").mkdir()
+    (tmp_path / "logical" / ".metadata").write_bytes(b"")
+    diloco = get("diloco")[1](accumulation=1)
+    saved = {**_payload(TrainConfig(strategy="diloco", max_steps=8), diloco, world=4, nodes=4),
+             "nominal": {"world_size": 4, "accumulation": 1}}
+    glob = check_checkpoint(saved, TrainConfig(strategy="diloco", max_steps=8), diloco, 2, 2, tmp_path)[0]
+    assert "each worker now feeds 2 micro-batch(es) per step (--batch-policy global), so a step holds the same " \
+           "tokens per step as the run's first steps" in glob, glob
+    assert "2/4 of the old global batch" not in glob
+    worker = check_checkpoint(saved, TrainConfig(strategy="diloco", max_steps=8, batch_policy="worker"), diloco, 2,
+                              2, tmp_path)[0]
+    assert "(--batch-policy worker), so a step holds 0.5 x the run's first tokens per step" in worker, worker
+    three = check_checkpoint(saved, TrainConfig(strategy="diloco", max_steps=8), diloco, 3, 3, tmp_path)[0]
+    assert "feeds 2 micro-batch(es) per step (--batch-policy global), so a step holds 1.5 x the run's first " \
+           "tokens per step (rounded up to whole micro-batches)" in three, three
+    acco = get("acco")[1]()
+    saved = _payload(TrainConfig(strategy="acco", max_steps=8), acco, world=4, nodes=4)
+    adaptive = check_checkpoint(saved, TrainConfig(strategy="acco", max_steps=8), acco, 2, 2, tmp_path)[0]
+    assert "(its micro-batches per step adapt to the link), so a step holds 0.5 x" in adaptive, adaptive

@@ -98,7 +98,7 @@ def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | Non
     from ..strategies import get
     from .corpus import DEFAULT_DATASET, looks_like_path
     from .model import max_positions
-    from .preflight import check_paths, check_threads
+    from .preflight import check_compiler, check_paths, check_threads
 
     if not get(cfg.strategy)[0].resumable and (cfg.save_every or cfg.resume):
         flag = "--save-every" if cfg.save_every else "--resume"
@@ -116,6 +116,7 @@ def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | Non
     try:
         check_paths(cfg)
         check_threads(cfg)
+        check_compiler(cfg)
     except FlagError as e:
         parser.error(str(e))
     if cfg.dataset == DEFAULT_DATASET:

@@ -2,7 +2,7 @@
 
 Flag values are checked by the config classes; what is checked here depends on the file system and the
 host: the output, cache and checkpoint paths (:func:`check_paths`), the thread count
-(:func:`check_threads`) and whether the data holds enough text for the job (:func:`check_data`, which
+(:func:`check_threads`), the C++ compiler ``--compile`` needs on CPU (:func:`check_compiler`) and whether the data holds enough text for the job (:func:`check_data`, which
 loads the corpus and builds the cached tokenizer and token streams that the workers then reuse). Each
 problem is a :class:`~quietsync.train.config_flags.FlagError`: one line naming the flag and what is allowed.
 """
@@ -10,13 +10,18 @@ problem is a :class:`~quietsync.train.config_flags.FlagError`: one line naming t
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from .cache import DEFAULT_CACHE_DIR
 from .config import TrainConfig
 from .config_flags import FlagError, flag_message
 
-__all__ = ["THREADS_PER_CORE", "check_paths", "check_threads", "check_data", "data_problem"]
+__all__ = ["THREADS_PER_CORE", "check_compiler", "check_paths", "check_threads", "check_data", "compiler_problem",
+           "data_problem"]
 
 THREADS_PER_CORE = 4
 """``--threads`` may be at most this many times the host's CPU cores (more only thrashes)."""
@@ -58,6 +63,49 @@ def check_threads(cfg: TrainConfig) -> None:
     if cfg.threads > cap:
         raise FlagError("--threads", f"--threads must be an integer in [0, {cap}] (0 = auto; at most "
                                      f"{THREADS_PER_CORE} x the {cores} CPU cores), got {cfg.threads}")
+
+
+def inductor_compiler() -> str:
+    """The C++ compiler ``torch.compile`` (inductor) builds CPU kernels with: ``$CXX``, else ``g++``
+    (``clang++`` on macOS) -- torch's own rule (``torch._inductor.config.cpp.cxx``)."""
+    return os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+
+
+def compiler_problem(timeout_s: float = 60.0) -> str | None:
+    """Why ``--compile`` cannot work on CPU here (one line naming ``--compile`` and the compiler), or None: the
+    compiler of :func:`inductor_compiler` is missing, or fails to build a one-line C++ program."""
+    cxx = inductor_compiler()
+    how = ("--compile needs a working C++ compiler on CPU (torch.compile builds its kernels with $CXX, else g++)"
+           "; install one (e.g. apt install g++), point CXX at one, or drop --compile")
+    path = shutil.which(cxx)
+    if path is None:
+        return f"{how}: the compiler {cxx!r} was not found"
+    with tempfile.TemporaryDirectory(prefix="quietsync-cxx-") as tmp:
+        try:
+            done = subprocess.run([path, "-x", "c++", "-", "-o", os.path.join(tmp, "probe")],
+                                  input="int main() { return 0; }\n", capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"{how}: the compiler {cxx!r} ({path}) could not be run: {e}"
+    if done.returncode != 0:
+        said = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()), "")
+        return (f"{how}: the compiler {cxx!r} ({path}) failed on a one-line program (exit {done.returncode}"
+                + (f": {said}" if said else "") + ")")
+    return None
+
+
+def check_compiler(cfg: TrainConfig) -> None:
+    """With ``--compile`` on a machine without CUDA, the C++ compiler torch.compile needs works (else a one-line
+    :class:`FlagError` before any worker starts, instead of a compile error in every worker ~30 s later)."""
+    if not cfg.compile:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    problem = compiler_problem()
+    if problem is not None:
+        raise FlagError("--compile", problem)
 
 
 def data_problem(train_tokens: int, eval_tokens: int, cfg: TrainConfig, world: int) -> str | None:

@@ -151,12 +151,28 @@ def _reshard_refusal(payload: dict[str, Any], where: str, nodes: int | None) -> 
     return None
 
 
-def reshard_note(saved_world: int, world: int) -> str:
-    """What a resume on another number of workers restores, and what changes."""
+def reshard_note(saved_world: int, world: int, policy: str = "worker", strategy_config: Any = None,
+                 nominal: dict[str, int] | None = None) -> str:
+    """What a resume on another number of workers restores, and what a step now holds under ``--batch-policy``
+    ``policy`` (``nominal``: the checkpoint's first world and micro-batches per worker, :class:`Nominal`)."""
+    from .elastic import Nominal, accumulation_field, rescaled
+
+    start = (Nominal(**nominal) if nominal else Nominal(saved_world, Nominal.of(strategy_config, 1).accumulation))
+    config, ratio = rescaled(strategy_config, policy, start, world)
+    field = accumulation_field(config)
+    if policy == "global" and field is not None:
+        per = getattr(config, field)
+        held = ("the same tokens per step as the run's first steps" if ratio == 1.0 else
+                f"{ratio:g} x the run's first tokens per step (rounded up to whole micro-batches)")
+        batch = (f"each worker now feeds {per} micro-batch(es) per step (--batch-policy global), so a step holds "
+                 f"{held}")
+    else:
+        why = "--batch-policy worker" if policy == "worker" else "its micro-batches per step adapt to the link"
+        batch = (f"each worker feeds as many micro-batches per step as before ({why}), so a step holds {ratio:g} x "
+                 "the run's first tokens per step")
     return (f"--resume: resharding a checkpoint of {saved_world} workers onto {world}: model, optimizer state, step "
             f"and learning-rate schedule continue exactly; the data stream continues where the {saved_world} "
-            f"workers stopped, dealt over {world}, so each step now holds {world}/{saved_world} of the old global "
-            "batch")
+            f"workers stopped, dealt over {world}; {batch}; the learning-rate schedule and --max-steps follow tokens")
 
 
 def _topology_problem(payload: dict[str, Any], world: int, nodes: int | None, where: str) -> str | None:
@@ -193,7 +209,9 @@ def check_checkpoint(
     saved_nodes = payload.get("nodes")
     topology_notes = []
     if saved_world is not None and saved_world != world:
-        topology_notes.append(reshard_note(saved_world, world))
+        nominal = payload.get("nominal")
+        topology_notes.append(reshard_note(saved_world, world, cfg.batch_policy, strategy_config,
+                                           nominal if isinstance(nominal, dict) else None))
     elif saved_nodes is not None and nodes is not None and saved_nodes != nodes:
         topology_notes.append(f"--resume: moving a checkpoint of {saved_nodes} nodes onto {nodes} ({world} workers "
                               "either way): model, optimizer state, step, schedule and data stream continue exactly "
