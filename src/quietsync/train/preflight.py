@@ -2,9 +2,10 @@
 
 Flag values are checked by the config classes; what is checked here depends on the file system and the
 host: the output, cache and checkpoint paths (:func:`check_paths`), the thread count
-(:func:`check_threads`), the C++ compiler ``--compile`` needs on CPU (:func:`check_compiler`) and whether the data holds enough text for the job (:func:`check_data`, which
-loads the corpus and builds the cached tokenizer and token streams that the workers then reuse). Each
-problem is a :class:`~quietsync.train.config_flags.FlagError`: one line naming the flag and what is allowed.
+(:func:`check_threads`), the C++ compiler ``--compile`` needs on CPU (:func:`check_compiler`) and whether the
+data holds enough text for the job (:func:`check_data`, which loads the corpus and builds the cached tokenizer
+and token streams that the workers then reuse). Each problem is a
+:class:`~quietsync.train.config_flags.FlagError`: one line naming the flag and what is allowed.
 """
 
 from __future__ import annotations
