@@ -470,10 +470,11 @@ class Strategy(metaclass=_Constructed):
             "state": self._state(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, check_positions: bool = True) -> None:
         """Resume from :meth:`state_dict`. Every worker of the job must call it (it checks, with one
         collective over ``world``, that all workers saved at the same :meth:`position`); a rejected checkpoint
-        raises on every worker, never hangs the others."""
+        raises on every worker, never hangs the others. ``check_positions=False`` skips that collective (one
+        replica taking a live peer's state under torchft: the peer's position is the quorum's)."""
         problem = None
         if state.get("strategy") != self.name:
             problem = f"checkpoint is for strategy {state.get('strategy')!r}, not {self.name!r}"
@@ -484,11 +485,17 @@ class Strategy(metaclass=_Constructed):
             problem = (f"checkpoint position {state.get('position')} does not have this strategy's counters "
                        f"{sorted(self.position())}")
         position = state.get("position", {}) if problem is None else {}
-        check_positions_agree(self.transport, self.position(), position, problem)
+        if check_positions:
+            check_positions_agree(self.transport, self.position(), position, problem)
+        elif problem:
+            raise ValueError(problem)
         self.steps = int(state["steps"])
         self.micro_batches = int(state["micro_batches"])
         for name, part in self._parts.items():
-            part.load_state_dict(state["parts"].get(name, {}))
+            if isinstance(part, _HeldStrategy):  # an inner strategy checks (or not) as its outer one does
+                part.strategy.load_state_dict(state["parts"].get(name, {}), check_positions=check_positions)
+            else:
+                part.load_state_dict(state["parts"].get(name, {}))
         self._load_state(state["state"])
 
     def logical_state_dict(self) -> dict[str, torch.Tensor]:

@@ -181,8 +181,13 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     if cfg.precision == "fp16" and cls.fp16_refusal:
         parser.error(f"--precision fp16 is not supported by strategy {strategy}: {cls.fp16_refusal}; "
                      "use bf16 or fp32")
+    from ..faults.flags import ft_problem
     from .launch import under_torchrun
 
+    problem = ft_problem(cfg, strategy_config, set(job_values), int(os.environ["WORLD_SIZE"]) if under_torchrun()
+                         else cfg.nproc, under_torchrun())
+    if problem:
+        parser.error(problem)
     if cfg.elastic:
         if not under_torchrun():
             parser.error("--elastic needs torchrun, which restarts the workers when nodes leave or join: torchrun "
@@ -206,5 +211,9 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     else:
         world = cfg.nproc
         nodes = cfg.nodes if cfg.nodes is not None else cfg.nproc
-    _check_environment(parser, cfg, nodes, world)
+    # a torchft replica group's --nodes counts the job's replica groups, not this machine's workers' nodes
+    if cfg.replica_group is not None:  # ranks (--slow-worker) count the job's workers: every replica group's
+        _check_environment(parser, cfg, None, world * (cfg.nodes or 1))
+    else:
+        _check_environment(parser, cfg, nodes, world)
     return cfg, strategy_config, nodes

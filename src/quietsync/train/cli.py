@@ -21,6 +21,13 @@ def plan_main(argv: list[str]) -> int:
 
     return main_(argv)
 
+def lighthouse_main(argv: list[str]) -> int:
+    """``quietsync lighthouse``: see :mod:`quietsync.faults.lighthouse`."""
+    from ..faults.lighthouse import lighthouse_main as main_
+
+    return main_(argv)
+
+
 __all__ = ["main", "train_main", "compare_main", "COMMANDS", "OneLineParser", "parse_train_args", "train_parser"]
 
 
@@ -35,6 +42,7 @@ COMMANDS = {
     "compare": (compare_main, "run several strategies on the same job; loss-vs-time, bytes and busy-time plots"),
     "plan": (plan_main, "predict every strategy's step time, bytes and memory here or on a described cluster; "
                         "recommend one"),
+    "lighthouse": (lighthouse_main, "run the quorum server of a --fault-tolerance torchft job (torchft's Lighthouse)"),
 }
 """Sub-commands: name -> (function(argv) -> exit status, one-line description)."""
 

@@ -102,6 +102,19 @@ class TrainConfig:
     checkpoint under --out (a fresh run when there is none), on whatever workers the rendezvous admitted; checkpoints
     every outer sync (diloco, localsgd) or 10 steps unless --save-every; --out must be on a file system every node
     sees."""
+    fault_tolerance: Literal["none", "torchft"] = "none"
+    """torchft: a per-step quorum over the replica groups (the --nodes nodes, each a torchft replica): when one dies
+    the others go on at their next step without a restart, and when it returns it heals from a live peer and joins
+    (ddp, zero1, localsgd, diloco, demo, flexdemo; docs/faults.md). Needs pip install 'quietsync[ft]'."""
+    lighthouse: str | None = field(default=None, metadata={"flag": {"metavar": "HOST:PORT"}})
+    """With --fault-tolerance torchft: the address of the job's Lighthouse (quietsync lighthouse, or torchft's
+    torchft_lighthouse); default: the local launcher starts one on this machine."""
+    replica_group: int | None = field(default=None, metadata={"flag": {"metavar": "K"}})
+    """With --fault-tolerance torchft and --lighthouse: run only replica group K of the --nodes (this machine's
+    share of the job: --nproc workers, or torchrun's); default: the local launcher starts every replica group."""
+    replica_restarts: int = 3
+    """With --fault-tolerance torchft and the local launcher: how many times a replica group that died is started
+    again (it heals from a live peer and rejoins; the others never restart)."""
     batch_policy: Literal["global", "worker"] = "global"
     """What a step holds after a resume on another number of workers: global = the run's first tokens per step (each
     worker's micro-batches rescaled, rounded up), worker = the same micro-batches per worker; the lr schedule and
@@ -169,6 +182,13 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"max_grad_norm must be a finite number > 0, or 0 for no clipping, got {v!r}")
         check_choice("batch_policy", self.batch_policy, ("global", "worker"))
+        check_choice("fault_tolerance", self.fault_tolerance, ("none", "torchft"))
+        check_int("replica_group", self.replica_group, 0, allow_none=True)
+        check_int("replica_restarts", self.replica_restarts, 0)
+        if self.lighthouse is not None:
+            host, _, port = self.lighthouse.rpartition("://")[2].rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"lighthouse must be HOST:PORT (or http://HOST:PORT), got {self.lighthouse!r}")
         if self.elastic and self.overwrite:
             raise ValueError("overwrite cannot be combined with --elastic: every restart would delete the "
                              "checkpoints it resumes from (start an elastic run in a fresh --out)")

@@ -65,16 +65,7 @@ from .elastic import Nominal, TokenSchedule, accumulation_field, rescaled
 from .export import MODEL_DIR, export_model
 from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
-from .model import (
-    build_model,
-    compile_blocks,
-    config_max_positions,
-    count_parameters,
-    enable_activation_checkpointing,
-    is_pretrained,
-    load_pretrained,
-    param_groups,
-)
+from .model import count_parameters, job_model, param_groups
 from .nonfinite import NonFiniteError, NonFiniteGuard
 from .preflight import data_problem
 from .profile import StepProfiler
@@ -300,19 +291,8 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         too_small = data_problem(train_tokens.numel(), eval_tokens.numel(), cfg, world)
         if too_small:
             raise ValueError(too_small)
-        if is_pretrained(cfg.model):
-            model = load_pretrained(cfg.model, tokenizer.get_vocab_size())
-        else:
-            model = build_model(cfg.model, tokenizer.get_vocab_size(), eos, seed=cfg.seed)
-        limit = config_max_positions(model.config)
-        if limit is not None and cfg.seq_len > limit:
-            raise ValueError(f"--seq-len must be <= {limit} for model {cfg.model}, got {cfg.seq_len}")
-        model.to(device)
+        model = job_model(cfg, tokenizer.get_vocab_size(), eos, device)
         n_params = count_parameters(model)
-        if cfg.activation_checkpointing:
-            enable_activation_checkpointing(model)
-        if cfg.compile:
-            compile_blocks(model)
         run_config, clock, nominal = _step_plan(cfg, strategy_config, world, resume)
         strategy = make_strategy(
             cfg.strategy, model, torch.optim.AdamW,

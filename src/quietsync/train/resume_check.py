@@ -77,6 +77,7 @@ SAFE = frozenset({
     "max_tokens", "max_time_s", "target_loss",  # only when the run stops (tokens and time count from step 0)
     "elastic",  # how restarts find the checkpoint, not what it holds
     "activation_checkpointing", "compile",  # the same computation, other memory and speed
+    "fault_tolerance", "lighthouse", "replica_group", "replica_restarts",  # torchft runs do not resume (refused)
 })
 """Job fields a resumed run may change without a word."""
 

@@ -30,7 +30,8 @@ def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -
     from .resume_check import check_resume
 
     torchrun = under_torchrun()
-    problem = None if cfg.elastic else out_problem(cfg)  # an elastic run continues the run in --out
+    # an elastic run continues the run in --out; a torchft replica group shares --out with the job's others
+    problem = None if cfg.elastic or cfg.replica_group is not None else out_problem(cfg)
     if problem is not None:
         raise FlagError("--out", problem)
     world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc
@@ -46,7 +47,13 @@ def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -
     if isinstance(sync_every, int) and cfg.max_steps < sync_every:
         notes.append(f"--max-steps {cfg.max_steps} is below --sync-every {sync_every}: the workers never "
                      "synchronise in this run (with diloco the evaluated outer model stays where it started)")
-    if cfg.overwrite and os.environ.get("LOCAL_RANK", "0") == "0":
+    if cfg.lighthouse is not None:
+        from ..faults.flags import lighthouse_problem
+
+        problem = lighthouse_problem(cfg.lighthouse)
+        if problem is not None:
+            raise FlagError("--lighthouse", problem)
+    if cfg.overwrite and os.environ.get("LOCAL_RANK", "0") == "0" and cfg.replica_group is None:
         removed = remove_outputs(cfg.out)
         if removed:
             notes.append(f"--overwrite: removed {', '.join(removed)} from {cfg.out}")
@@ -71,6 +78,13 @@ def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_
     if int(os.environ.get("RANK", "0")) == 0:
         for note in notes:
             print(f"{PROG} train: {note}", flush=True)
+    if cfg.fault_tolerance == "torchft":
+        from ..faults.launch import run_local_replicas, run_one_replica_group
+
+        if cfg.replica_group is None:
+            return run_local_replicas(cfg, strategy_config, nodes or cfg.nproc)
+        workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
+        return run_one_replica_group(cfg, strategy_config, cfg.replica_group, cfg.nodes, cfg.lighthouse, workers)
     try:
         launch(run, (cfg, strategy_config, nodes), nproc=cfg.nproc)
     except WorkerFailed as e:

@@ -56,6 +56,9 @@ class Transport(ProcessGroups):
     (see :attr:`initialized_default_group`).
     """
 
+    fault_tolerant = False
+    """Whether the replicate dimension is torchft's (members change with the quorum; see quietsync.faults)."""
+
     def __init__(
         self,
         topology: Topology | None = None,

@@ -15,6 +15,9 @@ for the next micro-batch at the end of each backward and each :meth:`step` (and 
 Precision and clipping: the averaged gradient (``p.grad`` after DDP's all-reduce, equal on every worker) is
 unscaled (fp16) and clipped by its norm, computed locally — no collective is added.
 
+Under torchft (``--fault-tolerance torchft``) DDP runs inside each replica group and the replicas present average
+the gradient with one more all-reduce, which the quorum commits (:mod:`~quietsync.strategies.parts.across_replicas`).
+
 Accounting: ``idle_s`` is the time the last micro-batch's backward spent after its last bucket's
 all-reduce was issued (autograd has nothing left to compute then); the rest of that backward is compute.
 """
@@ -43,6 +46,7 @@ from ..checkpoint.logical import (
     parameter_names,
 )
 from ..parts.accumulation import AccumulationConfig, OptimizerRound
+from ..parts.across_replicas import average_across, split_groups
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
 from .powersgd import CAST_HOOK_DTYPES, PowerSGDState, cast_hook, powersgd_hook
@@ -98,7 +102,7 @@ class DDP(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, *, group: str = "world",
                  **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
-        self.group = group
+        self.group, self.across = split_groups(self.transport, group)  # torchft: DDP per replica group, then across
         self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
         self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation,
                                                        list(model.parameters())))
@@ -114,14 +118,14 @@ class DDP(Strategy):
             # its residuals are per worker: a checkpoint resumes on the same workers only
             self.reshard_refusal = ("PowerSGD's error-feedback residuals differ from worker to worker and have no "
                                     "world-size-independent form")
-        if self.transport.group_size(group) > 1:
-            pg = self.transport.process_group(group)
+        if self.transport.group_size(self.group) > 1:
+            pg = self.transport.process_group(self.group)
             device_ids = [self.transport.device.index] if self.transport.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(
                 model, process_group=pg, device_ids=device_ids, bucket_cap_mb=self.config.bucket_cap_mb,
                 gradient_as_bucket_view=True,
             )
-            self._ddp.register_comm_hook(None, self._comm_hook(group))
+            self._ddp.register_comm_hook(None, self._comm_hook(self.group))
         self._set_sync_for_next()
 
     def _comm_hook(self, group: str) -> Any:
@@ -176,6 +180,8 @@ class DDP(Strategy):
         if not self.round.full:
             self._set_sync_for_next()
             return False
+        if self.across is not None:  # torchft: the replicas present average the group's gradient
+            average_across(self.transport, [p.grad for p in self.round.params], self.across, "all_reduce/replicas")
         # the averaged gradient, equal on every worker of the group (DDP's all-reduce)
         extra = self._prepare_commit([p.grad for p in self.round.params if p.grad is not None],
                                      shared=self.group == "world")

@@ -13,6 +13,10 @@ Each worker keeps optimizer state for only its ``1/n`` of the parameters. A step
 With ``max_grad_norm`` (or fp16 loss scaling) the reduced shard is clipped between 2 and 3 by the global norm
 of the averaged gradient: each worker sums its shard's squares, one scalar all-reduce adds them.
 
+Under torchft (``--fault-tolerance torchft``) the group is each replica group, and the replicas present average
+each worker's gradient shard between 2 and 3 with one more all-reduce, which the quorum commits
+(:mod:`~quietsync.strategies.parts.across_replicas`): ZeRO-1 inside a replica group.
+
 Everything is blocking here (the main thread idles during 2–4); ACCO overlaps the same jobs with
 computation. Equal to DDP with the same optimizer up to float rounding (tested), with the communication
 of a ring all-reduce split into its two halves.
@@ -30,6 +34,7 @@ from ...flat import nbytes, parse_dtype
 from ..base import Strategy
 from ..checkpoint.logical import SavedTensors, load_module, module_state, module_targets
 from ..parts.accumulation import AccumulationConfig, Accumulator
+from ..parts.across_replicas import average_across, split_groups
 from ..registry import register
 from ..substrates.sharded_state import ShardedState
 
@@ -62,7 +67,8 @@ class Zero1(Strategy):
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, *, group: str = "world",
                  **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
-        self.group = group
+        self.group, self.across = split_groups(self.transport, group)  # torchft: per replica group, then across
+        group = self.group
         self.sharded = self.hold("sharded", ShardedState(self.param_groups, optimizer, self.optimizer_kwargs,
                                                          self.transport, group, self.config.reduce_dtype))
         self.flat = self.sharded.flat
@@ -82,6 +88,8 @@ class Zero1(Strategy):
         n = self.transport.group_size(self.group)
         with self.accounting.idle("reduce_scatter"):
             self.sharded.reduce_scatter_grads(self.grads, n * self.config.accumulation)
+        if self.across is not None:  # torchft: the replicas present average each gradient shard
+            average_across(self.transport, [self.sharded.shard.grad], self.across, "all_reduce/replicas")
         # the averaged gradient's shard: its squares summed over the group (one scalar all-reduce)
         extra = self._prepare_commit([self.sharded.shard.grad], norm_group=self.group,
                                      shared=self.group == "world")

@@ -1,0 +1,108 @@
+"""The flags of ``--fault-tolerance torchft``, checked before any worker starts: each bad combination is one line
+naming the flag and what is allowed.
+
+A torchft job is ``--nodes`` replica groups (at least 2) of ``W`` workers each: ``--nproc`` workers on this machine
+split into ``--nodes`` groups by the local launcher, or, with ``--replica-group K --lighthouse HOST:PORT``, this
+machine's one replica group (``--nproc`` workers, or torchrun's ``WORLD_SIZE``) of a job whose other groups run
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from .support import one_worker_only, refusal
+
+UNSUPPORTED = {
+    "elastic": "--elastic and --fault-tolerance torchft are two ways to survive lost nodes: choose one (torchft: no "
+               "restarts, for the strategies whose replicas meet only at commits; --elastic: any strategy, torchrun "
+               "restarts every worker from a checkpoint)",
+    "resume": "--resume is not supported with --fault-tolerance torchft: a returning replica heals from a live peer "
+              "instead of a checkpoint (torchft runs write no checkpoints yet)",
+    "save_every": "--save-every is not supported with --fault-tolerance torchft: a returning replica heals from a "
+                  "live peer instead of a checkpoint (torchft runs write no checkpoints yet)",
+    "max_tokens": "--max-tokens is not supported with --fault-tolerance torchft: the run ends at --max-steps, "
+                  "counted in tokens (the schedule's position), which every replica knows from the quorum",
+    "max_time_s": "--max-time-s is not supported with --fault-tolerance torchft: the run ends at --max-steps, "
+                  "counted in tokens, which every replica knows from the quorum (a clock is not agreed on)",
+    "target_loss": "--target-loss is not supported with --fault-tolerance torchft: the run ends at --max-steps, "
+                   "counted in tokens, which every replica knows from the quorum (evaluations are not agreed on)",
+    "trace": "--trace is not supported with --fault-tolerance torchft (the merged trace gathers every worker's "
+             "spans over a world whose members change)",
+}
+"""Job flags refused with ``--fault-tolerance torchft``, when set."""
+
+
+def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, under_torchrun: bool) -> str | None:
+    """Why this torchft job cannot run (one line naming the flag), or None; ``given``: the job fields set on the
+    command line or in the config file; ``world``: workers on this machine (``--nproc``, or torchrun's)."""
+    if cfg.fault_tolerance != "torchft":
+        for name in ("lighthouse", "replica_group"):
+            if getattr(cfg, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                return f"{flag} needs --fault-tolerance torchft"
+        return None
+    if importlib.util.find_spec("torchft") is None:
+        return "--fault-tolerance torchft needs the torchft package: pip install 'quietsync[ft]'"
+    why = refusal(cfg.strategy)
+    if why:
+        return why
+    for name, text in UNSUPPORTED.items():
+        value = getattr(cfg, name)
+        if value not in (None, False, 0):
+            return text
+    if cfg.on_nonfinite == "skip":
+        return ("--on-nonfinite skip is not supported with --fault-tolerance torchft (skipping a round needs every "
+                "replica's verdict outside the quorum's commits); use stop")
+    if cfg.precision == "fp16":
+        return ("--precision fp16 is not supported with --fault-tolerance torchft (the loss scale's skip decision "
+                "needs every replica's verdict outside the quorum's commits); use bf16 or fp32")
+    if "batch_policy" in given and cfg.batch_policy == "global":
+        return ("--batch-policy global is not supported with --fault-tolerance torchft: each replica's step keeps "
+                "its micro-batches (the global batch shrinks while a replica is missing) and the learning-rate "
+                "schedule follows tokens; leave --batch-policy out")
+    hook = getattr(strategy_config, "comm_hook", "allreduce")
+    if hook != "allreduce":
+        return (f"--comm-hook {hook} is not supported with --fault-tolerance torchft: torch DDP's hook runs inside a "
+                "replica group; the replicas average the gradient through the quorum (uncompressed)")
+    if cfg.replica_group is not None:
+        if cfg.lighthouse is None:
+            return ("--replica-group needs --lighthouse HOST:PORT: a replica group started on its own meets the "
+                    "others through the job's Lighthouse (quietsync lighthouse)")
+        if cfg.nodes is None:
+            return "--replica-group needs --nodes N: the number of replica groups of the job (at least 2)"
+        replicas, workers = cfg.nodes, world
+        if cfg.replica_group >= replicas:
+            return f"--replica-group must be in [0, {replicas}) (--nodes {replicas}), got {cfg.replica_group}"
+    else:
+        if under_torchrun:
+            return ("--fault-tolerance torchft under torchrun needs --replica-group K and --lighthouse HOST:PORT: "
+                    "each torchrun job is one replica group of the job")
+        replicas = cfg.nodes if cfg.nodes is not None else world
+        if world % replicas:
+            return f"--nodes must be a positive divisor of --nproc {world}, got {replicas}"
+        workers = world // replicas
+    if replicas < 2:
+        return (f"--fault-tolerance torchft needs at least 2 replica groups (--nodes, default one per worker), got "
+                f"{replicas}")
+    if workers > 1 and one_worker_only(cfg.strategy, strategy_config):
+        inner = " with --inner local" if cfg.strategy == "diloco" else ""
+        return (f"--strategy {cfg.strategy}{inner} keeps its state per worker, so under --fault-tolerance torchft it "
+                f"runs with one worker per replica group; got {workers} (--nproc / --nodes)"
+                + ("; diloco --inner ddp or zero1 runs several" if cfg.strategy == "diloco" else ""))
+    return None
+
+
+def lighthouse_problem(address: str, timeout_s: float = 10.0) -> str | None:
+    """Why the Lighthouse at ``address`` cannot be reached (one line naming --lighthouse), or None."""
+    from .lighthouse import reachable
+
+    problem = reachable(address, timeout_s)
+    if problem is None:
+        return None
+    return f"--lighthouse {address}: no Lighthouse answered within {timeout_s:g}s ({problem}); start one with " \
+           "`quietsync lighthouse` (or torchft_lighthouse) and give its address"
+
+
+__all__ = ["UNSUPPORTED", "ft_problem", "lighthouse_problem"]

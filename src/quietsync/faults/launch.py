@@ -1,0 +1,157 @@
+"""Starting the replica groups of a ``--fault-tolerance torchft`` job.
+
+* **On one machine** (no ``--replica-group``): the launcher starts a Lighthouse in its own process (unless
+  ``--lighthouse`` names one), then ``--nodes`` replica groups, each a child process with ``--nproc / --nodes``
+  workers (one: the child trains itself; several: it spawns them, :mod:`quietsync.train.launch`). When a replica
+  group dies -- ``kill -9``, a crash, or a replica that fell behind its peers -- the launcher starts it again, up
+  to ``--replica-restarts`` times: it heals from a live peer and rejoins, while the others never restart. The job
+  ends when every replica group has finished (exit 0), or fails when one died more often than allowed (exit 1,
+  the others stopped). An interrupt stops everything (exit 130). Children die with the launcher.
+* **One replica group of a cluster job** (``--replica-group K --lighthouse HOST:PORT``): this machine's replica
+  group only -- its ``--nproc`` local workers, or torchrun's -- and the cluster's scheduler restarts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+from ..train.args import PROG
+from .loop import STORE_ENV, run_replica
+
+POLL_S = 0.2
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas: int, lighthouse: str,
+                          workers: int) -> int:
+    """Run replica group ``replica``'s workers here (in place under torchrun); its exit status (0, 1, 130)."""
+    from ..train.launch import WorkerFailed, launch, under_torchrun
+
+    if workers > 1 and not under_torchrun():
+        host = "127.0.0.1" if lighthouse.rpartition("://")[2].startswith(("127.", "localhost")) else \
+            socket.gethostname()
+        os.environ.setdefault(STORE_ENV, f"{host}:{_free_port()}")
+    try:
+        launch(run_replica, (cfg, strategy_config, replica, replicas, lighthouse), nproc=workers)
+    except WorkerFailed as e:
+        print(e.details, file=sys.stderr)
+        print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _replica_main(cfg: Any, strategy_config: Any, replica: int, replicas: int, lighthouse: str, workers: int,
+                  launcher: int) -> None:
+    """A replica group child of the local launcher."""
+    from ..train.launch import _die_with_launcher
+
+    _die_with_launcher(launcher)
+    try:
+        code = run_one_replica_group(cfg, strategy_config, replica, replicas, lighthouse, workers)
+    except BaseException:  # noqa: BLE001 - the child's traceback, then its exit status
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _ended(code: int | None) -> str:
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
+    """The local launcher (module docstring); the job's exit status."""
+    from .lighthouse import LighthouseConfig, start_lighthouse
+
+    workers = cfg.nproc // replicas
+    if not cfg.threads:
+        cfg = dataclasses.replace(cfg, threads=max(1, (os.cpu_count() or 1) // cfg.nproc))
+    server = None
+    if cfg.lighthouse is None:
+        server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0"))
+        address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
+    else:
+        address = cfg.lighthouse
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # replica groups of one machine talk over loopback
+    context = multiprocessing.get_context("spawn")
+    children: dict[int, Any] = {}
+    restarts = dict.fromkeys(range(replicas), 0)
+    finished: set[int] = set()
+
+    def start(k: int) -> None:
+        child = context.Process(target=_replica_main, name=f"quietsync-replica{k}",
+                                args=(cfg, strategy_config, k, replicas, address, workers, os.getpid()))
+        child.start()
+        children[k] = child
+
+    def stop_all() -> None:
+        from ..train.launch import stop_workers
+
+        stop_workers([c for c in children.values() if c.is_alive()])
+
+    print(f"{PROG} train: --fault-tolerance torchft: {replicas} replica groups of {workers} worker(s), Lighthouse at "
+          f"{address}; a replica group that dies is started again (up to {cfg.replica_restarts} times) and heals "
+          "from a live peer", flush=True)
+    try:
+        for k in range(replicas):
+            start(k)
+        while len(finished) < replicas:
+            running = [c.sentinel for k, c in children.items() if k not in finished and c.exitcode is None]
+            if running:
+                multiprocessing.connection.wait(running, timeout=POLL_S)
+            for k, child in list(children.items()):
+                if k in finished or child.exitcode is None:
+                    continue
+                if child.exitcode == 0:
+                    finished.add(k)
+                    continue
+                if finished and len(finished) + 1 == replicas:
+                    print(f"{PROG} train: replica group {k} ended ({_ended(child.exitcode)}) after the others had "
+                          "finished the run", file=sys.stderr, flush=True)
+                    finished.add(k)
+                    continue
+                if restarts[k] >= cfg.replica_restarts:
+                    print(f"{PROG} train: error: replica group {k} ended ({_ended(child.exitcode)}) and was restarted "
+                          f"{restarts[k]} time(s) already (--replica-restarts {cfg.replica_restarts}); stopping the "
+                          "job", file=sys.stderr, flush=True)
+                    stop_all()
+                    return 1
+                restarts[k] += 1
+                print(f"{PROG} train: replica group {k} ended ({_ended(child.exitcode)}); starting it again (restart "
+                      f"{restarts[k]} of {cfg.replica_restarts}): it heals from a live peer", flush=True)
+                start(k)
+            time.sleep(0)
+    except KeyboardInterrupt:
+        stop_all()
+        print(f"{PROG} train: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if server is not None:
+            server.shutdown()
+    return 0
+
+
+__all__ = ["run_local_replicas", "run_one_replica_group"]

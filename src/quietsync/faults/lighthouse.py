@@ -1,0 +1,114 @@
+"""The Lighthouse: torchft's quorum server, one per job. Replica groups send it their heartbeats and, at every
+round boundary, their quorum requests; it answers each with the replicas present.
+
+The local launcher starts one in its own process (:func:`start_lighthouse`); on a cluster, run ``quietsync
+lighthouse`` (or torchft's ``torchft_lighthouse``) on a machine every replica group reaches and give its address
+to each as ``--lighthouse HOST:PORT``. Its knobs (torchft's own, defaults chosen for quick recovery):
+
+* ``--heartbeat-timeout-ms`` -- a replica silent this long is dead: the survivors' next quorum forms without it
+  after about this long (torchft's default is 5000; 2000 here);
+* ``--join-timeout-ms`` -- how long a quorum that lost a member waits for a replica that heartbeats but has not
+  asked to join yet (a replica group still starting up);
+* ``--min-replicas`` -- the fewest replicas a quorum may have (1: one survivor trains on alone).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+HEARTBEAT_TIMEOUT_MS = 2000
+"""A replica group silent this long is dead (a lost replica costs the survivors about this long)."""
+JOIN_TIMEOUT_MS = 10000
+"""A quorum that lost a member waits this long for replicas that heartbeat but have not asked to join."""
+
+
+@dataclass(frozen=True)
+class LighthouseConfig:
+    """A Lighthouse's knobs."""
+
+    bind: str = "[::]:29510"
+    """Address to listen on (port 0: any free port)."""
+    min_replicas: int = 1
+    """The fewest replicas a quorum may have."""
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS
+    """A replica silent this long is dead."""
+    join_timeout_ms: int = JOIN_TIMEOUT_MS
+    """How long a quorum waits for a heartbeating replica that has not asked to join."""
+    quorum_tick_ms: int = 100
+    """How often the Lighthouse re-checks a quorum that is waiting."""
+
+
+def start_lighthouse(config: LighthouseConfig):  # noqa: ANN201 - torchft's LighthouseServer
+    """A running Lighthouse in this process (``.address()``, ``.shutdown()``)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind=config.bind, min_replicas=config.min_replicas,
+                            join_timeout_ms=config.join_timeout_ms, quorum_tick_ms=config.quorum_tick_ms,
+                            heartbeat_timeout_ms=config.heartbeat_timeout_ms)
+
+
+def http_address(address: str) -> str:
+    """``http://host:port`` of an address given as ``host:port`` or ``http://host:port``."""
+    return address if "://" in address else f"http://{address}"
+
+
+def reachable(address: str, timeout_s: float) -> str | None:
+    """None if a Lighthouse answers at ``address`` (its status page, no side effect), else why not."""
+    try:
+        with urllib.request.urlopen(http_address(address).rstrip("/") + "/status", timeout=timeout_s) as reply:
+            if reply.status == 200:
+                return None
+            return f"HTTP {reply.status}"
+    except urllib.error.URLError as e:
+        return str(e.reason)
+    except (OSError, ValueError) as e:
+        return str(e)
+
+
+def lighthouse_main(argv: list[str]) -> int:
+    """``quietsync lighthouse``: run a Lighthouse until interrupted (SIGINT/SIGTERM); prints its address."""
+    from ..train.args import PROG, OneLineParser
+
+    parser = OneLineParser(prog=f"{PROG} lighthouse",
+                           description="Run the quorum server of a --fault-tolerance torchft job (docs/faults.md).")
+    defaults = LighthouseConfig()
+    parser.add_argument("--bind", default=defaults.bind, help=f"address to listen on (default: {defaults.bind})")
+    for name, help_text in (("min_replicas", "the fewest replicas a quorum may have"),
+                            ("heartbeat_timeout_ms", "a replica silent this long is dead"),
+                            ("join_timeout_ms", "how long a quorum waits for a heartbeating replica that has not "
+                                                "asked to join"),
+                            ("quorum_tick_ms", "how often a waiting quorum is re-checked")):
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                            help=f"{help_text} (default: {default})")
+    args = parser.parse_args(argv)
+    for name in ("min_replicas", "heartbeat_timeout_ms", "join_timeout_ms", "quorum_tick_ms"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
+    try:
+        server = start_lighthouse(LighthouseConfig(args.bind, args.min_replicas, args.heartbeat_timeout_ms,
+                                                   args.join_timeout_ms, args.quorum_tick_ms))
+    except ModuleNotFoundError:
+        parser.error("needs the torchft package: pip install 'quietsync[ft]'")
+    except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError for a port in use, a bad address
+        parser.error(f"--bind {args.bind}: {' '.join(str(e).split())}")
+    print(f"{PROG} lighthouse: listening on {server.address()} (heartbeat timeout {args.heartbeat_timeout_ms} ms); "
+          "stop with Ctrl-C", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.shutdown()
+    print(f"{PROG} lighthouse: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "LighthouseConfig", "http_address", "lighthouse_main",
+           "reachable", "start_lighthouse"]

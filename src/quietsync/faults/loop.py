@@ -1,0 +1,337 @@
+"""The training loop of one worker of one replica group under ``--fault-tolerance torchft``.
+
+Per worker: the transport of the replica group (:class:`~quietsync.faults.transport.FaultTolerantTransport`) and
+its torchft Manager (:class:`~quietsync.faults.quorum.ReplicaQuorum`, started first, so the Lighthouse sees every
+replica of a fresh job before the first quorum), then the corpus, the model (same seed on every replica) and the
+strategy, whose learning-rate schedule reads the dealer's position in tokens. Then::
+
+    quorum.join()                                         # heal from a live peer if the others are ahead
+    while the schedule's position < --max-steps:
+        if quorum.round_due: quorum.start_round()         # after a commit: joiners heal here
+        windows = dealer.deal(quorum.members, ...)        # this step's windows (faults/dealer.py)
+        for each micro-batch: strategy.forward_backward(batch); strategy.step()
+                                                          # its collectives over the replicas commit through
+                                                          # the quorum (retried among survivors)
+        log, evaluate when due
+    strategy.finish(); the totals; a last round (replicas waiting to join see the run is over); export, summary
+
+Records (``metrics-rank{R}.jsonl``, R the worker's rank in the nominal job) continue across a replica's restarts
+(a healed incarnation appends after the step it healed at) and hold, besides the usual fields, ``members`` (the
+replica groups of the step's quorum), ``healed`` and ``retries`` counters and ``unix_s`` (wall clock, to put the
+replicas on one timeline); with ``QUIETSYNC_AUDIT_DATA=1`` also the windows each commit committed and gave back.
+The replica group whose rank-0 replica leads the final quorum writes ``summary.json`` and ``OUT/model``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from ..link import parse_links
+from ..strategies import StrategyConfig, make_strategy
+from ..train.corpus import load_corpus
+from ..train.data import ShardedSequences, encode_split, eval_batches
+from ..train.elastic import accumulation_field
+from ..train.export import MODEL_DIR, export_model
+from ..train.launch import note_failure
+from ..train.loop import ADAMW_BETAS, AUDIT_ENV, evaluate, lm_loss
+from ..train.metrics import MetricsWriter, write_summary
+from ..train.model import count_parameters, job_model, param_groups
+from ..train.preflight import data_problem
+from ..train.schedule import warmup_cosine
+from ..train.slow_worker import MicroBatchTimer
+from ..train.tokenizer import job_tokenizer
+from .dealer import WindowDealer
+from .heal import heal_state, load_heal_state
+from .inject import reached
+from .quorum import ReplicaQuorum
+from .transport import FaultTolerantTransport
+
+STORE_ENV = "QUIETSYNC_FT_STORE"
+"""``host:port`` of a replica group's own TCPStore (torchft's Manager meets its workers there), set by the local
+launcher for a replica group of several workers (its rank 0 serves it)."""
+
+HOST_ENV = "QUIETSYNC_FT_HOST"
+"""The address other replica groups reach this one at (default: 127.0.0.1 when the Lighthouse is on this machine's
+loopback, else the host name)."""
+
+QUORUM_TIMEOUT_S = 120.0
+"""The longest a round start waits for the Lighthouse and the other replicas (a replica that restarts after the
+run ended waits this long, then stops)."""
+
+
+def advertised_host(lighthouse: str) -> str:
+    """The address the other replica groups reach this one at (:data:`HOST_ENV`)."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    host = lighthouse.rpartition("://")[2].rpartition(":")[0].strip("[]")
+    return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.gethostname()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def replica_store(transport: FaultTolerantTransport, host: str, timeout_s: float) -> tuple[tuple[str, int], Any]:
+    """``((host, port), server)``: the replica group's TCPStore for torchft's Manager; rank 0 serves it (the
+    server object is kept alive by the caller; None on the other ranks)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    rank0 = transport.local_rank == 0
+    given = os.environ.get(STORE_ENV)
+    if given:
+        where, _, port = given.rpartition(":")
+        server = dist.TCPStore(where, int(port), is_master=rank0, wait_for_workers=False, timeout=timeout)
+        return (where, int(port)), server if rank0 else None
+    if transport.workers == 1:
+        port = _free_port()
+        return (host, port), dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    # under torchrun: rank 0 serves a store of its own and tells the others through torchrun's
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          wait_for_workers=False, timeout=timeout)
+    key = "quietsync/fault_tolerance/store"
+    server = None
+    if rank0:
+        port = _free_port()
+        server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+        agent.set(key, f"{host}:{port}")
+    where, _, port = agent.get(key).decode().rpartition(":")
+    return (where, int(port)), server
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the step loop needs besides the strategy."""
+
+    cfg: Any
+    strategy_config: Any
+    transport: FaultTolerantTransport
+    quorum: ReplicaQuorum
+    dealer: WindowDealer
+    held_out: list[torch.Tensor]
+    rank: int
+    state: dict[str, Any]
+    """Heal state of the run itself: ``finished``."""
+    healed_at_join: bool
+    t_setup: float
+
+
+def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, replicas: int,
+                lighthouse: str) -> dict | None:
+    """Train as one worker of replica group ``replica`` (of ``replicas``) against the Lighthouse at
+    ``lighthouse``; the summary where this worker wrote it, else None."""
+    t_setup = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    transport = FaultTolerantTransport(replica, replicas, links=parse_links(cfg.link), timeout_s=cfg.timeout_s)
+    quorum, strategy, store = None, None, None
+    try:
+        host = advertised_host(lighthouse)
+        address, store = replica_store(transport, host, cfg.timeout_s)
+        quorum = ReplicaQuorum(transport, lighthouse, address, timeout_s=cfg.timeout_s,
+                               quorum_timeout_s=max(QUORUM_TIMEOUT_S, cfg.timeout_s), hostname=host)
+        corpus = load_corpus(cfg.dataset, cfg.eval_fraction)
+        tokenizer, eos = job_tokenizer(cfg.tokenizer, corpus, cfg.vocab_size, cfg.cache_dir)
+        train_tokens = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir)
+        eval_tokens = encode_split(tokenizer, corpus.eval_documents, eos, cfg.cache_dir)
+        too_small = data_problem(train_tokens.numel(), eval_tokens.numel(), cfg, replicas * transport.workers)
+        if too_small:
+            raise ValueError(too_small)
+        model = job_model(cfg, tokenizer.get_vocab_size(), eos, transport.device)
+        n_params = count_parameters(model)
+        field = accumulation_field(strategy_config)
+        accumulation = int(getattr(strategy_config, field)) if field else 1
+        reader = ShardedSequences(train_tokens, cfg.seq_len, cfg.micro_batch_size, 0, 1, cfg.seed)
+        dealer = WindowDealer(reader, accumulation * cfg.micro_batch_size * transport.workers, replicas)
+        schedule = warmup_cosine(cfg.warmup, cfg.max_steps, cfg.min_lr_ratio)
+        strategy = make_strategy(
+            cfg.strategy, model, torch.optim.AdamW, param_groups=param_groups(model, cfg.weight_decay),
+            transport=transport, config=strategy_config, lr_schedule=lambda step: schedule(dealer.position_at(step)),
+            precision=cfg.precision, max_grad_norm=cfg.clip_norm, lr=cfg.lr, weight_decay=cfg.weight_decay,
+            betas=ADAMW_BETAS)
+        state: dict[str, Any] = {"finished": False}
+        quorum.register("strategy", lambda: heal_state(strategy), lambda s: load_heal_state(strategy, s))
+        quorum.register("dealer", dealer.state_dict, dealer.load_state_dict)
+        quorum.register("run", lambda: dict(state), state.update)
+        quorum.on_commit(dealer.commit)
+        healed = quorum.join()
+        if not healed:
+            check_same_start(strategy, transport)
+        held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
+        run = _Run(cfg, strategy_config, transport, quorum, dealer, held_out, transport.topology.rank, state, healed,
+                   t_setup)
+        result = _train(run, strategy)
+        if result is None:  # joined a run that had ended: nothing to do
+            return None
+        lead = quorum.members[0] == replica and transport.local_rank == 0
+        if cfg.export and lead:
+            with strategy.paused(), strategy.committed_params() as module:
+                export_model(module, tokenizer, os.path.join(cfg.out, MODEL_DIR))
+        summary = None
+        if lead:
+            summary = _summary(run, strategy, n_params, result)
+            write_summary(cfg.out, summary)
+            print(f"quietsync train: --fault-tolerance torchft: {summary['steps']} steps, {summary['tokens']} tokens "
+                  f"committed in {summary['wall_s']:.1f}s; last eval loss {summary['last_eval_loss']:.4f}; replica "
+                  f"group {replica} healed {quorum.healed} time(s); results in {os.path.abspath(cfg.out)}",
+                  flush=True)
+        return summary
+    except BaseException:
+        note_failure()
+        raise
+    finally:
+        if strategy is not None:
+            strategy.close()
+        if quorum is not None:
+            quorum.shutdown()
+        transport.close()
+        del store
+
+
+def check_same_start(strategy: Any, transport: FaultTolerantTransport) -> None:
+    """Replicas of a fresh job must start from the same parameters (every replica builds its model from the same
+    seed; no initial broadcast crosses replicas): one all-reduce of each replica's parameter checksum checks it."""
+    with torch.no_grad():
+        total = sum(float(p.detach().double().sum()) for p in strategy.module.parameters())
+    sums = torch.tensor([total, -total], dtype=torch.float64, device=transport.device)
+    transport.all_reduce(sums, "replicate", op="max", name="start_check")
+    if abs(float(sums[0]) + float(sums[1])) > 1e-9 * max(1.0, abs(total)):
+        raise ValueError("the replica groups start from different parameters (build the model from the same seed "
+                         "on every replica group: --seed, the same --model)")
+
+
+def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
+    """The step loop (module docstring); None when this replica healed into a run that had already ended."""
+    cfg, transport, quorum, dealer = run.cfg, run.transport, run.quorum, run.dealer
+    device, rank = transport.device, run.rank
+    audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
+    if run.state["finished"]:
+        return None
+    metrics = MetricsWriter(cfg.out, rank, resume_step=1 << 62)  # a restarted replica appends to its records
+    t0 = time.perf_counter()
+    setup_s = t0 - run.t_setup
+    evals: list[dict[str, Any]] = []
+    seq = cfg.seq_len
+    mine_tokens = 0
+    timer = MicroBatchTimer(cfg.slow(), rank, device)
+
+    def run_eval() -> None:
+        t = time.perf_counter()
+        with strategy.paused(), strategy.committed_params(), strategy.autocast():
+            loss = evaluate(strategy.module, run.held_out, device)
+        now = time.perf_counter()
+        evals.append(metrics.eval(strategy.steps, loss, dealer.committed * seq, now - t, now - t0))
+
+    def log_step(losses: list[torch.Tensor], tokens: int, commits_before: int, retries_before: int) -> None:
+        m = strategy.last_step_metrics()
+        record = {
+            "step": m.step, "rank": rank, "loss": float(torch.stack(losses).mean()) if losses else float("nan"),
+            "lr": m.lr, "tokens": tokens, "tokens_total": dealer.committed * seq, "micro_batches": m.micro_batches,
+            "compute_s": m.compute_s, "comm_s": m.comm_s, "idle_s": m.idle_s, "bytes_sent": m.bytes_sent,
+            "bytes_recv": m.bytes_recv, "bytes_by_group": m.bytes_by_group, "slow_sleep_s": timer.slept_s,
+            "time_s": time.perf_counter() - t0, "unix_s": time.time(), "members": quorum.members,
+            "position": dealer.position(), "healed": quorum.healed, "retries": quorum.retries - retries_before,
+        }
+        if m.extra:
+            record["extra"] = m.extra
+        if audit and quorum.commits > commits_before:
+            record["commit"] = {k: list(v) for k, v in dealer.last_commit.items()}
+        metrics.step(record)
+        timer.slept_s = 0.0
+
+    stopped = dealer.position() >= cfg.max_steps
+    try:
+        if strategy.steps == 0 and not run.healed_at_join:
+            run_eval()
+        accumulation = dealer.per_replica // (cfg.micro_batch_size * transport.workers)
+        mb, w, me = cfg.micro_batch_size, transport.workers, transport.local_rank
+        while not stopped:
+            if quorum.round_due:
+                quorum.start_round()
+                if run.state["finished"]:  # healed into a run that ended meanwhile
+                    return None
+                if dealer.position() >= cfg.max_steps:
+                    break
+            commits, retries = quorum.commits, quorum.retries
+            windows = dealer.deal(quorum.members, transport.replica, strategy.steps)[me::w]
+            losses: list[torch.Tensor] = []
+            committed = False
+            for a in range(accumulation):
+                batch = dealer.batch(windows[a * mb:(a + 1) * mb]).to(device, non_blocking=True)
+                timer.start()
+                loss = strategy.forward_backward(batch, lm_loss)
+                timer.stop()
+                if loss is not None:
+                    losses.append(loss)
+                if a == accumulation - 1:
+                    reached("step")
+                committed = strategy.step()
+            if not committed:
+                raise RuntimeError(f"strategy {cfg.strategy} did not commit after {accumulation} micro-batch(es)")
+            mine_tokens += len(windows) * seq
+            log_step(losses, len(windows) * seq, commits, retries)
+            if cfg.eval_every and strategy.steps % cfg.eval_every == 0:
+                run_eval()
+            stopped = dealer.position() >= cfg.max_steps
+        commits, retries = quorum.commits, quorum.retries
+        if strategy.finish():
+            log_step([], 0, commits, retries)
+        run.state["finished"] = True
+        if not evals or evals[-1]["step"] != strategy.steps:
+            run_eval()
+        totals = _totals(transport, mine_tokens, strategy)
+        quorum.start_round()  # replicas waiting to join take the final state and stop
+    finally:
+        metrics.close()
+    return {"wall_s": time.perf_counter() - t0, "setup_s": setup_s, "evals": evals, "totals": totals}
+
+
+def _totals(transport: FaultTolerantTransport, tokens: int, strategy: Any) -> dict[str, float]:
+    """Every present replica's counters summed (inside the replica group, then across replicas)."""
+    snap = transport.meter.snapshot()
+    keys = ("tokens_fed", "micro_batches", "bytes_sent", "bytes_recv", "replicate_sent")
+    values = [float(tokens), float(strategy.micro_batches), float(transport.meter.sent),
+              float(transport.meter.recv), float(snap.get("replicate", {}).get("sent", 0))]
+    t = torch.tensor(values, dtype=torch.float64, device=transport.device)
+    if transport.workers > 1:
+        transport.all_reduce(t, "shard", op="sum", name="summary")
+    transport.all_reduce(t, "replicate", op="sum", name="summary")
+    return dict(zip(keys, t.tolist()))
+
+
+def _summary(run: _Run, strategy: Any, n_params: int, result: dict[str, Any]) -> dict[str, Any]:
+    cfg, quorum, dealer = run.cfg, run.quorum, run.dealer
+    evals, totals = result["evals"], result["totals"]
+    tokens = dealer.committed * cfg.seq_len
+    return {
+        "strategy": cfg.strategy, "world_size": run.transport.topology.world_size,
+        "nodes": run.transport.replicas, "model": cfg.model, "parameters": n_params, "steps": strategy.steps,
+        "stopped_by": "max_steps", "tokens": tokens, "wall_s": result["wall_s"], "setup_s": result["setup_s"],
+        "tokens_per_s": tokens / max(result["wall_s"], 1e-9),
+        "first_eval_loss": evals[0]["loss"] if evals else None,
+        "last_eval_loss": evals[-1]["loss"] if evals else None,
+        "eval": [{"step": e["step"], "loss": e["loss"]} for e in evals],
+        "fault_tolerance": {
+            "engine": "torchft", "replicas": run.transport.replicas, "final_members": quorum.members,
+            "schedule_position": dealer.position(), "windows_committed": dealer.committed,
+            "windows_given_back": len(dealer.given_back), "windows_dealt": dealer.fresh,
+            "commits": quorum.commits, "tokens_fed_by_present_replicas": totals["tokens_fed"],
+            "bytes_replicate_sent_by_present_replicas": totals["replicate_sent"],
+        },
+        "config": dataclasses.asdict(cfg),
+        "strategy_config": dataclasses.asdict(run.strategy_config) if run.strategy_config is not None else None,
+    }
+
+
+__all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STORE_ENV", "advertised_host", "check_same_start", "replica_store",
+           "run_replica"]

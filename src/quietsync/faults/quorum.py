@@ -1,0 +1,189 @@
+"""The per-step quorum of one replica group: torchft's Manager, and the protocol quietsync runs on it.
+
+Each replica group runs torchft's :class:`~torchft.manager.Manager` (synchronous quorum: a replica that heals
+does so before it computes anything) against the job's Lighthouse. :class:`ReplicaQuorum` drives it:
+
+* **rounds** — :meth:`start_round` asks for a quorum at a round boundary: before the first micro-batch
+  (:meth:`join`), and after every commit, before the next micro-batch. Replicas that (re)start join here; a
+  replica behind the others (a fresh process) **heals**: it receives the state of a live peer — the strategy's
+  (θ, optimizer and outer state, counters), the data position and the schedule's — through the peer checkpoint
+  (:mod:`~quietsync.faults.peer_checkpoint`), and continues from there with everyone. A round start that fails
+  (a peer died while connecting or while sending the checkpoint) is asked again.
+* **commits** — every collective over the replicate dimension runs in :meth:`run`: the collective, then
+  ``should_commit`` (every worker of the replica group agrees; an error anywhere means no). A failed collective
+  (a replica died: gloo sees its connections close) is retried with the same payload among the survivors:
+  a quorum restricted to the previous members (``shrink_only``; nobody joins or heals mid-step) forms once the
+  dead replica's heartbeats stop (the Lighthouse's ``--heartbeat-timeout-ms``), and the collective runs again.
+  The caller only ever sees a committed result; a replica that finds itself behind the others (a commit they
+  made failed here) stops with :class:`FellBehind` and, restarted, heals.
+
+Every commit is counted (``commits``) and announced to the listeners (:meth:`on_commit`) with the replicas that
+took part, so the data policy (:mod:`~quietsync.faults.dealer`) knows whose micro-batches entered the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .peer_checkpoint import PeerCheckpoint
+from .replica_group import replica_id
+from .transport import FaultTolerantTransport, ReplicaLost
+
+HEAL_KEY = "quietsync"
+"""The key under which a replica's heal state travels (torchft's ``register_state_dict_fn``)."""
+
+
+class FellBehind(RuntimeError):
+    """This replica missed a commit its peers made; restarted, it heals from one of them."""
+
+
+class NoQuorum(RuntimeError):
+    """No quorum could commit a collective, or form, within the time allowed."""
+
+
+class ReplicaQuorum:
+    """torchft's Manager for one worker of a replica group, and the round/commit protocol (module docstring).
+
+    Args:
+        transport: this worker's :class:`~quietsync.faults.transport.FaultTolerantTransport`.
+        lighthouse: the Lighthouse's address (``http://host:port``, or ``host:port``).
+        store: ``(host, port)`` of the replica group's TCPStore (its server must be running).
+        timeout_s: collectives, commits and the peer checkpoint wait at most this long.
+        quorum_timeout_s: a quorum waits at most this long for the Lighthouse (and the other replicas).
+        hostname: the address other replicas reach this replica group's manager at.
+    """
+
+    def __init__(self, transport: FaultTolerantTransport, lighthouse: str, store: tuple[str, int], *,
+                 timeout_s: float, quorum_timeout_s: float, hostname: str = "127.0.0.1") -> None:
+        from torchft.manager import Manager
+
+        for name in ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        self.transport = transport
+        self.timeout_s, self.quorum_timeout_s = float(timeout_s), float(quorum_timeout_s)
+        self._saves: dict[str, Callable[[], Any]] = {}
+        self._loads: dict[str, Callable[[Any], None]] = {}
+        self._listeners: list[Callable[[list[int]], None]] = []
+        self.round_due = True
+        """Whether a round boundary is due (a commit happened since the last quorum; or nothing yet)."""
+        self.joined = False
+        self.healed = 0
+        """How many times this replica took a peer's state."""
+        self.commits = 0
+        """Collectives committed over the replicate dimension."""
+        self.retries = 0
+        """Attempts of a collective that failed and were run again among the survivors."""
+        address = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
+        self.manager = Manager(
+            pg=transport.replica_group, load_state_dict=None, state_dict=None, min_replica_size=1,
+            use_async_quorum=False, init_sync=False,
+            timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timedelta(seconds=min(timeout_s, 30.0)), rank=transport.local_rank,
+            world_size=transport.workers, store_addr=store[0], store_port=store[1], lighthouse_addr=address,
+            replica_id=replica_id(transport.replica), hostname=hostname,
+            heartbeat_interval=timedelta(milliseconds=100),
+            checkpoint_transport=PeerCheckpoint(transport, timeout_s))
+        self.manager.register_state_dict_fn(HEAL_KEY, self._load, self._save)
+        transport.quorum = self
+
+    # ------------------------------------------------------------------ what a healing replica receives
+    def register(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Send ``save()`` to a replica that heals from this one; ``load(state)`` on the one that heals."""
+        if key in self._saves:
+            raise ValueError(f"heal state {key!r} is registered twice")
+        self._saves[key], self._loads[key] = save, load
+
+    def on_commit(self, listener: Callable[[list[int]], None]) -> None:
+        """Call ``listener(members)`` after every commit (``members``: the replica groups that took part)."""
+        self._listeners.append(listener)
+
+    def _save(self) -> dict[str, Any]:
+        return {key: save() for key, save in self._saves.items()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        for key, load in self._loads.items():
+            load(state[key])
+        self.healed += 1
+
+    # ------------------------------------------------------------------ rounds
+    def join(self) -> bool:
+        """The first round: connect to the other replicas (healing if they are ahead). Returns whether this
+        replica healed."""
+        healed = self.start_round()
+        self.joined = True
+        return healed
+
+    def start_round(self) -> bool:
+        """A quorum at a round boundary (new replicas join; one behind heals here). Returns whether this replica
+        healed. Asked again while a member fails during it, until ``quorum_timeout_s``."""
+        deadline = time.monotonic() + self.quorum_timeout_s
+        before = self.healed
+        while True:
+            self.manager.start_quorum(allow_heal=True, timeout=timedelta(seconds=self.quorum_timeout_s))
+            if self.manager.errored() is None and self.manager.participating_rank() is not None:
+                break
+            if time.monotonic() > deadline:
+                raise NoQuorum(f"no quorum formed within {self.quorum_timeout_s:g}s "
+                               f"({self.manager.errored() or 'not a participant'})")
+        self.round_due = False
+        return self.healed > before
+
+    def _regroup(self) -> None:
+        """A quorum inside a round: the previous members still alive, no join, no heal."""
+        self.manager.start_quorum(allow_heal=False, shrink_only=True,
+                                  timeout=timedelta(seconds=self.quorum_timeout_s))
+        if self.manager.participating_rank() is None:
+            raise FellBehind("quietsync: this replica missed a commit the other replicas made (its collective failed "
+                             "where theirs succeeded); it stops, and once restarted it heals from a live peer")
+        self.round_due = False
+
+    def run(self, op: Callable[[], Any], restore: Sequence[torch.Tensor]) -> Any:
+        """``op()`` (collectives over the replicate dimension) committed by the quorum: retried with the same
+        inputs (``restore`` are put back first: tensors ``op`` changes in place) among the survivors until a
+        quorum commits it, or ``quorum_timeout_s`` has passed (:class:`NoQuorum`)."""
+        if self.round_due:
+            self._regroup()
+        saved = [t.detach().clone() for t in restore]
+        deadline = time.monotonic() + self.quorum_timeout_s
+        while True:
+            try:
+                out = op()
+            except ReplicaLost as e:
+                out = None
+                for t, s in zip(restore, saved):
+                    t.copy_(s)
+                self.transport.replica_group.report(e)
+                self.manager.report_error(e)
+            if self.manager.should_commit(timeout=timedelta(seconds=self.timeout_s)):
+                self._committed()
+                return out
+            self.retries += 1
+            if time.monotonic() > deadline:
+                raise NoQuorum(f"quietsync: no quorum of replicas committed a collective within "
+                               f"{self.quorum_timeout_s:g}s")
+            self._regroup()
+
+    def _committed(self) -> None:
+        self.commits += 1
+        self.round_due = True
+        members = list(self.transport.replica_group.members)
+        for listener in self._listeners:
+            listener(members)
+
+    @property
+    def members(self) -> list[int]:
+        """The replica groups of the current quorum, in rank order."""
+        return list(self.transport.replica_group.members)
+
+    def shutdown(self) -> None:
+        """Stop this replica's manager server and the peer checkpoint (local; the others see it leave)."""
+        self.manager.shutdown(wait=False)
+
+
+__all__ = ["FellBehind", "HEAL_KEY", "NoQuorum", "ReplicaQuorum"]

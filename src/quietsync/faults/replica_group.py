@@ -1,0 +1,114 @@
+"""The process group of the ``replicate`` dimension under torchft: the replicas present in the current quorum.
+
+torchft's :class:`~torchft.manager.Manager` reconfigures the group it is given at every quorum change
+(``configure(store address, replica id, rank, size, quorum id, group rank, group size, global ranks)``) and asks
+it whether an asynchronous error happened (``errored()``). :class:`ReplicaProcessGroup` is that group for
+quietsync: on each ``configure`` it connects a fresh gloo group of the quorum's members through the quorum's
+rendezvous store (one TCPStore per replica group; torchft hands out the primary's, prefixed by the quorum id and
+the group rank, so worker ``i`` of every replica group meets worker ``i`` of the others). quietsync's
+:class:`~quietsync.faults.transport.FaultTolerantTransport` issues the collectives on :attr:`group`, so they are
+metered and link-emulated like every other; nothing here talks to the network besides the connection.
+
+A replica is named ``quietsync_replica_<k>`` (``k``: its replica group); torchft derives the members' "global
+ranks" ``k * group_world_size + group_rank`` from the trailing digits, so :attr:`members` is the sorted list of
+replica group indices present, in the quorum's rank order.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchft.process_group import ProcessGroup as TorchftProcessGroup
+
+REPLICA_PREFIX = "quietsync_replica_"
+"""A replica group's torchft replica id is this prefix and its index."""
+
+
+def replica_id(replica: int) -> str:
+    """The torchft replica id of replica group ``replica``."""
+    return f"{REPLICA_PREFIX}{replica}"
+
+
+def _store_client(address: str, timeout: timedelta) -> Any:
+    """``PrefixStore(prefix, TCPStore client)`` of an address ``host:port/prefix`` (IPv6 hosts in brackets)."""
+    where, _, prefix = address.partition("/")
+    host, _, port = where.rpartition(":")
+    store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False, timeout=timeout)
+    return dist.PrefixStore(prefix, store)
+
+
+def connect_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """A c10d process group of ``size`` ranks on ``store`` with a gloo backend for CPU (and CUDA) tensors; not
+    registered with ``torch.distributed`` (quietsync's transport addresses it by object, by group ranks)."""
+    group = dist.ProcessGroup(store, rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    if torch.cuda.is_available():
+        group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+class ReplicaProcessGroup(TorchftProcessGroup):
+    """The replicas present, as one process group that torchft's Manager reconfigures (module docstring).
+
+    Args:
+        timeout_s: how long the connection and each collective may wait for a member.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(0, 1)
+        self.timeout = timedelta(seconds=float(timeout_s))
+        self.group: Any = None
+        """The c10d group of the current quorum (None before the first quorum)."""
+        self.rank = 0
+        """This replica's rank in the current quorum."""
+        self.world = 1
+        """Replicas in the current quorum."""
+        self.members: list[int] = []
+        """Replica group indices of the current quorum's members, in rank order."""
+        self.quorum_id: int | None = None
+        self.generation = 0
+        """How many times the group was (re)connected."""
+        self._error: Exception | None = None
+        self._lock = threading.Lock()
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                  quorum_id: int | None = None, group_rank: int | None = None, group_world_size: int | None = None,
+                  global_ranks: list[int] | None = None) -> None:
+        """Connect the members of a new quorum (called by the Manager on its quorum thread; blocks until every
+        member has connected, or raises after the timeout)."""
+        with self._lock:
+            self.group = None  # the old group's connections close with it (a dead member's already are)
+            self._error = None
+            width = max(1, int(group_world_size or 1))
+            self.members = [int(g) // width for g in (global_ranks or [])] or [0]
+            self.group = connect_gloo(_store_client(store_addr, self.timeout), rank, world_size, self.timeout)
+            self.rank, self.world, self.quorum_id = int(rank), int(world_size), quorum_id
+            self.generation += 1
+
+    def report(self, error: Exception) -> None:
+        """Record that a collective on this group failed (the Manager reads it in ``should_commit``)."""
+        self._error = error
+
+    def errored(self) -> Exception | None:
+        return self._error
+
+    def size(self) -> int:
+        return self.world
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "quietsync-replicas"
+
+    def shutdown(self) -> None:
+        self.group = None
+
+    def abort(self) -> None:
+        self.group = None
+
+
+__all__ = ["REPLICA_PREFIX", "ReplicaProcessGroup", "connect_gloo", "replica_id"]
