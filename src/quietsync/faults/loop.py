@@ -34,12 +34,13 @@ import torch
 
 from ..link import parse_links
 from ..strategies import StrategyConfig, make_strategy
+from ..topology import GROUPS
 from ..train.corpus import load_corpus
 from ..train.data import ShardedSequences, encode_split, eval_batches
 from ..train.elastic import accumulation_field
 from ..train.export import MODEL_DIR, export_model
 from ..train.launch import note_failure
-from ..train.loop import ADAMW_BETAS, AUDIT_ENV, evaluate, lm_loss
+from ..train.loop import ADAMW_BETAS, AUDIT_ENV, STEP_SUMS, evaluate, job_summary, lm_loss
 from ..train.metrics import MetricsWriter, write_summary
 from ..train.model import count_parameters, job_model, param_groups
 from ..train.preflight import data_problem
@@ -71,6 +72,18 @@ def advertised_host(lighthouse: str) -> str:
         return os.environ[HOST_ENV]
     host = lighthouse.rpartition("://")[2].rpartition(":")[0].strip("[]")
     return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.gethostname()
+
+
+def process_started_unix() -> float | None:
+    """When this process started (wall clock; Linux ``/proc``), None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _free_port() -> int:
@@ -124,6 +137,9 @@ class _Run:
     """Heal state of the run itself: ``finished``."""
     healed_at_join: bool
     t_setup: float
+    marks: dict[str, float | None]
+    """Wall-clock marks of this replica's start, logged with its first step as ``start``: ``process_start``,
+    ``loop_start`` (imports done), ``ready`` (model and strategy built), ``joined``."""
 
 
 def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, replicas: int,
@@ -131,6 +147,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
     """Train as one worker of replica group ``replica`` (of ``replicas``) against the Lighthouse at
     ``lighthouse``; the summary where this worker wrote it, else None."""
     t_setup = time.perf_counter()
+    marks = {"process_start": process_started_unix(), "loop_start": time.time()}
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     transport = FaultTolerantTransport(replica, replicas, links=parse_links(cfg.link), timeout_s=cfg.timeout_s)
@@ -164,12 +181,14 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         quorum.register("dealer", dealer.state_dict, dealer.load_state_dict)
         quorum.register("run", lambda: dict(state), state.update)
         quorum.on_commit(dealer.commit)
+        marks["ready"] = time.time()
         healed = quorum.join()
+        marks["joined"] = time.time()
         if not healed:
             check_same_start(strategy, transport)
         held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
         run = _Run(cfg, strategy_config, transport, quorum, dealer, held_out, transport.topology.rank, state, healed,
-                   t_setup)
+                   t_setup, marks)
         result = _train(run, strategy)
         if result is None:  # joined a run that had ended: nothing to do
             return None
@@ -223,6 +242,8 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
     evals: list[dict[str, Any]] = []
     seq = cfg.seq_len
     mine_tokens = 0
+    finish_commit: dict[str, list[int]] | None = None
+    sums = dict.fromkeys(STEP_SUMS, 0.0)
     timer = MicroBatchTimer(cfg.slow(), rank, device)
 
     def run_eval() -> None:
@@ -246,7 +267,11 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
             record["extra"] = m.extra
         if audit and quorum.commits > commits_before:
             record["commit"] = {k: list(v) for k, v in dealer.last_commit.items()}
+        if run.marks:
+            record["start"], run.marks = dict(run.marks), {}
         metrics.step(record)
+        for k in sums:
+            sums[k] += record[k]
         timer.slept_s = 0.0
 
     stopped = dealer.position() >= cfg.max_steps
@@ -278,6 +303,9 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
                 committed = strategy.step()
             if not committed:
                 raise RuntimeError(f"strategy {cfg.strategy} did not commit after {accumulation} micro-batch(es)")
+            if quorum.commits == commits and transport.group_size("replicate") == 1:
+                quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks, so a
+                # returning replica finds a round boundary to join at
             mine_tokens += len(windows) * seq
             log_step(losses, len(windows) * seq, commits, retries)
             if cfg.eval_every and strategy.steps % cfg.eval_every == 0:
@@ -286,51 +314,55 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
         commits, retries = quorum.commits, quorum.retries
         if strategy.finish():
             log_step([], 0, commits, retries)
+        elif quorum.commits > commits:  # the last partial round synced without a step of its own
+            finish_commit = {k: list(v) for k, v in dealer.last_commit.items()}
         run.state["finished"] = True
         if not evals or evals[-1]["step"] != strategy.steps:
             run_eval()
-        totals = _totals(transport, mine_tokens, strategy)
+        totals = _totals(transport, sums, mine_tokens, strategy)
         quorum.start_round()  # replicas waiting to join take the final state and stop
     finally:
         metrics.close()
-    return {"wall_s": time.perf_counter() - t0, "setup_s": setup_s, "evals": evals, "totals": totals}
+    return {"wall_s": time.perf_counter() - t0, "setup_s": setup_s, "evals": evals, "totals": totals,
+            "finish_commit": finish_commit if audit else None}
 
 
-def _totals(transport: FaultTolerantTransport, tokens: int, strategy: Any) -> dict[str, float]:
-    """Every present replica's counters summed (inside the replica group, then across replicas)."""
+def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: int, strategy: Any) -> dict[str, Any]:
+    """Every present replica's counters summed (inside the replica group, then across the replicas), in the form
+    of :func:`quietsync.train.loop.job_summary`'s totals."""
     snap = transport.meter.snapshot()
-    keys = ("tokens_fed", "micro_batches", "bytes_sent", "bytes_recv", "replicate_sent")
-    values = [float(tokens), float(strategy.micro_batches), float(transport.meter.sent),
-              float(transport.meter.recv), float(snap.get("replicate", {}).get("sent", 0))]
+    keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
+    values = [float(tokens), float(strategy.micro_batches), *(float(sums[k]) for k in STEP_SUMS)]
+    values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
     t = torch.tensor(values, dtype=torch.float64, device=transport.device)
     if transport.workers > 1:
         transport.all_reduce(t, "shard", op="sum", name="summary")
     transport.all_reduce(t, "replicate", op="sum", name="summary")
-    return dict(zip(keys, t.tolist()))
+    v = t.tolist()
+    by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}
+    for (g, d), x in zip(keys, v[2 + len(STEP_SUMS):]):
+        by_group[g][d] = int(x)
+    return {"tokens": int(v[0]), "micro_batches": int(v[1]), **dict(zip(STEP_SUMS, v[2:2 + len(STEP_SUMS)])),
+            "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]}}
 
 
 def _summary(run: _Run, strategy: Any, n_params: int, result: dict[str, Any]) -> dict[str, Any]:
-    cfg, quorum, dealer = run.cfg, run.quorum, run.dealer
-    evals, totals = result["evals"], result["totals"]
-    tokens = dealer.committed * cfg.seq_len
-    return {
-        "strategy": cfg.strategy, "world_size": run.transport.topology.world_size,
-        "nodes": run.transport.replicas, "model": cfg.model, "parameters": n_params, "steps": strategy.steps,
-        "stopped_by": "max_steps", "tokens": tokens, "wall_s": result["wall_s"], "setup_s": result["setup_s"],
-        "tokens_per_s": tokens / max(result["wall_s"], 1e-9),
-        "first_eval_loss": evals[0]["loss"] if evals else None,
-        "last_eval_loss": evals[-1]["loss"] if evals else None,
-        "eval": [{"step": e["step"], "loss": e["loss"]} for e in evals],
-        "fault_tolerance": {
-            "engine": "torchft", "replicas": run.transport.replicas, "final_members": quorum.members,
-            "schedule_position": dealer.position(), "windows_committed": dealer.committed,
-            "windows_given_back": len(dealer.given_back), "windows_dealt": dealer.fresh,
-            "commits": quorum.commits, "tokens_fed_by_present_replicas": totals["tokens_fed"],
-            "bytes_replicate_sent_by_present_replicas": totals["replicate_sent"],
-        },
-        "config": dataclasses.asdict(cfg),
-        "strategy_config": dataclasses.asdict(run.strategy_config) if run.strategy_config is not None else None,
+    """``summary.json``: :func:`quietsync.train.loop.job_summary`'s fields (counters summed over the replicas
+    present at the end; ``tokens`` the committed ones) and ``fault_tolerance``."""
+    cfg, quorum, dealer, totals = run.cfg, run.quorum, run.dealer, dict(result["totals"])
+    fed = totals["tokens"]
+    totals["tokens"] = dealer.committed * cfg.seq_len
+    summary = job_summary(cfg, strategy, run.strategy_config, run.transport.topology, n_params,
+                          {**result, "stopped_by": "max_steps", "nonfinite_skips": 0}, totals)
+    summary["fault_tolerance"] = {
+        "engine": "torchft", "replicas": run.transport.replicas, "final_members": quorum.members,
+        "schedule_position": dealer.position(), "windows_committed": dealer.committed,
+        "windows_given_back": len(dealer.given_back), "windows_dealt": dealer.fresh,
+        "windows_open": sorted(w for ws in dealer.open.values() for w in ws),
+        "commits": quorum.commits, "tokens_fed_by_present_replicas": fed,
+        "finish_commit": result["finish_commit"],
     }
+    return summary
 
 
 __all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STORE_ENV", "advertised_host", "check_same_start", "replica_store",

@@ -70,6 +70,7 @@ class ReplicaQuorum:
         self._saves: dict[str, Callable[[], Any]] = {}
         self._loads: dict[str, Callable[[Any], None]] = {}
         self._listeners: list[Callable[[list[int]], None]] = []
+        self._running = False
         self.round_due = True
         """Whether a round boundary is due (a commit happened since the last quorum; or nothing yet)."""
         self.joined = False
@@ -147,12 +148,15 @@ class ReplicaQuorum:
         """``op()`` (collectives over the replicate dimension) committed by the quorum: retried with the same
         inputs (``restore`` are put back first: tensors ``op`` changes in place) among the survivors until a
         quorum commits it, or ``quorum_timeout_s`` has passed (:class:`NoQuorum`)."""
+        if self._running:  # inside a unit already run here (Transport.across_replicas): its failure is the unit's
+            return op()
         if self.round_due:
             self._regroup()
         saved = [t.detach().clone() for t in restore]
         deadline = time.monotonic() + self.quorum_timeout_s
         while True:
             try:
+                self._running = True
                 out = op()
             except ReplicaLost as e:
                 out = None
@@ -160,6 +164,8 @@ class ReplicaQuorum:
                     t.copy_(s)
                 self.transport.replica_group.report(e)
                 self.manager.report_error(e)
+            finally:
+                self._running = False
             if self.manager.should_commit(timeout=timedelta(seconds=self.timeout_s)):
                 self._committed()
                 return out

@@ -116,7 +116,7 @@ class FaultTolerantTransport(Transport):
             self._groups.pop("world", None)
 
     # ------------------------------------------------------------------ the protocol
-    def _replicated(self, op: Callable[[], Work], restore: Sequence[torch.Tensor]) -> Work:
+    def _replicated(self, op: Callable[[], Any], restore: Sequence[torch.Tensor]) -> Any:
         """Run ``op`` (a blocking collective over the replicate dimension) under the commit protocol; before the
         first quorum it runs alone (``group_size`` 1 inside: no network)."""
         if not self.connected or self.quorum is None:
@@ -124,8 +124,13 @@ class FaultTolerantTransport(Transport):
                 return op()
         return self.quorum.run(self._guarded(op), restore)
 
-    def _guarded(self, op: Callable[[], Work]) -> Callable[[], Work]:
-        def run() -> Work:
+    def across_replicas(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` committed as one unit by the quorum: re-run among the survivors when a replica dies during any
+        of its collectives (see :meth:`Transport.across_replicas`)."""
+        return self._replicated(fn, [])
+
+    def _guarded(self, op: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
             self._sync_groups()
             reached("exchange")
             try:

@@ -39,7 +39,7 @@ import torch
 from ..codecs import TRANSFER_DTYPES
 from ..codecs import transfer_dtype as _transfer_dtype
 from ..codecs.lowbit import LOWBIT_FORMATS, BlockQuantizer
-from ..transport import Collectives
+from ..transport import Collectives, across_replicas
 from ..validate import check_choice, check_float, check_int
 
 __all__ = ["Segments", "Message", "Replicator", "SparseUpdate"]
@@ -221,10 +221,13 @@ class Replicator(ABC):
 
     def average_lowbit(self, payload: torch.Tensor, m: int, dtype: torch.dtype, name: str) -> torch.Tensor:
         """All-gather every worker's low-bit payload of ``m`` values; their decoded mean (fp32 sum, ``dtype``)."""
-        n = self.group_size
-        gathered = payload.new_empty(n * payload.numel())
-        self.transport.all_gather(gathered, payload, self.group, name=name)
-        return self.decode_values(gathered.view(n, -1), m).sum(0).div_(n).to(dtype)
+        def gather_and_average() -> torch.Tensor:  # one unit across replicas (re-run if one dies during it)
+            n = self.group_size
+            gathered = payload.new_empty(n * payload.numel())
+            self.transport.all_gather(gathered, payload, self.group, name=name)
+            return self.decode_values(gathered.view(n, -1), m).sum(0).div_(n).to(dtype)
+
+        return across_replicas(self.transport, gather_and_average)
 
     # ------------------------------------------------------------------ the momentum's domain
     @property

@@ -48,7 +48,7 @@ from ..codecs import (
     topk_positions,
     unpack,
 )
-from ..transport import Collectives
+from ..transport import Collectives, across_replicas
 from ..validate import check_int
 from .base import Message, Replicator, Segments, _equal_runs
 
@@ -213,24 +213,28 @@ class DCTReplicator(Replicator):
             parts += [sent, pos.to(index_dtype(g.block_numel))]
         _project_padding(layout, layout.stacked_views(momentum))
         payload = pack(parts)
-        n = self.group_size
-        gathered = payload.new_empty(n * payload.numel())
-        self.transport.all_gather(gathered, payload, self.group, name="replicate/dct")
-        tensors = unpack(gathered.reshape(n, -1), self._specs(segments, momentum.dtype))
-        for i, (g, k) in enumerate(zip(layout.groups, self.ks(segments, momentum.dtype))):
-            vals = self._values_of(tensors[2 * i], g, k).permute(1, 0, 2).reshape(g.num_blocks, n * k)
-            vals = vals.to(momentum.dtype)
-            pos = tensors[2 * i + 1].permute(1, 0, 2).reshape(g.num_blocks, n * k).long()
-            total, count = ws.sent[i], ws.count[i]
-            total.scatter_add_(1, pos, vals)  # worker by worker, as the reference's index_add_
-            count.scatter_add_(1, pos, torch.ones_like(vals))
-            total.scatter_(1, pos, total.gather(1, pos) / count.gather(1, pos))  # mean over who sent it
-        update = ws.update(segments.numel)
-        ws.decode_into(ws.sent_blocks(), update)
-        for total, count in zip(ws.sent, ws.count):
-            total.zero_()
-            count.zero_()
-        return update
+
+        def gather_and_average() -> torch.Tensor:  # one unit across replicas (re-run if one dies during it)
+            n = self.group_size
+            gathered = payload.new_empty(n * payload.numel())
+            self.transport.all_gather(gathered, payload, self.group, name="replicate/dct")
+            tensors = unpack(gathered.reshape(n, -1), self._specs(segments, momentum.dtype))
+            for i, (g, k) in enumerate(zip(layout.groups, self.ks(segments, momentum.dtype))):
+                vals = self._values_of(tensors[2 * i], g, k).permute(1, 0, 2).reshape(g.num_blocks, n * k)
+                vals = vals.to(momentum.dtype)
+                pos = tensors[2 * i + 1].permute(1, 0, 2).reshape(g.num_blocks, n * k).long()
+                total, count = ws.sent[i], ws.count[i]
+                total.scatter_add_(1, pos, vals)  # worker by worker, as the reference's index_add_
+                count.scatter_add_(1, pos, torch.ones_like(vals))
+                total.scatter_(1, pos, total.gather(1, pos) / count.gather(1, pos))  # mean over who sent it
+            update = ws.update(segments.numel)
+            ws.decode_into(ws.sent_blocks(), update)
+            for total, count in zip(ws.sent, ws.count):
+                total.zero_()
+                count.zero_()
+            return update
+
+        return across_replicas(self.transport, gather_and_average)
 
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
         layout = self.layout(segments, delta.device)
@@ -249,6 +253,9 @@ class DCTReplicator(Replicator):
         return Message(pack(parts), sent, self._specs(segments, delta.dtype))
 
     def exchange(self, msg: Message, segments: Segments) -> torch.Tensor:
+        return across_replicas(self.transport, lambda: self._exchange(msg, segments))
+
+    def _exchange(self, msg: Message, segments: Segments) -> torch.Tensor:
         n = self.group_size
         gathered = msg.payload.new_empty(n * msg.payload.numel())
         self.transport.all_gather(gathered, msg.payload, self.group, name="replicate/dct")

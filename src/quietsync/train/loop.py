@@ -78,7 +78,7 @@ from .tokenizer import job_tokenizer
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW betas of the trainer (GPT-style)."""
 
-_STEP_SUMS = ("compute_s", "comm_s", "idle_s", "bytes_sent", "bytes_recv")
+STEP_SUMS = ("compute_s", "comm_s", "idle_s", "bytes_sent", "bytes_recv")
 """Per-step record keys summed over steps and workers for the summary."""
 
 AUDIT_ENV = "QUIETSYNC_AUDIT_DATA"
@@ -336,7 +336,7 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             write_merged_trace(cfg.out, transport, spans, clock_offset)
         summary = None
         if rank == 0:
-            summary = _summary(cfg, strategy, strategy_config, topology, n_params, result, totals)
+            summary = job_summary(cfg, strategy, strategy_config, topology, n_params, result, totals)
             write_summary(cfg.out, summary)
             if cfg.plot:
                 from .plots import plot_loss
@@ -380,7 +380,7 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
                disable=rank != 0 or not cfg.progress, desc=f"{cfg.strategy}")
     say = _Printer(rank, bar)
     evals = [r for r in metrics.kept if r.get("event") == "eval"]
-    sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in _STEP_SUMS}
+    sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in STEP_SUMS}
     setup_s = time.perf_counter() - t_setup
     # time_s continues across a resume (the clock restarts where the kept records end)
     t0 = time.perf_counter() - max((r.get("time_s", 0.0) for r in metrics.kept), default=0.0)
@@ -531,21 +531,21 @@ def _gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
     """Sum the workers' counters with one all-reduce (after the strategy is closed)."""
     snap = transport.meter.snapshot()
     keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
-    values = [float(result["tokens_total"]), float(result["micro_batches"]), *(float(result[k]) for k in _STEP_SUMS)]
+    values = [float(result["tokens_total"]), float(result["micro_batches"]), *(float(result[k]) for k in STEP_SUMS)]
     values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
     t = torch.tensor(values, dtype=torch.float64, device=transport.device)
     transport.all_reduce(t, group="world", op="sum", name="summary")
     v = t.tolist()
     by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}
-    for (g, d), x in zip(keys, v[2 + len(_STEP_SUMS):]):
+    for (g, d), x in zip(keys, v[2 + len(STEP_SUMS):]):
         by_group[g][d] = int(x)
     return {
-        "tokens": int(v[0]), "micro_batches": int(v[1]), **dict(zip(_STEP_SUMS, v[2:2 + len(_STEP_SUMS)])),
+        "tokens": int(v[0]), "micro_batches": int(v[1]), **dict(zip(STEP_SUMS, v[2:2 + len(STEP_SUMS)])),
         "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]},
     }
 
 
-def _summary(
+def job_summary(
     cfg: TrainConfig,
     strategy: Strategy,
     strategy_config: StrategyConfig | None,

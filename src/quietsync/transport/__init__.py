@@ -29,9 +29,9 @@ Optimizers and replicators depend only on :class:`Collectives`, the part of the 
 from .agent_store import AGENT_STORE_ENV, worker_group_store
 from .groups import BACKEND_ENV, RENDEZVOUS_ENV, ProcessGroups, default_backend
 from .transport import OPS, Transport
-from .work import Collectives, PendingWork, Work
+from .work import Collectives, PendingWork, Work, across_replicas
 
 __all__ = [
     "AGENT_STORE_ENV", "BACKEND_ENV", "OPS", "RENDEZVOUS_ENV", "Collectives", "PendingWork", "ProcessGroups",
-    "Transport", "Work", "default_backend", "worker_group_store",
+    "Transport", "Work", "across_replicas", "default_backend", "worker_group_store",
 ]

@@ -164,7 +164,7 @@ class Transport(ProcessGroups):
         self._check_group_rank(group, src, "src")
         handle = None
         if n > 1:
-            handle = dist.broadcast(tensor, src=self.global_rank(group, src), group=self._groups[group], async_op=True)
+            handle = dist.broadcast(tensor, group_src=src, group=self._groups[group], async_op=True)
         # chain broadcast: every worker but the last forwards B; every worker but the source receives B
         pos = (self.group_rank(group) - src) % n
         nbytes = _nbytes(tensor)
@@ -257,6 +257,14 @@ class Transport(ProcessGroups):
         rx_s = rx_link.time("recv", recv_b, 2) if rx_link is not None else 0.0
         return self._p2p(tuple(handles), "exchange", group, sent_b, name, async_op, sent=sent_b, recv=recv_b,
                          src=src, dst=dst, bookings=[(tx_link, tx_s, True, False), (rx_link, rx_s, False, True)])
+
+    def across_replicas(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``: the collectives of one exchange across replicas (e.g. an all-gather and the decoding that
+        reads the group's size), as one unit. Here it simply runs; under ``--fault-tolerance torchft``
+        (:class:`~quietsync.faults.transport.FaultTolerantTransport`) the quorum commits the unit, and runs it again
+        among the survivors when a replica dies during it -- so ``fn`` must read ``group_size`` inside and leave
+        no state changed but its result."""
+        return fn()
 
     def barrier(self, group: str = "world") -> None:
         """Wait for every worker of ``group`` (a tiny all-reduce, metered like any other)."""

@@ -48,6 +48,15 @@ class Collectives(Protocol):
                           name: str = "all_gather_uneven") -> list[torch.Tensor]: ...
 
 
+def across_replicas(transport: Any, fn: Callable[[], Any]) -> Any:
+    """``fn()`` as one exchange across replicas: ``transport.across_replicas(fn)`` where the transport has it
+    (under torchft the quorum commits it, re-running it among the survivors when a replica dies during it), else
+    ``fn()`` (a test double, a world without replicas). ``fn`` reads the group's size inside and changes no state
+    but its result."""
+    run = getattr(transport, "across_replicas", None)
+    return fn() if transport is None or run is None else run(fn)
+
+
 @dataclass(eq=False)
 class Work:
     """Handle of a (possibly asynchronous) transport operation. :meth:`wait` is idempotent.

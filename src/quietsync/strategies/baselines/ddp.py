@@ -181,7 +181,9 @@ class DDP(Strategy):
             self._set_sync_for_next()
             return False
         if self.across is not None:  # torchft: the replicas present average the group's gradient
-            average_across(self.transport, [p.grad for p in self.round.params], self.across, "all_reduce/replicas")
+            with self.accounting.idle("all_reduce/replicas"):
+                average_across(self.transport, [p.grad for p in self.round.params], self.across,
+                               "all_reduce/replicas")
         # the averaged gradient, equal on every worker of the group (DDP's all-reduce)
         extra = self._prepare_commit([p.grad for p in self.round.params if p.grad is not None],
                                      shared=self.group == "world")

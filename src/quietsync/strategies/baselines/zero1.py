@@ -89,7 +89,8 @@ class Zero1(Strategy):
         with self.accounting.idle("reduce_scatter"):
             self.sharded.reduce_scatter_grads(self.grads, n * self.config.accumulation)
         if self.across is not None:  # torchft: the replicas present average each gradient shard
-            average_across(self.transport, [self.sharded.shard.grad], self.across, "all_reduce/replicas")
+            with self.accounting.idle("all_reduce/replicas"):
+                average_across(self.transport, [self.sharded.shard.grad], self.across, "all_reduce/replicas")
         # the averaged gradient's shard: its squares summed over the group (one scalar all-reduce)
         extra = self._prepare_commit([self.sharded.shard.grad], norm_group=self.group,
                                      shared=self.group == "world")

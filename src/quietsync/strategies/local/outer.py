@@ -54,7 +54,7 @@ from ...comm_worker import CommWorker, Job
 from ...events import label
 from ...flat import nbytes
 from ...replicators import Replicator, Segments, make_replicator
-from ...transport import Transport
+from ...transport import Transport, across_replicas
 from ...validate import check_choice, check_float, check_int
 from ..checkpoint.logical import SavedTensors, local_part
 from ..checkpoint.replicas import JoinRule
@@ -318,7 +318,7 @@ class OuterSync(Part):
         if self.packed is not None:
             return self.packed[f].average(delta)
         if self.dtype == "int8":
-            return self._average_int8(delta, name)
+            return across_replicas(self.transport, lambda: self._average_int8(delta, name))
         wire = delta if self.dtype == "fp32" else delta.to(torch.bfloat16)
         self.transport.all_reduce(wire, self.group, op="avg", name=name)
         return wire.float()

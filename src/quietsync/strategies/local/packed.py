@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ...compression import Cast, Chain, ErrorFeedback, Quantize, TopK
-from ...transport import Transport
+from ...transport import Transport, across_replicas
 from ..parts.part import Part
 
 LOWBIT_PSEUDO_GRAD_DTYPES = ("fp4", "fp4_e3m0", "int4", "int2")
@@ -57,10 +57,14 @@ class PackedExchange(Part):
     def average(self, delta: torch.Tensor) -> torch.Tensor:
         """Mean over the group of every worker's decoded payload (fp32, ``numel``)."""
         payload = self.feedback.compress(delta)[0] if self.feedback is not None else self.chain.encode(delta)
-        n = self.transport.group_size(self.group)
-        gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
-        self.transport.all_gather(gathered, payload, self.group, name=self.name)
-        return self.chain.decode(gathered.view(n, -1), self.numel).sum(0).div_(n)
+
+        def gather_and_average() -> torch.Tensor:  # one unit across replicas (re-run if one dies during it)
+            n = self.transport.group_size(self.group)
+            gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
+            self.transport.all_gather(gathered, payload, self.group, name=self.name)
+            return self.chain.decode(gathered.view(n, -1), self.numel).sum(0).div_(n)
+
+        return across_replicas(self.transport, gather_and_average)
 
     def memory_report(self) -> dict[str, int]:
         n = self.transport.group_size(self.group)
