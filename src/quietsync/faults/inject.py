@@ -8,15 +8,23 @@ does: no clean-up, its connections closed by the kernel) at a named point of the
 * ``heal_send`` -- while sending its state to a replica that heals from it (after the length, before the bytes);
 * ``step`` -- after the N-th step's micro-batches were computed, before its exchange.
 
-Nothing happens without the variable (one dictionary lookup per point).
+``QUIETSYNC_FT_HOLD=step:N:PATH`` (several, comma-separated) makes a replica wait at the top of its N-th step
+(before the step's quorum; N = 0: before its first quorum) until the file ``PATH`` exists (at most
+:data:`HOLD_LIMIT_S`): a test starts every replica in the first quorum, or holds the survivors until a restarted
+replica is up, so the run cannot end before it rejoins, whatever the machine's load.
+
+Nothing happens without the variables (one dictionary lookup per point).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 KILL_ENV = "QUIETSYNC_FT_KILL"
+HOLD_ENV = "QUIETSYNC_FT_HOLD"
+HOLD_LIMIT_S = 300.0
 POINTS = ("exchange", "heal_send", "step")
 
 _counts: dict[str, int] = {}
@@ -42,4 +50,20 @@ def reached(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["KILL_ENV", "POINTS", "reached"]
+def hold(step: int) -> None:
+    """At the top of step ``step`` (1-based; 0: before joining the first quorum), wait for the file of a
+    configured hold at that step (``QUIETSYNC_FT_HOLD=step:N:PATH[,step:M:PATH2...]``)."""
+    spec = os.environ.get(HOLD_ENV, "")
+    for part in filter(None, spec.split(",")):
+        point, _, rest = part.partition(":")
+        count, _, path = rest.partition(":")
+        if point != "step" or not count.isdigit() or not path:
+            raise ValueError(f"{HOLD_ENV} must be step:N:PATH[,step:M:PATH...], got {spec!r}")
+        if step != int(count):
+            continue
+        deadline = time.monotonic() + HOLD_LIMIT_S
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "KILL_ENV", "POINTS", "hold", "reached"]

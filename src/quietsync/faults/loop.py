@@ -49,7 +49,7 @@ from ..train.slow_worker import MicroBatchTimer
 from ..train.tokenizer import job_tokenizer
 from .dealer import WindowDealer
 from .heal import heal_state, load_heal_state
-from .inject import reached
+from .inject import hold, reached
 from .quorum import ReplicaQuorum
 from .transport import FaultTolerantTransport
 
@@ -182,6 +182,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         quorum.register("run", lambda: dict(state), state.update)
         quorum.on_commit(dealer.commit)
         marks["ready"] = time.time()
+        hold(0)
         healed = quorum.join()
         marks["joined"] = time.time()
         if not healed:
@@ -281,6 +282,7 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
         accumulation = dealer.per_replica // (cfg.micro_batch_size * transport.workers)
         mb, w, me = cfg.micro_batch_size, transport.workers, transport.local_rank
         while not stopped:
+            hold(strategy.steps + 1)
             if quorum.round_due:
                 quorum.start_round()
                 if run.state["finished"]:  # healed into a run that ended meanwhile
@@ -357,7 +359,7 @@ def _summary(run: _Run, strategy: Any, n_params: int, result: dict[str, Any]) ->
     summary["fault_tolerance"] = {
         "engine": "torchft", "replicas": run.transport.replicas, "final_members": quorum.members,
         "schedule_position": dealer.position(), "windows_committed": dealer.committed,
-        "windows_given_back": len(dealer.given_back), "windows_dealt": dealer.fresh,
+        "windows_given_back": sorted(dealer.given_back), "windows_dealt": dealer.fresh,
         "windows_open": sorted(w for ws in dealer.open.values() for w in ws),
         "commits": quorum.commits, "tokens_fed_by_present_replicas": fed,
         "finish_commit": result["finish_commit"],

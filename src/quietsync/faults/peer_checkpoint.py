@@ -46,6 +46,8 @@ class PeerCheckpoint(CheckpointTransport[Any]):
         """Bytes of state this replica sent to healing peers."""
         self.received_bytes = 0
         """Bytes of state this replica received when it healed."""
+        self.receiving = False
+        """Whether a receive started and did not complete (its source died mid-transfer)."""
 
     def metadata(self) -> str:
         return "quietsync-replicas"
@@ -60,12 +62,15 @@ class PeerCheckpoint(CheckpointTransport[Any]):
             self.sent_bytes += payload.numel()
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        self.receiving = True
         length = torch.zeros(1, dtype=torch.int64)
         self.transport.heal_transfer(length, int(src_rank), sending=False)
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
         self.transport.heal_transfer(payload, int(src_rank), sending=False)
         self.received_bytes += payload.numel()
-        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+        state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+        self.receiving = False
+        return state
 
     def disallow_checkpoint(self) -> None:
         """Nothing to hold back: the sent state was a snapshot."""

@@ -15,7 +15,9 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   a quorum restricted to the previous members (``shrink_only``; nobody joins or heals mid-step) forms once the
   dead replica's heartbeats stop (the Lighthouse's ``--heartbeat-timeout-ms``), and the collective runs again.
   The caller only ever sees a committed result; a replica that finds itself behind the others (a commit they
-  made failed here) stops with :class:`FellBehind` and, restarted, heals.
+  made failed here) stops with :class:`FellBehind`, one whose heal source died mid-transfer with
+  :class:`HealFailed`; restarted (the local launcher does it; on a cluster, the scheduler), each heals from a live
+  peer.
 
 Every commit is counted (``commits``) and announced to the listeners (:meth:`on_commit`) with the replicas that
 took part, so the data policy (:mod:`~quietsync.faults.dealer`) knows whose micro-batches entered the model.
@@ -41,6 +43,10 @@ HEAL_KEY = "quietsync"
 
 class FellBehind(RuntimeError):
     """This replica missed a commit its peers made; restarted, it heals from one of them."""
+
+
+class HealFailed(RuntimeError):
+    """The peer this replica was healing from died mid-transfer; restarted, it heals from another live peer."""
 
 
 class NoQuorum(RuntimeError):
@@ -81,6 +87,8 @@ class ReplicaQuorum:
         self.retries = 0
         """Attempts of a collective that failed and were run again among the survivors."""
         address = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
+        self.checkpoint = PeerCheckpoint(transport, timeout_s)
+        """How this replica sends its state to a healing peer, and receives one's."""
         self.manager = Manager(
             pg=transport.replica_group, load_state_dict=None, state_dict=None, min_replica_size=1,
             use_async_quorum=False, init_sync=False,
@@ -89,7 +97,7 @@ class ReplicaQuorum:
             world_size=transport.workers, store_addr=store[0], store_port=store[1], lighthouse_addr=address,
             replica_id=replica_id(transport.replica), hostname=hostname,
             heartbeat_interval=timedelta(milliseconds=100),
-            checkpoint_transport=PeerCheckpoint(transport, timeout_s))
+            checkpoint_transport=self.checkpoint)
         self.manager.register_state_dict_fn(HEAL_KEY, self._load, self._save)
         transport.quorum = self
 
@@ -129,6 +137,9 @@ class ReplicaQuorum:
             self.manager.start_quorum(allow_heal=True, timeout=timedelta(seconds=self.quorum_timeout_s))
             if self.manager.errored() is None and self.manager.participating_rank() is not None:
                 break
+            if self.checkpoint.receiving:  # it stays a member of that quorum: the survivors' retries would wait on it
+                raise HealFailed("quietsync: the replica this one was healing from died during the transfer; it "
+                                 "stops, and once restarted it heals from another live peer")
             if time.monotonic() > deadline:
                 raise NoQuorum(f"no quorum formed within {self.quorum_timeout_s:g}s "
                                f"({self.manager.errored() or 'not a participant'})")
@@ -192,4 +203,4 @@ class ReplicaQuorum:
         self.manager.shutdown(wait=False)
 
 
-__all__ = ["FellBehind", "HEAL_KEY", "NoQuorum", "ReplicaQuorum"]
+__all__ = ["FellBehind", "HEAL_KEY", "HealFailed", "NoQuorum", "ReplicaQuorum"]
