@@ -101,16 +101,16 @@ def _replay(root: Path, steps: list[dict], per_replica: int = 2, seq_len: int = 
 def test_ddp_survivors_go_on_and_returning_replicas_heal_even_when_their_source_dies(tmp_path):
     out = tmp_path / "run"
     release = tmp_path / "replica2-is-up"
-    replicas = Replicas(tmp_path, 3, _flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "60"))
+    replicas = Replicas(tmp_path, 3, _flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "30"))
     try:
         go = f"step:0:{tmp_path / 'go'}"  # every replica in the first quorum
-        r0 = replicas.start(0, {"QUIETSYNC_FT_KILL": "heal_send:1", "QUIETSYNC_FT_HOLD": f"{go},step:30:{release}"})
+        r0 = replicas.start(0, {"QUIETSYNC_FT_KILL": "heal_send:1", "QUIETSYNC_FT_HOLD": f"{go},step:12:{release}"})
         r1 = replicas.start(1, {"QUIETSYNC_FT_HOLD": go})
         r2 = replicas.start(2, {"QUIETSYNC_FT_KILL": "step:6", "QUIETSYNC_FT_HOLD": go})
         replicas.go(tmp_path / "go", [0, 1, 2])
         assert _wait(replicas, r2) == KILLED  # killed mid-step
         r2 = replicas.start(2)  # heals from replica 0, which dies sending: it stops
-        replicas.wait_heartbeat(2, 90)
+        replicas.wait_restarted(2)
         release.write_text("")
         assert _wait(replicas, r0) == KILLED  # killed while replica 2 heals from it
         assert _wait(replicas, r2) == 1, replicas.logs()
@@ -133,14 +133,18 @@ def test_ddp_survivors_go_on_and_returning_replicas_heal_even_when_their_source_
     assert len(set(committed)) == len(committed), "a window trained twice"
     held = summary["windows_given_back"] + summary["windows_open"]  # replica 0's slot of the last step
     assert sorted(committed + held) == list(range(summary["windows_dealt"])), "a window skipped"
-    assert len(held) == 2 and summary["schedule_position"] >= 60 and summary["final_members"] == [1, 2]
+    assert len(held) == 2 and summary["schedule_position"] >= 30 and summary["final_members"] == [1, 2]
 
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
 
-    reference = _replay(tmp_path, [r for r in survivor if "commit" in r])
-    trained = AutoModelForCausalLM.from_pretrained(out / "model")
-    diff = max(float((a - b).abs().max()) for a, b in zip(reference.state_dict().values(),
-                                                           trained.state_dict().values()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is faster, and spares the other core
+    try:
+        reference = _replay(tmp_path, [r for r in survivor if "commit" in r]).state_dict()
+    finally:
+        torch.set_num_threads(threads)
+    trained = load_file(str(out / "model" / "model.safetensors"))
+    diff = max(float((reference[name] - value).abs().max()) for name, value in trained.items())
     # measured 2.6e-6 (float summation order); a replay that skips one step, or shifts the lr by one, is off by
     # 2.2e-4 to 6e-2
     assert diff < 2e-5, f"the run's model differs from the one-process replay of its commits by {diff}"
@@ -159,7 +163,7 @@ def test_diloco_survivor_commits_the_outer_sync_alone_and_the_returning_replica_
         replicas.go(tmp_path / "go", [0, 1])
         assert _wait(replicas, r1) == KILLED
         r1 = replicas.start(1)
-        replicas.wait_heartbeat(1, 90)
+        replicas.wait_restarted(1)
         release.write_text("")
         assert _wait(replicas, r0) == 0, replicas.logs()
         assert _wait(replicas, r1) == 0, replicas.logs()

@@ -50,6 +50,8 @@ class Replicas:
         self.address = f"127.0.0.1:{self.server.address().rpartition(':')[2]}"
         self.started: list[tuple[int, Any]] = []
         """Every process started: (replica group, process)."""
+        self.known: dict[int, set[str]] = {}
+        """Incarnations of each replica group seen so far (see :meth:`go`, :meth:`wait_restarted`)."""
 
     def start(self, k: int, env: dict[str, str] | None = None) -> Any:
         argv = [*self.flags, "--fault-tolerance", "torchft", "--lighthouse", self.address, "--nodes",
@@ -61,24 +63,29 @@ class Replicas:
         self.started.append((k, proc))
         return proc
 
-    def heartbeating(self, k: int) -> int:
-        """How many incarnations of replica group ``k`` sent a heartbeat in the last second."""
+    def heartbeating(self, k: int) -> set[str]:
+        """The incarnations (torchft replica ids) of replica group ``k`` that sent a heartbeat in the last second."""
         page = urllib.request.urlopen(f"http://{self.address}/status", timeout=5).read().decode()
-        seen = re.findall(rf"quietsync_replica_{k}:[0-9a-f-]+: seen ([0-9.]+)(m?s) ago", page)
-        return sum(1 for value, unit in seen if float(value) * (1e-3 if unit == "ms" else 1.0) < 1.0)
+        seen = re.findall(rf"(quietsync_replica_{k}:[0-9a-f-]+): seen ([0-9.]+)(m?s) ago", page)
+        return {name for name, value, unit in seen if float(value) * (1e-3 if unit == "ms" else 1.0) < 1.0}
 
-    def wait_heartbeat(self, k: int, timeout: float) -> None:
+    def wait_heartbeat(self, k: int, timeout: float, known: set[str] = frozenset()) -> set[str]:
+        """Wait until an incarnation of replica group ``k`` not in ``known`` sends heartbeats; all that do."""
         deadline = time.monotonic() + timeout
-        while self.heartbeating(k) == 0:
+        while not (self.heartbeating(k) - set(known)):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replica group {k} sent no heartbeat within {timeout:g}s:\n{self.logs()}")
             time.sleep(0.05)
+        return self.heartbeating(k)
 
     def go(self, flag: Path, groups: list[int], timeout: float = 90.0) -> None:
         """Once every replica group of ``groups`` sends heartbeats (held before its first quorum), let them join."""
-        for k in groups:
-            self.wait_heartbeat(k, timeout)
+        self.known = {k: self.wait_heartbeat(k, timeout) for k in groups}
         flag.write_text("")
+
+    def wait_restarted(self, k: int, timeout: float = 90.0) -> None:
+        """Wait until a new incarnation of replica group ``k`` sends heartbeats."""
+        self.known[k] = self.known.get(k, set()) | self.wait_heartbeat(k, timeout, self.known.get(k, set()))
 
     def join(self, proc: Any, timeout: float) -> int | None:
         proc.join(timeout)

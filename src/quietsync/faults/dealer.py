@@ -33,6 +33,10 @@ import torch
 from ..train.data import ShardedSequences
 
 
+KEEP_POSITIONS = 64
+"""Steps whose starting position the dealer remembers (the schedule asks for the current step's)."""
+
+
 class WindowDealer:
     """Deals the windows of the training text to the replicas present (module docstring).
 
@@ -63,7 +67,7 @@ class WindowDealer:
         self.present_dealt = 0
         """Windows dealt since the last commit to the slots of the replicas present when dealt."""
         self.positions: dict[int, float] = {}
-        """Schedule position before each step of the open round, by committed-step count at its start."""
+        """Schedule position before each recent step, by the committed-step count at its start."""
         self._orders: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -77,6 +81,8 @@ class WindowDealer:
         steps); fresh windows fill the rest."""
         with self._lock:
             self.positions[step] = self._position()
+            for old in [k for k in self.positions if k < step - KEEP_POSITIONS]:
+                del self.positions[old]
             slots: list[list[int]] = [[] for _ in range(self.replicas)]
             back, self.given_back = self.given_back, []
             for i, window in enumerate(back):
@@ -104,7 +110,6 @@ class WindowDealer:
             self.open = {}
             self.present_dealt = 0
             self.last_commit = {"committed": committed, "given_back": back}
-            self.positions = {}
 
     # ------------------------------------------------------------------ tokens and the schedule
     def position(self) -> float:
@@ -117,7 +122,7 @@ class WindowDealer:
 
     def position_at(self, step: int) -> float:
         """The position before the step that started after ``step`` committed steps (the lr of that step); the
-        current position for a step not dealt in the open round."""
+        current position for a step not dealt (yet)."""
         return self.positions.get(step, self.position())
 
     # ------------------------------------------------------------------ the windows themselves

@@ -1,0 +1,69 @@
+"""``--fault-tolerance torchft`` refuses what it cannot do in one line, before anything starts (exit 2): strategies
+whose replicas do not meet only at commits, flags that need agreement outside the quorum, replica groups of several
+workers for strategies whose state is per worker, a Lighthouse nobody answers at."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from quietsync.faults.support import POLICIES, REFUSALS
+from quietsync.train.cli import main
+from tests.train._run import refused
+
+FT = ["--fault-tolerance", "torchft"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens on it once the socket closes
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--strategy", "cdp", *FT], "--fault-tolerance torchft does not support --strategy cdp: its workers pass every "
+                                 "micro-batch's activations and gradients around a ring"),
+    (["--strategy", "acco", *FT], "--fault-tolerance torchft does not support --strategy acco: its update of one "
+                                  "step is computed while the next step's gradients accumulate"),
+    (["--strategy", "diloco", "--elastic", *FT], "--elastic and --fault-tolerance torchft are two ways to survive "
+                                                 "lost nodes: choose one"),
+    (["--strategy", "localsgd", "--nproc", "4", "--nodes", "2", *FT],
+     "--strategy localsgd keeps its state per worker, so under --fault-tolerance torchft it runs with one worker per "
+     "replica group; got 2"),
+    (["--strategy", "diloco", "--nproc", "4", "--nodes", "2", *FT], "diloco --inner ddp or zero1 runs several"),
+    (["--strategy", "ddp", "--nproc", "1", *FT], "needs at least 2 replica groups (--nodes, default one per "
+                                                 "worker), got 1"),
+    (["--strategy", "ddp", "--replica-group", "0", "--nodes", "2", *FT], "--replica-group needs --lighthouse"),
+    (["--strategy", "ddp", "--lighthouse", "h:1"], "--lighthouse needs --fault-tolerance torchft"),
+    (["--strategy", "ddp", "--precision", "fp16", *FT], "--precision fp16 is not supported with --fault-tolerance"),
+    (["--strategy", "ddp", "--save-every", "5", *FT], "--save-every is not supported with --fault-tolerance torchft"),
+    (["--strategy", "ddp", "--batch-policy", "global", *FT], "--batch-policy global is not supported with"),
+    (["--strategy", "ddp", "--comm-hook", "powersgd", *FT], "--comm-hook powersgd is not supported with"),
+    (["--strategy", "ddp", "--lighthouse", "nowhere", *FT], "--lighthouse must be HOST:PORT"),
+])
+def test_bad_combinations_are_one_line_and_start_nothing(flags, message, monkeypatch, capsys):
+    assert message in refused(monkeypatch, capsys, *flags)
+
+
+def test_an_unreachable_lighthouse_is_one_line_before_any_worker_starts(monkeypatch, capsys, tmp_path):
+    port = _closed_port()
+    line = refused(monkeypatch, capsys, "--strategy", "ddp", *FT, "--replica-group", "0", "--nodes", "2", "--nproc",
+                   "1", "--lighthouse", f"127.0.0.1:{port}", "--out", str(tmp_path / "run"))
+    assert line.startswith(f"quietsync train: error: --lighthouse 127.0.0.1:{port}: no Lighthouse answered "), line
+    assert "quietsync lighthouse" in line
+
+
+def test_every_strategy_is_supported_or_refused_once():
+    from quietsync.strategies import available
+
+    assert set(POLICIES) | set(REFUSALS) == set(available()) - {"signsgd"}  # signsgd: the example's, if imported
+    assert not set(POLICIES) & set(REFUSALS)
+
+
+def test_the_lighthouse_command_refuses_a_bad_value_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["lighthouse", "--heartbeat-timeout-ms", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "quietsync lighthouse: error: --heartbeat-timeout-ms must be an integer >= 1, got 0" in err
