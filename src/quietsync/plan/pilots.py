@@ -118,10 +118,16 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
         trial = study.ask()
         last: list[float] = []
 
-        def on_eval(curve: PilotCurve, cand: Candidate = cand, trial: Any = trial, last: list[float] = last) -> bool:
+        reported: list[int] = []
+
+        def on_eval(curve: PilotCurve, cand: Candidate = cand, trial: Any = trial, last: list[float] = last,
+                    reported: list[int] = reported) -> bool:
+            if not curve.tokens or (reported and int(curve.tokens[-1]) <= reported[-1]):
+                return False  # judged already (a shared prefix replayed before the run)
             value = value_of(cand, curve)
-            if value is None or not curve.tokens:
+            if value is None:
                 return False
+            reported.append(int(curve.tokens[-1]))
             value = value if math.isfinite(value) else 1e300
             trial.report(value, step=int(curve.tokens[-1]))
             last.append(value)
@@ -131,7 +137,9 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
         curve = None
         if shared is not None and shared[0] in out:
             source, upto = shared
-            prefix = out[source].prefix(min(upto, rungs(budget, eta, count)[0]))
+            first = rungs(budget, eta, count)[0]  # replayed up to the first evaluation at or past the first rung
+            past = [t for t in out[source].tokens if first <= t <= upto]
+            prefix = out[source].prefix(past[0] if past else min(upto, first))
             pruned = False
             for i in range(1, len(prefix.tokens) + 1):
                 if on_eval(PilotCurve(cand.spec, prefix.tokens[:i], prefix.losses[:i], prefix.steps[:i],
