@@ -44,14 +44,16 @@ def test_a_check_refuses_an_unknown_status():
 
 
 def _run(last: float, losses: list[float], peak: int | None = 4_000_000, report: int = 1_000_000) -> dict:
-    return {"losses": losses, "eval": [{"step": 0, "loss": 8.3}, {"step": 40, "loss": last}], "last_eval_loss": last,
-            "steps": 40, "tokens": 40960, "wall_s": 1.0, "step_s": 0.01, "seconds": 2.0,
-            "memory_bytes": {"parameters": report}, "cuda_peak_bytes": peak}
+    return {"losses": [[i + 1, v] for i, v in enumerate(losses)],
+            "eval": [{"step": 0, "loss": 8.3}, {"step": 40, "loss": last}], "last_eval_loss": last, "steps": 40,
+            "tokens": 40960, "wall_s": 1.0, "step_s": 0.01, "seconds": 2.0, "memory_bytes": {"parameters": report},
+            "cuda_peak_bytes": peak}
 
 
 def test_judging_a_strategy_within_tolerance_passes_every_line():
     runs = {"fp32": _run(6.50, [8.3, 8.0, 7.7]), "bf16": _run(6.53, [8.3, 8.0, 7.7]),
             "cpu_fp32": _run(8.0, [8.3, 8.001, 7.699])}
+    runs["fp32"]["losses"].append([4, 7.5])  # a step the CPU run did not take is not compared
     checks = judge_strategy("zero1", runs, 3.0)
     assert [c.status for c in checks] == ["PASS"] * 4
     assert [c.group for c in checks] == ["train", "train", "train", "memory"]

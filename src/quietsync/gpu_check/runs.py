@@ -53,17 +53,21 @@ class RunSpec:
 
 def _read_run(out: Path) -> dict[str, Any]:
     summary = json.loads((out / "summary.json").read_text())
-    losses, times, evals_at = [], [], set()
+    losses, times, evals_at, fwd_bwd = [], [], set(), []
     for line in (out / "metrics-rank0.jsonl").read_text().splitlines():
         r = json.loads(line)
         if r.get("event") == "eval":
             evals_at.add(r["step"])
         elif "event" not in r:
-            losses.append(float(r["loss"]))
+            if r.get("loss") is not None:  # a step committed by finish() (dpu/wp's update in flight) has no loss
+                losses.append((int(r["step"]), float(r["loss"])))
             times.append((int(r["step"]), float(r["time_s"])))
+            if int(r["step"]) > 3 and r.get("micro_batches"):
+                fwd_bwd.append(float(r["compute_s"]) / int(r["micro_batches"]))
     # step time: consecutive committed steps after 3 warm-up steps, leaving out the intervals that hold an eval
     gaps = [t1 - t0 for (s0, t0), (s1, t1) in zip(times, times[1:]) if s0 >= 3 and s0 not in evals_at]
     return {"losses": losses, "eval": summary["eval"], "last_eval_loss": summary["last_eval_loss"],
+            "fwd_bwd_s": statistics.median(fwd_bwd) if fwd_bwd else None,
             "steps": summary["steps"], "tokens": summary["tokens"], "wall_s": summary["wall_s"],
             "step_s": statistics.median(gaps) if gaps else None,
             "memory_bytes": summary.get("memory_bytes"), "cuda_peak_bytes": summary.get("cuda_peak_bytes")}
