@@ -3,7 +3,7 @@
 * :func:`train` runs ``quietsync train FLAGS`` as the command does — :func:`quietsync.train.cli.main`: the
   parsing, the checks before any worker starts, the notes, the exit status and the one-line failure report
   naming the worker that failed first — with each worker doing what a launched worker does
-  (:func:`quietsync.train.launch.run_local_worker`: torchrun's environment, loopback gloo, the file rendezvous,
+  (:func:`quietsync.cli.launch.run_local_worker`: torchrun's environment, loopback gloo, the file rendezvous,
   the failure note, the job function). Only *how* the workers start differs: they are forked from the test
   harness's forkserver (:mod:`tests.launcher`), which imported torch, transformers and the training loop once,
   instead of being spawned as fresh interpreters. Tests whose claim is about the launcher's
@@ -98,7 +98,7 @@ def train_subprocess(*flags: str, timeout: float = 200) -> subprocess.CompletedP
 def refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *flags: str) -> str:
     """Run ``quietsync train FLAGS`` in this process; assert exit 2, one line on stderr, no worker started;
     return the line."""
-    from quietsync.train import launch as launch_module
+    from quietsync.cli import launch as launch_module
     from quietsync.train.cli import main
 
     for k in TORCHRUN_VARS:

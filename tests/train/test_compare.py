@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from quietsync.train.compare import compare_main, parse_strategy_spec
+from quietsync.cli.spec import parse_strategy_spec
+from quietsync.train.compare import compare_main
 
 from .conftest import synthetic_text
 

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..cost.workload import Workload
 from ..topology import Topology
 from .table import Row
-from .workload import Workload
 
 Score = Callable[[str, dict[str, Any]], Row]
 """Evaluate strategy ``name`` with a dict of knobs."""

@@ -164,7 +164,7 @@ def _model_kind(model: str, what_if: bool) -> str:
     """``preset``, ``folder``, ``described``; raises for anything else."""
     from pathlib import Path
 
-    from ..train.model import PRESETS
+    from ..models.causal_lm import PRESETS
 
     if model in PRESETS:
         return "preset"

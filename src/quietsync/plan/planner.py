@@ -23,16 +23,17 @@ from typing import Any
 
 import torch
 
+from ..cost.compute import ComputeProfile, codec_key, codec_knobs
+from ..cost.costmodel import Links
+from ..cost.workload import Workload
 from ..link import LinkModel
 from ..topology import Topology
 from .candidates import Tuned, default_candidates, tune_demo, tune_diloco, tune_localsgd, tune_overlap_cap
 from .cluster import Cluster, Device
 from .config import PlanConfig, transformer_shape
-from .costmodel import ComputeProfile, Links, codec_key, codec_knobs
 from .recommend import HETEROGENEOUS, MAX_STAGE, STAGES, Advice, advise, ranked
 from .schedules import strategy_config
 from .table import Row, evaluate, markdown
-from .workload import Workload
 
 TIE = 0.01
 """Strategies within 1% of each other's time per token count as tied (no crossover between them)."""
@@ -156,7 +157,10 @@ class PlanResult:
         if plot:
             from .plots import plot_plan
 
-            paths.append(plot_plan(self, folder / "plan.png"))
+            sweep = self.sweep() if self.cluster.world > 1 else None
+            planned = self.cluster.links.model.get(sweep[0]) if sweep else None
+            title = f"quietsync plan: {self.workload.name}, {self.cluster.describe()}"
+            paths.append(plot_plan(self.best_rows(), sweep, planned, title, folder / "plan.png"))
         return paths
 
 
@@ -171,7 +175,7 @@ def build_workload(cfg: PlanConfig, *, real: bool) -> tuple[Workload, torch.nn.M
                                  name=cfg.model, stages=tuple(s for s in stages if s <= shape["layers"] + 3))
         return w, None
     model = _build_model(cfg, meta=not real)
-    from ..train.model import param_groups
+    from ..models.causal_lm import param_groups
 
     groups = param_groups(model, 0.1)
     ok_stages = tuple(s for s in stages if _can_cut(model, s))
@@ -181,7 +185,7 @@ def build_workload(cfg: PlanConfig, *, real: bool) -> tuple[Workload, torch.nn.M
 
 
 def _can_cut(model: torch.nn.Module, n: int) -> bool:
-    from ..strategies.cdp.stages import sequential_view
+    from ..models.stages import sequential_view
 
     try:
         return n <= len(sequential_view(model).segments)
@@ -190,7 +194,7 @@ def _can_cut(model: torch.nn.Module, n: int) -> bool:
 
 
 def _build_model(cfg: PlanConfig, meta: bool) -> torch.nn.Module:
-    from ..train.model import build_model, load_pretrained
+    from ..models.causal_lm import build_model, load_pretrained
 
     ctx = torch.device("meta") if meta else torch.device("cpu")
     if cfg.model_kind == "preset":
@@ -285,7 +289,7 @@ def _fit_json(f: Any) -> dict[str, float]:
 
 
 def _under_torchrun() -> bool:
-    from ..train.launch import under_torchrun
+    from ..cli.launch import under_torchrun
 
     return under_torchrun()
 
@@ -293,7 +297,7 @@ def _under_torchrun() -> bool:
 def measure(cfg: PlanConfig, keys: list[str]) -> dict[str, Any] | None:
     """Launch the workers (or run in place under torchrun) and return rank 0's measurements (None on other
     ranks under torchrun)."""
-    from ..train.launch import launch
+    from ..cli.launch import launch
 
     with tempfile.TemporaryDirectory(prefix="quietsync-plan-") as tmp:
         path = str(Path(tmp, "measured.json"))

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cost.compute import ComputeProfile
 from .candidates import Tuned
-from .compute import ComputeProfile
 from .knowledge import findings_for
 from .table import Row, fmt_bytes
 

@@ -3,14 +3,15 @@
 
 The entry points live here; parsing is in :mod:`quietsync.train.args` (flags, one-line errors) and
 running a parsed job in :mod:`quietsync.train.run_job` (in place under torchrun, else on ``--nproc`` local
-workers, see :mod:`quietsync.train.launch`), so that ``compare`` shares both without importing this module.
+workers, see :mod:`quietsync.cli.launch`), so that ``compare`` shares both without importing this module.
 """
 
 from __future__ import annotations
 
 import sys
 
-from .args import PROG, OneLineParser, parse_train_args, train_parser
+from ..cli.flags import OneLineParser
+from .args import PROG, parse_train_args, train_parser
 from .compare import compare_main
 from .run_job import run_job
 

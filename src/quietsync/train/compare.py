@@ -38,26 +38,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .args import OneLineParser, parse_train_args
+from ..cli.figures import pyplot, save_figure
+from ..cli.flags import OneLineParser
+from ..cli.spec import parse_strategy_spec
+from .args import parse_train_args
 from .metrics import read_jsonl
 from .outputs import COMPARE_OUTPUTS, compare_out_problem, remove_outputs
-from .plots import pyplot, save_figure
 from .run_job import run_job
-
-
-def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
-    """``"ddp:accumulation=2"`` → ``("ddp", "ddp-accumulation2", ["--accumulation", "2"])``."""
-    name, _, rest = spec.partition(":")
-    flags: list[str] = []
-    label = name
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--strategies items must look like NAME[:FIELD=VALUE,...], got {spec!r}")
-        flag = "--" + key.strip().lstrip("-").replace("_", "-")
-        flags += [flag, value.strip()]
-        label += f"-{key.strip().lstrip('-').replace('_', '-')}{value.strip()}"
-    return name, label, flags
 
 
 def _step_bytes_by_group(run: Path) -> dict[str, dict[str, int]]:
