@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("transformers")
 
 import quietsync  # noqa: E402
+from quietsync.commands.main import main  # noqa: E402
 from quietsync.plan.knowledge import FINDINGS  # noqa: E402
-from quietsync.train.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "8", "--seq-len", "2048",
@@ -121,7 +121,7 @@ def test_the_findings_quote_numbers_that_are_in_their_sources():
 def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkeypatch, forked_launch):
     import json
 
-    from quietsync.train.compare import compare_main
+    from quietsync.commands.compare import compare_main
     from tests.train.conftest import synthetic_text
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
