@@ -631,7 +631,7 @@ COLORS = {"ddp": "black", "zero1": "dimgray", "fsdp": "gray", "acco": "tab:orang
 def plot(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: Job, path: Path, ref: str) -> None:
     """Held-out loss vs training time on each link (the baseline and the 4 fastest labelled), and vs tokens on the
     reference link."""
-    from quietsync.train.plots import pyplot
+    from quietsync.cli.figures import pyplot
 
     plt = pyplot()
     panels = len(links) + 1
