@@ -68,7 +68,7 @@ def _replay(root: Path, steps: list[dict], per_replica: int = 2, seq_len: int = 
     the gradient of the mean loss of its slot's windows (``per_replica`` of them, in slot order)."""
     from quietsync.train.corpus import load_corpus
     from quietsync.train.data import encode_split
-    from quietsync.train.model import build_model
+    from quietsync.models.causal_lm import build_model
     from quietsync.train.tokenizer import job_tokenizer
 
     corpus = load_corpus(str(root / "text.txt"), 0.02)

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from quietsync.faults.support import POLICIES, REFUSALS
-from quietsync.train.cli import main
+from quietsync.commands.main import main
 from tests.train._run import refused
 
 FT = ["--fault-tolerance", "torchft"]

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from quietsync.faults.dealer import WindowDealer
+from quietsync.train.window_dealer import WindowDealer
 from quietsync.train.data import ShardedSequences
 
 

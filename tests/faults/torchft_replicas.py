@@ -30,7 +30,7 @@ def _replica(argv: list[str], env: dict[str, str], log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    from quietsync.train.cli import main
+    from quietsync.commands.main import main
 
     code = main(["train", *argv])
     sys.stdout.flush()

@@ -74,9 +74,9 @@ def reachable(address: str, timeout_s: float) -> str | None:
 
 def lighthouse_main(argv: list[str]) -> int:
     """``quietsync lighthouse``: run a Lighthouse until interrupted (SIGINT/SIGTERM); prints its address."""
-    from ..train.args import PROG, OneLineParser
+    from ..cli.flags import OneLineParser
 
-    parser = OneLineParser(prog=f"{PROG} lighthouse",
+    parser = OneLineParser(prog="quietsync lighthouse",
                            description="Run the quorum server of a --fault-tolerance torchft job (docs/faults.md).")
     defaults = LighthouseConfig()
     parser.add_argument("--bind", default=defaults.bind, help=f"address to listen on (default: {defaults.bind})")
@@ -99,14 +99,14 @@ def lighthouse_main(argv: list[str]) -> int:
         parser.error("needs the torchft package: pip install 'quietsync[ft]'")
     except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError for a port in use, a bad address
         parser.error(f"--bind {args.bind}: {' '.join(str(e).split())}")
-    print(f"{PROG} lighthouse: listening on {server.address()} (heartbeat timeout {args.heartbeat_timeout_ms} ms); "
+    print(f"quietsync lighthouse: listening on {server.address()} (heartbeat timeout {args.heartbeat_timeout_ms} ms); "
           "stop with Ctrl-C", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     server.shutdown()
-    print(f"{PROG} lighthouse: stopped", file=sys.stderr, flush=True)
+    print("quietsync lighthouse: stopped", file=sys.stderr, flush=True)
     return 0
 
 

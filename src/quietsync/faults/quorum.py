@@ -20,7 +20,7 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   peer.
 
 Every commit is counted (``commits``) and announced to the listeners (:meth:`on_commit`) with the replicas that
-took part, so the data policy (:mod:`~quietsync.faults.dealer`) knows whose micro-batches entered the model.
+took part, so the data policy (:mod:`~quietsync.train.window_dealer`) knows whose micro-batches entered the model.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class ReplicaPolicy:
 
 
 DATA = ("the data windows dealt to it since the last commit go back to the stream and are dealt first to the "
-        "replicas present (:mod:`quietsync.faults.dealer`): no window is skipped or trained twice")
+        "replicas present (:mod:`quietsync.train.window_dealer`): no window is skipped or trained twice")
 
 POLICIES: dict[str, ReplicaPolicy] = {
     "ddp": ReplicaPolicy(

@@ -5,7 +5,7 @@ host: the output, cache and checkpoint paths (:func:`check_paths`), the thread c
 (:func:`check_threads`), the C++ compiler ``--compile`` needs on CPU (:func:`check_compiler`) and whether the
 data holds enough text for the job (:func:`check_data`, which loads the corpus and builds the cached tokenizer
 and token streams that the workers then reuse). Each problem is a
-:class:`~quietsync.train.config_flags.FlagError`: one line naming the flag and what is allowed.
+:class:`~quietsync.cli.flags.FlagError`: one line naming the flag and what is allowed.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..cli.flags import FlagError, flag_message
 from .cache import DEFAULT_CACHE_DIR
 from .config import TrainConfig
-from .config_flags import FlagError, flag_message
 
 __all__ = ["THREADS_PER_CORE", "check_compiler", "check_paths", "check_threads", "check_data", "compiler_problem",
            "data_problem"]

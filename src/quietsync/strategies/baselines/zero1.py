@@ -37,6 +37,7 @@ from ..parts.accumulation import AccumulationConfig, Accumulator
 from ..parts.across_replicas import average_across, split_groups
 from ..registry import register
 from ..substrates.sharded_state import ShardedState
+from . import cost
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Zero1Config(AccumulationConfig):
         parse_dtype(self.reduce_dtype, "reduce_dtype")
 
 
-@register("zero1", Zero1Config)
+@register("zero1", Zero1Config, schedule=cost.zero1)
 class Zero1(Strategy):
     """Blocking ZeRO-1; see the module docstring.
 

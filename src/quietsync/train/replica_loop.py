@@ -8,7 +8,7 @@ strategy, whose learning-rate schedule reads the dealer's position in tokens. Th
     quorum.join()                                         # heal from a live peer if the others are ahead
     while the schedule's position < --max-steps:
         if quorum.round_due: quorum.start_round()         # after a commit: joiners heal here
-        windows = dealer.deal(quorum.members, ...)        # this step's windows (faults/dealer.py)
+        windows = dealer.deal(quorum.members, ...)        # this step's windows (train/window_dealer.py)
         for each micro-batch: strategy.forward_backward(batch); strategy.step()
                                                           # its collectives over the replicas commit through
                                                           # the quorum (retried among survivors)
@@ -32,26 +32,27 @@ from typing import Any
 
 import torch
 
+from ..cli.launch import note_failure
+from ..faults.heal import heal_state, load_heal_state
+from ..faults.inject import hold, reached
+from ..faults.quorum import ReplicaQuorum
+from ..faults.transport import FaultTolerantTransport
 from ..link import parse_links
+from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import StrategyConfig, make_strategy
 from ..topology import GROUPS
-from ..train.corpus import load_corpus
-from ..train.data import ShardedSequences, encode_split, eval_batches
-from ..train.elastic import accumulation_field
-from ..train.export import MODEL_DIR, export_model
-from ..train.launch import note_failure
-from ..train.loop import ADAMW_BETAS, AUDIT_ENV, STEP_SUMS, evaluate, job_summary, lm_loss
-from ..train.metrics import MetricsWriter, write_summary
-from ..train.model import count_parameters, job_model, param_groups
-from ..train.preflight import data_problem
-from ..train.schedule import warmup_cosine
-from ..train.slow_worker import MicroBatchTimer
-from ..train.tokenizer import job_tokenizer
-from .dealer import WindowDealer
-from .heal import heal_state, load_heal_state
-from .inject import hold, reached
-from .quorum import ReplicaQuorum
-from .transport import FaultTolerantTransport
+from .corpus import load_corpus
+from .data import ShardedSequences, encode_split, eval_batches
+from .elastic import accumulation_field
+from .export import MODEL_DIR, export_model
+from .job_model import job_model
+from .loop import ADAMW_BETAS, AUDIT_ENV, STEP_SUMS, evaluate, job_summary, lm_loss
+from .metrics import MetricsWriter, write_summary
+from .preflight import data_problem
+from .schedule import warmup_cosine
+from .slow_worker import MicroBatchTimer
+from .tokenizer import job_tokenizer
+from .window_dealer import WindowDealer
 
 STORE_ENV = "QUIETSYNC_FT_STORE"
 """``host:port`` of a replica group's own TCPStore (torchft's Manager meets its workers there), set by the local

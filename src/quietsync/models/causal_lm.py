@@ -18,11 +18,11 @@ with ``AutoModelForCausalLM.from_pretrained`` (:func:`load_pretrained`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..validate import check_choice
+from .units import blocks
 
 
 @dataclass(frozen=True)
@@ -167,21 +167,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: every element of every outermost ``nn.ModuleList`` that holds parameters (a
-    transformer's layers), in module order."""
-    blocks: list[torch.nn.Module] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and id(module) not in seen:
-            for child in module:
-                if any(True for _ in child.parameters()):
-                    blocks.append(child)
-                for sub in child.modules():
-                    seen.add(id(sub))
-    return blocks
-
-
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each transformer block's activations during backward (Hugging Face models: their own
     ``activation_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``, one checkpoint per block).
@@ -204,29 +189,10 @@ def compile_blocks(model: torch.nn.Module) -> int:
     with FSDP2 or call them stage by stage). Returns the number of blocks compiled.
 
     Raises ``ValueError`` (naming ``--compile``) for a model without repeated blocks."""
-    blocks = transformer_blocks(model)
-    if not blocks:
+    found = blocks(model)
+    if not found:
         raise ValueError(f"--compile: {type(model).__name__} has no transformer blocks (an nn.ModuleList of "
                          "layers) to compile")
-    for block in blocks:
+    for block in found:
         block.compile()
-    return len(blocks)
-
-
-def job_model(cfg: Any, vocab_size: int, eos: int, device: torch.device) -> torch.nn.Module:
-    """The model of a ``quietsync train`` job on ``device``: ``--model`` (a preset built from ``--seed``, or a
-    pretrained folder), its position limit checked against ``--seq-len``, then ``--activation-checkpointing``
-    and ``--compile`` applied block by block (``cfg``: the job's :class:`~quietsync.train.config.TrainConfig`)."""
-    if is_pretrained(cfg.model):
-        model = load_pretrained(cfg.model, vocab_size)
-    else:
-        model = build_model(cfg.model, vocab_size, eos, seed=cfg.seed)
-    limit = config_max_positions(model.config)
-    if limit is not None and cfg.seq_len > limit:
-        raise ValueError(f"--seq-len must be <= {limit} for model {cfg.model}, got {cfg.seq_len}")
-    model.to(device)
-    if cfg.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    if cfg.compile:
-        compile_blocks(model)
-    return model
+    return len(found)

@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from ..train.data import ShardedSequences
-
+from .data import ShardedSequences
 
 KEEP_POSITIONS = 64
 """Steps whose starting position the dealer remembers (the schedule asks for the current step's)."""

@@ -2,7 +2,7 @@
 
 * **On one machine** (no ``--replica-group``): the launcher starts a Lighthouse in its own process (unless
   ``--lighthouse`` names one), then ``--nodes`` replica groups, each a child process with ``--nproc / --nodes``
-  workers (one: the child trains itself; several: it spawns them, :mod:`quietsync.train.launch`). When a replica
+  workers (one: the child trains itself; several: it spawns them, :mod:`quietsync.cli.launch`). When a replica
   group dies -- ``kill -9``, a crash, or a replica that fell behind its peers -- the launcher starts it again, up
   to ``--replica-restarts`` times: it heals from a live peer and rejoins, while the others never restart. The job
   ends when every replica group has finished (exit 0), or fails when one died more often than allowed (exit 1,
@@ -23,8 +23,8 @@ import time
 import traceback
 from typing import Any
 
-from ..train.args import PROG
-from .loop import STORE_ENV, run_replica
+from .args import PROG
+from .replica_loop import STORE_ENV, run_replica
 
 POLL_S = 0.2
 
@@ -38,7 +38,7 @@ def _free_port() -> int:
 def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas: int, lighthouse: str,
                           workers: int) -> int:
     """Run replica group ``replica``'s workers here (in place under torchrun); its exit status (0, 1, 130)."""
-    from ..train.launch import WorkerFailed, launch, under_torchrun
+    from ..cli.launch import WorkerFailed, launch, under_torchrun
 
     if workers > 1 and not under_torchrun():
         host = "127.0.0.1" if lighthouse.rpartition("://")[2].startswith(("127.", "localhost")) else \
@@ -58,7 +58,7 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
 def _replica_main(cfg: Any, strategy_config: Any, replica: int, replicas: int, lighthouse: str, workers: int,
                   launcher: int) -> None:
     """A replica group child of the local launcher."""
-    from ..train.launch import _die_with_launcher
+    from ..cli.launch import _die_with_launcher
 
     _die_with_launcher(launcher)
     try:
@@ -84,7 +84,7 @@ def _ended(code: int | None) -> str:
 
 def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
     """The local launcher (module docstring); the job's exit status."""
-    from .lighthouse import LighthouseConfig, start_lighthouse
+    from ..faults.lighthouse import LighthouseConfig, start_lighthouse
 
     workers = cfg.nproc // replicas
     if not cfg.threads:
@@ -108,7 +108,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
         children[k] = child
 
     def stop_all() -> None:
-        from ..train.launch import stop_workers
+        from ..cli.launch import stop_workers
 
         stop_workers([c for c in children.values() if c.is_alive()])
 

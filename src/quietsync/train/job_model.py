@@ -1,0 +1,39 @@
+"""The model of a ``quietsync train`` job: ``--model`` built or loaded, checked and prepared as the flags say
+(shared by the trainer's loop and the torchft replica loop)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..models.causal_lm import (
+    build_model,
+    compile_blocks,
+    config_max_positions,
+    enable_activation_checkpointing,
+    is_pretrained,
+    load_pretrained,
+)
+
+
+def job_model(cfg: Any, vocab_size: int, eos: int, device: torch.device) -> torch.nn.Module:
+    """The model of a job on ``device``: ``--model`` (a preset built from ``--seed``, or a pretrained folder), its
+    position limit checked against ``--seq-len``, then ``--activation-checkpointing`` and ``--compile`` applied block
+    by block (``cfg``: the job's :class:`~quietsync.train.config.TrainConfig`)."""
+    if is_pretrained(cfg.model):
+        model = load_pretrained(cfg.model, vocab_size)
+    else:
+        model = build_model(cfg.model, vocab_size, eos, seed=cfg.seed)
+    limit = config_max_positions(model.config)
+    if limit is not None and cfg.seq_len > limit:
+        raise ValueError(f"--seq-len must be <= {limit} for model {cfg.model}, got {cfg.seq_len}")
+    model.to(device)
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if cfg.compile:
+        compile_blocks(model)
+    return model
+
+
+__all__ = ["job_model"]
