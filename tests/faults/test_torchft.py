@@ -66,9 +66,9 @@ def _window_starts(tokens: torch.Tensor, seq_len: int, seed: int, windows: list[
 def _replay(root: Path, steps: list[dict], per_replica: int = 2, seq_len: int = 32) -> torch.nn.Module:
     """One process, one model: every committed step is AdamW on the mean of the present replicas' gradients, each
     the gradient of the mean loss of its slot's windows (``per_replica`` of them, in slot order)."""
+    from quietsync.models.causal_lm import build_model
     from quietsync.train.corpus import load_corpus
     from quietsync.train.data import encode_split
-    from quietsync.models.causal_lm import build_model
     from quietsync.train.tokenizer import job_tokenizer
 
     corpus = load_corpus(str(root / "text.txt"), 0.02)

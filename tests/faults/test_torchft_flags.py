@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from quietsync.faults.support import POLICIES, REFUSALS
 from quietsync.commands.main import main
+from quietsync.faults.support import POLICIES, REFUSALS
 from tests.train._run import refused
 
 FT = ["--fault-tolerance", "torchft"]

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from quietsync.train.window_dealer import WindowDealer
 from quietsync.train.data import ShardedSequences
+from quietsync.train.window_dealer import WindowDealer
 
 
 def _dealer(per: int = 2, replicas: int = 3, tokens: int = 4000) -> WindowDealer:

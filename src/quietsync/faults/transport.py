@@ -22,7 +22,7 @@ its ranks are the nominal ones (every replica group present), so per-replica see
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,8 +33,12 @@ from ..transport import ProcessGroups, Transport, Work
 from .inject import reached
 from .replica_group import ReplicaProcessGroup
 
-if TYPE_CHECKING:
-    from .quorum import ReplicaQuorum
+
+class Commits(Protocol):
+    """What the transport needs of the quorum (:class:`~quietsync.faults.quorum.ReplicaQuorum`)."""
+
+    def run(self, op: Callable[[], Any], restore: Sequence[torch.Tensor]) -> Any:
+        """``op()`` committed by the quorum (retried among the survivors); ``restore`` put back before a retry."""
 
 
 class ReplicaLost(RuntimeError):
@@ -62,7 +66,7 @@ class FaultTolerantTransport(Transport):
         self.workers, self.local_rank = local.world_size, local.rank
         self.replica_group = ReplicaProcessGroup(timeout_s)
         """The replicate dimension's process group, reconfigured by torchft at every quorum change."""
-        self.quorum: ReplicaQuorum | None = None
+        self.quorum: Commits | None = None
         """The commit protocol, once attached (:class:`~quietsync.faults.quorum.ReplicaQuorum`)."""
         self._static: ProcessGroups | None = None
         nominal = Topology(self.replica * self.workers + self.local_rank, self.replicas * self.workers, self.replicas)
