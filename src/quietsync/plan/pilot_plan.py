@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .candidates import Candidate, parse_candidate
-from .curve_fit import fit_power_law
+from .curve_fit import PowerLaw, fit_power_law
 from .loss_model import BaselineCurve, LossEstimate, from_pilot_batch, from_pilot_ratio
 from .objective import Objective
 from .pilots import PilotCurve, ProcessRunner, rungs, successive_halving
@@ -35,16 +35,23 @@ BASELINES = ("zero1", "ddp")
 """The setting whose pilot is the baseline curve (the first present; DDP, ZeRO-1 and FSDP follow one trajectory)."""
 ADAPTIVE = ("acco", "dpu", "wp")
 """Strategies whose steps depend on timing (adaptive stages): their pilots run through an emulated link."""
-LOCAL = ("localsgd", "diloco")
+FALLBACK_C = 0.3
+"""Exponent of the baseline's curve past a pilot too short to fit (the data exponent β ≈ 0.28 of Hoffmann et al.)."""
 
 
 def baseline_curve(curve: PilotCurve) -> BaselineCurve:
     """The baseline's loss curve from its pilot: measured points, and the power law fitted to them past the last."""
     pts = [(t, y) for t, y in zip(curve.tokens, curve.losses) if t > 0]
-    fit = fit_power_law([t for t, _ in pts], [y for _, y in pts]) if len(pts) >= 4 else None
-    if fit is None:
-        raise ValueError(f"the baseline's pilot made {len(pts)} evaluations; a loss curve needs at least 4 "
-                         "(raise pilot_tokens)")
+    if len(pts) < 4:
+        if not pts or curve.reached is None:
+            raise ValueError(f"the baseline's pilot made {len(pts)} evaluations; a loss curve needs at least 4 "
+                             "(raise pilot_tokens)")
+        # it reached the target before a curve could be fitted: measured up to there, a plain power law past it
+        t, y = pts[-1]
+        law = PowerLaw(0.0, y * t ** FALLBACK_C, FALLBACK_C)
+        return BaselineCurve(law, "pilot", f"the baseline's pilot: {len(pts)} evaluations up to {t:,.0f} tokens "
+                             f"(too few to fit: past them L ∝ t^−{FALLBACK_C})", None, tuple(pts))
+    fit = fit_power_law([t for t, _ in pts], [y for _, y in pts])
     law = fit.law
     desc = (f"the baseline's pilot: {len(pts)} evaluations up to {pts[-1][0]:,.0f} tokens, then L(t) = "
             f"{law.a:.3g} + {law.b:.3g}·t^−{law.c:.3g} (fit rms {fit.rms:.3g})")
@@ -85,8 +92,9 @@ def run_pilots(result: PlanResult, runner: ProcessRunner | None = None) -> PlanR
     budget = cfg.pilot_tokens
     rows = {r.spec: r for r in result.rows}
     base_spec = next((s for s in BASELINES if s in rows), None)
-    if base_spec is None:
-        raise ValueError(f"pilots need a synchronous baseline row ({' or '.join(BASELINES)})")
+    if base_spec is None:  # the baseline's pilot is the loss model's reference even when it is not a row
+        base_spec = BASELINES[0]
+        rows[base_spec] = result.predict(base_spec, {})
     base_row = rows[base_spec]
     from ..train.args import parse_train_args
     from ..train.config import TrainConfig
@@ -144,8 +152,8 @@ def run_pilots(result: PlanResult, runner: ProcessRunner | None = None) -> PlanR
         yield parse_candidate(base_spec)
         base = state["baseline"] = baseline_curve(done[base_spec])
         prior = objective_with(base, {})
-        scored = sorted((prior.score(r) for r in result.rows if r.strategy not in ("ddp", "zero1", "fsdp")
-                         or r.knobs), key=lambda s: s.objective)
+        scored = sorted((prior.score(r) for r in result.rows if (r.strategy not in ("ddp", "zero1", "fsdp")
+                         or r.knobs) and r.spec != base_spec), key=lambda s: s.objective)
         best_high = min((_high(s) for s in scored), default=math.inf)
         for s in scored:
             if len(picked) >= cfg.pilot_candidates:
