@@ -43,8 +43,8 @@ from typing import Any
 
 from .candidates import Candidate
 
-ETA = 3
-"""Successive halving's reduction factor: a third of the pilots go on at each rung."""
+ETA = 2
+"""Successive halving's reduction factor: half of the pilots go on at each rung."""
 RUNGS = 3
 """Rungs of the pilot budget: ``N/η²``, ``N/η``, ``N`` tokens."""
 EVALS_PER_PILOT = 16
