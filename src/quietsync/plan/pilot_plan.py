@@ -35,6 +35,14 @@ BASELINES = ("zero1", "ddp")
 """The setting whose pilot is the baseline curve (the first present; DDP, ZeRO-1 and FSDP follow one trajectory)."""
 ADAPTIVE = ("acco", "dpu", "wp")
 """Strategies whose steps depend on timing (adaptive stages): their pilots run through an emulated link."""
+FLOOR_CAP = 0.5
+"""The baseline fit's floor ``a`` is at most this fraction of the lowest loss its pilot saw. Fitted freely to the
+start of a language model's curve, the floor comes out near the last loss seen and the extrapolation is far too
+pessimistic: on the equal-loss job's baseline (constant lr 2e-3, target 3.6 at 1.97 M tokens) a free floor fitted to
+1 M tokens predicts 5.6 M tokens; capped at 0.5× it predicts 1.9 M (0.96×), with no floor (a = 0) 1.6 M (0.80×) —
+``benchmarks/results/equal_loss_pilot.json``."""
+FLOOR_BRACKET = (0.0, 0.75)
+"""Floors whose fits the interval of the baseline's tokens to target spans (0: the optimistic end)."""
 FALLBACK_C = 0.3
 """Exponent of the baseline's curve past a pilot too short to fit (the data exponent β ≈ 0.28 of Hoffmann et al.)."""
 
@@ -51,11 +59,14 @@ def baseline_curve(curve: PilotCurve) -> BaselineCurve:
         law = PowerLaw(0.0, y * t ** FALLBACK_C, FALLBACK_C)
         return BaselineCurve(law, "pilot", f"the baseline's pilot: {len(pts)} evaluations up to {t:,.0f} tokens "
                              f"(too few to fit: past them L ∝ t^−{FALLBACK_C})", None, tuple(pts))
-    fit = fit_power_law([t for t, _ in pts], [y for _, y in pts])
+    ts, ys = [t for t, _ in pts], [y for _, y in pts]
+    fit = fit_power_law(ts, ys, floor_cap=FLOOR_CAP)
+    brackets = tuple(fit_power_law(ts, ys, floor_cap=cap, bootstrap=0).law for cap in FLOOR_BRACKET)
     law = fit.law
     desc = (f"the baseline's pilot: {len(pts)} evaluations up to {pts[-1][0]:,.0f} tokens, then L(t) = "
-            f"{law.a:.3g} + {law.b:.3g}·t^−{law.c:.3g} (fit rms {fit.rms:.3g})")
-    return BaselineCurve(law, "pilot", desc, fit, tuple(pts))
+            f"{law.a:.3g} + {law.b:.3g}·t^−{law.c:.3g} (fit rms {fit.rms:.3g}; floor at most {FLOOR_CAP:g}× the "
+            f"lowest loss seen, the interval spanning floors from 0 to {FLOOR_BRACKET[-1]:g}×)")
+    return BaselineCurve(law, "pilot", desc, fit, tuple(pts), brackets)
 
 
 def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, baseline: BaselineCurve,
