@@ -13,6 +13,7 @@ what running the candidates to the target is predicted to cost instead.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 import tempfile
@@ -35,6 +36,10 @@ BASELINES = ("zero1", "ddp")
 """The setting whose pilot is the baseline curve (the first present; DDP, ZeRO-1 and FSDP follow one trajectory)."""
 ADAPTIVE = ("acco", "dpu", "wp")
 """Strategies whose steps depend on timing (adaptive stages): their pilots run through an emulated link."""
+CONFIRM = 3
+"""Extra pilots after the first round for the best settings that still rest on their priors."""
+CONFIRM_TOP = 2
+"""How many of the best settings must rest on a pilot (or on the baseline's exact trajectory)."""
 FLOOR_CAP = 0.5
 """The baseline fit's floor ``a`` is at most this fraction of the lowest loss its pilot saw. Fitted freely to the
 start of a language model's curve, the floor comes out near the last loss seen and the extrapolation is far too
@@ -181,8 +186,28 @@ def run_pilots(result: PlanResult, runner: ProcessRunner | None = None) -> PlanR
     prefixes: dict[str, tuple[str, float]] = {}
     done: dict[str, PilotCurve] = {}
 
+    def exact(row: Row) -> bool:
+        return row.strategy in ("ddp", "zero1", "fsdp") and not row.knobs
+
+    def confirm() -> Iterator[Candidate]:
+        """After the first round: while one of the best settings rests on its prior, pilot it too."""
+        for _ in range(CONFIRM):
+            base = state["baseline"]
+            assert isinstance(base, BaselineCurve)
+            tgt = target if target is not None else base.point(base_row.tokens_per_s * (cfg.budget_s or 0))
+            ests = {spec: e for spec, curve in done.items() if spec != base_spec and spec in rows
+                    and (e := pilot_estimate(parse_candidate(spec), curve, rows[spec], base_row, base, tgt))}
+            now = objective_with(base, ests)
+            best = sorted((now.score(r) for r in result.rows), key=lambda s: (s.objective, -s.row.tokens_per_s))
+            top = next((s for s in best[:CONFIRM_TOP] if s.row.spec not in done and not exact(s.row)
+                        and s.reaches), None)
+            if top is None:
+                return
+            picked.append(top.row.spec)
+            yield parse_candidate(top.row.spec)
+
     def lazy() -> Iterator[Candidate]:
-        for c in order():
+        for c in itertools.chain(order(), confirm()):
             first = _first_sync_steps(c)
             if first is not None:
                 for spec in done:
@@ -246,7 +271,7 @@ def _report(result: PlanResult, done: dict[str, PilotCurve], base_spec: str, ski
         shared = f", judged on `{c.shared_from}`'s shared prefix" if c.shared_from else ""
         lines.append(f"`{spec}`{' (baseline)' if spec == base_spec else ''}: {ran}, {c.stopped}{shared}, "
                      f"{c.wall_s:.1f} s {how}")
-    lines += [f"not piloted: {s}" for s in skipped]
+    lines += [f"not piloted: {s}" for s in skipped if s.split("`")[1] not in done]
     cost = sum(c.wall_s for c in done.values())
     times = [s.time.seconds.value for s in result.scored if s.time is not None and s.reaches]
     total = sum(times)
