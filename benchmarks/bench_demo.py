@@ -37,7 +37,7 @@ REPLICATORS = ("dct", "random", "striding")
 
 
 def _model_shapes(preset: str, vocab: int = 4096) -> list[torch.Size]:
-    from quietsync.train.model import build_model
+    from quietsync.models import build_model
 
     model = build_model(preset, vocab, seed=0)
     return [p.shape for p in model.parameters() if p.requires_grad]
@@ -177,8 +177,8 @@ def _median_time(fn: Any, repeats: int) -> float:
 
 def bench_codec(preset: str = "10m", micro_batch: int = 8, seq_len: int = 128, repeats: int = 5,
                 threads: int = 1) -> None:
+    from quietsync.models import build_model
     from quietsync.optim import DeMoSGD
-    from quietsync.train.model import build_model
 
     torch.set_num_threads(threads)  # one worker per core, as the trainer runs them; steadier on a shared box
     model = build_model(preset, 4096, seed=0)

@@ -104,8 +104,8 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
     t0 = time.perf_counter()
     plan_out = work / f"{label}-plan"
     if shaped is None:
-        result = quietsync.plan(model=model, micro_batch_size=mbs, seq_len=seq, nproc=nproc, nodes=nodes, link=links,
-                                strategies=specs, threads=threads)
+        result = quietsync.plan.plan(model=model, micro_batch_size=mbs, seq_len=seq, nproc=nproc, nodes=nodes,
+                                     link=links, strategies=specs, threads=threads)
         plan_json = result.to_dict()
         result.save(plan_out, plot=True)
     else:
@@ -161,8 +161,8 @@ def what_if_1b() -> list[dict[str, Any]]:
 
     out = []
     for inter in ("100gbit,10us", "1gbit,100us"):
-        r = quietsync.plan(what_if=True, model="1b", nodes=4, workers_per_node=8, seq_len=2048, micro_batch_size=4,
-                           link=[f"inter={inter}", "intra=900gbit,2us"], device_memory="80GB")
+        r = quietsync.plan.plan(what_if=True, model="1b", nodes=4, workers_per_node=8, seq_len=2048,
+                                micro_batch_size=4, link=[f"inter={inter}", "intra=900gbit,2us"], device_memory="80GB")
         out.append({"inter": inter, "markdown": r.markdown(), "plan": r.to_dict()})
     return out
 

@@ -1,4 +1,4 @@
-"""``quietsync plan`` and ``quietsync.plan(...)``: bad input is one line and exit 2 before anything starts, a
+"""``quietsync plan`` and ``quietsync.plan.plan(...)``: bad input is one line and exit 2 before anything starts, a
 described cluster is predicted without running anything, a measured plan calibrates and probes real workers,
 and the equal-token findings quoted to users are in the files they cite."""
 
@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("transformers")
 
 import quietsync  # noqa: E402
+from quietsync.commands.main import main  # noqa: E402
 from quietsync.plan.knowledge import FINDINGS  # noqa: E402
-from quietsync.train.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "8", "--seq-len", "2048",
@@ -45,8 +45,8 @@ def test_bad_input_is_one_line_and_exit_2_before_any_worker(argv, says, capsys):
 
 
 def test_what_if_predicts_every_strategy_with_exact_bytes_and_recommends_the_fastest():
-    result = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
-                            micro_batch_size=4, link=["inter=100gbit,10us", "intra=900gbit,2us"])
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                                 micro_batch_size=4, link=["inter=100gbit,10us", "intra=900gbit,2us"])
     strategies = {r.strategy for r in result.rows}
     assert strategies >= {"ddp", "zero1", "fsdp", "acco", "dpu", "wp", "demo", "flexdemo", "localsgd", "diloco",
                           "cdp"}
@@ -70,12 +70,12 @@ def test_what_if_predicts_every_strategy_with_exact_bytes_and_recommends_the_fas
 
 
 def test_what_if_prediction_never_gets_slower_with_a_faster_link():
-    slow = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
-                          link=["inter=1gbit,1ms", "intra=900gbit,2us"], only=True,
-                          strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
-    fast = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
-                          link=["inter=100gbit,1ms", "intra=900gbit,2us"], only=True,
-                          strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
+    slow = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                               micro_batch_size=4, link=["inter=1gbit,1ms", "intra=900gbit,2us"], only=True,
+                               strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
+    fast = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                               micro_batch_size=4, link=["inter=100gbit,1ms", "intra=900gbit,2us"], only=True,
+                               strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
     for a, b in zip(slow.rows, fast.rows):
         assert a.label == b.label
         assert b.step_s <= a.step_s * (1 + 1e-9), a.label
@@ -84,12 +84,12 @@ def test_what_if_prediction_never_gets_slower_with_a_faster_link():
         assert b.bytes_per_step == a.bytes_per_step
 
 
-def test_quietsync_plan_is_callable_and_a_package():
-    import quietsync.plan.costmodel as costmodel
+def test_the_planner_is_a_plain_package_over_the_cost_vocabulary():
+    import quietsync.cost.costmodel as costmodel
 
-    assert callable(quietsync.plan)
-    assert quietsync.plan.Workload is quietsync.plan.workload.Workload
-    assert costmodel.Comm is quietsync.plan.Comm
+    assert not callable(quietsync.plan) and quietsync.plan.plan is quietsync.plan.planner.plan
+    assert quietsync.cost.Workload is quietsync.cost.workload.Workload
+    assert costmodel.Comm is quietsync.cost.Comm
 
 
 @pytest.mark.timeout(300)
@@ -121,7 +121,7 @@ def test_the_findings_quote_numbers_that_are_in_their_sources():
 def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkeypatch, forked_launch):
     import json
 
-    from quietsync.train.compare import compare_main
+    from quietsync.commands.compare import compare_main
     from tests.train.conftest import synthetic_text
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
@@ -150,16 +150,17 @@ def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkey
 
 
 def test_crossovers_are_where_the_fastest_strategy_changes():
-    result = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
-                            link=["inter=1gbit,100us", "intra=900gbit,2us"], only=True, memory_bandwidth="20gb/s",
-                            strategies=["ddp", "demo:replicator=random,compression=0.001"])
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                                 micro_batch_size=4, link=["inter=1gbit,100us", "intra=900gbit,2us"], only=True,
+                                 memory_bandwidth="20gb/s",
+                                 strategies=["ddp", "demo:replicator=random,compression=0.001"])
     kind, bws, curves, crossovers = result.sweep()  # slow memory: the codec costs what a fast link saves
     assert kind == "inter" and len(crossovers) == 1
     bw, slow_link_winner, fast_link_winner = crossovers[0]
     # compressed momentum wins on a slow link, plain DDP once the link is fast enough
     assert (slow_link_winner, fast_link_winner) == ("demo:replicator=random,compression=0.001", "ddp")
+    from quietsync.cost.costmodel import Links
     from quietsync.link import LinkModel
-    from quietsync.plan.costmodel import Links
 
     at = Links(model={"inter": LinkModel(bw, 1e-4), "intra": result.cluster.links.model["intra"]})
     a, b = (result.score(result.predict(n, k, at)).objective

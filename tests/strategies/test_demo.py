@@ -140,7 +140,7 @@ def test_bad_knobs_fail_with_one_line(bad, match):
 
 
 def test_cli_flags_exist_for_the_knobs():
-    from quietsync.train.config_flags import flag_name
+    from quietsync.cli.flags import flag_name
 
     names = {flag_name(f) for f in DecoupledConfig.__dataclass_fields__}
     assert {"--replicator", "--compression", "--chunk", "--topk", "--sign", "--transfer-dtype"} <= names

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import quietsync
-from quietsync.strategies.local.fragments import layer_units, strided_fragments
+from quietsync.models.units import layer_units
+from quietsync.strategies.local.fragments import strided_fragments
 from tests.distributed import run_ranks
 from tests.strategies.common import param_groups, tiny_model
 from tests.strategies.local_common import ADAMW, train_many

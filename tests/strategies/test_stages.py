@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quietsync
-from quietsync.strategies.cdp.stages import partition, segment_flops, sequential_view
+from quietsync.models.stages import partition, segment_flops, sequential_view
 from tests.strategies.reference_cdp import reference_cdp
 
 _spec = importlib.util.spec_from_file_location("cdp_models", Path(__file__).parents[2] / "examples" / "cdp_models.py")
@@ -18,7 +18,7 @@ _spec.loader.exec_module(models)
 
 
 def tiny_gpt(layers: int = 2):
-    from quietsync.train.model import ModelPreset, build_model
+    from quietsync.models import ModelPreset, build_model
 
     return build_model(ModelPreset(hidden_size=16, num_layers=layers, num_heads=2, max_positions=16), 40, seed=0)
 

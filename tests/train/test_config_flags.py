@@ -8,10 +8,7 @@ from typing import Literal
 
 import pytest
 
-from quietsync.strategies import available, get
-from quietsync.train.cli import parse_train_args
-from quietsync.train.config import DEFAULT_STRATEGY, TrainConfig
-from quietsync.train.config_flags import (
+from quietsync.cli.flags import (
     FlagError,
     add_dataclass_flags,
     build_config,
@@ -19,6 +16,9 @@ from quietsync.train.config_flags import (
     flag_message,
     given_values,
 )
+from quietsync.strategies import available, get
+from quietsync.train.args import parse_train_args
+from quietsync.train.config import DEFAULT_STRATEGY, TrainConfig
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from quietsync.train.launch import WorkerFailed, launch
+from quietsync.cli.launch import WorkerFailed, launch
 from tests.distributed import interruptible
 
 from . import _workers
@@ -56,7 +56,7 @@ def test_sigint_to_the_launcher_stops_every_worker(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from quietsync.train.launch import launch; from tests.train import _workers\n"
+    code = ("import sys; from quietsync.cli.launch import launch; from tests.train import _workers\n"
             "try:\n    launch(_workers.sleep_forever, (sys.argv[1],), nproc=2)\n"
             "except KeyboardInterrupt:\n    sys.exit(130)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quietsync.train.model import PRESETS, build_model, count_parameters, param_groups
+from quietsync.models import PRESETS, build_model, count_parameters, param_groups
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -303,7 +303,7 @@ def _median_s(fn: Any, device: torch.device, repeats: int = 20, warmup: int = 3)
 def codec_checks(device: str, chunk: int = 64) -> list[Check]:
     """DeMo's DCT codec on ``device`` against the fp64 oracle and the reference implementation; timings."""
     from ..codecs import BlockLayout, BlockWorkspace
-    from ..train.model import build_model
+    from ..models.causal_lm import build_model
 
     t0 = time.perf_counter()
     dev = torch.device(device)
@@ -385,9 +385,9 @@ def _placements(layout: Any) -> list[Any]:
 def calibration_check(device: str, zero1_runs: dict[str, Any] | None) -> Check:
     """The planner's calibrated forward + backward against the one the zero1 fp32 run measured (its loop times
     every micro-batch's forward and backward, synchronising the device); the whole step beside it."""
+    from ..models.causal_lm import build_model
     from ..plan.calibrate import calibrate
     from ..train.loop import lm_loss
-    from ..train.model import build_model
 
     t0 = time.perf_counter()
     run = (zero1_runs or {}).get("fp32") if isinstance(zero1_runs, dict) else None

@@ -1,6 +1,6 @@
 """A cluster described, not measured (``--what-if``): nodes, workers per node, links, and the device.
 
-:class:`Device` turns a workload into a :class:`~quietsync.plan.costmodel.ComputeProfile` from its peak FLOP/s,
+:class:`Device` turns a workload into a :class:`~quietsync.cost.compute.ComputeProfile` from its peak FLOP/s,
 the fraction of it training reaches (MFU) and its memory bandwidth, with stated assumptions:
 
 * forward + backward of a micro-batch = the workload's training FLOPs (6 × parameters × tokens, plus
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cost.compute import ComputeProfile
+from ..cost.costmodel import Links
+from ..cost.workload import Workload
 from ..link import LINK_NAMES, LinkModel
 from ..validate import check_float, check_int
-from .costmodel import ComputeProfile, Links
-from .workload import Workload
 
 ADAMW_BYTES = 28.0
 """AdamW per fp32 element: read parameter, gradient, two moments (16 B); write parameter and moments (12 B)."""

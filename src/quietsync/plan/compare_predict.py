@@ -25,8 +25,8 @@ CURVE_POINTS = 40
 
 def train_args(cfg: Any) -> list[str]:
     """The compared job's trajectory flags that differ from ``quietsync train``'s defaults."""
+    from ..cli.flags import flag_name
     from ..train.config import TrainConfig
-    from ..train.config_flags import flag_name
 
     default = TrainConfig()
     out: list[str] = []

@@ -17,9 +17,8 @@ import itertools
 import math
 import statistics
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .candidates import Candidate, parse_candidate
 from .curve_fit import PowerLaw, fit_power_law
@@ -27,10 +26,8 @@ from .loss_model import BaselineCurve, LossEstimate, from_pilot_batch, from_pilo
 from .objective import Objective
 from .pilots import PilotCurve, ProcessRunner, rungs, successive_halving
 from .recommend import Scored, fmt_duration
+from .result import PlanResult
 from .table import Row
-
-if TYPE_CHECKING:
-    from .planner import PlanResult
 
 BASELINES = ("zero1", "ddp")
 """The setting whose pilot is the baseline curve (the first present; DDP, ZeRO-1 and FSDP follow one trajectory)."""
@@ -99,10 +96,10 @@ def _first_sync_steps(c: Candidate) -> int | None:
     return None
 
 
-def run_pilots(result: PlanResult, runner: ProcessRunner | None = None) -> PlanResult:
-    """Run the pilots of ``result.config`` and return the plan re-scored with them (see the module docstring)."""
-    from .planner import predict
-
+def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: ProcessRunner | None = None
+               ) -> PlanResult:
+    """Run the pilots of ``result.config`` and return the plan re-scored with them by ``predict`` (the planner's,
+    :func:`~quietsync.plan.planner.predict`; see the module docstring)."""
     cfg = result.config
     assert cfg.pilot_tokens is not None
     budget = cfg.pilot_tokens

@@ -18,7 +18,7 @@ held-out loss curves replace the priors (``quietsync plan --target-loss X --pilo
    without running when that prefix loses. (A resumed run may not change strategy flags, so a prefix cannot be
    forked into several settings; past the prefix each candidate runs from the start.)
 
-Pilots run through the same launcher (``python -m quietsync.train.cli train``, local workers) and links. An
+Pilots run through the same launcher (``python -m quietsync train``, local workers) and links. An
 *emulated* link only delays messages, never changes what they hold, so a candidate whose steps do not depend on
 timing runs its pilot without the emulated delay (the same loss curve, at compute speed); ACCO/DPU/WP with adaptive
 stages (how many micro-batches a stage holds depends on the link) run through it. A real (measured) link is always
@@ -166,7 +166,7 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
 # ---------------------------------------------------------------------------------------------- the process runner
 @dataclass
 class ProcessRunner:
-    """Runs a pilot as ``python -m quietsync.train.cli train`` (the same launcher as ``quietsync train``) in its own
+    """Runs a pilot as ``python -m quietsync train`` (the same launcher as ``quietsync train``) in its own
     process group, watching its metrics files and terminating the group when the pilot is pruned."""
 
     job_args: list[str]
@@ -183,7 +183,7 @@ class ProcessRunner:
     log: Callable[[str], None] = print
 
     def argv(self, cand: Candidate, budget: int, folder: Path) -> list[str]:
-        from ..train.compare import parse_strategy_spec
+        from ..cli.spec import parse_strategy_spec
 
         name, _, flags = parse_strategy_spec(cand.spec)
         steps = max(1.0, budget / max(1.0, self.tokens_per_step(cand)))
@@ -200,7 +200,7 @@ class ProcessRunner:
         folder = self.out / cand.spec.replace(":", "-").replace(",", "-").replace("=", "")
         folder.mkdir(parents=True, exist_ok=True)
         link = self.through_link(cand)
-        argv = [sys.executable, "-m", "quietsync.train.cli", "train", *self.argv(cand, budget, folder)]
+        argv = [sys.executable, "-m", "quietsync", "train", *self.argv(cand, budget, folder)]
         self.log(f"   pilot {cand.spec}: up to {budget:,} tokens{' through the link' if link else ''}")
         curve = PilotCurve(cand.spec, through_link=link)
         t0 = time.perf_counter()

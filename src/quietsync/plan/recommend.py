@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .compute import ComputeProfile
+from ..cost.compute import ComputeProfile
 from .curve_fit import Interval
 from .loss_model import LossEstimate, TimeToTarget
 from .table import Row, fmt_bytes

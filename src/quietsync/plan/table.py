@@ -11,10 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cost.compute import ComputeProfile
+from ..cost.costmodel import Ctx, Links
+from ..cost.schedule import Schedule
+from ..cost.workload import Workload
 from ..topology import Topology
-from .costmodel import ComputeProfile, Ctx, Links, Schedule
 from .schedules import schedule, strategy_config
-from .workload import Workload
 
 
 @dataclass

@@ -73,6 +73,7 @@ from ..flat import normalize_param_groups
 from ..transport import Transport
 from .checkpoint.logical import Reader, ReshardError, SavedTensors, open_round_problem
 from .checkpoint.positions import check_positions_agree
+from .config import StrategyConfig
 from .parts.accounting import StepAccounting, StepMetrics
 from .parts.buffers import ModuleBuffers
 from .parts.clipping import GradientCheck, check_max_grad_norm, prepare_gradient
@@ -86,14 +87,6 @@ P = TypeVar("P", bound="Part | Strategy")
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(model, batch) -> scalar loss`` of one micro-batch (see :meth:`Strategy.forward_backward`)."""
-
-
-@dataclasses.dataclass
-class StrategyConfig:
-    """Base class of strategy configs (each strategy subclasses it with its own knobs)."""
-
-    def replace(self, **changes: Any) -> StrategyConfig:
-        return dataclasses.replace(self, **changes)
 
 
 class _Constructed(ABCMeta):

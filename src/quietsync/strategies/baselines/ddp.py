@@ -45,6 +45,7 @@ from ..checkpoint.logical import (
 from ..parts.accumulation import AccumulationConfig, OptimizerRound
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
+from . import cost
 from .powersgd import CAST_HOOK_DTYPES, PowerSGDState, cast_hook, powersgd_hook
 
 COMM_HOOKS = ("allreduce", "powersgd", "fp16", "bf16")
@@ -80,7 +81,7 @@ class DDPConfig(AccumulationConfig):
                              f"its buckets after the first iteration), got {self.powersgd_start_iter}")
 
 
-@register("ddp", DDPConfig)
+@register("ddp", DDPConfig, schedule=cost.ddp)
 class DDP(Strategy):
     """torch DDP + local gradient accumulation; see the module docstring.
 

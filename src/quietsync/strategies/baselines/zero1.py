@@ -32,6 +32,7 @@ from ..checkpoint.logical import SavedTensors, load_module, module_state, module
 from ..parts.accumulation import AccumulationConfig, Accumulator
 from ..registry import register
 from ..substrates.sharded_state import ShardedState
+from . import cost
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Zero1Config(AccumulationConfig):
         parse_dtype(self.reduce_dtype, "reduce_dtype")
 
 
-@register("zero1", Zero1Config)
+@register("zero1", Zero1Config, schedule=cost.zero1)
 class Zero1(Strategy):
     """Blocking ZeRO-1; see the module docstring.
 

@@ -1,6 +1,6 @@
 """``cdp``: Cyclic Data Parallelism (Fournier & Oyallon, 2024, paper 002), executed for real.
 
-The model is cut into ``N`` stages (:mod:`~quietsync.strategies.cdp.stages`); a training step (a *cycle*) has
+The model is cut into ``N`` stages (:mod:`~quietsync.models.stages`); a training step (a *cycle*) has
 ``N`` micro-batches. One time step is the forward or the backward of one stage. Micro-batch ``i``
 (0-based slot) of cycle ``c`` starts at time ``s = c·2N + 2i`` (the paper's delay of 2 time steps), runs
 the forward of stage ``j`` at ``s + j`` and its backward at ``s + 2N − 1 − j``; so at every time step each
@@ -83,15 +83,17 @@ from torch.utils.checkpoint import checkpoint
 
 from ...activation_memory import ActivationMeter
 from ...events import label
+from ...models.stages import PARTITIONS, StagePlan, partition, run_segments, segment_flops, sequential_view
 from ...validate import check_choice, check_int
-from ..base import LossFn, Strategy, StrategyConfig
+from ..base import LossFn, Strategy
+from ..config import StrategyConfig
 from ..parts.clipping import CLIP_EPS
 from ..parts.lr import LRScaler
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
+from . import cost
 from .capture import Replay, capture_call
 from .schedule import Message, Schedule
-from .stages import PARTITIONS, StagePlan, partition, run_segments, segment_flops, sequential_view
 
 RULES = ("dp", "v1", "v2")
 _ALIASES = {"cdp-v1": "v1", "cdp-v2": "v2"}
@@ -167,7 +169,7 @@ class _MicroBatch:
 
 
 # ---------------------------------------------------------------------------------------------- the strategy
-@register("cdp", CDPConfig)
+@register("cdp", CDPConfig, schedule=cost.cdp)
 class CDP(Strategy):
     """Cyclic Data Parallelism; see the module docstring."""
 

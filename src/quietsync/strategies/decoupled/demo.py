@@ -48,10 +48,11 @@ from ..checkpoint.logical import (
 )
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
+from . import cost
 from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 
 
-@register("demo", DecoupledConfig)
+@register("demo", DecoupledConfig, schedule=cost.demo)
 class DeMo(Strategy):
     """DeMo over plain data parallelism; see the module docstring."""
 

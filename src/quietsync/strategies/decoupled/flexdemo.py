@@ -64,6 +64,7 @@ from ..checkpoint.logical_shards import load_shards, shard_state, shard_targets
 from ..registry import register
 from ..substrates.dim0_shards import DimZeroShards, FlatDimZeroShards
 from ..substrates.fsdp_shards import FsdpShards
+from . import cost
 from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 
 __all__ = ["DimZeroShards", "FlexDeMo", "FlexDeMoConfig"]
@@ -83,7 +84,7 @@ class FlexDeMoConfig(DecoupledConfig):
         check_choice("params", self.params, ("sharded", "replicated"))
 
 
-@register("flexdemo", FlexDeMoConfig)
+@register("flexdemo", FlexDeMoConfig, schedule=cost.flexdemo)
 class FlexDeMo(Strategy):
     """Hybrid-sharded decoupled momentum; see the module docstring."""
 

@@ -65,6 +65,7 @@ from typing import Any, Literal
 
 import torch
 
+from ...models.units import layer_units
 from ...validate import check_choice
 from ..base import Strategy
 from ..checkpoint import replicas
@@ -84,7 +85,7 @@ from ..parts.accumulation import OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import get, register
 from ..substrates.sharded_optimizer import build_optimizer
-from .fragments import layer_units
+from . import cost
 from .outer import OuterConfig, OuterSync
 
 _INNER = ("local", "ddp", "zero1")
@@ -103,7 +104,7 @@ class DiLoCoConfig(OuterConfig):
         check_choice("inner", self.inner, _INNER)
 
 
-@register("diloco", DiLoCoConfig)
+@register("diloco", DiLoCoConfig, schedule=cost.diloco)
 class DiLoCo(Strategy):
     """DiLoCo / Streaming DiLoCo, optionally hierarchical; see the module docstring."""
 

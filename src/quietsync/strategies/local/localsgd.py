@@ -59,6 +59,7 @@ from ..parts.accumulation import AccumulationConfig, OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
+from . import cost
 
 
 @dataclass
@@ -76,7 +77,7 @@ class LocalSGDConfig(AccumulationConfig):
         check_int("sync_every", self.sync_every, 1)
 
 
-@register("localsgd", LocalSGDConfig)
+@register("localsgd", LocalSGDConfig, schedule=cost.localsgd)
 class LocalSGD(Strategy):
     """Local SGD with periodic parameter averaging over ``world``; see the module docstring."""
 

@@ -53,6 +53,7 @@ import torch
 from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
+from . import cost
 from .machinery import Overlap, OverlapConfig
 from .strategy import collected, stage_scale
 
@@ -65,7 +66,7 @@ class ACCOConfig(OverlapConfig):
     :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`)."""
 
 
-@register("acco", ACCOConfig)
+@register("acco", ACCOConfig, schedule=cost.acco)
 class ACCO(Strategy):
     """ACCO on the flat sharded substrate; see the module docstring."""
 

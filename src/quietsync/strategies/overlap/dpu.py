@@ -44,6 +44,7 @@ from ...validate import check_int
 from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
+from . import cost
 from .machinery import Overlap, OverlapConfig
 from .strategy import collected, stage_scale
 
@@ -62,7 +63,7 @@ class DPUConfig(OverlapConfig):
         check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
 
 
-@register("dpu", DPUConfig)
+@register("dpu", DPUConfig, schedule=cost.dpu)
 class DPU(Strategy):
     """Delayed Parameter Update; see the module docstring."""
 

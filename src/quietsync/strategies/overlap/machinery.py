@@ -64,8 +64,9 @@ import torch
 from ...comm_worker import CommWorker, Job
 from ...flat import nbytes, parse_dtype
 from ...validate import check_int
-from ..base import Strategy, StrategyConfig
+from ..base import Strategy
 from ..checkpoint.logical import ReshardError, SavedTensors, local_part
+from ..config import StrategyConfig
 from ..parts.accounting import StepAccounting
 from ..parts.clipping import GradientCheck, prepare_gradient
 from ..parts.part import Part

@@ -18,7 +18,7 @@ import torch
 from ...events import label
 from ...flat import nbytes
 from ...validate import check_int
-from ..base import StrategyConfig
+from ..config import StrategyConfig
 from .accounting import StepAccounting
 from .lr import LRScaler
 from .part import Part

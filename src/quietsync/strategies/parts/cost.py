@@ -1,7 +1,7 @@
 """The cost model's pieces every family shares (for the ``cost.py`` beside each family): optimizer state sizes,
 dtype sizes, group sizes, and what a replicator puts on the wire (its own ``payload_bytes``, in one collective).
 
-See :mod:`quietsync.plan.costmodel` for the model these feed.
+See :mod:`quietsync.cost.costmodel` for the model these feed.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...plan.costmodel import Comm, numel
-from ...plan.workload import Shape
+from ...cost.costmodel import Comm, numel
+from ...cost.workload import Shape
 from ...topology import Topology
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "int8": 1}

@@ -14,7 +14,7 @@
                           communication worker is done (at least ``low``, at most ``high``)
 ========================  ==============================================================================
 
-Each term evaluates to a :class:`~quietsync.plan.costmodel.Cost` in a :class:`~quietsync.plan.costmodel.Ctx` (the
+Each term evaluates to a :class:`~quietsync.cost.costmodel.Cost` in a :class:`~quietsync.cost.costmodel.Ctx` (the
 compute profile, the links, this worker's topology).
 """
 

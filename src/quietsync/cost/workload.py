@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from ..models.stages import partition, sequential_view
+from ..models.units import blocks, layer_units
+
 Shape = tuple[int, ...]
 
 
@@ -45,7 +48,7 @@ class Workload:
     """CDP: parameter elements of each stage, by number of stages."""
     layers: tuple[tuple[int, ...], ...] = ()
     """Layers (a layer's weight and bias together) as Streaming DiLoCo's strided fragments take them: indices
-    into :attr:`shapes` (:func:`quietsync.strategies.local.fragments.layer_units`); empty: one per tensor."""
+    into :attr:`shapes` (:func:`quietsync.models.units.layer_units`); empty: one per tensor."""
     flops_per_token: float = 0.0
     """Training FLOPs per token (forward + backward), for compute derived from FLOP/s; 6 × parameters when
     unknown."""
@@ -128,8 +131,6 @@ class Workload:
         if len(dtypes) != 1:
             raise ValueError(f"the model's trainable parameters have mixed dtypes {sorted(map(str, dtypes))}")
         stage_numels = {n: _stage_numels(model, n) for n in stages}
-        from ..strategies.local.fragments import layer_units
-
         layers = tuple(tuple(u) for u in layer_units(model, ordered))
         return cls(name=name, shapes=tuple(tuple(p.shape) for p in ordered), group_sizes=tuple(sizes),
                    module_order=tuple(module_order), units=units, tokens_per_micro_batch=tokens_per_micro_batch,
@@ -188,12 +189,10 @@ class Workload:
 
 
 def _fsdp_units(model: torch.nn.Module, index: dict[int, int]) -> tuple[tuple[int, ...], ...]:
-    """FSDP units as :class:`~quietsync.strategies.fsdp_shards.FsdpShards` makes them: every element of an
+    """FSDP units as :class:`~quietsync.strategies.substrates.fsdp_shards.FsdpShards` makes them: every element of an
     outermost ``nn.ModuleList`` that holds parameters, then the root with the rest."""
-    from ..strategies.substrates.fsdp_shards import fsdp_units
-
     units, seen = [], set()
-    for unit in fsdp_units(model):
+    for unit in blocks(model):
         ids = tuple(index[id(p)] for p in unit.parameters() if id(p) in index and id(p) not in seen)
         seen.update(id(p) for p in unit.parameters())
         if ids:
@@ -204,8 +203,6 @@ def _fsdp_units(model: torch.nn.Module, index: dict[int, int]) -> tuple[tuple[in
 
 def _stage_numels(model: torch.nn.Module, n: int) -> tuple[int, ...]:
     """Trainable elements each of ``n`` CDP stages owns (cut by parameter count, as ``cdp`` does by default)."""
-    from ..strategies.cdp.stages import partition, sequential_view
-
     plan = partition(sequential_view(model), n, "params")
     return tuple(sum(p.numel() for p in ps if p.requires_grad) for ps in plan.owned)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..validate import check_choice
+from .units import blocks
 
 
 @dataclass(frozen=True)
@@ -166,21 +167,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: every element of every outermost ``nn.ModuleList`` that holds parameters (a
-    transformer's layers), in module order."""
-    blocks: list[torch.nn.Module] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and id(module) not in seen:
-            for child in module:
-                if any(True for _ in child.parameters()):
-                    blocks.append(child)
-                for sub in child.modules():
-                    seen.add(id(sub))
-    return blocks
-
-
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each transformer block's activations during backward (Hugging Face models: their own
     ``activation_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``, one checkpoint per block).
@@ -203,10 +189,10 @@ def compile_blocks(model: torch.nn.Module) -> int:
     with FSDP2 or call them stage by stage). Returns the number of blocks compiled.
 
     Raises ``ValueError`` (naming ``--compile``) for a model without repeated blocks."""
-    blocks = transformer_blocks(model)
-    if not blocks:
+    found = blocks(model)
+    if not found:
         raise ValueError(f"--compile: {type(model).__name__} has no transformer blocks (an nn.ModuleList of "
                          "layers) to compile")
-    for block in blocks:
+    for block in found:
         block.compile()
-    return len(blocks)
+    return len(found)

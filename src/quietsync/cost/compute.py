@@ -46,7 +46,7 @@ class ComputeProfile:
 
     def codec(self, key: str, elements: float) -> float:
         """The decoupled step's own computation for ``elements`` elements with setting ``key`` (see
-        :func:`~quietsync.plan.costmodel.codec_key`). A setting not calibrated takes the closest one of
+        :func:`~quietsync.cost.compute.codec_key`). A setting not calibrated takes the closest one of
         the same replicator (the codec's cost hardly depends on the compression), else the optimizer step."""
         seconds = self.codec_s.get(key)
         if seconds is None:
@@ -67,7 +67,7 @@ class ComputeProfile:
 
 def codec_key(replicator: str, compression: float, transfer_dtype: str = "fp32", chunk: int = 64,
               topk: int | None = None, base: str = "sgd") -> str:
-    """The key of a decoupled setting in :attr:`~quietsync.plan.costmodel.ComputeProfile.codec_s`:
+    """The key of a decoupled setting in :attr:`~quietsync.cost.compute.ComputeProfile.codec_s`:
     ``replicator:compression:dtype[:chunk:topk]:base`` (the replicator's name first)."""
     key = replicator
     if replicator not in ("full", "none"):

@@ -40,26 +40,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .args import OneLineParser, parse_train_args
-from .metrics import read_jsonl
-from .outputs import COMPARE_OUTPUTS, compare_out_problem, remove_outputs
-from .plots import pyplot, save_figure
-from .run_job import run_job
-
-
-def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
-    """``"ddp:accumulation=2"`` → ``("ddp", "ddp-accumulation2", ["--accumulation", "2"])``."""
-    name, _, rest = spec.partition(":")
-    flags: list[str] = []
-    label = name
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--strategies items must look like NAME[:FIELD=VALUE,...], got {spec!r}")
-        flag = "--" + key.strip().lstrip("-").replace("_", "-")
-        flags += [flag, value.strip()]
-        label += f"-{key.strip().lstrip('-').replace('_', '-')}{value.strip()}"
-    return name, label, flags
+from ..cli.figures import pyplot, save_figure
+from ..cli.flags import OneLineParser
+from ..cli.spec import parse_strategy_spec
+from ..plan import plan
+from ..train.args import parse_train_args
+from ..train.metrics import read_jsonl
+from ..train.outputs import COMPARE_OUTPUTS, compare_out_problem, remove_outputs
+from ..train.run_job import run_job
 
 
 def _step_bytes_by_group(run: Path) -> dict[str, dict[str, int]]:
@@ -272,7 +260,6 @@ def compare_main(argv: list[str]) -> int:
         remove_outputs(out, COMPARE_OUTPUTS)
     predicted = None
     if plan_config is not None:
-        from ..plan import plan
 
         print("== quietsync compare: predicting (quietsync plan)", flush=True)
         predicted = plan(plan_config)
@@ -298,7 +285,7 @@ def compare_main(argv: list[str]) -> int:
     (out / "compare.md").write_text(table)
     plot_compare(out, rows)
     if any(cfg.trace for _, (cfg, _, _) in runs):
-        from .trace import plot_timelines
+        from ..train.trace import plot_timelines
 
         plot_timelines([(r["label"], out / r["label"], r["steps"]) for r in rows], out / "timelines.png")
     print(table, end="")

@@ -7,8 +7,8 @@ A strategy's step is described by two things (see :class:`Schedule`):
   same function the transport counts with, so a prediction and the meter cannot disagree on the formula
   (ring all-reduce 2(n−1)/n·B each way, reduce-scatter and all-gather (n−1)/n·B, point-to-point B);
 * its **timeline**: how computation and those transfers combine into wall time, written with the composable
-  overlap rules of :mod:`~quietsync.plan.terms` (``MicroBatches``, ``Wire``, ``Hidden``, ``Adaptive``...),
-  evaluated to a :class:`Cost` in a :class:`Ctx` (the :class:`~quietsync.plan.compute.ComputeProfile`, the
+  overlap rules of :mod:`~quietsync.cost.terms` (``MicroBatches``, ``Wire``, ``Hidden``, ``Adaptive``...),
+  evaluated to a :class:`Cost` in a :class:`Ctx` (the :class:`~quietsync.cost.compute.ComputeProfile`, the
   :class:`Links`, this worker's topology).
 
 Links are alpha-beta (:class:`~quietsync.link.LinkModel`: ``messages·α + bytes/β``), one per kind
@@ -23,14 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from ..link import LINK_NAMES, LinkModel, traffic
 from ..topology import GROUPS, Topology
-from .compute import ComputeProfile, codec_key, codec_knobs
-
-if TYPE_CHECKING:
-    from .terms import Term
+from .compute import ComputeProfile
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 P2P = ("send", "recv", "exchange")
@@ -190,59 +186,6 @@ class Cost:
         return max(0.0, self.time - self.compute)
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """A strategy's step, for the cost model: transfers with sizes, the timeline, memory per worker."""
-
-    strategy: str
-    """Registered strategy name."""
-    label: str
-    """The knob setting, for tables (``diloco H=64 F=4``)."""
-    comms: tuple[Comm, ...]
-    """Every transfer of this worker over one period."""
-    step: Term
-    """The timeline of one step, averaged over the period."""
-    memory: dict[str, int]
-    """Bytes this worker holds per buffer (as the strategy's ``memory_report()`` names them) between steps."""
-    period: int = 1
-    """Steps after which the transfer pattern repeats."""
-    notes: tuple[str, ...] = ()
-    """What the model assumes beyond the timeline (for the report)."""
-    config: Any = None
-    """The strategy config the schedule was derived from."""
-
-    def bytes_at(self, step: int, topo: Topology) -> dict[str, dict[str, int]]:
-        """``{group: {"sent", "recv"}}`` of worker ``topo.rank`` at (1-based) step ``step``."""
-        out: dict[str, dict[str, int]] = {}
-        for c in self.comms:
-            if not c.runs_at(step, self.period):
-                continue
-            s, r = c.bytes(topo)
-            g = out.setdefault(c.group, {"sent": 0, "recv": 0})
-            g["sent"] += s * c.count
-            g["recv"] += r * c.count
-        return out
-
-    def bytes_per_step(self, topo: Topology) -> dict[str, dict[str, float]]:
-        """Mean ``{group: {"sent", "recv"}}`` per step over the period."""
-        out: dict[str, dict[str, float]] = {}
-        for c in self.comms:
-            s, r = c.bytes(topo)
-            k = c.per_period(self.period) / self.period
-            g = out.setdefault(c.group, {"sent": 0.0, "recv": 0.0})
-            g["sent"] += s * k
-            g["recv"] += r * k
-        return out
-
-    def bytes_per_link(self, topo: Topology) -> dict[str, float]:
-        """Mean bytes this worker sends per step on each link kind."""
-        out = {k: 0.0 for k in LINK_NAMES}
-        for c in self.comms:
-            s, _ = c.bytes(topo)
-            out[c.link(topo)] += s * c.per_period(self.period) / self.period
-        return out
-
-
 def lcm(*values: int) -> int:
     """Least common multiple (1 for none)."""
     out = 1
@@ -267,5 +210,4 @@ def numel(shape: Sequence[int]) -> int:
     return math.prod(shape) if len(shape) else 1
 
 
-__all__ = ["COLLECTIVES", "P2P", "Comm", "ComputeProfile", "Cost", "Ctx", "Links", "Schedule", "chunk_rows",
-           "codec_key", "codec_knobs", "lcm", "numel", "steps_where"]
+__all__ = ["COLLECTIVES", "P2P", "Comm", "Cost", "Ctx", "Links", "chunk_rows", "lcm", "numel", "steps_where"]

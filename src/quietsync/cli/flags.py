@@ -1,4 +1,4 @@
-"""Command-line flags generated from ``@dataclass`` configs.
+"""Command-line flags generated from ``@dataclass`` configs, and a parser whose errors are one line.
 
 Every field becomes a flag: ``foo_bar`` → ``--foo-bar``; a ``bool`` field gets ``--foo-bar/--no-foo-bar``;
 a ``Literal[...]`` field gets its choices; the help text is the attribute docstring written right under the
@@ -20,7 +20,14 @@ import re
 import textwrap
 import types
 import typing
-from typing import Any, Literal, Union
+from typing import Any, Literal, NoReturn, Union
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (exit status 2), without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
 class FlagError(ValueError):
