@@ -173,6 +173,8 @@ class _MicroBatch:
 class CDP(Strategy):
     """Cyclic Data Parallelism; see the module docstring."""
 
+    prepares_gradient = True  # it clips each stage's gradient (fp16 it refuses: fp16_refusal)
+
     reshard_refusal = "micro-batches of the next step are in flight when a step commits"
 
     resumable = False  # micro-batches of the next step are in flight when a step commits

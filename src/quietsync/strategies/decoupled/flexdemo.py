@@ -88,6 +88,8 @@ class FlexDeMoConfig(DecoupledConfig):
 class FlexDeMo(Strategy):
     """Hybrid-sharded decoupled momentum; see the module docstring."""
 
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
+
     reshard_refusal = None  # across workers per node and across nodes (each node a replica)
 
     discards_rounds = True

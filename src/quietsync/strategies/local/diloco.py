@@ -108,6 +108,8 @@ class DiLoCoConfig(OuterConfig):
 class DiLoCo(Strategy):
     """DiLoCo / Streaming DiLoCo, optionally hierarchical; see the module docstring."""
 
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
+
     reshard_refusal = None  # θ_global and the outer state once, each replica's inner state (module docstring)
 
     discards_rounds = True

@@ -70,6 +70,8 @@ class ACCOConfig(OverlapConfig):
 class ACCO(Strategy):
     """ACCO on the flat sharded substrate; see the module docstring."""
 
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
+
     reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
 
     finish_policy = (
@@ -92,9 +94,6 @@ class ACCO(Strategy):
         self._tilde_count = 0.0  # ΣᵢÑᵢ⁽ᵗ⁾
 
     # ------------------------------------------------------------------ main thread
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.overlap.backward(loss)
-
     def _step(self) -> bool:
         o = self.overlap
         if self.stage == "init":  # g̃⁽⁰⁾ at θ⁽⁰⁾, nothing to overlap with yet

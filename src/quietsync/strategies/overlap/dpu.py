@@ -67,6 +67,8 @@ class DPUConfig(OverlapConfig):
 class DPU(Strategy):
     """Delayed Parameter Update; see the module docstring."""
 
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
+
     reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
 
     lockstep = False  # see Strategy.lockstep
@@ -88,9 +90,6 @@ class DPU(Strategy):
         self.shard, self.optimizer = self.overlap.sharded.shard, self.overlap.sharded.optimizer
         self.phase = "warmup" if self.config.sync_warmup_steps > 0 else "fill"
         """``warmup``, ``fill`` or ``overlap`` (see the module docstring)."""
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.overlap.backward(loss)
 
     def _step(self) -> bool:
         o = self.overlap

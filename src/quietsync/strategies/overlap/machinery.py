@@ -202,12 +202,13 @@ class Overlap(Part):
         return overlap
 
     # ------------------------------------------------------------------ main thread
-    def backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch of the current stage: its gradient accumulates into G."""
+    def backward(self, loss: torch.Tensor) -> bool:
+        """One micro-batch of the current stage: its gradient accumulates into G (taken: True)."""
         self.sharded.flat.require_grads_attached(self.grads)
         self.worker.check()
         loss.backward()
         self.stage_count += 1
+        return True
 
     @property
     def blocking_count(self) -> int:
