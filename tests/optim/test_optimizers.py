@@ -165,7 +165,7 @@ def test_resume_is_exact(kind, rep):
 def test_checkpoint_momentum_is_converted_between_domains():
     """A spatial momentum (checkpoints from before momentum domains, or of random/striding/full) loads into a
     dct optimizer as the DCT coefficients of each parameter's blocks, and back, within rounding."""
-    from quietsync.replicators import DCTReplicator, Segments
+    from quietsync.wire.replicators import DCTReplicator, Segments
 
     model = tiny_model()
     spatial = DeMoSGD(model.parameters(), lr=0.1, replicator="full")

@@ -42,7 +42,7 @@ def _rows(strategy, local: torch.Tensor, whole_rows: int) -> torch.Tensor:
 
 
 def _spatial(strategy, delta: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    from quietsync.replicators import REPLICATORS, convert_momentum
+    from quietsync.wire.replicators import REPLICATORS, convert_momentum
 
     domain = strategy.optimizer.replicator.momentum_domain
     return delta if domain == "spatial" else convert_momentum(delta, shape, domain, REPLICATORS["full"]())

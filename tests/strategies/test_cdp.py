@@ -179,9 +179,9 @@ def _workers(rank: int, world: int, rule: str, steps: int) -> dict:
             if s.step():
                 with s.committed_params() as m:
                     thetas.append(flat(m))
-        out[opt] = {"thetas": thetas, "t": s.t, "sent": dict(s.sent_per_step), "stage_bytes": s.stage_bytes,
+        out[opt] = {"thetas": thetas, "t": s.t, "sent": dict(s.mailbox.sent_per_step), "stage_bytes": s.stage_bytes,
                     "kinds": s.transport.meter.by_kind(), "meter_sent": s.transport.meter.sent,
-                    "completed": s.sent_completed}
+                    "completed": s.mailbox.sent_completed}
         s.close()
     return out
 

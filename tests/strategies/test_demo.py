@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import quietsync
-from quietsync.replicators import Segments, make_replicator
 from quietsync.strategies.decoupled.demo import DecoupledConfig
+from quietsync.wire.replicators import Segments, make_replicator
 from tests.distributed import run_ranks
 from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, reference_run, tiny_model
 

@@ -302,8 +302,8 @@ def _median_s(fn: Any, device: torch.device, repeats: int = 20, warmup: int = 3)
 
 def codec_checks(device: str, chunk: int = 64) -> list[Check]:
     """DeMo's DCT codec on ``device`` against the fp64 oracle and the reference implementation; timings."""
-    from ..codecs import BlockLayout, BlockWorkspace
     from ..models.causal_lm import build_model
+    from ..wire.codecs import BlockLayout, BlockWorkspace
 
     t0 = time.perf_counter()
     dev = torch.device(device)

@@ -93,7 +93,7 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _momentum_to_spatial(
     optimizer: torch.optim.Optimizer, delta: torch.Tensor, shape: torch.Size
 ) -> torch.Tensor:
-    from ...replicators import REPLICATORS, convert_momentum
+    from ...wire.replicators import REPLICATORS, convert_momentum
 
     domain = optimizer.replicator.momentum_domain  # type: ignore[attr-defined]
     if domain == _SPATIAL_DOMAIN:
