@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
+from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "custom_strategy.py"

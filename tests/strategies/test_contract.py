@@ -14,8 +14,8 @@ import torch
 import quietsync
 from quietsync.strategies import Strategy, available, get
 from tests.distributed import run_ranks
-from tests.strategies.common import flat_params, loss_fn, micro_batch, tiny_model
-from tests.strategies.overlap_common import batch, make
+from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, tiny_model
+from tests.strategies.helpers.overlap_common import batch, make
 
 STRATEGIES_DIR = Path(quietsync.strategies.__file__).parent
 

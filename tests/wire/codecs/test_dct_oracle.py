@@ -23,7 +23,7 @@ import torch
 
 from quietsync.wire.codecs import BlockLayout
 from quietsync.wire.replicators import DCTReplicator, Segments
-from tests.strategies.reference_demo import Blocking, DCTReference, ks_from_compression
+from tests.strategies.helpers.reference_demo import Blocking, DCTReference, ks_from_compression
 
 SHAPES = [(64, 64), (18, 22), (14,), (98,), (3, 4, 5), (1, 31), (30, 1), (128, 8), (6, 7, 10), (), (70, 130),
           (256,), (96, 64)]

@@ -1,7 +1,7 @@
 """Replicators with a low-bit ``transfer_dtype`` (fp4, int2): values quantized per block with a bf16 absmax scale,
 positions as before, packed payloads all-gathered and averaged after decoding, the residual keeping what
 quantization lost. The expected update and residual are computed here with a quantizer and an orthonormal
-DCT-II written from their definitions (``tests/strategies/reference_bits.py``)."""
+DCT-II written from their definitions (``tests/strategies/helpers/reference_bits.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from quietsync.topology import Topology
 from quietsync.transport import Transport
 from quietsync.wire.replicators import Segments, make_replicator
 from tests.distributed import run_ranks
-from tests.strategies.reference_bits import E2M1, INT2, quantize_blocks
+from tests.strategies.helpers.reference_bits import E2M1, INT2, quantize_blocks
 
 GRIDS = {"fp4": E2M1, "int2": INT2}
 BITS = {"fp4": 4, "int2": 2}

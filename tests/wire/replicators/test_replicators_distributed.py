@@ -9,7 +9,7 @@ from quietsync.topology import Topology
 from quietsync.transport import Transport
 from quietsync.wire.replicators import Segments, make_replicator
 from tests.distributed import run_ranks
-from tests.strategies.reference_demo import DCTReference, ks_from_compression
+from tests.strategies.helpers.reference_demo import DCTReference, ks_from_compression
 
 SEG = Segments([(24, 40), (19,), (2, 3, 7)])
 NOPAD = Segments([(24, 40), (16,), (2, 3, 8)])  # multiples of chunk 8: re-encoding `sent` is exact
@@ -68,7 +68,7 @@ def test_shared_indices_values_only_all_reduce(name):
 @pytest.mark.timeout(120)
 def test_dct_all_gather_averages_per_coefficient():
     """3 workers: each coefficient is averaged over the workers that sent it (1, 2 or 3 of them), as the fp64
-    oracle of paper 001 computes it from every worker's momentum (``tests/strategies/reference_demo.py``)."""
+    oracle of paper 001 computes it from every worker's momentum (``tests/strategies/helpers/reference_demo.py``)."""
     world = 3
     kw = {"compression": 1 / 8, "chunk": 8}
     res = run_ranks(_exchange, world, "dct", kw, NOPAD, 1.0)  # a common part: some coefficients chosen by all

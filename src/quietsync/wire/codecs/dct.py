@@ -22,7 +22,7 @@ list of tensors (the gradients of a step). :meth:`BlockLayout.stacked_views` lay
 end to end in one flat buffer (where a decoupled optimizer keeps a DCT-domain momentum) and
 :meth:`BlockLayout.segment_blocks` gives each segment's own blocks in it. :class:`BlockWorkspace` holds
 the stacked buffers of one layout so a replicator reuses them step after step. The oracle is an fp64 DCT-II
-written from paper 001 in ``tests/strategies/reference_demo.py`` (``tests/wire/codecs/test_dct_oracle.py``).
+written from paper 001 in ``tests/strategies/helpers/reference_demo.py`` (``tests/wire/codecs/test_dct_oracle.py``).
 """
 
 from __future__ import annotations

@@ -276,26 +276,6 @@ class BlockQuantizer:
         out = (values.view(buf.shape[0], nb, self.block) * scales.unsqueeze(2)).view(buf.shape[0], -1)[:, :numel]
         return out[0] if squeeze else out
 
-    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """fp32 values of unpacked ``codes`` (one per element) and per-block ``scales`` (from :meth:`quantize`)."""
-        n = codes.numel()
-        table = self._tables(codes.device)[3]
-        values = self._blocks_of(table[codes.reshape(-1).long()])
-        return (values * scales.float().unsqueeze(1)).reshape(-1)[:n]
-
-    def step_size(self, x: torch.Tensor) -> torch.Tensor:
-        """For every element of flat ``x``: the gap between the two levels around it (× its block's scale),
-        i.e. twice the largest error ``nearest`` rounding may make there. For tests and error budgets."""
-        flat = x.detach().reshape(-1).float()
-        levels = self._tables(flat.device)[0]
-        blocks = self._blocks_of(flat)
-        s = _round_up(blocks.abs().amax(dim=1) / self.format.qmax, self.scale_dtype).float()
-        v = (blocks / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1)).reshape(-1)[: flat.numel()]
-        v = v.clamp(levels[0], levels[-1])
-        hi = torch.searchsorted(levels, v).clamp_(1, levels.numel() - 1)
-        gap = levels[hi] - levels[hi - 1]
-        return gap * s.repeat_interleave(self.block)[: flat.numel()]
-
 
 def bits_per_element(quantizer: BlockQuantizer, numel: int) -> float:
     """Bits on the wire per element (codes + scales), e.g. 4.25 for fp4 with bf16 scales per 64."""

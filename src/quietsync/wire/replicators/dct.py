@@ -19,7 +19,7 @@ spatial momentum keeps), all-gathers, sums and counts the received coefficients 
 decodes their mean with one inverse transform: two transforms a step where a spatial momentum needs three
 (encode, decode what was sent, decode the mean). :meth:`DCTReplicator.replicate` is the spatial entry point
 (DiLoCo's pseudo-gradients): it converts, steps and converts back. The fp64 oracle written from paper 001
-(``tests/strategies/reference_demo.py``) agrees up to fp32 rounding; the top-k may pick other positions only
+(``tests/strategies/helpers/reference_demo.py``) agrees up to fp32 rounding; the top-k may pick other positions only
 among coefficients of equal magnitude (:func:`~quietsync.wire.codecs.topk_positions`).
 
 ``k`` per block follows from ``compression`` (bytes per coefficient = value + position bytes), or
