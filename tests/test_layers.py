@@ -1,8 +1,9 @@
 """The house is layered: drawn from its imports (every import, those inside functions and under TYPE_CHECKING
 too), ``src/quietsync`` has no circle of modules, no circle between the rooms of any folder (an import that
 runs back up a floor), and the floors stand in the order the design names: the ground kit (transport, codecs,
-models, the cost vocabulary, the command-line kit) below the strategies, the strategies below the planner, the
-planner below the trainer. ``tests/strategies/test_contract.py`` holds the same line inside ``strategies/``
+models, the cost vocabulary, the command-line kit) below the strategies, the strategies below the trainer, the
+trainer below the planner (whose pilots are training runs), and both below the commands (``quietsync``,
+``quietsync compare``). ``tests/strategies/test_contract.py`` holds the same line inside ``strategies/``
 (no family imports another)."""
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ NEVER = {
     "quietsync.models": ("quietsync.strategies", "quietsync.cost", "quietsync.plan", "quietsync.train"),
     "quietsync.cost": ("quietsync.strategies", "quietsync.plan", "quietsync.train"),
     "quietsync.cli": ("quietsync.strategies", "quietsync.plan", "quietsync.train"),
-    "quietsync.strategies": ("quietsync.plan", "quietsync.train", "quietsync.cli"),
-    "quietsync.plan": ("quietsync.train",),
+    "quietsync.strategies": ("quietsync.plan", "quietsync.train", "quietsync.cli", "quietsync.commands"),
+    "quietsync.train": ("quietsync.plan", "quietsync.commands"),
+    "quietsync.plan": ("quietsync.commands",),
 }
 
 

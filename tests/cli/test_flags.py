@@ -17,7 +17,7 @@ from quietsync.cli.flags import (
     given_values,
 )
 from quietsync.strategies import available, get
-from quietsync.train.cli import parse_train_args
+from quietsync.train.args import parse_train_args
 from quietsync.train.config import DEFAULT_STRATEGY, TrainConfig
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("transformers")
 
 import quietsync  # noqa: E402
+from quietsync.commands.main import main  # noqa: E402
 from quietsync.plan.knowledge import FINDINGS  # noqa: E402
-from quietsync.train.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "8", "--seq-len", "2048",
@@ -28,7 +28,12 @@ WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "
     (["--slow-worker", "5:2"], "--slow-worker must look like RANK:FACTOR"),
     (["--strategies", "nosuch"], "'nosuch' in 'nosuch' is not a strategy"),
     (["--strategies", "diloco:sync_every=0"], "sync_every must be an integer >= 1"),
-    (["--target-busy", "1.5"], "--target-busy must be in (0, 1]"),
+    (["--target-loss", "-1"], "--target-loss must be > 0"),
+    (["--target-loss", "4", "--pilot-tokens", "0"], "--pilot-tokens must be an integer >= 1"),
+    (["--target-loss", "4"], "--target-loss needs pilot_tokens N in a measured plan"),
+    (["--pilot-tokens", "1000"], "--pilot-tokens needs target_loss"),
+    (["--target-loss", "4", "--pilot-tokens", "9", "--train-args", "--lr 0"], "--train-args: --lr must be"),
+    (["--target-loss", "4", "--pilot-tokens", "9", "--train-args", "--out x"], "must not set --out"),
     (WHAT_IF[:-2] + ["--link", "inter=1gbit"], "--link must be given for intra with what_if"),
     (["--what-if", "--model", "transformer:hidden=8"], "needs hidden, layers and vocab"),
 ])
@@ -53,15 +58,13 @@ def test_what_if_predicts_every_strategy_with_exact_bytes_and_recommends_the_fas
     assert zero1.bytes_per_link["inter"] == 2 * ((n - 1) * padded * 4 // n)  # reduce-scatter + all-gather
     for r in result.rows:
         assert r.step_s > 0 and r.tokens_per_s > 0 and 0 < r.compute_busy <= 1 + 1e-9, r.label
-    from quietsync.plan.recommend import MAX_STAGE, STAGES
-
-    # the first recommendation is the fastest row, except adaptive stages grown past MAX_STAGE micro-batches
-    allowed = [r for r in result.rows + [t.row for t in result.tuned]
-               if r.strategy not in STAGES or r.micro_batches / 16 / STAGES[r.strategy] <= MAX_STAGE]
-    assert result.advice.recommendations[0].tokens_per_s == pytest.approx(max(r.tokens_per_s for r in allowed))
-    acco = next(r for r in result.rows if r.label == "acco adaptive")
-    assert acco.micro_batches / 16 / 2 > MAX_STAGE  # at 100 Gbit a 1B model's stages grow past 4 micro-batches
-    assert "acco adaptive: not ranked" in "\n".join(result.advice.tuned)
+    # one row per setting; the first recommendation is the least predicted time to target among them
+    assert len({r.spec for r in result.rows}) == len(result.rows)
+    best = min((s for s in result.scored if s.reaches), key=lambda s: s.objective)
+    assert result.advice.recommendations[0].spec == best.row.spec
+    ranked = [r.strategy for r in result.advice.ranking]
+    assert len(ranked) == len(set(ranked))  # every strategy once
+    assert set(ranked) | {x.split(":")[0] for x in result.advice.left_out} >= strategies
     text = result.markdown()
     assert "Diagnosis" in text and "Assumptions" in text and "6 × parameters" in text
 
@@ -95,7 +98,7 @@ def test_a_measured_plan_calibrates_and_probes_two_workers(tmp_path, capsys, for
                "--repeats", "2", "--link", "inter=100mbit,5ms", "--out", str(tmp_path), "--no-plot"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "Diagnosis" in out and "| strategy |" in out
+    assert "Diagnosis" in out and "| setting |" in out
     import json
 
     saved = json.loads((tmp_path / "plan.json").read_text())
@@ -118,7 +121,7 @@ def test_the_findings_quote_numbers_that_are_in_their_sources():
 def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkeypatch, forked_launch):
     import json
 
-    from quietsync.train.compare import compare_main
+    from quietsync.commands.compare import compare_main
     from tests.train.conftest import synthetic_text
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
@@ -149,11 +152,11 @@ def test_crossovers_are_where_the_fastest_strategy_changes():
     assert kind == "inter" and len(crossovers) == 1
     bw, slow_link_winner, fast_link_winner = crossovers[0]
     # compressed momentum wins on a slow link, plain DDP once the link is fast enough
-    assert (slow_link_winner, fast_link_winner) == ("demo random 1/1000", "ddp")
+    assert (slow_link_winner, fast_link_winner) == ("demo:replicator=random,compression=0.001", "ddp")
     from quietsync.cost.costmodel import Links
     from quietsync.link import LinkModel
 
     at = Links(model={"inter": LinkModel(bw, 1e-4), "intra": result.cluster.links.model["intra"]})
-    a, b = (result.predict(n, k, at).tokens_per_s for n, k in (("ddp", {}), ("demo", {"replicator": "random",
-                                                                                           "compression": 0.001})))
-    assert a == pytest.approx(b, rel=0.02)
+    a, b = (result.score(result.predict(n, k, at)).objective
+            for n, k in (("ddp", {}), ("demo", {"replicator": "random", "compression": 0.001})))
+    assert a == pytest.approx(b, rel=0.02)  # equal predicted time to target where the best setting changes

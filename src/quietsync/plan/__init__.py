@@ -15,6 +15,7 @@ The parts, one job each:
 """
 
 from .config import PlanConfig
-from .planner import PlanResult, plan
+from .planner import plan
+from .result import PlanResult
 
 __all__ = ["PlanConfig", "PlanResult", "plan"]

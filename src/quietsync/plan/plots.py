@@ -18,7 +18,7 @@ from .table import Row
 
 Sweep = tuple[str, list[float], dict[str, list[float]], list[tuple[float, str, str]]]
 """``(link kind, bandwidths in bytes/s, {label: seconds per 1k tokens}, crossovers)``, as
-:meth:`~quietsync.plan.planner.PlanResult.sweep` returns it."""
+:meth:`~quietsync.plan.result.PlanResult.sweep` returns it."""
 
 
 def plot_plan(rows: list[Row], sweep: Sweep | None, planned: LinkModel | None, title: str, path: str | Path) -> Path:

@@ -51,6 +51,13 @@ class Row:
     """The step's terms, for the report."""
 
     @property
+    def spec(self) -> str:
+        """The setting as a ``NAME[:FIELD=VALUE,...]`` spec (knobs that differ from the defaults, in field order)."""
+        from .candidates import spec_string
+
+        return spec_string(self.strategy, self.knobs)
+
+    @property
     def compute_busy(self) -> float:
         return self.compute_s / self.step_s if self.step_s > 0 else 1.0
 
@@ -61,7 +68,7 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.update(compute_busy=self.compute_busy, memory_bytes=self.memory_bytes)
+        out.update(compute_busy=self.compute_busy, memory_bytes=self.memory_bytes, spec=self.spec)
         return out
 
 
@@ -111,15 +118,28 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e6:.3g} µs"
 
 
-def markdown(rows: list[Row]) -> str:
-    """The table as Markdown, fastest tokens/s first."""
-    head = ("| strategy | step | compute | exposed comm | compute-busy | micro-batches/step | tokens/s "
+def markdown(rows: list[Row], extra: dict[str, tuple[str, str]] | None = None,
+             order: list[str] | None = None) -> str:
+    """The table as Markdown: one row per setting. ``extra``: spec → (tokens to target, time to target) columns;
+    ``order``: specs in the order to print (default: fastest tokens/s first)."""
+    head = ("| setting | step | compute | exposed comm | compute-busy | micro-batches/step | tokens/s "
             "| inter B/step | intra B/step | memory/worker |")
-    lines = [head, "|" + "---|" * 10]
-    for r in sorted(rows, key=lambda r: -r.tokens_per_s):
-        lines.append(
-            f"| {r.label} | {fmt_seconds(r.step_s)} | {fmt_seconds(r.compute_s)} | {fmt_seconds(r.exposed_comm_s)} "
+    cols = 10
+    if extra is not None:
+        head += " tokens to target | time to target |"
+        cols += 2
+    lines = [head, "|" + "---|" * cols]
+    by_spec = {r.spec: r for r in rows}
+    specs = order if order is not None else [r.spec for r in sorted(rows, key=lambda r: -r.tokens_per_s)]
+    for spec in specs:
+        r = by_spec[spec]
+        line = (
+            f"| `{r.spec}` | {fmt_seconds(r.step_s)} | {fmt_seconds(r.compute_s)} | {fmt_seconds(r.exposed_comm_s)} "
             f"| {r.compute_busy:.0%} | {r.micro_batches:.3g} | {r.tokens_per_s:,.0f} "
             f"| {fmt_bytes(r.bytes_per_link.get('inter', 0))} | {fmt_bytes(r.bytes_per_link.get('intra', 0))} "
             f"| {fmt_bytes(r.memory_bytes)} |")
+        if extra is not None:
+            tokens, time_s = extra.get(spec, ("—", "—"))
+            line += f" {tokens} | {time_s} |"
+        lines.append(line)
     return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""Parsing ``quietsync train`` arguments, shared by :mod:`quietsync.train.cli` and :mod:`quietsync.train.compare`.
+"""Parsing ``quietsync train`` arguments, shared by :mod:`quietsync.commands.main` and ``quietsync compare``.
 
 ``quietsync train`` takes the flags of :class:`~quietsync.train.config.TrainConfig` plus the flags of the
 chosen strategy's config dataclass (generated, see :mod:`quietsync.cli.flags`), checks them all
@@ -178,7 +178,7 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     if cfg.elastic:
         if not under_torchrun():
             parser.error("--elastic needs torchrun, which restarts the workers when nodes leave or join: torchrun "
-                         "--nnodes MIN:MAX --max-restarts K --rdzv-backend c10d ... -m quietsync.train.cli train "
+                         "--nnodes MIN:MAX --max-restarts K --rdzv-backend c10d ... -m quietsync train "
                          "--elastic (docs/train.md, 'Elastic runs')")
         if not cls.resumable:
             parser.error(f"--elastic is not supported with --strategy {strategy} (it cannot checkpoint mid-run)")

@@ -1,7 +1,7 @@
 """Running one parsed ``quietsync train`` job: in place under torchrun, else on ``--nproc`` local workers.
 
-Both ``quietsync train`` (:mod:`quietsync.train.cli`) and ``quietsync compare`` (one job per strategy,
-:mod:`quietsync.train.compare`) come here after :func:`~quietsync.train.args.parse_train_args`.
+Both ``quietsync train`` (:mod:`quietsync.commands.main`) and ``quietsync compare`` (one job per strategy,
+:mod:`quietsync.commands.compare`) come here after :func:`~quietsync.train.args.parse_train_args`.
 """
 
 from __future__ import annotations

@@ -267,7 +267,7 @@ def test_bad_knobs_fail_clearly(config, message):
 
 
 def test_cli_flags_come_from_the_config():
-    from quietsync.train.cli import train_parser
+    from quietsync.train.args import train_parser
 
     parser, _, fields = train_parser("acco")
     assert {"min_accumulation", "max_accumulation", "deterministic_accumulation"} <= set(fields)

@@ -119,7 +119,7 @@ def test_bad_knobs_fail_clearly(config, message):
 
 
 def test_cli_flag_for_warmup_does_not_clash_with_the_lr_warmup():
-    from quietsync.train.cli import parse_train_args
+    from quietsync.train.args import parse_train_args
 
     cfg, strategy_config, _ = parse_train_args(["--strategy", "dpu", "--sync-warmup-steps", "40",
                                                 "--warmup-steps", "5"])

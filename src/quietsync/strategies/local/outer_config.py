@@ -45,10 +45,10 @@ class OuterConfig(AccumulationConfig):
     fragment_pattern: Literal["contiguous", "strided"] = "contiguous"
     """How parameters form fragments: contiguous (consecutive tensors balanced by size) or strided (whole
     layers, layer l in fragment l mod fragments, Streaming DiLoCo's pattern)."""
-    pseudo_grad_dtype: Literal["fp32", "bf16", "int8", "fp4", "fp4_e3m0", "int4", "int2"] = "fp32"
+    pseudo_grad_dtype: Literal["auto", "fp32", "bf16", "int8", "fp4", "fp4_e3m0", "int4", "int2"] = "auto"
     """dtype pseudo-gradients travel in: fp32, bf16 (all-reduce), int8 with a per-fragment scale, or packed
     fp4 (E2M1), fp4_e3m0, int4, int2 codes with a bf16 scale per pseudo_grad_block elements (all-gather,
-    averaged in fp32)."""
+    averaged in fp32); auto: fp32, or int2 with outer sparseloco (the SparseLoCo paper sends 2-bit values)."""
     pseudo_grad_block: int = 64
     """Elements per scale of the low-bit pseudo-gradient dtypes (fp4, fp4_e3m0, int4, int2); with a replicator,
     values per scale."""
@@ -79,6 +79,8 @@ class OuterConfig(AccumulationConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.pseudo_grad_dtype == "auto":
+            self.pseudo_grad_dtype = "int2" if self.outer == "sparseloco" else "fp32"
         check_int("sync_every", self.sync_every, 1)
         check_float("outer_lr", self.outer_lr, 0, low_open=True)
         check_float("outer_momentum", self.outer_momentum, 0, 1, high_open=True)

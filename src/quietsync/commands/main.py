@@ -1,9 +1,10 @@
-"""The ``quietsync`` command line: ``quietsync train`` (the main job), ``quietsync compare``, ``quietsync plan``,
-``quietsync --version``.
+"""The ``quietsync`` command line (``quietsync``, ``python -m quietsync``): ``quietsync train`` (the main job),
+``quietsync compare``, ``quietsync plan``, ``quietsync --version``.
 
-The entry points live here; parsing is in :mod:`quietsync.train.args` (flags, one-line errors) and
-running a parsed job in :mod:`quietsync.train.run_job` (in place under torchrun, else on ``--nproc`` local
-workers, see :mod:`quietsync.cli.launch`), so that ``compare`` shares both without importing this module.
+The entry points live here, above the applications they dispatch to: parsing a job is in
+:mod:`quietsync.train.args` (flags, one-line errors) and running it in :mod:`quietsync.train.run_job` (in place under
+torchrun, else on ``--nproc`` local workers, see :mod:`quietsync.cli.launch`), so that ``compare`` shares both
+without importing this module; ``plan`` is :mod:`quietsync.plan.cli`.
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ from __future__ import annotations
 import sys
 
 from ..cli.flags import OneLineParser
-from .args import PROG, parse_train_args, train_parser
+from ..plan.cli import plan_main as _plan_main
+from ..train.args import PROG, parse_train_args, train_parser
+from ..train.run_job import run_job
 from .compare import compare_main
-from .run_job import run_job
 
 
 def plan_main(argv: list[str]) -> int:
     """``quietsync plan``: see :mod:`quietsync.plan.cli`."""
-    from ..plan.cli import plan_main as main_
-
-    return main_(argv)
+    return _plan_main(argv)
 
 __all__ = ["main", "train_main", "compare_main", "COMMANDS", "OneLineParser", "parse_train_args", "train_parser"]
 

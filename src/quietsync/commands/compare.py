@@ -41,10 +41,12 @@ from typing import Any
 from ..cli.figures import pyplot, save_figure
 from ..cli.flags import OneLineParser
 from ..cli.spec import parse_strategy_spec
-from .args import parse_train_args
-from .metrics import read_jsonl
-from .outputs import COMPARE_OUTPUTS, compare_out_problem, remove_outputs
-from .run_job import run_job
+from ..plan import plan
+from ..plan.config import PlanConfig
+from ..train.args import parse_train_args
+from ..train.metrics import read_jsonl
+from ..train.outputs import COMPARE_OUTPUTS, compare_out_problem, remove_outputs
+from ..train.run_job import run_job
 
 
 def _step_bytes_by_group(run: Path) -> dict[str, dict[str, int]]:
@@ -148,7 +150,6 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
 
 def _plan_config(job: tuple[Any, Any, int | None], strategies: list[str]) -> Any:
     """The :class:`~quietsync.plan.config.PlanConfig` predicting the runs of ``quietsync compare --predict``."""
-    from ..plan.config import PlanConfig
 
     cfg, _, nodes = job
     return PlanConfig(model=cfg.model, nproc=cfg.nproc, nodes=nodes, link=list(cfg.link),
@@ -271,7 +272,6 @@ def compare_main(argv: list[str]) -> int:
         remove_outputs(out, COMPARE_OUTPUTS)
     predicted = None
     if plan_config is not None:
-        from ..plan import plan
 
         print("== quietsync compare: predicting (quietsync plan)", flush=True)
         predicted = plan(plan_config)
@@ -294,7 +294,7 @@ def compare_main(argv: list[str]) -> int:
     (out / "compare.md").write_text(table)
     plot_compare(out, rows)
     if any(cfg.trace for _, (cfg, _, _) in runs):
-        from .trace import plot_timelines
+        from ..train.trace import plot_timelines
 
         plot_timelines([(r["label"], out / r["label"], r["steps"]) for r in rows], out / "timelines.png")
     print(table, end="")
