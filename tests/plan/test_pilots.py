@@ -63,9 +63,9 @@ def test_a_setting_judged_on_a_shared_prefix_that_loses_is_not_run():
 def test_a_setting_that_cannot_reach_the_target_is_reported_so():
     # the Chinchilla baseline's floor at N = 1.01B parameters is 1.69 + 406.4/N^0.34 ≈ 2.04: a target of 2.07 is out of
     # reach of the random replicator's +2% prior (2.07/1.02 < 2.04), not of DiLoCo's two replicas' +0.15%
-    result = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=1, seq_len=2048, micro_batch_size=4,
-                            link=["inter=10gbit,1ms"], only=True, target_loss=2.07,
-                            strategies=["zero1", "demo:replicator=random", "diloco:sync_every=16"])
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=1, seq_len=2048,
+                                 micro_batch_size=4, link=["inter=10gbit,1ms"], only=True, target_loss=2.07,
+                                 strategies=["zero1", "demo:replicator=random", "diloco:sync_every=16"])
     unreachable = "\n".join(result.advice.unreachable)
     assert "`demo:replicator=random`" in unreachable
     assert [r.spec for r in result.advice.ranking][0] in ("zero1", "diloco:sync_every=16")

@@ -1,4 +1,4 @@
-"""``quietsync plan`` and ``quietsync.plan(...)``: bad input is one line and exit 2 before anything starts, a
+"""``quietsync plan`` and ``quietsync.plan.plan(...)``: bad input is one line and exit 2 before anything starts, a
 described cluster is predicted without running anything, a measured plan calibrates and probes real workers,
 and the equal-token findings quoted to users are in the files they cite."""
 

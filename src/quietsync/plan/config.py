@@ -1,4 +1,4 @@
-"""The inputs of a plan (``quietsync plan`` flags, ``quietsync.plan(...)`` arguments), checked at once.
+"""The inputs of a plan (``quietsync plan`` flags, ``quietsync.plan.plan(...)`` arguments), checked at once.
 
 Every field is validated in ``__post_init__`` with an error naming the field and what is allowed, so a bad
 value fails before any worker starts (the CLI prints it as one line and exits 2): an unknown model, a topology

@@ -1,4 +1,4 @@
-"""``quietsync.plan(...)``: measure (or describe) the job, predict every strategy, recommend.
+"""``quietsync.plan.plan(...)``: measure (or describe) the job, predict every strategy, recommend.
 
 Measured (the default): the workers are launched as ``quietsync train`` launches them (local processes, or in
 place under torchrun), and each, at the same time as the others, calibrates the model and micro-batch on its
@@ -255,7 +255,7 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
 
 
 def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
-    """Plan a job: ``quietsync.plan(model="tiny", nproc=4, nodes=2, link=["inter=1gbit,20ms"])`` (the fields of
+    """Plan a job: ``quietsync.plan.plan(model="tiny", nproc=4, nodes=2, link=["inter=1gbit,20ms"])`` (the fields of
     :class:`~quietsync.plan.config.PlanConfig`). Measures unless ``what_if``; returns the :class:`PlanResult`
     (None on ranks other than 0 under torchrun). Bad arguments raise ``ValueError`` before anything starts."""
     cfg = config if config is not None else PlanConfig(**kwargs)
