@@ -17,10 +17,12 @@ capped at 4 micro-batches per stage; demo with the dct and random replicators at
 diloco H with fragments and τ; low-bit pseudo-gradients (int8, fp4, int4, int2); SparseLoCo at the paper's 2-bit
 values; cdp v1/v2 — plus every setting of the planner's candidate grid (:func:`quietsync.plan.candidates
 .default_candidates`) so the two join on setting names. Names are ``quietsync compare --strategies`` specs with the
-knobs sorted (``diloco:fragments=4,overlap_delay=1,sync_every=64``); settings whose resolved strategy configs are
-equal are one row. Left out, with why: flexdemo and hierarchical diloco (``inner=ddp|zero1``) — with one worker per
-node their intra-node step is over a single worker, so they would repeat demo's and diloco's rows — and 2 nodes × 2
-workers (4 processes on 2 cores would measure the core sharing).
+knobs that differ from the defaults in the config's order, normalized by the planner's own
+:func:`quietsync.plan.candidates.candidate` (``demo``, ``diloco:sync_every=16,fragments=4,overlap_delay=4``), so
+equal settings are one row and the planner's rows join these by name. Left out, with why: flexdemo and
+hierarchical diloco (``inner=ddp|zero1``) — with one worker per node their intra-node step is over a single worker,
+so they would repeat demo's and diloco's rows — and 2 nodes × 2 workers (4 processes on 2 cores would measure the
+core sharing); the planner's ``WIDE`` settings for large clusters (H = 128 and 512; its DeMo at 1/1024 is run).
 
 Measured per run: whether it reached the target; training time (evaluations subtracted), tokens (all workers),
 inter-node bytes (sent by all workers on the groups that span nodes, during the training steps: the start-up
@@ -63,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ShapedLink, flags_of, key_of, read_run, run_train, write_markdown  # noqa: E402
+from common import RESULTS, ShapedLink, flags_of, read_run, run_train, write_markdown  # noqa: E402
 
 HERE = Path(__file__).resolve()
 SHAPED = "shaped"
@@ -131,29 +133,30 @@ SMOKE = Job(target=7.0, tokens=60_000, time_s=120.0, eval_tokens=8192, eval_wind
 
 # ---------------------------------------------------------------------------------------------- the settings
 def settings(quick: bool = False) -> list[tuple[str, dict[str, Any]]]:
-    """The sweep's settings (strategy, knobs), in table order, the planner's grid included, duplicates dropped."""
+    """The sweep's settings (strategy, knobs), in table order, the planner's grid included, one per setting: knobs
+    normalized as the planner names candidates (the fields that differ from the defaults)."""
     if quick:
-        return unique([("ddp", {}), ("demo", {"replicator": "dct", "compression": 1 / 32}),
-                       ("diloco", {"sync_every": 16}), ("acco", {"max_accumulation": 4})])
+        return unique([("ddp", {}), ("demo", {}), ("diloco", {"sync_every": 16}), ("acco", {"max_accumulation": 4})])
+    sparseloco = {"outer": "sparseloco", "pseudo_grad_dtype": "int2", "topk_density": 1 / 64, "topk_chunk": 4096,
+                  "error_decay": 0.95, "outer_lr": 1.0}  # the SparseLoCo paper's values: 2-bit, lr 1 (averaged step)
     grid: list[tuple[str, dict[str, Any]]] = [
         ("ddp", {}), ("zero1", {}), ("fsdp", {}),
         ("ddp", {"comm_hook": "powersgd", "powersgd_rank": 4}),
         ("acco", {}), ("dpu", {}), ("wp", {}),
         ("acco", {"max_accumulation": 4}), ("dpu", {"max_accumulation": 4}), ("wp", {"max_accumulation": 4}),
-        *[("demo", {"replicator": "dct", "compression": 1 / c}) for c in (8, 32, 128, 512)],
-        *[("demo", {"replicator": "random", "compression": 1 / c}) for c in (8, 32, 128)],
-        *[("localsgd", {"sync_every": k}) for k in (8, 16, 64)],
+        *[("demo", {"replicator": "dct", "compression": 1 / c}) for c in (8, 32, 256, 1024)],
+        *[("demo", {"replicator": "random", "compression": 1 / c}) for c in (8, 32, 256)],
+        *[("localsgd", {"sync_every": k}) for k in (16, 64)],
         *[("diloco", {"sync_every": h}) for h in (16, 64, 256)],
         ("diloco", {"sync_every": 16, "overlap_delay": 16}),                   # the whole exchange behind H steps
+        ("diloco", {"sync_every": 16, "fragments": 4, "overlap_delay": 4}),    # each fragment behind H/F steps
+        ("diloco", {"sync_every": 16, "fragments": 4, "overlap_delay": 4, "pseudo_grad_dtype": "fp4"}),
         ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 1}),    # Streaming DiLoCo (paper's τ = 1)
-        ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 16}),   # each fragment behind H/F steps
+        ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 16}),
         *[("diloco", {"sync_every": 64, "pseudo_grad_dtype": d}) for d in ("int8", "fp4", "int4", "int2")],
         ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 1, "fragment_pattern": "strided",
                     "pseudo_grad_dtype": "fp4"}),                               # Streaming DiLoCo's fp4 row
-        # SparseLoCo (Sarfi et al. 2025): error feedback β 0.95, chunk-wise top-k 1/64 of 4096, 2-bit values, outer
-        # lr 1 (a plain averaged step)
-        *[("diloco", {"sync_every": h, "outer": "sparseloco", "pseudo_grad_dtype": "int2", "topk_density": 1 / 64,
-                      "topk_chunk": 4096, "error_decay": 0.95, "outer_lr": 1.0}) for h in (16, 64)],
+        *[("diloco", {"sync_every": h, **sparseloco}) for h in (16, 64)],
         ("cdp", {"rule": "v1"}), ("cdp", {"rule": "v2"}),
     ]
     return unique(grid + planner_grid())
@@ -181,36 +184,45 @@ def resolved(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
 
 
 def unique(grid: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    """``grid`` with later settings dropped whose resolved config equals an earlier one's."""
-    seen: list[tuple[str, dict[str, Any]]] = []
-    out = []
+    """``grid`` normalized (:func:`quietsync.plan.candidates.candidate`: the knobs that differ from the defaults, in
+    the config's field order), later repeats of a setting dropped."""
+    from quietsync.plan.candidates import candidate
+
+    out: list[tuple[str, dict[str, Any]]] = []
     for name, knobs in grid:
-        r = (name, resolved(name, knobs))
-        if r not in seen:
-            seen.append(r)
-            out.append((name, knobs))
+        c = candidate(name, knobs)
+        if (c.strategy, c.knob_dict) not in out:
+            out.append((c.strategy, c.knob_dict))
     return out
 
 
 LEFT_OUT = {
-    "flexdemo": "with one worker per node its intra-node reduce-scatter and sharding are over a single worker: "
-                "the same computation and cross-node traffic as demo (its rows would repeat demo's); it needs "
-                "2 nodes × 2 workers, 4 processes on these 2 cores",
+    "flexdemo": "the planner's reason: {flexdemo}; its intra-node reduce-scatter and sharding would be over a single "
+                "worker, the same computation and cross-node traffic as demo's rows",
     "diloco inner=ddp|zero1 (hierarchical)": "with one worker per node the inner ddp/zero1 step is over a single "
                                              "worker: the same as diloco's default inner=local",
     "2 nodes × 2 workers": "4 worker processes on 2 cores would measure the core sharing, not the strategies",
+    "the planner's WIDE settings (H = 128 / 512, SparseLoCo H = 128)": "settings for large clusters on slow links "
+                                                                       "(--what-if); 16 outer steps at H = 512 "
+                                                                       "would be 8 epochs of this corpus",
 }
+"""What the sweep does not run, and why (``{flexdemo}``: the planner's own reason, filled in by :func:`left_out`)."""
+
+
+def left_out() -> dict[str, str]:
+    from quietsync.plan.candidates import applies
+    from quietsync.topology import Topology
+
+    why = applies("flexdemo", Topology(0, FULL.workers, FULL.workers)) or "it applies"
+    return {k: v.replace("{flexdemo}", why) for k, v in LEFT_OUT.items()}
 
 
 def spec(name: str, knobs: dict[str, Any]) -> str:
-    """The setting's name: a ``quietsync compare --strategies`` spec, knobs sorted."""
-    return key_of(name, knobs)
+    """The setting's name: the planner's spec string (``quietsync compare --strategies`` takes it), e.g. ``demo`` or
+    ``diloco:sync_every=16,fragments=4,overlap_delay=4``."""
+    from quietsync.plan.candidates import candidate
 
-
-def minimal_spec(name: str, knobs: dict[str, Any]) -> str:
-    """The spec with the knobs equal to the strategy's defaults left out (``demo`` for dct at 1/32)."""
-    defaults = resolved(name, {})
-    return key_of(name, {k: v for k, v in knobs.items() if defaults.get(k) != v})
+    return candidate(name, knobs).spec
 
 
 def low_comm(name: str, knobs: dict[str, Any]) -> bool:
@@ -302,8 +314,7 @@ def run_one(job: Job, name: str, knobs: dict[str, Any], link: str, seed: int, wo
                             "--link", f"inter={LINKS[link]}", *flags, timeout=job.time_s * 2 + 600)
     process_s = time.perf_counter() - t0
     rec = measure(summary, job)
-    rec.update({"strategy": name, "knobs": knobs, "spec": spec(name, knobs),
-                "minimal_spec": minimal_spec(name, knobs), "config": resolved(name, knobs),
+    rec.update({"strategy": name, "knobs": knobs, "spec": spec(name, knobs), "config": resolved(name, knobs),
                 "link": link, "link_spec": LINKS[link] or ShapedLink().describe(), "seed": seed,
                 "low_comm": low_comm(name, knobs), "flags": flags, "token_cap": token_cap(job, name, knobs),
                 "time_cap_s": job.time_s, "eval_every": eval_every(job, name, knobs, link),
@@ -450,8 +461,7 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         for n, k in grid:
             recs = records.get(link, {}).get(spec(n, k), [])
             if recs:
-                by_link[link][spec(n, k)] = {"strategy": n, "knobs": k, "spec": spec(n, k),
-                                             "minimal_spec": minimal_spec(n, k), "config": resolved(n, k),
+                by_link[link][spec(n, k)] = {"strategy": n, "knobs": k, "spec": spec(n, k), "config": resolved(n, k),
                                              "low_comm": low_comm(n, k), **aggregate(recs), "runs_detail": recs}
     ref = REFERENCE_LINK if REFERENCE_LINK in by_link else links[0]
     table_a, headline = bytes_table(by_link.get(ref, {}), job)
@@ -460,9 +470,8 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
     runs = sum(len(rs) for lk in records.values() for rs in lk.values())
     (RESULTS / f"{name}.json").write_text(json.dumps({
         "job": dataclasses.asdict(job), "links": {lk: LINKS[lk] or ShapedLink().describe() for lk in links},
-        "reference_link": ref, "baseline": BASELINE, "headline": headline, "left_out": LEFT_OUT,
-        "settings": [{"strategy": n, "knobs": k, "spec": spec(n, k), "minimal_spec": minimal_spec(n, k),
-                      "config": resolved(n, k)} for n, k in grid],
+        "reference_link": ref, "baseline": BASELINE, "headline": headline, "left_out": left_out(),
+        "settings": [{"strategy": n, "knobs": k, "spec": spec(n, k), "config": resolved(n, k)} for n, k in grid],
         "results": by_link, "runs": runs, "run_seconds": cpu, "sweep_wall_s": sweep_s, "command": cmd,
     }, indent=1) + "\n")
     plot(by_link, links, job, RESULTS / f"{name}.png", ref)
@@ -495,7 +504,7 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         "",
         same_tokens(by_link, links) if len(links) > 1 else "",
         "",
-        "Left out: " + "; ".join(f"**{k}** — {v}" for k, v in LEFT_OUT.items()) + ".",
+        "Left out: " + "; ".join(f"**{k}** — {v}" for k, v in left_out().items()) + ".",
         "",
         f"{runs} runs, {cpu / 3600:.2f} h of run time ({wrapped(records)}"
         + (f"; the sweep {sweep_s / 3600:.2f} h of wall time" if sweep_s else "") + "). Reproduce: `" + cmd + "`.",

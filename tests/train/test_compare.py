@@ -20,6 +20,20 @@ def test_parse_strategy_spec():
         parse_strategy_spec("ddp:accumulation")
 
 
+def test_a_spec_spells_on_off_fields_true_or_false():
+    """The planner writes an on/off knob as true/false (demo:sign=false); compare and plan must take it back."""
+    from quietsync.plan.candidates import candidate, parse_candidate
+    from quietsync.plan.strategies_spec import parse_spec
+
+    assert parse_strategy_spec("demo:sign=false,compression=0.125")[2] == ["--no-sign", "--compression", "0.125"]
+    assert parse_strategy_spec("localsgd:average_optimizer_state=True")[2] == ["--average-optimizer-state"]
+    assert parse_spec("demo:sign=false") == ("demo", {"sign": False})
+    spec = candidate("diloco", {"outer_nesterov": False, "sync_every": 8}).spec
+    assert parse_candidate(spec) == candidate("diloco", {"outer_nesterov": False, "sync_every": 8})
+    with pytest.raises(ValueError, match="compression"):  # a value field given true/false is still refused
+        parse_spec("demo:compression=true")
+
+
 @pytest.mark.timeout(240)
 def test_compare_two_strategies(tmp_path, monkeypatch, capsys):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
