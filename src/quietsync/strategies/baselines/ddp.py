@@ -1,13 +1,14 @@
 """``ddp``: PyTorch's own DistributedDataParallel, the baseline everybody compares against.
 
-Gradients of ``accumulation`` micro-batches are accumulated locally (DDP's ``no_sync``) and all-reduced
-bucket by bucket during the last micro-batch's backward; then every worker runs the full optimizer on its
-full replica. The bucket all-reduce goes through the transport by a DDP communication hook, so it is
+Gradients of ``accumulation`` micro-batches are accumulated locally (DDP's ``no_sync``) and all-reduced bucket by
+bucket during the last micro-batch's backward; then every worker runs the full optimizer on its full replica (the
+:class:`~quietsync.strategies.substrates.replicated.Replicated` substrate: optimizer, round, checkpoints, the
+logical form that reshards). The bucket all-reduce goes through the transport by a DDP communication hook, so it is
 metered and link-emulated like every quietsync strategy. ``comm_hook`` picks the hook: the plain fp32 average,
 PowerSGD (rank ``powersgd_rank`` after ``powersgd_start_iter`` plain iterations; :mod:`.powersgd`, PyTorch's
 algorithm through the transport) or an fp16/bf16 average. PowerSGD's state (per-parameter residuals, warm-start
-``Q``, iteration, seed generator) is checkpointed, so a resume on the same workers is exact; it is per worker,
-so such a checkpoint is not resharded.
+``Q``, iteration, seed generator) is checkpointed, so a resume on the same workers is exact; it is per worker, so
+such a checkpoint is not resharded.
 
 Because DDP decides at *forward* time whether the coming backward synchronises, the strategy sets that
 for the next micro-batch at the end of each backward and each :meth:`step` (and at construction).
@@ -33,22 +34,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...validate import check_choice, check_float, check_int
 from ..base import Strategy
-from ..checkpoint.logical import (
-    SavedTensors,
-    base_lrs_state,
-    base_lrs_target,
-    load_module,
-    load_optimizer,
-    module_state,
-    module_targets,
-    optimizer_state,
-    optimizer_targets,
-    parameter_names,
-)
-from ..parts.accumulation import AccumulationConfig, OptimizerRound
+from ..parts.accumulation import AccumulationConfig
 from ..parts.across_replicas import average_across, split_groups
 from ..registry import register
-from ..substrates.sharded_optimizer import build_optimizer
+from ..substrates.replicated import Replicated
 from . import cost
 from .powersgd import CAST_HOOK_DTYPES, PowerSGDState, cast_hook, powersgd_hook
 
@@ -104,9 +93,10 @@ class DDP(Strategy):
                  **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
         self.group, self.across = split_groups(self.transport, group)  # torchft: DDP per replica group, then across
-        self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
-        self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation,
-                                                       list(model.parameters())))
+        group = self.group
+        # torch DDP broadcasts rank 0's module state itself
+        self.replicas = self.hold("replicas", Replicated(self, group, broadcast=False))
+        self.round = self.replicas.round
         self._ddp: DistributedDataParallel | None = None
         self._hook: Any = None
         self.powersgd: PowerSGDState | None = None
@@ -119,14 +109,14 @@ class DDP(Strategy):
             # its residuals are per worker: a checkpoint resumes on the same workers only
             self.reshard_refusal = ("PowerSGD's error-feedback residuals differ from worker to worker and have no "
                                     "world-size-independent form")
-        if self.transport.group_size(self.group) > 1:
-            pg = self.transport.process_group(self.group)
+        if self.transport.group_size(group) > 1:
+            pg = self.transport.process_group(group)
             device_ids = [self.transport.device.index] if self.transport.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(
                 model, process_group=pg, device_ids=device_ids, bucket_cap_mb=self.config.bucket_cap_mb,
                 gradient_as_bucket_view=True,
             )
-            self._ddp.register_comm_hook(None, self._comm_hook(self.group))
+            self._ddp.register_comm_hook(None, self._comm_hook(group))
         self._set_sync_for_next()
 
     def _comm_hook(self, group: str) -> Any:
@@ -160,7 +150,7 @@ class DDP(Strategy):
     def _backward(self, loss: torch.Tensor) -> None:
         last = self.round.accumulator.next_is_last
         t0 = time.perf_counter()
-        self.round.backward(loss)
+        self.replicas.backward(loss)
         self._set_sync_for_next()
         if last and self._ddp is not None:
             t1 = time.perf_counter()
@@ -178,43 +168,20 @@ class DDP(Strategy):
         self._set_sync_for_next()
 
     def _step(self) -> bool:
-        if not self.round.full:
-            self._set_sync_for_next()
-            return False
-        if self.across is not None:  # torchft: the replicas present average the group's gradient
-            with self.accounting.idle("all_reduce/replicas"):
-                average_across(self.transport, [p.grad for p in self.round.params], self.across,
-                               "all_reduce/replicas")
-        # the averaged gradient, equal on every worker of the group (DDP's all-reduce)
-        extra = self._prepare_commit([p.grad for p in self.round.params if p.grad is not None],
-                                     shared=self.group == "world")
-        if extra is None:  # fp16 overflow: the round is dropped on every worker
-            self.discard_round()
-            return False
-        self.round.step(self._lr_scale(self.steps), self.accounting)
-        self._commit(extra or None)
+        # the averaged gradient, equal on every worker of the group (DDP's all-reduce); None: the round is not
+        # full, or fp16 overflowed (the round is dropped on every worker)
+        grads = self.replicas.gradient(shared=self.group == "world")
+        if grads is not None:
+            if self.across is not None:  # torchft: the replicas present average the group's gradient
+                with self.accounting.idle("all_reduce/replicas"):
+                    average_across(self.transport, grads, self.across, "all_reduce/replicas")
+            self.replicas.commit()
         self._set_sync_for_next()
-        return True
-
-    def _state(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict()}
+        return grads is not None
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
         self._set_sync_for_next()
 
-    def _logical_state(self) -> dict[str, torch.Tensor]:
-        names = parameter_names(self.module)
-        return {**module_state(self.module), **optimizer_state(self.optimizer, names),
-                **base_lrs_state(self.round.lr.base_lrs)}
-
-    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
-        names = parameter_names(self.module)
-        return {**module_targets(self.module), **optimizer_targets(self.optimizer, names, saved),
-                **base_lrs_target(self.round.lr.base_lrs, saved)}
-
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
-        load_module(self.module, filled)
-        load_optimizer(self.optimizer, parameter_names(self.module), filled)
-        self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]
+        super()._load_logical(filled)
         self._set_sync_for_next()
