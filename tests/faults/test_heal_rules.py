@@ -12,7 +12,7 @@ import torch
 
 import quietsync
 from quietsync.faults.heal import heal_state, load_heal_state
-from tests.strategies.common import loss_fn, micro_batch, param_groups, tiny_model
+from tests.strategies.helpers.common import loss_fn, micro_batch, param_groups, tiny_model
 
 
 def _trained(name: str, config: dict, seed: int, steps: int = 3) -> quietsync.Strategy:
