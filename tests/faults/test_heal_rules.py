@@ -78,7 +78,7 @@ def test_diloco_starts_from_theta_global_with_an_empty_residual():
 
 def test_diloco_takes_the_outer_momentum():
     peer, joiner = _healed("diloco", {"sync_every": 1})
-    for a, b in zip(peer.outer.outer, joiner.outer.outer):
+    for a, b in zip(peer.outer.optimizers, joiner.outer.optimizers):
         (ga,), (gb,) = a.param_groups[0]["params"], b.param_groups[0]["params"]
         assert torch.equal(a.state[ga]["momentum_buffer"], b.state[gb]["momentum_buffer"])
 
