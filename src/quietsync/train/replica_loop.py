@@ -194,10 +194,12 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         result = _train(run, strategy)
         if result is None:  # joined a run that had ended: nothing to do
             return None
-        lead = quorum.members[0] == replica and transport.local_rank == 0
-        if cfg.export and lead:
+        lead_group = quorum.members[0] == replica
+        lead = lead_group and transport.local_rank == 0
+        if cfg.export and lead_group:  # every worker of the group: sharded strategies gather the parameters
             with strategy.paused(), strategy.committed_params() as module:
-                export_model(module, tokenizer, os.path.join(cfg.out, MODEL_DIR))
+                if lead:
+                    export_model(module, tokenizer, os.path.join(cfg.out, MODEL_DIR))
         summary = None
         if lead:
             summary = _summary(run, strategy, n_params, result)
