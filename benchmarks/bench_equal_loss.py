@@ -300,6 +300,8 @@ def run_one(job: Job, name: str, knobs: dict[str, Any], link: str, seed: int, wo
     """Run one setting on one link with one seed and write its record (called in the child process, under the
     wrap's lock)."""
     path = record_path(work, job, link, name, knobs, seed)
+    if path.exists():  # another sweep made it while this one waited for the lock
+        return json.loads(path.read_text())
     out = path.with_suffix("")
     shutil.rmtree(out, ignore_errors=True)
     flags = run_flags(job, name, knobs, link, seed)
@@ -422,6 +424,41 @@ def headline_rows(link: str, recs: dict[str, dict[str, Any]], top: int = 2) -> l
     return chosen
 
 
+def not_reachable(job: Job, name: str, knobs: dict[str, Any], link: str, ref: dict[str, Any] | None) -> str | None:
+    """Why ``(name, knobs)`` cannot reach the target within the caps on ``link``, read from its seed-0 run on the
+    reference link (the fastest), or None (then it runs). Only for settings whose arithmetic does not depend on
+    timing (all but ACCO/DPU/WP, whose stages adapt to the link): their loss per token is the same on every link
+    (checked in the report, on the links where both ran), so
+
+    * a run that did not reach the target on the fastest link does not reach it on a slower one (the token cap is
+      the same; a time cap comes at fewer tokens);
+    * a run that reached it sent its bytes to the target on every link, and a worker's link carries them no faster
+      than its bandwidth: past the time cap, it cannot arrive in time.
+    """
+    if ref is None or link == REFERENCE_LINK or name in OVERLAPPED:
+        return None
+    if not ref["reached"]:
+        cap = "token" if ref["stopped_by"] == "max_tokens" else "time"
+        return (f"did not reach it on {REFERENCE_LINK} within the {cap} cap (best {ref['best_loss']:.3f}); its loss "
+                "per token is the same on every link")
+    from quietsync.link import LinkModel
+
+    per_worker = ref["inter_bytes_to_target"] / job.workers
+    bound = per_worker / LinkModel.parse(LINKS[link] or "100mbit").bandwidth  # the shaped link's rate is 100 Mbit/s
+    if bound > job.time_s:
+        return (f"its {per_worker / 1e6:,.0f} MB per worker to the target (as on {REFERENCE_LINK}) take "
+                f"≥ {bound:,.0f} s on this link alone, past the {job.time_s:g} s cap")
+    return None
+
+
+def skipped(name: str, knobs: dict[str, Any], link: str, why: str) -> dict[str, Any]:
+    """The record of a run not made (:func:`not_reachable`)."""
+    return {"strategy": name, "knobs": knobs, "spec": spec(name, knobs), "link": link, "seed": 0, "reached": False,
+            "skipped": why, "stopped_by": None, "best_loss": None, "final_loss": None, "time_to_target_s": None,
+            "tokens_to_target": None, "inter_bytes_to_target": None, "process_s": 0.0,
+            "low_comm": low_comm(name, knobs), "curve": [], "tokens": None, "inter_bytes": None}
+
+
 # ---------------------------------------------------------------------------------------------- the report
 def aggregate(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """Seeds of one setting on one link: mean, spread and how many reached the target."""
@@ -434,11 +471,13 @@ def aggregate(recs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"mean": statistics.mean(vals), "sd": statistics.stdev(vals) if len(vals) > 1 else 0.0,
                 "min": min(vals), "max": max(vals), "n": len(vals)}
 
+    best = [r["best_loss"] for r in recs if r["best_loss"] is not None]
+    final = [r["final_loss"] for r in recs if r["final_loss"] is not None]
     return {"seeds": [r["seed"] for r in recs], "reached": len(hit), "runs": len(recs),
+            "skipped": recs[0].get("skipped"),
             "time_to_target_s": stat("time_to_target_s"), "tokens_to_target": stat("tokens_to_target"),
             "inter_bytes_to_target": stat("inter_bytes_to_target"),
-            "best_loss": min(r["best_loss"] for r in recs if r["best_loss"] is not None),
-            "final_loss": statistics.mean(r["final_loss"] for r in recs if r["final_loss"] is not None)}
+            "best_loss": min(best) if best else None, "final_loss": statistics.mean(final) if final else None}
 
 
 def fmt_stat(s: dict[str, float] | None, scale: float = 1.0, digits: int = 3) -> str:
@@ -597,6 +636,9 @@ def time_table(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], 
                 row.append("")
                 continue
             t = r["time_to_target_s"]
+            if r["skipped"]:
+                row.append(f"— (not run: {r['skipped']})")
+                continue
             if t is None:
                 how = "; ".join(sorted({x["stopped_by"] for x in r["runs_detail"] if not x["reached"]}))
                 row.append(f"— ({r['best_loss']:.2f}; {how.replace('max_', '')} cap)" if r["reached"] == 0
@@ -615,7 +657,8 @@ def same_tokens(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str])
     same, differ = [], []
     for s in {s for lk in links for s in by_link[lk]}:
         toks = {lk: by_link[lk][s]["runs_detail"][0]["tokens_to_target"] for lk in links
-                if s in by_link[lk] and by_link[lk][s]["runs_detail"][0]["reached"]}
+                if s in by_link[lk] and by_link[lk][s]["runs_detail"][0]["reached"]
+                and not by_link[lk][s]["skipped"]}
         if len(toks) > 1:
             (same if len(set(toks.values())) == 1 else differ).append(s)
     text = (f"Tokens to the target (seed 0) are the same on every link where a setting reached it for {len(same)} "
@@ -644,6 +687,8 @@ def plot(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: J
         labelled = set(reached[:4]) | {BASELINE}
         for s, r in recs.items():
             run = r["runs_detail"][0]
+            if not run["curve"]:
+                continue
             xs = [c["tokens" if by_tokens else "time_s"] for c in run["curve"][1:]]
             ys = [c["loss"] for c in run["curve"][1:]]
             ax.plot(xs, ys, "-", lw=2 if s in labelled else 0.8, alpha=1 if s in labelled else 0.45,
@@ -777,7 +822,9 @@ def main() -> None:
             shaped.__enter__()
         for link in links:  # seed 0 of everything, then more seeds of this link's headline rows
             for n, k in grid:
-                rec = sweep.get(n, k, link, 0)
+                ref = records.get(REFERENCE_LINK, {}).get(spec(n, k), [None])[0]
+                why = not_reachable(job, n, k, link, ref)
+                rec = skipped(n, k, link, why) if why else sweep.get(n, k, link, 0)
                 if rec is not None:
                     records.setdefault(link, {}).setdefault(spec(n, k), []).append(rec)
             if not args.extra_seeds or link not in records:
