@@ -175,6 +175,20 @@ def planner_grid() -> list[tuple[str, dict[str, Any]]]:
     return list(default_candidates(w, Topology(0, FULL.workers, FULL.workers)))
 
 
+def only(grid: list[tuple[str, dict[str, Any]]], wanted: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The settings named in ``wanted``, in its order: a spec equal to a setting's picks that one, otherwise every
+    setting whose spec starts with it (``diloco:sync_every=16`` alone; ``demo:replicator=random`` all three)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for o in wanted:
+        exact = [(n, k) for n, k in grid if spec(n, k) == o]
+        for nk in exact or [(n, k) for n, k in grid if spec(n, k).startswith(o)]:
+            if nk not in out:
+                out.append(nk)
+    if not out:
+        raise SystemExit(f"--only: no setting matches {wanted}; --list prints them")
+    return out
+
+
 def resolved(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
     """The strategy's whole config with these knobs (what makes two settings the same one)."""
     from quietsync.strategies import get
@@ -383,6 +397,11 @@ class Sweep:
         self.job, self.work, self.wrap, self.dry = job, work, wrap, dry
         self.port = 29700 + os.getpid() % 97 * 3
 
+    def cached(self, name: str, knobs: dict[str, Any], link: str, seed: int = 0) -> dict[str, Any] | None:
+        """The record of a run made before (by this sweep or another), or None."""
+        path = record_path(self.work, self.job, link, name, knobs, seed)
+        return json.loads(path.read_text()) if path.exists() else None
+
     def get(self, name: str, knobs: dict[str, Any], link: str, seed: int) -> dict[str, Any] | None:
         path = record_path(self.work, self.job, link, name, knobs, seed)
         if path.exists():
@@ -491,9 +510,16 @@ def fmt_stat(s: dict[str, float] | None, scale: float = 1.0, digits: int = 3) ->
     return text
 
 
+NOT_RUN = "this sweep's time"
+"""Why a setting of the grid has no run on a link where the sweep's pruning did not rule it out: the sweep ran a
+subset in the time it had (``--only``/``--links``), most important first."""
+
+
 def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], records: dict, name: str,
-           cmd: str, sweep_s: float | None) -> Path:
-    """Write ``results/NAME.{json,md,png}`` from the records (every seed of every setting on every link)."""
+           cmd: str, sweep_s: float | None, unrun_links: list[str] = (), base: str = "") -> Path:
+    """Write ``results/NAME.{json,md,png}`` from the records (every seed of every setting on every link); the
+    settings of ``grid`` with no record on a link of ``links``, and the links ``unrun_links``, are named as not run
+    (:data:`NOT_RUN`)."""
     by_link: dict[str, dict[str, dict[str, Any]]] = {}
     for link in links:
         by_link[link] = {}
@@ -505,13 +531,17 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
     ref = REFERENCE_LINK if REFERENCE_LINK in by_link else links[0]
     table_a, headline = bytes_table(by_link.get(ref, {}), job)
     table_b = time_table(by_link, links, job)
+    not_run = {lk: [spec(n, k) for n, k in grid if spec(n, k) not in by_link[lk]] for lk in links}
+    nowhere = [spec(n, k) for n, k in grid if all(spec(n, k) in not_run[lk] for lk in links)]
+    made = {lk: [s for s, r in by_link[lk].items() if not r["skipped"]] for lk in links}
     cpu = sum(r["process_s"] for lk in records.values() for rs in lk.values() for r in rs)
-    runs = sum(len(rs) for lk in records.values() for rs in lk.values())
+    runs = sum(1 for lk in records.values() for rs in lk.values() for r in rs if not r.get("skipped"))
     (RESULTS / f"{name}.json").write_text(json.dumps({
         "job": dataclasses.asdict(job), "links": {lk: LINKS[lk] or ShapedLink().describe() for lk in links},
         "reference_link": ref, "baseline": BASELINE, "headline": headline, "left_out": left_out(),
         "settings": [{"strategy": n, "knobs": k, "spec": spec(n, k), "config": resolved(n, k)} for n, k in grid],
         "results": by_link, "runs": runs, "run_seconds": cpu, "sweep_wall_s": sweep_s, "command": cmd,
+        "not_run": {**not_run, **{lk: [spec(n, k) for n, k in grid] for lk in unrun_links}}, "not_run_why": NOT_RUN,
     }, indent=1) + "\n")
     plot(by_link, links, job, RESULTS / f"{name}.png", ref)
     notes = "\n".join([
@@ -545,8 +575,17 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         "",
         "Left out: " + "; ".join(f"**{k}** — {v}" for k, v in left_out().items()) + ".",
         "",
+        (f"**Not run ({NOT_RUN})**: " + (", ".join(f"`{s}`" for s in nowhere) + " on any link" if nowhere else "")
+         + ("; " if nowhere and unrun_links else "") + (", ".join(f"`{lk}`" for lk in unrun_links)
+                                                          + ": no setting" if unrun_links else "")
+         + "."
+         if nowhere or unrun_links else ""),
+        "",
         f"{runs} runs, {cpu / 3600:.2f} h of run time ({wrapped(records)}"
-        + (f"; the sweep {sweep_s / 3600:.2f} h of wall time" if sweep_s else "") + "). Reproduce: `" + cmd + "`.",
+        + (f"; the sweep {sweep_s / 3600:.2f} h of wall time" if sweep_s else "") + "). Reproduce the runs shown: "
+        + "; ".join(f"`{base or cmd} --links {lk} --only {' '.join(made[lk])} --extra-seeds 0`"
+                    for lk in links if made[lk])
+        + ". The whole sweep (every setting on every link, more seeds for the headline rows): `" + cmd + "`.",
     ])
     path = RESULTS / f"{name}.md"
     path.write_text(f"# Equal loss: every setting run to held-out loss {job.target:g}\n\n{notes}\n\n"
@@ -560,6 +599,8 @@ def wrapped(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     for lk in records.values():
         for rs in lk.values():
             for r in rs:
+                if r.get("skipped"):
+                    continue
                 w = " ".join(Path(r.get("wrap", [""])[0]).name.split() + r.get("wrap", [])[1:]) if r.get("wrap") else ""
                 wraps[w] = wraps.get(w, 0) + 1
     if list(wraps) == ["cpulock exclusive"]:
@@ -588,7 +629,7 @@ def bytes_table(recs: dict[str, dict[str, Any]], job: Job) -> tuple[str, str]:
         else:
             sent = statistics.mean(x["inter_bytes"] for x in r["runs_detail"])
             toks = statistics.mean(x["tokens"] for x in r["runs_detail"])
-            rows.append([f"`{s}`", reached, f"({sent / 1e6:,.3g} at the cap)", "—",
+            rows.append([f"`{s}`", reached, f"({sent / 1e6:,.0f} at the cap)", "—",
                          f"(not reached in {toks / 1e6:.3g} M)",
                          f"{r['best_loss']:.3f} (+{r['best_loss'] - job.target:.3f})"])
     header = ["setting", "reached", "inter-node MB to target", "× fewer than ddp", "tokens to target (× ddp)",
@@ -633,7 +674,7 @@ def time_table(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], 
         for link in links:
             r = by_link[link].get(s)
             if r is None:
-                row.append("")
+                row.append(f"not run ({NOT_RUN})")
                 continue
             t = r["time_to_target_s"]
             if r["skipped"]:
@@ -785,7 +826,8 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="only rebuild the results from the records")
     ap.add_argument("--links", nargs="+", default=None, choices=list(LINKS), help="links (default: all)")
     ap.add_argument("--only", nargs="+", default=None, metavar="SPEC",
-                    help="only the settings whose spec starts with one of these (e.g. diloco demo:replicator=dct)")
+                    help="only these settings, in this order: a spec (exact) or the start of specs (e.g. diloco "
+                         "demo:replicator=random)")
     ap.add_argument("--extra-seeds", type=int, default=2, help="more seeds for the headline rows (default 2)")
     ap.add_argument("--list", action="store_true", help="print the settings (specs) and exit")
     ap.add_argument("--work", type=Path, default=Path("runs/equal_loss"), help="records and run folders")
@@ -803,12 +845,12 @@ def main() -> None:
         return
     job = QUICK if args.quick else SMOKE if args.smoke else FULL
     grid = settings(args.quick)
+    if args.only:
+        grid = only(grid, args.only)
     if args.list:
         for n, k in grid:
             print(spec(n, k))
         return
-    if args.only:
-        grid = [(n, k) for n, k in grid if any(spec(n, k).startswith(o) for o in args.only)]
     links = args.links or (["100mbit"] if args.quick else list(LINKS))
     if SHAPED in links and not args.report and (os.geteuid() != 0 or not shutil.which("tc")):
         ap.error("the shaped link needs root and tc (leave it out with --links 10mbit 100mbit 1gbit)")
@@ -822,7 +864,7 @@ def main() -> None:
             shaped.__enter__()
         for link in links:  # seed 0 of everything, then more seeds of this link's headline rows
             for n, k in grid:
-                ref = records.get(REFERENCE_LINK, {}).get(spec(n, k), [None])[0]
+                ref = records.get(REFERENCE_LINK, {}).get(spec(n, k), [None])[0] or sweep.cached(n, k, REFERENCE_LINK)
                 why = not_reachable(job, n, k, link, ref)
                 rec = skipped(n, k, link, why) if why else sweep.get(n, k, link, 0)
                 if rec is not None:
@@ -839,14 +881,17 @@ def main() -> None:
     finally:
         if shaped is not None:
             shaped.__exit__()
-    links = [lk for lk in links if lk in records]
+    ran = [lk for lk in links if any(not r.get("skipped") for rs in records.get(lk, {}).values() for r in rs)]
+    unrun = [lk for lk in links if lk not in ran]
+    links = ran
     if not links:
         print("no records yet")
         return
-    cmd = "python benchmarks/bench_equal_loss.py" + (" --quick" if args.quick else " --smoke" if args.smoke else "") + (
-        f" --links {' '.join(args.links)}" if args.links else "") + (
+    base = "python benchmarks/bench_equal_loss.py" + (" --quick" if args.quick else " --smoke" if args.smoke else "")
+    cmd = base + (f" --links {' '.join(args.links)}" if args.links else "") + (
         f" --only {' '.join(args.only)}" if args.only else "")
-    path = report(job, grid, links, records, name, cmd, None if args.report else time.perf_counter() - t0)
+    path = report(job, grid, links, records, name, cmd, None if args.report else time.perf_counter() - t0, unrun,
+                  base)
     print(path.read_text())
 
 
