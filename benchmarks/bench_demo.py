@@ -48,10 +48,10 @@ def _bytes_worker(rank: int, world: int, port: int, shapes: list[torch.Size], ou
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
-    from quietsync.replicators import Segments, make_replicator
     from quietsync.strategies.decoupled.flexdemo import DimZeroShards
     from quietsync.topology import Topology
     from quietsync.transport import Transport
+    from quietsync.wire.replicators import Segments, make_replicator
 
     transport = Transport(Topology.from_env())
     numel = sum(torch.Size(s).numel() for s in shapes)

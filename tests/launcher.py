@@ -11,7 +11,7 @@ worker's standard output and error are copied to this process's, by rank, when t
 ``with forked_launcher(): ...`` makes every ``quietsync`` entry point that launches workers (``quietsync
 train``, ``compare``, ``plan``) use it; the ``forked_launch`` fixture (tests/conftest.py) does the same for one
 test. What it does not exercise — spawning, signals, a killed launcher, the death signal — is tested through real
-subprocesses (tests/train/test_launch.py, tests/faults, tests/train/test_cli_smoke.py, which also checks that a
+subprocesses (tests/cli/test_launch.py, tests/faults, tests/train/test_cli_smoke.py, which also checks that a
 forked run equals a spawned one step for step).
 """
 

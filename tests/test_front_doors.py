@@ -128,7 +128,7 @@ def test_the_readme_models_in_path_a_previous_runs_export_trains_from_the_comman
 
 # ---------------------------------------------------------------------------------------------- the plain API loop
 def _api_worker(rank: int, world: int) -> dict:
-    from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
+    from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
 
     out = {}
     for name in STRATEGIES:

@@ -139,7 +139,7 @@ def test_no_import_runs_back_up_in_any_folder():
 # lower floor -> the rooms it must never reach (through any chain of imports)
 NEVER = {
     "quietsync.transport": ("quietsync.strategies", "quietsync.cost", "quietsync.plan", "quietsync.train"),
-    "quietsync.codecs": ("quietsync.strategies", "quietsync.plan", "quietsync.train"),
+    "quietsync.wire.codecs": ("quietsync.strategies", "quietsync.plan", "quietsync.train"),
     "quietsync.models": ("quietsync.strategies", "quietsync.cost", "quietsync.plan", "quietsync.train"),
     "quietsync.cost": ("quietsync.strategies", "quietsync.plan", "quietsync.train"),
     "quietsync.cli": ("quietsync.strategies", "quietsync.plan", "quietsync.train"),

@@ -130,17 +130,23 @@ def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkey
     data.write_text(synthetic_text(2000))
     out = tmp_path / "cmp"
     rc = compare_main([
-        "--strategies", "zero1", "demo", "--predict", "--out", str(out), "--nproc", "2", "--model", "tiny",
-        "--max-steps", "3", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
+        "--strategies", "zero1", "demo", "--predict", "--target-loss", "0.5", "--pilot-tokens", "1024",
+        "--out", str(out), "--nproc", "2", "--model", "tiny",
+        "--max-steps", "8", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
         "--link", "inter=1gbit,1ms", "--dataset", str(data), "--cache-dir", str(tmp_path / "cache"),
-        "--eval-windows", "4", "--eval-every", "0", "--no-progress", "--no-plot", "--no-export"])
+        "--eval-windows", "4", "--eval-every", "1", "--no-progress", "--no-plot", "--no-export"])
     assert rc == 0
     rows = json.loads((out / "compare.json").read_text())
     assert [r["predicted"]["label"] for r in rows] == ["zero1", "demo dct 1/32"]
     for r in rows:  # bytes per step are the same every step for both: predicted exactly
         assert r["predicted"]["bytes_sent_per_step"] == r["bytes_sent_per_step"], r["label"]
         assert r["predicted"]["step_s"] > 0
-    assert "Predicted (quietsync plan) beside measured" in (out / "compare.md").read_text()
+        # the pilots ran (the baseline's gives the loss curve): a predicted time to target and a predicted curve
+        assert r["predicted"]["source"] in ("exact", "pilot", "prior") and r["predicted"]["curve"]
+        assert "value" in r["predicted"]["tokens_to_target"]
+    assert (out / "pilots" / "zero1" / "summary.json").exists()
+    text = (out / "compare.md").read_text()
+    assert "Predicted (quietsync plan) beside measured" in text and "time to target s pred" in text
 
 
 def test_crossovers_are_where_the_fastest_strategy_changes():

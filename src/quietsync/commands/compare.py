@@ -14,9 +14,11 @@ slow worker, budgets), each into ``OUT/<label>``, then writes the files below. A
 * ``OUT/timelines.png`` (with ``--trace``): every run's timeline (a few steps from the middle of the run, one
   row per worker and lane) side by side, on one time scale.
 
-With ``--predict`` the runs are first predicted by ``quietsync plan`` (:mod:`quietsync.plan`: the same model,
-micro-batch, workers and links, calibrated on this machine), and the predictions are printed (and saved in
-``compare.json`` under ``predicted``) beside the measurements.
+With ``--predict`` the runs are first predicted by ``quietsync plan`` (:mod:`quietsync.plan.compare_predict`: the
+same model, micro-batch, workers and links, calibrated on this machine), and the predictions are printed (and saved
+in ``compare.json`` under ``predicted``) beside the measurements; with ``--target-loss X --pilot-tokens N`` the plan
+runs pilots of the compared settings first, so each run's predicted time and tokens to the target are printed beside
+the measured ones and ``compare.png`` draws its predicted curve dashed.
 
 The budgets (``--max-steps``, ``--max-tokens``, ``--max-time-s``, ``--target-loss``; see
 :mod:`quietsync.train.budgets`) go to every run, each stopping at the first it reaches. An equal token budget
@@ -42,7 +44,6 @@ from ..cli.figures import pyplot, save_figure
 from ..cli.flags import OneLineParser
 from ..cli.spec import parse_strategy_spec
 from ..plan import plan
-from ..plan.config import PlanConfig
 from ..train.args import parse_train_args
 from ..train.metrics import read_jsonl
 from ..train.outputs import COMPARE_OUTPUTS, compare_out_problem, remove_outputs
@@ -148,35 +149,6 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plan_config(job: tuple[Any, Any, int | None], strategies: list[str]) -> Any:
-    """The :class:`~quietsync.plan.config.PlanConfig` predicting the runs of ``quietsync compare --predict``."""
-
-    cfg, _, nodes = job
-    return PlanConfig(model=cfg.model, nproc=cfg.nproc, nodes=nodes, link=list(cfg.link),
-                      micro_batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
-                      strategies=list(strategies), only=True, threads=cfg.threads, timeout_s=cfg.timeout_s,
-                      slow_worker=[cfg.slow_worker] if cfg.slow_worker else [])
-
-
-def _predicted_markdown(rows: list[dict[str, Any]]) -> str:
-    """Predictions beside measurements (``--predict``): step time, tokens/s, micro-batches and bytes per step,
-    compute-busy."""
-    lines = ["", "Predicted (quietsync plan) beside measured:", "",
-             "| run | step s pred / meas | tokens/s pred / meas | micro-batches/step pred / meas "
-             "| MB sent/step pred / meas | compute-busy pred / meas |", "|" + "---|" * 6]
-    for r in rows:
-        p = r.get("predicted")
-        if p is None:
-            continue
-        step = r["wall_s"] / max(1, r["steps"])
-        lines.append(f"| {r['label']} | {p['step_s']:.3g} / {step:.3g} "
-                     f"| {p['tokens_per_s']:,.0f} / {r['tokens_per_s']:,.0f} "
-                     f"| {p['micro_batches_per_step']:.3g} / {r['micro_batches_per_step']:.3g} "
-                     f"| {p['bytes_sent_per_step'] / 1e6:.3g} / {r['bytes_sent_per_step'] / 1e6:.3g} "
-                     f"| {p['compute_busy']:.0%} / {r['compute_fraction']:.0%} |")
-    return "\n".join(lines) + "\n"
-
-
 def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
     """Draw ``OUT/compare.png`` (loss vs time, bytes per step by group, compute/idle per worker)."""
     plt = pyplot()
@@ -184,8 +156,15 @@ def plot_compare(out: Path, rows: list[dict[str, Any]]) -> Path:
     fig, (ax_loss, ax_tokens, ax_bytes, ax_busy) = plt.subplots(1, 4, figsize=(21, 4.5), constrained_layout=True)
     for r in rows:
         curve = r["eval_curve"]
-        ax_loss.plot([e["time_s"] for e in curve], [e["loss"] for e in curve], "o-", ms=3, label=r["label"])
-        ax_tokens.plot([e["tokens"] for e in curve], [e["loss"] for e in curve], "o-", ms=3, label=r["label"])
+        (line,) = ax_loss.plot([e["time_s"] for e in curve], [e["loss"] for e in curve], "o-", ms=3, label=r["label"])
+        ax_tokens.plot([e["tokens"] for e in curve], [e["loss"] for e in curve], "o-", ms=3, label=r["label"],
+                       color=line.get_color())
+        predicted = (r.get("predicted") or {}).get("curve")
+        if predicted:  # the plan's predicted curve, dashed in the run's colour
+            ax_loss.plot([e["time_s"] for e in predicted], [e["loss"] for e in predicted], "--", lw=1,
+                         color=line.get_color(), label=f"{r['label']} (predicted)")
+            ax_tokens.plot([e["tokens"] for e in predicted], [e["loss"] for e in predicted], "--", lw=1,
+                           color=line.get_color())
     ax_loss.set(xlabel="wall-clock seconds (training)", ylabel="held-out loss", title="loss vs time")
     ax_tokens.set(xlabel="tokens (all workers)", ylabel="held-out loss", title="loss vs tokens")
     for ax in (ax_loss, ax_tokens):
@@ -237,12 +216,19 @@ def compare_main(argv: list[str]) -> int:
     parser.add_argument("--predict", action="store_true",
                         help="first predict every run with quietsync plan (the same model, micro-batch, workers and "
                              "links; calibrated here), then print the predictions beside the measurements")
+    parser.add_argument("--pilot-tokens", type=int, default=None, metavar="N",
+                        help="with --predict and --target-loss: pilot runs of up to N tokens first (quietsync plan "
+                             "--pilot-tokens), so each run's time and tokens to the target are predicted too")
     parser.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
                         help="with --target-loss: stop each run there (default); --no-stop-at-target only reports "
                              "the time and tokens to it, the runs go on to their other budgets")
     args, job = parser.parse_known_args(argv)
     if args.target_loss is not None and not (args.target_loss > 0 and args.target_loss < float("inf")):
         parser.error(f"--target-loss must be a finite number > 0, got {args.target_loss}")
+    if args.pilot_tokens is not None and (args.pilot_tokens < 1 or not args.predict or args.target_loss is None):
+        parser.error(f"--pilot-tokens must be an integer >= 1 given with --predict and --target-loss, got "
+                     f"{args.pilot_tokens}" + ("" if args.predict and args.target_loss is not None else
+                                               " without them"))
     if "--strategy" in job or "--resume" in job:
         parser.error("--strategy and --resume are set per run by quietsync compare; use --strategies")
     try:
@@ -264,8 +250,10 @@ def compare_main(argv: list[str]) -> int:
         parser.error(problem)
     plan_config = None
     if args.predict:
+        from ..plan.compare_predict import plan_config as make_plan_config
+
         try:
-            plan_config = _plan_config(runs[0][1], args.strategies)
+            plan_config = make_plan_config(runs[0][1], args.strategies, args.target_loss, args.pilot_tokens, out)
         except ValueError as e:
             parser.error(f"--predict: {e}")
     if runs[0][1][0].overwrite and int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -285,12 +273,15 @@ def compare_main(argv: list[str]) -> int:
         return 0
     rows = _rows(out, labels, args.target_loss)
     if predicted is not None:
-        for row, p in zip(rows, predicted.rows):
-            row["predicted"] = {"label": p.label, "step_s": p.step_s, "tokens_per_s": p.tokens_per_s,
-                                "compute_busy": p.compute_busy, "micro_batches_per_step": p.micro_batches,
-                                "bytes_sent_per_step": sum(p.bytes_per_step.values()) * row["workers"]}
+        from ..plan.compare_predict import predicted_markdown, predictions
+
+        horizon = max((r["tokens"] for r in rows), default=0)
+        preds = predictions(predicted, args.strategies, rows[0]["workers"] if rows else 1, horizon)
+        for row, spec in zip(rows, args.strategies):
+            if spec in preds:
+                row["predicted"] = preds[spec]
     (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
-    table = _markdown(rows) + (_predicted_markdown(rows) if predicted is not None else "")
+    table = _markdown(rows) + (predicted_markdown(rows) if predicted is not None else "")
     (out / "compare.md").write_text(table)
     plot_compare(out, rows)
     if any(cfg.trace for _, (cfg, _, _) in runs):

@@ -189,7 +189,7 @@ class Workload:
 
 
 def _fsdp_units(model: torch.nn.Module, index: dict[int, int]) -> tuple[tuple[int, ...], ...]:
-    """FSDP units as :class:`~quietsync.strategies.substrates.fsdp_shards.FsdpShards` makes them: every element of an
+    """FSDP units as FSDP2's substrate makes them (:func:`~quietsync.models.units.blocks`): every element of an
     outermost ``nn.ModuleList`` that holds parameters, then the root with the rest."""
     units, seen = [], set()
     for unit in blocks(model):

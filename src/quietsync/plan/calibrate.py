@@ -126,7 +126,7 @@ def time_decoupled(params: Sequence[torch.nn.Parameter], n: int, *, base: str = 
     """Median seconds of one decoupled optimizer step (DeMo-SGD or decoupled AdamW) over copies of ``params``
     with the replicator of ``replicator_knobs`` exchanging over :class:`Loopback` (``n`` workers)."""
     from ..optim import DecoupledAdamW, DeMoSGD
-    from ..replicators import make_replicator
+    from ..wire.replicators import make_replicator
 
     copies = [p.detach().clone().requires_grad_(True) for p in params]
     for c in copies:

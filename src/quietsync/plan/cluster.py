@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from ..cost.compute import ComputeProfile
 from ..cost.costmodel import Links
 from ..cost.workload import Workload
-from ..link import LINK_NAMES, LinkModel
 from ..validate import check_float, check_int
 
 ADAMW_BYTES = 28.0
@@ -113,10 +112,3 @@ BYTES_UNITS = {"b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 102
 FLOPS_UNITS = {"flops": 1.0, "gflops": 1e9, "tflops": 1e12, "pflops": 1e15}
 RATE_UNITS = {"b/s": 1.0, "gb/s": 1e9, "tb/s": 1e12, "gbps": 1e9, "tbps": 1e12}
 
-
-def links_from(given: dict[str, LinkModel]) -> Links:
-    """Links of a described cluster: the given ones, nothing else."""
-    for key in given:
-        if key not in LINK_NAMES:
-            raise ValueError(f"link kinds must be in {LINK_NAMES}, got {key!r}")
-    return Links(model=dict(given))

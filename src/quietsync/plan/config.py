@@ -190,7 +190,7 @@ def _pilot_args(cfg: PlanConfig) -> list[str]:
         raise ValueError(f"train_args: {e}") from None
     if not argv:
         return []
-    owned = {"--strategy", "--out", "--max-tokens", "--target-loss", "--eval-every", "--resume", "--link", "--nproc",
+    owned = {"--strategy", "--out", "--max-tokens", "--target-loss", "--resume", "--link", "--nproc",
              "--nodes", "--model", "--micro-batch-size", "--seq-len", "--vocab-size"}
     clash = [a.split("=")[0] for a in argv if a.split("=")[0] in owned]
     if clash:

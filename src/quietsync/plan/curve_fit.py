@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..validate import check_float
+
 BOOTSTRAP = 200
 """Bootstrap refits behind an interval."""
 QUANTILES = (0.1, 0.9)
@@ -144,9 +146,9 @@ def _solve_ab(x: np.ndarray, y: np.ndarray, a_max: float) -> tuple[np.ndarray, n
     return a, b, sse
 
 
-def _best(t: np.ndarray, y: np.ndarray) -> tuple[PowerLaw, float]:
-    """The least-squares power law of ``(t, y)`` and its sum of squared residuals."""
-    a_max = float(y.min())
+def _best(t: np.ndarray, y: np.ndarray, floor_cap: float = 1.0) -> tuple[PowerLaw, float]:
+    """The least-squares power law of ``(t, y)`` with ``a ≤ floor_cap·min(y)`` and its sum of squared residuals."""
+    a_max = floor_cap * float(y.min())
     logt = np.log(np.maximum(t, 1.0))
     x = np.exp(-np.outer(logt, C_GRID))
     a, b, sse = _solve_ab(x, y, a_max)
@@ -179,8 +181,9 @@ def _best(t: np.ndarray, y: np.ndarray) -> tuple[PowerLaw, float]:
 
 
 def fit_power_law(tokens: Sequence[float], losses: Sequence[float], *, bootstrap: int = BOOTSTRAP,
-                  seed: int = 0) -> CurveFit:
-    """Fit ``L(t) = a + b·t^(−c)`` to held-out losses at token counts (see the module docstring).
+                  seed: int = 0, floor_cap: float = 1.0) -> CurveFit:
+    """Fit ``L(t) = a + b·t^(−c)`` to held-out losses at token counts (see the module docstring), the floor ``a``
+    between 0 and ``floor_cap`` times the lowest loss seen.
 
     Needs at least 4 points with positive, increasing token counts and finite losses; raises ``ValueError``
     otherwise."""
@@ -194,7 +197,8 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float], *, bootstrap
         raise ValueError(f"a loss curve fit needs at least 4 evaluations after the first token, got {len(t)}")
     if np.any(np.diff(t) <= 0):
         raise ValueError("a loss curve's token counts must increase")
-    law, sse = _best(t, y)
+    check_float("floor_cap", floor_cap, 0, 1)
+    law, sse = _best(t, y, floor_cap)
     fitted = np.asarray(law.loss(t))
     resid = y - fitted
     rms = math.sqrt(sse / len(t))
@@ -206,7 +210,7 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float], *, bootstrap
         starts = np.arange(0, n - block + 1)
         for _ in range(bootstrap):
             picks = np.concatenate([resid[s:s + block] for s in rng.choice(starts, size=-(-n // block))])[:n]
-            refits.append(_best(t, fitted + picks)[0])
+            refits.append(_best(t, fitted + picks, floor_cap)[0])
     return CurveFit(law, tuple(float(v) for v in t), tuple(float(v) for v in y), rms, tuple(refits))
 
 

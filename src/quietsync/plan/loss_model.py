@@ -52,6 +52,8 @@ class BaselineCurve:
     """The fit with its bootstrap refits (pilots)."""
     measured: tuple[tuple[float, float], ...] = ()
     """``(tokens, loss)`` of the pilot's evaluations, in order (empty: the law alone)."""
+    brackets: tuple[PowerLaw, ...] = ()
+    """Other fits of the same evaluations whose extrapolations the interval must contain (the floor's range)."""
 
     def _crossing(self, target: float) -> float | None:
         """Tokens at which the measured curve first reaches ``target`` (linear between evaluations), None if not."""
@@ -76,7 +78,9 @@ class BaselineCurve:
             return Interval(hit, hit, hit)
         if self.fit is not None:
             reach = self.fit.tokens_to(target).tokens
-            return Interval(reach.value, max(reach.low, self.last_tokens), max(reach.high, self.last_tokens))
+            ends = [law.tokens_to(target) for law in self.brackets]
+            low, high = min([reach.low, *ends]), max([reach.high, *ends])
+            return Interval(reach.value, max(low, self.last_tokens), max(high, self.last_tokens))
         t = self.law.tokens_to(target)
         return Interval(t, t, t)
 

@@ -43,12 +43,14 @@ from typing import Any
 
 from .candidates import Candidate
 
-ETA = 3
-"""Successive halving's reduction factor: a third of the pilots go on at each rung."""
+ETA = 2
+"""Successive halving's reduction factor: half of the pilots go on at each rung."""
 RUNGS = 3
 """Rungs of the pilot budget: ``N/η²``, ``N/η``, ``N`` tokens."""
 EVALS_PER_PILOT = 16
 """Evaluations a full pilot makes (its ``--eval-every`` follows from its predicted steps)."""
+OVERLAP_EVAL_STEPS = 8
+"""Fewest steps between two evaluations of an ACCO/DPU/WP pilot."""
 
 
 @dataclass
@@ -185,7 +187,7 @@ class ProcessRunner:
 
         name, _, flags = parse_strategy_spec(cand.spec)
         steps = max(1.0, budget / max(1.0, self.tokens_per_step(cand)))
-        every = max(1, int(steps // EVALS_PER_PILOT))
+        every = eval_every(cand, steps)
         argv = [*self.job_args, "--strategy", name, *flags, "--max-tokens", str(budget), "--eval-every", str(every),
                 "--out", str(folder), "--overwrite", "--no-progress", "--no-plot", "--save-every", "0"]
         if self.through_link(cand):
@@ -253,6 +255,25 @@ class ProcessRunner:
         return curve
 
 
+def eval_every(cand: Candidate, steps: float) -> int:
+    """A pilot's evaluation cadence: :data:`EVALS_PER_PILOT` over its predicted steps; at least
+    :data:`OVERLAP_EVAL_STEPS` apart for ACCO/DPU/WP (an evaluation waits for the update in flight, which would keep
+    their stages from growing as they do in the planned run); for Local SGD and DiLoCo right after syncs (a multiple
+    of the period, or a divisor of it: the evaluated model changes at syncs)."""
+    every = max(1, int(steps // EVALS_PER_PILOT))
+    k = cand.knob_dict
+    if cand.strategy in ("acco", "dpu", "wp"):
+        return max(every, OVERLAP_EVAL_STEPS)
+    period = int(k.get("sync_every", 64 if cand.strategy == "diloco" else 8)) if cand.strategy in (
+        "diloco", "localsgd") else 1
+    if period > 1:
+        if every >= period:
+            return every - every % period
+        while period % every:
+            every -= 1
+    return every
+
+
 class _Tail:
     """New complete JSON lines of a growing file."""
 
@@ -296,4 +317,5 @@ def split_args(text: str) -> list[str]:
     return shlex.split(text)
 
 
-__all__ = ["ETA", "RUNGS", "PilotCurve", "ProcessRunner", "Runner", "rungs", "split_args", "successive_halving"]
+__all__ = ["ETA", "RUNGS", "PilotCurve", "ProcessRunner", "Runner", "eval_every", "rungs", "split_args",
+           "successive_halving"]

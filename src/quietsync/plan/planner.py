@@ -237,11 +237,18 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
     rows: list[Row] = []
     assumptions = list(assumptions or [])
     cands, left = candidates(cfg, w, topo)
+    memory = cluster.device.memory_bytes if cluster.device is not None else None
     for c in cands:
         try:
-            rows.append(evaluate(c.strategy, c.knob_dict, w, topo, compute, cluster.links))
+            row = evaluate(c.strategy, c.knob_dict, w, topo, compute, cluster.links)
         except ValueError as e:  # a setting this model or topology cannot take (e.g. too few CDP stages)
             left.append(LeftOut(c.spec, c.strategy, str(e)))
+            continue
+        if memory is not None and row.memory_bytes > memory:
+            left.append(LeftOut(c.spec, c.strategy, f"does not fit: {row.memory_bytes / 1e9:.3g} GB per worker > "
+                                                    f"{memory / 1e9:.3g} GB"))
+            continue
+        rows.append(row)
     if objective is None:
         exact = [r for r in rows if r.strategy in ("ddp", "zero1") and not r.knobs] or rows
         objective = initial_objective(cfg, w.params, cluster.world, cluster.nodes,
@@ -263,6 +270,9 @@ def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
         cfg = dataclasses.replace(config, **kwargs)
     if cfg.what_if:
         return _what_if(cfg, build_workload(cfg, real=False)[0])
+    if _under_torchrun() and cfg.pilot_tokens is not None:
+        raise ValueError("pilot_tokens launches local pilot workers: not under torchrun (plan with local workers, "
+                         "or use what_if)")
     if _under_torchrun():  # the launcher decides the world; nodes: one per torchrun agent unless given
         world = int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -310,13 +320,7 @@ def _what_if(cfg: PlanConfig, w: Workload) -> PlanResult:
         "activations: Korthikanti et al. (2022), 16-bit, heads of 128",
     ]
     cluster = Cluster(nodes, wpn, Links(model=dict(cfg.links)), device)
-    result = predict(cfg, w, cluster, compute, assumptions=assumptions)
-    if device.memory_bytes is not None:
-        for r in result.rows:
-            if r.memory_bytes > device.memory_bytes:
-                r.notes.append(f"does not fit: {r.memory_bytes / 1e9:.3g} GB per worker > "
-                               f"{device.memory_bytes / 1e9:.3g} GB")
-    return result
+    return predict(cfg, w, cluster, compute, assumptions=assumptions)
 
 
 __all__ = ["PlanResult", "build_workload", "measure", "plan", "predict"]

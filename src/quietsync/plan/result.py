@@ -177,5 +177,8 @@ class PlanResult:
             sweep = self.sweep() if self.cluster.world > 1 else None
             planned = self.cluster.links.model.get(sweep[0]) if sweep else None
             title = f"quietsync plan: {self.workload.name}, {self.cluster.describe()}"
-            paths.append(plot_plan(self.best_rows(), sweep, planned, title, folder / "plan.png"))
+            budget = self.objective.budget_s is not None
+            paths.append(plot_plan(self.best_rows(), sweep, planned, title, folder / "plan.png",
+                                   self.objective.description if budget else "predicted seconds to the target",
+                                   log_objective=not budget))
         return paths

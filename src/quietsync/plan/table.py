@@ -66,10 +66,6 @@ class Row:
         """Memory per worker: the strategy's buffers plus one micro-batch's activations."""
         return sum(self.memory.values()) + self.activation_bytes
 
-    @property
-    def seconds_per_token(self) -> float:
-        return 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else float("inf")
-
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.update(compute_busy=self.compute_busy, memory_bytes=self.memory_bytes, spec=self.spec)

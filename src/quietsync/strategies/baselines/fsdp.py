@@ -61,6 +61,8 @@ def average_across_nodes(strategy: Strategy, grads: list[torch.Tensor | None]) -
 class FSDP(Strategy):
     """FSDP2 inside the node + gradient-shard all-reduce across nodes; see the module docstring."""
 
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
+
     discards_rounds = True
 
     reshard_refusal = None  # replicas across nodes agree; the shards are Shard(0) pieces (see logical_shards)

@@ -55,6 +55,8 @@ class Zero1(Strategy):
     when another strategy (hierarchical DiLoCo) runs ZeRO-1 inside each node.
     """
 
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
+
     discards_rounds = True
     reshard_refusal = None  # the optimizer shard is a slice of one logical flat state (see ShardedState)
 

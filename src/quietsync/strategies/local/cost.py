@@ -16,10 +16,10 @@ from ...cost.schedule import Schedule
 from ...cost.terms import Every, Exposed, MicroBatches, Seq, Term, Wire, copy, optimizer
 from ...cost.workload import Workload
 from ...topology import Topology
+from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES, packed_chain
 from ..parts.cost import ADAMW, OptimizerState, group_of, replicator, replicator_comm
 from ..registry import schedule_of, strategy_config
 from .fragments import split_fragments, strided_fragments
-from .packed import LOWBIT_PSEUDO_GRAD_DTYPES, packed_chain
 
 
 def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:

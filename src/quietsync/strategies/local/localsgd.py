@@ -81,6 +81,8 @@ class LocalSGDConfig(AccumulationConfig):
 class LocalSGD(Strategy):
     """Local SGD with periodic parameter averaging over ``world``; see the module docstring."""
 
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
+
     reshard_refusal = None  # the synced θ once, each worker's θ_i and moments as a replica (module docstring)
 
     discards_rounds = True
@@ -102,9 +104,6 @@ class LocalSGD(Strategy):
         broadcast_parameters(self.transport, self.params, "world")
         self.synced = [p.detach().clone() for p in self.params]
         """θ of the last sync (the committed parameters)."""
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:

@@ -51,7 +51,7 @@ def group_of(topo: Topology, group: str) -> int:
 def replicator(name: str, compression: float, transfer_dtype: str, chunk: int = 64, topk: int | None = None,
                seed: int = 0, transfer_block: int = 64):
     """The library's replicator with these knobs (its declared payload is what the schedule sends)."""
-    from ...replicators import make_replicator
+    from ...wire.replicators import make_replicator
 
     return make_replicator(name, compression=compression, transfer_dtype=transfer_dtype, chunk=chunk, topk=topk,
                            seed=seed, transfer_block=transfer_block)
@@ -62,7 +62,7 @@ def replicator_comm(rep, shapes: Sequence[Shape], group: str, n: int, name: str,
     """The one collective a replicator runs for tensors of ``shapes`` over a group of ``n``: an all-gather of
     every worker's payload (``dct``, and any replicator with a low-bit ``transfer_dtype``), an all-reduce of it
     (the others), nothing (``none``, a group of one)."""
-    from ...replicators import Segments
+    from ...wire.replicators import Segments
 
     if n == 1 or rep.collective == "none":
         return []
@@ -75,6 +75,6 @@ def replicator_comm(rep, shapes: Sequence[Shape], group: str, n: int, name: str,
 
 def momentum_numel(rep, shapes: Sequence[Shape]) -> int:
     """Elements of a decoupled optimizer's flat momentum for ``shapes`` in the replicator's domain."""
-    from ...replicators import Segments
+    from ...wire.replicators import Segments
 
     return rep.momentum_numel(Segments([s for s in shapes if numel(s) > 0]))
