@@ -85,6 +85,15 @@ INTER_GROUPS = ("world", "replicate")
 """The groups that span nodes (``shard`` stays inside one; with one worker per node it is empty)."""
 
 
+def shaped_link() -> ShapedLink:
+    """The shaped link under this benchmark's own namespace, device and address names, so that another benchmark's
+    shaped link (``bench_plan``, ``bench_time_to_target``'s probe: the default names) set up meanwhile neither
+    deletes nor joins this one's."""
+    link = ShapedLink()
+    link.ns, link.dev, link.ip = ("qseqloss0", "qseqloss1"), ("qseqv0", "qseqv1"), ("10.79.0.1", "10.79.0.2")
+    return link
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     """What every run of the sweep shares (a change re-runs every record)."""
@@ -322,7 +331,7 @@ def run_one(job: Job, name: str, knobs: dict[str, Any], link: str, seed: int, wo
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     if LINKS[link] is None:
-        ShapedLink().run(["train", "--out", str(out), "--no-progress", "--no-plot", "--no-export", *flags], 1,
+        shaped_link().run(["train", "--out", str(out), "--no-progress", "--no-plot", "--no-export", *flags], 1,
                          timeout=job.time_s * 2 + 600, port=port)
         summary = read_run(out)
     else:
@@ -858,7 +867,7 @@ def main() -> None:
     sweep = Sweep(job, args.work, wrap, dry=args.report)
     t0 = time.perf_counter()
     records: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    shaped = ShapedLink() if SHAPED in links and not args.report else None
+    shaped = shaped_link() if SHAPED in links and not args.report else None
     try:
         if shaped is not None:
             shaped.__enter__()
