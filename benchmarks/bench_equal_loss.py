@@ -582,6 +582,8 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         "",
         same_tokens(by_link, links) if len(links) > 1 else "",
         "",
+        seeds_note(records),
+        "",
         "Left out: " + "; ".join(f"**{k}** — {v}" for k, v in left_out().items()) + ".",
         "",
         (f"**Not run ({NOT_RUN})**: " + (", ".join(f"`{s}`" for s in nowhere) + " on any link" if nowhere else "")
@@ -600,6 +602,16 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
     path.write_text(f"# Equal loss: every setting run to held-out loss {job.target:g}\n\n{notes}\n\n"
                     f"![loss vs time per link]({name}.png)\n")
     return path
+
+
+def seeds_note(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """What the seeds allow to be read: one seed per setting and link, or more for some rows."""
+    made = [r for lk in records.values() for rs in lk.values() for r in rs if not r.get("skipped")]
+    more = sorted({r["spec"] for r in made if r["seed"] != 0})
+    if not more:
+        return ("**One seed (0) per setting and link**: each number is one run, its run-to-run spread not measured; "
+                "read small differences in time (tens of percent) as unresolved.")
+    return f"Seed 0 for every setting; more seeds for {', '.join(f'`{s}`' for s in more)} (mean ± sd)."
 
 
 def wrapped(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
@@ -722,8 +734,8 @@ COLORS = {"ddp": "black", "zero1": "dimgray", "fsdp": "gray", "acco": "tab:orang
 
 
 def plot(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: Job, path: Path, ref: str) -> None:
-    """Held-out loss vs training time on each link (the baseline and the 4 fastest labelled), and vs tokens on the
-    reference link."""
+    """Held-out loss vs training time on each link (the baseline, the 4 fastest and the 2 low-communication rows with
+    the fewest bytes to the target labelled), and vs tokens on the reference link."""
     from quietsync.cli.figures import pyplot
 
     plt = pyplot()
@@ -734,7 +746,9 @@ def plot(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: J
         recs = by_link[link]
         reached = sorted((s for s in recs if recs[s]["time_to_target_s"]),
                          key=lambda s: recs[s]["time_to_target_s"]["mean"])
-        labelled = set(reached[:4]) | {BASELINE}
+        fewest = sorted((s for s in reached if recs[s]["low_comm"]),
+                        key=lambda s: recs[s]["inter_bytes_to_target"]["mean"])
+        labelled = set(reached[:4]) | {BASELINE} | set(fewest[:2])
         for s, r in recs.items():
             run = r["runs_detail"][0]
             if not run["curve"]:
