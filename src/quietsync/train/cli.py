@@ -1,5 +1,5 @@
-"""The ``quietsync`` command line: ``quietsync train`` (the main job), ``quietsync compare``, ``quietsync plan``,
-``quietsync --version``.
+"""The ``quietsync`` command line: ``quietsync prepare`` (token shards), ``quietsync train`` (the main job),
+``quietsync compare``, ``quietsync plan``, ``quietsync --version``.
 
 The entry points live here; parsing is in :mod:`quietsync.train.args` (flags, one-line errors) and
 running a parsed job in :mod:`quietsync.train.run_job` (in place under torchrun, else on ``--nproc`` local
@@ -13,6 +13,13 @@ import sys
 from .args import PROG, OneLineParser, parse_train_args, train_parser
 from .compare import compare_main
 from .run_job import run_job
+
+
+def prepare_main(argv: list[str]) -> int:
+    """``quietsync prepare``: see :mod:`quietsync.train.prepare_cli`."""
+    from .prepare_cli import prepare_main as main_
+
+    return main_(argv)
 
 
 def plan_main(argv: list[str]) -> int:
@@ -31,6 +38,7 @@ def train_main(argv: list[str]) -> int:
 
 
 COMMANDS = {
+    "prepare": (prepare_main, "tokenize a corpus once, in parallel, into token shards every worker memory-maps"),
     "train": (train_main, "train a model with a strategy (the main job)"),
     "compare": (compare_main, "run several strategies on the same job; loss-vs-time, bytes and busy-time plots"),
     "plan": (plan_main, "predict every strategy's step time, bytes and memory here or on a described cluster; "
