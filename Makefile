@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # two test processes finish sooner than one even on two cores.
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo train test lint bench clean
+.PHONY: install demo train test lint bench clean gpu-check
 
 # The main job: the ZeRO-1 baseline against DeMo on an emulated slow link (2 workers as 2 nodes, 25 Mbit/s,
 # 10 ms), the same 120 steps of the same micro-batches (equal tokens); ends with the comparison table and
@@ -37,6 +37,11 @@ train: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# Every GPU path on one CUDA device (≤ 8 min): writes runs/gpu-check/gpu-check.{md,json}, exits non-zero on a failure;
+# refuses in one line without a CUDA device. Install the CUDA build of torch into the venv first (see above).
+gpu-check: install
+	$(VENV)/bin/python -m quietsync.gpu_check --out runs/gpu-check
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, run_train, step_stats, write_markdown  # noqa: E402
+import common  # noqa: E402
+from common import RESULTS, ShapedLink, read_run, run_train, step_stats, write_markdown  # noqa: E402
 
 from quietsync.plan.recommend import MAX_STAGE, STAGES  # noqa: E402
 
-PY_MAIN = "import sys; from quietsync.train.cli import main; sys.exit(main())"
 INTRA = "intra=10gbit,0.05ms"
 
 FULL_SET: list[tuple[str, dict[str, Any]]] = [
@@ -53,102 +52,6 @@ FULL_SET: list[tuple[str, dict[str, Any]]] = [
     ("diloco", {"sync_every": 4, "fragments": 2, "overlap_delay": 2}), ("cdp", {}),
 ]
 QUICK_SET: list[tuple[str, dict[str, Any]]] = [("zero1", {}), ("acco", {}), ("demo", {}), ("diloco", {"sync_every": 4})]
-
-
-def flags_of(knobs: dict[str, Any]) -> list[str]:
-    """``{"sync_every": 4, "sign": False}`` → ``["--sync-every", "4", "--no-sign"]``."""
-    out = []
-    for k, v in knobs.items():
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            out.append(flag if v else "--no-" + k.replace("_", "-"))
-        else:
-            out += [flag, repr(v) if isinstance(v, float) else str(v)]
-    return out
-
-
-def spec_of(name: str, knobs: dict[str, Any]) -> str:
-    """``quietsync plan --strategies`` spelling."""
-    return name + (":" + ",".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "")
-
-
-def key_of(name: str, knobs: dict[str, Any]) -> str:
-    return spec_of(name, dict(sorted(knobs.items())))
-
-
-# ---------------------------------------------------------------------------------------------- shaped link
-class ShapedLink:
-    """Two network namespaces joined by a veth pair, each end shaped with ``tc tbf`` (needs root; no netem)."""
-
-    _port = 29610
-
-    def __init__(self, rate: str = "100mbit", burst: str = "64kb", latency: str = "400ms") -> None:
-        self.ns = ("qsplan0", "qsplan1")
-        self.dev = ("qsplanv0", "qsplanv1")
-        self.ip = ("10.78.0.1", "10.78.0.2")
-        self.rate, self.burst, self.latency = rate, burst, latency
-
-    def _ip(self, *args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
-
-    def __enter__(self) -> ShapedLink:
-        self.__exit__()
-        for ns in self.ns:
-            self._ip("netns", "add", ns)
-        self._ip("link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-        for ns, dev, ip in zip(self.ns, self.dev, self.ip):
-            self._ip("link", "set", dev, "netns", ns)
-            self._ip("netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
-            self._ip("netns", "exec", ns, "ip", "link", "set", dev, "up")
-            self._ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            self._ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                     "burst", self.burst, "latency", self.latency)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for ns in self.ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-    def describe(self) -> str:
-        return f"tc tbf rate {self.rate} burst {self.burst} latency {self.latency} on a veth pair between two netns"
-
-    def run(self, args: list[str], workers_per_node: int, timeout: float) -> None:
-        """Run ``quietsync ARGS`` on 2 nodes (one per namespace) × ``workers_per_node``, torchrun-style env."""
-        world = 2 * workers_per_node
-        ShapedLink._port += 1
-        port = ShapedLink._port
-        procs = []
-        env_base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        for node in range(2):
-            for local in range(workers_per_node):
-                rank = node * workers_per_node + local
-                env = {**env_base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
-                       "LOCAL_WORLD_SIZE": str(workers_per_node), "MASTER_ADDR": self.ip[0],
-                       "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": self.dev[node], "QUIETSYNC_BACKEND": "gloo",
-                       "OMP_NUM_THREADS": "1"}
-                cmd = ["ip", "netns", "exec", self.ns[node], sys.executable, "-c", PY_MAIN, *args]
-                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                              text=True))
-        deadline = time.monotonic() + timeout
-        outs = []
-        try:
-            for p in procs:
-                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                outs.append(out)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"shaped-link run {' '.join(args[:3])} failed:\n" + "\n".join(o[-2000:] for o in outs))
-
-
-def read_run(out: Path) -> dict[str, Any]:
-    summary = json.loads((out / "summary.json").read_text())
-    summary["records"] = [[json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-                          for p in sorted(out.glob("metrics-rank*.jsonl"), key=lambda p: int(p.stem[12:]))]
-    return summary
 
 
 # ---------------------------------------------------------------------------------------------- one setting
@@ -196,7 +99,7 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
 
     threads = max(1, (os.cpu_count() or 1) // nproc)  # as the local launcher gives each of nproc workers
     base = ["--model", model, "--micro-batch-size", str(mbs), "--seq-len", str(seq), "--threads", str(threads)]
-    specs = [spec_of(n, k) for n, k in run_set]
+    specs = [common.spec_of(n, k) for n, k in run_set]
     t0 = time.perf_counter()
     plan_out = work / f"{label}-plan"
     if shaped is None:
@@ -209,9 +112,9 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
                    nproc // nodes, timeout=900)
         plan_json = json.loads((plan_out / "plan.json").read_text())
     plan_s = time.perf_counter() - t0
-    rows = {key_of(r["strategy"], r["knobs"]): r for r in plan_json["rows"]}
+    rows = {common.key_of(r["strategy"], r["knobs"]): r for r in plan_json["rows"]}
     for t in plan_json["tuned"]:
-        rows.setdefault(key_of(t["strategy"], t["row"]["knobs"]), t["row"])
+        rows.setdefault(common.key_of(t["strategy"], t["row"]["knobs"]), t["row"])
     rec = plan_json["advice"]["recommendations"][0]
     runs = list(run_set)
     if (rec["strategy"], rec["knobs"]) not in runs:
@@ -222,8 +125,8 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
     for name, knobs in runs:
         period = int(knobs.get("sync_every", 64 if name == "diloco" else 8 if name == "localsgd" else 1))
         run_steps = max(steps, 2 + 2 * period + int(knobs.get("overlap_delay", 0)))  # two whole periods measured
-        out = work / f"{label}-{key_of(name, knobs).replace(':', '_').replace(',', '_').replace('=', '')}"
-        flags = [*base, "--strategy", name, *flags_of(knobs), "--max-steps", str(run_steps), "--eval-every", "0",
+        out = work / f"{label}-{common.key_of(name, knobs).replace(':', '_').replace(',', '_').replace('=', '')}"
+        flags = [*base, "--strategy", name, *common.flags_of(knobs), "--max-steps", str(run_steps), "--eval-every", "0",
                  "--overwrite"]
         if shaped is None:
             summary = run_train(out, "--nproc", str(nproc), "--nodes", str(nodes),
@@ -234,11 +137,11 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
                        nproc // nodes, timeout=1800)
             summary = read_run(out)
         stats = step_stats(summary, skip=2)
-        pred = rows.get(key_of(name, knobs))
+        pred = rows.get(common.key_of(name, knobs))
         tokens_per_mb = mbs * seq
         m_tokens_s = stats["micro_batches_per_s"] * nproc * tokens_per_mb
         measured.append({
-            "strategy": name, "knobs": knobs, "label": pred["label"] if pred else spec_of(name, knobs),
+            "strategy": name, "knobs": knobs, "label": pred["label"] if pred else common.spec_of(name, knobs),
             "predicted_step_s": pred["step_s"] if pred else None, "measured_step_s": stats["step_s"],
             "step_error": (pred["step_s"] / stats["step_s"] - 1) if pred else None,
             # time per token: the step time per token each run really had (adaptive stages vary their batch)
@@ -260,11 +163,11 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
     return {
         "setting": label, "nproc": nproc, "nodes": nodes, "links": links if shaped is None else [shaped.describe()],
         "plan_links": plan_json["cluster"]["links"], "plan_s": plan_s, "diagnosis": plan_json["advice"]["diagnosis"],
-        "recommended": spec_of(rec["strategy"], rec["knobs"]),
-        "measured_fastest": spec_of(fastest["strategy"], fastest["knobs"]),
+        "recommended": common.spec_of(rec["strategy"], rec["knobs"]),
+        "measured_fastest": common.spec_of(fastest["strategy"], fastest["knobs"]),
         "recommended_is_fastest": (rec["strategy"], rec["knobs"]) == (fastest["strategy"], fastest["knobs"]),
-        "predicted_order_fastest": spec_of(predicted_fastest["strategy"], predicted_fastest["knobs"]),
-        "measured_fastest_recommendable": spec_of(fastest_eligible["strategy"], fastest_eligible["knobs"]),
+        "predicted_order_fastest": common.spec_of(predicted_fastest["strategy"], predicted_fastest["knobs"]),
+        "measured_fastest_recommendable": common.spec_of(fastest_eligible["strategy"], fastest_eligible["knobs"]),
         "recommended_is_fastest_recommendable": (rec["strategy"], rec["knobs"]) == (fastest_eligible["strategy"],
                                                                                     fastest_eligible["knobs"]),
         "runs": measured,

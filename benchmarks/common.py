@@ -8,6 +8,7 @@ fresh worker processes; results are read back from ``summary.json`` and ``metric
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -16,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PY_MAIN = "import sys; from quietsync.train.cli import main; sys.exit(main())"
+"""``python -c PY_MAIN ARGS`` runs ``quietsync ARGS`` with this interpreter."""
 
 
 def run_train(out: Path, *flags: str, timeout: float = 1800) -> dict[str, Any]:
     """Run ``quietsync train --out OUT FLAGS...``; return its summary plus per-rank step records."""
-    cmd = [sys.executable, "-c", "import sys; from quietsync.train.cli import main; sys.exit(main())",
-           "train", "--out", str(out), "--no-progress", "--no-plot", "--no-export", *flags]
+    cmd = [sys.executable, "-c", PY_MAIN, "train", "--out", str(out), "--no-progress", "--no-plot", "--no-export",
+           *flags]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -90,3 +93,103 @@ def init_local_worker(rank: int, world: int, port: int, threads: int) -> None:
                        "GLOO_SOCKET_IFNAME": "lo"})
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+# ---------------------------------------------------------------------------------------------- settings
+def flags_of(knobs: dict[str, Any]) -> list[str]:
+    """``{"sync_every": 4, "sign": False}`` → ``["--sync-every", "4", "--no-sign"]``."""
+    out = []
+    for k, v in knobs.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, repr(v) if isinstance(v, float) else str(v)]
+    return out
+
+
+def spec_of(name: str, knobs: dict[str, Any]) -> str:
+    """``quietsync plan --strategies`` spelling."""
+    return name + (":" + ",".join(f"{k}={v}" for k, v in knobs.items()) if knobs else "")
+
+
+def key_of(name: str, knobs: dict[str, Any]) -> str:
+    """:func:`spec_of` with the knobs sorted by name (one spelling per setting)."""
+    return spec_of(name, dict(sorted(knobs.items())))
+
+
+# ---------------------------------------------------------------------------------------------- shaped link
+class ShapedLink:
+    """Two network namespaces joined by a veth pair, each end shaped with ``tc tbf`` (needs root; no netem)."""
+
+    _port = 29610
+
+    def __init__(self, rate: str = "100mbit", burst: str = "64kb", latency: str = "400ms") -> None:
+        self.ns = ("qsplan0", "qsplan1")
+        self.dev = ("qsplanv0", "qsplanv1")
+        self.ip = ("10.78.0.1", "10.78.0.2")
+        self.rate, self.burst, self.latency = rate, burst, latency
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True)
+
+    def __enter__(self) -> ShapedLink:
+        self.__exit__()
+        for ns in self.ns:
+            self._ip("netns", "add", ns)
+        self._ip("link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
+        for ns, dev, ip in zip(self.ns, self.dev, self.ip):
+            self._ip("link", "set", dev, "netns", ns)
+            self._ip("netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
+            self._ip("netns", "exec", ns, "ip", "link", "set", dev, "up")
+            self._ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            self._ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                     "burst", self.burst, "latency", self.latency)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def describe(self) -> str:
+        return f"tc tbf rate {self.rate} burst {self.burst} latency {self.latency} on a veth pair between two netns"
+
+    def run(self, args: list[str], workers_per_node: int, timeout: float, port: int | None = None) -> None:
+        """Run ``quietsync ARGS`` on 2 nodes (one per namespace) × ``workers_per_node``, torchrun-style env (one
+        torch thread per worker); ``port``: the rendezvous port (default: a new one per call of this process)."""
+        world = 2 * workers_per_node
+        if port is None:
+            ShapedLink._port += 1
+            port = ShapedLink._port
+        procs = []
+        env_base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        for node in range(2):
+            for local in range(workers_per_node):
+                rank = node * workers_per_node + local
+                env = {**env_base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+                       "LOCAL_WORLD_SIZE": str(workers_per_node), "MASTER_ADDR": self.ip[0],
+                       "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": self.dev[node], "QUIETSYNC_BACKEND": "gloo",
+                       "OMP_NUM_THREADS": "1"}
+                cmd = ["ip", "netns", "exec", self.ns[node], sys.executable, "-c", PY_MAIN, *args]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                              text=True))
+        deadline = time.monotonic() + timeout
+        outs = []
+        try:
+            for p in procs:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                outs.append(out)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"shaped-link run {' '.join(args[:3])} failed:\n" + "\n".join(o[-2000:] for o in outs))
+
+
+def read_run(out: Path) -> dict[str, Any]:
+    summary = json.loads((out / "summary.json").read_text())
+    summary["records"] = [[json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+                          for p in sorted(out.glob("metrics-rank*.jsonl"), key=lambda p: int(p.stem[12:]))]
+    return summary

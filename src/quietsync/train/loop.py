@@ -340,6 +340,7 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         clock_offset = time.time() - time.perf_counter()
         job = _Job(cfg, strategy_config, clock, nominal, stream, held_out, device, rank, slow, t_setup)
         result = _train(job, strategy, tokens_total, resume_step)
+        result["memory_bytes"] = strategy.memory_report()  # before export: buffers as training held them
         if cfg.export:  # the committed parameters, as from_pretrained loads them (every worker: fsdp gathers)
             with strategy.paused(), strategy.committed_params() as module:
                 if rank == 0:
@@ -602,6 +603,9 @@ def _summary(
         "comm_s": totals["comm_s"],
         "idle_s": totals["idle_s"],
         "compute_fraction": totals["compute_s"] / busy if busy > 0 else 0.0,
+        "memory_bytes": result.get("memory_bytes"),
+        "cuda_peak_bytes": (torch.cuda.max_memory_allocated(strategy.transport.device)
+                            if strategy.transport.device.type == "cuda" else None),
         "links": list(cfg.link),
         "slow_worker": cfg.slow_worker,
         "config": dataclasses.asdict(cfg),

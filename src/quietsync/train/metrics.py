@@ -36,9 +36,10 @@ SUMMARY_FIELDS = (
     "tokens", "wall_s",
     "setup_s", "tokens_per_s", "first_eval_loss", "last_eval_loss", "eval", "bytes_sent", "bytes_recv",
     "bytes_by_group", "bytes_sent_per_step", "compute_s", "comm_s", "idle_s", "compute_fraction",
-    "links", "slow_worker", "config", "strategy_config",
+    "memory_bytes", "cuda_peak_bytes", "links", "slow_worker", "config", "strategy_config",
 )
-"""Keys of ``summary.json``."""
+"""Keys of ``summary.json`` (``memory_bytes``: rank 0's ``memory_report()`` at the end of training;
+``cuda_peak_bytes``: the CUDA allocator's peak on rank 0's device, None on the CPU)."""
 
 
 def _jsonable(value: Any) -> Any:
@@ -188,6 +189,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             summary["compute_s"], summary["comm_s"], summary["idle_s"])),
         ("compute-busy fraction", f"{summary['compute_fraction']:.1%}"),
     ]
+    if summary.get("memory_bytes"):
+        rows.append(("buffers held (rank 0)", _mb(sum(summary["memory_bytes"].values()))))
+    if summary.get("cuda_peak_bytes"):
+        rows.append(("CUDA peak allocated (rank 0)", _mb(summary["cuda_peak_bytes"])))
     for group, v in sorted(summary.get("bytes_by_group", {}).items()):
         if v.get("sent") or v.get("recv"):
             rows.append((f"  bytes {group}", f"{_mb(v['sent'])} sent / {_mb(v['recv'])} recv"))

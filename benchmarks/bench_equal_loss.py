@@ -1,0 +1,747 @@
+"""Equal loss (issue 27, item 4): every candidate setting run to a target held-out loss, on several links.
+
+The planner's test set and the Streaming-DiLoCo-style table at once. Every run is a real ``quietsync train`` job:
+the embedded corpus, model ``tiny``, 2 workers as 2 nodes with a core each (one torch thread per worker),
+micro-batch 8 × 128 tokens per worker, AdamW at a warm-up + **constant** learning rate (so a run's trajectory does
+not depend on its budget: a run stopped at the target is the prefix of a longer one), the same seed per row. Each
+run stops at the first held-out evaluation at or below the **target** (chosen from the pilot sweep,
+``--pilot``: a bit above the synchronous baseline's plateau), or at its budget: a token cap (generous: several
+times what the baseline needs, and never fewer than 16 outer steps of a DiLoCo-family setting) and a time cap.
+
+Links: emulated by the transport at 10 Mbit/s (5 ms), 100 Mbit/s (5 ms) and 1 Gbit/s (1 ms), and one **really
+shaped** link — two network namespaces joined by a veth pair with ``tc qdisc ... tbf rate 100mbit burst 64kb latency
+400ms`` (root needed; the transport emulates nothing there).
+
+Settings (:func:`settings`): every strategy — ddp (and its PowerSGD hook), zero1, fsdp; acco/dpu/wp adaptive and
+capped at 4 micro-batches per stage; demo with the dct and random replicators at several compressions; localsgd K;
+diloco H with fragments and τ; low-bit pseudo-gradients (int8, fp4, int4, int2); SparseLoCo at the paper's 2-bit
+values; cdp v1/v2 — plus every setting of the planner's candidate grid (:func:`quietsync.plan.candidates
+.default_candidates`) so the two join on setting names. Names are ``quietsync compare --strategies`` specs with the
+knobs sorted (``diloco:fragments=4,overlap_delay=1,sync_every=64``); settings whose resolved strategy configs are
+equal are one row. Left out, with why: flexdemo and hierarchical diloco (``inner=ddp|zero1``) — with one worker per
+node their intra-node step is over a single worker, so they would repeat demo's and diloco's rows — and 2 nodes × 2
+workers (4 processes on 2 cores would measure the core sharing).
+
+Measured per run: whether it reached the target; training time (evaluations subtracted), tokens (all workers),
+inter-node bytes (sent by all workers on the groups that span nodes, during the training steps: the start-up
+broadcast, the same in every row, left out) and steps to the first evaluation at or below the target; the final and
+best held-out loss (how close a run came that did not reach it); the held-out loss curve over tokens, time and
+bytes. Evaluations run every ~32k tokens (every 16 steps of one micro-batch per worker; adaptive ACCO/DPU/WP:
+estimated from the link); their time is left out of the times (for overlapped strategies their communication
+keeps running during an evaluation: ``eval_overlap_s`` bounds what that hides).
+
+Seeds: seed 0 for every setting on every link, then seeds 1 and 2 for the rows that decide the headline — the
+baseline (ddp) and the best low-communication rows (fewest bytes to the target, fastest to it on each link).
+
+The sweep is resumable: every run writes its record under ``--work`` (default ``runs/equal_loss``) and is not
+re-run while its record exists for the same job. Each run can be wrapped (``--wrap "/work/bin/cpulock
+exclusive"``) so that a shared machine's lock is held per run, not for the whole sweep.
+
+    python benchmarks/bench_equal_loss.py --quick      # 4 settings, one emulated link, low target (minutes)
+    python benchmarks/bench_equal_loss.py --pilot      # the baseline's lr sweep that sets lr, tokens and target
+    python benchmarks/bench_equal_loss.py              # the sweep (hours; resumable; root for the shaped link)
+    python benchmarks/bench_equal_loss.py --report     # rebuild the table and plot from the records
+
+Writes ``results/equal_loss.{json,md,png}`` (``equal_loss_quick.*``, ``equal_loss_pilot.*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ShapedLink, flags_of, key_of, read_run, run_train, write_markdown  # noqa: E402
+
+HERE = Path(__file__).resolve()
+SHAPED = "shaped"
+"""Link name of the ``tc tbf`` link between two network namespaces."""
+LINKS = {"10mbit": "10mbit,5ms", "100mbit": "100mbit,5ms", "1gbit": "1gbit,1ms", SHAPED: None}
+"""Link name → the ``--link inter=...`` value (None: the really shaped link)."""
+REFERENCE_LINK = "1gbit"
+"""Where the bytes table (a) is read: the fastest link, where a run is held back least by its time cap (bytes and
+tokens to the target do not depend on the link except for the adaptive ACCO/DPU/WP, whose stages grow with it)."""
+BASELINE = "ddp"
+"""The synchronous baseline of the bytes table (Streaming DiLoCo's data-parallel row)."""
+SYNC = ("ddp", "zero1", "fsdp")
+LOW_COMM = ("demo", "flexdemo", "localsgd", "diloco")
+"""Strategies that send less than the full gradient every step (plus ddp with the PowerSGD hook)."""
+OVERLAPPED = ("acco", "dpu", "wp")
+INTER_GROUPS = ("world", "replicate")
+"""The groups that span nodes (``shard`` stays inside one; with one worker per node it is empty)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What every run of the sweep shares (a change re-runs every record)."""
+
+    model: str = "tiny"
+    """Model preset."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch per worker."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    lr: float = 2e-3
+    """Peak (and, after the warm-up, constant) AdamW lr; chosen by the pilot sweep."""
+    warmup_steps: int = 50
+    """Linear warm-up steps."""
+    target: float = 3.6
+    """Held-out loss every run tries to reach; chosen by the pilot sweep (where the baseline's curve flattens)."""
+    tokens: int = 8_000_000
+    """Token cap (all workers) of a run (about 4× the baseline's tokens to the target); DiLoCo-family settings get
+    at least 16 outer steps' worth."""
+    time_s: float = 600.0
+    """Time cap of a run (seconds of training, evaluations included, as ``--max-time-s``)."""
+    eval_tokens: int = 32_768
+    """Tokens (all workers) between two evaluations, as near as a step allows."""
+    eval_windows: int = 48
+    """Held-out sequences per evaluation (the same ones every time)."""
+    vocab_size: int = 4096
+    """Byte-level BPE vocabulary."""
+    workers: int = 2
+    """Workers, each its own node."""
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+FULL = Job()
+QUICK = Job(target=6.0, tokens=400_000, time_s=240.0, eval_tokens=8192, eval_windows=16)
+
+
+# ---------------------------------------------------------------------------------------------- the settings
+def settings(quick: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The sweep's settings (strategy, knobs), in table order, the planner's grid included, duplicates dropped."""
+    if quick:
+        return unique([("ddp", {}), ("demo", {"replicator": "dct", "compression": 1 / 32}),
+                       ("diloco", {"sync_every": 16}), ("acco", {"max_accumulation": 4})])
+    grid: list[tuple[str, dict[str, Any]]] = [
+        ("ddp", {}), ("zero1", {}), ("fsdp", {}),
+        ("ddp", {"comm_hook": "powersgd", "powersgd_rank": 4}),
+        ("acco", {}), ("dpu", {}), ("wp", {}),
+        ("acco", {"max_accumulation": 4}), ("dpu", {"max_accumulation": 4}), ("wp", {"max_accumulation": 4}),
+        *[("demo", {"replicator": "dct", "compression": 1 / c}) for c in (8, 32, 128, 512)],
+        *[("demo", {"replicator": "random", "compression": 1 / c}) for c in (8, 32, 128)],
+        *[("localsgd", {"sync_every": k}) for k in (8, 16, 64)],
+        *[("diloco", {"sync_every": h}) for h in (16, 64, 256)],
+        ("diloco", {"sync_every": 16, "overlap_delay": 16}),                   # the whole exchange behind H steps
+        ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 1}),    # Streaming DiLoCo (paper's τ = 1)
+        ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 16}),   # each fragment behind H/F steps
+        *[("diloco", {"sync_every": 64, "pseudo_grad_dtype": d}) for d in ("int8", "fp4", "int4", "int2")],
+        ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 1, "fragment_pattern": "strided",
+                    "pseudo_grad_dtype": "fp4"}),                               # Streaming DiLoCo's fp4 row
+        # SparseLoCo (Sarfi et al. 2025): error feedback β 0.95, chunk-wise top-k 1/64 of 4096, 2-bit values, outer
+        # lr 1 (a plain averaged step)
+        *[("diloco", {"sync_every": h, "outer": "sparseloco", "pseudo_grad_dtype": "int2", "topk_density": 1 / 64,
+                      "topk_chunk": 4096, "error_decay": 0.95, "outer_lr": 1.0}) for h in (16, 64)],
+        ("cdp", {"rule": "v1"}), ("cdp", {"rule": "v2"}),
+    ]
+    return unique(grid + planner_grid())
+
+
+def planner_grid() -> list[tuple[str, dict[str, Any]]]:
+    """The planner's candidate settings for this job's topology (2 workers as 2 nodes)."""
+    from quietsync.plan.candidates import default_candidates
+    from quietsync.plan.config import PlanConfig
+    from quietsync.plan.planner import build_workload
+    from quietsync.topology import Topology
+
+    cfg = PlanConfig(model=FULL.model, micro_batch_size=FULL.micro_batch_size, seq_len=FULL.seq_len,
+                     nproc=FULL.workers, nodes=FULL.workers)
+    w, _ = build_workload(cfg, real=False)
+    return list(default_candidates(w, Topology(0, FULL.workers, FULL.workers)))
+
+
+def resolved(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """The strategy's whole config with these knobs (what makes two settings the same one)."""
+    from quietsync.strategies import get
+
+    _, config_cls = get(name)
+    return dataclasses.asdict(config_cls(**knobs))
+
+
+def unique(grid: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """``grid`` with later settings dropped whose resolved config equals an earlier one's."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    out = []
+    for name, knobs in grid:
+        r = (name, resolved(name, knobs))
+        if r not in seen:
+            seen.append(r)
+            out.append((name, knobs))
+    return out
+
+
+LEFT_OUT = {
+    "flexdemo": "with one worker per node its intra-node reduce-scatter and sharding are over a single worker: "
+                "the same computation and cross-node traffic as demo (its rows would repeat demo's); it needs "
+                "2 nodes × 2 workers, 4 processes on these 2 cores",
+    "diloco inner=ddp|zero1 (hierarchical)": "with one worker per node the inner ddp/zero1 step is over a single "
+                                             "worker: the same as diloco's default inner=local",
+    "2 nodes × 2 workers": "4 worker processes on 2 cores would measure the core sharing, not the strategies",
+}
+
+
+def spec(name: str, knobs: dict[str, Any]) -> str:
+    """The setting's name: a ``quietsync compare --strategies`` spec, knobs sorted."""
+    return key_of(name, knobs)
+
+
+def minimal_spec(name: str, knobs: dict[str, Any]) -> str:
+    """The spec with the knobs equal to the strategy's defaults left out (``demo`` for dct at 1/32)."""
+    defaults = resolved(name, {})
+    return key_of(name, {k: v for k, v in knobs.items() if defaults.get(k) != v})
+
+
+def low_comm(name: str, knobs: dict[str, Any]) -> bool:
+    return name in LOW_COMM or knobs.get("comm_hook") == "powersgd"
+
+
+def outer_period(name: str, knobs: dict[str, Any]) -> int:
+    """Inner steps between two syncs (1 for a setting that syncs every step)."""
+    if name == "diloco":
+        return int(knobs.get("sync_every", 64))
+    if name == "localsgd":
+        return int(knobs.get("sync_every", 8))
+    return 1
+
+
+def token_cap(job: Job, name: str, knobs: dict[str, Any]) -> int:
+    """The run's token cap: the job's, and at least 16 outer steps (plus τ) of a DiLoCo-family setting."""
+    period = outer_period(name, knobs)
+    outer = (16 * period + int(knobs.get("overlap_delay", 0)) + 1) * job.workers * job.micro_batch_tokens
+    return max(job.tokens, outer)
+
+
+def micro_batches_per_step(job: Job, name: str, knobs: dict[str, Any], link: str) -> float:
+    """Micro-batches per worker per committed step, estimated (only to space the evaluations): 1, or for
+    ACCO/DPU/WP a stage of as many micro-batches (≈ 0.1 s each here) as its reduce-scatter + all-gather of the
+    fp32 gradients takes on the link, within [1, max_accumulation]."""
+    if name not in OVERLAPPED:
+        return float(knobs.get("accumulation", 1))
+    from quietsync.link import LinkModel
+
+    bandwidth = LinkModel.parse(LINKS.get(link) or "100mbit,5ms").bandwidth  # the shaped link is 100 Mbit/s
+    params = 0.95e6 if job.model == "tiny" else 2.6e6 if job.model == "default" else 10.6e6
+    comm_s = 2 * 4 * params * (job.workers - 1) / job.workers / bandwidth
+    stage = min(max(1.0, comm_s / 0.1), float(knobs.get("max_accumulation") or math.inf))
+    return stage * (2 if name == "acco" else 1)
+
+
+def eval_every(job: Job, name: str, knobs: dict[str, Any], link: str) -> int:
+    """Steps between evaluations: about ``job.eval_tokens`` tokens, aligned with the sync period where one exists."""
+    per_step = micro_batches_per_step(job, name, knobs, link) * job.workers * job.micro_batch_tokens
+    steps = max(1, round(job.eval_tokens / per_step))
+    period = outer_period(name, knobs)
+    if period > 1:  # the committed model changes at syncs: evaluate right after them
+        steps = period if period <= steps else steps
+        while period % steps:
+            steps -= 1
+    return steps
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def run_flags(job: Job, name: str, knobs: dict[str, Any], link: str, seed: int) -> list[str]:
+    """``quietsync train`` flags of one run (without ``--out`` and the launcher's)."""
+    flags = ["--model", job.model, "--micro-batch-size", str(job.micro_batch_size), "--seq-len", str(job.seq_len),
+             "--vocab-size", str(job.vocab_size), "--threads", "1", "--lr", repr(job.lr),
+             "--warmup-steps", str(job.warmup_steps), "--min-lr-ratio", "1.0", "--seed", str(seed),
+             "--eval-every", str(eval_every(job, name, knobs, link)), "--eval-windows", str(job.eval_windows),
+             "--target-loss", repr(job.target), "--max-tokens", str(token_cap(job, name, knobs)),
+             "--max-time-s", repr(job.time_s), "--max-steps", "1000000", "--timeout-s", "900",
+             "--strategy", name, *flags_of(knobs)]
+    return flags
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def record_path(work: Path, job: Job, link: str, name: str, knobs: dict[str, Any], seed: int) -> Path:
+    return work / f"job-{job.key()}" / link / f"{slug(spec(name, knobs))}-seed{seed}.json"
+
+
+def run_one(job: Job, name: str, knobs: dict[str, Any], link: str, seed: int, work: Path, port: int) -> dict:
+    """Run one setting on one link with one seed and write its record (called in the child process, under the
+    wrap's lock)."""
+    path = record_path(work, job, link, name, knobs, seed)
+    out = path.with_suffix("")
+    shutil.rmtree(out, ignore_errors=True)
+    flags = run_flags(job, name, knobs, link, seed)
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    if LINKS[link] is None:
+        ShapedLink().run(["train", "--out", str(out), "--no-progress", "--no-plot", "--no-export", *flags], 1,
+                         timeout=job.time_s * 2 + 600, port=port)
+        summary = read_run(out)
+    else:
+        summary = run_train(out, "--nproc", str(job.workers), "--nodes", str(job.workers),
+                            "--link", f"inter={LINKS[link]}", *flags, timeout=job.time_s * 2 + 600)
+    process_s = time.perf_counter() - t0
+    rec = measure(summary, job)
+    rec.update({"strategy": name, "knobs": knobs, "spec": spec(name, knobs),
+                "minimal_spec": minimal_spec(name, knobs), "config": resolved(name, knobs),
+                "link": link, "link_spec": LINKS[link] or ShapedLink().describe(), "seed": seed,
+                "low_comm": low_comm(name, knobs), "flags": flags, "token_cap": token_cap(job, name, knobs),
+                "time_cap_s": job.time_s, "eval_every": eval_every(job, name, knobs, link),
+                "process_s": process_s, "load_average_before_after": [load, os.getloadavg()[0]],
+                "job": dataclasses.asdict(job)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    return rec
+
+
+def inter_bytes(by_group: dict[str, Any]) -> int:
+    return sum(by_group.get(g, {}).get("sent", 0) for g in INTER_GROUPS)
+
+
+def measure(summary: dict[str, Any], job: Job) -> dict[str, Any]:
+    """The record of one run: to-the-target numbers and the held-out loss curve."""
+    steps_by_rank = [[r for r in records if "event" not in r] for records in summary["records"]]
+    groups = {g for steps in steps_by_rank for r in steps for g, v in r["bytes_by_group"].items() if v["sent"]}
+    unknown = groups - set(INTER_GROUPS) - {"shard"}
+    if unknown:
+        raise RuntimeError(f"bytes on groups {sorted(unknown)}: which link they cross is not known here")
+    tokens_at: dict[int, int] = {}
+    for records in summary["records"]:
+        for e in records:
+            if e.get("event") == "eval":
+                tokens_at[e["step"]] = tokens_at.get(e["step"], 0) + e["tokens_total"]
+    curve, eval_s = [], 0.0
+    for e in summary["records"][0]:
+        if e.get("event") != "eval":
+            continue
+        eval_s += e["eval_s"]
+        sent = sum(inter_bytes(r["bytes_by_group"]) for steps in steps_by_rank for r in steps if r["step"] <= e["step"])
+        curve.append({"step": e["step"], "loss": e["loss"], "tokens": tokens_at[e["step"]],
+                      "time_s": e["time_s"] - eval_s, "wall_s": e["time_s"], "eval_s_before": eval_s,
+                      "inter_bytes": sent})
+    hit = next((c for c in curve[1:] if c["loss"] is not None and c["loss"] <= job.target), None)
+    losses = [c["loss"] for c in curve[1:] if c["loss"] is not None and math.isfinite(c["loss"])]
+    micro = [r["micro_batches"] for steps in steps_by_rank for r in steps]
+    total = sum(inter_bytes(r["bytes_by_group"]) for steps in steps_by_rank for r in steps)
+    last = curve[-1] if curve else {}
+    return {
+        "reached": hit is not None, "stopped_by": summary.get("stopped_by"),
+        "time_to_target_s": hit["time_s"] if hit else None, "wall_to_target_s": hit["wall_s"] if hit else None,
+        "tokens_to_target": hit["tokens"] if hit else None,
+        "inter_bytes_to_target": hit["inter_bytes"] if hit else None,
+        "steps_to_target": hit["step"] if hit else None,
+        "eval_overlap_s": hit["eval_s_before"] if hit else None,
+        "final_loss": summary.get("last_eval_loss"), "best_loss": min(losses) if losses else None,
+        "steps": summary["steps"], "tokens": summary["tokens"], "train_time_s": last.get("time_s"),
+        "wall_s": summary["wall_s"], "inter_bytes": total,
+        "inter_bytes_with_setup": inter_bytes(summary["bytes_by_group"]),
+        "micro_batches_per_step": statistics.mean(micro) * len(steps_by_rank) if micro else None,
+        "compute_busy": summary.get("compute_fraction"),
+        "tokens_per_s": (last["tokens"] / last["time_s"]) if last and last.get("time_s") else None,
+        "curve": curve,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- the sweep
+class Sweep:
+    """Runs (or reads from the cache) every (setting, link, seed), one child process per run."""
+
+    def __init__(self, job: Job, work: Path, wrap: list[str], dry: bool = False) -> None:
+        self.job, self.work, self.wrap, self.dry = job, work, wrap, dry
+        self.port = 29700 + os.getpid() % 97 * 3
+
+    def get(self, name: str, knobs: dict[str, Any], link: str, seed: int) -> dict[str, Any] | None:
+        path = record_path(self.work, self.job, link, name, knobs, seed)
+        if path.exists():
+            return json.loads(path.read_text())
+        if self.dry:
+            return None
+        self.port += 1
+        call = {"job": dataclasses.asdict(self.job), "name": name, "knobs": knobs, "link": link, "seed": seed,
+                "work": str(self.work), "port": self.port}
+        cmd = [*self.wrap, sys.executable, str(HERE), "--child", json.dumps(call)]
+        t0 = time.perf_counter()
+        print(f"[{time.strftime('%H:%M:%S')}] {link:8s} {spec(name, knobs):60s} seed {seed} ...", end=" ", flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not path.exists():
+            print(f"FAILED ({proc.returncode}) after {time.perf_counter() - t0:.0f} s", flush=True)
+            fail = path.with_suffix(".failed.txt")
+            fail.parent.mkdir(parents=True, exist_ok=True)
+            fail.write_text(proc.stdout[-20000:] + "\n" + proc.stderr[-20000:])
+            return None
+        rec = json.loads(path.read_text())
+        got = (f"{rec['time_to_target_s']:.1f} s, {rec['tokens_to_target']:,} tokens" if rec["reached"]
+               else f"not reached (best {rec['best_loss']:.3f}, {rec['stopped_by']})")
+        print(f"{got}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+        return rec
+
+
+def headline_rows(link: str, recs: dict[str, dict[str, Any]], top: int = 2) -> list[str]:
+    """The settings that need more seeds on ``link`` (of those that reached the target): the baseline, the ``top``
+    fastest to the target and, on the reference link, the ``top`` low-communication rows with the fewest bytes to
+    it."""
+    reached = {s: r for s, r in recs.items() if r["reached"]}
+    chosen = [s for s, r in reached.items() if r["strategy"] == BASELINE and not r["knobs"]]
+    fastest = sorted(reached, key=lambda s: reached[s]["time_to_target_s"])
+    chosen += [s for s in fastest if s not in chosen][:top]
+    if link == REFERENCE_LINK:
+        fewest = sorted((s for s in reached if reached[s]["low_comm"]),
+                        key=lambda s: reached[s]["inter_bytes_to_target"])
+        chosen += [s for s in fewest if s not in chosen][:top]
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------- the report
+def aggregate(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seeds of one setting on one link: mean, spread and how many reached the target."""
+    hit = [r for r in recs if r["reached"]]
+
+    def stat(key: str) -> dict[str, float] | None:
+        vals = [r[key] for r in hit]
+        if not vals or len(hit) < len(recs):
+            return None
+        return {"mean": statistics.mean(vals), "sd": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                "min": min(vals), "max": max(vals), "n": len(vals)}
+
+    return {"seeds": [r["seed"] for r in recs], "reached": len(hit), "runs": len(recs),
+            "time_to_target_s": stat("time_to_target_s"), "tokens_to_target": stat("tokens_to_target"),
+            "inter_bytes_to_target": stat("inter_bytes_to_target"),
+            "best_loss": min(r["best_loss"] for r in recs if r["best_loss"] is not None),
+            "final_loss": statistics.mean(r["final_loss"] for r in recs if r["final_loss"] is not None)}
+
+
+def fmt_stat(s: dict[str, float] | None, scale: float = 1.0, digits: int = 3) -> str:
+    if s is None:
+        return "—"
+    mean = s["mean"] / scale
+    text = f"{mean:.{digits}g}" if abs(mean) < 1000 else f"{mean:,.0f}"
+    if s["n"] > 1:
+        sd = s["sd"] / scale
+        text += f" ± {sd:.2g}" if abs(sd) < 1000 else f" ± {sd:,.0f}"
+    return text
+
+
+def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], records: dict, name: str,
+           cmd: str, sweep_s: float | None) -> Path:
+    """Write ``results/NAME.{json,md,png}`` from the records (every seed of every setting on every link)."""
+    by_link: dict[str, dict[str, dict[str, Any]]] = {}
+    for link in links:
+        by_link[link] = {}
+        for n, k in grid:
+            recs = records.get(link, {}).get(spec(n, k), [])
+            if recs:
+                by_link[link][spec(n, k)] = {"strategy": n, "knobs": k, "spec": spec(n, k),
+                                             "minimal_spec": minimal_spec(n, k), "config": resolved(n, k),
+                                             "low_comm": low_comm(n, k), **aggregate(recs), "runs_detail": recs}
+    ref = REFERENCE_LINK if REFERENCE_LINK in by_link else links[0]
+    table_a, headline = bytes_table(by_link.get(ref, {}), job)
+    table_b = time_table(by_link, links, job)
+    cpu = sum(r["process_s"] for lk in records.values() for rs in lk.values() for r in rs)
+    runs = sum(len(rs) for lk in records.values() for rs in lk.values())
+    (RESULTS / f"{name}.json").write_text(json.dumps({
+        "job": dataclasses.asdict(job), "links": {lk: LINKS[lk] or ShapedLink().describe() for lk in links},
+        "reference_link": ref, "baseline": BASELINE, "headline": headline, "left_out": LEFT_OUT,
+        "settings": [{"strategy": n, "knobs": k, "spec": spec(n, k), "minimal_spec": minimal_spec(n, k),
+                      "config": resolved(n, k)} for n, k in grid],
+        "results": by_link, "runs": runs, "run_seconds": cpu, "sweep_wall_s": sweep_s, "command": cmd,
+    }, indent=1) + "\n")
+    plot(by_link, links, job, RESULTS / f"{name}.png", ref)
+    notes = "\n".join([
+        f"Job: model `{job.model}`, 2 workers as 2 nodes, a core and one torch thread each, micro-batch "
+        f"{job.micro_batch_size}×{job.seq_len} tokens per worker, AdamW lr {job.lr:g} after {job.warmup_steps} "
+        f"warm-up steps, then constant; **target held-out loss {job.target:g}**; caps per run: "
+        f"{job.tokens:,} tokens (DiLoCo family: at least 16 outer steps) and {job.time_s:g} s. "
+        f"Links: " + "; ".join(f"`{lk}` = {LINKS[lk] or ShapedLink().describe()}" for lk in links) + ".",
+        "",
+        "## (a) Bytes exchanged to reach the same loss (the Streaming DiLoCo table, redone at equal loss)",
+        "",
+        f"On the `{ref}` link. *Inter-node MB* = bytes all workers sent across nodes during the training steps "
+        "until the first evaluation at or below the target (the start-up broadcast, the same in every row, left "
+        "out); *× fewer* = the baseline's bytes / these; *tokens* = all workers' tokens to the target. A row that "
+        "did not reach the target shows how close it came (its best held-out loss) and what it had sent by then. "
+        "Mean ± sd over seeds where more than one ran.",
+        "",
+        headline,
+        "",
+        table_a,
+        "",
+        "## (b) Time to the target per link",
+        "",
+        "Seconds of training (evaluations left out) until the first evaluation at or below the target, mean ± sd "
+        "over seeds where more than one ran; **bold** = the fastest on that link, (×) = this time / the fastest's; "
+        "— (x.xx; … cap) = not reached before the token or time cap, its best held-out loss in brackets.",
+        "",
+        table_b,
+        "",
+        same_tokens(by_link, links) if len(links) > 1 else "",
+        "",
+        "Left out: " + "; ".join(f"**{k}** — {v}" for k, v in LEFT_OUT.items()) + ".",
+        "",
+        f"{runs} runs, {cpu / 3600:.2f} h of run time (each run alone on the 2 cores"
+        + (f"; the sweep {sweep_s / 3600:.2f} h of wall time" if sweep_s else "") + "). Reproduce: `" + cmd + "`.",
+    ])
+    path = RESULTS / f"{name}.md"
+    path.write_text(f"# Equal loss: every setting run to held-out loss {job.target:g}\n\n{notes}\n\n"
+                    f"![loss vs time per link]({name}.png)\n")
+    return path
+
+
+def bytes_table(recs: dict[str, dict[str, Any]], job: Job) -> tuple[str, str]:
+    base = recs.get(BASELINE)
+    base_bytes = base["inter_bytes_to_target"]["mean"] if base and base["inter_bytes_to_target"] else None
+    base_tokens = base["tokens_to_target"]["mean"] if base and base["tokens_to_target"] else None
+    rows = []
+
+    def order(s: str) -> float:
+        r = recs[s]
+        return r["inter_bytes_to_target"]["mean"] if r["inter_bytes_to_target"] else math.inf
+
+    for s in sorted(recs, key=order):
+        r = recs[s]
+        b, t = r["inter_bytes_to_target"], r["tokens_to_target"]
+        reached = f"{r['reached']}/{r['runs']}"
+        if b is not None:
+            fewer = f"{base_bytes / b['mean']:,.1f}" if base_bytes else "—"
+            tok = f"{fmt_stat(t, 1e6)} M" + (f" ({t['mean'] / base_tokens:.2f}×)" if base_tokens else "")
+            rows.append([f"`{s}`", reached, fmt_stat(b, 1e6), fewer, tok, f"{r['best_loss']:.3f}"])
+        else:
+            sent = statistics.mean(x["inter_bytes"] for x in r["runs_detail"])
+            toks = statistics.mean(x["tokens"] for x in r["runs_detail"])
+            rows.append([f"`{s}`", reached, f"({sent / 1e6:,.3g} at the cap)", "—",
+                         f"(not reached in {toks / 1e6:.3g} M)",
+                         f"{r['best_loss']:.3f} (+{r['best_loss'] - job.target:.3f})"])
+    header = ["setting", "reached", "inter-node MB to target", "× fewer than ddp", "tokens to target (× ddp)",
+              "best held-out loss"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    low = {s: r for s, r in recs.items() if r["low_comm"] and r["inter_bytes_to_target"]}
+    if base_bytes and low:
+        best = min(low, key=lambda s: low[s]["inter_bytes_to_target"]["mean"])
+        ratio = base_bytes / low[best]["inter_bytes_to_target"]["mean"]
+        headline = (f"**Best low-communication row: `{best}`, {ratio:,.0f}× fewer inter-node bytes than {BASELINE} "
+                    f"to the same loss** (goal ≥ 100×: {'met' if ratio >= 100 else 'not met'}; Streaming DiLoCo's "
+                    "table reports ~400×).")
+        if ratio < 100:
+            near = [s for s, r in recs.items() if r["low_comm"] and not r["reached"]]
+            if near:
+                closest = min(near, key=lambda s: recs[s]["best_loss"])
+                headline += (f" Of the rows that did not reach it, `{closest}` came closest (best "
+                             f"{recs[closest]['best_loss']:.3f}).")
+    elif not base_bytes:
+        headline = f"The baseline ({BASELINE}) did not reach the target here: no ratio."
+    else:
+        headline = "No low-communication row reached the target."
+    return "\n".join(lines), headline
+
+
+def time_table(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: Job) -> str:
+    specs: list[str] = []
+    for link in links:
+        specs += [s for s in by_link[link] if s not in specs]
+    fastest: dict[str, str | None] = {}
+    for link in links:
+        reached = {s: r for s, r in by_link[link].items() if r["time_to_target_s"]}
+        fastest[link] = min(reached, key=lambda s: reached[s]["time_to_target_s"]["mean"]) if reached else None
+    header = ["setting", "tokens to target (M)"] + [f"{lk}: s to target (× the fastest)" for lk in links]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for s in specs:
+        row = [f"`{s}`"]
+        toks = next((by_link[lk][s]["tokens_to_target"] for lk in links if s in by_link[lk]
+                     and by_link[lk][s]["tokens_to_target"]), None)
+        row.append(fmt_stat(toks, 1e6))
+        for link in links:
+            r = by_link[link].get(s)
+            if r is None:
+                row.append("")
+                continue
+            t = r["time_to_target_s"]
+            if t is None:
+                how = "; ".join(sorted({x["stopped_by"] for x in r["runs_detail"] if not x["reached"]}))
+                row.append(f"— ({r['best_loss']:.2f}; {how.replace('max_', '')} cap)" if r["reached"] == 0
+                           else f"— in {r['runs'] - r['reached']} of {r['runs']} seeds")
+                continue
+            best = by_link[link][fastest[link]]["time_to_target_s"]["mean"] if fastest[link] else t["mean"]
+            cell = fmt_stat(t, 1.0, 3) + f" ({t['mean'] / best:.2f}×)"
+            row.append(f"**{cell}**" if s == fastest[link] else cell)
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def same_tokens(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str]) -> str:
+    """Whether each setting's seed-0 run reached the target at the same tokens on every link where it reached it
+    (true for every setting whose arithmetic does not depend on timing: all but the adaptive ACCO/DPU/WP stages)."""
+    same, differ = [], []
+    for s in {s for lk in links for s in by_link[lk]}:
+        toks = {lk: by_link[lk][s]["runs_detail"][0]["tokens_to_target"] for lk in links
+                if s in by_link[lk] and by_link[lk][s]["runs_detail"][0]["reached"]}
+        if len(toks) > 1:
+            (same if len(set(toks.values())) == 1 else differ).append(s)
+    text = (f"Tokens to the target (seed 0) are the same on every link where a setting reached it for {len(same)} "
+            f"of {len(same) + len(differ)} settings")
+    return text + (f"; they differ for {', '.join(f'`{s}`' for s in sorted(differ))} (stages that adapt to the "
+                   "link, or timing-dependent arithmetic)." if differ else ".")
+
+
+COLORS = {"ddp": "black", "zero1": "dimgray", "fsdp": "gray", "acco": "tab:orange", "dpu": "goldenrod",
+          "wp": "tab:brown", "demo": "tab:blue", "localsgd": "tab:olive", "diloco": "tab:green", "cdp": "tab:purple"}
+
+
+def plot(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: Job, path: Path, ref: str) -> None:
+    """Held-out loss vs training time on each link (the baseline and the 4 fastest labelled), and vs tokens on the
+    reference link."""
+    from quietsync.train.plots import pyplot
+
+    plt = pyplot()
+    panels = len(links) + 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 5.5), constrained_layout=True, squeeze=False)
+    for ax, link in zip(axes[0], [*links, ref]):
+        by_tokens = ax is axes[0][-1]
+        recs = by_link[link]
+        reached = sorted((s for s in recs if recs[s]["time_to_target_s"]),
+                         key=lambda s: recs[s]["time_to_target_s"]["mean"])
+        labelled = set(reached[:4]) | {BASELINE}
+        for s, r in recs.items():
+            run = r["runs_detail"][0]
+            xs = [c["tokens" if by_tokens else "time_s"] for c in run["curve"][1:]]
+            ys = [c["loss"] for c in run["curve"][1:]]
+            ax.plot(xs, ys, "-", lw=2 if s in labelled else 0.8, alpha=1 if s in labelled else 0.45,
+                    color=COLORS.get(r["strategy"], "tab:red"), label=s if s in labelled else None)
+        ax.axhline(job.target, color="red", ls="--", lw=1, label=f"target {job.target:g}")
+        ax.set_xscale("log")
+        ax.set(xlabel="tokens, all workers (log)" if by_tokens else "seconds of training (log)",
+               ylabel="held-out loss", ylim=(job.target - 0.5, job.target + 2.0),
+               title=f"{link}: loss vs tokens" if by_tokens else f"{link}: loss vs time")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- the pilot
+PILOT = [("const lr 1e-3", 1e-3, 1.0), ("const lr 2e-3", 2e-3, 1.0), ("const lr 4e-3", 4e-3, 1.0),
+         ("cosine lr 2e-3 (to 10%)", 2e-3, 0.1)]
+
+
+def pilot(work: Path, wrap: list[str], steps: int) -> None:
+    """The baseline (zero1 ≡ ddp) without a link, for ``steps`` steps at a few lrs: the plateau the target is
+    chosen from."""
+    rows, curves = [], {}
+    for label, lr, floor in PILOT:
+        out = work / "pilot" / slug(f"{label}-{steps}")
+        if not (out / "summary.json").exists():
+            flags = ["--strategy", "zero1", "--nproc", "2", "--nodes", "2", "--model", FULL.model, "--threads", "1",
+                     "--micro-batch-size", str(FULL.micro_batch_size), "--seq-len", str(FULL.seq_len),
+                     "--lr", repr(lr), "--warmup-steps", str(FULL.warmup_steps), "--min-lr-ratio", repr(floor),
+                     "--max-steps", str(steps), "--eval-every", "32", "--eval-windows", str(FULL.eval_windows),
+                     "--seed", "0", "--overwrite"]
+            cmd = [*wrap, sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from common import "
+                   "run_train; run_train(__import__('pathlib').Path(sys.argv[2]), *sys.argv[3:])",
+                   str(HERE.parent), str(out), *flags]
+            print(f"pilot: {label}", flush=True)
+            subprocess.run(cmd, check=True)
+        evals = [json.loads(x) for x in (out / "metrics-rank0.jsonl").read_text().splitlines() if x.strip()]
+        evals = [e for e in evals if e.get("event") == "eval"]
+        curves[label] = [(e["tokens_total"] * 2, e["loss"]) for e in evals]
+        best = min(e["loss"] for e in evals)
+        at = {frac: next(e["loss"] for e in evals if e["step"] >= frac * steps) for frac in (0.25, 0.5, 0.75)}
+        rows.append([label, f"{at[0.25]:.3f}", f"{at[0.5]:.3f}", f"{at[0.75]:.3f}", f"{evals[-1]['loss']:.3f}",
+                     f"{best:.3f}"])
+    tokens = steps * 2 * FULL.micro_batch_tokens
+    write_markdown("equal_loss_pilot", "Equal-loss pilot: the baseline's plateau",
+                   ["zero1 run", f"loss at {steps // 4} steps", f"at {steps // 2}", f"at {3 * steps // 4}",
+                    f"final ({steps} steps, {tokens / 1e6:.2f} M tokens)", "best"], rows,
+                   notes=f"2 workers as 2 nodes (one thread each), no link, model {FULL.model}, micro-batch "
+                         f"{FULL.micro_batch_size}×{FULL.seq_len}, {FULL.warmup_steps} warm-up steps, evaluations "
+                         "every 32 steps on the same 48 held-out windows. Reproduce: "
+                         f"`python benchmarks/bench_equal_loss.py --pilot --pilot-steps {steps}`.")
+    (RESULTS / "equal_loss_pilot.json").write_text(json.dumps({"steps": steps, "curves": curves}, indent=1) + "\n")
+    print((RESULTS / "equal_loss_pilot.md").read_text())
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="4 settings, one emulated link (100 Mbit), target 6.0")
+    ap.add_argument("--pilot", action="store_true", help="the baseline's lr sweep that sets lr, tokens and target")
+    ap.add_argument("--pilot-steps", type=int, default=1536)
+    ap.add_argument("--report", action="store_true", help="only rebuild the results from the records")
+    ap.add_argument("--links", nargs="+", default=None, choices=list(LINKS), help="links (default: all)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="SPEC",
+                    help="only the settings whose spec starts with one of these (e.g. diloco demo:replicator=dct)")
+    ap.add_argument("--extra-seeds", type=int, default=2, help="more seeds for the headline rows (default 2)")
+    ap.add_argument("--list", action="store_true", help="print the settings (specs) and exit")
+    ap.add_argument("--work", type=Path, default=Path("runs/equal_loss"), help="records and run folders")
+    ap.add_argument("--wrap", default="", help='command prefix of every run, e.g. "/work/bin/cpulock exclusive"')
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        call = json.loads(args.child)
+        run_one(Job(**call["job"]), call["name"], call["knobs"], call["link"], call["seed"], Path(call["work"]),
+                call["port"])
+        return
+    wrap = shlex.split(args.wrap)
+    if args.pilot:
+        pilot(args.work, wrap, args.pilot_steps)
+        return
+    job = QUICK if args.quick else FULL
+    grid = settings(args.quick)
+    if args.list:
+        for n, k in grid:
+            print(spec(n, k))
+        return
+    if args.only:
+        grid = [(n, k) for n, k in grid if any(spec(n, k).startswith(o) for o in args.only)]
+    links = args.links or (["100mbit"] if args.quick else list(LINKS))
+    if SHAPED in links and not args.report and (os.geteuid() != 0 or not shutil.which("tc")):
+        ap.error("the shaped link needs root and tc (leave it out with --links 10mbit 100mbit 1gbit)")
+    name = "equal_loss_quick" if args.quick else "equal_loss"
+    sweep = Sweep(job, args.work, wrap, dry=args.report)
+    t0 = time.perf_counter()
+    records: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    shaped = ShapedLink() if SHAPED in links and not args.report else None
+    try:
+        if shaped is not None:
+            shaped.__enter__()
+        for link in links:  # seed 0 of everything, then more seeds of this link's headline rows
+            for n, k in grid:
+                rec = sweep.get(n, k, link, 0)
+                if rec is not None:
+                    records.setdefault(link, {}).setdefault(spec(n, k), []).append(rec)
+            if not args.extra_seeds or link not in records:
+                continue
+            first = {s: rs[0] for s, rs in records[link].items()}
+            for s in headline_rows(link, first):
+                n, k = next((n, k) for n, k in grid if spec(n, k) == s)
+                for seed in range(1, 1 + args.extra_seeds):
+                    rec = sweep.get(n, k, link, seed)
+                    if rec is not None:
+                        records[link][s].append(rec)
+    finally:
+        if shaped is not None:
+            shaped.__exit__()
+    links = [lk for lk in links if lk in records]
+    if not links:
+        print("no records yet")
+        return
+    cmd = "python benchmarks/bench_equal_loss.py" + (" --quick" if args.quick else "") + (
+        f" --links {' '.join(args.links)}" if args.links else "") + (
+        f" --only {' '.join(args.only)}" if args.only else "")
+    path = report(job, grid, links, records, name, cmd, None if args.report else time.perf_counter() - t0)
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
