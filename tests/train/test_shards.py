@@ -10,19 +10,20 @@ import pytest
 import torch
 
 from quietsync.train.data import ShardedSequences, eval_batches
-from quietsync.train.shards import FORMAT, VERSION, TokenShards, map_shard, open_prepared
+from quietsync.train.shards import FORMAT, VERSION, TokenShards, map_file, map_shard, open_prepared
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _shards(tmp_path, ids: np.ndarray, cuts: list[int], dtype=np.uint16) -> TokenShards:
     """``ids`` written as files cut at ``cuts``, mapped."""
-    arrays = []
+    arrays, maps = [], []
     for i, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, ids.size])):
         path = tmp_path / f"s{i}.bin"
         ids[lo:hi].astype(dtype).tofile(path)
-        arrays.append(map_shard(path, np.dtype(dtype), 0, hi - lo))
-    return TokenShards(arrays)
+        maps.append((map_file(path), 0))
+        arrays.append(map_shard(path, np.dtype(dtype), 0, hi - lo, maps[-1][0]))
+    return TokenShards(arrays, maps)
 
 
 @pytest.fixture
@@ -130,3 +131,24 @@ def test_a_changed_or_missing_shard_is_named(tmp_path):
     (tmp_path / "index.json").write_text(json.dumps({**_index(tmp_path, "uint16", 100, 200), "vocab_size": 70_000}))
     with pytest.raises(ValueError, match="uint16 token ids cannot hold a vocabulary of 70000"):
         open_prepared(tmp_path)
+
+
+def _rss_file() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("RssFile")
+
+
+def test_pages_read_are_let_go_of(tmp_path):
+    """Reading windows all over a mapped split does not leave the process holding the pages it touched (the
+    kernel maps up to 2 MB of page cache per fault): its file-backed resident memory stays where it was."""
+    ids = (np.arange(8 << 20, dtype=np.uint32) % 60_000).astype(np.uint32)  # 32 MB of ids
+    mapped = _shards(tmp_path, ids, [4 << 20], dtype=np.uint32)
+    memory = torch.from_numpy(ids.astype(np.int64))
+    before = _rss_file()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        starts = torch.from_numpy(rng.integers(0, ids.size - 128, size=32))
+        assert torch.equal(mapped.windows(starts, 128), memory[starts[:, None] + torch.arange(128)[None, :]])
+    assert _rss_file() - before < (2 << 20), (_rss_file() - before) / 2**20  # 6 400 windows over 32 MB

@@ -117,8 +117,9 @@ class Refused(ValueError):
 
 def _request(cfg: PrepareConfig, source: Source, tokenizer_about: dict[str, Any]) -> dict[str, Any]:
     """What decides the folder's contents (an unfinished prepare resumes only for the same request)."""
+    by_file = _held_out_by_file(source)
     request = {"format": FORMAT, "version": VERSION, "source": source.identity(), "tokenizer": tokenizer_about,
-               "eval_fraction": None if source.splits_by_file else cfg.eval_fraction}
+               "eval_fraction": None if by_file else cfg.eval_fraction}
     if source.kind != "tokens":
         request["shard_tokens"] = cfg.shard_tokens
     return request
@@ -151,7 +152,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def split_stream(documents: Iterable[tuple[str, int]], k: int) -> Iterator[tuple[str, bool, int]]:
-    """``(document, held out?, bytes read)``: every k-th document held out, counting from the (k-1)-th — and when
+    """``(document, held out?, position)``: every k-th document held out, counting from the (k-1)-th — and when
     there are fewer than k, the last one — as :func:`~quietsync.train.corpus.split_documents` splits a list (one
     document is held back until the next one is read)."""
     pending: tuple[str, int] | None = None

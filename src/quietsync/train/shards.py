@@ -79,14 +79,50 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
 
 
-class TokenShards:
-    """One split's token ids: its shards, mapped read-only, as one sequence (a window may span two shards)."""
+FOLIO_BYTES = 2 << 20
+"""The largest block of page cache the kernel maps at one fault (a PMD-sized folio); windows are let go of in
+aligned blocks of this size."""
 
-    def __init__(self, arrays: list[np.ndarray]) -> None:
-        self.arrays = [a for a in arrays if a.size]
+
+class TokenShards:
+    """One split's token ids: its shards, mapped read-only, as one sequence (a window may span two shards).
+
+    A page a window touched stays mapped into the process until released — and the kernel maps page-cache pages in
+    large folios (up to 2 MB per fault on this machine's kernel), so a few hundred random windows would map most of
+    a shard. Those pages count in the process's resident memory although they are the page cache's: shared with
+    every other worker, dropped by the kernel under pressure. :meth:`windows` therefore lets go of them as soon as
+    it has copied a window out (``MADV_DONTNEED`` on the aligned 2 MB around it: the page cache keeps the pages, a
+    later read maps them back), so a
+    worker's resident memory stays where it started however long it runs (nanoGPT re-creates its ``np.memmap``
+    every batch for the same reason)."""
+
+    def __init__(self, arrays: list[np.ndarray], maps: list[tuple[mmap.mmap, int] | None] | None = None) -> None:
+        maps = list(maps) if maps is not None else [None] * len(arrays)
+        kept = [(a, m) for a, m in zip(arrays, maps) if a.size]
+        self.arrays = [a for a, _ in kept]
+        self.maps = [m for _, m in kept]
+        """Each array's mapping and the byte its first id is at (None: not mapped)."""
         lengths = [int(a.size) for a in self.arrays]
         self.bounds = np.cumsum([0, *lengths], dtype=np.int64)
         """Start of each shard in the sequence, and its length at the end."""
+
+    def release(self) -> None:
+        """Unmap every page read so far (they stay in the page cache)."""
+        for m in {id(m[0]): m[0] for m in self.maps if m is not None}.values():
+            if hasattr(m, "madvise"):
+                m.madvise(mmap.MADV_DONTNEED)
+
+    def _release_window(self, shard: int, first: int, length: int) -> None:
+        """Unmap the pages around ids ``[first, first + length)`` of ``shard`` (whole :data:`FOLIO_BYTES` regions:
+        the kernel maps a large folio at once)."""
+        where = self.maps[shard]
+        if where is None or not hasattr(where[0], "madvise"):
+            return
+        m, offset = where
+        itemsize = self.arrays[shard].itemsize
+        lo = (offset + first * itemsize) // FOLIO_BYTES * FOLIO_BYTES
+        hi = min(len(m), -(-(offset + (first + length) * itemsize) // FOLIO_BYTES) * FOLIO_BYTES)
+        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def numel(self) -> int:
         """Tokens in the split."""
@@ -115,17 +151,24 @@ class TokenShards:
         starts_np = starts.numpy() if isinstance(starts, torch.Tensor) else np.asarray(starts)
         shard = np.searchsorted(self.bounds, starts_np, side="right") - 1
         out = np.empty((starts_np.size, length), dtype=np.int64)
+        spans = False
         for i, (s, k) in enumerate(zip(starts_np.tolist(), shard.tolist())):
             lo = int(self.bounds[k])
             if s + length <= lo + self.arrays[k].size:
                 out[i] = self.arrays[k][s - lo : s - lo + length]
+                self._release_window(k, s - lo, length)
             else:
                 out[i] = self.read(s, s + length)
+                spans = True
+        if spans:
+            self.release()
         return torch.from_numpy(out)
 
     def to_tensor(self) -> torch.Tensor:
         """The whole split in memory as int64 (what every worker held before the shards were mapped)."""
-        return torch.from_numpy(self.read(0, self.numel()).astype(np.int64))
+        tokens = torch.from_numpy(self.read(0, self.numel()).astype(np.int64))
+        self.release()
+        return tokens
 
 
 @dataclass(frozen=True)
@@ -203,20 +246,27 @@ def shard_path(folder: Path, entry: dict[str, Any]) -> Path:
     return path if path.is_absolute() else folder / path
 
 
-def map_shard(path: Path, dtype: np.dtype, offset: int, tokens: int) -> np.ndarray:
-    """``tokens`` ids of ``dtype`` from byte ``offset`` of ``path``, mapped read-only (random access advised)."""
-    if tokens == 0:
-        return np.empty(0, dtype=dtype)
+def map_file(path: Path) -> mmap.mmap:
+    """``path`` mapped read-only, random access advised (windows are read at random: no read-ahead)."""
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-        mapped.madvise(mmap.MADV_RANDOM)  # windows are read at random: no read-ahead
-    return np.frombuffer(mapped, dtype=dtype, count=tokens, offset=offset)
+        mapped.madvise(mmap.MADV_RANDOM)
+    return mapped
+
+
+def map_shard(path: Path, dtype: np.dtype, offset: int, tokens: int, mapped: mmap.mmap | None = None) -> np.ndarray:
+    """``tokens`` ids of ``dtype`` from byte ``offset`` of ``path`` (or of its mapping ``mapped``), read-only."""
+    if tokens == 0:
+        return np.empty(0, dtype=dtype)
+    return np.frombuffer(mapped if mapped is not None else map_file(path), dtype=dtype, count=tokens, offset=offset)
 
 
 def _open_split(folder: Path, index: dict[str, Any], split: str) -> TokenShards:
     dtype = DTYPES[index["dtype"]]
     arrays = []
+    maps: dict[Path, mmap.mmap] = {}
+    where: list[tuple[mmap.mmap, int]] = []
     for entry in index["splits"][split]["shards"]:
         path = shard_path(folder, entry)
         offset, tokens = int(entry["offset"]), int(entry["tokens"])
@@ -227,8 +277,12 @@ def _open_split(folder: Path, index: dict[str, Any], split: str) -> TokenShards:
         if size != int(entry["bytes"]) or offset + tokens * dtype.itemsize > size:
             raise ValueError(f"--dataset {folder}: shard {path} is {size} bytes, the index says {entry['bytes']} "
                              "(changed or truncated since it was prepared): prepare it again")
-        arrays.append(map_shard(path, dtype, offset, tokens))
-    return TokenShards(arrays)
+        if tokens:
+            if path not in maps:
+                maps[path] = map_file(path)
+            arrays.append(map_shard(path, dtype, offset, tokens, maps[path]))
+            where.append((maps[path], offset))
+    return TokenShards(arrays, where)
 
 
 def open_prepared(folder: str | os.PathLike) -> Prepared:

@@ -86,17 +86,15 @@ class Source:
     options: dict = field(default_factory=dict)
     """chunk_chars (text), max_chars (hub), token_dtype (tokens)."""
 
-    @property
-    def splits_by_file(self) -> bool:
-        """Whether the held-out split is given by files (or, for a hub dataset, by its own split)."""
-        return bool(self.held_out_files) or self.kind == "hub" and bool(self.options.get("held_out_split"))
-
     def identity(self) -> dict:
         """What identifies this input on disk (keys the prepared cache): kind, files with size and modification
         time, text column, chunk size."""
-        files = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in self.files + self.held_out_files]
+        paths = self.files + self.held_out_files
+        if self.kind == "saved":  # the folder's files (its own times change only when entries come and go)
+            paths = tuple(sorted(p for p in self.files[0].rglob("*") if p.is_file()))
+        files = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
         ident = {"kind": self.kind, "name": self.name, "files": files, "text_column": self.text_column,
-                 **{k: v for k, v in self.options.items() if k != "held_out_split"}}
+                 **self.options}
         if self.kind == "kjv":
             path = kjv_path()
             ident["files"] = [[str(path), path.stat().st_size, path.stat().st_mtime_ns]]

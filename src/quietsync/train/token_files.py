@@ -9,12 +9,13 @@ name. The held-out split is the files named like one (``val.bin``), else the las
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .shards import DTYPES, dtype_problem, map_shard
+from .shards import DTYPES, dtype_problem, map_file, map_shard
 
 
 class TokenFileError(ValueError):
@@ -69,15 +70,17 @@ def index_token_files(train_files: tuple[Path, ...], held_out_files: tuple[Path,
 
 def _check_ids(path: Path, dtype: np.dtype, offset: int, count: int, vocab: int, name: str, tokenizer: str) -> None:
     """Every id of the file is below ``vocab`` (read in blocks); a uint32 file read as uint16 is named."""
-    ids = map_shard(path, dtype, offset, count)
+    mapped = map_file(path)
+    ids = map_shard(path, dtype, offset, count, mapped)
     if name == "uint16" and path.suffix.lower() == ".bin" and count >= 64:
         head = ids[: min(count, 1 << 16)]
         if not head[1::2].any() and head[0::2].any():
-            raise TokenFileError(f"--dataset {path}: every other uint16 id is 0, as uint32 ids read as uint16 are: "
-                          "--token-dtype uint32")
+            raise TokenFileError(f"--dataset {path}: every other uint16 id is 0, as uint32 ids read as uint16 "
+                                 "are: --token-dtype uint32")
     block = 1 << 24
     for start in range(0, count, block):
         top = int(ids[start : start + block].max())
+        mapped.madvise(mmap.MADV_DONTNEED)  # the pages scanned are the page cache's: do not keep them mapped
         if top >= vocab:
             raise TokenFileError(f"--dataset {path}: id {top} is outside the vocabulary of --tokenizer {tokenizer} "
                           f"({vocab} entries): the shards were made with another tokenizer")
