@@ -24,7 +24,7 @@ DEMO_FLAGS ?= --strategies zero1 demo --model tiny --max-steps 120 --link inter=
 $(VENV)/.installed: pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(PIP) install -q $(FIND_LINKS) "$(TORCH_SPEC)"
-	$(PIP) install -q $(FIND_LINKS) -e ".[train,accelerate,dev]"
+	$(PIP) install -q $(FIND_LINKS) -e ".[train,accelerate,plan,dev]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -28,7 +28,7 @@ def _measure(rank: int, world: int) -> dict:
     import torch
 
     import quietsync
-    from quietsync.train.model import build_model
+    from quietsync.models import build_model
 
     out = {}
     for name in STRATEGIES:

@@ -34,7 +34,7 @@ from typing import Any
 
 from common import RESULTS, run_train, step_stats, write_markdown
 
-from quietsync.train.compare import eval_curve
+from quietsync.commands.compare import eval_curve
 
 NPROC = 4
 BASE = ["--model", "tiny", "--eval-windows", "8"]

@@ -30,8 +30,8 @@ import cdp_table2  # noqa: E402
 from cdp_models import tiny_resnet, tiny_vit  # noqa: E402
 
 import quietsync  # noqa: E402
+from quietsync.models import ModelPreset, build_model  # noqa: E402
 from quietsync.strategies.cdp.schedule import Schedule  # noqa: E402
-from quietsync.train.model import ModelPreset, build_model  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 
@@ -122,7 +122,7 @@ def bench_comm() -> dict:
     transport), and the DP all-reduce of the same gradient at the end of the step."""
     rows = []
     model = tiny_resnet()
-    from quietsync.strategies.cdp.stages import partition, sequential_view
+    from quietsync.models.stages import partition, sequential_view
 
     for n in (2, 4):
         plan = partition(sequential_view(model), n)

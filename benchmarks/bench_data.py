@@ -104,7 +104,7 @@ def make_corpus(total: int, out: Path, seed: int = 0) -> dict[str, Any]:
 
 def bench_prepare(dataset: str, out: str) -> dict[str, Any]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "quietsync.train.cli", "prepare", "--dataset", dataset, "--out", out,
+    proc = subprocess.run([sys.executable, "-m", "quietsync", "prepare", "--dataset", dataset, "--out", out,
                            "--no-progress"], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -250,7 +250,7 @@ def bench_steps(prepared: str, steps: int, repeats: int, work: Path) -> dict[str
 
 def first_step_s(prepared: str, out: Path) -> float:
     """Seconds from starting ``quietsync train --dataset PREPARED`` to rank 0's first step record."""
-    cmd = [sys.executable, "-m", "quietsync.train.cli", "train", *_train_flags(prepared, 3), "--out", str(out),
+    cmd = [sys.executable, "-m", "quietsync", "train", *_train_flags(prepared, 3), "--out", str(out),
            "--overwrite", "--no-progress", "--no-plot", "--no-export"]
     metrics = out / "metrics-rank0.jsonl"
     if metrics.exists():

@@ -37,7 +37,7 @@ REPLICATORS = ("dct", "random", "striding")
 
 
 def _model_shapes(preset: str, vocab: int = 4096) -> list[torch.Size]:
-    from quietsync.train.model import build_model
+    from quietsync.models import build_model
 
     model = build_model(preset, vocab, seed=0)
     return [p.shape for p in model.parameters() if p.requires_grad]
@@ -48,10 +48,10 @@ def _bytes_worker(rank: int, world: int, port: int, shapes: list[torch.Size], ou
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
-    from quietsync.replicators import Segments, make_replicator
     from quietsync.strategies.decoupled.flexdemo import DimZeroShards
     from quietsync.topology import Topology
     from quietsync.transport import Transport
+    from quietsync.wire.replicators import Segments, make_replicator
 
     transport = Transport(Topology.from_env())
     numel = sum(torch.Size(s).numel() for s in shapes)
@@ -177,8 +177,8 @@ def _median_time(fn: Any, repeats: int) -> float:
 
 def bench_codec(preset: str = "10m", micro_batch: int = 8, seq_len: int = 128, repeats: int = 5,
                 threads: int = 1) -> None:
+    from quietsync.models import build_model
     from quietsync.optim import DeMoSGD
-    from quietsync.train.model import build_model
 
     torch.set_num_threads(threads)  # one worker per core, as the trainer runs them; steadier on a shared box
     model = build_model(preset, 4096, seed=0)

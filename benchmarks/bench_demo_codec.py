@@ -69,7 +69,7 @@ class _Variant:
 
 def _quietsync_variant(model_name: str, replicator: str) -> _Variant:
     import quietsync
-    from quietsync.train.model import build_model
+    from quietsync.models import build_model
 
     strategy = quietsync.make_strategy("demo", build_model(model_name, VOCAB, seed=0), torch.optim.SGD, lr=LR,
                                        config={"replicator": replicator, "chunk": 64, "compression": 1 / 32})
@@ -85,7 +85,7 @@ def _quietsync_variant(model_name: str, replicator: str) -> _Variant:
 def _detonation_variant(model_name: str, topk: int, solo: Any) -> _Variant:
     from detonation import DeMoReplicator, DeToSGD
 
-    from quietsync.train.model import build_model
+    from quietsync.models import build_model
 
     model = build_model(model_name, VOCAB, seed=0)
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its chunk sizes
@@ -160,7 +160,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
 
 def _param_count_model(model_name: str) -> torch.nn.Module:
-    from quietsync.train.model import build_model
+    from quietsync.models import build_model
 
     return build_model(model_name, VOCAB, seed=0)
 

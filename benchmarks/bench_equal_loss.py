@@ -17,10 +17,12 @@ capped at 4 micro-batches per stage; demo with the dct and random replicators at
 diloco H with fragments and τ; low-bit pseudo-gradients (int8, fp4, int4, int2); SparseLoCo at the paper's 2-bit
 values; cdp v1/v2 — plus every setting of the planner's candidate grid (:func:`quietsync.plan.candidates
 .default_candidates`) so the two join on setting names. Names are ``quietsync compare --strategies`` specs with the
-knobs sorted (``diloco:fragments=4,overlap_delay=1,sync_every=64``); settings whose resolved strategy configs are
-equal are one row. Left out, with why: flexdemo and hierarchical diloco (``inner=ddp|zero1``) — with one worker per
-node their intra-node step is over a single worker, so they would repeat demo's and diloco's rows — and 2 nodes × 2
-workers (4 processes on 2 cores would measure the core sharing).
+knobs that differ from the defaults in the config's order, normalized by the planner's own
+:func:`quietsync.plan.candidates.candidate` (``demo``, ``diloco:sync_every=16,fragments=4,overlap_delay=4``), so
+equal settings are one row and the planner's rows join these by name. Left out, with why: flexdemo and
+hierarchical diloco (``inner=ddp|zero1``) — with one worker per node their intra-node step is over a single worker,
+so they would repeat demo's and diloco's rows — and 2 nodes × 2 workers (4 processes on 2 cores would measure the
+core sharing); the planner's ``WIDE`` settings for large clusters (H = 128 and 512; its DeMo at 1/1024 is run).
 
 Measured per run: whether it reached the target; training time (evaluations subtracted), tokens (all workers),
 inter-node bytes (sent by all workers on the groups that span nodes, during the training steps: the start-up
@@ -63,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ShapedLink, flags_of, key_of, read_run, run_train, write_markdown  # noqa: E402
+from common import RESULTS, ShapedLink, flags_of, read_run, run_train, write_markdown  # noqa: E402
 
 HERE = Path(__file__).resolve()
 SHAPED = "shaped"
@@ -112,6 +114,8 @@ class Job:
     """Byte-level BPE vocabulary."""
     workers: int = 2
     """Workers, each its own node."""
+    min_outer_steps: int = 16
+    """Outer steps (syncs) a DiLoCo-family setting's token cap allows at least."""
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -123,33 +127,36 @@ class Job:
 
 FULL = Job()
 QUICK = Job(target=6.0, tokens=400_000, time_s=240.0, eval_tokens=8192, eval_windows=16)
+SMOKE = Job(target=7.0, tokens=60_000, time_s=120.0, eval_tokens=8192, eval_windows=8, min_outer_steps=1)
+"""Every setting to a high target: checks the sweep end to end (``--smoke``), its numbers mean nothing."""
 
 
 # ---------------------------------------------------------------------------------------------- the settings
 def settings(quick: bool = False) -> list[tuple[str, dict[str, Any]]]:
-    """The sweep's settings (strategy, knobs), in table order, the planner's grid included, duplicates dropped."""
+    """The sweep's settings (strategy, knobs), in table order, the planner's grid included, one per setting: knobs
+    normalized as the planner names candidates (the fields that differ from the defaults)."""
     if quick:
-        return unique([("ddp", {}), ("demo", {"replicator": "dct", "compression": 1 / 32}),
-                       ("diloco", {"sync_every": 16}), ("acco", {"max_accumulation": 4})])
+        return unique([("ddp", {}), ("demo", {}), ("diloco", {"sync_every": 16}), ("acco", {"max_accumulation": 4})])
+    sparseloco = {"outer": "sparseloco", "pseudo_grad_dtype": "int2", "topk_density": 1 / 64, "topk_chunk": 4096,
+                  "error_decay": 0.95, "outer_lr": 1.0}  # the SparseLoCo paper's values: 2-bit, lr 1 (averaged step)
     grid: list[tuple[str, dict[str, Any]]] = [
         ("ddp", {}), ("zero1", {}), ("fsdp", {}),
         ("ddp", {"comm_hook": "powersgd", "powersgd_rank": 4}),
         ("acco", {}), ("dpu", {}), ("wp", {}),
         ("acco", {"max_accumulation": 4}), ("dpu", {"max_accumulation": 4}), ("wp", {"max_accumulation": 4}),
-        *[("demo", {"replicator": "dct", "compression": 1 / c}) for c in (8, 32, 128, 512)],
-        *[("demo", {"replicator": "random", "compression": 1 / c}) for c in (8, 32, 128)],
-        *[("localsgd", {"sync_every": k}) for k in (8, 16, 64)],
+        *[("demo", {"replicator": "dct", "compression": 1 / c}) for c in (8, 32, 256, 1024)],
+        *[("demo", {"replicator": "random", "compression": 1 / c}) for c in (8, 32, 256)],
+        *[("localsgd", {"sync_every": k}) for k in (16, 64)],
         *[("diloco", {"sync_every": h}) for h in (16, 64, 256)],
         ("diloco", {"sync_every": 16, "overlap_delay": 16}),                   # the whole exchange behind H steps
+        ("diloco", {"sync_every": 16, "fragments": 4, "overlap_delay": 4}),    # each fragment behind H/F steps
+        ("diloco", {"sync_every": 16, "fragments": 4, "overlap_delay": 4, "pseudo_grad_dtype": "fp4"}),
         ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 1}),    # Streaming DiLoCo (paper's τ = 1)
-        ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 16}),   # each fragment behind H/F steps
+        ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 16}),
         *[("diloco", {"sync_every": 64, "pseudo_grad_dtype": d}) for d in ("int8", "fp4", "int4", "int2")],
         ("diloco", {"sync_every": 64, "fragments": 4, "overlap_delay": 1, "fragment_pattern": "strided",
                     "pseudo_grad_dtype": "fp4"}),                               # Streaming DiLoCo's fp4 row
-        # SparseLoCo (Sarfi et al. 2025): error feedback β 0.95, chunk-wise top-k 1/64 of 4096, 2-bit values, outer
-        # lr 1 (a plain averaged step)
-        *[("diloco", {"sync_every": h, "outer": "sparseloco", "pseudo_grad_dtype": "int2", "topk_density": 1 / 64,
-                      "topk_chunk": 4096, "error_decay": 0.95, "outer_lr": 1.0}) for h in (16, 64)],
+        *[("diloco", {"sync_every": h, **sparseloco}) for h in (16, 64)],
         ("cdp", {"rule": "v1"}), ("cdp", {"rule": "v2"}),
     ]
     return unique(grid + planner_grid())
@@ -177,36 +184,45 @@ def resolved(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
 
 
 def unique(grid: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    """``grid`` with later settings dropped whose resolved config equals an earlier one's."""
-    seen: list[tuple[str, dict[str, Any]]] = []
-    out = []
+    """``grid`` normalized (:func:`quietsync.plan.candidates.candidate`: the knobs that differ from the defaults, in
+    the config's field order), later repeats of a setting dropped."""
+    from quietsync.plan.candidates import candidate
+
+    out: list[tuple[str, dict[str, Any]]] = []
     for name, knobs in grid:
-        r = (name, resolved(name, knobs))
-        if r not in seen:
-            seen.append(r)
-            out.append((name, knobs))
+        c = candidate(name, knobs)
+        if (c.strategy, c.knob_dict) not in out:
+            out.append((c.strategy, c.knob_dict))
     return out
 
 
 LEFT_OUT = {
-    "flexdemo": "with one worker per node its intra-node reduce-scatter and sharding are over a single worker: "
-                "the same computation and cross-node traffic as demo (its rows would repeat demo's); it needs "
-                "2 nodes × 2 workers, 4 processes on these 2 cores",
+    "flexdemo": "the planner's reason: {flexdemo}; its intra-node reduce-scatter and sharding would be over a single "
+                "worker, the same computation and cross-node traffic as demo's rows",
     "diloco inner=ddp|zero1 (hierarchical)": "with one worker per node the inner ddp/zero1 step is over a single "
                                              "worker: the same as diloco's default inner=local",
     "2 nodes × 2 workers": "4 worker processes on 2 cores would measure the core sharing, not the strategies",
+    "the planner's WIDE settings (H = 128 / 512, SparseLoCo H = 128)": "settings for large clusters on slow links "
+                                                                       "(--what-if); 16 outer steps at H = 512 "
+                                                                       "would be 8 epochs of this corpus",
 }
+"""What the sweep does not run, and why (``{flexdemo}``: the planner's own reason, filled in by :func:`left_out`)."""
+
+
+def left_out() -> dict[str, str]:
+    from quietsync.plan.candidates import applies
+    from quietsync.topology import Topology
+
+    why = applies("flexdemo", Topology(0, FULL.workers, FULL.workers)) or "it applies"
+    return {k: v.replace("{flexdemo}", why) for k, v in LEFT_OUT.items()}
 
 
 def spec(name: str, knobs: dict[str, Any]) -> str:
-    """The setting's name: a ``quietsync compare --strategies`` spec, knobs sorted."""
-    return key_of(name, knobs)
+    """The setting's name: the planner's spec string (``quietsync compare --strategies`` takes it), e.g. ``demo`` or
+    ``diloco:sync_every=16,fragments=4,overlap_delay=4``."""
+    from quietsync.plan.candidates import candidate
 
-
-def minimal_spec(name: str, knobs: dict[str, Any]) -> str:
-    """The spec with the knobs equal to the strategy's defaults left out (``demo`` for dct at 1/32)."""
-    defaults = resolved(name, {})
-    return key_of(name, {k: v for k, v in knobs.items() if defaults.get(k) != v})
+    return candidate(name, knobs).spec
 
 
 def low_comm(name: str, knobs: dict[str, Any]) -> bool:
@@ -223,9 +239,11 @@ def outer_period(name: str, knobs: dict[str, Any]) -> int:
 
 
 def token_cap(job: Job, name: str, knobs: dict[str, Any]) -> int:
-    """The run's token cap: the job's, and at least 16 outer steps (plus τ) of a DiLoCo-family setting."""
+    """The run's token cap: the job's, and at least ``job.min_outer_steps`` outer steps (plus τ) of a DiLoCo-family
+    setting."""
     period = outer_period(name, knobs)
-    outer = (16 * period + int(knobs.get("overlap_delay", 0)) + 1) * job.workers * job.micro_batch_tokens
+    steps = job.min_outer_steps * period + int(knobs.get("overlap_delay", 0)) + 1
+    outer = steps * job.workers * job.micro_batch_tokens
     return max(job.tokens, outer)
 
 
@@ -277,7 +295,8 @@ def record_path(work: Path, job: Job, link: str, name: str, knobs: dict[str, Any
     return work / f"job-{job.key()}" / link / f"{slug(spec(name, knobs))}-seed{seed}.json"
 
 
-def run_one(job: Job, name: str, knobs: dict[str, Any], link: str, seed: int, work: Path, port: int) -> dict:
+def run_one(job: Job, name: str, knobs: dict[str, Any], link: str, seed: int, work: Path, port: int,
+            wrap: list[str]) -> dict:
     """Run one setting on one link with one seed and write its record (called in the child process, under the
     wrap's lock)."""
     path = record_path(work, job, link, name, knobs, seed)
@@ -295,12 +314,11 @@ def run_one(job: Job, name: str, knobs: dict[str, Any], link: str, seed: int, wo
                             "--link", f"inter={LINKS[link]}", *flags, timeout=job.time_s * 2 + 600)
     process_s = time.perf_counter() - t0
     rec = measure(summary, job)
-    rec.update({"strategy": name, "knobs": knobs, "spec": spec(name, knobs),
-                "minimal_spec": minimal_spec(name, knobs), "config": resolved(name, knobs),
+    rec.update({"strategy": name, "knobs": knobs, "spec": spec(name, knobs), "config": resolved(name, knobs),
                 "link": link, "link_spec": LINKS[link] or ShapedLink().describe(), "seed": seed,
                 "low_comm": low_comm(name, knobs), "flags": flags, "token_cap": token_cap(job, name, knobs),
                 "time_cap_s": job.time_s, "eval_every": eval_every(job, name, knobs, link),
-                "process_s": process_s, "load_average_before_after": [load, os.getloadavg()[0]],
+                "process_s": process_s, "load_average_before_after": [load, os.getloadavg()[0]], "wrap": wrap,
                 "job": dataclasses.asdict(job)})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rec, indent=1) + "\n")
@@ -371,7 +389,7 @@ class Sweep:
             return None
         self.port += 1
         call = {"job": dataclasses.asdict(self.job), "name": name, "knobs": knobs, "link": link, "seed": seed,
-                "work": str(self.work), "port": self.port}
+                "work": str(self.work), "port": self.port, "wrap": self.wrap}
         cmd = [*self.wrap, sys.executable, str(HERE), "--child", json.dumps(call)]
         t0 = time.perf_counter()
         print(f"[{time.strftime('%H:%M:%S')}] {link:8s} {spec(name, knobs):60s} seed {seed} ...", end=" ", flush=True)
@@ -443,8 +461,7 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         for n, k in grid:
             recs = records.get(link, {}).get(spec(n, k), [])
             if recs:
-                by_link[link][spec(n, k)] = {"strategy": n, "knobs": k, "spec": spec(n, k),
-                                             "minimal_spec": minimal_spec(n, k), "config": resolved(n, k),
+                by_link[link][spec(n, k)] = {"strategy": n, "knobs": k, "spec": spec(n, k), "config": resolved(n, k),
                                              "low_comm": low_comm(n, k), **aggregate(recs), "runs_detail": recs}
     ref = REFERENCE_LINK if REFERENCE_LINK in by_link else links[0]
     table_a, headline = bytes_table(by_link.get(ref, {}), job)
@@ -453,9 +470,8 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
     runs = sum(len(rs) for lk in records.values() for rs in lk.values())
     (RESULTS / f"{name}.json").write_text(json.dumps({
         "job": dataclasses.asdict(job), "links": {lk: LINKS[lk] or ShapedLink().describe() for lk in links},
-        "reference_link": ref, "baseline": BASELINE, "headline": headline, "left_out": LEFT_OUT,
-        "settings": [{"strategy": n, "knobs": k, "spec": spec(n, k), "minimal_spec": minimal_spec(n, k),
-                      "config": resolved(n, k)} for n, k in grid],
+        "reference_link": ref, "baseline": BASELINE, "headline": headline, "left_out": left_out(),
+        "settings": [{"strategy": n, "knobs": k, "spec": spec(n, k), "config": resolved(n, k)} for n, k in grid],
         "results": by_link, "runs": runs, "run_seconds": cpu, "sweep_wall_s": sweep_s, "command": cmd,
     }, indent=1) + "\n")
     plot(by_link, links, job, RESULTS / f"{name}.png", ref)
@@ -463,7 +479,7 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         f"Job: model `{job.model}`, 2 workers as 2 nodes, a core and one torch thread each, micro-batch "
         f"{job.micro_batch_size}×{job.seq_len} tokens per worker, AdamW lr {job.lr:g} after {job.warmup_steps} "
         f"warm-up steps, then constant; **target held-out loss {job.target:g}**; caps per run: "
-        f"{job.tokens:,} tokens (DiLoCo family: at least 16 outer steps) and {job.time_s:g} s. "
+        f"{job.tokens:,} tokens (DiLoCo family: at least {job.min_outer_steps} outer steps) and {job.time_s:g} s. "
         f"Links: " + "; ".join(f"`{lk}` = {LINKS[lk] or ShapedLink().describe()}" for lk in links) + ".",
         "",
         "## (a) Bytes exchanged to reach the same loss (the Streaming DiLoCo table, redone at equal loss)",
@@ -488,15 +504,28 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         "",
         same_tokens(by_link, links) if len(links) > 1 else "",
         "",
-        "Left out: " + "; ".join(f"**{k}** — {v}" for k, v in LEFT_OUT.items()) + ".",
+        "Left out: " + "; ".join(f"**{k}** — {v}" for k, v in left_out().items()) + ".",
         "",
-        f"{runs} runs, {cpu / 3600:.2f} h of run time (each run alone on the 2 cores"
+        f"{runs} runs, {cpu / 3600:.2f} h of run time ({wrapped(records)}"
         + (f"; the sweep {sweep_s / 3600:.2f} h of wall time" if sweep_s else "") + "). Reproduce: `" + cmd + "`.",
     ])
     path = RESULTS / f"{name}.md"
     path.write_text(f"# Equal loss: every setting run to held-out loss {job.target:g}\n\n{notes}\n\n"
                     f"![loss vs time per link]({name}.png)\n")
     return path
+
+
+def wrapped(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """How the runs held the machine: ``each run under `cpulock exclusive``` or a count per wrap."""
+    wraps: dict[str, int] = {}
+    for lk in records.values():
+        for rs in lk.values():
+            for r in rs:
+                w = " ".join(Path(r.get("wrap", [""])[0]).name.split() + r.get("wrap", [])[1:]) if r.get("wrap") else ""
+                wraps[w] = wraps.get(w, 0) + 1
+    if list(wraps) == ["cpulock exclusive"]:
+        return "each run alone on the machine's cores: `cpulock exclusive` held per run"
+    return ", ".join(f"{n} run(s) " + (f"under `{w}`" if w else "unwrapped") for w, n in wraps.items())
 
 
 def bytes_table(recs: dict[str, dict[str, Any]], job: Job) -> tuple[str, str]:
@@ -602,7 +631,7 @@ COLORS = {"ddp": "black", "zero1": "dimgray", "fsdp": "gray", "acco": "tab:orang
 def plot(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: Job, path: Path, ref: str) -> None:
     """Held-out loss vs training time on each link (the baseline and the 4 fastest labelled), and vs tokens on the
     reference link."""
-    from quietsync.train.plots import pyplot
+    from quietsync.cli.figures import pyplot
 
     plt = pyplot()
     panels = len(links) + 1
@@ -631,6 +660,31 @@ def plot(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: J
 
 
 # ---------------------------------------------------------------------------------------------- the pilot
+LEVELS = (4.0, 3.8, 3.6, 3.5)
+"""Losses whose first step the pilot table shows."""
+
+
+def pilot_choice(evals: list[dict[str, Any]]) -> str:
+    """Why the sweep's lr and target, with the chosen run's (constant lr 2e-3) numbers."""
+    def first(level: float) -> int:
+        return next(e["step"] for e in evals[1:] if e["loss"] <= level)
+
+    at, above, below = first(FULL.target), first(FULL.target + 0.5), first(FULL.target - 0.1)
+    tokens = at * FULL.workers * FULL.micro_batch_tokens
+    return (
+        f"Chosen for the sweep: **lr {FULL.lr:g}, warm-up then constant**, the best constant lr (1e-3 trails it "
+        "everywhere, 4e-3 stalls near 4); a constant lr keeps each run's trajectory independent of its budget, so a "
+        "run stopped at the target is the prefix of a longer one and caps may differ per setting (cosine to 10% ends "
+        f"lower, but its curve depends on the length it is given). **Target {FULL.target:g}**: the baseline reaches "
+        f"it at step {at} ({tokens / 1e6:.2f} M tokens), where its descent has slowed — "
+        f"{FULL.target + 0.5:g} → {FULL.target:g} took {at - above} steps, {FULL.target:g} → {FULL.target - 0.1:g} "
+        f"takes {below - at} more (a rate of {0.1 / (below - at) * 256:.2f} per 256 steps against "
+        f"{0.5 / (at - above) * 256:.2f} before). The curve has no plateau within 3 epochs of the corpus (about 1 M "
+        "training tokens), so \"a bit above the baseline's plateau\" is read as where its descent has slowed, at a "
+        f"cost the sweep can afford. Token cap {FULL.tokens / 1e6:g} M ({FULL.tokens / tokens:.1f}× the baseline's "
+        f"tokens to the target; at least {FULL.min_outer_steps} outer steps of every DiLoCo-family setting).")
+
+
 PILOT = [("const lr 1e-3", 1e-3, 1.0), ("const lr 2e-3", 2e-3, 1.0), ("const lr 4e-3", 4e-3, 1.0),
          ("cosine lr 2e-3 (to 10%)", 2e-3, 0.1)]
 
@@ -638,7 +692,7 @@ PILOT = [("const lr 1e-3", 1e-3, 1.0), ("const lr 2e-3", 2e-3, 1.0), ("const lr 
 def pilot(work: Path, wrap: list[str], steps: int) -> None:
     """The baseline (zero1 ≡ ddp) without a link, for ``steps`` steps at a few lrs: the plateau the target is
     chosen from."""
-    rows, curves = [], {}
+    rows, curves, choice = [], {}, ""
     for label, lr, floor in PILOT:
         out = work / "pilot" / slug(f"{label}-{steps}")
         if not (out / "summary.json").exists():
@@ -655,18 +709,23 @@ def pilot(work: Path, wrap: list[str], steps: int) -> None:
         evals = [json.loads(x) for x in (out / "metrics-rank0.jsonl").read_text().splitlines() if x.strip()]
         evals = [e for e in evals if e.get("event") == "eval"]
         curves[label] = [(e["tokens_total"] * 2, e["loss"]) for e in evals]
+        if (lr, floor) == (FULL.lr, 1.0):
+            choice = pilot_choice(evals)
         best = min(e["loss"] for e in evals)
         at = {frac: next(e["loss"] for e in evals if e["step"] >= frac * steps) for frac in (0.25, 0.5, 0.75)}
+        first = [next((e["step"] for e in evals[1:] if e["loss"] <= level), None) for level in LEVELS]
         rows.append([label, f"{at[0.25]:.3f}", f"{at[0.5]:.3f}", f"{at[0.75]:.3f}", f"{evals[-1]['loss']:.3f}",
-                     f"{best:.3f}"])
+                     f"{best:.3f}", *["—" if f is None else f for f in first]])
     tokens = steps * 2 * FULL.micro_batch_tokens
-    write_markdown("equal_loss_pilot", "Equal-loss pilot: the baseline's plateau",
+    write_markdown("equal_loss_pilot", "Equal-loss pilot: the baseline's curve, where the target comes from",
                    ["zero1 run", f"loss at {steps // 4} steps", f"at {steps // 2}", f"at {3 * steps // 4}",
-                    f"final ({steps} steps, {tokens / 1e6:.2f} M tokens)", "best"], rows,
+                    f"final ({steps} steps, {tokens / 1e6:.2f} M tokens)", "best",
+                    *[f"first step ≤ {level:g}" for level in LEVELS]], rows,
                    notes=f"2 workers as 2 nodes (one thread each), no link, model {FULL.model}, micro-batch "
-                         f"{FULL.micro_batch_size}×{FULL.seq_len}, {FULL.warmup_steps} warm-up steps, evaluations "
-                         "every 32 steps on the same 48 held-out windows. Reproduce: "
-                         f"`python benchmarks/bench_equal_loss.py --pilot --pilot-steps {steps}`.")
+                         f"{FULL.micro_batch_size}×{FULL.seq_len} ({2 * FULL.micro_batch_tokens:,} tokens per step), "
+                         f"{FULL.warmup_steps} warm-up steps, evaluations every 32 steps on the same 48 held-out "
+                         "windows, seed 0. Reproduce: "
+                         f"`python benchmarks/bench_equal_loss.py --pilot --pilot-steps {steps}`.\n\n" + choice)
     (RESULTS / "equal_loss_pilot.json").write_text(json.dumps({"steps": steps, "curves": curves}, indent=1) + "\n")
     print((RESULTS / "equal_loss_pilot.md").read_text())
 
@@ -675,6 +734,7 @@ def pilot(work: Path, wrap: list[str], steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 settings, one emulated link (100 Mbit), target 6.0")
+    ap.add_argument("--smoke", action="store_true", help="every setting to a high target (checks the sweep end to end)")
     ap.add_argument("--pilot", action="store_true", help="the baseline's lr sweep that sets lr, tokens and target")
     ap.add_argument("--pilot-steps", type=int, default=1536)
     ap.add_argument("--report", action="store_true", help="only rebuild the results from the records")
@@ -690,13 +750,13 @@ def main() -> None:
     if args.child:
         call = json.loads(args.child)
         run_one(Job(**call["job"]), call["name"], call["knobs"], call["link"], call["seed"], Path(call["work"]),
-                call["port"])
+                call["port"], call["wrap"])
         return
     wrap = shlex.split(args.wrap)
     if args.pilot:
         pilot(args.work, wrap, args.pilot_steps)
         return
-    job = QUICK if args.quick else FULL
+    job = QUICK if args.quick else SMOKE if args.smoke else FULL
     grid = settings(args.quick)
     if args.list:
         for n, k in grid:
@@ -707,7 +767,7 @@ def main() -> None:
     links = args.links or (["100mbit"] if args.quick else list(LINKS))
     if SHAPED in links and not args.report and (os.geteuid() != 0 or not shutil.which("tc")):
         ap.error("the shaped link needs root and tc (leave it out with --links 10mbit 100mbit 1gbit)")
-    name = "equal_loss_quick" if args.quick else "equal_loss"
+    name = "equal_loss_quick" if args.quick else "equal_loss_smoke" if args.smoke else "equal_loss"
     sweep = Sweep(job, args.work, wrap, dry=args.report)
     t0 = time.perf_counter()
     records: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -736,7 +796,7 @@ def main() -> None:
     if not links:
         print("no records yet")
         return
-    cmd = "python benchmarks/bench_equal_loss.py" + (" --quick" if args.quick else "") + (
+    cmd = "python benchmarks/bench_equal_loss.py" + (" --quick" if args.quick else " --smoke" if args.smoke else "") + (
         f" --links {' '.join(args.links)}" if args.links else "") + (
         f" --only {' '.join(args.only)}" if args.only else "")
     path = report(job, grid, links, records, name, cmd, None if args.report else time.perf_counter() - t0)

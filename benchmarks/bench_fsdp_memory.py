@@ -80,7 +80,7 @@ def _measure(rank: int, world: int, widths: list[int]) -> dict:
     import torch
 
     import quietsync
-    from quietsync.train.model import ModelPreset, build_model, count_parameters
+    from quietsync.models import ModelPreset, build_model, count_parameters
 
     torch.set_num_threads(1)
     out: dict = {}

@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from torch.nn.parallel import DistributedDataParallel
 
     import quietsync
-    from quietsync.train.model import build_model
+    from quietsync.models import build_model
 
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(4)]

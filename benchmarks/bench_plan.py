@@ -1,4 +1,4 @@
-"""The planner checked against measured runs: predicted vs measured bytes, step time and the fastest strategy.
+"""The planner's speed model checked against measured runs: predicted vs measured bytes and step time.
 
 For each setting — a topology (2 workers as 2 nodes; 2 nodes × 2 workers) and a link (emulated by the transport
 at about 10, 100 and 1000 Mbit/s; or **really shaped**: two network namespaces joined by a veth pair with
@@ -7,11 +7,14 @@ planner must measure it with its probe) — the benchmark
 
 1. runs ``quietsync plan`` for the model and micro-batch (calibration and probe in the launched workers), with
    every strategy of the run set as a row;
-2. runs ``quietsync train`` for every strategy of the run set and for the plan's recommendation, a few steps each;
+2. runs ``quietsync train`` for every strategy of the run set, a few steps each;
 3. compares, per strategy: bytes per step per group of every worker against the schedule (exact equality),
-   step time (predicted vs measured: the mean over the steps after the warm-up), tokens per second; and per
-   setting whether the recommended strategy is the measured fastest at equal tokens (highest tokens/s) among the
-   runs, and whether the predicted order's fastest is.
+   step time (predicted vs measured: the mean over the steps after the warm-up), tokens per second.
+
+Recommendations are judged by what a user wants — the measured time to a target loss — in
+``benchmarks/bench_time_to_target.py``, on the equal-loss runs; throughput alone does not say which setting
+reaches a loss first (a setting that grows its batch with a slow link has the most tokens/s and needs the most
+tokens).
 
 It also prints what-if predictions for a 1B-parameter GPT-style model on 4 nodes of 8 GPUs over 100 Gbit and
 1 Gbit, with the assumptions.
@@ -40,8 +43,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import RESULTS, ShapedLink, read_run, run_train, step_stats, write_markdown  # noqa: E402
-
-from quietsync.plan.recommend import MAX_STAGE, STAGES  # noqa: E402
 
 INTRA = "intra=10gbit,0.05ms"
 
@@ -92,7 +93,7 @@ def bytes_exact(records_by_rank: list[list[dict]], name: str, knobs: dict, w: An
 
 def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: int, links: list[str], steps: int,
                 run_set: list[tuple[str, dict]], work: Path, shaped: ShapedLink | None) -> dict[str, Any]:
-    """Plan, then run every strategy of ``run_set`` (and the recommendation); compare."""
+    """Plan, then run every strategy of ``run_set``; compare bytes and step times."""
     import quietsync
     from quietsync.plan.config import PlanConfig
     from quietsync.plan.planner import build_workload
@@ -103,8 +104,8 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
     t0 = time.perf_counter()
     plan_out = work / f"{label}-plan"
     if shaped is None:
-        result = quietsync.plan(model=model, micro_batch_size=mbs, seq_len=seq, nproc=nproc, nodes=nodes, link=links,
-                                strategies=specs, threads=threads)
+        result = quietsync.plan.plan(model=model, micro_batch_size=mbs, seq_len=seq, nproc=nproc, nodes=nodes,
+                                     link=links, strategies=specs, threads=threads)
         plan_json = result.to_dict()
         result.save(plan_out, plot=True)
     else:
@@ -113,12 +114,7 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
         plan_json = json.loads((plan_out / "plan.json").read_text())
     plan_s = time.perf_counter() - t0
     rows = {common.key_of(r["strategy"], r["knobs"]): r for r in plan_json["rows"]}
-    for t in plan_json["tuned"]:
-        rows.setdefault(common.key_of(t["strategy"], t["row"]["knobs"]), t["row"])
-    rec = plan_json["advice"]["recommendations"][0]
     runs = list(run_set)
-    if (rec["strategy"], rec["knobs"]) not in runs:
-        runs.append((rec["strategy"], rec["knobs"]))
     cfg = PlanConfig(model=model, micro_batch_size=mbs, seq_len=seq, nproc=nproc, nodes=nodes)
     w, _ = build_workload(cfg, real=False)
     measured = []
@@ -152,24 +148,9 @@ def run_setting(label: str, model: str, mbs: int, seq: int, nproc: int, nodes: i
             "measured_micro_batches": stats["micro_batches"] * nproc,
             "bytes_exact": bytes_exact(summary["records"], name, knobs, w, nproc, nodes),
         })
-    in_plan = [m for m in measured if m["predicted_tokens_per_s"] is not None]
-    fastest = max(in_plan, key=lambda m: m["measured_tokens_per_s"])
-    predicted_fastest = max(in_plan, key=lambda m: m["predicted_tokens_per_s"])
-    # the planner never recommends an adaptive ACCO/DPU/WP setting whose stages grew past MAX_STAGE micro-batches
-    # per worker (its speed is paid in tokens per target loss); judged on what each run really did
-    eligible = [m for m in in_plan if not (m["strategy"] in STAGES and m["measured_micro_batches"] / nproc
-                                           / STAGES[m["strategy"]] > MAX_STAGE * (1 + 1e-9))] or in_plan
-    fastest_eligible = max(eligible, key=lambda m: m["measured_tokens_per_s"])
     return {
         "setting": label, "nproc": nproc, "nodes": nodes, "links": links if shaped is None else [shaped.describe()],
         "plan_links": plan_json["cluster"]["links"], "plan_s": plan_s, "diagnosis": plan_json["advice"]["diagnosis"],
-        "recommended": common.spec_of(rec["strategy"], rec["knobs"]),
-        "measured_fastest": common.spec_of(fastest["strategy"], fastest["knobs"]),
-        "recommended_is_fastest": (rec["strategy"], rec["knobs"]) == (fastest["strategy"], fastest["knobs"]),
-        "predicted_order_fastest": common.spec_of(predicted_fastest["strategy"], predicted_fastest["knobs"]),
-        "measured_fastest_recommendable": common.spec_of(fastest_eligible["strategy"], fastest_eligible["knobs"]),
-        "recommended_is_fastest_recommendable": (rec["strategy"], rec["knobs"]) == (fastest_eligible["strategy"],
-                                                                                    fastest_eligible["knobs"]),
         "runs": measured,
     }
 
@@ -180,8 +161,8 @@ def what_if_1b() -> list[dict[str, Any]]:
 
     out = []
     for inter in ("100gbit,10us", "1gbit,100us"):
-        r = quietsync.plan(what_if=True, model="1b", nodes=4, workers_per_node=8, seq_len=2048, micro_batch_size=4,
-                           link=[f"inter={inter}", "intra=900gbit,2us"], device_memory="80GB")
+        r = quietsync.plan.plan(what_if=True, model="1b", nodes=4, workers_per_node=8, seq_len=2048,
+                                micro_batch_size=4, link=[f"inter={inter}", "intra=900gbit,2us"], device_memory="80GB")
         out.append({"inter": inter, "markdown": r.markdown(), "plan": r.to_dict()})
     return out
 
@@ -252,9 +233,6 @@ def main() -> None:
         "bytes_exact": all(r["bytes_exact"] for s in settings for r in s["runs"]),
         "median_abs_time_per_token_error": statistics.median(errors) if errors else None,
         "max_abs_time_per_token_error": max(errors) if errors else None,
-        "recommended_is_fastest": sum(s["recommended_is_fastest"] for s in settings) / max(1, len(settings)),
-        "recommended_is_fastest_recommendable": sum(s["recommended_is_fastest_recommendable"] for s in settings)
-        / max(1, len(settings)),
         "wall_s": wall,
         "load_average_start_end": load,
         "cpu_count": os.cpu_count(),
@@ -270,13 +248,7 @@ def main() -> None:
                           _f(r["predicted_tokens_per_s"], 0), _f(r["measured_tokens_per_s"], 0),
                           _pct(r["token_time_error"]),
                           _f(r["predicted_busy"], 2), _f(r["measured_busy"], 2), "✓" if r["bytes_exact"] else "✗"])
-    verdicts = "\n".join(f"- {s['setting']}: recommended `{s['recommended']}`, "
-                         f"measured fastest `{s['measured_fastest']}`"
-                         f" ({'same' if s['recommended_is_fastest'] else 'different'}); measured fastest among "
-                         f"what the planner may recommend `{s['measured_fastest_recommendable']}` ("
-                         f"{'same' if s['recommended_is_fastest_recommendable'] else 'different'}); "
-                         f"plan links {s['plan_links']}"
-                         for s in settings)
+    verdicts = "\n".join(f"- {s['setting']}: plan links {s['plan_links']}" for s in settings)
     notes = (f"Model {args.model}, micro-batch {args.micro_batch_size}×{args.seq_len} tokens, {steps} committed "
              f"steps per run (Local SGD and DiLoCo: 2 + two sync periods + τ), the first 2 skipped, "
              + " and ".join(f"{n} workers as {k} nodes" for n, k in topologies)
@@ -286,12 +258,8 @@ def main() -> None:
              "link, so their step times are not comparable). Bytes: every worker's bytes per step per group equal the "
              f"schedule's. Summary: bytes exact {summary['bytes_exact']}, median |time/token error| "
              f"{_pct(summary['median_abs_time_per_token_error'])}, "
-             f"max {_pct(summary['max_abs_time_per_token_error'])}, "
-             "recommended = "
-             f"measured fastest in {summary['recommended_is_fastest']:.0%} of settings, the measured fastest among "
-             "the settings the planner may recommend (adaptive ACCO/DPU/WP whose measured stages grew past "
-             f"{MAX_STAGE:g} micro-batches per worker excluded, as the planner excludes them: their speed is paid "
-             f"in tokens per target loss) in {summary['recommended_is_fastest_recommendable']:.0%}. "
+             f"max {_pct(summary['max_abs_time_per_token_error'])} (recommendations are judged by time to target "
+             "in `time_to_target.md`). "
              f"{wall:.0f} s in all; "
              f"1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, "
              f"on {os.cpu_count()} cores.\n\n"

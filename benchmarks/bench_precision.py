@@ -70,7 +70,7 @@ def _reset_peak_rss() -> bool:
 
 
 def _model(preset: str):
-    from quietsync.train.model import build_model
+    from quietsync.models import build_model
 
     return build_model(preset, VOCAB, 0, seed=0)
 
@@ -80,7 +80,7 @@ def _strategy_worker(rank: int, world: int, name: str, precision: str, preset: s
     import torch
 
     import quietsync
-    from quietsync.train.model import param_groups
+    from quietsync.models import param_groups
 
     model = _model(preset)
     strategy = quietsync.make_strategy(
@@ -154,7 +154,7 @@ def checkpointing(preset: str, micro_batch: int, seq_len: int, repeats: int) -> 
     import torch
 
     from quietsync.activation_memory import ActivationMeter
-    from quietsync.train.model import enable_activation_checkpointing
+    from quietsync.models import enable_activation_checkpointing
 
     torch.set_num_threads(1)
     plain, ckpt = _model(preset), _model(preset)
@@ -178,7 +178,7 @@ def checkpointing(preset: str, micro_batch: int, seq_len: int, repeats: int) -> 
 def compile_speed(preset: str, micro_batch: int, seq_len: int, repeats: int) -> dict[str, Any]:
     import torch
 
-    from quietsync.train.model import compile_blocks
+    from quietsync.models import compile_blocks
 
     torch.set_num_threads(1)
     eager, compiled = _model(preset), _model(preset)

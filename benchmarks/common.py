@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PY_MAIN = "import sys; from quietsync.train.cli import main; sys.exit(main())"
+PY_MAIN = "import sys; from quietsync.commands.main import main; sys.exit(main())"
 """``python -c PY_MAIN ARGS`` runs ``quietsync ARGS`` with this interpreter."""
 
 

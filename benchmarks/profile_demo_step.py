@@ -48,8 +48,8 @@ def main() -> None:
     torch.set_num_threads(1)
     from torch.profiler import ProfilerActivity, profile
 
+    from quietsync.models import build_model
     from quietsync.optim import DeMoSGD
-    from quietsync.train.model import build_model
 
     model = build_model(args.model, 4096, seed=0)
     opt = DeMoSGD(model.parameters(), lr=1e-4, replicator=args.replicator, transport=_Pair(), group="world",

@@ -113,7 +113,7 @@ def _kind(argv: str) -> str:
         return "spawned worker"
     if "import sys;exec(eval(sys.stdin" in argv:
         return "xdist worker"
-    if "quietsync.train.cli" in argv or "bin/quietsync " in argv:
+    if "-m quietsync " in argv or "bin/quietsync " in argv:
         return "quietsync cli"
     if "bin/torchrun" in argv or "bin/accelerate" in argv:
         return "torchrun/accelerate"

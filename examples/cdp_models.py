@@ -1,7 +1,7 @@
 """Tiny models and an offline image set for the CDP example, benchmark and tests.
 
 * :func:`tiny_resnet` — a CIFAR-style ResNet (3×3 stem, residual blocks, pooling head) as an ``nn.Sequential``
-  so :mod:`quietsync.strategies.cdp.stages` can cut it between blocks;
+  so :mod:`quietsync.models.stages` can cut it between blocks;
 * :func:`tiny_vit` — a ViT (patch embedding + class token, pre-norm transformer blocks, head) as an
   ``nn.Sequential``;
 * :func:`synthetic_digits` — a deterministic, offline 10-class set of 1×16×16 images: each class is a fixed

@@ -1,4 +1,4 @@
-"""A new quietsync strategy in about 100 lines: signSGD with majority vote (Bernstein et al., 2018).
+"""A new quietsync strategy in under 80 lines: signSGD with majority vote (Bernstein et al., 2018).
 
 Each worker accumulates its micro-batches, takes the **sign** of its gradient, and the workers add their signs
 in one all-reduce of int8 votes (1 byte per parameter instead of 4); every worker then applies the sign of the
@@ -8,8 +8,11 @@ vote with its optimizer (plain SGD: θ ← θ − lr·sign(Σᵢ sign(gᵢ))). I
     import quietsync, examples.custom_strategy  # noqa: F401  (registers "signsgd")
     strategy = quietsync.make_strategy("signsgd", model, torch.optim.SGD, lr=1e-3, config={"accumulation": 2})
 
-It is the walkthrough of ``docs/contract.md``: the names a strategy author needs are marked (1)–(15) there and
-here. ``tests/test_custom_strategy.py`` checks it against a plain-torch reference of the rule.
+It writes only its recurrence: the ``Replicated`` substrate it holds broadcasts the parameters, builds the
+optimizer, runs the round of accumulation, unscales fp16 gradients (an overflow on any worker drops the round on
+every worker), clips the committed update to ``max_grad_norm`` and checkpoints — in a form that reshards. It is
+the walkthrough of ``docs/contract.md``: the 15 names an author needs are marked (1)–(15) there and here.
+``tests/test_custom_strategy.py`` checks it against a plain-torch reference of the rule.
 """
 
 from __future__ import annotations
@@ -20,14 +23,12 @@ from typing import Any
 import torch
 
 from quietsync.strategies import Strategy, register
-from quietsync.strategies.parts.accumulation import AccumulationConfig, OptimizerRound
-from quietsync.strategies.parts.broadcast import broadcast_parameters
-from quietsync.strategies.substrates.sharded_optimizer import build_optimizer
-from quietsync.validate import check_float
+from quietsync.strategies.parts.accumulation import AccumulationConfig
+from quietsync.strategies.substrates.replicated import Replicated
 
 
 @dataclass
-class SignSGDConfig(AccumulationConfig):  # (2) a config dataclass: one docstring under each field
+class SignSGDConfig(AccumulationConfig):  # (3) a config dataclass: one docstring under each field
     """Knobs of ``signsgd`` (``accumulation`` comes from :class:`AccumulationConfig`)."""
 
     min_votes: float = 0.0
@@ -35,55 +36,32 @@ class SignSGDConfig(AccumulationConfig):  # (2) a config dataclass: one docstrin
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_float("min_votes", self.min_votes, 0, 1, high_open=True)  # a bad value fails at construction
+        if not 0 <= self.min_votes < 1:  # a bad value fails at construction, naming the field
+            raise ValueError(f"min_votes must be in [0, 1), got {self.min_votes!r}")
 
 
-@register("signsgd", SignSGDConfig)  # (1) a Strategy subclass, registered by name with its config
+@register("signsgd", SignSGDConfig)  # (1) a Strategy subclass, (2) registered by name with its config
 class SignSGD(Strategy):
     """signSGD with majority vote; see the module docstring."""
 
-    discards_rounds = True  # (13) its step commits a round of local micro-batches it holds
-    reshard_refusal = "not written for this example"  # (14) why a checkpoint cannot reshard (None: it can)
-
-    config: SignSGDConfig
+    reshard_refusal = None  # (7) its checkpoint reshards: the substrate's logical form (None: no refusal)
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.SGD, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
-        if self.transport.group_size("world") > 127:
+        if self.world_size > 127:  # (8) the number of workers
             raise ValueError("signsgd adds int8 votes: at most 127 workers")
-        self.params = [p for g in self.param_groups for p in g["params"]]
-        broadcast_parameters(self.transport, self.params, "world")  # replicas start from rank 0's parameters
-        # (12) the torch optimizer that steps this worker's parameters
-        self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
-        # (7) a held part (15: every part is a Part): checkpointed, counted in memory_report(), discarded, closed
-        self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation, self.params))
+        # (4) the substrate of a replicated strategy, (5) held: checkpointed, given each loss, closed with it
+        self.replicas = self.hold("replicas", Replicated(self))
 
-    def _backward(self, loss: torch.Tensor) -> None:  # (4) where a micro-batch's loss goes
-        self.round.backward(loss)  # accumulates loss / accumulation into p.grad
-
-    def _step(self) -> bool:  # (3) after every micro-batch: commit when the round is full
-        if not self.round.full:
+    def _step(self) -> bool:  # (6) after every micro-batch: commit when the round is full
+        grads = self.replicas.gradient()  # (9) the round's gradient (None: not full yet, or dropped by fp16)
+        if grads is None:
             return False
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         votes = torch.cat([g.reshape(-1).sign() for g in grads]).to(torch.int8)
-        with self.accounting.idle("vote"):  # (10) main-thread time blocked on the network counts as idle
-            self.transport.all_reduce(votes, "world", name="all_reduce/votes")  # (11) the one door
-        quorum = self.config.min_votes * self.transport.group_size("world")
+        with self.accounting.idle("vote"):  # (10) (11) main-thread time blocked on the network is idle time
+            self.transport.all_reduce(votes, "world", name="all_reduce/votes")  # (12) (13) the one door
+        quorum = self.config.min_votes * self.world_size  # (14) the strategy's config
         decided = torch.where(votes.abs().float() > quorum, votes.sign(), torch.zeros_like(votes)).float()
-        with torch.no_grad():
-            for g, v in zip(grads, decided.split([g.numel() for g in grads])):
-                g.copy_(v.view_as(g))
-            for p, g in zip(self.params, grads):
-                p.grad = g
-        # (9) the lr schedule of this step, applied by the round's LRScaler; the optimizer step counts as compute
-        self.round.step(self._lr_scale(self.steps), self.accounting)
-        self._commit(extra={"agreeing": int((decided != 0).sum())})  # (8) record the committed step
-        return True
-
-    def _state(self) -> dict[str, Any]:  # (6) what a checkpoint keeps beyond the parts
-        return {"model": self.module.state_dict()}
-
-    def _load_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-
-    # (5) committed_params(): the base yields self.model, right here (the model always holds the committed θ)
+        torch._foreach_copy_(grads, [v.view_as(g) for g, v in zip(grads, decided.split([g.numel() for g in grads]))])
+        # (15) clip the update to max_grad_norm, step the optimizer at the scheduled lr, record the step
+        return self.replicas.commit(extra={"agreeing": int((decided != 0).sum())})

@@ -4,7 +4,7 @@ account for every process they started.
 
 Agent ``i`` is ``torchrun --nnodes MIN:MAX --nproc-per-node P --max-restarts K --rdzv-backend c10d
 --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID --rdzv-conf last_call_timeout=L --monitor-interval M -m
-quietsync.train.cli train --elastic ...`` with its output in ``agent{i}.{k}.log`` (the k-th start). Agent 0 is
+quietsync train --elastic ...`` with its output in ``agent{i}.{k}.log`` (the k-th start). Agent 0 is
 started first and hosts the rendezvous store (the c10d backend's first agent on the endpoint does): kill the
 others. A thread records every process under the agents as it appears, so :meth:`Agents.survivors` can say
 whether anything outlived the job, and when each process was first and last seen (the timeline of a
@@ -57,6 +57,10 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+WORKER = "-m quietsync train "
+"""What a worker's command line holds (``torchrun ... -m quietsync train`` starts each one so)."""
+
+
 @dataclass
 class Seen:
     """A process under an agent: when it was first and last seen alive (monotonic seconds)."""
@@ -66,7 +70,7 @@ class Seen:
     first: float
     last: float
     worker: bool = field(default=False)
-    """Whether it runs ``quietsync.train.cli`` (a worker) rather than a helper of the agent."""
+    """Whether it runs ``python -m quietsync train`` (a worker) rather than a helper of the agent."""
 
 
 class Agents:
@@ -83,7 +87,7 @@ class Agents:
                      str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
                      "--rdzv-id", f"qs-elastic-{self.port}", "--rdzv-conf",
                      f"last_call_timeout={last_call_timeout:g}", "--monitor-interval", f"{monitor_interval:g}",
-                     "-m", "quietsync.train.cli", "train", "--elastic", *train_flags]
+                     "-m", "quietsync", "train", "--elastic", *train_flags]
         self.env = {k: v for k, v in os.environ.items()
                     if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
         self.env.update(OFFLINE)
@@ -108,7 +112,7 @@ class Agents:
                         continue
                     s = self.seen.get(pid)
                     if s is None:
-                        self.seen[pid] = Seen(pid, i, now, now, "quietsync.train.cli" in cmdline(pid)
+                        self.seen[pid] = Seen(pid, i, now, now, WORKER in cmdline(pid)
                                               and pid != p.pid)
                     else:
                         s.last = now
@@ -129,7 +133,7 @@ class Agents:
     def workers(self, i: int) -> list[int]:
         """Live worker processes of agent ``i``."""
         p = self.procs[i]
-        return [d for d in descendants(p.pid) if alive(d) and "quietsync.train.cli" in cmdline(d)]
+        return [d for d in descendants(p.pid) if alive(d) and WORKER in cmdline(d)]
 
     def kill_agent(self, i: int) -> float:
         """``kill -9`` agent ``i`` (its workers get SIGTERM from the kernel); returns when it was killed."""

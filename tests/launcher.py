@@ -1,17 +1,17 @@
 """The local launcher of quietsync with forked workers, for tests whose claim is not about the launcher itself.
 
-:func:`quietsync.train.launch.launch` spawns each local worker as a fresh interpreter, which imports torch,
+:func:`quietsync.cli.launch.launch` spawns each local worker as a fresh interpreter, which imports torch,
 transformers and the training loop (seconds of CPU per worker). :func:`launch_forked` does what it does —
-``fn(*args)`` on ``nproc`` workers, each running :func:`quietsync.train.launch.run_local_worker` (torchrun's
+``fn(*args)`` on ``nproc`` workers, each running :func:`quietsync.cli.launch.run_local_worker` (torchrun's
 environment, loopback gloo, the file rendezvous, the failure note), the launcher's
-:class:`~quietsync.train.launch.WorkerFailed` for the worker that failed first, a world of one in this process
+:class:`~quietsync.cli.launch.WorkerFailed` for the worker that failed first, a world of one in this process
 — with workers forked from the forkserver of :mod:`tests.distributed`, which imported all that once. Each
 worker's standard output and error are copied to this process's, by rank, when they finish.
 
 ``with forked_launcher(): ...`` makes every ``quietsync`` entry point that launches workers (``quietsync
 train``, ``compare``, ``plan``) use it; the ``forked_launch`` fixture (tests/conftest.py) does the same for one
 test. What it does not exercise — spawning, signals, a killed launcher, the death signal — is tested through real
-subprocesses (tests/train/test_launch.py, tests/faults, tests/train/test_cli_smoke.py, which also checks that a
+subprocesses (tests/cli/test_launch.py, tests/faults, tests/train/test_cli_smoke.py, which also checks that a
 forked run equals a spawned one step for step).
 """
 
@@ -35,8 +35,8 @@ DEFAULT_TIMEOUT_S = 200.0
 
 def launch_forked(fn: Callable[..., Any], args: tuple = (), nproc: int = 1,
                   timeout: float = DEFAULT_TIMEOUT_S) -> Any:
-    """:func:`quietsync.train.launch.launch` with forked workers (see the module doc)."""
-    from quietsync.train.launch import GRACE_S, first_failure
+    """:func:`quietsync.cli.launch.launch` with forked workers (see the module doc)."""
+    from quietsync.cli.launch import GRACE_S, first_failure
 
     if nproc <= 1:
         return fn(*args)
@@ -62,7 +62,7 @@ def launch_forked(fn: Callable[..., Any], args: tuple = (), nproc: int = 1,
 
 def _forked_worker(rank: int, world: int, fn: Callable[..., Any], args: tuple, errors: str) -> None:
     """One forked worker: what a launched worker runs, its output kept in files for the parent."""
-    from quietsync.train.launch import run_local_worker
+    from quietsync.cli.launch import run_local_worker
 
     with open(Path(errors, f"stdout-{rank}"), "w", buffering=1) as out, \
             open(Path(errors, f"stderr-{rank}"), "w", buffering=1) as err:
@@ -75,9 +75,9 @@ def _forked_worker(rank: int, world: int, fn: Callable[..., Any], args: tuple, e
 
 @contextmanager
 def forked_launcher(timeout: float = DEFAULT_TIMEOUT_S) -> Iterator[None]:
-    """Within: :func:`quietsync.train.launch.launch` is :func:`launch_forked`, the Hugging Face libraries are
+    """Within: :func:`quietsync.cli.launch.launch` is :func:`launch_forked`, the Hugging Face libraries are
     offline, and this process has no torchrun variables (as a user's shell runs a command)."""
-    from quietsync.train import launch as launch_module
+    from quietsync.cli import launch as launch_module
 
     keys = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", *OFFLINE)
     saved = {k: os.environ.get(k) for k in keys}

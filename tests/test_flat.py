@@ -6,7 +6,7 @@ import torch
 from quietsync import FlatParams
 from quietsync.strategies.parts.lr import LRScaler
 from quietsync.strategies.substrates.sharded_optimizer import ShardedOptimizer
-from tests.strategies.common import param_groups, tiny_model
+from tests.strategies.helpers.common import param_groups, tiny_model
 
 
 def test_parameters_become_views_of_one_padded_buffer():

@@ -63,7 +63,7 @@ def _job(folder: Path, strategy: str, text: Path, root: Path) -> list[str]:
 def _cli_worker(rank: int, world: int, folders: dict[str, str], text: str, root: str) -> dict:
     """What ``quietsync train`` runs on each worker (its flags parsed, then the training loop), for every
     family and strategy in turn."""
-    from quietsync.train.cli import parse_train_args
+    from quietsync.train.args import parse_train_args
     from quietsync.train.loop import run
 
     os.environ.update(OFFLINE)
@@ -116,7 +116,7 @@ def test_the_readme_models_in_path_a_previous_runs_export_trains_from_the_comman
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
     env.update(OFFLINE, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
     flags = [*_job(hf_folders["llama"], "zero1", text_file, tmp_path), "--nproc", "2"]
-    proc = subprocess.run([sys.executable, "-m", "quietsync.train.cli", "train", *flags], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "quietsync", "train", *flags], capture_output=True,
                           text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "llama-zero1" / "summary.json").read_text())
@@ -128,7 +128,7 @@ def test_the_readme_models_in_path_a_previous_runs_export_trains_from_the_comman
 
 # ---------------------------------------------------------------------------------------------- the plain API loop
 def _api_worker(rank: int, world: int) -> dict:
-    from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
+    from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
 
     out = {}
     for name in STRATEGIES:

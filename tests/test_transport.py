@@ -11,7 +11,7 @@ import torch
 import quietsync
 from quietsync import LinkModel, Topology, Transport
 from tests.distributed import run_ranks
-from tests.strategies.common import loss_fn, micro_batch, param_groups, tiny_model
+from tests.strategies.helpers.common import loss_fn, micro_batch, param_groups, tiny_model
 
 
 def _every_collective(rank: int, world: int) -> dict:

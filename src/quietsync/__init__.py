@@ -11,7 +11,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import _versions  # noqa: F401  (first: refuses a torch older than the suite runs on, in one line)
+from . import (
+    _versions,  # noqa: F401  (first: refuses a torch older than the suite runs on, in one line)
+    plan,
+)
 from .comm_worker import CommWorker, CommWorkerError
 from .events import ByteMeter, EventRecorder, Span
 from .flat import DTypePolicy, FlatParams
@@ -20,15 +23,6 @@ from .optim import DecoupledAdamW, DeMoSGD
 from .strategies import StepMetrics, Strategy, StrategyConfig, available, make_strategy
 from .topology import Topology
 from .transport import Transport, Work
-
-
-def __getattr__(name: str):  # quietsync.plan(...) without importing the planner with the library
-    if name == "plan":
-        import importlib
-
-        return importlib.import_module(".plan", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "ByteMeter", "CommWorker", "CommWorkerError", "DTypePolicy", "DeMoSGD", "DecoupledAdamW", "EventRecorder",

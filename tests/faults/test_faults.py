@@ -70,7 +70,7 @@ def _flags(job: str, out: Path, corpus: dict[str, Path], *extra: str) -> list[st
 
 
 def _cmd(job: str, out: Path, corpus: dict[str, Path], *extra: str) -> list[str]:
-    return [sys.executable, "-m", "quietsync.train.cli", "train", *_flags(job, out, corpus, *extra)]
+    return [sys.executable, "-m", "quietsync", "train", *_flags(job, out, corpus, *extra)]
 
 
 @pytest.fixture(scope="session")

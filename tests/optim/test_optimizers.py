@@ -11,7 +11,7 @@ from quietsync.optim import DecoupledAdamW, DeMoSGD
 from quietsync.topology import Topology
 from quietsync.transport import Transport
 from tests.distributed import run_ranks
-from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, reference_run, tiny_model
+from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, param_groups, reference_run, tiny_model
 
 
 def _make(kind: str, model: torch.nn.Module, transport=None, **kw):
@@ -156,7 +156,8 @@ def _resume(rank: int, world: int, kind: str, rep: str) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind,rep", [("sgd", "random")])  # dct / striding+adamw: tests/strategies/test_demo.py
+# dct / striding+adamw: tests/strategies/decoupled/test_demo.py
+@pytest.mark.parametrize("kind,rep", [("sgd", "random")])
 def test_resume_is_exact(kind, rep):
     for straight, resumed in run_ranks(_resume, 2, kind, rep):
         assert torch.equal(straight, resumed)
@@ -165,7 +166,7 @@ def test_resume_is_exact(kind, rep):
 def test_checkpoint_momentum_is_converted_between_domains():
     """A spatial momentum (checkpoints from before momentum domains, or of random/striding/full) loads into a
     dct optimizer as the DCT coefficients of each parameter's blocks, and back, within rounding."""
-    from quietsync.replicators import DCTReplicator, Segments
+    from quietsync.wire.replicators import DCTReplicator, Segments
 
     model = tiny_model()
     spatial = DeMoSGD(model.parameters(), lr=0.1, replicator="full")

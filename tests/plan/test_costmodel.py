@@ -7,10 +7,11 @@ import math
 
 import pytest
 
+from quietsync.cost.compute import ComputeProfile
+from quietsync.cost.costmodel import Comm, Ctx, Links, chunk_rows
+from quietsync.cost.terms import Adaptive, Buckets, Every, Exposed, Hidden, MicroBatches, Seq, Wire
 from quietsync.link import LinkModel
-from quietsync.plan.costmodel import Comm, ComputeProfile, Ctx, Links, chunk_rows
 from quietsync.plan.fit import Sample, fit_link
-from quietsync.plan.terms import Adaptive, Buckets, Every, Exposed, Hidden, MicroBatches, Seq, Wire
 from quietsync.topology import Topology
 
 
@@ -121,8 +122,8 @@ def test_chunk_rows_is_torch_chunk():
 
 def test_a_described_transformer_has_the_shapes_transformers_builds():
     pytest.importorskip("transformers")
-    from quietsync.plan.workload import Workload
-    from quietsync.train.model import ModelPreset, build_model, param_groups
+    from quietsync.cost.workload import Workload
+    from quietsync.models import ModelPreset, build_model, param_groups
 
     model = build_model(ModelPreset(hidden_size=24, num_layers=3, num_heads=2, max_positions=16), 61, seed=0)
     built = Workload.from_model(model, tokens_per_micro_batch=32, param_groups=param_groups(model, 0.1))

@@ -3,7 +3,7 @@ bytes per step per group the schedule predicts equal what ``strategy.last_step_m
 reports on real gloo runs (2 workers as 2 nodes, and 2 nodes × 2 workers), and the memory per worker equals
 ``memory_report()``.
 
-The prediction comes from shapes alone (:class:`quietsync.plan.workload.Workload` of the model) and the
+The prediction comes from shapes alone (:class:`quietsync.cost.workload.Workload` of the model) and the
 schedule functions; the measurement from the transport. The model has awkward sizes (dims not multiples of the
 worker count or of DeMo's DCT chunk), so padding is exercised everywhere.
 """
@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("transformers")
 
 import quietsync  # noqa: E402
+from quietsync.cost.workload import Workload  # noqa: E402
 from quietsync.plan.schedules import schedule  # noqa: E402
-from quietsync.plan.workload import Workload  # noqa: E402
 from quietsync.topology import Topology  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
@@ -26,13 +26,13 @@ STEPS = 4
 
 
 def _model() -> torch.nn.Module:
-    from quietsync.train.model import ModelPreset, build_model
+    from quietsync.models import ModelPreset, build_model
 
     return build_model(ModelPreset(hidden_size=24, num_layers=2, num_heads=2, max_positions=16), VOCAB, seed=0)
 
 
 def _groups(model: torch.nn.Module) -> list[dict]:
-    from quietsync.train.model import param_groups
+    from quietsync.models import param_groups
 
     return param_groups(model, 0.1)
 

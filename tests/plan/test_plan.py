@@ -1,4 +1,4 @@
-"""``quietsync plan`` and ``quietsync.plan(...)``: bad input is one line and exit 2 before anything starts, a
+"""``quietsync plan`` and ``quietsync.plan.plan(...)``: bad input is one line and exit 2 before anything starts, a
 described cluster is predicted without running anything, a measured plan calibrates and probes real workers,
 and the equal-token findings quoted to users are in the files they cite."""
 
@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("transformers")
 
 import quietsync  # noqa: E402
+from quietsync.commands.main import main  # noqa: E402
 from quietsync.plan.knowledge import FINDINGS  # noqa: E402
-from quietsync.train.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "8", "--seq-len", "2048",
@@ -28,7 +28,12 @@ WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "
     (["--slow-worker", "5:2"], "--slow-worker must look like RANK:FACTOR"),
     (["--strategies", "nosuch"], "'nosuch' in 'nosuch' is not a strategy"),
     (["--strategies", "diloco:sync_every=0"], "sync_every must be an integer >= 1"),
-    (["--target-busy", "1.5"], "--target-busy must be in (0, 1]"),
+    (["--target-loss", "-1"], "--target-loss must be > 0"),
+    (["--target-loss", "4", "--pilot-tokens", "0"], "--pilot-tokens must be an integer >= 1"),
+    (["--target-loss", "4"], "--target-loss needs pilot_tokens N in a measured plan"),
+    (["--pilot-tokens", "1000"], "--pilot-tokens needs target_loss"),
+    (["--target-loss", "4", "--pilot-tokens", "9", "--train-args", "--lr 0"], "--train-args: --lr must be"),
+    (["--target-loss", "4", "--pilot-tokens", "9", "--train-args", "--out x"], "must not set --out"),
     (WHAT_IF[:-2] + ["--link", "inter=1gbit"], "--link must be given for intra with what_if"),
     (["--what-if", "--model", "transformer:hidden=8"], "needs hidden, layers and vocab"),
 ])
@@ -40,8 +45,8 @@ def test_bad_input_is_one_line_and_exit_2_before_any_worker(argv, says, capsys):
 
 
 def test_what_if_predicts_every_strategy_with_exact_bytes_and_recommends_the_fastest():
-    result = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
-                            micro_batch_size=4, link=["inter=100gbit,10us", "intra=900gbit,2us"])
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                                 micro_batch_size=4, link=["inter=100gbit,10us", "intra=900gbit,2us"])
     strategies = {r.strategy for r in result.rows}
     assert strategies >= {"ddp", "zero1", "fsdp", "acco", "dpu", "wp", "demo", "flexdemo", "localsgd", "diloco",
                           "cdp"}
@@ -53,26 +58,24 @@ def test_what_if_predicts_every_strategy_with_exact_bytes_and_recommends_the_fas
     assert zero1.bytes_per_link["inter"] == 2 * ((n - 1) * padded * 4 // n)  # reduce-scatter + all-gather
     for r in result.rows:
         assert r.step_s > 0 and r.tokens_per_s > 0 and 0 < r.compute_busy <= 1 + 1e-9, r.label
-    from quietsync.plan.recommend import MAX_STAGE, STAGES
-
-    # the first recommendation is the fastest row, except adaptive stages grown past MAX_STAGE micro-batches
-    allowed = [r for r in result.rows + [t.row for t in result.tuned]
-               if r.strategy not in STAGES or r.micro_batches / 16 / STAGES[r.strategy] <= MAX_STAGE]
-    assert result.advice.recommendations[0].tokens_per_s == pytest.approx(max(r.tokens_per_s for r in allowed))
-    acco = next(r for r in result.rows if r.label == "acco adaptive")
-    assert acco.micro_batches / 16 / 2 > MAX_STAGE  # at 100 Gbit a 1B model's stages grow past 4 micro-batches
-    assert "acco adaptive: not ranked" in "\n".join(result.advice.tuned)
+    # one row per setting; the first recommendation is the least predicted time to target among them
+    assert len({r.spec for r in result.rows}) == len(result.rows)
+    best = min((s for s in result.scored if s.reaches), key=lambda s: s.objective)
+    assert result.advice.recommendations[0].spec == best.row.spec
+    ranked = [r.strategy for r in result.advice.ranking]
+    assert len(ranked) == len(set(ranked))  # every strategy once
+    assert set(ranked) | {x.split(":")[0] for x in result.advice.left_out} >= strategies
     text = result.markdown()
     assert "Diagnosis" in text and "Assumptions" in text and "6 × parameters" in text
 
 
 def test_what_if_prediction_never_gets_slower_with_a_faster_link():
-    slow = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
-                          link=["inter=1gbit,1ms", "intra=900gbit,2us"], only=True,
-                          strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
-    fast = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
-                          link=["inter=100gbit,1ms", "intra=900gbit,2us"], only=True,
-                          strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
+    slow = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                               micro_batch_size=4, link=["inter=1gbit,1ms", "intra=900gbit,2us"], only=True,
+                               strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
+    fast = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                               micro_batch_size=4, link=["inter=100gbit,1ms", "intra=900gbit,2us"], only=True,
+                               strategies=["ddp", "zero1", "fsdp", "demo", "diloco", "acco"])
     for a, b in zip(slow.rows, fast.rows):
         assert a.label == b.label
         assert b.step_s <= a.step_s * (1 + 1e-9), a.label
@@ -81,12 +84,12 @@ def test_what_if_prediction_never_gets_slower_with_a_faster_link():
         assert b.bytes_per_step == a.bytes_per_step
 
 
-def test_quietsync_plan_is_callable_and_a_package():
-    import quietsync.plan.costmodel as costmodel
+def test_the_planner_is_a_plain_package_over_the_cost_vocabulary():
+    import quietsync.cost.costmodel as costmodel
 
-    assert callable(quietsync.plan)
-    assert quietsync.plan.Workload is quietsync.plan.workload.Workload
-    assert costmodel.Comm is quietsync.plan.Comm
+    assert not callable(quietsync.plan) and quietsync.plan.plan is quietsync.plan.planner.plan
+    assert quietsync.cost.Workload is quietsync.cost.workload.Workload
+    assert costmodel.Comm is quietsync.cost.Comm
 
 
 @pytest.mark.timeout(300)
@@ -95,7 +98,7 @@ def test_a_measured_plan_calibrates_and_probes_two_workers(tmp_path, capsys, for
                "--repeats", "2", "--link", "inter=100mbit,5ms", "--out", str(tmp_path), "--no-plot"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "Diagnosis" in out and "| strategy |" in out
+    assert "Diagnosis" in out and "| setting |" in out
     import json
 
     saved = json.loads((tmp_path / "plan.json").read_text())
@@ -118,7 +121,7 @@ def test_the_findings_quote_numbers_that_are_in_their_sources():
 def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkeypatch, forked_launch):
     import json
 
-    from quietsync.train.compare import compare_main
+    from quietsync.commands.compare import compare_main
     from tests.train.conftest import synthetic_text
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
@@ -127,32 +130,39 @@ def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkey
     data.write_text(synthetic_text(2000))
     out = tmp_path / "cmp"
     rc = compare_main([
-        "--strategies", "zero1", "demo", "--predict", "--out", str(out), "--nproc", "2", "--model", "tiny",
-        "--max-steps", "3", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
+        "--strategies", "zero1", "demo", "--predict", "--target-loss", "0.5", "--pilot-tokens", "1024",
+        "--out", str(out), "--nproc", "2", "--model", "tiny",
+        "--max-steps", "8", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
         "--link", "inter=1gbit,1ms", "--dataset", str(data), "--cache-dir", str(tmp_path / "cache"),
-        "--eval-windows", "4", "--eval-every", "0", "--no-progress", "--no-plot", "--no-export"])
+        "--eval-windows", "4", "--eval-every", "1", "--no-progress", "--no-plot", "--no-export"])
     assert rc == 0
     rows = json.loads((out / "compare.json").read_text())
     assert [r["predicted"]["label"] for r in rows] == ["zero1", "demo dct 1/32"]
     for r in rows:  # bytes per step are the same every step for both: predicted exactly
         assert r["predicted"]["bytes_sent_per_step"] == r["bytes_sent_per_step"], r["label"]
         assert r["predicted"]["step_s"] > 0
-    assert "Predicted (quietsync plan) beside measured" in (out / "compare.md").read_text()
+        # the pilots ran (the baseline's gives the loss curve): a predicted time to target and a predicted curve
+        assert r["predicted"]["source"] in ("exact", "pilot", "prior") and r["predicted"]["curve"]
+        assert "value" in r["predicted"]["tokens_to_target"]
+    assert (out / "pilots" / "zero1" / "summary.json").exists()
+    text = (out / "compare.md").read_text()
+    assert "Predicted (quietsync plan) beside measured" in text and "time to target s pred" in text
 
 
 def test_crossovers_are_where_the_fastest_strategy_changes():
-    result = quietsync.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048, micro_batch_size=4,
-                            link=["inter=1gbit,100us", "intra=900gbit,2us"], only=True, memory_bandwidth="20gb/s",
-                            strategies=["ddp", "demo:replicator=random,compression=0.001"])
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                                 micro_batch_size=4, link=["inter=1gbit,100us", "intra=900gbit,2us"], only=True,
+                                 memory_bandwidth="20gb/s",
+                                 strategies=["ddp", "demo:replicator=random,compression=0.001"])
     kind, bws, curves, crossovers = result.sweep()  # slow memory: the codec costs what a fast link saves
     assert kind == "inter" and len(crossovers) == 1
     bw, slow_link_winner, fast_link_winner = crossovers[0]
     # compressed momentum wins on a slow link, plain DDP once the link is fast enough
-    assert (slow_link_winner, fast_link_winner) == ("demo random 1/1000", "ddp")
+    assert (slow_link_winner, fast_link_winner) == ("demo:replicator=random,compression=0.001", "ddp")
+    from quietsync.cost.costmodel import Links
     from quietsync.link import LinkModel
-    from quietsync.plan.costmodel import Links
 
     at = Links(model={"inter": LinkModel(bw, 1e-4), "intra": result.cluster.links.model["intra"]})
-    a, b = (result.predict(n, k, at).tokens_per_s for n, k in (("ddp", {}), ("demo", {"replicator": "random",
-                                                                                           "compression": 0.001})))
-    assert a == pytest.approx(b, rel=0.02)
+    a, b = (result.score(result.predict(n, k, at)).objective
+            for n, k in (("ddp", {}), ("demo", {"replicator": "random", "compression": 0.001})))
+    assert a == pytest.approx(b, rel=0.02)  # equal predicted time to target where the best setting changes

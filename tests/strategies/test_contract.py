@@ -14,8 +14,8 @@ import torch
 import quietsync
 from quietsync.strategies import Strategy, available, get
 from tests.distributed import run_ranks
-from tests.strategies.common import flat_params, loss_fn, micro_batch, tiny_model
-from tests.strategies.overlap_common import batch, make
+from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, tiny_model
+from tests.strategies.helpers.overlap_common import batch, make
 
 STRATEGIES_DIR = Path(quietsync.strategies.__file__).parent
 
@@ -181,6 +181,8 @@ def test_no_family_imports_another_and_shared_layers_import_no_family():
     offenders = []
     for name, path in sorted(_modules().items()):
         top = name.split(".")[0]
+        if name == "__init__":
+            continue  # the package's face imports every family, so that each registers its strategies
         for target in _imports(name, path):
             other = target.split(".")[0]
             if other in FAMILIES and other != top:
@@ -297,3 +299,27 @@ def test_waiting_counts_as_idle_time():
     m = strategy.last_step_metrics()
     assert m.idle_s >= 0.2 and m.compute_s < 0.2
     strategy.close()
+
+
+# ---------------------------------------------------------------------------------------------- kept or refused
+class _Plain(Strategy):
+    """A strategy that commits its gradient without unscaling or clipping it (and holds nothing that does)."""
+
+    def _step(self) -> bool:
+        return False
+
+
+def test_max_grad_norm_and_fp16_are_refused_by_a_strategy_that_would_ignore_them():
+    for kwargs, knob in (({"max_grad_norm": 1.0}, "max_grad_norm"), ({"precision": "fp16"}, 'precision="fp16"')):
+        with pytest.raises(ValueError, match=f"does not unscale or clip the gradient it commits, so {knob}"):
+            _Plain(tiny_model(), torch.optim.SGD, lr=0.1, **kwargs)
+    plain = _Plain(tiny_model(), torch.optim.SGD, lr=0.1)  # without either knob it is a strategy like any other
+    with pytest.raises(ValueError, match="max_grad_norm would be ignored"):
+        plain.max_grad_norm = 1.0  # nor can it be set later
+    plain.close()
+    # a strategy keeps them itself (zero1) or through its substrate (ddp's Replicated); test_clipping.py and
+    # test_precision.py hold every shipped strategy to both
+    for name in ("zero1", "ddp"):
+        s = quietsync.make_strategy(name, tiny_model(), torch.optim.SGD, lr=0.1, max_grad_norm=1.0)
+        s.max_grad_norm = 2.0
+        s.close()

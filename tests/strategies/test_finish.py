@@ -16,10 +16,10 @@ import torch
 
 import quietsync
 from tests.distributed import run_ranks
-from tests.strategies.common import flat_params, loss_fn, micro_batch, param_groups, reference_run, tiny_model
-from tests.strategies.local_common import ADAMW
-from tests.strategies.overlap_common import batch, det_count, flat, make, reference
-from tests.strategies.reference_local import reference_diloco, reference_localsgd
+from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, param_groups, reference_run, tiny_model
+from tests.strategies.helpers.local_common import ADAMW
+from tests.strategies.helpers.overlap_common import batch, det_count, flat, make, reference
+from tests.strategies.helpers.reference_local import reference_diloco, reference_localsgd
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.strategies.golden import CASES, GOLDEN_DIR, STEPS, run_case
+from tests.strategies.helpers.golden import CASES, GOLDEN_DIR, STEPS, run_case
 
 
 @pytest.mark.timeout(150)

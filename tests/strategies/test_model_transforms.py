@@ -2,7 +2,7 @@
 buffers, ACCO's estimate, FSDP2's shards, Cyclic DP's versions): the trajectory is the one without them.
 
 The model is a tiny GPT-Neo (the trainer's architecture); checkpointing is its own per-block
-``activation_checkpointing_enable`` (``quietsync.train.model.enable_activation_checkpointing``), compile is
+``activation_checkpointing_enable`` (``quietsync.models.enable_activation_checkpointing``), compile is
 ``torch.compile`` of each block (``compile_blocks``).
 """
 
@@ -13,7 +13,7 @@ import torch
 
 import quietsync
 from quietsync.activation_memory import ActivationMeter
-from quietsync.train.model import ModelPreset, build_model, compile_blocks, enable_activation_checkpointing
+from quietsync.models import ModelPreset, build_model, compile_blocks, enable_activation_checkpointing
 from quietsync.transport import Transport
 from tests.distributed import run_ranks
 

@@ -71,9 +71,9 @@ def held(strategy) -> dict[str, Any]:
         outer.quiesce()
         out["globals"] = [g.clone() for g in outer.globals]
         out["outer_momentum"] = [{k: v.clone() for k, v in o.state.get(g, {}).items() if v is not None}
-                                 for o, g in zip(outer.outer, outer.globals)]
-        out["residuals"] = [r.clone() for r in outer.residuals] + [  # SparseLoCo / low-bit error feedback too
-            p.feedback.residual.clone() for p in outer.packed or [] if p.feedback is not None]
+                                 for o, g in zip(outer.optimizers, outer.globals)]
+        # a replicator's, SparseLoCo's or low-bit error feedback
+        out["residuals"] = [e.residual.clone() for e in outer.exchanges if e.residual is not None]
         out["pending"] = outer.pending_fragment
         out["replica"] = strategy.replica
         out["flat_params"] = torch.cat([p.detach().reshape(-1).float() for p in strategy.params])

@@ -1,9 +1,9 @@
 """Helpers of the end-to-end `quietsync train` tests.
 
-* :func:`train` runs ``quietsync train FLAGS`` as the command does — :func:`quietsync.train.cli.main`: the
+* :func:`train` runs ``quietsync train FLAGS`` as the command does — :func:`quietsync.commands.main.main`: the
   parsing, the checks before any worker starts, the notes, the exit status and the one-line failure report
   naming the worker that failed first — with each worker doing what a launched worker does
-  (:func:`quietsync.train.launch.run_local_worker`: torchrun's environment, loopback gloo, the file rendezvous,
+  (:func:`quietsync.cli.launch.run_local_worker`: torchrun's environment, loopback gloo, the file rendezvous,
   the failure note, the job function). Only *how* the workers start differs: they are forked from the test
   harness's forkserver (:mod:`tests.launcher`), which imported torch, transformers and the training loop once,
   instead of being spawned as fresh interpreters. Tests whose claim is about the launcher's
@@ -76,7 +76,7 @@ class Finished:
 
 def train(*flags: str, timeout: float = 200) -> Finished:
     """``quietsync train FLAGS`` with its workers forked from the harness's forkserver (see the module doc)."""
-    from quietsync.train.cli import main
+    from quietsync.commands.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with forked_launcher(timeout), redirect_stdout(out), redirect_stderr(err):
@@ -91,15 +91,15 @@ def train_subprocess(*flags: str, timeout: float = 200) -> subprocess.CompletedP
     """``quietsync train FLAGS`` as a subprocess (local workers spawned by its launcher)."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     env.update(OFFLINE)
-    return subprocess.run([sys.executable, "-m", "quietsync.train.cli", "train", *flags],
+    return subprocess.run([sys.executable, "-m", "quietsync", "train", *flags],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *flags: str) -> str:
     """Run ``quietsync train FLAGS`` in this process; assert exit 2, one line on stderr, no worker started;
     return the line."""
-    from quietsync.train import launch as launch_module
-    from quietsync.train.cli import main
+    from quietsync.cli import launch as launch_module
+    from quietsync.commands.main import main
 
     for k in TORCHRUN_VARS:
         monkeypatch.delenv(k, raising=False)

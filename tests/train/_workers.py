@@ -22,7 +22,7 @@ def record_env(marker_dir: str) -> None:
 
 def root_cause_on_rank_one_then_slow_cleanup() -> None:
     """Rank 1 fails first but lingers in its clean-up; rank 0 fails later with a peer's symptom and exits first."""
-    from quietsync.train.launch import note_failure
+    from quietsync.cli.launch import note_failure
 
     if int(os.environ["RANK"]) == 1:
         try:

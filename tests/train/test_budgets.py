@@ -191,7 +191,7 @@ def test_bad_budgets_in_a_config_file_are_refused(tmp_path, monkeypatch, capsys)
 
 # ---------------------------------------------------------------------------------------------- compare
 def test_compare_gives_every_run_the_budgets(tmp_path, monkeypatch):
-    from quietsync.train import compare
+    from quietsync.commands import compare
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
@@ -224,7 +224,7 @@ def test_compare_gives_every_run_the_budgets(tmp_path, monkeypatch):
 def test_compare_at_an_equal_token_budget(tmp_path, monkeypatch):
     """zero1 (1 micro-batch per step) and ddp with accumulation 2 stop at the same 256 tokens, after 4 and 2
     steps; the table says what stopped each; with --trace their timelines are drawn side by side."""
-    from quietsync.train.compare import compare_main
+    from quietsync.commands.compare import compare_main
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)

@@ -31,7 +31,7 @@ def test_cli_two_workers_smoke(tmp_path):
         "--seq-len", "32", "--vocab-size", "512", "--cache-dir", str(tmp_path / "cache"),
         "--link", "inter=1gbit,1ms", "--slow-worker", "1:1.5", "--no-progress", "--trace",
     ]
-    cmd = [sys.executable, "-m", "quietsync.train.cli", "train", *flags, "--out", str(out)]
+    cmd = [sys.executable, "-m", "quietsync", "train", *flags, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval loss first -> last" in proc.stdout and proc.stdout.count("strategy ") == 2  # rank 0 only

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from quietsync.train.compare import compare_main, parse_strategy_spec
+from quietsync.cli.spec import parse_strategy_spec
+from quietsync.commands.compare import compare_main
 
 from .conftest import synthetic_text
 
@@ -17,6 +18,20 @@ def test_parse_strategy_spec():
         "ddp", "ddp-accumulation2-bucket-cap-mb1", ["--accumulation", "2", "--bucket-cap-mb", "1"])
     with pytest.raises(ValueError, match="NAME"):
         parse_strategy_spec("ddp:accumulation")
+
+
+def test_a_spec_spells_on_off_fields_true_or_false():
+    """The planner writes an on/off knob as true/false (demo:sign=false); compare and plan must take it back."""
+    from quietsync.plan.candidates import candidate, parse_candidate
+    from quietsync.plan.strategies_spec import parse_spec
+
+    assert parse_strategy_spec("demo:sign=false,compression=0.125")[2] == ["--no-sign", "--compression", "0.125"]
+    assert parse_strategy_spec("localsgd:average_optimizer_state=True")[2] == ["--average-optimizer-state"]
+    assert parse_spec("demo:sign=false") == ("demo", {"sign": False})
+    spec = candidate("diloco", {"outer_nesterov": False, "sync_every": 8}).spec
+    assert parse_candidate(spec) == candidate("diloco", {"outer_nesterov": False, "sync_every": 8})
+    with pytest.raises(ValueError, match="compression"):  # a value field given true/false is still refused
+        parse_spec("demo:compression=true")
 
 
 @pytest.mark.timeout(240)
@@ -67,20 +82,15 @@ def test_compare_checks_flags_first(tmp_path, capsys):
 
 
 def test_cli_and_compare_do_not_import_each_other():
-    """Parsing lives in train/args.py and running a job in train/run_job.py; compare needs neither cli."""
+    """Parsing lives in train/args.py and running a job in train/run_job.py; compare (beside the command's entry,
+    above the trainer) needs the entry module not."""
     import ast
     from pathlib import Path
 
-    import quietsync.train as train
+    import quietsync.commands as commands
 
-    root = Path(train.__file__).parent
+    tree = ast.parse((Path(commands.__file__).parent / "compare.py").read_text())
+    assert "main" not in {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+    from quietsync.commands import compare, main
 
-    def imported(module: str) -> set[str]:
-        tree = ast.parse((root / f"{module}.py").read_text())
-        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
-
-    assert "cli" not in imported("compare") | imported("args") | imported("run_job")
-    assert "compare" not in imported("args") | imported("run_job")
-    from quietsync.train import cli, compare
-
-    assert cli.compare_main is compare.compare_main and cli.parse_train_args is compare.parse_train_args
+    assert main.compare_main is compare.compare_main and main.parse_train_args is compare.parse_train_args

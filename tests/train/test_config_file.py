@@ -8,8 +8,8 @@ import json
 import pytest
 
 import quietsync
+from quietsync.commands.main import main
 from quietsync.train.args import parse_train_args
-from quietsync.train.cli import main
 from quietsync.train.metrics import read_jsonl
 from quietsync.train.outputs import out_problem
 

@@ -71,7 +71,7 @@ def job(tmp_path_factory) -> dict:
     ref = root / "reference"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **AUDIT})
-    proc = subprocess.run([sys.executable, "-m", "quietsync.train.cli", "train", "--nproc", "3", *_flags(root, ref)],
+    proc = subprocess.run([sys.executable, "-m", "quietsync", "train", "--nproc", "3", *_flags(root, ref)],
                           capture_output=True, text=True, env=env, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"root": root, "reference": ref}

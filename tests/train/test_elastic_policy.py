@@ -61,8 +61,8 @@ def test_elastic_checkpoint_cadence():
 
 
 def _train_line(monkeypatch, capsys, argv: list[str], env: dict[str, str]) -> tuple[int, str]:
-    from quietsync.train import launch as launch_module
-    from quietsync.train.cli import main
+    from quietsync.cli import launch as launch_module
+    from quietsync.commands.main import main
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE"):
         monkeypatch.delenv(k, raising=False)

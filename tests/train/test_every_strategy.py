@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from quietsync.strategies import available, get
+from quietsync.train.args import parse_train_args
 from quietsync.train.checkpoint import latest_checkpoint
-from quietsync.train.cli import parse_train_args
 from quietsync.train.loop import run
 from quietsync.train.metrics import STEP_FIELDS, read_jsonl
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quietsync.models import build_model
 from quietsync.train.export import export_model
-from quietsync.train.model import build_model
 from quietsync.train.tokenizer import EOS_TOKEN, eos_id, train_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,7 +64,7 @@ def test_export_refuses_a_plain_module(tmp_path, small_corpus):
 
 def test_a_run_can_start_from_an_exported_folder(small_corpus, tmp_path):
     """--model and --tokenizer take a Hugging Face folder (here one quietsync exported)."""
-    from quietsync.train.model import is_pretrained, load_pretrained
+    from quietsync.models import is_pretrained, load_pretrained
     from quietsync.train.tokenizer import load_pretrained_tokenizer
 
     tok = train_tokenizer(small_corpus, 300)

@@ -36,7 +36,7 @@ def test_two_torchrun_agents_make_two_nodes(strategy, groups, tmp_path):
     for node in (0, 1):
         cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node), "--rdzv-backend",
                "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"qs-{port}", "-m",
-               "quietsync.train.cli", "train", "--strategy", strategy, *extra, "--model", "tiny", "--max-steps", "4",
+               "quietsync", "train", "--strategy", strategy, *extra, "--model", "tiny", "--max-steps", "4",
                "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--dataset", str(data),
                "--cache-dir", str(tmp_path / "cache"), "--eval-every", "0", "--eval-windows", "4", "--no-progress",
                "--no-plot", "--no-export", "--timeout-s", "60", "--out", str(tmp_path / f"node{node}")]

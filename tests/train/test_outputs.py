@@ -91,7 +91,7 @@ def test_a_used_out_is_refused_and_overwrite_replaces_it(tmp_path, monkeypatch, 
 
 
 def test_compare_refuses_a_used_out(tmp_path, capsys):
-    from quietsync.train.compare import compare_main
+    from quietsync.commands.compare import compare_main
 
     (tmp_path / "compare.md").write_text("old")
     with pytest.raises(SystemExit) as e:
@@ -104,7 +104,7 @@ def test_compare_refuses_a_used_out(tmp_path, capsys):
 
 @pytest.mark.timeout(240)
 def test_compare_overwrite_replaces_its_runs(tmp_path, monkeypatch):
-    from quietsync.train.compare import compare_main
+    from quietsync.commands.compare import compare_main
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)

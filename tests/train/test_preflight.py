@@ -98,7 +98,7 @@ def test_the_command_fails_fast_without_starting_workers(tmp_path):
     (tmp_path / "file").write_text("x")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "quietsync.train.cli", "train", "--model", "tiny",
+    proc = subprocess.run([sys.executable, "-m", "quietsync", "train", "--model", "tiny",
                            "--out", str(tmp_path / "file"), "--no-progress"],
                           capture_output=True, text=True, env=env, timeout=50)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from quietsync.cli.flags import FlagError, build_config
 from quietsync.train.config import TrainConfig
-from quietsync.train.config_flags import FlagError, build_config
 from quietsync.train.metrics import MetricsWriter, read_jsonl
 from quietsync.train.sinks import CSVSink, MetricsSink, flatten, open_sinks, parse_log_with
 

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from quietsync.train.cli import main
+from quietsync.commands.main import main
 from quietsync.train.job_data import IN_MEMORY_ENV
 
 from ._run import refused as refused_line

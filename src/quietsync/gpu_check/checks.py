@@ -66,8 +66,8 @@ UNCHECKED = [
     "NCCL collectives between ranks (every strategy at world > 1): one device cannot hold two NCCL ranks",
     "ACCO/DPU/WP and Streaming DiLoCo overlapping a real collective on the comm worker's CUDA stream "
     "(checked here with the world-of-one collective, which does not touch the network)",
-    "FSDP2 / FlexDeMo sharding across 2 GPUs (tests/strategies/test_fsdp.py::test_fsdp2_on_nccl_equals_one_process, "
-    "skipped with one device)",
+    "FSDP2 / FlexDeMo sharding across 2 GPUs "
+    "(tests/strategies/baselines/test_fsdp.py::test_fsdp2_on_nccl_equals_one_process, skipped with one device)",
     "CDP's point-to-point ring on NCCL (cdp with 2 workers)",
     "two processes sharing one device over gloo: the transport keeps gloo buffers on the CPU, so a gloo run "
     "computes on the CPU, not the device",
@@ -302,8 +302,8 @@ def _median_s(fn: Any, device: torch.device, repeats: int = 20, warmup: int = 3)
 
 def codec_checks(device: str, chunk: int = 64) -> list[Check]:
     """DeMo's DCT codec on ``device`` against the fp64 oracle and the reference implementation; timings."""
-    from ..codecs import BlockLayout, BlockWorkspace
-    from ..train.model import build_model
+    from ..models.causal_lm import build_model
+    from ..wire.codecs import BlockLayout, BlockWorkspace
 
     t0 = time.perf_counter()
     dev = torch.device(device)
@@ -385,9 +385,9 @@ def _placements(layout: Any) -> list[Any]:
 def calibration_check(device: str, zero1_runs: dict[str, Any] | None) -> Check:
     """The planner's calibrated forward + backward against the one the zero1 fp32 run measured (its loop times
     every micro-batch's forward and backward, synchronising the device); the whole step beside it."""
+    from ..models.causal_lm import build_model
     from ..plan.calibrate import calibrate
     from ..train.loop import lm_loss
-    from ..train.model import build_model
 
     t0 = time.perf_counter()
     run = (zero1_runs or {}).get("fp32") if isinstance(zero1_runs, dict) else None

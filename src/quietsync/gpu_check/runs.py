@@ -77,7 +77,7 @@ def _train(spec: RunSpec, name: str, precision: str, steps: int, max_tokens: int
     """One ``quietsync train`` run in this process; its recorded figures, or ``{"error": ...}``."""
     import torch
 
-    from ..train.cli import main
+    from ..commands.main import main
 
     out = Path(spec.work) / f"{spec.label or spec.strategy}-{name}"
     argv = ["train", "--strategy", spec.strategy, *spec.flags, *spec.extra_flags, "--nproc", "1",

@@ -13,7 +13,7 @@ Periodic replication: step ``t`` (1-based) replicates iff ``t % replicate_every 
 (``s * g``) is applied, as in the DeToNATION reference.
 
 All parameters' momenta live in one flat fp32 buffer (each ``state[p]["delta"]`` is a view of it), in
-the replicator's **domain** (:attr:`~quietsync.replicators.Replicator.momentum_domain`): as the parameters
+the replicator's **domain** (:attr:`~quietsync.wire.replicators.Replicator.momentum_domain`): as the parameters
 are laid out for ``random`` / ``striding`` / ``full`` / ``none``, as the DCT-II coefficients of every block
 (``(blocks, *block_shape)`` per parameter) for ``dct`` -- then step 1 transforms the gradient and step 2's
 error feedback is exact in the coefficients, one transform fewer than a spatial momentum needs. The buffer is
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ..replicators import Replicator, Segments, SparseUpdate, convert_momentum, make_replicator
 from ..transport import Collectives
 from ..validate import check_float, check_int
+from ..wire.replicators import Replicator, Segments, SparseUpdate, convert_momentum, make_replicator
 
 __all__ = ["DecoupledOptimizer", "check_replication_schedule"]
 
@@ -55,7 +55,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         params: parameters or parameter groups (torch style).
         defaults: per-group defaults (``lr``, ``beta``, ``sign``, ``weight_decay``, ...); ``lr``,
             ``beta`` and ``weight_decay`` are checked here for every subclass.
-        replicator: a :class:`~quietsync.replicators.Replicator` or its name (then built with
+        replicator: a :class:`~quietsync.wire.replicators.Replicator` or its name (then built with
             ``replicator_kwargs``).
         transport: the :class:`~quietsync.transport.Transport`; None = a world of one.
         group: transport group to replicate over (``world`` for DeMo, ``replicate`` for FlexDeMo).

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..replicators import Replicator
 from ..transport import Collectives
 from ..validate import check_float
+from ..wire.replicators import Replicator
 from .decoupled import DecoupledOptimizer
 
 __all__ = ["DecoupledAdamW"]

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..replicators import Replicator
 from ..transport import Collectives
+from ..wire.replicators import Replicator
 from .decoupled import DecoupledOptimizer
 
 __all__ = ["DeMoSGD"]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..activation_memory import ActivationMeter
-from .compute import ComputeProfile
+from ..cost.compute import ComputeProfile
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -126,7 +126,7 @@ def time_decoupled(params: Sequence[torch.nn.Parameter], n: int, *, base: str = 
     """Median seconds of one decoupled optimizer step (DeMo-SGD or decoupled AdamW) over copies of ``params``
     with the replicator of ``replicator_knobs`` exchanging over :class:`Loopback` (``n`` workers)."""
     from ..optim import DecoupledAdamW, DeMoSGD
-    from ..replicators import make_replicator
+    from ..wire.replicators import make_replicator
 
     copies = [p.detach().clone().requires_grad_(True) for p in params]
     for c in copies:
@@ -152,7 +152,7 @@ def calibrate(model: torch.nn.Module, batch: Any, loss_fn: LossFn, *,
               optimizer_kwargs: dict[str, Any] | None = None,
               codecs: dict[str, dict[str, Any]] | None = None, codec_group: int = 2,
               warmup: int = 2, repeats: int = 5) -> ComputeProfile:
-    """Measure a :class:`~quietsync.plan.costmodel.ComputeProfile` for ``model`` on ``batch`` on this device.
+    """Measure a :class:`~quietsync.cost.compute.ComputeProfile` for ``model`` on ``batch`` on this device.
 
     Args:
         model: the model, on its device, in train mode (its gradients are zeroed afterwards).
@@ -160,7 +160,7 @@ def calibrate(model: torch.nn.Module, batch: Any, loss_fn: LossFn, *,
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
         optimizer, optimizer_kwargs: the optimizer the strategies run (AdamW, lr 1e-3 by default).
         codecs: decoupled settings to time, ``{key: {"replicator": ..., "compression": ..., "base": ...}}``
-            (keys as :func:`~quietsync.plan.costmodel.codec_key` makes them).
+            (keys as :func:`~quietsync.cost.compute.codec_key` makes them).
         codec_group: workers the replicators' collective gathers from (all-gathers grow with it).
         warmup, repeats: untimed and timed repetitions of each measurement.
     """

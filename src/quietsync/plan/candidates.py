@@ -1,122 +1,171 @@
-"""Which strategies and knob settings the plan evaluates, and knobs chosen to a compute-busy target.
+"""The settings the planner ranks: the canonical candidate grid, one spec string per setting.
 
-:func:`default_candidates` lists every strategy at its defaults plus the settings worth comparing (the random
-replicator, Streaming DiLoCo). The tuners search a knob for the cheapest setting that keeps the workers at least
-``target`` busy, using the cost model itself:
+A candidate is a ``NAME[:FIELD=VALUE,...]`` spec — the strings ``quietsync compare --strategies`` takes — so a plan's
+rows, ``quietsync compare`` runs and the equal-loss benchmark (``benchmarks/bench_equal_loss.py``) join on them.
+:data:`GRID` is every strategy at its defaults plus the knob settings that change loss per token or bytes most:
+ACCO/DPU/WP adaptive and capped at 4 micro-batches per stage, DeMo's DCT at 1/32 and 1/256 and the random replicator,
+Local SGD, DiLoCo at H = 16 and 64, Streaming DiLoCo (4 fragments, each exchange hidden behind H/F inner steps) in
+fp32 and in fp4 as its paper sends it, SparseLoCo (2-bit values by default, and outer lr 1 — a plain averaged step —
+as its paper), CDP.
+:data:`WIDE` adds the long-H and heavy-compression settings a large cluster on a slow link needs (``--what-if``).
 
-* :func:`tune_diloco` — the smallest H (fewest inner steps between syncs, the least drift), and for it the
-  fewest fragments, with the exchange overlapped (τ = H/F) where that helps;
-* :func:`tune_localsgd` — the smallest K;
-* :func:`tune_demo` — the largest compression (the most of the momentum sent) per replicator;
-* :func:`tune_overlap_cap` — ACCO's ``max_accumulation`` when the link is so slow that its stages would grow
-  to many micro-batches (an upper bound keeps the batch from growing without limit).
+The knobs of each strategy are **tuned for time to target** (:mod:`~quietsync.plan.advice`): among a strategy's
+settings in the grid, the one with the least predicted time to the target loss is its best, so the search space
+is the grid itself and every recommendation is a setting the benchmark runs.
+
+:func:`canonical_grid` returns the candidates that apply to a topology and, for the others, why they are left out
+(FlexDeMo needs several workers per node; CDP needs as many model stages as workers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 from ..topology import Topology
-from .table import Row
-from .workload import Workload
 
-Score = Callable[[str, dict[str, Any]], Row]
-"""Evaluate strategy ``name`` with a dict of knobs."""
+GRID: tuple[str, ...] = (
+    "ddp",
+    "zero1",
+    "fsdp",
+    "acco",
+    "acco:max_accumulation=4",
+    "dpu",
+    "dpu:max_accumulation=4",
+    "wp",
+    "wp:max_accumulation=4",
+    "demo",
+    "demo:compression=0.00390625",
+    "demo:replicator=random",
+    "flexdemo",
+    "localsgd:sync_every=16",
+    "diloco:sync_every=16",
+    "diloco:sync_every=64",
+    "diloco:sync_every=16,fragments=4,overlap_delay=4",
+    "diloco:sync_every=16,fragments=4,overlap_delay=4,pseudo_grad_dtype=fp4",
+    "diloco:sync_every=16,outer=sparseloco,outer_lr=1.0",
+    "cdp",
+)
+"""The canonical candidate grid (spec strings as ``quietsync compare --strategies`` takes them)."""
+
+WIDE: tuple[str, ...] = (
+    "demo:compression=0.0009765625",
+    "flexdemo:compression=0.0009765625",
+    "diloco:sync_every=128,fragments=4,overlap_delay=32",
+    "diloco:sync_every=512",
+    "diloco:sync_every=512,fragments=4,overlap_delay=128,pseudo_grad_dtype=fp4",
+    "diloco:sync_every=128,outer=sparseloco,outer_lr=1.0",
+)
+"""Settings added for large clusters on slow links (``--what-if`` plans): longer H, heavier compression."""
 
 
 @dataclass(frozen=True)
-class Tuned:
-    """A knob setting chosen by a tuner, and why."""
+class Candidate:
+    """One setting: its spec string and the strategy's knobs that differ from the defaults."""
 
+    spec: str
     strategy: str
-    knobs: dict[str, Any]
-    row: Row
+    knobs: tuple[tuple[str, Any], ...]
+    """``(field, value)`` pairs in the config's field order."""
+
+    @property
+    def knob_dict(self) -> dict[str, Any]:
+        return dict(self.knobs)
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A grid setting that does not apply here, and why."""
+
+    spec: str
+    strategy: str
     reason: str
-    reached: bool
-    """Whether the target was reached (else: the best found)."""
 
 
-def default_candidates(w: Workload, topo: Topology) -> list[tuple[str, dict[str, Any]]]:
-    """Every strategy at its defaults, and the alternative settings worth a row."""
-    out: list[tuple[str, dict[str, Any]]] = [
-        ("ddp", {}), ("zero1", {}), ("fsdp", {}),
-        ("acco", {}), ("dpu", {}), ("wp", {}),
-        ("demo", {}), ("demo", {"replicator": "random"}),
-        ("localsgd", {}), ("diloco", {}), ("diloco", {"fragments": 4, "overlap_delay": 1}),
-    ]
-    if topo.nodes > 1 and topo.workers_per_node > 1:
-        out.insert(8, ("flexdemo", {}))
-    world = topo.world_size
-    if world > 1 and world in w.stage_numels:
-        out.append(("cdp", {}))
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def spec_string(strategy: str, knobs: dict[str, Any] | tuple[tuple[str, Any], ...]) -> str:
+    """``strategy:field=value,...`` of knobs that differ from the defaults (in the config's field order)."""
+    items = list(knobs.items()) if isinstance(knobs, dict) else list(knobs)
+    return strategy + (":" + ",".join(f"{k}={_fmt(v)}" for k, v in items) if items else "")
+
+
+def candidate(strategy: str, knobs: dict[str, Any] | None = None) -> Candidate:
+    """The candidate of ``strategy`` with ``knobs``, its spec normalized: the fields that differ from the strategy's
+    defaults, in the config's field order (so ``demo`` and ``demo:compression=0.03125`` are one candidate)."""
+    from .schedules import strategy_config
+
+    cfg = strategy_config(strategy, dict(knobs or {}))
+    default = strategy_config(strategy)
+    diff = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                 if getattr(cfg, f.name) != getattr(default, f.name))
+    return Candidate(spec_string(strategy, diff), strategy, diff)
+
+
+@functools.lru_cache(maxsize=512)
+def parse_candidate(spec: str) -> Candidate:
+    """The normalized candidate of a spec string (values checked by the strategy's config)."""
+    from .strategies_spec import parse_spec
+
+    name, knobs = parse_spec(spec)
+    return candidate(name, knobs)
+
+
+def applies(strategy: str, topo: Topology, stage_counts: tuple[int, ...] = ()) -> str | None:
+    """Why ``strategy`` does not apply to ``topo`` (None when it does)."""
+    if topo.world_size == 1 and strategy not in ("ddp", "zero1", "fsdp"):
+        return "one worker: nothing to hide or shrink"
+    if strategy == "flexdemo" and topo.workers_per_node < 2:
+        return ("needs more than one worker per node (FlexDeMo shards parameters inside a node and replicates "
+                "compressed shards across nodes); with one worker per node it is DeMo")
+    if strategy == "cdp" and stage_counts and topo.world_size not in stage_counts:
+        return f"the model cannot be cut into {topo.world_size} stages (CDP needs one stage per worker)"
+    return None
+
+
+def canonical_grid(topo: Topology, stage_counts: tuple[int, ...] = (), wide: bool = False
+                   ) -> tuple[list[Candidate], list[LeftOut]]:
+    """The grid's candidates that apply to ``topo`` (``wide``: with :data:`WIDE`), and the ones left out with why.
+    ``stage_counts``: the stage counts the model can be cut into (CDP); empty = not checked."""
+    out: list[Candidate] = []
+    left: list[LeftOut] = []
+    for spec in GRID + (WIDE if wide else ()):
+        c = parse_candidate(spec)
+        why = applies(c.strategy, topo, stage_counts)
+        if why is not None:
+            left.append(LeftOut(c.spec, c.strategy, why))
+        elif c not in out:
+            out.append(c)
+    return out, left
+
+
+def default_candidates(w: Any, topo: Topology) -> list[tuple[str, dict[str, Any]]]:
+    """The grid's settings that apply to ``topo`` for workload ``w`` (its CDP stage counts), as ``(strategy,
+    knobs)`` pairs (the equal-loss benchmark imports this)."""
+    stages = tuple(sorted(w.stage_numels)) if getattr(w, "stage_numels", None) else ()
+    return [(c.strategy, c.knob_dict) for c in canonical_grid(topo, stages)[0]]
+
+
+def unique(candidates: list[Candidate]) -> list[Candidate]:
+    """``candidates`` without repeats (one row per setting), first occurrence kept."""
+    seen: set[tuple[str, tuple[tuple[str, Any], ...]]] = set()
+    out = []
+    for c in candidates:
+        key = (c.strategy, c.knobs)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
     return out
 
 
-def _busy(row: Row) -> float:
-    return row.compute_busy
-
-
-def tune_localsgd(score: Score, target: float, ks: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)) -> Tuned:
-    """The smallest K whose predicted compute-busy fraction reaches ``target``."""
-    best = None
-    for k in ks:
-        row = score("localsgd", {"sync_every": k})
-        if _busy(row) >= target:
-            return Tuned("localsgd", {"sync_every": k}, row, f"smallest K with ≥ {target:.0%} busy", True)
-        best = row if best is None or _busy(row) > _busy(best) else best
-    assert best is not None
-    return Tuned("localsgd", best.knobs, best, f"no K up to {ks[-1]} reaches {target:.0%} busy", False)
-
-
-def tune_diloco(score: Score, target: float, hs: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512),
-                fragments: tuple[int, ...] = (1, 2, 4, 8)) -> Tuned:
-    """The smallest H (then the fewest fragments F, blocking before overlapped) reaching ``target`` busy."""
-    best = None
-    for h in hs:
-        for f in fragments:
-            if h % f:
-                continue
-            for tau in (0, h // f):
-                knobs = {"sync_every": h, "fragments": f, "overlap_delay": tau}
-                try:
-                    row = score("diloco", knobs)
-                except ValueError:  # e.g. more fragments than parameter tensors
-                    continue
-                if _busy(row) >= target:
-                    how = "blocking sync" if tau == 0 else f"each fragment's exchange hidden behind τ={tau} inner steps"
-                    return Tuned("diloco", knobs, row, f"smallest H with ≥ {target:.0%} busy ({how})", True)
-                best = row if best is None or _busy(row) > _busy(best) else best
-    assert best is not None
-    return Tuned("diloco", best.knobs, best, f"no H up to {hs[-1]} reaches {target:.0%} busy", False)
-
-
-def tune_demo(score: Score, target: float, replicator: str = "dct",
-              compressions: tuple[float, ...] = tuple(1 / 2**k for k in range(0, 11)), strategy: str = "demo"
-              ) -> Tuned:
-    """The largest compression (most bytes, least information dropped) reaching ``target`` busy."""
-    best = None
-    for c in compressions:
-        knobs = {"replicator": replicator, "compression": c}
-        row = score(strategy, knobs)
-        if _busy(row) >= target:
-            return Tuned(strategy, knobs, row, f"largest compression with ≥ {target:.0%} busy ({replicator})", True)
-        best = row if best is None or _busy(row) > _busy(best) else best
-    assert best is not None
-    return Tuned(strategy, best.knobs, best, f"no compression down to 1/{1 / compressions[-1]:.0f} reaches "
-                 f"{target:.0%} busy", False)
-
-
-def tune_overlap_cap(score: Score, world: int, strategy: str = "acco", cap_ratio: float = 4.0) -> Tuned | None:
-    """With a link so slow that a stage takes more than ``cap_ratio`` micro-batches, the cap that holds it there
-    (the batch per step then stays bounded, at the cost of some waiting); None when no cap is needed."""
-    row = score(strategy, {})
-    per_worker = row.micro_batches / world
-    stages = 2 if strategy == "acco" else 1
-    if per_worker <= cap_ratio * stages * (1 + 1e-9):
-        return None
-    cap = int(cap_ratio)
-    capped = score(strategy, {"max_accumulation": cap})
-    return Tuned(strategy, {"max_accumulation": cap}, capped,
-                 f"the link would grow each stage to {per_worker / stages:.1f} micro-batches; capped at {cap}", True)
+__all__ = ["GRID", "WIDE", "Candidate", "LeftOut", "applies", "candidate", "canonical_grid", "default_candidates",
+           "parse_candidate",
+           "spec_string", "unique"]

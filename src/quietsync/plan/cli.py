@@ -14,9 +14,8 @@ PROG = "quietsync plan"
 
 def plan_main(argv: list[str]) -> int:
     """``quietsync plan [flags]``; returns the exit status."""
-    from ..train.args import OneLineParser
-    from ..train.config_flags import FlagError, add_dataclass_flags, build_config, given_values
-    from ..train.launch import WorkerFailed
+    from ..cli.flags import FlagError, OneLineParser, add_dataclass_flags, build_config, given_values
+    from ..cli.launch import WorkerFailed
     from .config import PlanConfig
     from .planner import plan
 

@@ -1,6 +1,6 @@
 """A cluster described, not measured (``--what-if``): nodes, workers per node, links, and the device.
 
-:class:`Device` turns a workload into a :class:`~quietsync.plan.costmodel.ComputeProfile` from its peak FLOP/s,
+:class:`Device` turns a workload into a :class:`~quietsync.cost.compute.ComputeProfile` from its peak FLOP/s,
 the fraction of it training reaches (MFU) and its memory bandwidth, with stated assumptions:
 
 * forward + backward of a micro-batch = the workload's training FLOPs (6 × parameters × tokens, plus
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..link import LINK_NAMES, LinkModel
+from ..cost.compute import ComputeProfile
+from ..cost.costmodel import Links
+from ..cost.workload import Workload
 from ..validate import check_float, check_int
-from .costmodel import ComputeProfile, Links
-from .workload import Workload
 
 ADAMW_BYTES = 28.0
 """AdamW per fp32 element: read parameter, gradient, two moments (16 B); write parameter and moments (12 B)."""
@@ -112,10 +112,3 @@ BYTES_UNITS = {"b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 102
 FLOPS_UNITS = {"flops": 1.0, "gflops": 1e9, "tflops": 1e12, "pflops": 1e15}
 RATE_UNITS = {"b/s": 1.0, "gb/s": 1e9, "tb/s": 1e12, "gbps": 1e9, "tbps": 1e12}
 
-
-def links_from(given: dict[str, LinkModel]) -> Links:
-    """Links of a described cluster: the given ones, nothing else."""
-    for key in given:
-        if key not in LINK_NAMES:
-            raise ValueError(f"link kinds must be in {LINK_NAMES}, got {key!r}")
-    return Links(model=dict(given))

@@ -1,4 +1,4 @@
-"""The inputs of a plan (``quietsync plan`` flags, ``quietsync.plan(...)`` arguments), checked at once.
+"""The inputs of a plan (``quietsync plan`` flags, ``quietsync.plan.plan(...)`` arguments), checked at once.
 
 Every field is validated in ``__post_init__`` with an error naming the field and what is allowed, so a bad
 value fails before any worker starts (the CLI prints it as one line and exits 2): an unknown model, a topology
@@ -48,9 +48,24 @@ class PlanConfig:
         "action": "extend", "nargs": "+", "metavar": "NAME[:FIELD=VALUE,...]"}})
     """Extra rows NAME[:FIELD=VALUE,...] (as quietsync compare takes them); the defaults are always evaluated."""
     only: bool = False
-    """Evaluate only --strategies (no default rows, no tuning)."""
-    target_busy: float = 0.9
-    """Compute-busy fraction the knob tuners aim for."""
+    """Evaluate only --strategies (no grid rows)."""
+    target_loss: float | None = None
+    """Held-out loss to reach: settings are ranked by predicted time to it (measured plans need --pilot-tokens; with
+    what_if the Chinchilla law gives the baseline's tokens to it)."""
+    target_tokens: int | None = None
+    """what_if without target_loss: tokens the synchronous baseline trains for (default: 20 per parameter,
+    Chinchilla-optimal); the target is its loss then."""
+    budget_s: float | None = None
+    """Rank by the held-out loss predicted after this many seconds of training instead of by time to target."""
+    pilot_tokens: int | None = None
+    """Pilot runs: each promising setting trains up to N tokens (all workers) on this model and data, and its
+    held-out curve replaces the priors (successive halving stops the losing ones early)."""
+    pilot_candidates: int = 6
+    """Settings besides the baseline that may run a pilot (the most promising by prior time to target)."""
+    train_args: str = ""
+    """quietsync train flags for the pilots (the run being planned), e.g. '--max-steps 2000 --lr 1e-3'."""
+    pilot_out: str | None = None
+    """Folder for the pilot runs (default: OUT/pilots with --out, else a temporary folder)."""
     what_if: bool = False
     """Describe the cluster instead of measuring: no workers are started."""
     workers_per_node: int | None = None
@@ -105,7 +120,25 @@ class PlanConfig:
                         ("vocab_size", self.vocab_size), ("repeats", self.repeats)):
             check_int(what, v, 1)
         check_int("threads", self.threads, 0)
-        check_float("target_busy", self.target_busy, 0, 1, low_open=True)
+        check_float("target_loss", self.target_loss, 0, low_open=True, allow_none=True)
+        check_int("target_tokens", self.target_tokens, 1, allow_none=True)
+        check_float("budget_s", self.budget_s, 0, low_open=True, allow_none=True)
+        check_int("pilot_tokens", self.pilot_tokens, 1, allow_none=True)
+        check_int("pilot_candidates", self.pilot_candidates, 0)
+        if self.target_loss is not None and self.budget_s is not None:
+            raise ValueError("target_loss and budget_s are two objectives: give one")
+        if self.target_tokens is not None and not self.what_if:
+            raise ValueError("target_tokens is only used with what_if (measured plans take target_loss and pilots)")
+        if self.pilot_tokens is not None:
+            if self.what_if:
+                raise ValueError("pilot_tokens runs pilots on this machine: not with what_if")
+            if self.target_loss is None and self.budget_s is None:
+                raise ValueError("pilot_tokens needs target_loss (or budget_s): the pilots are judged by time to it")
+        elif not self.what_if and (self.target_loss is not None or self.budget_s is not None):
+            which = "target_loss" if self.target_loss is not None else "budget_s"
+            raise ValueError(f"{which} needs pilot_tokens N in a measured plan (the baseline's loss curve comes from "
+                             "its pilot run), or what_if")
+        self.pilot_args = _pilot_args(self)
         check_float("mfu", self.mfu, 0, 1, low_open=True)
         check_float("timeout_s", self.timeout_s, 0, low_open=True)
         self.device = Device(
@@ -145,6 +178,35 @@ class PlanConfig:
         return self.threads or max(1, (os.cpu_count() or 1) // max(1, self.world))
 
 
+def _pilot_args(cfg: PlanConfig) -> list[str]:
+    """``train_args`` as argv, checked by ``quietsync train``'s own parser (one line naming the flag)."""
+    import contextlib
+    import io
+    import shlex
+
+    try:
+        argv = shlex.split(cfg.train_args)
+    except ValueError as e:
+        raise ValueError(f"train_args: {e}") from None
+    if not argv:
+        return []
+    owned = {"--strategy", "--out", "--max-tokens", "--target-loss", "--resume", "--link", "--nproc",
+             "--nodes", "--model", "--micro-batch-size", "--seq-len", "--vocab-size"}
+    clash = [a.split("=")[0] for a in argv if a.split("=")[0] in owned]
+    if clash:
+        raise ValueError(f"train_args must not set {', '.join(clash)} (the plan sets them for every pilot)")
+    from ..train.args import parse_train_args
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parse_train_args(argv)
+    except SystemExit:
+        line = err.getvalue().strip().splitlines()[-1:] or ["bad flags"]
+        raise ValueError(f"train_args: {line[0].removeprefix('quietsync train: error: ')}") from None
+    return argv
+
+
 def _parse_slow(specs: list[str], world: int) -> dict[int, float]:
     out: dict[int, float] = {}
     for spec in specs:
@@ -164,7 +226,7 @@ def _model_kind(model: str, what_if: bool) -> str:
     """``preset``, ``folder``, ``described``; raises for anything else."""
     from pathlib import Path
 
-    from ..train.model import PRESETS
+    from ..models.causal_lm import PRESETS
 
     if model in PRESETS:
         return "preset"

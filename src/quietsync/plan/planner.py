@@ -1,4 +1,4 @@
-"""``quietsync.plan(...)``: measure (or describe) the job, predict every strategy, recommend.
+"""``quietsync.plan.plan(...)``: measure (or describe) the job, predict every strategy, recommend.
 
 Measured (the default): the workers are launched as ``quietsync train`` launches them (local processes, or in
 place under torchrun), and each, at the same time as the others, calibrates the model and micro-batch on its
@@ -17,147 +17,24 @@ import json
 import os
 import statistics
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..cost.compute import ComputeProfile, codec_key, codec_knobs
+from ..cost.costmodel import Links
+from ..cost.workload import Workload
 from ..link import LinkModel
 from ..topology import Topology
-from .candidates import Tuned, default_candidates, tune_demo, tune_diloco, tune_localsgd, tune_overlap_cap
+from .candidates import Candidate, LeftOut, candidate, canonical_grid, unique
 from .cluster import Cluster, Device
 from .config import PlanConfig, transformer_shape
-from .costmodel import ComputeProfile, Links, codec_key, codec_knobs
-from .recommend import HETEROGENEOUS, MAX_STAGE, STAGES, Advice, advise, ranked
+from .objective import Objective, initial_objective
+from .recommend import HETEROGENEOUS, advise
+from .result import PlanResult
 from .schedules import strategy_config
-from .table import Row, evaluate, markdown
-from .workload import Workload
-
-TIE = 0.01
-"""Strategies within 1% of each other's time per token count as tied (no crossover between them)."""
-
-
-@dataclass
-class PlanResult:
-    """A plan: the table, the advice, and what they rest on."""
-
-    config: PlanConfig
-    workload: Workload
-    cluster: Cluster
-    compute: ComputeProfile
-    rows: list[Row]
-    tuned: list[Tuned]
-    advice: Advice
-    probe: dict[str, Any] | None = None
-    """The probe's samples and fits per link kind (measured plans)."""
-    assumptions: list[str] = field(default_factory=list)
-
-    @property
-    def topology(self) -> Topology:
-        return Topology(0, self.cluster.world, self.cluster.nodes)
-
-    def predict(self, name: str, knobs: dict[str, Any], links: Links | None = None) -> Row:
-        """One more row, optionally on other links."""
-        return evaluate(name, knobs, self.workload, self.topology, self.compute, links or self.cluster.links)
-
-    def best_rows(self) -> list[Row]:
-        """Each strategy's fastest row that may be recommended (tuned ones included; ACCO/DPU/WP with stages
-        grown past :data:`~quietsync.plan.recommend.MAX_STAGE` left out), fastest first."""
-        return ranked(self.rows + [t.row for t in self.tuned], self.cluster.world)
-
-    def sweep(self, kind: str | None = None, points: int = 41, lo_bits: float = 1e6, hi_bits: float = 1e11
-              ) -> tuple[str, list[float], dict[str, list[float]], list[tuple[float, str, str]]]:
-        """Each strategy's best setting (knobs fixed; ACCO/DPU/WP stages capped at MAX_STAGE micro-batches) at link
-        bandwidths from ``lo_bits`` to ``hi_bits`` bit/s on link ``kind`` (default: inter if there are several nodes),
-        latency kept. Returns ``(kind, bandwidths in bytes/s, {label: seconds per 1k tokens}, crossovers
-        [(bandwidth, was fastest, becomes fastest)])``."""
-        kind = kind or ("inter" if self.cluster.nodes > 1 else "intra")
-        base = self.cluster.links.model.get(kind) or LinkModel(1e9 / 8)
-        bws = [lo_bits / 8 * (hi_bits / lo_bits) ** (i / (points - 1)) for i in range(points)]
-        rows = self.best_rows()
-
-        def knobs(r: Row) -> dict[str, Any]:  # adaptive stages capped as the advice ranks them, at any bandwidth
-            if (r.strategy in STAGES and "max_accumulation" not in r.knobs
-                    and "deterministic_accumulation" not in r.knobs):
-                return {**r.knobs, "max_accumulation": int(MAX_STAGE)}
-            return r.knobs
-
-        def at(bw: float) -> dict[str, float]:
-            links = Links(model={**self.cluster.links.model, kind: LinkModel(bw, base.latency)},
-                          floor=self.cluster.links.floor, floor_by_kind=self.cluster.links.floor_by_kind)
-            return {r.label: 1e3 / self.predict(r.strategy, knobs(r), links).tokens_per_s for r in rows}
-
-        grid = [at(bw) for bw in bws]
-        curves = {r.label: [g[r.label] for g in grid] for r in rows}
-        crossovers = []
-        lead = min(grid[0], key=grid[0].get)
-        for i in range(1, points):
-            b = min(grid[i], key=grid[i].get)
-            if b != lead and grid[i][lead] > grid[i][b] * (1 + TIE):  # clearly overtaken: bisect on log bandwidth
-                lo, hi = bws[i - 1], bws[i]
-                for _ in range(30):
-                    mid = (lo * hi) ** 0.5
-                    g = at(mid)
-                    lo, hi = (mid, hi) if g[lead] <= g[b] * (1 + TIE) else (lo, mid)
-                crossovers.append(((lo * hi) ** 0.5, lead, b))
-                lead = b
-        return kind, bws, curves, crossovers
-
-    def markdown(self) -> str:
-        c = self.compute
-        head = [
-            f"# quietsync plan: {self.workload.name}, {self.cluster.describe()}",
-            "",
-            f"Model: {self.workload.params:,} parameters, micro-batch {self.workload.tokens_per_micro_batch:,} tokens. "
-            f"Compute ({c.source}): forward {c.forward_s * 1e3:.3g} ms + backward {c.backward_s * 1e3:.3g} ms per "
-            f"micro-batch, optimizer step {c.optimizer_s(self.workload.params) * 1e3:.3g} ms.",
-            "",
-        ]
-        scales = c.scales(self.cluster.world)
-        if max(scales) != min(scales):
-            head += ["Per-worker compute time relative to the median: "
-                     + ", ".join(f"{r}: {s:.2f}" for r, s in enumerate(scales)) + ".", ""]
-        if self.assumptions:
-            head += ["Assumptions:", ""] + [f"- {a}" for a in self.assumptions] + [""]
-        head.append("")
-        rows = self.rows + [t.row for t in self.tuned]
-        text = "\n".join(head) + markdown(rows) + "\n" + self.advice.markdown()
-        if self.cluster.world > 1:
-            kind, _, _, crossovers = self.sweep()
-            lines = [f"- at {b * 8 / 1e6:,.4g} Mbit/s: {a} → {c}" for b, a, c in crossovers]
-            text += (f"\n**Crossovers** (fastest per token as the {kind} bandwidth grows, each strategy's best "
-                     "setting above):\n\n" + ("\n".join(lines) if lines else "- none between 1 Mbit/s and 100 Gbit/s")
-                     + "\n")
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "workload": {"name": self.workload.name, "params": self.workload.params,
-                         "tokens_per_micro_batch": self.workload.tokens_per_micro_batch},
-            "cluster": {"nodes": self.cluster.nodes, "workers_per_node": self.cluster.workers_per_node,
-                        "links": self.cluster.links.describe()},
-            "compute": dataclasses.asdict(self.compute),
-            "rows": [r.to_dict() for r in self.rows],
-            "tuned": [{"strategy": t.strategy, "knobs": t.knobs, "reason": t.reason, "reached": t.reached,
-                       "row": t.row.to_dict()} for t in self.tuned],
-            "advice": self.advice.to_dict(),
-            "probe": self.probe,
-            "assumptions": self.assumptions,
-        }
-
-    def save(self, out: str | os.PathLike[str], plot: bool = True) -> list[Path]:
-        """Write ``plan.md``, ``plan.json`` and (``plot``) ``plan.png`` under ``out``; return the paths."""
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        paths = [folder / "plan.md", folder / "plan.json"]
-        paths[0].write_text(self.markdown())
-        paths[1].write_text(json.dumps(self.to_dict(), indent=2, default=str) + "\n")
-        if plot:
-            from .plots import plot_plan
-
-            paths.append(plot_plan(self, folder / "plan.png"))
-        return paths
+from .table import Row, evaluate
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -171,7 +48,7 @@ def build_workload(cfg: PlanConfig, *, real: bool) -> tuple[Workload, torch.nn.M
                                  name=cfg.model, stages=tuple(s for s in stages if s <= shape["layers"] + 3))
         return w, None
     model = _build_model(cfg, meta=not real)
-    from ..train.model import param_groups
+    from ..models.causal_lm import param_groups
 
     groups = param_groups(model, 0.1)
     ok_stages = tuple(s for s in stages if _can_cut(model, s))
@@ -181,7 +58,7 @@ def build_workload(cfg: PlanConfig, *, real: bool) -> tuple[Workload, torch.nn.M
 
 
 def _can_cut(model: torch.nn.Module, n: int) -> bool:
-    from ..strategies.cdp.stages import sequential_view
+    from ..models.stages import sequential_view
 
     try:
         return n <= len(sequential_view(model).segments)
@@ -190,7 +67,7 @@ def _can_cut(model: torch.nn.Module, n: int) -> bool:
 
 
 def _build_model(cfg: PlanConfig, meta: bool) -> torch.nn.Module:
-    from ..train.model import build_model, load_pretrained
+    from ..models.causal_lm import build_model, load_pretrained
 
     ctx = torch.device("meta") if meta else torch.device("cpu")
     if cfg.model_kind == "preset":
@@ -222,16 +99,20 @@ def _activation_estimate(w: Workload, cfg: PlanConfig) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- candidates
-def candidates(cfg: PlanConfig, w: Workload, topo: Topology) -> list[tuple[str, dict[str, Any]]]:
-    """The rows to evaluate: the defaults (unless ``only``) and the ``strategies`` given."""
-    out = [] if cfg.only else default_candidates(w, topo)
-    return out + [(n, k) for n, k in cfg.extra if (n, k) not in out]
+def candidates(cfg: PlanConfig, w: Workload, topo: Topology) -> tuple[list[Candidate], list[LeftOut]]:
+    """The settings to evaluate — the canonical grid (with its wide settings for ``what_if``) unless ``only``, and the
+    ``strategies`` given — one per setting, and the grid's settings left out with why."""
+    stages = tuple(sorted(w.stage_numels)) if w.stage_numels else ()
+    grid, left = ([], []) if cfg.only else canonical_grid(topo, stages, wide=cfg.what_if)
+    return unique(grid + [candidate(n, k) for n, k in cfg.extra]), left
 
 
 def codec_keys(cfg: PlanConfig, w: Workload, topo: Topology) -> list[str]:
     """The decoupled settings whose codec the calibration times."""
     keys = []
-    for name, knobs in candidates(cfg, w, topo) + [("demo", {"replicator": "dct"}), ("demo", {"replicator": "random"})]:
+    cands, _ = candidates(cfg, w, topo)
+    for name, knobs in [(c.strategy, c.knob_dict) for c in cands] + [("demo", {"replicator": "dct"}),
+                                                                      ("demo", {"replicator": "random"})]:
         if name in ("demo", "flexdemo"):
             c = strategy_config(name, knobs)
             base = "adamw" if c.base in ("adamw", "auto") else "sgd"
@@ -285,7 +166,7 @@ def _fit_json(f: Any) -> dict[str, float]:
 
 
 def _under_torchrun() -> bool:
-    from ..train.launch import under_torchrun
+    from ..cli.launch import under_torchrun
 
     return under_torchrun()
 
@@ -293,7 +174,7 @@ def _under_torchrun() -> bool:
 def measure(cfg: PlanConfig, keys: list[str]) -> dict[str, Any] | None:
     """Launch the workers (or run in place under torchrun) and return rank 0's measurements (None on other
     ranks under torchrun)."""
-    from ..train.launch import launch
+    from ..cli.launch import launch
 
     with tempfile.TemporaryDirectory(prefix="quietsync-plan-") as tmp:
         path = str(Path(tmp, "measured.json"))
@@ -348,36 +229,40 @@ def links_from_probe(cfg: PlanConfig, measured: dict[str, Any] | None) -> tuple[
 
 # ---------------------------------------------------------------------------------------------- predicting
 def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProfile, *,
-            probe: dict[str, Any] | None = None, assumptions: list[str] | None = None) -> PlanResult:
-    """Evaluate the candidates, tune the knobs, advise."""
+            probe: dict[str, Any] | None = None, assumptions: list[str] | None = None,
+            objective: Objective | None = None) -> PlanResult:
+    """Evaluate the candidates (one row each), score them against the objective (the priors' unless one is given,
+    e.g. after the pilots), advise."""
     topo = Topology(0, cluster.world, cluster.nodes)
-
-    def score(name: str, knobs: dict[str, Any]) -> Row:
-        return evaluate(name, knobs, w, topo, compute, cluster.links)
-
-    rows = []
+    rows: list[Row] = []
     assumptions = list(assumptions or [])
-    for name, knobs in candidates(cfg, w, topo):
+    cands, left = candidates(cfg, w, topo)
+    memory = cluster.device.memory_bytes if cluster.device is not None else None
+    for c in cands:
         try:
-            rows.append(score(name, knobs))
+            row = evaluate(c.strategy, c.knob_dict, w, topo, compute, cluster.links)
         except ValueError as e:  # a setting this model or topology cannot take (e.g. too few CDP stages)
-            assumptions.append(f"{name} {knobs}: skipped ({e})")
-    tuned: list[Tuned] = []
-    if not cfg.only and cluster.world > 1:
-        tuned = [tune_diloco(score, cfg.target_busy), tune_localsgd(score, cfg.target_busy),
-                 tune_demo(score, cfg.target_busy, "dct"), tune_demo(score, cfg.target_busy, "random")]
-        if cluster.nodes > 1 and cluster.workers_per_node > 1:
-            tuned.append(tune_demo(score, cfg.target_busy, "dct", strategy="flexdemo"))
-        for name in ("acco", "dpu", "wp"):
-            cap = tune_overlap_cap(score, cluster.world, name)
-            if cap is not None:
-                tuned.append(cap)
-    advice = advise(rows, tuned, compute, cluster.world, cfg.target_busy)
-    return PlanResult(cfg, w, cluster, compute, rows, tuned, advice, probe, assumptions)
+            left.append(LeftOut(c.spec, c.strategy, str(e)))
+            continue
+        if memory is not None and row.memory_bytes > memory:
+            left.append(LeftOut(c.spec, c.strategy, f"does not fit: {row.memory_bytes / 1e9:.3g} GB per worker > "
+                                                    f"{memory / 1e9:.3g} GB"))
+            continue
+        rows.append(row)
+    if objective is None:
+        exact = [r for r in rows if r.strategy in ("ddp", "zero1") and not r.knobs] or rows
+        objective = initial_objective(cfg, w.params, cluster.world, cluster.nodes,
+                                      exact[0].tokens_per_step if exact else w.tokens_per_micro_batch)
+    scored = [objective.score(r) for r in rows]
+    ranked = {r.strategy for r in rows}
+    out = [(x.strategy, x.reason) for x in left if x.strategy not in ranked]
+    out += [(f"`{x.spec}`", x.reason) for x in left if x.strategy in ranked]
+    advice = advise(scored, compute, cluster.world, objective.description, out)
+    return PlanResult(cfg, w, cluster, compute, rows, objective, scored, advice, left, probe, assumptions)
 
 
 def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
-    """Plan a job: ``quietsync.plan(model="tiny", nproc=4, nodes=2, link=["inter=1gbit,20ms"])`` (the fields of
+    """Plan a job: ``quietsync.plan.plan(model="tiny", nproc=4, nodes=2, link=["inter=1gbit,20ms"])`` (the fields of
     :class:`~quietsync.plan.config.PlanConfig`). Measures unless ``what_if``; returns the :class:`PlanResult`
     (None on ranks other than 0 under torchrun). Bad arguments raise ``ValueError`` before anything starts."""
     cfg = config if config is not None else PlanConfig(**kwargs)
@@ -385,6 +270,9 @@ def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
         cfg = dataclasses.replace(config, **kwargs)
     if cfg.what_if:
         return _what_if(cfg, build_workload(cfg, real=False)[0])
+    if _under_torchrun() and cfg.pilot_tokens is not None:
+        raise ValueError("pilot_tokens launches local pilot workers: not under torchrun (plan with local workers, "
+                         "or use what_if)")
     if _under_torchrun():  # the launcher decides the world; nodes: one per torchrun agent unless given
         world = int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -398,7 +286,12 @@ def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
     links, notes = links_from_probe(cfg, measured)
     cluster = Cluster(topo.nodes, topo.workers_per_node, links)
     assumptions = notes + [f"worker {r} computes {f:g}× slower (slow_worker)" for r, f in cfg.slow.items()]
-    return predict(cfg, w, cluster, compute, probe=measured.get("probe"), assumptions=assumptions)
+    result = predict(cfg, w, cluster, compute, probe=measured.get("probe"), assumptions=assumptions)
+    if cfg.pilot_tokens is not None:
+        from .pilot_plan import run_pilots
+
+        result = run_pilots(result, predict)
+    return result
 
 
 def _what_if(cfg: PlanConfig, w: Workload) -> PlanResult:
@@ -427,13 +320,7 @@ def _what_if(cfg: PlanConfig, w: Workload) -> PlanResult:
         "activations: Korthikanti et al. (2022), 16-bit, heads of 128",
     ]
     cluster = Cluster(nodes, wpn, Links(model=dict(cfg.links)), device)
-    result = predict(cfg, w, cluster, compute, assumptions=assumptions)
-    if device.memory_bytes is not None:
-        for r in result.rows + [t.row for t in result.tuned]:
-            if r.memory_bytes > device.memory_bytes:
-                r.notes.append(f"does not fit: {r.memory_bytes / 1e9:.3g} GB per worker > "
-                               f"{device.memory_bytes / 1e9:.3g} GB")
-    return result
+    return predict(cfg, w, cluster, compute, assumptions=assumptions)
 
 
 __all__ = ["PlanResult", "build_workload", "measure", "plan", "predict"]

@@ -1,79 +1,160 @@
-"""Recommendations: which strategies to try first, why, and what is known about their loss per token.
+"""The advice: every setting ranked by predicted time to the target loss (or by loss after ``--budget-s``), the
+strategies to try first, each strategy's knobs chosen for that, and what is left out and why.
 
-The diagnosis compares the synchronous baseline's communication with its computation (``link-bound: comm
-3.4× compute`` or ``compute-bound``). The strategies to try first are the ones with the highest predicted
-tokens per second (each strategy's best setting, tuned knobs included), each with the reason the model gives —
-how much of the step is computing, what hides or shrinks the traffic — and the equal-token findings of
-:mod:`~quietsync.plan.knowledge` that say what it may cost in loss per token. Workers of different speeds
-(calibrated, or ``--slow-worker``) bring ACCO in: it lets fast workers compute while slow ones finish.
+**Objective.** Time to target = tokens to the target (:mod:`~quietsync.plan.loss_model`: the baseline's curve,
+transformed by the papers' priors or measured by a pilot) ÷ predicted tokens/s (:mod:`~quietsync.plan.table`).
+With ``--budget-s`` the objective is the held-out loss predicted after that many seconds instead.
+
+**Knobs.** Each strategy's settings in the candidate grid (:mod:`~quietsync.plan.candidates`) compete on the
+objective; the best one is the strategy's setting — DiLoCo's H, fragments and τ, DeMo's replicator and compression,
+ACCO/DPU/WP's cap — chosen for time to target, not for how busy the workers are.
+
+**The list.** Every strategy appears once: ranked at its best setting, or named with why it is left out (does not
+apply to this topology, not predicted to reach the target). Settings that cannot reach the target are said so.
+The diagnosis compares the synchronous baseline's communication with its computation.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .candidates import Tuned
-from .compute import ComputeProfile
-from .knowledge import findings_for
+from ..cost.compute import ComputeProfile
+from .curve_fit import Interval
+from .loss_model import LossEstimate, TimeToTarget
 from .table import Row, fmt_bytes
 
 EXACT = ("ddp", "zero1", "fsdp")
-_BIG_BATCH = ("; the link makes each step's batch large — tokens per step grow, and so may the tokens a target loss "
-              "needs (max_accumulation caps it)")
 HETEROGENEOUS = 1.15
 """Slowest / fastest worker compute above which workers count as heterogeneous."""
-MAX_STAGE = 4.0
-"""Micro-batches per stage per worker beyond which an adaptive ACCO/DPU/WP setting is not recommended: its batch
-per step has grown so much with the slow link that its speed would be paid for in tokens per target loss (the
-capped setting, ``max_accumulation``, is ranked instead)."""
 STAGES = {"acco": 2, "dpu": 1, "wp": 1}
 
 
 @dataclass
+class Scored:
+    """One row with its loss estimate and objective."""
+
+    row: Row
+    estimate: LossEstimate
+    time: TimeToTarget | None = None
+    """Time to target (target mode)."""
+    loss: Interval | None = None
+    """Predicted loss after the budget (budget mode)."""
+
+    @property
+    def objective(self) -> float:
+        """Smaller is better: seconds to target, or the loss after the budget."""
+        if self.loss is not None:
+            return self.loss.value
+        return self.time.seconds.value if self.time is not None else math.inf
+
+    @property
+    def reaches(self) -> bool:
+        return math.isfinite(self.objective)
+
+
+@dataclass
 class Recommendation:
-    """One strategy to try, with its setting and the reasons."""
+    """One strategy to try, with its setting, its predicted time to target and the reasons."""
 
     rank: int
     strategy: str
+    spec: str
     label: str
     knobs: dict[str, Any]
     tokens_per_s: float
+    seconds: Interval | None
+    """Predicted seconds to the target (target mode)."""
+    tokens: Interval | None
+    """Predicted tokens to the target (target mode)."""
+    loss: Interval | None
+    """Predicted loss after the budget (budget mode)."""
     speedup: float
-    """Predicted tokens/s over the synchronous baseline's."""
+    """The baseline's objective over this one's (time to target: × faster; budget: loss ratio)."""
     reason: str
     loss_per_token: list[str] = field(default_factory=list)
-    """Findings ``"text (source)"`` about its loss per token."""
+    """What the tokens to target rest on: the priors' sources and assumptions, or the pilot."""
+    source: str = "prior"
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = dict(self.__dict__)
+        for k in ("seconds", "tokens", "loss"):
+            out[k] = vars(out[k]) if out[k] is not None else None
+        return out
 
 
 @dataclass
 class Advice:
-    """The diagnosis, the strategies to try first and the knobs chosen to the target."""
+    """The diagnosis, the ranking, the strategies to try first, the knobs chosen and what is left out."""
 
     diagnosis: str
     baseline: str
+    objective: str
+    """What is ranked, e.g. ``time to held-out loss 4.6``."""
     recommendations: list[Recommendation]
+    ranking: list[Recommendation]
+    """Every ranked strategy at its best setting, best first (the first three are :attr:`recommendations`)."""
     tuned: list[str]
-    """One line per tuned knob: what was chosen and why."""
+    """One line per strategy with several settings: which was chosen and why."""
+    left_out: list[str]
+    """One line per strategy not ranked: why."""
+    unreachable: list[str] = field(default_factory=list)
+    """Settings not predicted to reach the target."""
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"diagnosis": self.diagnosis, "baseline": self.baseline,
-                "recommendations": [r.to_dict() for r in self.recommendations], "tuned": self.tuned}
+        return {"diagnosis": self.diagnosis, "baseline": self.baseline, "objective": self.objective,
+                "recommendations": [r.to_dict() for r in self.recommendations],
+                "ranking": [r.to_dict() for r in self.ranking], "tuned": self.tuned, "left_out": self.left_out,
+                "unreachable": self.unreachable, "notes": self.notes}
 
     def markdown(self) -> str:
-        lines = [f"**Diagnosis**: {self.diagnosis}", "", "**Try first**:", ""]
+        lines = [f"**Diagnosis**: {self.diagnosis}", "", f"**Try first** (ranked by {self.objective}):", ""]
         for r in self.recommendations:
-            knobs = ", ".join(f"{k}={fmt_knob(v)}" for k, v in r.knobs.items()) or "defaults"
-            lines.append(f"{r.rank}. `{r.label}` ({knobs}): {r.tokens_per_s:,.0f} tokens/s, {r.speedup:.2f}× the "
-                         f"baseline — {r.reason}")
+            lines.append(f"{r.rank}. `{r.spec}` ({r.label}): {_objective_text(r)} — {r.reason}")
             for f in r.loss_per_token:
-                lines.append(f"   - loss per token: {f}")
+                lines.append(f"   - loss per token ({r.source}): {f}")
+        rest = self.ranking[len(self.recommendations):]
+        if rest:
+            lines += ["", "**Then**: " + "; ".join(f"{r.rank}. `{r.spec}` {_objective_text(r, short=True)}"
+                                                   for r in rest)]
         if self.tuned:
-            lines += ["", "**Knobs chosen to the target**:", ""] + [f"- {t}" for t in self.tuned]
+            lines += ["", f"**Knobs chosen for {self.objective}**:", ""] + [f"- {t}" for t in self.tuned]
+        if self.unreachable:
+            lines += ["", "**Not predicted to reach the target**:", ""] + [f"- {t}" for t in self.unreachable]
+        if self.left_out:
+            lines += ["", "**Left out**:", ""] + [f"- {t}" for t in self.left_out]
+        if self.notes:
+            lines += [""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
+
+
+def fmt_duration(s: float) -> str:
+    """``95 s``, ``4.2 min``, ``3.1 h``; ``∞`` when not reached."""
+    if not math.isfinite(s):
+        return "∞"
+    if s < 120:
+        return f"{s:.3g} s"
+    if s < 7200:
+        return f"{s / 60:.3g} min"
+    return f"{s / 3600:.3g} h"
+
+
+def fmt_interval(i: Interval, fmt: Any = fmt_duration) -> str:
+    return f"{fmt(i.value)} ({fmt(i.low)}–{fmt(i.high)})"
+
+
+def _objective_text(r: Recommendation, short: bool = False) -> str:
+    if r.loss is not None:
+        text = f"loss {r.loss.value:.3f} ({r.loss.low:.3f}–{r.loss.high:.3f}) after the budget"
+        return text if short else f"{text}, {r.tokens_per_s:,.0f} tokens/s"
+    assert r.seconds is not None and r.tokens is not None
+    text = f"{fmt_interval(r.seconds)} to the target"
+    if short:
+        return text
+    return (f"{text}, {r.tokens.value:,.0f} tokens at {r.tokens_per_s:,.0f} tokens/s, {r.speedup:.2f}× the "
+            "baseline's time")
 
 
 def diagnosis(baseline: Row) -> str:
@@ -91,19 +172,13 @@ def _reason(r: Row, baseline: Row, world: int) -> str:
     inter = r.bytes_per_link.get("inter", 0.0)
     if r.strategy in EXACT:
         return f"{busy}; exact synchronous gradients"
-    if r.strategy == "acco":
-        per = r.micro_batches / world / 2
-        out = (f"{busy}; hides the network behind {per:.2g} micro-batches per stage per worker (two stages per step:"
-               f" a larger batch per step)")
-        return out + (_BIG_BATCH if per > 4 else "")
-    if r.strategy in ("dpu", "wp"):
-        per = r.micro_batches / world
-        out = f"{busy}; hides the update behind {per:.2g} micro-batches, applying gradients one step late"
-        return out + (_BIG_BATCH if per > 4 else "")
+    if r.strategy in STAGES:
+        per = r.micro_batches / world / STAGES[r.strategy]
+        what = "hides the network behind" if r.strategy == "acco" else "hides the update behind"
+        return f"{busy}; {what} {per:.3g} micro-batches per stage per worker ({r.tokens_per_step:,.0f} tokens per step)"
     if r.strategy in ("demo", "flexdemo"):
-        return (f"{busy}; sends {fmt_bytes(inter or sum(r.bytes_per_link.values()))} per step across nodes "
-                "instead of "
-                f"{fmt_bytes(baseline.bytes_per_link.get('inter', 0.0) or sum(baseline.bytes_per_link.values()))}")
+        return (f"{busy}; sends {fmt_bytes(inter or sum(r.bytes_per_link.values()))} per step across nodes instead "
+                f"of {fmt_bytes(baseline.bytes_per_link.get('inter', 0.0) or sum(baseline.bytes_per_link.values()))}")
     if r.strategy == "localsgd":
         return f"{busy}; averages parameters every {r.knobs.get('sync_every', 8)} steps"
     if r.strategy == "diloco":
@@ -113,18 +188,67 @@ def _reason(r: Row, baseline: Row, world: int) -> str:
     return busy
 
 
-def grown(r: Row, world: int) -> bool:
-    """Whether an adaptive ACCO/DPU/WP row's stages grew past :data:`MAX_STAGE` micro-batches per worker."""
-    return r.strategy in STAGES and r.micro_batches / world / STAGES[r.strategy] > MAX_STAGE * (1 + 1e-9)
+def best_per_strategy(scored: list[Scored]) -> list[Scored]:
+    """Each strategy's best setting by the objective (ties: more tokens/s), best first; strategies whose every
+    setting misses the target last."""
+    best: dict[str, Scored] = {}
+    for s in scored:
+        cur = best.get(s.row.strategy)
+        if cur is None or (s.objective, -s.row.tokens_per_s) < (cur.objective, -cur.row.tokens_per_s):
+            best[s.row.strategy] = s
+    return sorted(best.values(), key=lambda s: (s.objective, -s.row.tokens_per_s))
 
 
-def ranked(rows: list[Row], world: int) -> list[Row]:
-    """Each strategy's fastest row that may be recommended (grown adaptive stages excluded), fastest first."""
-    best: dict[str, Row] = {}
-    for r in rows:
-        if not grown(r, world) and (r.strategy not in best or r.tokens_per_s > best[r.strategy].tokens_per_s):
-            best[r.strategy] = r
-    return sorted(best.values(), key=lambda r: -r.tokens_per_s)
+def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective: str,
+           left_out: list[tuple[str, str]], top: int = 3) -> Advice:
+    """Rank ``scored`` (see the module docstring). ``left_out``: ``(strategy or setting, why)``."""
+    exact = [s for s in scored if s.row.strategy in EXACT and s.row.strategy != "fsdp" and not s.row.knobs] or \
+        [s for s in scored if s.row.strategy in EXACT] or scored
+    base = min(exact, key=lambda s: (s.objective, -s.row.tokens_per_s))
+    ranked = best_per_strategy(scored)
+    reaching = [s for s in ranked if s.reaches]
+    missing = [s for s in ranked if not s.reaches]
+    recs = []
+    for i, s in enumerate(reaching, 1):
+        r = s.row
+        budget = s.loss is not None
+        speedup = (base.objective / s.objective if s.objective > 0 else math.inf)
+        recs.append(Recommendation(
+            i, r.strategy, r.spec, r.label, dict(r.knobs), r.tokens_per_s,
+            None if budget else (s.time.seconds if s.time else None),
+            None if budget else s.estimate.tokens, s.loss, speedup, _reason(r, base.row, world),
+            list(s.estimate.notes), s.estimate.source))
+    scales = compute.scales(world)
+    spread = max(scales) / min(scales)
+    notes = []
+    if spread > HETEROGENEOUS:
+        notes.append(f"heterogeneous workers (slowest {spread:.2f}× the fastest): synchronous strategies run at the "
+                     "slowest worker's pace; ACCO's fast workers compute more micro-batches instead of waiting")
+    tuned = []
+    for s in ranked:
+        same = sorted((x for x in scored if x.row.strategy == s.row.strategy), key=lambda x: x.objective)
+        if len(same) > 1:
+            others = ", ".join(f"`{x.row.spec}` {_short(x)}" for x in same[1:])
+            tuned.append(f"{s.row.strategy}: `{s.row.spec}` {_short(s)} — least {objective} of its settings "
+                         f"(then {others})")
+    unreachable = [f"`{s.row.spec}` ({s.row.label}): {_why_not(s)}" for s in scored if not s.reaches]
+    out = [f"{name}: {why}" for name, why in left_out]
+    out += [f"{s.row.strategy}: no setting is predicted to reach the target" for s in missing]
+    return Advice(diagnosis(base.row), base.row.label, objective, recs[:top], recs, tuned, out, unreachable, notes)
+
+
+def _short(s: Scored) -> str:
+    if s.loss is not None:
+        return f"(loss {s.loss.value:.3f})"
+    if s.time is None or not s.reaches:
+        return "(not reached)"
+    return f"({fmt_duration(s.time.seconds.value)})"
+
+
+def _why_not(s: Scored) -> str:
+    e = s.estimate
+    last = e.notes[-1] if e.notes else "its loss penalty puts the target below the baseline's predicted floor"
+    return f"tokens ×{e.multiplier.value:.3g} the baseline's — {last}"
 
 
 def fmt_knob(v: Any) -> str:
@@ -134,35 +258,5 @@ def fmt_knob(v: Any) -> str:
     return str(v)
 
 
-def advise(rows: list[Row], tuned: list[Tuned], compute: ComputeProfile, world: int, target: float,
-           top: int = 3) -> Advice:
-    """The diagnosis and the ``top`` strategies to try first (see the module docstring)."""
-    exact = [r for r in rows if r.strategy in EXACT and r.strategy != "fsdp"] or rows
-    baseline = max(exact, key=lambda r: r.tokens_per_s)
-    everything = rows + [t.row for t in tuned]
-    best = {r.strategy: r for r in ranked(everything, world)}
-    ranked_rows = list(best.values())
-    chosen = ranked_rows[:top]
-    scales = compute.scales(world)
-    spread = max(scales) / min(scales)
-    tuned_lines = [f"{t.strategy}: {', '.join(f'{k}={fmt_knob(v)}' for k, v in t.knobs.items())} — {t.reason} "
-                   f"(predicted busy {t.row.compute_busy:.0%}, {t.row.tokens_per_s:,.0f} tokens/s)" for t in tuned]
-    if spread > HETEROGENEOUS and "acco" in best and best["acco"] not in chosen:
-        chosen = chosen[: top - 1] + [best["acco"]]
-    recs = []
-    for i, r in enumerate(chosen, 1):
-        reason = _reason(r, baseline, world)
-        if spread > HETEROGENEOUS and r.strategy == "acco":
-            reason += (f"; workers differ in speed (slowest {spread:.2f}× the fastest): ACCO's fast workers compute "
-                       "more micro-batches instead of waiting")
-        recs.append(Recommendation(i, r.strategy, r.label, r.knobs, r.tokens_per_s,
-                                   r.tokens_per_s / baseline.tokens_per_s, reason,
-                                   [f"{f.text} ({f.source})" for f in findings_for(r.strategy)]))
-    for r in [r for r in everything if grown(r, world)]:
-        tuned_lines.append(f"{r.label}: not ranked — the link grows its stages to "
-                           f"{r.micro_batches / world / STAGES[r.strategy]:.3g} micro-batches per worker (more than "
-                           f"{MAX_STAGE:g}); its max_accumulation={int(MAX_STAGE)} setting is ranked instead")
-    if spread > HETEROGENEOUS:
-        tuned_lines.append(f"heterogeneous workers (slowest {spread:.2f}× the fastest): synchronous strategies run at "
-                           "the slowest worker's pace; ACCO does not")
-    return Advice(diagnosis(baseline), baseline.label, recs, tuned_lines)
+__all__ = ["EXACT", "HETEROGENEOUS", "Advice", "Recommendation", "Scored", "advise", "best_per_strategy",
+           "diagnosis", "fmt_duration", "fmt_interval", "fmt_knob"]

@@ -1,6 +1,6 @@
 """``NAME[:FIELD=VALUE,...]`` strategy specs (as ``quietsync compare --strategies`` takes them) → typed knobs.
 
-Values are parsed by the strategy's own config flags (:mod:`quietsync.train.config_flags`), so ``diloco:
+Values are parsed by the strategy's own config flags (:mod:`quietsync.cli.flags`), so ``diloco:
 sync_every=16,overlap_delay=4`` gives ``{"sync_every": 16, "overlap_delay": 4}`` and a bad field or value is
 an error naming the spec.
 """
@@ -18,9 +18,9 @@ class _Raising(argparse.ArgumentParser):
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"diloco:sync_every=16"`` → ``("diloco", {"sync_every": 16})`` (values checked by the config)."""
+    from ..cli.flags import add_dataclass_flags, given_values
+    from ..cli.spec import parse_strategy_spec
     from ..strategies.registry import available, get
-    from ..train.compare import parse_strategy_spec
-    from ..train.config_flags import add_dataclass_flags, given_values
 
     name, _, flags = parse_strategy_spec(spec)
     if name not in available():

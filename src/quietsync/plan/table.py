@@ -11,10 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cost.compute import ComputeProfile
+from ..cost.costmodel import Ctx, Links
+from ..cost.schedule import Schedule
+from ..cost.workload import Workload
 from ..topology import Topology
-from .costmodel import ComputeProfile, Ctx, Links, Schedule
 from .schedules import schedule, strategy_config
-from .workload import Workload
 
 
 @dataclass
@@ -49,6 +51,13 @@ class Row:
     """The step's terms, for the report."""
 
     @property
+    def spec(self) -> str:
+        """The setting as a ``NAME[:FIELD=VALUE,...]`` spec (knobs that differ from the defaults, in field order)."""
+        from .candidates import spec_string
+
+        return spec_string(self.strategy, self.knobs)
+
+    @property
     def compute_busy(self) -> float:
         return self.compute_s / self.step_s if self.step_s > 0 else 1.0
 
@@ -57,13 +66,9 @@ class Row:
         """Memory per worker: the strategy's buffers plus one micro-batch's activations."""
         return sum(self.memory.values()) + self.activation_bytes
 
-    @property
-    def seconds_per_token(self) -> float:
-        return 1.0 / self.tokens_per_s if self.tokens_per_s > 0 else float("inf")
-
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.update(compute_busy=self.compute_busy, memory_bytes=self.memory_bytes)
+        out.update(compute_busy=self.compute_busy, memory_bytes=self.memory_bytes, spec=self.spec)
         return out
 
 
@@ -113,15 +118,28 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e6:.3g} µs"
 
 
-def markdown(rows: list[Row]) -> str:
-    """The table as Markdown, fastest tokens/s first."""
-    head = ("| strategy | step | compute | exposed comm | compute-busy | micro-batches/step | tokens/s "
+def markdown(rows: list[Row], extra: dict[str, tuple[str, str]] | None = None,
+             order: list[str] | None = None) -> str:
+    """The table as Markdown: one row per setting. ``extra``: spec → (tokens to target, time to target) columns;
+    ``order``: specs in the order to print (default: fastest tokens/s first)."""
+    head = ("| setting | step | compute | exposed comm | compute-busy | micro-batches/step | tokens/s "
             "| inter B/step | intra B/step | memory/worker |")
-    lines = [head, "|" + "---|" * 10]
-    for r in sorted(rows, key=lambda r: -r.tokens_per_s):
-        lines.append(
-            f"| {r.label} | {fmt_seconds(r.step_s)} | {fmt_seconds(r.compute_s)} | {fmt_seconds(r.exposed_comm_s)} "
+    cols = 10
+    if extra is not None:
+        head += " tokens to target | time to target |"
+        cols += 2
+    lines = [head, "|" + "---|" * cols]
+    by_spec = {r.spec: r for r in rows}
+    specs = order if order is not None else [r.spec for r in sorted(rows, key=lambda r: -r.tokens_per_s)]
+    for spec in specs:
+        r = by_spec[spec]
+        line = (
+            f"| `{r.spec}` | {fmt_seconds(r.step_s)} | {fmt_seconds(r.compute_s)} | {fmt_seconds(r.exposed_comm_s)} "
             f"| {r.compute_busy:.0%} | {r.micro_batches:.3g} | {r.tokens_per_s:,.0f} "
             f"| {fmt_bytes(r.bytes_per_link.get('inter', 0))} | {fmt_bytes(r.bytes_per_link.get('intra', 0))} "
             f"| {fmt_bytes(r.memory_bytes)} |")
+        if extra is not None:
+            tokens, time_s = extra.get(spec, ("—", "—"))
+            line += f" {tokens} | {time_s} |"
+        lines.append(line)
     return "\n".join(lines) + "\n"

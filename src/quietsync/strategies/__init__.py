@@ -3,11 +3,12 @@
 ``base.py`` holds the contract every strategy keeps (:class:`Strategy`) and ``registry.py`` the names. The rest
 is folders, one per family, over three shared layers:
 
-* families, each strategy one module that registers itself under its name when imported (this package imports
-  every module below it, so ``quietsync.strategies.available()`` lists them all):
+* families, each strategy one module that registers itself under its name, its config and its schedule when
+  imported (each family's ``__init__`` imports its strategy modules and this package imports every family, so
+  ``quietsync.strategies.available()`` lists them all):
   ``baselines/`` (ddp, zero1, fsdp), ``overlap/`` (acco, dpu, wp, with the overlap machinery and the
   estimate), ``decoupled/`` (demo, flexdemo, with their config and round), ``local/`` (localsgd, diloco,
-  with the outer loop and the fragments), ``cdp/`` (cdp, with its schedule, loss capture and stage cutting);
+  with the outer loop and the fragments), ``cdp/`` (cdp, with its schedule and loss capture);
 * ``parts/``: what any strategy may hold (the :class:`~quietsync.strategies.parts.part.Part` protocol, step
   accounting, lr scaling, the initial broadcast, accumulation);
 * ``substrates/``: where parameters, gradients and optimizer state live (the sharded optimizer, the flat
@@ -20,15 +21,10 @@ layers register nothing. ``docs/contract.md`` is the guide for a new strategy.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
-from .base import Strategy, StrategyConfig
+from . import baselines, cdp, decoupled, local, overlap  # noqa: F401  (each family registers its strategies)
+from .base import Strategy
+from .config import StrategyConfig
 from .parts.accounting import StepMetrics
 from .registry import available, get, make_strategy, register
-
-for _mod in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
-    if not _mod.name.rsplit(".", 1)[-1].startswith("_"):
-        importlib.import_module(_mod.name)  # importing a strategy module registers it
 
 __all__ = ["StepMetrics", "Strategy", "StrategyConfig", "available", "get", "make_strategy", "register"]

@@ -73,6 +73,7 @@ from ..flat import normalize_param_groups
 from ..transport import Transport
 from .checkpoint.logical import Reader, ReshardError, SavedTensors, open_round_problem
 from .checkpoint.positions import check_positions_agree
+from .config import StrategyConfig
 from .parts.accounting import StepAccounting, StepMetrics
 from .parts.buffers import ModuleBuffers
 from .parts.clipping import GradientCheck, check_max_grad_norm, prepare_gradient
@@ -88,20 +89,16 @@ LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``loss_fn(model, batch) -> scalar loss`` of one micro-batch (see :meth:`Strategy.forward_backward`)."""
 
 
-@dataclasses.dataclass
-class StrategyConfig:
-    """Base class of strategy configs (each strategy subclasses it with its own knobs)."""
-
-    def replace(self, **changes: Any) -> StrategyConfig:
-        return dataclasses.replace(self, **changes)
-
-
 class _Constructed(ABCMeta):
     """Ends set-up once a strategy's constructor has returned: its step accounting restarts, so set-up traffic
     (the initial broadcast, FSDP2's first gathers) and time count toward no step."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         strategy = super().__call__(*args, **kwargs)
+        problem = strategy._unprepared_knobs()
+        if problem:
+            strategy.close()
+            raise ValueError(problem)
         strategy.accounting.reset()
         return strategy
 
@@ -174,6 +171,12 @@ class Strategy(metaclass=_Constructed):
     fp16_refusal: ClassVar[str | None] = None
     """Why this strategy cannot train with ``precision="fp16"`` (dynamic loss scaling needs one skip decision
     that every worker takes before anything of the round commits); None where it can."""
+
+    prepares_gradient: ClassVar[bool] = False
+    """Whether the strategy unscales (fp16) and clips (``max_grad_norm``) the gradient it commits itself (it calls
+    :meth:`_prepare_commit`, or its jobs ``prepare_gradient``). A strategy that neither does so nor holds a part
+    that does (the ``Replicated`` substrate) is refused ``max_grad_norm`` and ``precision="fp16"`` at construction,
+    so neither knob is ever silently ignored."""
 
     optimizer: torch.optim.Optimizer | None
     """The torch optimizer that steps this worker's parameters or shard (the user's class, built by the
@@ -258,7 +261,10 @@ class Strategy(metaclass=_Constructed):
 
     @max_grad_norm.setter
     def max_grad_norm(self, value: float | None) -> None:
-        self._max_grad_norm = check_max_grad_norm(value)
+        value = check_max_grad_norm(value)
+        if value is not None and not self._prepares_gradient():
+            raise ValueError(self._unprepared("max_grad_norm"))
+        self._max_grad_norm = value
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The precision's autocast on the strategy's device (a do-nothing context for fp32).
@@ -550,8 +556,12 @@ class Strategy(metaclass=_Constructed):
 
     # ------------------------------------------------------------------ for subclasses
     def _backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch's backward (plain autograd by default); a strategy whose round part accumulates
-        gradients its own way hands the loss to it here."""
+        """One micro-batch's backward: by default handed to the first held part that takes losses (the round part
+        or substrate that accumulates the round's gradient), else plain autograd. A strategy that must do more
+        around it (DDP's sync flag, FSDP2's reshard decision) overrides it."""
+        for part in self._parts.values():
+            if part.backward(loss):
+                return
         loss.backward()
 
     @abstractmethod
@@ -584,6 +594,25 @@ class Strategy(metaclass=_Constructed):
                 grads, max_norm=self._max_grad_norm, scale=scale, transport=self.transport,
                 norm_group=norm_group, agree_group=None if shared else "world")
         return self._gradient_extras(check, scale)
+
+    def _prepares_gradient(self) -> bool:
+        return self.prepares_gradient or any(p.prepares_gradient for p in self._parts.values())
+
+    def _unprepared(self, knob: str) -> str:
+        return (f"strategy {self.name or type(self).__name__} does not unscale or clip the gradient it commits, so "
+                f"{knob} would be ignored: it is refused (a strategy keeps it by calling _prepare_commit and setting "
+                "prepares_gradient = True, or by holding the Replicated substrate)")
+
+    def _unprepared_knobs(self) -> str | None:
+        """Why this constructed strategy cannot keep its ``max_grad_norm`` / fp16 (None: it can, or neither is
+        set)."""
+        if self._prepares_gradient():
+            return None
+        if self._max_grad_norm is not None:
+            return self._unprepared("max_grad_norm")
+        if self.scaler is not None:
+            return self._unprepared('precision="fp16"')
+        return None
 
     def _gradient_extras(self, check: GradientCheck, scale: float | None) -> dict[str, Any] | None:
         """Record a :class:`GradientCheck` of the round's gradient (main thread): the loss scale follows it;
@@ -636,17 +665,19 @@ class Strategy(metaclass=_Constructed):
             raise ReshardError(f"strategy {self.name} cannot be resharded: {self.reshard_refusal}")
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
-        """The world-size-independent tensors beyond ``steps`` (strategies with ``reshard_refusal =
-        None``)."""
-        raise NotImplementedError
+        """The world-size-independent tensors beyond ``steps`` (strategies with ``reshard_refusal = None``): by
+        default the held parts' (a substrate's logical form), merged."""
+        return self._from_parts(lambda part: part.logical_state())
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
-        """Tensors in this worker's layout to read :meth:`_logical_state` of any world size into."""
-        raise NotImplementedError
+        """Tensors in this worker's layout to read :meth:`_logical_state` of any world size into (by default the
+        held parts')."""
+        return self._from_parts(lambda part: part.logical_targets(saved))
 
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
-        """Take the state :meth:`_logical_targets` was filled with."""
-        raise NotImplementedError
+        """Take the state :meth:`_logical_targets` was filled with (by default, each held part its own)."""
+        for part in self._parts.values():
+            part.load_logical(filled)
 
     def _open_round(self) -> dict[str, int]:
         """Counters of work fed but not yet part of a committed step (all 0 at a step boundary, where a logical

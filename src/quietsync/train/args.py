@@ -1,7 +1,7 @@
-"""Parsing ``quietsync train`` arguments, shared by :mod:`quietsync.train.cli` and :mod:`quietsync.train.compare`.
+"""Parsing ``quietsync train`` arguments, shared by :mod:`quietsync.commands.main` and ``quietsync compare``.
 
 ``quietsync train`` takes the flags of :class:`~quietsync.train.config.TrainConfig` plus the flags of the
-chosen strategy's config dataclass (generated, see :mod:`quietsync.train.config_flags`), checks them all
+chosen strategy's config dataclass (generated, see :mod:`quietsync.cli.flags`), checks them all
 before any worker starts, and reports a bad value as one line naming the flag and what is allowed::
 
     quietsync train: error: --max-steps must be an integer >= 1, got 0
@@ -14,21 +14,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from typing import Any, NoReturn
+from typing import Any
 
+from ..cli.flags import FlagError, OneLineParser, add_dataclass_flags, build_config, flag_name, given_values
 from .config import DEFAULT_STRATEGY, TrainConfig
-from .config_flags import FlagError, add_dataclass_flags, build_config, flag_name, given_values
 
-__all__ = ["PROG", "OneLineParser", "train_parser", "parse_train_args"]
+__all__ = ["PROG", "train_parser", "parse_train_args"]
 
 PROG = "quietsync"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line on stderr (exit status 2), without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
 def _strategies() -> tuple[list[str], Any]:
@@ -95,9 +88,9 @@ def _flags_elsewhere(flag: str) -> list[str]:
 
 
 def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | None, world: int | None) -> None:
+    from ..models.causal_lm import max_positions
     from ..strategies import get
     from .corpus import DEFAULT_DATASET, looks_like_path
-    from .model import max_positions
     from .preflight import check_paths, check_threads
 
     if not get(cfg.strategy)[0].resumable and (cfg.save_every or cfg.resume):
@@ -185,12 +178,12 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     if cfg.precision == "fp16" and cls.fp16_refusal:
         parser.error(f"--precision fp16 is not supported by strategy {strategy}: {cls.fp16_refusal}; "
                      "use bf16 or fp32")
-    from .launch import under_torchrun
+    from ..cli.launch import under_torchrun
 
     if cfg.elastic:
         if not under_torchrun():
             parser.error("--elastic needs torchrun, which restarts the workers when nodes leave or join: torchrun "
-                         "--nnodes MIN:MAX --max-restarts K --rdzv-backend c10d ... -m quietsync.train.cli train "
+                         "--nnodes MIN:MAX --max-restarts K --rdzv-backend c10d ... -m quietsync train "
                          "--elastic (docs/train.md, 'Elastic runs')")
         if not cls.resumable:
             parser.error(f"--elastic is not supported with --strategy {strategy} (it cannot checkpoint mid-run)")

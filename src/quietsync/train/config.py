@@ -1,6 +1,6 @@
 """The configuration of one `quietsync train` job (the strategy's own knobs live in its config class).
 
-Every field is a command-line flag (see :mod:`quietsync.train.config_flags`); the defaults are the embedded
+Every field is a command-line flag (see :mod:`quietsync.cli.flags`); the defaults are the embedded
 default job: a small GPT-Neo on the King James Bible, 2 local workers, ZeRO-1, about five minutes on a
 2-core CPU.
 """

@@ -164,7 +164,7 @@ def split_values(
     """The file's values as (job ``{field: value}``, strategy ``{field: value}``), type-checked.
 
     ``job_fields`` / ``strategy_fields`` are ``{field: flag}`` as
-    :func:`~quietsync.train.config_flags.add_dataclass_flags` returned them.
+    :func:`~quietsync.cli.flags.add_dataclass_flags` returned them.
     """
     job_hints = typing.get_type_hints(job_cls)
     strategy_hints = typing.get_type_hints(strategy_cls)

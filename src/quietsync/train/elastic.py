@@ -4,7 +4,7 @@ number of workers changes (``--batch-policy``), with the learning-rate schedule 
 torchrun is the elastic engine::
 
     torchrun --nnodes 1:2 --nproc-per-node 8 --max-restarts 10 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST0:29500 --rdzv-id myjob -m quietsync.train.cli train --elastic --out /shared/run
+        --rdzv-endpoint HOST0:29500 --rdzv-id myjob -m quietsync train --elastic --out /shared/run
 
 When a node's agent dies, the other workers' next collective fails (at once when its connections close, or
 after ``--timeout-s`` when the node vanishes); their agents restart them (one of ``--max-restarts``) and the

@@ -41,7 +41,18 @@ from typing import Any
 
 import torch
 
+from ..cli.launch import ERRORS_ENV, note_failure, under_torchrun
 from ..link import parse_links
+from ..models.causal_lm import (
+    build_model,
+    compile_blocks,
+    config_max_positions,
+    count_parameters,
+    enable_activation_checkpointing,
+    is_pretrained,
+    load_pretrained,
+    param_groups,
+)
 from ..strategies import Strategy, StrategyConfig, make_strategy
 from ..topology import GROUPS, Topology
 from ..transport import Transport
@@ -63,18 +74,7 @@ from .data import ShardedSequences, eval_batches
 from .elastic import Nominal, TokenSchedule, accumulation_field, rescaled
 from .export import MODEL_DIR, export_model
 from .job_data import open_job_data
-from .launch import ERRORS_ENV, note_failure, under_torchrun
 from .metrics import MetricsWriter, format_summary, write_summary
-from .model import (
-    build_model,
-    compile_blocks,
-    config_max_positions,
-    count_parameters,
-    enable_activation_checkpointing,
-    is_pretrained,
-    load_pretrained,
-    param_groups,
-)
 from .nonfinite import NonFiniteError, NonFiniteGuard
 from .preflight import data_problem
 from .profile import StepProfiler

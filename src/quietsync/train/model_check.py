@@ -29,7 +29,7 @@ def needs_model_check(strategy: str, strategy_config: Any) -> bool:
 
 def _meta_model(cfg: TrainConfig) -> torch.nn.Module:
     """The job's model on the meta device: parameters with shapes and no storage."""
-    from .model import build_model, is_pretrained
+    from ..models.causal_lm import build_model, is_pretrained
 
     with torch.device("meta"):
         if not is_pretrained(cfg.model):
@@ -51,7 +51,7 @@ def model_problem(cfg: TrainConfig, strategy_config: Any, world: int) -> str | N
         return None
     if cfg.strategy == "cdp":
         return _stages_problem(model, strategy_config, world)
-    from .model import param_groups
+    from ..models.causal_lm import param_groups
 
     tensors = sum(len(g["params"]) for g in param_groups(model, cfg.weight_decay))
     fragments = int(strategy_config.fragments)
@@ -62,7 +62,7 @@ def model_problem(cfg: TrainConfig, strategy_config: Any, world: int) -> str | N
 
 
 def _stages_problem(model: torch.nn.Module, config: Any, world: int) -> str | None:
-    from ..strategies.cdp.stages import partition, sequential_view
+    from ..models.stages import partition, sequential_view
 
     view = sequential_view(model)
     names = [s.name for s in view.segments]

@@ -11,30 +11,9 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
+from ..cli.figures import pyplot, save_figure
 from .metrics import read_jsonl
-
-DPI = 110
-"""Resolution of every figure quietsync writes."""
-
-
-def pyplot() -> Any:
-    """``matplotlib.pyplot`` on the file-only Agg backend (imported on first use: training needs no plots)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, out: str | os.PathLike, name: str) -> Path:
-    """Write ``fig`` to ``out/name``, close it, return the path."""
-    path = Path(out) / name
-    fig.savefig(path, dpi=DPI)
-    pyplot().close(fig)
-    return path
 
 
 def loss_curves(out: str | os.PathLike, world_size: int | None = None) -> dict[str, list[float]]:

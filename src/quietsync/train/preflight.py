@@ -4,7 +4,7 @@ Flag values are checked by the config classes; what is checked here depends on t
 host: the output, cache and checkpoint paths (:func:`check_paths`), the thread count
 (:func:`check_threads`) and whether the data holds enough text for the job (:func:`check_data`, which
 prepares the data once when ``--dataset`` is not a prepared folder, for the workers to map). Each
-problem is a :class:`~quietsync.train.config_flags.FlagError`: one line naming the flag and what is allowed.
+problem is a :class:`~quietsync.cli.flags.FlagError`: one line naming the flag and what is allowed.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..cli.flags import FlagError, flag_message
 from .cache import DEFAULT_CACHE_DIR
 from .config import TrainConfig
-from .config_flags import FlagError, flag_message
 
 __all__ = ["THREADS_PER_CORE", "check_paths", "check_threads", "check_data", "data_problem"]
 

@@ -26,6 +26,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from ..cli.flags import FlagError, flag_name
 from .checkpoint import (
     checkpoint_root,
     files_problem,
@@ -35,7 +36,6 @@ from .checkpoint import (
     resolve_resume,
 )
 from .config import TrainConfig
-from .config_flags import FlagError, flag_name
 
 __all__ = ["INCOMPATIBLE", "NOTED", "SAFE", "TOPOLOGY", "ResumeMismatch", "check_checkpoint", "check_resume"]
 

@@ -1,7 +1,7 @@
 """Running one parsed ``quietsync train`` job: in place under torchrun, else on ``--nproc`` local workers.
 
-Both ``quietsync train`` (:mod:`quietsync.train.cli`) and ``quietsync compare`` (one job per strategy,
-:mod:`quietsync.train.compare`) come here after :func:`~quietsync.train.args.parse_train_args`.
+Both ``quietsync train`` (:mod:`quietsync.commands.main`) and ``quietsync compare`` (one job per strategy,
+:mod:`quietsync.commands.compare`) come here after :func:`~quietsync.train.args.parse_train_args`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import os
 import sys
 from typing import Any
 
+from ..cli.flags import FlagError
 from .args import PROG
 from .config import TrainConfig
-from .config_flags import FlagError
 
 __all__ = ["run_job"]
 
@@ -23,7 +23,7 @@ def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -
     Returns the notes to print; raises :class:`FlagError` (one line). Under torchrun every process runs
     this, and the checkpoint and data checks are left to the workers (files may be on other nodes).
     """
-    from .launch import under_torchrun
+    from ..cli.launch import under_torchrun
     from .model_check import model_problem
     from .outputs import out_problem, remove_outputs
     from .preflight import check_data
@@ -54,10 +54,10 @@ def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -
 
 
 def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_given: bool = False) -> int:
-    """Run the job (see :mod:`quietsync.train.launch`); return the exit status: 0, 1 (a worker failed,
+    """Run the job (see :mod:`quietsync.cli.launch`); return the exit status: 0, 1 (a worker failed,
     its traceback printed), 2 (refused before any worker started: one line) or 130 (interrupted). ``nproc_given``:
     ``--nproc`` was on the command line (under torchrun rank 0 then says it is ignored)."""
-    from .launch import WorkerFailed, launch, under_torchrun
+    from ..cli.launch import WorkerFailed, launch, under_torchrun
     from .loop import run
 
     if under_torchrun() and nproc_given and int(os.environ.get("RANK", "0")) == 0:

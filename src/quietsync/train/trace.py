@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .plots import pyplot, save_figure
+from ..cli.figures import pyplot, save_figure
 
 LANE_ORDER = ("compute", "comm", "idle")
 """Lanes, top to bottom."""

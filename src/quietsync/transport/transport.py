@@ -303,9 +303,9 @@ class Transport(ProcessGroups):
         t_wire, deadline = link.book(modeled, t_issue) if link is not None and n > 1 else (None, 0.0)
         if sent is None or recv is None:
             sent = recv = traffic(kind, nbytes, n)[1]
-        work = Work(self, (handle,) if handle is not None else (), kind, group, nbytes, name, sent, recv,
-                    src=src, modeled_s=modeled, t_issue=t_issue, deadline=deadline, finish=finish, t_wire=t_wire,
-                    cuda_events=self._issue_event(handle is not None))
+        work = Work(self._wait_handle, self._account, (handle,) if handle is not None else (), kind, group, nbytes,
+                    name, sent, recv, src=src, modeled_s=modeled, t_issue=t_issue, deadline=deadline, finish=finish,
+                    t_wire=t_wire, cuda_events=self._issue_event(handle is not None))
         if not async_op:
             work.wait()
         return work
@@ -323,8 +323,9 @@ class Transport(ProcessGroups):
                 deadline = max(deadline, end)
                 t_wire = begin if t_wire is None else min(t_wire, begin)
                 modeled = max(modeled, seconds)
-        work = Work(self, handles, kind, group, nbytes, name, sent, recv, src=src, dst=dst, modeled_s=modeled,
-                    t_issue=t_issue, deadline=deadline, t_wire=t_wire, cuda_events=self._issue_event(bool(handles)))
+        work = Work(self._wait_handle, self._account, handles, kind, group, nbytes, name, sent, recv, src=src,
+                    dst=dst, modeled_s=modeled, t_issue=t_issue, deadline=deadline, t_wire=t_wire,
+                    cuda_events=self._issue_event(bool(handles)))
         if not async_op:
             work.wait()
         return work

@@ -6,14 +6,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from ..events import label
-
-if TYPE_CHECKING:
-    from .transport import Transport
 
 
 class PendingWork(Protocol):
@@ -52,11 +49,15 @@ class Collectives(Protocol):
 class Work:
     """Handle of a (possibly asynchronous) transport operation. :meth:`wait` is idempotent.
 
-    Every field is fixed when the operation is issued; the transport fills them in.
+    Every field is fixed when the operation is issued; the transport fills them in, its own waiting and metering
+    included (so a ``Work`` knows nothing of the transport beyond these two functions).
     """
 
-    transport: Transport = field(repr=False)
-    """The transport that issued the operation (it meters and records it on completion)."""
+    wait_handle: Callable[[Any, Work], None] = field(repr=False)
+    """Waits for one torch.distributed handle of this operation (the issuer's timeout and error message)."""
+    account: Callable[[Work, float], None] = field(repr=False)
+    """Meters and records this operation once complete, given its ``perf_counter`` end time (the issuer's
+    meter and timeline)."""
     handles: tuple[Any, ...]
     """The torch.distributed request handles; empty when nothing goes on the network (a group of one)."""
     kind: str
@@ -98,7 +99,7 @@ class Work:
             return
         with label("quietsync/comm/wait"):
             for handle in self.handles:
-                self.transport._wait_handle(handle, self)
+                self.wait_handle(handle, self)
             self._complete()
 
     def _complete(self) -> None:
@@ -113,7 +114,7 @@ class Work:
             self.cuda_events[1].record()
         t1 = time.perf_counter()
         self._done = True
-        self.transport._account(self, t1)
+        self.account(self, t1)
 
     def is_completed(self) -> bool:
         """Whether :meth:`wait` has completed the operation (metered and recorded)."""

@@ -1,14 +1,15 @@
 """The cost of the baselines, beside them: ``ddp``, ``zero1``, ``fsdp`` — what each step moves over which group,
-and when (:mod:`quietsync.plan.costmodel`; the planner finds :data:`SCHEDULES` here, and the tests hold each
-schedule's bytes to the transport's meter)."""
+and when (in the words of :mod:`quietsync.cost`; each strategy registers its function here as its schedule, and
+the tests hold each schedule's bytes to the transport's meter)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ...plan.costmodel import Comm, Schedule
-from ...plan.terms import Buckets, MicroBatches, Seq, Wire, optimizer
-from ...plan.workload import Workload
+from ...cost.costmodel import Comm
+from ...cost.schedule import Schedule
+from ...cost.terms import Buckets, MicroBatches, Seq, Wire, optimizer
+from ...cost.workload import Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState, group_of
 from ..substrates.cost import (
@@ -118,7 +119,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         out *= d
     return out
-
-
-SCHEDULES = {"ddp": ddp, "zero1": zero1, "fsdp": fsdp}
-"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

@@ -1,13 +1,14 @@
 """``ddp``: PyTorch's own DistributedDataParallel, the baseline everybody compares against.
 
-Gradients of ``accumulation`` micro-batches are accumulated locally (DDP's ``no_sync``) and all-reduced
-bucket by bucket during the last micro-batch's backward; then every worker runs the full optimizer on its
-full replica. The bucket all-reduce goes through the transport by a DDP communication hook, so it is
+Gradients of ``accumulation`` micro-batches are accumulated locally (DDP's ``no_sync``) and all-reduced bucket by
+bucket during the last micro-batch's backward; then every worker runs the full optimizer on its full replica (the
+:class:`~quietsync.strategies.substrates.replicated.Replicated` substrate: optimizer, round, checkpoints, the
+logical form that reshards). The bucket all-reduce goes through the transport by a DDP communication hook, so it is
 metered and link-emulated like every quietsync strategy. ``comm_hook`` picks the hook: the plain fp32 average,
 PowerSGD (rank ``powersgd_rank`` after ``powersgd_start_iter`` plain iterations; :mod:`.powersgd`, PyTorch's
 algorithm through the transport) or an fp16/bf16 average. PowerSGD's state (per-parameter residuals, warm-start
-``Q``, iteration, seed generator) is checkpointed, so a resume on the same workers is exact; it is per worker,
-so such a checkpoint is not resharded.
+``Q``, iteration, seed generator) is checkpointed, so a resume on the same workers is exact; it is per worker, so
+such a checkpoint is not resharded.
 
 Because DDP decides at *forward* time whether the coming backward synchronises, the strategy sets that
 for the next micro-batch at the end of each backward and each :meth:`step` (and at construction).
@@ -30,21 +31,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...validate import check_choice, check_float, check_int
 from ..base import Strategy
-from ..checkpoint.logical import (
-    SavedTensors,
-    base_lrs_state,
-    base_lrs_target,
-    load_module,
-    load_optimizer,
-    module_state,
-    module_targets,
-    optimizer_state,
-    optimizer_targets,
-    parameter_names,
-)
-from ..parts.accumulation import AccumulationConfig, OptimizerRound
+from ..parts.accumulation import AccumulationConfig
 from ..registry import register
-from ..substrates.sharded_optimizer import build_optimizer
+from ..substrates.replicated import Replicated
+from . import cost
 from .powersgd import CAST_HOOK_DTYPES, PowerSGDState, cast_hook, powersgd_hook
 
 COMM_HOOKS = ("allreduce", "powersgd", "fp16", "bf16")
@@ -80,7 +70,7 @@ class DDPConfig(AccumulationConfig):
                              f"its buckets after the first iteration), got {self.powersgd_start_iter}")
 
 
-@register("ddp", DDPConfig)
+@register("ddp", DDPConfig, schedule=cost.ddp)
 class DDP(Strategy):
     """torch DDP + local gradient accumulation; see the module docstring.
 
@@ -99,9 +89,9 @@ class DDP(Strategy):
                  **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
         self.group = group
-        self.optimizer = build_optimizer(self.optimizer_factory, self.param_groups, self.optimizer_kwargs)
-        self.round = self.hold("round", OptimizerRound(self.optimizer, self.config.accumulation,
-                                                       list(model.parameters())))
+        # torch DDP broadcasts rank 0's module state itself
+        self.replicas = self.hold("replicas", Replicated(self, group, broadcast=False))
+        self.round = self.replicas.round
         self._ddp: DistributedDataParallel | None = None
         self._hook: Any = None
         self.powersgd: PowerSGDState | None = None
@@ -155,7 +145,7 @@ class DDP(Strategy):
     def _backward(self, loss: torch.Tensor) -> None:
         last = self.round.accumulator.next_is_last
         t0 = time.perf_counter()
-        self.round.backward(loss)
+        self.replicas.backward(loss)
         self._set_sync_for_next()
         if last and self._ddp is not None:
             t1 = time.perf_counter()
@@ -173,39 +163,17 @@ class DDP(Strategy):
         self._set_sync_for_next()
 
     def _step(self) -> bool:
-        if not self.round.full:
-            self._set_sync_for_next()
-            return False
-        # the averaged gradient, equal on every worker of the group (DDP's all-reduce)
-        extra = self._prepare_commit([p.grad for p in self.round.params if p.grad is not None],
-                                     shared=self.group == "world")
-        if extra is None:  # fp16 overflow: the round is dropped on every worker
-            self.discard_round()
-            return False
-        self.round.step(self._lr_scale(self.steps), self.accounting)
-        self._commit(extra or None)
+        # the averaged gradient, equal on every worker of the group (DDP's all-reduce); None: the round is not
+        # full, or fp16 overflowed (the round is dropped on every worker)
+        grads = self.replicas.gradient(shared=self.group == "world")
+        if grads is not None:
+            self.replicas.commit()
         self._set_sync_for_next()
-        return True
-
-    def _state(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict()}
+        return grads is not None
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
         self._set_sync_for_next()
 
-    def _logical_state(self) -> dict[str, torch.Tensor]:
-        names = parameter_names(self.module)
-        return {**module_state(self.module), **optimizer_state(self.optimizer, names),
-                **base_lrs_state(self.round.lr.base_lrs)}
-
-    def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
-        names = parameter_names(self.module)
-        return {**module_targets(self.module), **optimizer_targets(self.optimizer, names, saved),
-                **base_lrs_target(self.round.lr.base_lrs, saved)}
-
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
-        load_module(self.module, filled)
-        load_optimizer(self.optimizer, parameter_names(self.module), filled)
-        self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]
+        super()._load_logical(filled)
         self._set_sync_for_next()

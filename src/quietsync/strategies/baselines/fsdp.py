@@ -38,6 +38,7 @@ from ..parts.accumulation import AccumulationConfig, OptimizerRound
 from ..registry import register
 from ..substrates.fsdp_shards import FsdpShards
 from ..substrates.sharded_optimizer import build_optimizer
+from . import cost
 
 
 def average_across_nodes(strategy: Strategy, grads: list[torch.Tensor | None]) -> None:
@@ -56,9 +57,11 @@ def average_across_nodes(strategy: Strategy, grads: list[torch.Tensor | None]) -
                 at += g.numel()
 
 
-@register("fsdp", AccumulationConfig)
+@register("fsdp", AccumulationConfig, schedule=cost.fsdp)
 class FSDP(Strategy):
     """FSDP2 inside the node + gradient-shard all-reduce across nodes; see the module docstring."""
+
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
 
     discards_rounds = True
 

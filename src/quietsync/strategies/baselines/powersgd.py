@@ -5,7 +5,7 @@ call ``torch.distributed`` themselves, so their bytes would bypass the meter and
 are quietsync's own, written from the algorithm (Vogels et al. 2019, "PowerSGD: Practical Low-Rank Gradient
 Compression for Distributed Optimization", Algorithm 1 with error feedback, one power iteration per step,
 warm start) and matching PyTorch's hook step for step, so a run with either gives the same parameters
-(``tests/strategies/test_powersgd.py`` checks that against PyTorch's hook on a plain process group). The
+(``tests/strategies/baselines/test_powersgd.py`` checks that against PyTorch's hook on a plain process group). The
 ``ddp`` strategy uses them with ``comm_hook = powersgd | fp16 | bf16``.
 
 **PowerSGD**, for every gradient bucket of ``n`` workers (after ``start_iter`` plain all-reduce iterations):

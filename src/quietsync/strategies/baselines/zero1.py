@@ -32,6 +32,7 @@ from ..checkpoint.logical import SavedTensors, load_module, module_state, module
 from ..parts.accumulation import AccumulationConfig, Accumulator
 from ..registry import register
 from ..substrates.sharded_state import ShardedState
+from . import cost
 
 
 @dataclass
@@ -46,13 +47,15 @@ class Zero1Config(AccumulationConfig):
         parse_dtype(self.reduce_dtype, "reduce_dtype")
 
 
-@register("zero1", Zero1Config)
+@register("zero1", Zero1Config, schedule=cost.zero1)
 class Zero1(Strategy):
     """Blocking ZeRO-1; see the module docstring.
 
     ``group`` is the group that shards the optimizer and averages gradients: ``world`` (default), or ``shard``
     when another strategy (hierarchical DiLoCo) runs ZeRO-1 inside each node.
     """
+
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
 
     discards_rounds = True
     reshard_refusal = None  # the optimizer shard is a slice of one logical flat state (see ShardedState)

@@ -1,6 +1,6 @@
 """``cdp``: Cyclic Data Parallelism (Fournier & Oyallon, 2024, paper 002), executed for real.
 
-The model is cut into ``N`` stages (:mod:`~quietsync.strategies.cdp.stages`); a training step (a *cycle*) has
+The model is cut into ``N`` stages (:mod:`~quietsync.models.stages`); a training step (a *cycle*) has
 ``N`` micro-batches. One time step is the forward or the backward of one stage. Micro-batch ``i``
 (0-based slot) of cycle ``c`` starts at time ``s = c·2N + 2i`` (the paper's delay of 2 time steps), runs
 the forward of stage ``j`` at ``s + j`` and its backward at ``s + 2N − 1 − j``; so at every time step each
@@ -70,7 +70,6 @@ model that returns the last stage's output, so the loss is computed on the last 
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -83,15 +82,19 @@ from torch.utils.checkpoint import checkpoint
 
 from ...activation_memory import ActivationMeter
 from ...events import label
+from ...models.stages import PARTITIONS, StagePlan, partition, run_segments, segment_flops, sequential_view
 from ...validate import check_choice, check_int
-from ..base import LossFn, Strategy, StrategyConfig
+from ..base import LossFn, Strategy
+from ..config import StrategyConfig
 from ..parts.clipping import CLIP_EPS
 from ..parts.lr import LRScaler
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
+from . import cost
 from .capture import Replay, capture_call
+from .mailbox import Mailbox
 from .schedule import Message, Schedule
-from .stages import PARTITIONS, StagePlan, partition, run_segments, segment_flops, sequential_view
+from .versions import VersionStore
 
 RULES = ("dp", "v1", "v2")
 _ALIASES = {"cdp-v1": "v1", "cdp-v2": "v2"}
@@ -137,20 +140,6 @@ class CDPConfig(StrategyConfig):
 
 
 @dataclass
-class _Send:
-    """A point-to-point send still to be completed (and so metered)."""
-
-    time: int
-    """Time step it was sent at."""
-    cycle: int
-    """Cycle of the gradient or version it carries."""
-    work: Any
-    """The transport's handle."""
-    tensor: torch.Tensor
-    """What was sent (kept alive until the send completes)."""
-
-
-@dataclass
 class _MicroBatch:
     cycle: int
     slot: int
@@ -167,9 +156,11 @@ class _MicroBatch:
 
 
 # ---------------------------------------------------------------------------------------------- the strategy
-@register("cdp", CDPConfig)
+@register("cdp", CDPConfig, schedule=cost.cdp)
 class CDP(Strategy):
     """Cyclic Data Parallelism; see the module docstring."""
+
+    prepares_gradient = True  # it clips each stage's gradient (fp16 it refuses: fp16_refusal)
 
     reshard_refusal = "micro-batches of the next step are in flight when a step commits"
 
@@ -220,8 +211,6 @@ class CDP(Strategy):
         self._inflight: dict[tuple[int, int], _MicroBatch] = {}
         self._own: dict[tuple[int, int, int], torch.Tensor] = {}
         self._partial: dict[tuple[int, int], torch.Tensor] = {}
-        self._posted: dict[tuple, tuple[Any, torch.Tensor]] = {}
-        self._sends: list[_Send] = []
         self._updates: dict[int, int] = defaultdict(int)
         self._pending_commits: list[int] = []
         self._next_commit = 0
@@ -229,10 +218,8 @@ class CDP(Strategy):
         self._done_losses: list[torch.Tensor] = []
         self._wound_down = False
         self._stage_norms: dict[int, dict[int, float]] = defaultdict(dict)  # cycle -> stage -> pre-clip norm
-        self.sent_per_step: dict[int, int] = defaultdict(int)
-        """Bytes this worker handed to the transport at each time step."""
-        self.sent_completed = 0
-        """Bytes of those sends that completed (what the transport's meter has counted)."""
+        self.mailbox = self.hold("mailbox", Mailbox(self.transport, self.accounting))
+        """The point-to-point transfers of the chains (``sent_per_step``, ``sent_completed``: what was sent)."""
         self._initial_copy()
         self._refresh_param_ptrs()
 
@@ -240,11 +227,11 @@ class CDP(Strategy):
     def _build(self, plan: StagePlan) -> None:
         self.plan = plan
         trainable = {id(p) for g in self.param_groups for p in g["params"]}
-        self.owned = [[p for p in ps if id(p) in trainable] for ps in plan.owned]
-        self.live = [0] * self.n
-        self.prev: list[tuple[int, list[torch.Tensor]] | None] = [None] * self.n
-        self.stage_numel = [sum(p.numel() for p in ps) for ps in self.owned]
-        self.stage_bytes = [sum(p.numel() * p.element_size() for p in ps) for ps in self.owned]
+        owned = [[p for p in ps if id(p) in trainable] for ps in plan.owned]
+        self.versions = self.hold("versions", VersionStore(owned))
+        """Each stage's live parameters and the previous version kept for micro-batches in flight."""
+        self.stage_numel = [sum(p.numel() for p in ps) for ps in owned]
+        self.stage_bytes = [sum(p.numel() * p.element_size() for p in ps) for ps in owned]
         self._refresh_param_ptrs()
 
     def _initial_copy(self) -> None:
@@ -337,12 +324,12 @@ class CDP(Strategy):
         for c in cycles:
             for j in range(self.n):
                 if me != s.root() and s.arrivals(c, j).get(me) == t:
-                    buf = self._wait(("dist", c, j, 0))
+                    buf = self.mailbox.take(("dist", c, j, 0))
                     self._apply(c, j, buf)
                     chain = s.chain(j)
                     k = chain.index(me)
                     if k + 1 < len(chain):
-                        self._send(buf, chain[k + 1], t, "dist", c)
+                        self.mailbox.send(buf, chain[k + 1], t, "dist", c)
         # 3. forwards, then 4. backwards (activations of a step's forwards count before its backwards free
         # theirs)
         mine = [(c, i) for c in cycles for i in s.slots(me) if (c, i) in self._inflight]
@@ -370,7 +357,7 @@ class CDP(Strategy):
                 raise RuntimeError(f"cdp: cycle {c} commits with stages not updated here — schedule bug")
             self._pending_commits.append(c)
             self._next_commit += 1
-        self._retire_sends(t)
+        self.mailbox.retire(self.steps)
         if self.meter is not None:
             self.meter.sample(t)
 
@@ -390,20 +377,12 @@ class CDP(Strategy):
     def _post_receives(self, t: int) -> None:
         for m in self._messages_at(t - 1, to=self.me):
             buf = torch.empty(self.stage_numel[m.stage], dtype=self._dtype, device=self._device)
-            work = self.transport.recv(buf, m.src, async_op=True, name=f"cdp/{m.kind}")
-            self._posted[(m.kind, m.cycle, m.stage, m.slot)] = (work, buf)
+            self.mailbox.post((m.kind, m.cycle, m.stage, m.slot), buf, m.src, m.kind)
 
     def _forward(self, mb: _MicroBatch, j: int) -> None:
         v = self.schedule.version(mb.cycle, mb.slot, j)
         mb.versions[j] = v
-        if self.live[j] == v:
-            tensors = [p.data for p in self.owned[j]]
-        elif self.prev[j] is not None and self.prev[j][0] == v:
-            tensors = self.prev[j][1]
-        else:
-            raise RuntimeError(f"cdp: version {v} of stage {j} is not here (live {self.live[j]}, "
-                               f"previous {self.prev[j][0] if self.prev[j] else None}) — schedule bug")
-        for p, x in zip(self.owned[j], tensors):
+        for p, x in zip(self.versions.owned[j], self.versions.tensors(j, v)):
             mb.leaves[id(p)] = x.detach().requires_grad_()
         values = {}
         for seg in self.plan.stages[j]:
@@ -433,7 +412,7 @@ class CDP(Strategy):
         if j > 0:
             mb.gout[j - 1] = x.grad if isinstance(x, torch.Tensor) else None
         grads = []
-        for p in self.owned[j]:
+        for p in self.versions.owned[j]:
             leaf = mb.leaves.pop(id(p))
             grads.append(torch.zeros_like(p).reshape(-1) if leaf.grad is None else leaf.grad.reshape(-1))
         flat = torch.cat(grads) if grads else torch.zeros(0, dtype=self._dtype, device=self._device)
@@ -451,39 +430,34 @@ class CDP(Strategy):
             if s.worker(i - 1) == self.me:
                 acc = self._partial.pop((c, j)).add_(acc)
             else:
-                acc = self._wait(("partial", c, j, i - 1)).add_(acc)
+                acc = self.mailbox.take(("partial", c, j, i - 1)).add_(acc)
         if i < self.n - 1:
             if s.worker(i + 1) == self.me:
                 self._partial[(c, j)] = acc
             else:
-                self._send(acc, s.worker(i + 1), t, "partial", c)
+                self.mailbox.send(acc, s.worker(i + 1), t, "partial", c)
             return
         self._apply(c, j, acc)  # the root: the stage's mean gradient is complete
         chain = s.chain(j)
         if chain:
-            self._send(acc, chain[0], t, "dist", c)
+            self.mailbox.send(acc, chain[0], t, "dist", c)
 
     def _apply(self, c: int, j: int, flat: torch.Tensor) -> None:
         """θ^j_{c+1} = Opt(θ^j_c, mean gradient of cycle c); θ^j_c is kept as the previous version."""
-        if self.live[j] != c:
-            raise RuntimeError(
-                f"cdp: update of cycle {c} for stage {j} at version {self.live[j]} — schedule bug"
-            )
-        params = self.owned[j]
-        kept = [p.data for p in params]
+        params = self.versions.owned[j]
         coef = self._clip_stage(c, j, flat)
-        with torch.no_grad():
-            for p in params:
-                p.data = p.data.clone()  # pending backwards keep the old storage: it becomes θ_c^j
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad = g.view_as(p) if coef is None else g.view_as(p) * coef
-            self.lr.apply(self._lr_scale(c))
-            with label("quietsync/optimizer_step"):
-                self.optimizer.step()
-            for p in params:
-                p.grad = None
-        self.prev[j] = (c, kept)
-        self.live[j] = c + 1
+
+        def step() -> None:
+            with torch.no_grad():
+                for p, g in zip(params, flat.split([p.numel() for p in params])):
+                    p.grad = g.view_as(p) if coef is None else g.view_as(p) * coef
+                self.lr.apply(self._lr_scale(c))
+                with label("quietsync/optimizer_step"):
+                    self.optimizer.step()
+                for p in params:
+                    p.grad = None
+
+        self.versions.update(c, j, step)
         self._refresh_param_ptrs()
         self._updates[c] += 1
 
@@ -499,36 +473,6 @@ class CDP(Strategy):
         self._stage_norms[c][j] = norm
         coef = self.max_grad_norm / (norm + CLIP_EPS)
         return coef if math.isfinite(coef) and coef < 1.0 else None
-
-    # ------------------------------------------------------------------ point-to-point
-    def _send(self, tensor: torch.Tensor, dst: int, t: int, kind: str, cycle: int) -> None:
-        work = self.transport.send(tensor, dst, async_op=True, name=f"cdp/{kind}")
-        self._sends.append(_Send(t, cycle, work, tensor))
-        self.sent_per_step[t] += tensor.numel() * tensor.element_size()
-
-    def _wait(self, key: tuple) -> torch.Tensor:
-        work, buf = self._posted.pop(key)
-        t0 = time.perf_counter()
-        work.wait()
-        t1 = time.perf_counter()
-        self.accounting.move_to_idle(t1 - t0, t1, "cdp_recv")
-        return buf
-
-    def _retire_sends(self, t: int) -> None:
-        """Complete (and so meter) the sends of cycles this worker has committed. Every worker commits the
-        same cycles, so their receivers post those receives: waiting cannot hang. Sends of later cycles stay
-        open (gloo cannot poll a send) until they complete or the run ends (:meth:`_wind_down`)."""
-        keep = []
-        for sent in self._sends:
-            if sent.cycle < self.steps or sent.work.ready():
-                self._complete(sent)
-            else:
-                keep.append(sent)
-        self._sends = keep
-
-    def _complete(self, sent: _Send) -> None:
-        sent.work.wait()
-        self.sent_completed += sent.tensor.numel() * sent.tensor.element_size()
 
     # ------------------------------------------------------------------ contract
     def _step(self) -> bool:
@@ -549,18 +493,8 @@ class CDP(Strategy):
     def committed_params(self) -> Iterator[nn.Module]:
         """The model holds θ_steps on every stage inside (a stage already updated past it shows its previous
         version)."""
-        swapped = []
-        if self.plan is not None:
-            for j in range(self.n):
-                if self.live[j] != self.steps and self.prev[j] is not None and self.prev[j][0] == self.steps:
-                    for p, old in zip(self.owned[j], self.prev[j][1]):
-                        swapped.append((p, p.data))
-                        p.data = old
-        try:
+        with self.versions.committed(self.steps) if self.plan is not None else nullcontext():
             yield self.module
-        finally:
-            for p, cur in swapped:
-                p.data = cur
 
     def activation_timeline(self) -> list:
         """``ActivationMeter`` samples, one per time step (with ``measure_activations``)."""
@@ -573,9 +507,8 @@ class CDP(Strategy):
         if getattr(self, "meter", None) is None:
             return
         ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        for prev in getattr(self, "prev", []):
-            if prev is not None:
-                ptrs.update(x.untyped_storage().data_ptr() for x in prev[1])
+        if self.plan is not None:
+            ptrs |= self.versions.storages()
         for mb in self._inflight.values():
             ptrs.update(x.untyped_storage().data_ptr() for x in mb.leaves.values())
         self._param_ptrs = ptrs
@@ -592,14 +525,13 @@ class CDP(Strategy):
         return {"time_step": self.t, "fed": self.fed}
 
     def _memory(self) -> dict[str, int]:
-        prev = sum(sum(x.numel() * x.element_size() for x in p[1]) for p in getattr(self, "prev", []) if p)
         inflight = sum(g.numel() * g.element_size() for g in self._own.values())
         inflight += sum(g.numel() * g.element_size() for g in self._partial.values())
         return {"params": sum(p.numel() * p.element_size() for p in self.module.parameters()),
-                "previous_versions": prev, "gradient_partials": inflight}
+                "gradient_partials": inflight}
 
     def _state(self) -> dict[str, Any]:
-        if self._inflight or self._own or self._partial or self._sends:
+        if self._inflight or self._own or self._partial or self.mailbox.busy:
             raise RuntimeError(
                 "cdp: state_dict() with micro-batches in flight is not supported; checkpoint before "
                 "the first forward_backward or after close-out (not implemented)"
@@ -616,11 +548,7 @@ class CDP(Strategy):
         self._wind_down()
         if self.plan is None:
             return
-        for j in range(self.n):
-            if self.live[j] != self.steps and self.prev[j] is not None and self.prev[j][0] == self.steps:
-                for p, old in zip(self.owned[j], self.prev[j][1]):
-                    p.data = old
-                self.live[j], self.prev[j] = self.steps, None
+        self.versions.settle(self.steps)
         self._refresh_param_ptrs()
 
     def _wind_down(self) -> None:
@@ -631,11 +559,7 @@ class CDP(Strategy):
         if self._wound_down:
             return
         self._wound_down = True
-        # a send is dropped only once it completed: gloo cancels a dropped pending send
-        for sent in self._sends:
-            if sent.time < self.t - 1:
-                self._complete(sent)
-        self._sends = [sent for sent in self._sends if sent.time >= self.t - 1]
+        self.mailbox.wind_down(self.t)
         self._inflight.clear()
         self._own.clear()
         self._partial.clear()
@@ -648,6 +572,4 @@ class CDP(Strategy):
         totals, which does the same)."""
         self._wind_down()
         if self._owns_transport and self.world_size > 1:
-            self.transport.barrier()
-        self._sends.clear()
-        self._posted.clear()
+            self.transport.barrier()  # then the mailbox, closed after this, drops what nobody will complete

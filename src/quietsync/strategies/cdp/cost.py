@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...plan.costmodel import Comm, Cost, Ctx, Schedule
-from ...plan.terms import Term
-from ...plan.workload import Workload
+from ...cost.costmodel import Comm, Cost, Ctx
+from ...cost.schedule import Schedule
+from ...cost.terms import Term
+from ...cost.workload import Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState
 from .schedule import Schedule as Timeline
@@ -94,7 +95,3 @@ def cdp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> S
               "optimizer_state": opt.bytes(w.numels)}
     return Schedule("cdp", f"cdp {cfg.rule} N={n}", tuple(comms), step, memory, config=cfg,
                     notes=("cdp's memory_report() leaves out the optimizer state; the plan counts it",))
-
-
-SCHEDULES = {"cdp": cdp}
-"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

@@ -15,12 +15,10 @@ Keys, under a ``prefix`` the strategy chooses (``""`` for ``fsdp``, whose replic
 ``replica.<node>.`` for ``flexdemo``, whose nodes each keep their own decoupled momentum):
 
 * ``model.<name>`` — each parameter (sharded) and each persistent buffer (whole);
-* ``optim.<name>.<key>`` — the optimizer's per-parameter state: per-element tensors sharded like the
-  parameter,
+* ``optim.<name>.<key>`` — the optimizer's per-parameter state: per-element tensors sharded like the parameter,
   scalars (AdamW's ``step``) whole;
 * ``optim.<name>.delta`` — a decoupled optimizer's momentum, **spatial** (its DCT-domain form depends on how
-  the
-  shard is cut into blocks, so it is converted on saving and back into the new layout's domain on loading);
+  the shard is cut into blocks, so it is converted on saving and back into the new layout's domain on loading);
 * ``optim.decoupled.step`` and ``optim.replicator.<key>`` — a decoupled optimizer's counters.
 
 Saving at one world and loading at another is exact for everything above (the tests check it); what follows
@@ -93,7 +91,7 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _momentum_to_spatial(
     optimizer: torch.optim.Optimizer, delta: torch.Tensor, shape: torch.Size
 ) -> torch.Tensor:
-    from ...replicators import REPLICATORS, convert_momentum
+    from ...wire.replicators import REPLICATORS, convert_momentum
 
     domain = optimizer.replicator.momentum_domain  # type: ignore[attr-defined]
     if domain == _SPATIAL_DOMAIN:

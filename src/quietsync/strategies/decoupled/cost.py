@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plan.costmodel import Comm, Schedule, codec_key, lcm, numel, steps_where
-from ...plan.terms import Every, MicroBatches, Seq, Wire, Work
-from ...plan.workload import Shape, Workload
+from ...cost.compute import codec_key
+from ...cost.costmodel import Comm, lcm, numel, steps_where
+from ...cost.schedule import Schedule
+from ...cost.terms import Every, MicroBatches, Seq, Wire, Work
+from ...cost.workload import Shape, Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState, group_of, momentum_numel, replicator, replicator_comm
 from ..substrates.cost import fsdp_per_micro_batch, local_shapes
@@ -110,7 +112,3 @@ def flexdemo(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW)
                _decoupled_step(shapes, cfg, rep, period, on, across), Wire(after))
     label = _label("flexdemo", cfg) + ("" if sharded else " replicated")
     return Schedule("flexdemo", label, comms, step, memory, period=period, config=cfg)
-
-
-SCHEDULES = {"demo": demo, "flexdemo": flexdemo}
-"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

@@ -48,12 +48,15 @@ from ..checkpoint.logical import (
 )
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
+from . import cost
 from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 
 
-@register("demo", DecoupledConfig)
+@register("demo", DecoupledConfig, schedule=cost.demo)
 class DeMo(Strategy):
     """DeMo over plain data parallelism; see the module docstring."""
+
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
 
     reshard_refusal = None  # the model once, each worker's δ and moments as a replica (module docstring)
 
@@ -75,9 +78,6 @@ class DeMo(Strategy):
             "round", DecoupledRound(self.optimizer, self.config.accumulation, list(model.parameters()))
         )
         broadcast_parameters(self.transport, list(model.parameters()), "world")
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:

@@ -26,11 +26,10 @@ parameters and this is ``demo`` over the replicate group.
 Substrate (``params``), both dim-0 sharded and both with every byte metered and link-emulated:
 
 * ``sharded`` (default): PyTorch FSDP2 over the shard group
-  (:class:`~quietsync.strategies.substrates.fsdp_shards.
-  FsdpShards`): parameters too are sharded inside the node (ZeRO-3, ``reshard_after_forward``); FSDP
-  all-gathers a unit's parameters for its forward and backward and reduce-scatters the gradients in the
-  last backward of the round, through the transport. Step 4 is then not needed: the optimizer updates the
-  shards FSDP holds.
+  (:class:`~quietsync.strategies.substrates.fsdp_shards.FsdpShards`): parameters too are sharded inside the node
+  (ZeRO-3, ``reshard_after_forward``); FSDP all-gathers a unit's parameters for its forward and backward and
+  reduce-scatters the gradients in the last backward of the round, through the transport. Step 4 is then not needed:
+  the optimizer updates the shards FSDP holds.
 * ``replicated``: quietsync's flat substrate
   (:class:`~quietsync.strategies.substrates.dim0_shards.FlatDimZeroShards`):
   whole parameters on every worker (ZeRO-2), one reduce-scatter and one all-gather per step, fewer bytes
@@ -64,6 +63,7 @@ from ..checkpoint.logical_shards import load_shards, shard_state, shard_targets
 from ..registry import register
 from ..substrates.dim0_shards import DimZeroShards, FlatDimZeroShards
 from ..substrates.fsdp_shards import FsdpShards
+from . import cost
 from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 
 __all__ = ["DimZeroShards", "FlexDeMo", "FlexDeMoConfig"]
@@ -83,9 +83,11 @@ class FlexDeMoConfig(DecoupledConfig):
         check_choice("params", self.params, ("sharded", "replicated"))
 
 
-@register("flexdemo", FlexDeMoConfig)
+@register("flexdemo", FlexDeMoConfig, schedule=cost.flexdemo)
 class FlexDeMo(Strategy):
     """Hybrid-sharded decoupled momentum; see the module docstring."""
+
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
 
     reshard_refusal = None  # across workers per node and across nodes (each node a replica)
 

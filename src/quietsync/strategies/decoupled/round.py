@@ -17,9 +17,9 @@ from typing import Any, Literal
 import torch
 
 from ...optim import DecoupledAdamW, DecoupledOptimizer, DeMoSGD, check_replication_schedule
-from ...replicators import REPLICATORS, make_replicator
 from ...transport import Transport
 from ...validate import check_choice, check_float, check_int
+from ...wire.replicators import REPLICATORS, make_replicator
 from ..parts.accounting import StepAccounting
 from ..parts.accumulation import AccumulationConfig, OptimizerRound
 

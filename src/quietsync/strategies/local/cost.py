@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plan.costmodel import Comm, Schedule, numel
-from ...plan.terms import Every, Exposed, MicroBatches, Seq, Term, Wire, copy, optimizer
-from ...plan.workload import Workload
+from ...cost.costmodel import Comm, numel
+from ...cost.schedule import Schedule
+from ...cost.terms import Every, Exposed, MicroBatches, Seq, Term, Wire, copy, optimizer
+from ...cost.workload import Workload
 from ...topology import Topology
+from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES, packed_chain
 from ..parts.cost import ADAMW, OptimizerState, group_of, replicator, replicator_comm
+from ..registry import schedule_of, strategy_config
 from .fragments import split_fragments, strided_fragments
-from .packed import LOWBIT_PSEUDO_GRAD_DTYPES, packed_chain
 
 
 def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
@@ -92,11 +94,9 @@ def _inner(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState) -> tuple[
     if cfg.inner == "local":
         memory = {"params": w.param_bytes, "grads": w.param_bytes, "optimizer_state": opt.bytes(w.numels)}
         return [], Seq(MicroBatches(cfg.accumulation), optimizer(w.params)), memory
-    from ...plan.schedules import schedule_function, strategy_config
-
     # the inner strategy's own schedule, found as diloco finds the inner strategy: by name
     inner_cfg = strategy_config(cfg.inner, {"accumulation": cfg.accumulation})
-    inner = schedule_function(cfg.inner)(w, topo, inner_cfg, group="shard", opt=opt)
+    inner = schedule_of(cfg.inner)(w, topo, inner_cfg, group="shard", opt=opt)
     return list(inner.comms), inner.step, dict(inner.memory)
 
 
@@ -151,7 +151,3 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
     elif cfg.pseudo_grad_dtype != "fp32":
         label += f" {cfg.pseudo_grad_dtype}"
     return Schedule("diloco", label, (*inner_comms, *outer), step, memory, period=H, config=cfg)
-
-
-SCHEDULES = {"localsgd": localsgd, "diloco": diloco}
-"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

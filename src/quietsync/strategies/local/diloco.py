@@ -3,7 +3,8 @@ pseudo-gradient; with Streaming DiLoCo's fragments and overlapped outer communic
 
 Every worker runs the inner optimizer (the user's, AdamW by default) on its own data; ``steps`` counts these
 inner steps. Per fragment f of the parameters (one fragment by default), every H = ``sync_every`` steps,
-staggered by H/F between fragments (the :class:`~quietsync.strategies.local.outer.OuterSync` part):
+staggered by H/F between fragments (when: the :class:`~quietsync.strategies.local.outer.OuterSync` part; what:
+:meth:`DiLoCo.pseudo_gradient`, :meth:`DiLoCo.outer_step` and :meth:`DiLoCo.merge` below):
 
     Δ_i = θ_global − θ_i                                     (pseudo-gradient of worker i)
     Δ̄   = mean_i Δ_i                 over the sync group   (fp32 / bf16 / int8 / fp4 / int4 / int2, or a
@@ -65,6 +66,8 @@ from typing import Any, Literal
 
 import torch
 
+from ...events import label
+from ...models.units import layer_units
 from ...validate import check_choice
 from ..base import Strategy
 from ..checkpoint import replicas
@@ -84,8 +87,9 @@ from ..parts.accumulation import OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import get, register
 from ..substrates.sharded_optimizer import build_optimizer
-from .fragments import layer_units
-from .outer import OuterConfig, OuterSync
+from . import cost
+from .outer import OuterSync
+from .outer_config import OuterConfig
 
 _INNER = ("local", "ddp", "zero1")
 
@@ -103,9 +107,11 @@ class DiLoCoConfig(OuterConfig):
         check_choice("inner", self.inner, _INNER)
 
 
-@register("diloco", DiLoCoConfig)
+@register("diloco", DiLoCoConfig, schedule=cost.diloco)
 class DiLoCo(Strategy):
     """DiLoCo / Streaming DiLoCo, optionally hierarchical; see the module docstring."""
+
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
 
     reshard_refusal = None  # θ_global and the outer state once, each replica's inner state (module docstring)
 
@@ -140,7 +146,7 @@ class DiLoCo(Strategy):
                 precision=self.precision, max_grad_norm=self.max_grad_norm, **self.optimizer_kwargs))
             self.optimizer = self.inner.optimizer
         layers = layer_units(model, self.params) if cfg.fragment_pattern == "strided" else None
-        self.outer = self.hold("outer", OuterSync(self.params, self.transport, self.sync_group, cfg,
+        self.outer = self.hold("outer", OuterSync(self.params, self.transport, self.sync_group, cfg, self,
                                                   on_params_written=self._params_written, layers=layers))
 
     @property
@@ -152,6 +158,38 @@ class DiLoCo(Strategy):
         fp32 master shard) must follow, else its next all-gather would bring the old values back."""
         if self.inner is not None:
             self.inner.parameters_overwritten()
+
+    # ------------------------------------------------------------------ the outer step, per fragment f
+    def pseudo_gradient(self, f: int) -> torch.Tensor:
+        """Δ = θ_global[f] − θ_local[f]: this worker's pseudo-gradient (fp32, a fresh buffer), taken at launch."""
+        o = self.outer
+        local = torch.cat([self.params[i].detach().reshape(-1).float() for i in o.fragments[f]])
+        return o.globals[f].to(o.device) - local
+
+    def outer_step(self, f: int, delta: torch.Tensor) -> None:
+        """Δ̄ = mean over the sync group of Δ, as it crosses the wire (the fragment's exchange: fp32, bf16, int8,
+        packed low-bit or a replicator, with error feedback where configured); then θ_global[f] ← OuterSGD(θ_global[f],
+        Δ̄). On the main thread, or on the communication worker while τ inner steps continue."""
+        o = self.outer
+        g = o.globals[f]
+        g.grad = o.exchanges[f].average(delta).to(o.store)
+        with label("quietsync/optimizer_step"):
+            o.optimizers[f].step()
+        g.grad = None
+
+    def merge(self, f: int, alpha: float) -> None:
+        """θ_local[f] ← α·θ_local[f] + (1 − α)·θ_global[f] (α = 0: every worker continues from θ_global)."""
+        o = self.outer
+        sizes = [self.params[i].numel() for i in o.fragments[f]]
+        with torch.no_grad():
+            for i, chunk in zip(o.fragments[f], o.globals[f].to(o.device).split(sizes)):
+                p = self.params[i]
+                chunk = chunk.view_as(p).to(p.dtype)
+                if alpha == 0.0:
+                    p.data.copy_(chunk)
+                else:
+                    p.data.mul_(alpha).add_(chunk, alpha=1 - alpha)
+        self._params_written()
 
     # ------------------------------------------------------------------ inner steps
     def _backward(self, loss: torch.Tensor) -> None:
@@ -237,7 +275,7 @@ class DiLoCo(Strategy):
         return {**state, **{k: t for k, (t, _) in self.outer.worker_slots().items()}}
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
-        out = {**self.outer.logical_state(), **replicas.own(self.replica, self._mine())}
+        out = {**self.outer.shared_state(), **replicas.own(self.replica, self._mine())}
         if self.inner is None:
             out.update(base_lrs_state(self.round.lr.base_lrs))
         return out
@@ -254,7 +292,7 @@ class DiLoCo(Strategy):
             return out
 
         self._replica_load = replicas.ReplicaLoad(saved, self.replica, build, self.join_rule)
-        out = {**self.outer.logical_targets(saved), **self._replica_load.targets}
+        out = {**self.outer.shared_targets(saved), **self._replica_load.targets}
         if self.inner is None:
             out.update(base_lrs_target(self.round.lr.base_lrs, saved))
         return out
@@ -262,7 +300,7 @@ class DiLoCo(Strategy):
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         load = self._replica_load
         mine = load.merged(filled)
-        self.outer.load_logical(filled, mine)
+        self.outer.load_shared(filled, mine)
         inner_state = {k: v for k, v in mine.items() if not k.startswith("outer.")}
         if self.inner is None:
             if not load.joined:

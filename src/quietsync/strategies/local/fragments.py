@@ -1,18 +1,21 @@
-"""Streaming DiLoCo's fragments: the model's parameter tensors split into groups synced at staggered steps.
+"""Streaming DiLoCo's fragments: the model's parameter tensors split into groups synced at staggered steps, and
+the schedule of those syncs.
 
 Two patterns (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication", the fragment patterns):
 
 * ``contiguous`` -- :func:`split_fragments`: consecutive parameter tensors, balanced by element count;
-* ``strided`` -- :func:`strided_fragments` over :func:`layer_units`: whole layers, layer ``l`` in fragment
-  ``l mod F``, so every fragment holds layers from the whole depth of the network.
+* ``strided`` -- :func:`strided_fragments` over :func:`~quietsync.models.units.layer_units`: whole layers, layer
+  ``l`` in fragment ``l mod F``, so every fragment holds layers from the whole depth of the network.
+
+:class:`FragmentSchedule`: fragment f is synced after inner steps ``s`` with ``s mod H == ((f+1)·H/F) mod H``
+(every H steps, fragments staggered by H/F).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
-import torch
-
+from ...comm_worker import Job
 from ...validate import check_int
 
 
@@ -33,46 +36,34 @@ def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
 FRAGMENT_PATTERNS = ("contiguous", "strided")
 
 
-def layer_units(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> list[list[int]]:
-    """The model's layers as groups of indices into ``params`` (a layer's weight and bias together).
-
-    A **layer** is a child of the model's largest stack of layers -- the ``nn.ModuleList`` or
-    ``nn.Sequential`` holding the most parameters (GPT-Neo's transformer blocks, an MLP's ``Sequential``) --
-    or, for parameters outside that stack (embeddings, a final norm), the module that owns the parameter.
-    Layers come in the order of their first parameter in ``model.parameters()``; parameters of ``params``
-    owned by no module of ``model`` form one layer each, at the end.
-    """
-    index = {id(p): i for i, p in enumerate(params)}
-
-    def owned(m: torch.nn.Module) -> int:
-        return sum(p.numel() for p in m.parameters())
-
-    stacks = [m for m in model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))]
-    stack = max(stacks, key=owned, default=None)
-    units: dict[int, list[int]] = {}  # key: id of the layer module
-    owner: dict[int, int] = {}  # param id -> layer key
-    if stack is not None:
-        for child in stack.children():
-            for p in child.parameters():
-                owner.setdefault(id(p), id(child))
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            owner.setdefault(id(p), id(m))
-    order: list[int] = []
-    for p in model.parameters():
-        if id(p) in index:
-            key = owner[id(p)]
-            if key not in units:
-                units[key] = []
-                order.append(key)
-            units[key].append(index[id(p)])
-    out = [sorted(units[k]) for k in order]
-    seen = {i for u in out for i in u}
-    out += [[i] for i in range(len(params)) if i not in seen]
-    return out
-
-
 def strided_fragments(units: list[list[int]], fragments: int) -> list[list[int]]:
     """Streaming DiLoCo's strided pattern: layer ``l`` goes to fragment ``l mod F`` (indices ascending)."""
     check_int("fragments", fragments, 1, len(units))
     return [sorted(i for u in units[f::fragments] for i in u) for f in range(fragments)]
+
+
+class FragmentSchedule:
+    """When each of ``fragments`` fragments syncs: every ``sync_every`` (H) inner steps, staggered by H/F."""
+
+    def __init__(self, sync_every: int, fragments: int) -> None:
+        self.H, self.F = sync_every, fragments
+
+    def due(self, step: int) -> list[int]:
+        """Fragments whose sync launches after inner step ``step`` (1-based)."""
+        return [f for f in range(self.F) if step % self.H == ((f + 1) * self.H // self.F) % self.H]
+
+    def last_launch(self, f: int, step: int) -> int:
+        """The inner step after which fragment ``f``'s latest sync launched, at or before ``step`` (0: none)."""
+        first = ((f + 1) * self.H // self.F) % self.H or self.H
+        return 0 if step < first else first + (step - first) // self.H * self.H
+
+
+@dataclass
+class Pending:
+    """The fragment whose sync is in flight (``overlap_delay`` τ > 0)."""
+
+    fragment: int
+    apply_after: int
+    """Inner step after which its merge is applied."""
+    job: Job | None
+    """The outer step running on the communication worker; None once it finished."""

@@ -59,6 +59,7 @@ from ..parts.accumulation import AccumulationConfig, OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
+from . import cost
 
 
 @dataclass
@@ -76,9 +77,11 @@ class LocalSGDConfig(AccumulationConfig):
         check_int("sync_every", self.sync_every, 1)
 
 
-@register("localsgd", LocalSGDConfig)
+@register("localsgd", LocalSGDConfig, schedule=cost.localsgd)
 class LocalSGD(Strategy):
     """Local SGD with periodic parameter averaging over ``world``; see the module docstring."""
+
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
 
     reshard_refusal = None  # the synced θ once, each worker's θ_i and moments as a replica (module docstring)
 
@@ -101,9 +104,6 @@ class LocalSGD(Strategy):
         broadcast_parameters(self.transport, self.params, "world")
         self.synced = [p.detach().clone() for p in self.params]
         """θ of the last sync (the committed parameters)."""
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.round.backward(loss)
 
     def _step(self) -> bool:
         if not self.round.full:

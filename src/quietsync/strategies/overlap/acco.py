@@ -53,6 +53,7 @@ import torch
 from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
+from . import cost
 from .machinery import Overlap, OverlapConfig
 from .strategy import collected, stage_scale
 
@@ -65,9 +66,11 @@ class ACCOConfig(OverlapConfig):
     :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`)."""
 
 
-@register("acco", ACCOConfig)
+@register("acco", ACCOConfig, schedule=cost.acco)
 class ACCO(Strategy):
     """ACCO on the flat sharded substrate; see the module docstring."""
+
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
 
     reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
 
@@ -91,9 +94,6 @@ class ACCO(Strategy):
         self._tilde_count = 0.0  # ΣᵢÑᵢ⁽ᵗ⁾
 
     # ------------------------------------------------------------------ main thread
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.overlap.backward(loss)
-
     def _step(self) -> bool:
         o = self.overlap
         if self.stage == "init":  # g̃⁽⁰⁾ at θ⁽⁰⁾, nothing to overlap with yet
@@ -105,14 +105,12 @@ class ACCO(Strategy):
         scale = stage_scale(self)  # of the stage ending now (the scale changes only when a commit is collected)
         if self.stage == "stage1":
             o.wait("acco/estimate")
-            count = o.hand_over(install=True)  # P ← θ̃⁽ᵗ⁺¹⁾, B ← gᵢ⁽ᵗ⁾
-            o.holds_committed = False
+            count = o.hand_over(install="estimate")  # P ← θ̃⁽ᵗ⁺¹⁾, B ← gᵢ⁽ᵗ⁾
             o.submit(self._commit_job, count, self.steps, scale, self.max_grad_norm)
             self.stage = "stage2"
             return False
         result = o.wait("acco/commit")
-        count = o.hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾, B ← g̃ᵢ⁽ᵗ⁺¹⁾
-        o.holds_committed = True
+        count = o.hand_over(install="committed")  # P ← θ⁽ᵗ⁺¹⁾, B ← g̃ᵢ⁽ᵗ⁺¹⁾
         committed = collected(self, self.overlap, result)
         o.submit(self._estimate_job, count, self.steps, scale, self.max_grad_norm)
         self.stage = "stage1"
@@ -164,7 +162,6 @@ class ACCO(Strategy):
         if self.stage == "stage2":  # θ⁽ᵗ⁺¹⁾ is being committed: wait, install, count it
             result = o.wait("acco/commit")
             o.install()
-            o.holds_committed = True
             collected(self, self.overlap, result)  # (an fp16 overflow was skipped by the job on every worker: no step)
         elif self.stage == "stage1":  # the estimate on g̃: nothing it computes is ever committed
             o.wait("acco/estimate")

@@ -4,7 +4,7 @@ Each stage, the main thread accumulates micro-batches while a job runs on the co
 all-reduce of the per-worker micro-batch counts (float64, one per worker), a reduce-scatter of the handed-over
 gradients, an optimizer step on this worker's shard (ACCO: an uncommitted estimate or the commit; WP: the
 commit and a second, predicted step), and an all-gather of the resulting parameters. A stage holds as many
-micro-batches as it takes for the job to finish (:class:`~quietsync.plan.costmodel.Adaptive`), so computation
+micro-batches as it takes for the job to finish (:class:`~quietsync.cost.terms.Adaptive`), so computation
 hides the network at any link speed — a slower link means more micro-batches (tokens) per step, not idle
 workers — unless ``max_accumulation`` caps the stage. ACCO has two stages per committed step, DPU and WP one.
 """
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...plan.costmodel import Comm, Schedule
-from ...plan.terms import Adaptive, Seq, Term, Wire, copy, optimizer
-from ...plan.workload import Workload
+from ...cost.costmodel import Comm
+from ...cost.schedule import Schedule
+from ...cost.terms import Adaptive, Seq, Term, Wire, copy, optimizer
+from ...cost.workload import Workload
 from ...topology import Topology
 from ..parts.cost import ADAMW, OptimizerState, group_of
 from ..substrates.cost import flat_collectives, flat_shard, sharded_state_memory
@@ -77,7 +78,3 @@ def wp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Sc
     comms, job = _job(w, topo, cfg, "wp update", 2)
     return Schedule("wp", _label("wp", cfg), tuple(comms), _stage(job, cfg, w), _memory(w, topo, opt, True, True),
                     config=cfg)
-
-
-SCHEDULES = {"acco": acco, "dpu": dpu, "wp": wp}
-"""Strategy name → its schedule (for :mod:`quietsync.plan.schedules`)."""

@@ -44,6 +44,7 @@ from ...validate import check_int
 from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
+from . import cost
 from .machinery import Overlap, OverlapConfig
 from .strategy import collected, stage_scale
 
@@ -62,9 +63,11 @@ class DPUConfig(OverlapConfig):
         check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
 
 
-@register("dpu", DPUConfig)
+@register("dpu", DPUConfig, schedule=cost.dpu)
 class DPU(Strategy):
     """Delayed Parameter Update; see the module docstring."""
+
+    prepares_gradient = True  # it unscales and clips the gradient it commits (docs/contract.md)
 
     reshard_refusal = None  # the round in flight is drained first (overlap/machinery.py)
 
@@ -88,9 +91,6 @@ class DPU(Strategy):
         self.phase = "warmup" if self.config.sync_warmup_steps > 0 else "fill"
         """``warmup``, ``fill`` or ``overlap`` (see the module docstring)."""
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.overlap.backward(loss)
-
     def _step(self) -> bool:
         o = self.overlap
         if self.phase == "warmup":
@@ -98,7 +98,6 @@ class DPU(Strategy):
                 return False
             result = o.wait("sync_update")
             o.install()
-            o.holds_committed = True
             committed = collected(self, self.overlap, result)
             if self.steps >= self.config.sync_warmup_steps:
                 self.phase = "fill"
@@ -111,8 +110,8 @@ class DPU(Strategy):
             return False
         scale = stage_scale(self)  # of the stage ending now (the scale changes only in _collected)
         result = o.wait("delayed_update")
-        count = o.hand_over(install=True)  # P ← θ⁽ᵗ⁺¹⁾ (WP: θ̃⁽ᵗ⁺¹⁾), B ← gradients computed at the old P
-        o.holds_committed = not self.predicts
+        # P ← θ⁽ᵗ⁺¹⁾ (WP: θ̃⁽ᵗ⁺¹⁾), B ← gradients computed at the old P
+        count = o.hand_over(install="estimate" if self.predicts else "committed")
         committed = collected(self, self.overlap, result)
         o.submit(self._job, count, self.steps, True, scale, self.max_grad_norm)
         return committed
@@ -129,7 +128,7 @@ class DPU(Strategy):
         if o.job is not None:  # the update on the last stage's gradients: its optimizer step is committed
             result = o.wait("delayed_update")
             if self.predicts:  # B holds the prediction θ̃⁽ᵗ⁺¹⁾: θ⁽ᵗ⁺¹⁾ is gathered below
-                o.holds_committed = False
+                o.outdated()
             else:
                 o.install()
             collected(self, self.overlap, result)  # (an fp16 overflow was skipped by the job on every worker: no step)

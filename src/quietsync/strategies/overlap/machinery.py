@@ -57,15 +57,16 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from ...comm_worker import CommWorker, Job
 from ...flat import nbytes, parse_dtype
 from ...validate import check_int
-from ..base import Strategy, StrategyConfig
+from ..base import Strategy
 from ..checkpoint.logical import ReshardError, SavedTensors, local_part
+from ..config import StrategyConfig
 from ..parts.accounting import StepAccounting
 from ..parts.clipping import GradientCheck, prepare_gradient
 from ..parts.part import Part
@@ -201,12 +202,13 @@ class Overlap(Part):
         return overlap
 
     # ------------------------------------------------------------------ main thread
-    def backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch of the current stage: its gradient accumulates into G."""
+    def backward(self, loss: torch.Tensor) -> bool:
+        """One micro-batch of the current stage: its gradient accumulates into G (taken: True)."""
         self.sharded.flat.require_grads_attached(self.grads)
         self.worker.check()
         loss.backward()
         self.stage_count += 1
+        return True
 
     @property
     def blocking_count(self) -> int:
@@ -220,7 +222,7 @@ class Overlap(Part):
         self.worker.check()
         if self.stage_count < self.blocking_count and not self._end_now:
             return False
-        self.submit(job, self.hand_over(install=False), *args)
+        self.submit(job, self.hand_over(install=None), *args)
         return True
 
     def stage_ready(self) -> bool:
@@ -259,12 +261,15 @@ class Overlap(Part):
             self._pending_counts.append(list(counts))
         return result
 
-    def hand_over(self, install: bool) -> int:
-        """P ← B (if ``install``), B ← G, G ← 0; return the ended stage's local micro-batch count."""
+    def hand_over(self, install: Literal["committed", "estimate"] | None) -> int:
+        """P ← B (unless ``install`` is None), B ← G, G ← 0; return the ended stage's local micro-batch count.
+        ``install`` says what B holds: θ of a committed step, or an ``estimate`` (ACCO's θ̃, WP's prediction) —
+        which :attr:`holds_committed` then records for evaluation and checkpoints."""
         t0 = time.perf_counter()
         with torch.no_grad():
-            if install:
+            if install is not None:
                 self.sharded.flat.data.copy_(self.comm_buf)
+                self.holds_committed = install == "committed"
             self.comm_buf.copy_(self.grads)
             self.grads.zero_()
         t1 = time.perf_counter()
@@ -275,9 +280,10 @@ class Overlap(Part):
         return count
 
     def install(self) -> None:
-        """P ← B without handing gradients over (a blocking step's parameters)."""
+        """P ← B without handing gradients over: the committed θ of a blocking step (or of the last job)."""
         with torch.no_grad():
             self.sharded.flat.data.copy_(self.comm_buf)
+        self.holds_committed = True
 
     def submit(self, fn: Callable[..., dict[str, Any]], *args: Any) -> None:
         """Run ``fn(*args)`` on the communication worker (one job at a time)."""
@@ -315,6 +321,11 @@ class Overlap(Part):
             yield
         finally:
             self._end_now = False
+
+    def outdated(self) -> None:
+        """P no longer holds θ: a job committed a step whose parameters were not installed (B holds WP's
+        prediction of them); :meth:`install_committed` gathers them."""
+        self.holds_committed = False
 
     def install_committed(self, steps: int) -> None:
         """P ← θ of committed step ``steps``, for good (a strategy ending its run while P holds an estimate or

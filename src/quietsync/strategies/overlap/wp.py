@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..registry import register
+from . import cost
 from .dpu import DPU, DPUConfig
 
 
@@ -33,7 +34,7 @@ class WPConfig(DPUConfig):
     """Knobs of ``wp`` (those of ``dpu``)."""
 
 
-@register("wp", WPConfig)
+@register("wp", WPConfig, schedule=cost.wp)
 class WP(DPU):
     """Weight prediction; see the module docstring."""
 

@@ -18,7 +18,7 @@ import torch
 from ...events import label
 from ...flat import nbytes
 from ...validate import check_int
-from ..base import StrategyConfig
+from ..config import StrategyConfig
 from .accounting import StepAccounting
 from .lr import LRScaler
 from .part import Part
@@ -98,10 +98,11 @@ class OptimizerRound(Part):
         self.accumulator = Accumulator(accumulation)
         self.params = params
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """One micro-batch: its share ``loss / accumulation`` of the round's mean gradient."""
+    def backward(self, loss: torch.Tensor) -> bool:
+        """One micro-batch: its share ``loss / accumulation`` of the round's mean gradient (taken: True)."""
         (loss / self.accumulator.size).backward()
         self.accumulator.add()
+        return True
 
     @property
     def full(self) -> bool:

@@ -1,7 +1,7 @@
 """The cost model's pieces every family shares (for the ``cost.py`` beside each family): optimizer state sizes,
 dtype sizes, group sizes, and what a replicator puts on the wire (its own ``payload_bytes``, in one collective).
 
-See :mod:`quietsync.plan.costmodel` for the model these feed.
+See :mod:`quietsync.cost.costmodel` for the model these feed.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...plan.costmodel import Comm, numel
-from ...plan.workload import Shape
+from ...cost.costmodel import Comm, numel
+from ...cost.workload import Shape
 from ...topology import Topology
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "int8": 1}
@@ -51,7 +51,7 @@ def group_of(topo: Topology, group: str) -> int:
 def replicator(name: str, compression: float, transfer_dtype: str, chunk: int = 64, topk: int | None = None,
                seed: int = 0, transfer_block: int = 64):
     """The library's replicator with these knobs (its declared payload is what the schedule sends)."""
-    from ...replicators import make_replicator
+    from ...wire.replicators import make_replicator
 
     return make_replicator(name, compression=compression, transfer_dtype=transfer_dtype, chunk=chunk, topk=topk,
                            seed=seed, transfer_block=transfer_block)
@@ -62,7 +62,7 @@ def replicator_comm(rep, shapes: Sequence[Shape], group: str, n: int, name: str,
     """The one collective a replicator runs for tensors of ``shapes`` over a group of ``n``: an all-gather of
     every worker's payload (``dct``, and any replicator with a low-bit ``transfer_dtype``), an all-reduce of it
     (the others), nothing (``none``, a group of one)."""
-    from ...replicators import Segments
+    from ...wire.replicators import Segments
 
     if n == 1 or rep.collective == "none":
         return []
@@ -75,6 +75,6 @@ def replicator_comm(rep, shapes: Sequence[Shape], group: str, n: int, name: str,
 
 def momentum_numel(rep, shapes: Sequence[Shape]) -> int:
     """Elements of a decoupled optimizer's flat momentum for ``shapes`` in the replicator's domain."""
-    from ...replicators import Segments
+    from ...wire.replicators import Segments
 
     return rep.momentum_numel(Segments([s for s in shapes if numel(s) > 0]))

@@ -6,8 +6,8 @@ lay them out.
 
 from __future__ import annotations
 
-from ...plan.costmodel import Comm, chunk_rows, numel
-from ...plan.workload import Shape, Workload
+from ...cost.costmodel import Comm, chunk_rows, numel
+from ...cost.workload import Shape, Workload
 from ...topology import Topology
 from ..parts.cost import OptimizerState, dtype_bytes, group_of
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ...flat import nbytes
+from ...models.units import blocks
 from ...transport import Transport
 from ..checkpoint.logical_shards import ShardPiece
 from ..parts.accounting import StepAccounting
@@ -80,21 +81,6 @@ def _transport_comms(transport: Transport, group: str) -> tuple[Any, Any]:
     return TransportAllGather(), TransportReduceScatter()
 
 
-def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules that become their own FSDP unit: every element of every ``nn.ModuleList`` that holds
-    parameters (outermost lists only), in module order. The root is not included."""
-    units: list[torch.nn.Module] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and id(module) not in seen:
-            for child in module:
-                if any(True for _ in child.parameters()):
-                    units.append(child)
-                for sub in child.modules():
-                    seen.add(id(sub))
-    return units
-
-
 class FsdpShards(Part):
     """A model sharded by FSDP2 over ``group``, collectives through ``transport``; see the module docstring.
 
@@ -142,7 +128,7 @@ class FsdpShards(Part):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.transport.device_mesh(self.group)
-        for unit in [*fsdp_units(model), model]:
+        for unit in [*blocks(model), model]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=True)
             all_gather, reduce_scatter = _transport_comms(self.transport, self.group)
             unit.set_custom_all_gather(all_gather)

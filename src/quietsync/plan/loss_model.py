@@ -1,0 +1,285 @@
+"""Tokens to a target loss per candidate, as a multiplier over the synchronous baseline's, and time to it.
+
+The **baseline curve** is the synchronous baseline's held-out loss over tokens, ``L_b(t) = a + b·t^(−c)``
+(:mod:`~quietsync.plan.curve_fit`): fitted to its pilot run (:mod:`~quietsync.plan.pilots`), or — with
+``--what-if``, where nothing runs — the data term of the Chinchilla law at the model's size (Hoffmann et al.
+2022, approach 3: ``E + A/N^α + B/D^β``, E = 1.69, A = 406.4, B = 410.7, α = 0.34, β = 0.28), an assumption
+stated in the output. A candidate's curve is the baseline's transformed by its prior
+(:mod:`~quietsync.plan.priors`): ``L(t) = (1 + δ)·L_b(t / k)``, so its tokens to a target ``L*`` are
+``k · L_b⁻¹(L* / (1 + δ))`` — a small loss penalty costs many tokens near the curve's floor, and a penalty that
+lifts ``L*/(1+δ)`` to the floor means the target is **not predicted to be reached**. A candidate whose pilot ran
+uses its own fitted curve instead.
+
+**Time to target** = tokens to target ÷ predicted tokens/s (:mod:`~quietsync.plan.table`), with an interval
+that multiplies the loss model's with the speed model's (:data:`SPEED_ERROR`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .curve_fit import CurveFit, Interval, PowerLaw
+from .priors import Prior
+
+SPEED_ERROR = 0.15
+"""Relative error of the predicted time per token the interval allows: the planner's benchmark measured 43 of 51
+runs within 15% (docs/plan.md)."""
+
+CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
+"""Hoffmann et al. (2022), approach 3: ``L(N, D) = E + A/N^α + B/D^β`` (nats, MassiveText)."""
+CHINCHILLA_TOKENS_PER_PARAM = 20
+"""Chinchilla-optimal tokens per parameter (Hoffmann et al. 2022)."""
+
+
+def chinchilla_curve(params: float) -> PowerLaw:
+    """The Chinchilla law at ``params`` parameters, over tokens."""
+    c = CHINCHILLA
+    return PowerLaw(c["E"] + c["A"] / params ** c["alpha"], c["B"], c["beta"])
+
+
+@dataclass(frozen=True)
+class BaselineCurve:
+    """The synchronous baseline's loss over tokens and where it comes from: measured evaluations (a pilot) where
+    there are some, the fitted power law past them."""
+
+    law: PowerLaw
+    source: str
+    """``"pilot"`` (fitted to the baseline's pilot) or ``"chinchilla"`` (what-if)."""
+    description: str
+    fit: CurveFit | None = None
+    """The fit with its bootstrap refits (pilots)."""
+    measured: tuple[tuple[float, float], ...] = ()
+    """``(tokens, loss)`` of the pilot's evaluations, in order (empty: the law alone)."""
+    brackets: tuple[PowerLaw, ...] = ()
+    """Other fits of the same evaluations whose extrapolations the interval must contain (the floor's range)."""
+
+    def _crossing(self, target: float) -> float | None:
+        """Tokens at which the measured curve first reaches ``target`` (linear between evaluations), None if not."""
+        prev = None
+        for t, y in self.measured:
+            if y <= target:
+                if prev is None or prev[1] <= y:
+                    return t
+                (t0, y0) = prev
+                return t0 + (t - t0) * (y0 - target) / (y0 - y)
+            prev = (t, y)
+        return None
+
+    def tokens_at(self, target: float) -> float:
+        """Tokens to ``target``: measured where the pilot got there, else the law's (``inf`` below its floor)."""
+        hit = self._crossing(target)
+        return hit if hit is not None else self.law.tokens_to(target)
+
+    def tokens_to(self, target: float) -> Interval:
+        hit = self._crossing(target)
+        if hit is not None:
+            return Interval(hit, hit, hit)
+        if self.fit is not None:
+            reach = self.fit.tokens_to(target).tokens
+            ends = [law.tokens_to(target) for law in self.brackets]
+            low, high = min([reach.low, *ends]), max([reach.high, *ends])
+            return Interval(reach.value, max(low, self.last_tokens), max(high, self.last_tokens))
+        t = self.law.tokens_to(target)
+        return Interval(t, t, t)
+
+    @property
+    def last_tokens(self) -> float:
+        return self.measured[-1][0] if self.measured else 0.0
+
+    def point(self, tokens: float) -> float:
+        """The loss after ``tokens``: interpolated between evaluations, the law past the last one."""
+        if self.measured and tokens <= self.last_tokens:
+            ts = [t for t, _ in self.measured]
+            ys = [y for _, y in self.measured]
+            if tokens <= ts[0]:
+                return float(self.law.loss(tokens)) if tokens < ts[0] else ys[0]
+            i = next(k for k, t in enumerate(ts) if t >= tokens)
+            return ys[i - 1] + (ys[i] - ys[i - 1]) * (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+        return float(self.law.loss(tokens))
+
+    def loss_at(self, tokens: float) -> Interval:
+        v = self.point(tokens)
+        if self.fit is not None and tokens > self.last_tokens:
+            return self.fit.loss_at(tokens)
+        return Interval(v, v, v)
+
+
+@dataclass
+class LossEstimate:
+    """A candidate's tokens to the target (or loss at a token count), as the loss model predicts them."""
+
+    multiplier: Interval
+    """Tokens to the target over the baseline's (``inf``: not reached)."""
+    tokens: Interval
+    """Tokens to the target, all workers together."""
+    source: str
+    """``exact`` (the baseline's own trajectory), ``prior`` (the papers) or ``pilot`` (its own pilot's curve)."""
+    notes: list[str] = field(default_factory=list)
+    penalty: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    factor: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    fit: CurveFit | None = None
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the point estimate reaches the target."""
+        return self.tokens.finite
+
+    @property
+    def certain(self) -> bool:
+        """Whether even the interval's pessimistic end reaches it."""
+        return math.isfinite(self.tokens.high)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"multiplier": vars(self.multiplier), "tokens": vars(self.tokens), "source": self.source,
+                "notes": self.notes, "reachable": self.reachable}
+
+
+def _transformed_tokens(baseline: BaselineCurve, target: float, delta: float, k: float) -> float:
+    return k * baseline.tokens_at(target / (1 + delta))
+
+
+def from_prior(prior: Prior, baseline: BaselineCurve, target: float) -> LossEstimate:
+    """Tokens to ``target`` of a candidate whose curve is the baseline's transformed by ``prior``."""
+    base = baseline.tokens_to(target)
+    if prior.exact:
+        return LossEstimate(Interval(1.0, 1.0, 1.0), base, "exact", list(prior.notes))
+    (d_lo, d, d_hi), (k_lo, k, k_hi) = prior.penalty, prior.multiplier
+    t0 = baseline.tokens_at(target)
+    point = _transformed_tokens(baseline, target, d, k)
+    best = _transformed_tokens(baseline, target, d_lo, k_lo)
+    worst = _transformed_tokens(baseline, target, d_hi, k_hi)
+    mult = Interval(point / t0, best / t0, worst / t0) if math.isfinite(t0) else Interval(math.inf, math.inf, math.inf)
+    # the baseline curve's own uncertainty widens the tokens (it does not change the multiplier)
+    tokens = Interval(point, mult.low * base.low if math.isfinite(mult.low) else math.inf,
+                      mult.high * base.high if math.isfinite(mult.high) else math.inf)
+    return LossEstimate(mult, tokens, "prior", list(prior.notes), prior.penalty, prior.multiplier)
+
+
+def from_pilot(fit: CurveFit, baseline: BaselineCurve, target: float, notes: list[str]) -> LossEstimate:
+    """Tokens to ``target`` from a candidate's own pilot curve."""
+    reach = fit.tokens_to(target)
+    t0 = baseline.tokens_at(target)
+    if math.isfinite(t0) and t0 > 0:
+        mult = Interval(reach.tokens.value / t0, reach.tokens.low / t0, reach.tokens.high / t0)
+    else:
+        mult = Interval(math.inf, math.inf, math.inf)
+    return LossEstimate(mult, reach.tokens, "pilot", notes, fit=fit)
+
+
+RATIO_TAIL = 0.5
+"""The last fraction of a pilot (by tokens) whose loss ratio to the baseline gives ``δ``."""
+RATIO_MARGIN = 0.005
+"""Half-width added to the spread of the ratio over the tail (evaluation noise)."""
+
+
+def from_pilot_ratio(tokens: list[float], losses: list[float], baseline: BaselineCurve, target: float,
+                     notes: list[str], reached: float | None = None) -> LossEstimate:
+    """Tokens to ``target`` of a piloted candidate: its held-out loss over the last part of its pilot, divided by the
+    baseline's at the same tokens, is ``1 + δ`` (the loss penalty the priors guess, measured); its tokens to the
+    target are the baseline's to ``target / (1 + δ)``. The interval spans the ratio's range over the tail. A pilot
+    that reached the target (``reached``: its tokens then) is its own measurement."""
+    if reached is not None:
+        t0 = baseline.tokens_at(target)
+        m = reached / t0 if math.isfinite(t0) and t0 > 0 else math.inf
+        return LossEstimate(Interval(m, m, m), Interval(reached, reached, reached), "pilot",
+                            notes + [f"reached the target in its pilot at {reached:,.0f} tokens"])
+    pts = [(t, y) for t, y in zip(tokens, losses) if t > 0 and math.isfinite(y)]
+    if not pts:
+        raise ValueError("a pilot needs evaluations after its first step")
+    start = pts[-1][0] * (1 - RATIO_TAIL)
+    tail = [(t, y) for t, y in pts if t >= start] or pts[-1:]
+    ratios = [y / baseline.point(t) for t, y in tail]
+    last = ratios[-max(1, len(ratios) // 3):]
+    r = sum(last) / len(last)
+    r_lo, r_hi = min(ratios + [r]) - RATIO_MARGIN, max(ratios + [r]) + RATIO_MARGIN
+    t0 = baseline.tokens_at(target)
+    point, best, worst = (baseline.tokens_at(target / x) for x in (r, r_lo, r_hi))
+    mult = (Interval(point / t0, best / t0, worst / t0) if math.isfinite(t0) and t0 > 0
+            else Interval(math.inf, math.inf, math.inf))
+    base = baseline.tokens_to(target)
+    tokens_i = Interval(point, mult.low * base.low if math.isfinite(mult.low) else math.inf,
+                        mult.high * base.high if math.isfinite(mult.high) else math.inf)
+    note = (f"pilot: held-out loss {r - 1:+.2%} against the baseline's at equal tokens over its last "
+            f"{tail[-1][0] - tail[0][0]:,.0f} tokens (range {r_lo - 1:+.2%} to {r_hi - 1:+.2%})")
+    return LossEstimate(mult, tokens_i, "pilot", notes + [note], (r_lo - 1, r - 1, r_hi - 1))
+
+
+def from_pilot_batch(tokens: list[float], losses: list[float], batch: float, baseline_batch: float,
+                     baseline: BaselineCurve, target: float, notes: list[str]) -> LossEstimate:
+    """Tokens to ``target`` of a piloted candidate whose steps hold more tokens than the baseline's (ACCO/DPU/WP
+    stages, accumulation): by the critical-batch rule a batch ``B`` needs ``k = (1 + B/B_crit)/(1 + B0/B_crit)``
+    times the tokens of the baseline's ``B0`` (McCandlish et al. 2018), and ``B_crit(L) = B*/L^(1/α_B)`` grows as
+    the loss falls (Kaplan et al. 2020). Each evaluation in the pilot's tail gives ``k`` (its tokens over the
+    baseline's to the same loss) and so ``B*``; their mean, at Kaplan's ``α_B``, gives ``k`` at the target. The
+    interval spans the tail's ``B*``."""
+    from .priors import KAPLAN_ALPHA_B
+
+    pts = [(t, y) for t, y in zip(tokens, losses) if t > 0 and math.isfinite(y)]
+    if not pts:
+        raise ValueError("a pilot needs evaluations after its first step")
+    start = pts[-1][0] * (1 - RATIO_TAIL)
+    stars = []
+    for t, y in (p for p in pts if p[0] >= start):
+        tb = baseline.tokens_at(y)
+        if not math.isfinite(tb) or tb <= 0:
+            continue
+        k = t / tb
+        if 1 < k < batch / baseline_batch:
+            stars.append((batch - k * baseline_batch) / (k - 1) * y ** (1 / KAPLAN_ALPHA_B))
+    t0 = baseline.tokens_at(target)
+    if not stars or not math.isfinite(t0):  # no batch effect seen (k ≤ 1 or beyond the rule): the loss ratio
+        return from_pilot_ratio(tokens, losses, baseline, target, notes)
+    last = stars[-max(1, len(stars) // 3):]
+    b_star = sum(last) / len(last)
+
+    def k_at(bs: float) -> float:
+        bc = bs / target ** (1 / KAPLAN_ALPHA_B)
+        return (1 + batch / bc) / (1 + baseline_batch / bc)
+
+    k, k_lo, k_hi = k_at(b_star), k_at(max(stars)), k_at(min(stars))
+    base = baseline.tokens_to(target)
+    mult = Interval(k, k_lo, k_hi)
+    note = (f"pilot: {batch:,.0f} tokens per step against the baseline's {baseline_batch:,.0f}; B_crit fitted to "
+            f"its last {len(stars)} evaluations (B* = {b_star:.3g} at α_B = {KAPLAN_ALPHA_B}) gives ×{k:.3g} the "
+            f"baseline's tokens at the target (×{k_lo:.3g}–×{k_hi:.3g})")
+    return LossEstimate(mult, Interval(k * t0, k_lo * base.low, k_hi * base.high), "pilot", notes + [note],
+                        factor=(k_lo, k, k_hi))
+
+
+def loss_at(estimate: LossEstimate, baseline: BaselineCurve, tokens: float) -> Interval:
+    """The candidate's predicted held-out loss after ``tokens`` (budget mode, predicted curves)."""
+    if estimate.fit is not None:
+        return estimate.fit.loss_at(tokens)
+    (d_lo, d, d_hi), (k_lo, k, k_hi) = estimate.penalty, estimate.factor
+    b = baseline.loss_at(tokens / k)
+    lo = (1 + d_lo) * baseline.point(tokens / k_lo)
+    hi = (1 + d_hi) * baseline.point(tokens / k_hi)
+    return Interval((1 + d) * b.value, min(lo, (1 + d) * b.low), max(hi, (1 + d) * b.high))
+
+
+@dataclass(frozen=True)
+class TimeToTarget:
+    """Seconds to the target: tokens ÷ tokens/s, with the interval of both."""
+
+    seconds: Interval
+    tokens_per_s: float
+
+    @property
+    def reachable(self) -> bool:
+        return self.seconds.finite
+
+
+def time_to_target(estimate: LossEstimate, tokens_per_s: float, speed_error: float = SPEED_ERROR) -> TimeToTarget:
+    """Seconds to the target at ``tokens_per_s`` (the cost model's), the speed taken within ``speed_error``."""
+    if tokens_per_s <= 0:
+        inf = math.inf
+        return TimeToTarget(Interval(inf, inf, inf), tokens_per_s)
+    t = estimate.tokens
+    return TimeToTarget(Interval(t.value / tokens_per_s, t.low / (tokens_per_s * (1 + speed_error)),
+                                 t.high / (tokens_per_s * (1 - speed_error))), tokens_per_s)
+
+
+__all__ = ["CHINCHILLA", "SPEED_ERROR", "BaselineCurve", "LossEstimate", "TimeToTarget", "chinchilla_curve",
+           "from_pilot", "from_pilot_batch", "from_pilot_ratio", "from_prior", "loss_at", "time_to_target"]

@@ -1,0 +1,139 @@
+"""What a plan ranks by, and scoring one row against it.
+
+:class:`Objective` holds the target (a held-out loss, or a time budget), the synchronous baseline's loss curve and
+where it comes from, the priors' context, the pilot estimates, and the evaluation overhead of the planned run;
+:meth:`Objective.score` turns a predicted row (speed) into a :class:`~quietsync.plan.recommend.Scored` (tokens and
+time to target, or loss after the budget). :func:`initial_objective` builds it before any pilot: the Chinchilla
+law's shape for the baseline (what-if, or a measured plan without a target), with the assumption stated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import PlanConfig
+from .curve_fit import Interval
+from .loss_model import (
+    CHINCHILLA_TOKENS_PER_PARAM,
+    BaselineCurve,
+    LossEstimate,
+    chinchilla_curve,
+    from_prior,
+    loss_at,
+    time_to_target,
+)
+from .priors import PriorContext, prior_for
+from .recommend import Scored
+from .schedules import strategy_config
+from .table import Row
+
+
+@dataclass
+class Objective:
+    """The ranking's target and the loss model's inputs."""
+
+    baseline: BaselineCurve
+    target: float | None
+    """Held-out loss to reach (None: budget mode)."""
+    budget_s: float | None
+    priors: PriorContext
+    notes: list[str] = field(default_factory=list)
+    """Where the target and the baseline curve come from (printed as assumptions)."""
+    pilots: dict[str, LossEstimate] = field(default_factory=dict)
+    """Spec → estimate measured by its pilot."""
+    eval_every: int = 0
+    """The planned run's evaluation cadence in steps (0: evaluations not counted)."""
+    eval_s: float = 0.0
+    """Seconds one evaluation takes (measured by the pilots)."""
+    max_steps: int | None = None
+    """The planned run's step budget: a setting needing more steps is not reached within the run."""
+
+    @property
+    def description(self) -> str:
+        if self.budget_s is not None:
+            return f"held-out loss after {self.budget_s:g} s"
+        return f"time to held-out loss {self.target:.4g}"
+
+    def estimate(self, row: Row) -> LossEstimate:
+        """Row's tokens to the target: its pilot's, else its prior on the baseline curve."""
+        if row.spec in self.pilots:
+            return self.pilots[row.spec]
+        cfg = strategy_config(row.strategy, row.knobs)
+        prior = prior_for(row.strategy, cfg, self.priors, row.tokens_per_step)
+        target = self.target if self.target is not None else self._budget_target(row)
+        return from_prior(prior, self.baseline, target)
+
+    def _budget_target(self, row: Row) -> float:
+        return self.baseline.point(max(1.0, row.tokens_per_s * (self.budget_s or 0.0)))
+
+    def _eval_seconds(self, row: Row, tokens: float) -> float:
+        if not self.eval_every or not self.eval_s or not math.isfinite(tokens) or row.tokens_per_step <= 0:
+            return 0.0
+        return math.floor(tokens / row.tokens_per_step / self.eval_every) * self.eval_s
+
+    def score(self, row: Row) -> Scored:
+        """The row's estimate and objective (time to target, or loss after the budget)."""
+        est = self.estimate(row)
+        if self.budget_s is not None:
+            per_s = row.tokens_per_s
+            if self.eval_every and self.eval_s and row.tokens_per_step > 0:  # evaluations take part of the budget
+                per_s = row.tokens_per_step / (row.tokens_per_step / row.tokens_per_s + self.eval_s / self.eval_every)
+            return Scored(row, est, loss=loss_at(est, self.baseline, per_s * self.budget_s))
+        if self.max_steps is not None and row.tokens_per_step > 0 and est.tokens.finite \
+                and est.tokens.value / row.tokens_per_step > self.max_steps:
+            est.notes.append(f"needs {est.tokens.value / row.tokens_per_step:,.0f} steps, more than the run's "
+                             f"--max-steps {self.max_steps}")
+            inf = math.inf
+            est.tokens = Interval(inf, est.tokens.low, inf)
+        t = time_to_target(est, row.tokens_per_s)
+        extra = self._eval_seconds(row, est.tokens.value)
+        if extra:
+            s = t.seconds
+            t = type(t)(Interval(s.value + extra, s.low + self._eval_seconds(row, est.tokens.low),
+                                 s.high + self._eval_seconds(row, est.tokens.high)), t.tokens_per_s)
+        return Scored(row, est, time=t)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "budget_s": self.budget_s, "description": self.description,
+                "baseline": {"source": self.baseline.source, "description": self.baseline.description,
+                             "a": self.baseline.law.a, "b": self.baseline.law.b, "c": self.baseline.law.c,
+                             "measured": list(self.baseline.measured)},
+                "notes": self.notes, "eval_every": self.eval_every, "eval_s": self.eval_s}
+
+
+def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, baseline_tokens_per_step: float
+                      ) -> Objective:
+    """The objective before any pilot: the Chinchilla law's curve at ``params`` as the baseline (what-if, or a
+    measured plan without a target, whose ranking is then by the priors alone), the target as given or the loss
+    after 20 tokens per parameter (Chinchilla-optimal)."""
+    law = chinchilla_curve(params)
+    tokens = cfg.target_tokens or CHINCHILLA_TOKENS_PER_PARAM * params
+    desc = (f"the Chinchilla law at N = {params:,} parameters (Hoffmann et al. 2022, approach 3: L = 1.69 + "
+            f"406.4/N^0.34 + 410.7/D^0.28, nats on MassiveText)")
+    notes = []
+    if cfg.budget_s is not None:
+        target = None
+        notes.append(f"baseline loss curve: {desc} — an assumption: only its shape matters for the ranking")
+    elif cfg.target_loss is not None:
+        target = cfg.target_loss
+        t = law.tokens_to(target)
+        notes.append(f"target: held-out loss {target:g}; baseline curve: {desc}, which reaches it after "
+                     + (f"{t:,.3g} tokens" if math.isfinite(t) else "no number of tokens (below its floor "
+                        f"{law.a:.3g})") + " — an assumption about your data")
+    else:
+        target = float(law.loss(tokens))
+        why = (f"--target-tokens {tokens:,}" if cfg.target_tokens else
+               f"no target given: {CHINCHILLA_TOKENS_PER_PARAM} tokens per parameter ({tokens:,.3g}), "
+               "Chinchilla-optimal")
+        notes.append(f"target: the loss the synchronous baseline reaches after {tokens:,.3g} tokens ({why}); "
+                     f"baseline curve: {desc} — an assumption: the priors shift this curve, a pilot run "
+                     "(--target-loss X --pilot-tokens N) measures yours")
+    priors = PriorContext(params=params, workers=workers, nodes=nodes,
+                          baseline_tokens_per_step=baseline_tokens_per_step,
+                          target_loss=target if target is not None else float(law.loss(tokens)))
+    return Objective(BaselineCurve(law, "chinchilla", desc), target, cfg.budget_s, priors, notes)
+
+
+__all__ = ["Objective", "initial_objective"]

@@ -1,0 +1,287 @@
+"""The pilots of a measured plan, end to end: which settings run a pilot, in what order, how each is judged, and
+the plan re-scored with what they measured (the mechanics — runs, successive halving — are
+:mod:`~quietsync.plan.pilots`).
+
+:func:`run_pilots` takes a plan scored on the priors and returns it re-scored: the baseline's pilot gives the loss
+model its baseline curve (measured up to where it ran, the fitted power law past that), each piloted setting's
+curve its own estimate — by the loss ratio to the baseline at equal tokens, or, where its steps hold more tokens
+than the baseline's, by the critical-batch rule fitted to its pilot (:mod:`~quietsync.plan.loss_model`) — and the
+pilots' evaluation time the overhead of the planned run's evaluations. The report says what every pilot cost and
+what running the candidates to the target is predicted to cost instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import statistics
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .candidates import Candidate, parse_candidate
+from .curve_fit import PowerLaw, fit_power_law
+from .loss_model import BaselineCurve, LossEstimate, from_pilot_batch, from_pilot_ratio
+from .objective import Objective
+from .pilots import PilotCurve, ProcessRunner, rungs, successive_halving
+from .recommend import Scored, fmt_duration
+from .result import PlanResult
+from .table import Row
+
+BASELINES = ("zero1", "ddp")
+"""The setting whose pilot is the baseline curve (the first present; DDP, ZeRO-1 and FSDP follow one trajectory)."""
+ADAPTIVE = ("acco", "dpu", "wp")
+"""Strategies whose steps depend on timing (adaptive stages): their pilots run through an emulated link."""
+CONFIRM = 3
+"""Extra pilots after the first round for the best settings that still rest on their priors."""
+CONFIRM_TOP = 2
+"""How many of the best settings must rest on a pilot (or on the baseline's exact trajectory)."""
+FLOOR_CAP = 0.5
+"""The baseline fit's floor ``a`` is at most this fraction of the lowest loss its pilot saw. Fitted freely to the
+start of a language model's curve, the floor comes out near the last loss seen and the extrapolation is far too
+pessimistic: on the equal-loss job's baseline (constant lr 2e-3, target 3.6 at 1.97 M tokens) a free floor fitted to
+1 M tokens predicts 5.6 M tokens; capped at 0.5× it predicts 1.9 M (0.96×), with no floor (a = 0) 1.6 M (0.80×) —
+``benchmarks/results/equal_loss_pilot.json``."""
+FLOOR_BRACKET = (0.0, 0.75)
+"""Floors whose fits the interval of the baseline's tokens to target spans (0: the optimistic end)."""
+FALLBACK_C = 0.3
+"""Exponent of the baseline's curve past a pilot too short to fit (the data exponent β ≈ 0.28 of Hoffmann et al.)."""
+
+
+def baseline_curve(curve: PilotCurve) -> BaselineCurve:
+    """The baseline's loss curve from its pilot: measured points, and the power law fitted to them past the last."""
+    pts = [(t, y) for t, y in zip(curve.tokens, curve.losses) if t > 0]
+    if len(pts) < 4:
+        if not pts or curve.reached is None:
+            raise ValueError(f"the baseline's pilot made {len(pts)} evaluations; a loss curve needs at least 4 "
+                             "(raise pilot_tokens)")
+        # it reached the target before a curve could be fitted: measured up to there, a plain power law past it
+        t, y = pts[-1]
+        law = PowerLaw(0.0, y * t ** FALLBACK_C, FALLBACK_C)
+        return BaselineCurve(law, "pilot", f"the baseline's pilot: {len(pts)} evaluations up to {t:,.0f} tokens "
+                             f"(too few to fit: past them L ∝ t^−{FALLBACK_C})", None, tuple(pts))
+    ts, ys = [t for t, _ in pts], [y for _, y in pts]
+    fit = fit_power_law(ts, ys, floor_cap=FLOOR_CAP)
+    brackets = tuple(fit_power_law(ts, ys, floor_cap=cap, bootstrap=0).law for cap in FLOOR_BRACKET)
+    law = fit.law
+    desc = (f"the baseline's pilot: {len(pts)} evaluations up to {pts[-1][0]:,.0f} tokens, then L(t) = "
+            f"{law.a:.3g} + {law.b:.3g}·t^−{law.c:.3g} (fit rms {fit.rms:.3g}; floor at most {FLOOR_CAP:g}× the "
+            f"lowest loss seen, the interval spanning floors from 0 to {FLOOR_BRACKET[-1]:g}×)")
+    return BaselineCurve(law, "pilot", desc, fit, tuple(pts), brackets)
+
+
+def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, baseline: BaselineCurve,
+                   target: float) -> LossEstimate | None:
+    """A setting's estimate from its pilot curve (None when it made no evaluation past its first step)."""
+    if not any(t > 0 for t in curve.tokens):
+        return None
+    notes = [f"{len(curve.tokens)} evaluations up to {curve.tokens[-1]:,.0f} tokens ({curve.stopped})"]
+    if curve.reached is not None:
+        return from_pilot_ratio(curve.tokens, curve.losses, baseline, target, notes, reached=curve.reached)
+    steps = curve.steps[-1] if curve.steps else 0
+    batch = curve.tokens[-1] / steps if steps else row.tokens_per_step
+    if batch > 1.05 * base_row.tokens_per_step:
+        return from_pilot_batch(curve.tokens, curve.losses, batch, base_row.tokens_per_step, baseline, target, notes)
+    return from_pilot_ratio(curve.tokens, curve.losses, baseline, target, notes)
+
+
+def _first_sync_steps(c: Candidate) -> int | None:
+    """Steps a local-family setting trains alone before its first synchronization (None: not local)."""
+    k = c.knob_dict
+    if c.strategy == "localsgd":
+        return int(k.get("sync_every", 8))
+    if c.strategy == "diloco" and k.get("inner", "local") == "local":
+        return max(1, int(k.get("sync_every", 64)) // int(k.get("fragments", 1)))
+    return None
+
+
+def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: ProcessRunner | None = None
+               ) -> PlanResult:
+    """Run the pilots of ``result.config`` and return the plan re-scored with them by ``predict`` (the planner's,
+    :func:`~quietsync.plan.planner.predict`; see the module docstring)."""
+    cfg = result.config
+    assert cfg.pilot_tokens is not None
+    budget = cfg.pilot_tokens
+    rows = {r.spec: r for r in result.rows}
+    base_spec = next((s for s in BASELINES if s in rows), None)
+    if base_spec is None:  # the baseline's pilot is the loss model's reference even when it is not a row
+        base_spec = BASELINES[0]
+        rows[base_spec] = result.predict(base_spec, {})
+    base_row = rows[base_spec]
+    from ..train.args import parse_train_args
+    from ..train.config import TrainConfig
+
+    job, _, _ = parse_train_args([*cfg.pilot_args, "--model", cfg.model])
+    job_cfg: TrainConfig = job
+    folder = Path(cfg.pilot_out or (Path(cfg.out) / "pilots" if cfg.out else tempfile.mkdtemp(prefix="qs-pilots-")))
+    job_args = ["--model", cfg.model, "--nproc", str(cfg.nproc), "--micro-batch-size", str(cfg.micro_batch_size),
+                "--seq-len", str(cfg.seq_len), "--vocab-size", str(cfg.vocab_size), "--timeout-s", str(cfg.timeout_s),
+                *(["--nodes", str(cfg.nodes)] if cfg.nodes else []), *(["--threads", str(cfg.threads)]
+                                                                      if cfg.threads else []),
+                *[a for w in cfg.slow_worker for a in ("--slow-worker", w)], *cfg.pilot_args]
+    link_args = [a for link in cfg.link for a in ("--link", link)]
+    emulated = bool(cfg.link)
+
+    def through_link(c: Candidate) -> bool:
+        return not emulated or (c.strategy in ADAPTIVE and "deterministic_accumulation" not in c.knob_dict)
+
+    runner = runner or ProcessRunner(job_args, link_args, folder, cfg.target_loss,
+                                     lambda c: rows[c.spec].tokens_per_step if c.spec in rows else 1.0, through_link)
+    state: dict[str, object] = {}
+    target = cfg.target_loss
+
+    def objective_with(baseline: BaselineCurve, pilots: dict[str, LossEstimate]) -> Objective:
+        return dataclasses.replace(result.objective, baseline=baseline, pilots=pilots,
+                                   target=target, notes=[], priors=dataclasses.replace(
+                                       result.objective.priors, target_loss=target or result.objective.priors.
+                                       target_loss))
+
+    def value_of(cand: Candidate, curve: PilotCurve) -> float | None:
+        if cand.spec == base_spec:
+            pts = [t for t in curve.tokens if t > 0]
+            if len(pts) < 4:
+                return None
+            try:
+                base = baseline_curve(curve)
+            except ValueError:
+                return None
+            obj = objective_with(base, {})
+            return obj.score(base_row).objective if target is not None or cfg.budget_s else None
+        base = state.get("baseline")
+        if not isinstance(base, BaselineCurve):
+            return None
+        row = rows[cand.spec]
+        tgt = target if target is not None else base.point(base_row.tokens_per_s * (cfg.budget_s or 0))
+        est = pilot_estimate(cand, curve, row, base_row, base, tgt)
+        if est is None:
+            return None
+        return objective_with(base, {cand.spec: est}).score(row).objective
+
+    picked: list[str] = []
+    skipped: list[str] = []
+
+    def order() -> Iterator[Candidate]:
+        yield parse_candidate(base_spec)
+        base = state["baseline"] = baseline_curve(done[base_spec])
+        prior = objective_with(base, {})
+        scored = sorted((prior.score(r) for r in result.rows if (r.strategy not in ("ddp", "zero1", "fsdp")
+                         or r.knobs) and r.spec != base_spec), key=lambda s: s.objective)
+        best_high = min((_high(s) for s in scored), default=math.inf)
+        for s in scored:
+            if len(picked) >= cfg.pilot_candidates:
+                skipped.append(f"`{s.row.spec}`: not among the {cfg.pilot_candidates} most promising "
+                               f"(pilot_candidates)")
+                continue
+            if _low(s) > best_high:
+                skipped.append(f"`{s.row.spec}`: clearly losing on its prior (at best {_fmt(s, _low(s))}, the best "
+                               f"setting at worst {fmt_duration(best_high) if target is not None else best_high})")
+                continue
+            picked.append(s.row.spec)
+            yield parse_candidate(s.row.spec)
+
+    prefixes: dict[str, tuple[str, float]] = {}
+    done: dict[str, PilotCurve] = {}
+
+    def exact(row: Row) -> bool:
+        return row.strategy in ("ddp", "zero1", "fsdp") and not row.knobs
+
+    def confirm() -> Iterator[Candidate]:
+        """After the first round: while one of the best settings rests on its prior, pilot it too."""
+        for _ in range(CONFIRM):
+            base = state["baseline"]
+            assert isinstance(base, BaselineCurve)
+            tgt = target if target is not None else base.point(base_row.tokens_per_s * (cfg.budget_s or 0))
+            ests = {spec: e for spec, curve in done.items() if spec != base_spec and spec in rows
+                    and (e := pilot_estimate(parse_candidate(spec), curve, rows[spec], base_row, base, tgt))}
+            now = objective_with(base, ests)
+            best = sorted((now.score(r) for r in result.rows), key=lambda s: (s.objective, -s.row.tokens_per_s))
+            top = next((s for s in best[:CONFIRM_TOP] if s.row.spec not in done and not exact(s.row)
+                        and s.reaches), None)
+            if top is None:
+                return
+            picked.append(top.row.spec)
+            yield parse_candidate(top.row.spec)
+
+    def lazy() -> Iterator[Candidate]:
+        for c in itertools.chain(order(), confirm()):
+            first = _first_sync_steps(c)
+            if first is not None:
+                for spec in done:
+                    other = parse_candidate(spec)
+                    o_first = _first_sync_steps(other)
+                    if o_first is not None and other.knob_dict.get("accumulation", 1) == c.knob_dict.get(
+                            "accumulation", 1):
+                        prefixes[c.spec] = (spec, min(first, o_first) * rows[c.spec].tokens_per_step)
+                        break
+            yield c
+
+    successive_halving(lazy(), runner, budget, value_of, prefixes=prefixes, out=done)
+    baseline = state.get("baseline")
+    if not isinstance(baseline, BaselineCurve):
+        baseline = baseline_curve(done[base_spec])
+    pilots: dict[str, LossEstimate] = {}
+    for spec, curve in done.items():
+        if spec == base_spec:
+            continue
+        tgt = target if target is not None else baseline.point(base_row.tokens_per_s * (cfg.budget_s or 0))
+        est = pilot_estimate(parse_candidate(spec), curve, rows[spec], base_row, baseline, tgt)
+        if est is not None:
+            pilots[spec] = est
+    evals = [e for c in done.values() for e in c.eval_s]
+    objective = dataclasses.replace(
+        objective_with(baseline, pilots), eval_every=job_cfg.eval_every,
+        eval_s=statistics.median(evals) if evals else 0.0, max_steps=job_cfg.max_steps if job_cfg.max_steps else None,
+        notes=[f"target: held-out loss {target:g}" if target is not None else f"budget: {cfg.budget_s:g} s",
+               f"baseline curve: {baseline.description}",
+               f"the planned run: --max-steps {job_cfg.max_steps}, an evaluation every {job_cfg.eval_every} steps "
+               f"(each {statistics.median(evals) if evals else 0:.3g} s, measured by the pilots) counted in the time"])
+    new = predict(cfg, result.workload, result.cluster, result.compute, probe=result.probe,
+                  assumptions=result.assumptions, objective=objective)
+    new.pilots = done
+    new.pilot_report = _report(new, done, base_spec, skipped, budget)
+    return new
+
+
+def _low(s: Scored) -> float:
+    if s.loss is not None:
+        return s.loss.low
+    return s.time.seconds.low if s.time is not None else math.inf
+
+
+def _high(s: Scored) -> float:
+    if s.loss is not None:
+        return s.loss.high
+    return s.time.seconds.high if s.time is not None else math.inf
+
+
+def _fmt(s: Scored, v: float) -> str:
+    return f"loss {v:.3f}" if s.loss is not None else fmt_duration(v)
+
+
+def _report(result: PlanResult, done: dict[str, PilotCurve], base_spec: str, skipped: list[str], budget: int
+            ) -> list[str]:
+    lines = []
+    for spec, c in done.items():
+        how = ("through the link" if c.through_link else "without the emulated delay (same trajectory)")
+        ran = f"{c.tokens[-1]:,.0f} tokens" if c.tokens else "no evaluation"
+        shared = f", judged on `{c.shared_from}`'s shared prefix" if c.shared_from else ""
+        lines.append(f"`{spec}`{' (baseline)' if spec == base_spec else ''}: {ran}, {c.stopped}{shared}, "
+                     f"{c.wall_s:.1f} s {how}")
+    lines += [f"not piloted: {s}" for s in skipped if s.split("`")[1] not in done]
+    cost = sum(c.wall_s for c in done.values())
+    times = [s.time.seconds.value for s in result.scored if s.time is not None and s.reaches]
+    total = sum(times)
+    rec = result.advice.recommendations[0] if result.advice.recommendations else None
+    line = (f"pilots cost {cost:.1f} s in all (budget {budget:,} tokens each, successive halving at "
+            f"{', '.join(f'{r:,}' for r in rungs(budget))} tokens)")
+    if total > 0:
+        line += (f"; running the {len(times)} settings that reach the target to it is predicted to take "
+                 f"{fmt_duration(total)}: the pilots cost {cost / total:.2f} of that")
+    if rec is not None and rec.seconds is not None and math.isfinite(rec.seconds.value) and rec.seconds.value > 0:
+        line += f", {cost / rec.seconds.value:.2f}× the recommended setting's predicted time to target"
+    lines.append(line)
+    return lines
+
+
+__all__ = ["ADAPTIVE", "BASELINES", "baseline_curve", "pilot_estimate", "run_pilots"]

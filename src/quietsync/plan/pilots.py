@@ -1,0 +1,321 @@
+"""Pilot runs: short ``quietsync train`` runs of the most promising candidates on the user's model and data, whose
+held-out loss curves replace the priors (``quietsync plan --target-loss X --pilot-tokens N``).
+
+1. **The baseline first.** The synchronous baseline (ZeRO-1; DDP and FSDP follow its trajectory) runs up to ``N``
+   tokens, stopping at the target if it gets there. Its held-out curve is the loss model's baseline
+   (:class:`~quietsync.plan.loss_model.BaselineCurve`): measured where it ran, the fitted ``a + b·t^(−c)``
+   (:mod:`~quietsync.plan.curve_fit`) past that.
+2. **Candidates by promise.** The others are ranked by their prior time to target (the papers' priors on the pilot
+   baseline's curve, over the cost model's tokens/s); a candidate whose optimistic time is beyond the best one's
+   pessimistic time is clearly losing and not piloted; at most ``pilot_candidates`` run.
+3. **Successive halving** (Optuna's :class:`optuna.pruners.SuccessiveHalvingPruner`, asynchronous SH): each pilot
+   reports, at every evaluation, the time to target predicted from its curve so far; at the rungs ``N/η², N/η, N``
+   (tokens) a pilot continues only while it is among the best ``1/η`` of the pilots that reached that rung before
+   it, else it is stopped (its process group terminated) — so the most promising run longest.
+4. **Shared prefixes.** Settings that train the same way until their first synchronization (Local SGD and DiLoCo
+   with local inner steps: before the first sync each worker trains alone) share those evaluations: a candidate
+   whose first rung ends before its first sync is judged on the prefix another one already ran, and is pruned
+   without running when that prefix loses. (A resumed run may not change strategy flags, so a prefix cannot be
+   forked into several settings; past the prefix each candidate runs from the start.)
+
+Pilots run through the same launcher (``python -m quietsync train``, local workers) and links. An
+*emulated* link only delays messages, never changes what they hold, so a candidate whose steps do not depend on
+timing runs its pilot without the emulated delay (the same loss curve, at compute speed); ACCO/DPU/WP with adaptive
+stages (how many micro-batches a stage holds depends on the link) run through it. A real (measured) link is always
+used as it is. What each pilot cost (wall seconds, launch included) is reported beside what running the
+candidates to the target is predicted to cost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .candidates import Candidate
+
+ETA = 2
+"""Successive halving's reduction factor: half of the pilots go on at each rung."""
+RUNGS = 3
+"""Rungs of the pilot budget: ``N/η²``, ``N/η``, ``N`` tokens."""
+EVALS_PER_PILOT = 16
+"""Evaluations a full pilot makes (its ``--eval-every`` follows from its predicted steps)."""
+OVERLAP_EVAL_STEPS = 8
+"""Fewest steps between two evaluations of an ACCO/DPU/WP pilot."""
+
+
+@dataclass
+class PilotCurve:
+    """What one pilot measured."""
+
+    spec: str
+    tokens: list[float] = field(default_factory=list)
+    """Tokens of all workers at each evaluation."""
+    losses: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    time_s: list[float] = field(default_factory=list)
+    eval_s: list[float] = field(default_factory=list)
+    """Seconds each evaluation took (rank 0)."""
+    wall_s: float = 0.0
+    """What the pilot cost: wall seconds, launch and evaluations included (0 when judged on a shared prefix)."""
+    stopped: str = "budget"
+    """``budget``, ``target`` (reached the target loss), ``pruned``, ``shared prefix`` or ``failed: ...``."""
+    through_link: bool = True
+    shared_from: str | None = None
+
+    @property
+    def reached(self) -> float | None:
+        """Tokens at which it reached the target (``stopped == "target"``)."""
+        return self.tokens[-1] if self.stopped == "target" and self.tokens else None
+
+    def prefix(self, tokens: float) -> PilotCurve:
+        """Its evaluations up to ``tokens``."""
+        n = sum(1 for t in self.tokens if t <= tokens)
+        return PilotCurve(self.spec, self.tokens[:n], self.losses[:n], self.steps[:n], self.time_s[:n],
+                          self.eval_s[:n], 0.0, "shared prefix", self.through_link, self.spec)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+Runner = Callable[[Candidate, int, Callable[[PilotCurve], bool]], PilotCurve]
+"""Runs candidate's pilot for up to a token budget, calling ``on_eval(curve so far)`` at every evaluation; stops the
+run as soon as ``on_eval`` returns True (pruned)."""
+
+
+def rungs(budget: int, eta: int = ETA, count: int = RUNGS) -> list[int]:
+    """The token budgets of the rungs: ``budget/η^(count−1)``, ..., ``budget``."""
+    return [max(1, budget // eta ** (count - 1 - i)) for i in range(count)]
+
+
+def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
+                       value_of: Callable[[Candidate, PilotCurve], float | None], *, eta: int = ETA,
+                       count: int = RUNGS, prefixes: dict[str, tuple[str, float]] | None = None,
+                       out: dict[str, PilotCurve] | None = None) -> dict[str, PilotCurve]:
+    """Run ``order``'s pilots one after another under Optuna's successive-halving pruner (see the module docstring).
+
+    ``order`` is read lazily (the next candidate may depend on the pilots so far, in ``out``).
+    ``value_of(candidate, curve)``: the value to minimize (predicted time to target) from a curve so far, or None
+    while it cannot be judged yet. ``prefixes``: ``spec → (spec of the candidate whose run shares its prefix,
+    tokens of that prefix)``. Returns (and fills ``out`` with) every pilot's curve by spec."""
+    try:
+        import optuna
+    except ImportError:  # pragma: no cover - the plan extra is installed with the dev tools
+        raise ValueError("pilot_tokens needs Optuna for successive halving: pip install 'quietsync[plan]'") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=rungs(budget, eta, count)[0], reduction_factor=eta,
+                                                    min_early_stopping_rate=0)
+    study = optuna.create_study(direction="minimize", pruner=pruner, sampler=optuna.samplers.RandomSampler(seed=0))
+    out = {} if out is None else out
+    for cand in order:
+        trial = study.ask()
+        last: list[float] = []
+
+        reported: list[int] = []
+
+        def on_eval(curve: PilotCurve, cand: Candidate = cand, trial: Any = trial, last: list[float] = last,
+                    reported: list[int] = reported) -> bool:
+            if not curve.tokens or (reported and int(curve.tokens[-1]) <= reported[-1]):
+                return False  # judged already (a shared prefix replayed before the run)
+            value = value_of(cand, curve)
+            if value is None:
+                return False
+            reported.append(int(curve.tokens[-1]))
+            value = value if math.isfinite(value) else 1e300
+            trial.report(value, step=int(curve.tokens[-1]))
+            last.append(value)
+            return trial.should_prune()
+
+        shared = (prefixes or {}).get(cand.spec)
+        curve = None
+        if shared is not None and shared[0] in out:
+            source, upto = shared
+            first = rungs(budget, eta, count)[0]  # replayed up to the first evaluation at or past the first rung
+            past = [t for t in out[source].tokens if first <= t <= upto]
+            prefix = out[source].prefix(past[0] if past else min(upto, first))
+            pruned = False
+            for i in range(1, len(prefix.tokens) + 1):
+                if on_eval(PilotCurve(cand.spec, prefix.tokens[:i], prefix.losses[:i], prefix.steps[:i],
+                                      prefix.time_s[:i], prefix.eval_s[:i])):
+                    pruned = True
+                    break
+            if pruned:
+                curve = PilotCurve(cand.spec, prefix.tokens[:i], prefix.losses[:i], prefix.steps[:i],
+                                   prefix.time_s[:i], prefix.eval_s[:i], 0.0, "pruned", prefix.through_link, source)
+        if curve is None:
+            curve = runner(cand, budget, on_eval)
+        out[cand.spec] = curve
+        if curve.stopped == "pruned":
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        elif last:
+            study.tell(trial, last[-1])
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the process runner
+@dataclass
+class ProcessRunner:
+    """Runs a pilot as ``python -m quietsync train`` (the same launcher as ``quietsync train``) in its own
+    process group, watching its metrics files and terminating the group when the pilot is pruned."""
+
+    job_args: list[str]
+    """The job's flags (model, workers, micro-batch, data, schedule...), without link and strategy."""
+    link_args: list[str]
+    """``--link ...`` flags (given to the pilots that must run through the link)."""
+    out: Path
+    target_loss: float | None
+    tokens_per_step: Callable[[Candidate], float]
+    """Predicted tokens per committed step (to choose the pilot's evaluation cadence)."""
+    through_link: Callable[[Candidate], bool]
+    timeout_s: float = 3600.0
+    poll_s: float = 0.2
+    log: Callable[[str], None] = print
+
+    def argv(self, cand: Candidate, budget: int, folder: Path) -> list[str]:
+        from ..cli.spec import parse_strategy_spec
+
+        name, _, flags = parse_strategy_spec(cand.spec)
+        steps = max(1.0, budget / max(1.0, self.tokens_per_step(cand)))
+        every = eval_every(cand, steps)
+        argv = [*self.job_args, "--strategy", name, *flags, "--max-tokens", str(budget), "--eval-every", str(every),
+                "--out", str(folder), "--overwrite", "--no-progress", "--no-plot", "--save-every", "0"]
+        if self.through_link(cand):
+            argv += self.link_args
+        if self.target_loss is not None:
+            argv += ["--target-loss", repr(self.target_loss)]
+        return argv
+
+    def __call__(self, cand: Candidate, budget: int, on_eval: Callable[[PilotCurve], bool]) -> PilotCurve:
+        folder = self.out / cand.spec.replace(":", "-").replace(",", "-").replace("=", "")
+        folder.mkdir(parents=True, exist_ok=True)
+        link = self.through_link(cand)
+        argv = [sys.executable, "-m", "quietsync", "train", *self.argv(cand, budget, folder)]
+        self.log(f"   pilot {cand.spec}: up to {budget:,} tokens{' through the link' if link else ''}")
+        curve = PilotCurve(cand.spec, through_link=link)
+        t0 = time.perf_counter()
+        with open(folder / "pilot.log", "w") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        readers: dict[int, _Tail] = {}
+        evals: dict[int, dict[int, dict[str, Any]]] = {}
+        pruned = False
+        try:
+            while True:
+                done = proc.poll() is not None
+                for path in folder.glob("metrics-rank*.jsonl"):
+                    rank = int(path.stem.removeprefix("metrics-rank"))
+                    for rec in readers.setdefault(rank, _Tail(path)).read():
+                        if rec.get("event") == "eval":
+                            evals.setdefault(rec["step"], {})[rank] = rec
+                ranks = len(readers)
+                for step in sorted(s for s, by in evals.items() if len(by) == ranks and ranks and
+                                   (not curve.steps or s > curve.steps[-1])):
+                    by = evals[step]
+                    if step == 0:
+                        continue
+                    r0 = by.get(0) or next(iter(by.values()))
+                    curve.steps.append(step)
+                    curve.tokens.append(float(sum(r["tokens_total"] for r in by.values())))
+                    curve.losses.append(float(r0["loss"]))
+                    curve.time_s.append(float(r0["time_s"]))
+                    curve.eval_s.append(float(r0["eval_s"]))
+                    if on_eval(curve):
+                        pruned = True
+                        break
+                if pruned or done:
+                    break
+                if time.perf_counter() - t0 > self.timeout_s:
+                    curve.stopped = f"failed: no end after {self.timeout_s:.0f} s"
+                    break
+                time.sleep(self.poll_s)
+        finally:
+            if proc.poll() is None:
+                _stop(proc)
+        curve.wall_s = time.perf_counter() - t0
+        if pruned:
+            curve.stopped = "pruned"
+        elif proc.returncode not in (0, None) and not curve.stopped.startswith("failed"):
+            tail = (folder / "pilot.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
+            curve.stopped = f"failed: exit {proc.returncode}: {tail[0]}"
+        elif not curve.stopped.startswith("failed"):
+            summary = folder / "summary.json"
+            stopped = json.loads(summary.read_text()).get("stopped_by") if summary.exists() else None
+            curve.stopped = "target" if stopped == "target_loss" else "budget"
+        return curve
+
+
+def eval_every(cand: Candidate, steps: float) -> int:
+    """A pilot's evaluation cadence: :data:`EVALS_PER_PILOT` over its predicted steps; at least
+    :data:`OVERLAP_EVAL_STEPS` apart for ACCO/DPU/WP (an evaluation waits for the update in flight, which would keep
+    their stages from growing as they do in the planned run); for Local SGD and DiLoCo right after syncs (a multiple
+    of the period, or a divisor of it: the evaluated model changes at syncs)."""
+    every = max(1, int(steps // EVALS_PER_PILOT))
+    k = cand.knob_dict
+    if cand.strategy in ("acco", "dpu", "wp"):
+        return max(every, OVERLAP_EVAL_STEPS)
+    period = int(k.get("sync_every", 64 if cand.strategy == "diloco" else 8)) if cand.strategy in (
+        "diloco", "localsgd") else 1
+    if period > 1:
+        if every >= period:
+            return every - every % period
+        while period % every:
+            every -= 1
+    return every
+
+
+class _Tail:
+    """New complete JSON lines of a growing file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pos = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path) as f:
+                f.seek(self.pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        end = chunk.rfind("\n")
+        if end < 0:
+            return []
+        self.pos += len(chunk[: end + 1].encode())
+        return [json.loads(line) for line in chunk[: end + 1].splitlines() if line.strip()]
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    """Terminate the pilot's process group (it was started in its own session), then kill what is left of it."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=20.0)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # the launcher may be gone while a worker of its group is not
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10.0)
+
+
+def split_args(text: str) -> list[str]:
+    """``--train-args`` as argv."""
+    return shlex.split(text)
+
+
+__all__ = ["ETA", "RUNGS", "PilotCurve", "ProcessRunner", "Runner", "eval_every", "rungs", "split_args",
+           "successive_halving"]

@@ -1,0 +1,56 @@
+"""GPT-Neo presets have the advertised sizes; norms, biases and embeddings get no weight decay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quietsync.models import PRESETS, build_model, count_parameters, param_groups
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    "name,low,high", [("tiny", 0.8e6, 1.2e6), ("default", 2e6, 5e6), ("10m", 9e6, 12e6)]
+)
+def test_preset_sizes(name, low, high):
+    model = build_model(name, 4096, eos_id=0, seed=0)
+    n = count_parameters(model)
+    assert low <= n <= high, n
+    cfg = model.config
+    assert cfg.hidden_size == PRESETS[name].hidden_size and cfg.num_layers == PRESETS[name].num_layers
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, counted once
+
+
+def test_seeded_init_is_identical():
+    a = build_model("tiny", 512, seed=3)
+    b = build_model("tiny", 512, seed=3)
+    c = build_model("tiny", 512, seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="model must be one of"):
+        build_model("huge", 512)
+
+
+def test_param_groups_no_decay_for_norms_biases_embeddings():
+    model = build_model("tiny", 512, seed=0)
+    groups = param_groups(model, 0.1)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    decay, no_decay = ({id(p) for p in g["params"]} for g in groups)
+    names = dict((id(p), n) for n, p in model.named_parameters())
+    assert id(model.transformer.wte.weight) in no_decay and id(model.transformer.wpe.weight) in no_decay
+    assert all(names[i].endswith("bias") or ".ln" in names[i] for i in no_decay - {
+        id(model.transformer.wte.weight), id(model.transformer.wpe.weight)})
+    assert all(names[i].endswith("weight") and "ln" not in names[i] for i in decay)
+    assert len(decay | no_decay) == len(list(model.parameters())) and not decay & no_decay
+    torch.optim.AdamW(groups, lr=1e-3)  # valid torch parameter groups
+
+
+def test_forward_loss_near_uniform_at_init():
+    model = build_model("tiny", 512, seed=0)
+    x = torch.randint(0, 512, (2, 32))
+    loss = model(input_ids=x, labels=x).loss
+    assert abs(float(loss.detach()) - torch.log(torch.tensor(512.0)).item()) < 0.5

@@ -1,0 +1,72 @@
+"""Pilots: successive halving (Optuna's pruner) keeps the known best setting running to the full budget and stops
+worse ones early, a setting judged on a shared prefix that loses is stopped without running, and a plan reports a
+setting whose loss penalty puts the target out of reach as not predicted to reach it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("optuna")
+
+import quietsync  # noqa: E402
+from quietsync.plan.candidates import parse_candidate  # noqa: E402
+from quietsync.plan.pilots import PilotCurve, rungs, successive_halving  # noqa: E402
+
+BUDGET = 160_000
+FLOORS = {"ddp": 4.0, "demo": 3.6, "localsgd:sync_every=16": 3.2, "diloco:sync_every=16": 3.8, "wp": 4.4}
+"""Each synthetic setting's curve 3.0 + floor·(t/1000)^-0.3 — lower is better at every token count."""
+
+
+def synthetic_runner(ran: list[str]):
+    def run(cand, budget, on_eval):
+        ran.append(cand.spec)
+        curve = PilotCurve(cand.spec)
+        for i in range(1, 17):
+            t = budget * i / 16
+            curve.tokens.append(t)
+            curve.steps.append(i)
+            curve.losses.append(3.0 + FLOORS[cand.spec] * (t / 1000) ** -0.3)
+            if on_eval(curve):
+                curve.stopped = "pruned"
+                return curve
+        return curve
+    return run
+
+
+def test_successive_halving_keeps_the_known_best_and_stops_worse_ones_early():
+    order = [parse_candidate(s) for s in ("ddp", "wp", "localsgd:sync_every=16", "demo", "diloco:sync_every=16")]
+    ran: list[str] = []
+    out = successive_halving(order, synthetic_runner(ran), BUDGET, lambda c, curve: curve.losses[-1])
+    best = "localsgd:sync_every=16"
+    assert out[best].stopped == "budget" and out[best].tokens[-1] == BUDGET
+    pruned = [s for s, c in out.items() if c.stopped == "pruned"]
+    assert set(pruned) >= {"demo", "diloco:sync_every=16"}  # after the best: worse at the first rung
+    for s in pruned:
+        assert FLOORS[s] > FLOORS[best] and out[s].tokens[-1] < BUDGET
+        assert out[s].tokens[-1] <= rungs(BUDGET)[1]
+    assert ran == [c.spec for c in order]
+
+
+def test_a_setting_judged_on_a_shared_prefix_that_loses_is_not_run():
+    order = [parse_candidate(s) for s in ("localsgd:sync_every=16", "diloco:sync_every=16")]
+    ran: list[str] = []
+    # diloco shares localsgd's first 16 steps; judged on them (here: a worse curve is reported) it is pruned
+    out = successive_halving(order, synthetic_runner(ran), BUDGET,
+                             lambda c, curve: curve.losses[-1] + (1.0 if c.spec.startswith("diloco") else 0.0),
+                             prefixes={"diloco:sync_every=16": ("localsgd:sync_every=16", BUDGET)})
+    assert ran == ["localsgd:sync_every=16"]
+    assert out["diloco:sync_every=16"].stopped == "pruned"
+    assert out["diloco:sync_every=16"].shared_from == "localsgd:sync_every=16"
+    assert out["diloco:sync_every=16"].wall_s == 0.0
+
+
+def test_a_setting_that_cannot_reach_the_target_is_reported_so():
+    # the Chinchilla baseline's floor at N = 1.01B parameters is 1.69 + 406.4/N^0.34 ≈ 2.04: a target of 2.07 is out of
+    # reach of the random replicator's +2% prior (2.07/1.02 < 2.04), not of DiLoCo's two replicas' +0.15%
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=1, seq_len=2048,
+                                 micro_batch_size=4, link=["inter=10gbit,1ms"], only=True, target_loss=2.07,
+                                 strategies=["zero1", "demo:replicator=random", "diloco:sync_every=16"])
+    unreachable = "\n".join(result.advice.unreachable)
+    assert "`demo:replicator=random`" in unreachable
+    assert [r.spec for r in result.advice.ranking][0] in ("zero1", "diloco:sync_every=16")
+    assert "Not predicted to reach the target" in result.advice.markdown()

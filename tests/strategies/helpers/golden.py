@@ -1,0 +1,101 @@
+"""Golden trajectories: every strategy's parameters after each committed step, for a fixed seed.
+
+Recorded on the code *before* a refactor (issue 7: 8 cases; issue 23, before the by-family move: 11 more, so
+every strategy and its main modes are covered) and kept in ``golden/``; the test
+``test_golden.py`` replays the same runs and demands bit-identical parameters, so a refactor that changes
+numerics (an operation reordered, a division moved) fails loudly.
+
+Regenerate only when a numerics change is intended and documented::
+
+    python -m tests.strategies.helpers.golden [CASE ...]   # rewrites helpers/golden/<case>.pt (all by default)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import quietsync
+from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
+
+GOLDEN_DIR = Path(__file__).with_name("golden")
+STEPS = 4
+
+CASES: dict[str, dict[str, Any]] = {
+    # name -> world, nodes, strategy, config; local_too: also the worker's own parameters after each step
+    "ddp": {"world": 2, "strategy": "ddp", "config": {"accumulation": 2}},
+    "zero1": {"world": 2, "strategy": "zero1", "config": {"accumulation": 2}},
+    "acco": {"world": 2, "strategy": "acco", "config": {"deterministic_accumulation": 2}},
+    "dpu": {"world": 2, "strategy": "dpu", "config": {"deterministic_accumulation": 1, "sync_warmup_steps": 1}},
+    "wp": {"world": 2, "strategy": "wp", "config": {"deterministic_accumulation": 2}},
+    "demo": {"world": 2, "strategy": "demo", "config": {"accumulation": 2, "chunk": 4, "compression": 0.25}},
+    "demo_random_adamw": {"world": 2, "strategy": "demo",
+                          "config": {"replicator": "random", "base": "adamw", "compression": 0.5}},
+    "flexdemo": {"world": 4, "nodes": 2, "strategy": "flexdemo",
+                 "config": {"chunk": 4, "compression": 0.25, "params": "replicated"}},
+    # added before the by-family move (issue 23): the other four strategies and their main modes
+    "flexdemo_fsdp2": {"world": 4, "nodes": 2, "strategy": "flexdemo",
+                       "config": {"chunk": 4, "compression": 0.25, "params": "sharded", "base": "adamw"}},
+    "fsdp": {"world": 4, "nodes": 2, "strategy": "fsdp", "config": {"accumulation": 2}},
+    "localsgd": {"local_too": True, "world": 2, "strategy": "localsgd",
+                 "config": {"sync_every": 2, "accumulation": 2, "average_optimizer_state": True}},
+    "diloco": {"local_too": True, "world": 2, "strategy": "diloco", "config": {"sync_every": 2}},
+    "diloco_streaming": {"local_too": True, "world": 2, "strategy": "diloco",
+                         "config": {"sync_every": 2, "fragments": 2, "overlap_delay": 1, "pseudo_grad_dtype": "bf16"}},
+    "diloco_zero1_int8": {"local_too": True, "world": 4, "nodes": 2, "strategy": "diloco",
+                          "config": {"sync_every": 2, "inner": "zero1", "pseudo_grad_dtype": "int8"}},
+    "diloco_ddp_replicator": {"local_too": True, "world": 4, "nodes": 2, "strategy": "diloco",
+                              "config": {"sync_every": 2, "inner": "ddp", "pseudo_grad_replicator": "random",
+                                         "compression": 0.5}},
+    "cdp_v2": {"world": 2, "strategy": "cdp", "config": {"rule": "v2", "stages": 2}},
+    "cdp_v1": {"world": 2, "strategy": "cdp", "config": {"rule": "v1", "stages": 2}},
+    "cdp_one_process": {"world": 1, "strategy": "cdp", "config": {"rule": "v2", "stages": 2}},
+}
+OPT = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
+
+
+def lr_schedule(step: int) -> float:
+    return 1.0 / (1.0 + 0.5 * step)
+
+
+def trajectory(rank: int, world: int, case: str) -> list[torch.Tensor]:
+    """Worker body: the committed parameters after each of ``STEPS`` steps (micro-batches fed one by one)."""
+    spec = CASES[case]
+    model = tiny_model()
+    strategy = quietsync.make_strategy(spec["strategy"], model, torch.optim.AdamW, param_groups=param_groups(model),
+                                       config=dict(spec["config"]), lr_schedule=lr_schedule, **OPT)
+    out: list[torch.Tensor] = []
+    index = 0
+    while strategy.steps < STEPS:
+        strategy.forward_backward(micro_batch(0, rank, index), loss_fn)
+        index += 1
+        if strategy.step():
+            with strategy.committed_params() as m:
+                out.append(flat_params(m))
+            if spec.get("local_too"):  # between syncs the worker's own θ moves too
+                out.append(flat_params(strategy.module))
+    strategy.close()
+    return out
+
+
+def run_case(case: str) -> list[list[torch.Tensor]]:
+    from tests.distributed import run_ranks
+
+    spec = CASES[case]
+    return run_ranks(trajectory, spec["world"], case, nodes=spec.get("nodes"), timeout=120)
+
+
+def main(cases: list[str] | None = None) -> None:
+    GOLDEN_DIR.mkdir(exist_ok=True)
+    for case in cases or CASES:
+        result = run_case(case)
+        torch.save({"torch": str(torch.__version__), "steps": STEPS, "by_rank": result}, GOLDEN_DIR / f"{case}.pt")
+        print(f"{case}: {len(result)} ranks x {len(result[0])} steps")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
