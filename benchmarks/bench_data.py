@@ -60,7 +60,7 @@ def _results() -> dict[str, Any]:
 
 def _save(key: str, value: Any) -> None:
     data = _results()
-    data[key] = value
+    data[key] = {**value, "command": "python benchmarks/bench_data.py " + " ".join(sys.argv[1:])}
     RESULTS.mkdir(parents=True, exist_ok=True)
     JSON.write_text(json.dumps(data, indent=1, sort_keys=True))
     print(json.dumps({key: value}, indent=1))
@@ -283,11 +283,15 @@ def bench_first_step(prepared: list[str], repeats: int, work: Path) -> dict[str,
 # ------------------------------------------------------------------------------------------------------ report
 
 
+def _command(entry: dict[str, Any]) -> str:
+    return f" (`{entry['command']}`)" if "command" in entry else ""
+
+
 def report() -> None:
+    """``results/data.md``: every measurement in ``data.json``, with the command that made it."""
     data = _results()
     mb = 1024 * 1024
-    notes = []
-    rows = []
+    rows, notes = [], [""]
     for key in sorted(k for k in data if k.startswith("memory-")):
         m = data[key]
         for mode in ("mapped", "today"):
@@ -295,29 +299,40 @@ def report() -> None:
             rows.append([m["label"], mode, f"{r['tokens']:,}", f"{r['data_rss'] / mb:.1f}",
                          f"{r['data_anon'] / mb:.1f}", f"{r['data_file'] / mb:.1f}", f"{r['data_peak'] / mb:.1f}",
                          r["setup_s"], r["batch_ms"]])
-    path = write_markdown("data", "Data at the scale of a real run",
-                          ["corpus", "path", "training tokens", "data RSS MiB", "anon MiB", "file MiB", "peak MiB",
-                           "set-up s", "ms / micro-batch"], rows)
-    text = path.read_text()
+        notes.append(f"- {m['label']}: {m['text']} prepared into {m['prepared']}{_command(m)}")
+    notes += ["", "Rank 0 of 2, 8 x 128-token micro-batches; *mapped*: the prepared shards memory-mapped "
+              "(`open_job_data`); *today*: what every worker did before the shards (every document in memory, "
+              "the token stream as int64). Data RSS, anon, file: VmRSS, RssAnon, RssFile after the set-up and the "
+              "micro-batches minus before; peak: VmHWM minus VmRSS before.", ""]
+    notes += ["## `quietsync prepare` throughput (default tokenizer)", ""]
     for key in sorted(k for k in data if k.startswith("prepare-")):
         p = data[key]
-        notes.append(f"- prepare {p['dataset']} ({p['input_bytes'] / 1e6:,.0f} MB of text, {p['tokens']:,} tokens, "
-                     f"{p['documents']:,} documents): {p['wall_s']} s for the command, of which {p['tokenizer_s']} s "
-                     f"training the tokenizer and {p['encode_s']} s encoding: **{p['encode_tokens_per_s'] / 1e6:.2f} M "
-                     f"tokens/s encoding**, {p['command_tokens_per_s'] / 1e6:.2f} M tokens/s for the whole command "
-                     f"({p['threads']} threads on {p['cores']} cores; {p['tokenizer']}).")
+        notes += [f"- {p['dataset']} ({p['input_bytes'] / 1e6:,.0f} MB of text, {p['tokens']:,} tokens, "
+                  f"{p['documents']:,} documents): {p['wall_s']} s for the command, of which {p['tokenizer_s']} s "
+                  f"training the tokenizer and {p['encode_s']} s encoding: **{p['encode_tokens_per_s'] / 1e6:.2f} M "
+                  f"tokens/s encoding**, **{p['command_tokens_per_s'] / 1e6:.2f} M tokens/s for the whole command** "
+                  f"({p['threads']} threads on {p['cores']} cores; {p['tokenizer']}){_command(p)}."]
+    notes.append("")
     for key in sorted(k for k in data if k.startswith("steps-")):
         s = data[key]
         means = {m: [round(x["mean_s"] * 1e3, 1) for x in v] for m, v in s["runs"].items()}
         ratio = s["mapped_over_in_memory_mean"]
-        notes.append(f"- time per step, {s['prepared']}: mapped ÷ in memory = **{ratio:.3f}** "
-                     f"(means; medians {s['mapped_over_in_memory_median']:.3f}); ms per step mapped {means['mapped']}, "
-                     f"in memory {means['in_memory']} ({s['repeats']} runs each, alternating, {s['steps']} steps).")
+        notes += ["## Time per step: mapped vs in memory", "",
+                  f"- {s['prepared']}: mapped / in memory = **{ratio:.3f}** (means; medians "
+                  f"{s['mapped_over_in_memory_median']:.3f}); ms per step mapped {means['mapped']}, in memory "
+                  f"{means['in_memory']} ({s['repeats']} runs each, alternating, {s['steps']} steps, the first 5 "
+                  f"left out; 2 workers, default model, zero1){_command(s)}.", ""]
     for key in sorted(k for k in data if k.startswith("first-step")):
+        notes += ["## From `quietsync train --dataset PREPARED` to the first step", ""]
         for p, v in data[key].items():
-            notes.append(f"- start to first step, {p} ({v['train_tokens']:,} training tokens): median "
-                         f"**{v['median_s']:.2f} s** ({v['seconds']}).")
-    path.write_text(text + "\n" + "\n".join(notes) + "\n\nMethod and commands: benchmarks/bench_data.py.\n")
+            if isinstance(v, dict):
+                notes.append(f"- {p} ({v['train_tokens']:,} training tokens): median **{v['median_s']:.2f} s** "
+                             f"({v['seconds']}).")
+        notes += [f"\n2 workers, default model; the time to rank 0's first step record{_command(data[key])}.", ""]
+    path = write_markdown("data", "Data at the scale of a real run\n\n## Resident memory per worker for the data",
+                          ["corpus", "path", "training tokens", "data RSS MiB", "anon MiB", "file MiB", "peak MiB",
+                           "set-up s", "ms / micro-batch"], rows,
+                          "\n".join(notes) + "\nMethod: benchmarks/bench_data.py (its docstring).")
     print(path.read_text())
 
 
