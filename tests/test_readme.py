@@ -44,8 +44,8 @@ def test_readme_parquet_commands_run_as_written(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from quietsync.train.args import parse_train_args
     from quietsync.commands.main import main
+    from quietsync.train.args import parse_train_args
     from tests.train.conftest import synthetic_text
 
     text = README.read_text()
