@@ -1,5 +1,5 @@
-"""The planner: measure the model, the device and the link, predict every strategy's step time, bytes and memory,
-and recommend a strategy and its knobs.
+"""The planner: measure the model, the device and the link, predict every setting's step time, bytes, memory and
+time to a target loss, and recommend a strategy and its knobs by that time.
 
 ``quietsync.plan.plan(...)`` in Python (:func:`~quietsync.plan.planner.plan`) and ``quietsync plan`` on the command
 line. It predicts in the words of :mod:`quietsync.cost` (each strategy's schedule, registered with the strategy).
@@ -9,8 +9,14 @@ The parts, one job each:
 * :mod:`~quietsync.plan.probe` and :mod:`~quietsync.plan.fit` — the real links between the workers, alpha-beta;
 * :mod:`~quietsync.plan.cluster` — a described cluster (``--what-if``): device FLOP/s, memory, links;
 * :mod:`~quietsync.plan.schedules` — every strategy's communication schedule, by name;
-* :mod:`~quietsync.plan.table`, :mod:`~quietsync.plan.candidates`, :mod:`~quietsync.plan.recommend`,
-  :mod:`~quietsync.plan.knowledge` — the rows, the tuned knobs, the advice and what is known of loss per token;
+* :mod:`~quietsync.plan.candidates` — the canonical candidate grid (spec strings), also the knob search space;
+* :mod:`~quietsync.plan.table` — a row per setting (speed, bytes, memory);
+* :mod:`~quietsync.plan.curve_fit`, :mod:`~quietsync.plan.priors`, :mod:`~quietsync.plan.loss_model` — held-out
+  curves fitted ``a + b·t^(−c)``, the papers' priors on loss per token, tokens and time to a target;
+* :mod:`~quietsync.plan.pilots`, :mod:`~quietsync.plan.pilot_plan` — pilot runs under successive halving, and the
+  plan re-scored with them;
+* :mod:`~quietsync.plan.objective`, :mod:`~quietsync.plan.recommend` — what is ranked, and the advice;
+* :mod:`~quietsync.plan.compare_predict` — ``quietsync compare --predict``;
 * :mod:`~quietsync.plan.plots` — the figure.
 """
 

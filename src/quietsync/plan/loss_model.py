@@ -52,7 +52,7 @@ class BaselineCurve:
     """The fit with its bootstrap refits (pilots)."""
     measured: tuple[tuple[float, float], ...] = ()
     """``(tokens, loss)`` of the pilot's evaluations, in order (empty: the law alone)."""
-    brackets: tuple[PowerLaw, ...] = ()
+    brackets: tuple[Any, ...] = ()
     """Other fits of the same evaluations whose extrapolations the interval must contain (the floor's range)."""
 
     def _crossing(self, target: float) -> float | None:

@@ -9,6 +9,7 @@ law's shape for the baseline (what-if, or a measured plan without a target), wit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,9 @@ class Objective:
     """Seconds one evaluation takes (measured by the pilots)."""
     max_steps: int | None = None
     """The planned run's step budget: a setting needing more steps is not reached within the run."""
+    step_overhead_s: dict[str, float] = field(default_factory=dict)
+    """Spec → seconds per step its pilot spent beyond the cost model's prediction on the same (delay-free) link:
+    main-thread work the model leaves out (a communication thread sharing the core, codec time)."""
 
     @property
     def description(self) -> str:
@@ -73,13 +77,22 @@ class Objective:
             return 0.0
         return math.floor(tokens / row.tokens_per_step / self.eval_every) * self.eval_s
 
+    def tokens_per_s(self, row: Row) -> float:
+        """The row's predicted tokens/s, with the overhead its pilot measured."""
+        extra = self.step_overhead_s.get(row.spec, 0.0)
+        if not extra or row.tokens_per_s <= 0:
+            return row.tokens_per_s
+        return row.tokens_per_step / (row.tokens_per_step / row.tokens_per_s + extra)
+
     def score(self, row: Row) -> Scored:
         """The row's estimate and objective (time to target, or loss after the budget)."""
-        est = self.estimate(row)
+        est = dataclasses.replace(self.estimate(row))
+        est.notes = list(est.notes)
+        tps = self.tokens_per_s(row)
         if self.budget_s is not None:
-            per_s = row.tokens_per_s
+            per_s = tps
             if self.eval_every and self.eval_s and row.tokens_per_step > 0:  # evaluations take part of the budget
-                per_s = row.tokens_per_step / (row.tokens_per_step / row.tokens_per_s + self.eval_s / self.eval_every)
+                per_s = row.tokens_per_step / (row.tokens_per_step / tps + self.eval_s / self.eval_every)
             return Scored(row, est, loss=loss_at(est, self.baseline, per_s * self.budget_s))
         if self.max_steps is not None and row.tokens_per_step > 0 and est.tokens.finite \
                 and est.tokens.value / row.tokens_per_step > self.max_steps:
@@ -87,7 +100,7 @@ class Objective:
                              f"--max-steps {self.max_steps}")
             inf = math.inf
             est.tokens = Interval(inf, est.tokens.low, inf)
-        t = time_to_target(est, row.tokens_per_s)
+        t = time_to_target(est, tps)
         extra = self._eval_seconds(row, est.tokens.value)
         if extra:
             s = t.seconds

@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ..cost.costmodel import Links
+from ..link import LinkModel
 from .candidates import Candidate, parse_candidate
 from .curve_fit import PowerLaw, fit_power_law
 from .loss_model import BaselineCurve, LossEstimate, from_pilot_batch, from_pilot_ratio
@@ -37,14 +39,18 @@ CONFIRM = 3
 """Extra pilots after the first round for the best settings that still rest on their priors."""
 CONFIRM_TOP = 2
 """How many of the best settings must rest on a pilot (or on the baseline's exact trajectory)."""
-FLOOR_CAP = 0.5
+FLOOR_CAP = 0.6
 """The baseline fit's floor ``a`` is at most this fraction of the lowest loss its pilot saw. Fitted freely to the
 start of a language model's curve, the floor comes out near the last loss seen and the extrapolation is far too
-pessimistic: on the equal-loss job's baseline (constant lr 2e-3, target 3.6 at 1.97 M tokens) a free floor fitted to
-1 M tokens predicts 5.6 M tokens; capped at 0.5× it predicts 1.9 M (0.96×), with no floor (a = 0) 1.6 M (0.80×) —
-``benchmarks/results/equal_loss_pilot.json``."""
+pessimistic. Measured on the equal-loss job's baseline (``benchmarks/results/equal_loss_pilot.json``: ZeRO-1,
+constant lr 2e-3 and 1e-3, targets 4.4–3.6 reached at 0.4–2.2 M tokens, pilots of 0.3–1 M tokens), the predicted
+tokens over the measured ones were 0.38–0.88 with no floor, 0.60–0.98 capped at 0.5×, 0.71–1.05 at 0.6×,
+0.71–2.7 at 0.75×, and up to 50× free (1 M-token pilot, target 3.6: 5.6 M predicted, 1.97 M measured)."""
 FLOOR_BRACKET = (0.0, 0.75)
 """Floors whose fits the interval of the baseline's tokens to target spans (0: the optimistic end)."""
+EXTRAPOLATION_WIDENING = 0.25
+"""The interval's high end grows by this fraction per doubling of the extrapolation (tokens to target over the
+pilot's tokens): capped fits from short pilots fell short by up to 0.71× at 2.3× past the pilot on that curve."""
 FALLBACK_C = 0.3
 """Exponent of the baseline's curve past a pilot too short to fit (the data exponent β ≈ 0.28 of Hoffmann et al.)."""
 
@@ -64,11 +70,27 @@ def baseline_curve(curve: PilotCurve) -> BaselineCurve:
     ts, ys = [t for t, _ in pts], [y for _, y in pts]
     fit = fit_power_law(ts, ys, floor_cap=FLOOR_CAP)
     brackets = tuple(fit_power_law(ts, ys, floor_cap=cap, bootstrap=0).law for cap in FLOOR_BRACKET)
+    brackets += (_Widened(fit.law, ts[-1], EXTRAPOLATION_WIDENING),)
     law = fit.law
     desc = (f"the baseline's pilot: {len(pts)} evaluations up to {pts[-1][0]:,.0f} tokens, then L(t) = "
             f"{law.a:.3g} + {law.b:.3g}·t^−{law.c:.3g} (fit rms {fit.rms:.3g}; floor at most {FLOOR_CAP:g}× the "
             f"lowest loss seen, the interval spanning floors from 0 to {FLOOR_BRACKET[-1]:g}×)")
     return BaselineCurve(law, "pilot", desc, fit, tuple(pts), brackets)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Widened:
+    """A law whose tokens past the pilot's last grow by ``rate`` per doubling of the extrapolation (an interval end)."""
+
+    law: PowerLaw
+    last: float
+    rate: float
+
+    def tokens_to(self, target: float) -> float:
+        t = self.law.tokens_to(target)
+        if not math.isfinite(t) or t <= self.last:
+            return t
+        return t * (1 + self.rate * math.log2(t / self.last))
 
 
 def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, baseline: BaselineCurve,
@@ -84,6 +106,20 @@ def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, 
     if batch > 1.05 * base_row.tokens_per_step:
         return from_pilot_batch(curve.tokens, curve.losses, batch, base_row.tokens_per_step, baseline, target, notes)
     return from_pilot_ratio(curve.tokens, curve.losses, baseline, target, notes)
+
+
+def pilot_speed(curve: PilotCurve) -> tuple[float, float] | None:
+    """Seconds per step and tokens per step over the second half of a pilot's training (its evaluations' time
+    taken out), or None when it made too few evaluations."""
+    n = len(curve.steps)
+    if n < 3 or curve.wall_s == 0.0:
+        return None
+    i = n // 2
+    steps = curve.steps[-1] - curve.steps[i]
+    train_s = curve.time_s[-1] - curve.time_s[i] - sum(curve.eval_s[i + 1:])
+    if steps <= 0 or train_s <= 0:
+        return None
+    return train_s / steps, (curve.tokens[-1] - curve.tokens[i]) / steps
 
 
 def _first_sync_steps(c: Candidate) -> int | None:
@@ -229,18 +265,51 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         if est is not None:
             pilots[spec] = est
     evals = [e for c in done.values() for e in c.eval_s]
+    # the speed the pilots saw: a pilot without the emulated delay measures the main-thread work the cost model
+    # leaves out (the overhead over its prediction on a delay-free link); one through the link measures it all
+    overhead: dict[str, float] = {}
+    measured: dict[str, tuple[float, float]] = {}
+    free = _delay_free(result)
+    for spec, curve in done.items():
+        speed = pilot_speed(curve)
+        if speed is None or spec not in rows:
+            continue
+        row = rows[spec]
+        if curve.through_link and emulated:
+            measured[spec] = speed
+        elif emulated:
+            predicted = result.predict(row.strategy, row.knobs, free).step_s
+            if speed[0] > predicted * 1.05:
+                overhead[spec] = speed[0] - predicted
+
+    def adjust(row: Row) -> Row:
+        if row.spec not in measured:
+            return row
+        step_s, tokens = measured[row.spec]
+        return dataclasses.replace(row, step_s=step_s, tokens_per_step=tokens, tokens_per_s=tokens / step_s,
+                                   micro_batches=tokens / result.workload.tokens_per_micro_batch,
+                                   notes=[*row.notes, "step time and batch measured by its pilot through the link"])
+
     objective = dataclasses.replace(
-        objective_with(baseline, pilots), eval_every=job_cfg.eval_every,
+        objective_with(baseline, pilots), eval_every=job_cfg.eval_every, step_overhead_s=overhead,
         eval_s=statistics.median(evals) if evals else 0.0, max_steps=job_cfg.max_steps if job_cfg.max_steps else None,
         notes=[f"target: held-out loss {target:g}" if target is not None else f"budget: {cfg.budget_s:g} s",
                f"baseline curve: {baseline.description}",
                f"the planned run: --max-steps {job_cfg.max_steps}, an evaluation every {job_cfg.eval_every} steps "
                f"(each {statistics.median(evals) if evals else 0:.3g} s, measured by the pilots) counted in the time"])
     new = predict(cfg, result.workload, result.cluster, result.compute, probe=result.probe,
-                  assumptions=result.assumptions, objective=objective)
+                  assumptions=result.assumptions, objective=objective, adjust=adjust)
     new.pilots = done
     new.pilot_report = _report(new, done, base_spec, skipped, budget)
     return new
+
+
+def _delay_free(result: PlanResult) -> Links:
+    """The plan's links with the emulated ones made free (the real transport's floor kept): what a pilot run without
+    the emulated delay sees."""
+    links = result.cluster.links
+    return Links(model={k: LinkModel(1e15, 0.0) for k in links.model}, floor=links.floor,
+                 floor_by_kind=links.floor_by_kind)
 
 
 def _low(s: Scored) -> float:

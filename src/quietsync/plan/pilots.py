@@ -9,7 +9,7 @@ held-out loss curves replace the priors (``quietsync plan --target-loss X --pilo
    baseline's curve, over the cost model's tokens/s); a candidate whose optimistic time is beyond the best one's
    pessimistic time is clearly losing and not piloted; at most ``pilot_candidates`` run.
 3. **Successive halving** (Optuna's :class:`optuna.pruners.SuccessiveHalvingPruner`, asynchronous SH): each pilot
-   reports, at every evaluation, the time to target predicted from its curve so far; at the rungs ``N/η², N/η, N``
+   reports, at every evaluation, the time to target predicted from its curve so far; at the rungs ``N/η`` and ``N``
    (tokens) a pilot continues only while it is among the best ``1/η`` of the pilots that reached that rung before
    it, else it is stopped (its process group terminated) — so the most promising run longest.
 4. **Shared prefixes.** Settings that train the same way until their first synchronization (Local SGD and DiLoCo
@@ -45,8 +45,9 @@ from .candidates import Candidate
 
 ETA = 2
 """Successive halving's reduction factor: half of the pilots go on at each rung."""
-RUNGS = 3
-"""Rungs of the pilot budget: ``N/η²``, ``N/η``, ``N`` tokens."""
+RUNGS = 2
+"""Rungs of the pilot budget: ``N/η`` and ``N`` tokens (a pilot judged earlier has seen only the start of
+training, where settings that fall behind later still look alike)."""
 EVALS_PER_PILOT = 16
 """Evaluations a full pilot makes (its ``--eval-every`` follows from its predicted steps)."""
 OVERLAP_EVAL_STEPS = 8
@@ -133,7 +134,7 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
             value = value if math.isfinite(value) else 1e300
             trial.report(value, step=int(curve.tokens[-1]))
             last.append(value)
-            return trial.should_prune()
+            return curve.tokens[-1] < budget and trial.should_prune()  # at the budget there is nothing left to save
 
         shared = (prefixes or {}).get(cand.spec)
         curve = None

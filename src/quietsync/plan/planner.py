@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -230,9 +231,9 @@ def links_from_probe(cfg: PlanConfig, measured: dict[str, Any] | None) -> tuple[
 # ---------------------------------------------------------------------------------------------- predicting
 def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProfile, *,
             probe: dict[str, Any] | None = None, assumptions: list[str] | None = None,
-            objective: Objective | None = None) -> PlanResult:
-    """Evaluate the candidates (one row each), score them against the objective (the priors' unless one is given,
-    e.g. after the pilots), advise."""
+            objective: Objective | None = None, adjust: Callable[[Row], Row] | None = None) -> PlanResult:
+    """Evaluate the candidates (one row each; ``adjust`` may replace a row, e.g. with a pilot's measured speed), score
+    them against the objective (the priors' unless one is given, e.g. after the pilots), advise."""
     topo = Topology(0, cluster.world, cluster.nodes)
     rows: list[Row] = []
     assumptions = list(assumptions or [])
@@ -244,6 +245,8 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
         except ValueError as e:  # a setting this model or topology cannot take (e.g. too few CDP stages)
             left.append(LeftOut(c.spec, c.strategy, str(e)))
             continue
+        if adjust is not None:  # e.g. the speed a pilot measured through the link
+            row = adjust(row)
         if memory is not None and row.memory_bytes > memory:
             left.append(LeftOut(c.spec, c.strategy, f"does not fit: {row.memory_bytes / 1e9:.3g} GB per worker > "
                                                     f"{memory / 1e9:.3g} GB"))

@@ -247,7 +247,7 @@ def _decoupled(cfg: Any, name: str) -> Prior:
             doublings = math.log2(DEMO_COMPRESSION / c)
             prior = _penalty(0.0, 0.01 * doublings, 0.03 * doublings,
                              f"DCT top-k at {c:.3g}: below the 1/85 DeMo was shown at [peng2024] (assumption: +1% "
-                             "per halving, up to +3%)", "peng2024")
+                             "per halving of the density, 0 to +3% per halving)", "peng2024")
     elif rep == "random":
         doublings = max(0.0, math.log2(DEMO_COMPRESSION / c))
         prior = _penalty(0.0, 0.02 + 0.01 * doublings, 0.1 + 0.03 * doublings,

@@ -232,7 +232,11 @@ def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective:
             tuned.append(f"{s.row.strategy}: `{s.row.spec}` {_short(s)} — least {objective} of its settings "
                          f"(then {others})")
     unreachable = [f"`{s.row.spec}` ({s.row.label}): {_why_not(s)}" for s in scored if not s.reaches]
-    out = [f"{name}: {why}" for name, why in left_out]
+    out: list[str] = []
+    for name, why in left_out:  # one line per reason: a strategy whose every setting is left out for it, once
+        line = f"{name}: {why}"
+        if line not in out:
+            out.append(line)
     out += [f"{s.row.strategy}: no setting is predicted to reach the target" for s in missing]
     return Advice(diagnosis(base.row), base.row.label, objective, recs[:top], recs, tuned, out, unreachable, notes)
 
@@ -247,8 +251,13 @@ def _short(s: Scored) -> str:
 
 def _why_not(s: Scored) -> str:
     e = s.estimate
-    last = e.notes[-1] if e.notes else "its loss penalty puts the target below the baseline's predicted floor"
-    return f"tokens ×{e.multiplier.value:.3g} the baseline's — {last}"
+    if e.source == "prior" and any(e.penalty):
+        lo, d, hi = e.penalty
+        head = (f"its loss penalty δ = {d:+.2%} ({lo:+.2%} to {hi:+.2%}) puts its floor (the "
+                f"baseline curve's × (1 + δ)) above the target")
+    else:
+        head = f"tokens ×{e.multiplier.value:.3g} the baseline's"
+    return f"{head} — " + ("; ".join(e.notes) if e.notes else "its curve flattens above the target")
 
 
 def fmt_knob(v: Any) -> str:

@@ -64,11 +64,17 @@ class PackedExchange:
         n = self.transport.group_size(self.group)
         gathered = torch.empty(n * payload.numel(), dtype=torch.uint8, device=payload.device)
         self.transport.all_gather(gathered, payload, self.group, name=self.name)
-        return self.chain.decode(gathered.view(n, -1), self.numel).sum(0).div_(n)
+        # one worker's payload decoded at a time into the fp32 sum: memory for two fp32 copies of the fragment,
+        # not one per worker (32 replicas of a 1B model would hold 128 GB of decoded payloads at once)
+        total = torch.zeros(self.numel, dtype=torch.float32, device=payload.device)
+        for row in gathered.view(n, -1):
+            total.add_(self.chain.decode(row, self.numel))
+        return total.div_(n)
 
     def memory_report(self) -> dict[str, int]:
         n = self.transport.group_size(self.group)
-        report = {"packed_buffers": n * self.payload_bytes() + n * self.numel * 4}  # gathered payloads, decoded
+        # the gathered payloads, the fp32 sum and one decoded payload
+        report = {"packed_buffers": n * self.payload_bytes() + 2 * self.numel * 4}
         if self.feedback is not None:
             report["pseudo_grad_residual"] = self.feedback.residual.numel() * 4
         return report

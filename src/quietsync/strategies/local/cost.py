@@ -127,8 +127,9 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
     if cfg.pseudo_grad_replicator != "none" or sparseloco or (_packed(cfg) and cfg.pseudo_grad_error_feedback):
         rep_mem = {"pseudo_grad_residual": w.params * 4}
     if cfg.pseudo_grad_replicator == "none" and _packed(cfg):
-        # the pseudo-gradient, and of the largest: every worker's payload gathered and decoded in fp32
-        gathered = max(n * _chain(cfg, [w.numels[i] for i in idx], f).payload_bytes(size) + n * size * 4
+        # the pseudo-gradient, and of the largest: every worker's payload gathered, then decoded one at a time
+        # into an fp32 sum
+        gathered = max(n * _chain(cfg, [w.numels[i] for i in idx], f).payload_bytes(size) + 2 * size * 4
                        for f, (idx, size) in enumerate(zip(frags, frag_sizes)))
         buffers = largest * 4 + gathered
     else:
