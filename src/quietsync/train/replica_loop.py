@@ -41,17 +41,16 @@ from ..link import parse_links
 from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import StrategyConfig, make_strategy
 from ..topology import GROUPS
-from .corpus import load_corpus
-from .data import ShardedSequences, encode_split, eval_batches
+from .data import ShardedSequences, eval_batches
 from .elastic import accumulation_field
 from .export import MODEL_DIR, export_model
+from .job_data import open_job_data
 from .job_model import job_model
 from .loop import ADAMW_BETAS, AUDIT_ENV, STEP_SUMS, evaluate, job_summary, lm_loss
 from .metrics import MetricsWriter, write_summary
 from .preflight import data_problem
 from .schedule import warmup_cosine
 from .slow_worker import MicroBatchTimer
-from .tokenizer import job_tokenizer
 from .window_dealer import WindowDealer
 
 STORE_ENV = "QUIETSYNC_FT_STORE"
@@ -158,10 +157,8 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         address, store = replica_store(transport, host, cfg.timeout_s)
         quorum = ReplicaQuorum(transport, lighthouse, address, timeout_s=cfg.timeout_s,
                                quorum_timeout_s=max(QUORUM_TIMEOUT_S, cfg.timeout_s), hostname=host)
-        corpus = load_corpus(cfg.dataset, cfg.eval_fraction)
-        tokenizer, eos = job_tokenizer(cfg.tokenizer, corpus, cfg.vocab_size, cfg.cache_dir)
-        train_tokens = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir)
-        eval_tokens = encode_split(tokenizer, corpus.eval_documents, eos, cfg.cache_dir)
+        data = open_job_data(cfg)  # prepared once (train/job_data.py), memory-mapped by every worker
+        tokenizer, eos, train_tokens, eval_tokens = data.tokenizer, data.eos, data.train, data.eval
         too_small = data_problem(train_tokens.numel(), eval_tokens.numel(), cfg, replicas * transport.workers)
         if too_small:
             raise ValueError(too_small)
