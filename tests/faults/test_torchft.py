@@ -18,37 +18,19 @@ Each test ends with every process it started gone, and states every exit status.
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 import quietsync.faults  # noqa: E402,F401  (before torchft: its Rust log level is read at import)
-from tests.train.conftest import synthetic_text
 
-from .torchft_replicas import Replicas, audit, records
+from .torchft_replicas import KILLED, Replicas, audit, job_flags, records, wait_exit
 
 torchft = pytest.importorskip("torchft")
 
 pytestmark = pytest.mark.timeout(240)
 
-KILLED = -signal.SIGKILL
-
-
-def _flags(root: Path, out: Path, *more: str) -> list[str]:
-    data = root / "text.txt"
-    if not data.exists():
-        data.write_text(synthetic_text(2000))
-    return ["--model", "tiny", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--dataset",
-            str(data), "--cache-dir", str(root / "cache"), "--eval-every", "0", "--eval-windows", "4",
-            "--no-progress", "--no-plot", "--timeout-s", "30", "--threads", "1", "--out", str(out), *more]
-
-
-def _wait(replicas: Replicas, proc, timeout: float = 150.0) -> int | None:
-    code = replicas.join(proc, timeout)
-    assert code is not None, f"{proc.name} still running after {timeout:g}s:\n{replicas.logs()}"
-    return code
 
 
 def _window_starts(tokens: torch.Tensor, seq_len: int, seed: int, windows: list[int]) -> torch.Tensor:
@@ -67,14 +49,13 @@ def _replay(root: Path, steps: list[dict], per_replica: int = 2, seq_len: int = 
     """One process, one model: every committed step is AdamW on the mean of the present replicas' gradients, each
     the gradient of the mean loss of its slot's windows (``per_replica`` of them, in slot order)."""
     from quietsync.models.causal_lm import build_model
-    from quietsync.train.corpus import load_corpus
-    from quietsync.train.data import encode_split
-    from quietsync.train.tokenizer import job_tokenizer
+    from quietsync.train.shards import open_prepared
 
-    corpus = load_corpus(str(root / "text.txt"), 0.02)
-    tokenizer, eos = job_tokenizer(None, corpus, 300, str(root / "cache"))
-    tokens = encode_split(tokenizer, corpus.documents, eos, str(root / "cache"))
-    model = build_model("tiny", tokenizer.get_vocab_size(), eos, seed=0)
+    (folder,) = [p for p in (root / "cache").glob("prepared-*") if p.is_dir()]  # prepared once by the run
+    prepared = open_prepared(folder)
+    tokens, eos = prepared.train.to_tensor(), prepared.eos
+    vocab = prepared.tokenizer().get_vocab_size()
+    model = build_model("tiny", vocab, eos, seed=0)
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
     decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in embeddings]
     rest = [p for p in model.parameters() if p.ndim < 2 or id(p) in embeddings]
@@ -101,23 +82,23 @@ def _replay(root: Path, steps: list[dict], per_replica: int = 2, seq_len: int = 
 def test_ddp_survivors_go_on_and_returning_replicas_heal_even_when_their_source_dies(tmp_path):
     out = tmp_path / "run"
     release = tmp_path / "replica2-is-up"
-    replicas = Replicas(tmp_path, 3, _flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "30"))
+    replicas = Replicas(tmp_path, 3, job_flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "30"))
     try:
         go = f"step:0:{tmp_path / 'go'}"  # every replica in the first quorum
         r0 = replicas.start(0, {"QUIETSYNC_FT_KILL": "heal_send:1", "QUIETSYNC_FT_HOLD": f"{go},step:12:{release}"})
         r1 = replicas.start(1, {"QUIETSYNC_FT_HOLD": go})
         r2 = replicas.start(2, {"QUIETSYNC_FT_KILL": "step:6", "QUIETSYNC_FT_HOLD": go})
         replicas.go(tmp_path / "go", [0, 1, 2])
-        assert _wait(replicas, r2) == KILLED  # killed mid-step
+        assert wait_exit(replicas, r2) == KILLED  # killed mid-step
         r2 = replicas.start(2)  # heals from replica 0, which dies sending: it stops
         replicas.wait_restarted(2)
         release.write_text("")
-        assert _wait(replicas, r0) == KILLED  # killed while replica 2 heals from it
-        assert _wait(replicas, r2) == 1, replicas.logs()
+        assert wait_exit(replicas, r0) == KILLED  # killed while replica 2 heals from it
+        assert wait_exit(replicas, r2) == 1, replicas.logs()
         assert "heal" in (tmp_path / "replica2.1.log").read_text()
         r2 = replicas.start(2)  # heals from replica 1
-        assert _wait(replicas, r1) == 0, replicas.logs()
-        assert _wait(replicas, r2) == 0, replicas.logs()
+        assert wait_exit(replicas, r1) == 0, replicas.logs()
+        assert wait_exit(replicas, r2) == 0, replicas.logs()
     finally:
         replicas.close()
     assert replicas.alive() == []
@@ -153,7 +134,7 @@ def test_ddp_survivors_go_on_and_returning_replicas_heal_even_when_their_source_
 def test_diloco_survivor_commits_the_outer_sync_alone_and_the_returning_replica_heals(tmp_path):
     out = tmp_path / "run"
     release = tmp_path / "replica1-is-up"
-    replicas = Replicas(tmp_path, 2, _flags(tmp_path, out, "--strategy", "diloco", "--sync-every", "4",
+    replicas = Replicas(tmp_path, 2, job_flags(tmp_path, out, "--strategy", "diloco", "--sync-every", "4",
                                             "--max-steps", "24"))
     try:
         # exchanges: 1 the start check, 2 the sync after step 4, 3 the sync after step 8 (killed inside it)
@@ -161,12 +142,12 @@ def test_diloco_survivor_commits_the_outer_sync_alone_and_the_returning_replica_
         r0 = replicas.start(0, {"QUIETSYNC_FT_HOLD": f"{go},step:14:{release}"})
         r1 = replicas.start(1, {"QUIETSYNC_FT_KILL": "exchange:3", "QUIETSYNC_FT_HOLD": go})
         replicas.go(tmp_path / "go", [0, 1])
-        assert _wait(replicas, r1) == KILLED
+        assert wait_exit(replicas, r1) == KILLED
         r1 = replicas.start(1)
         replicas.wait_restarted(1)
         release.write_text("")
-        assert _wait(replicas, r0) == 0, replicas.logs()
-        assert _wait(replicas, r1) == 0, replicas.logs()
+        assert wait_exit(replicas, r0) == 0, replicas.logs()
+        assert wait_exit(replicas, r1) == 0, replicas.logs()
     finally:
         replicas.close()
     assert replicas.alive() == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -18,9 +19,22 @@ from pathlib import Path
 from typing import Any
 
 from tests.distributed import _CTX
+from tests.train.conftest import synthetic_text
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 AUDIT = {"QUIETSYNC_AUDIT_DATA": "1"}
+KILLED = -signal.SIGKILL
+"""The exit status of a process killed with ``SIGKILL``."""
+
+
+def job_flags(root: Path, out: Path, *more: str) -> list[str]:
+    """The tests' job: a tiny model on a synthetic corpus written once under ``root``, one thread per worker."""
+    data = root / "text.txt"
+    if not data.exists():
+        data.write_text(synthetic_text(2000))
+    return ["--model", "tiny", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--dataset",
+            str(data), "--cache-dir", str(root / "cache"), "--eval-every", "0", "--eval-windows", "4",
+            "--no-progress", "--no-plot", "--timeout-s", "30", "--threads", "1", "--out", str(out), *more]
 
 
 def _replica(argv: list[str], env: dict[str, str], log: str) -> None:
@@ -53,9 +67,10 @@ class Replicas:
         self.known: dict[int, set[str]] = {}
         """Incarnations of each replica group seen so far (see :meth:`go`, :meth:`wait_restarted`)."""
 
-    def start(self, k: int, env: dict[str, str] | None = None) -> Any:
+    def start(self, k: int, env: dict[str, str] | None = None, workers: int = 1) -> Any:
+        """Start replica group ``k`` (``workers`` worker processes) with ``env`` added to its environment."""
         argv = [*self.flags, "--fault-tolerance", "torchft", "--lighthouse", self.address, "--nodes",
-                str(self.replicas), "--nproc", "1", "--replica-group", str(k)]
+                str(self.replicas), "--nproc", str(workers), "--replica-group", str(k)]
         starts = sum(1 for r, _ in self.started if r == k)
         log = str(self.folder / f"replica{k}.{starts}.log")
         proc = _CTX.Process(target=_replica, args=(argv, {**OFFLINE, **AUDIT, **(env or {})}, log))
@@ -104,6 +119,13 @@ class Replicas:
                 proc.kill()
                 proc.join(10)
         self.server.shutdown()
+
+
+def wait_exit(replicas: Replicas, proc: Any, timeout: float = 150.0) -> int | None:
+    """``proc``'s exit status, asserting it ended within ``timeout`` seconds."""
+    code = replicas.join(proc, timeout)
+    assert code is not None, f"{proc.name} still running after {timeout:g}s:\n{replicas.logs()}"
+    return code
 
 
 def records(out: Path, rank: int) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .data import ShardedSequences
+from .data import ShardedSequences, gather_windows
 
 KEEP_POSITIONS = 64
 """Steps whose starting position the dealer remembers (the schedule asks for the current step's)."""
@@ -144,8 +144,7 @@ class WindowDealer:
     def batch(self, windows: list[int]) -> torch.Tensor:
         """The token ids of ``windows``, ``[len(windows), seq_len]``."""
         _, starts = self.starts(windows)
-        seq = self.reader.seq_len
-        return self.reader.tokens[starts[:, None] + torch.arange(seq)[None, :]]
+        return gather_windows(self.reader.tokens, starts, self.reader.seq_len)
 
     # ------------------------------------------------------------------ heal state
     def state_dict(self) -> dict[str, Any]:
