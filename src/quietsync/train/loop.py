@@ -406,7 +406,7 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
             "tokens_total": tokens_total, "micro_batches": m.micro_batches, "compute_s": m.compute_s,
             "comm_s": m.comm_s, "idle_s": m.idle_s, "bytes_sent": m.bytes_sent, "bytes_recv": m.bytes_recv,
             "bytes_by_group": m.bytes_by_group, "slow_sleep_s": timer.slept_s,
-            "time_s": time.perf_counter() - t0,
+            "time_s": time.perf_counter() - t0, "unix_s": time.time(),
         }
         if m.extra:
             record["extra"] = m.extra
