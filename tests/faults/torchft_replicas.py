@@ -102,6 +102,14 @@ class Replicas:
         """Wait until a new incarnation of replica group ``k`` sends heartbeats."""
         self.known[k] = self.known.get(k, set()) | self.wait_heartbeat(k, timeout, self.known.get(k, set()))
 
+    def wait_file(self, path: Path, timeout: float = 90.0) -> None:
+        """Wait until ``path`` exists (a replica's ``QUIETSYNC_FT_READY`` file, a survivor's records)."""
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} did not appear within {timeout:g}s:\n{self.logs()}")
+            time.sleep(0.05)
+
     def join(self, proc: Any, timeout: float) -> int | None:
         proc.join(timeout)
         return proc.exitcode

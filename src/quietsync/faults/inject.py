@@ -13,6 +13,10 @@ does: no clean-up, its connections closed by the kernel) at a named point of the
 :data:`HOLD_LIMIT_S`): a test starts every replica in the first quorum, or holds the survivors until a restarted
 replica is up, so the run cannot end before it rejoins, whatever the machine's load.
 
+``QUIETSYNC_FT_READY=PATH`` makes a replica create the file ``PATH`` when it is about to ask for its first quorum
+(its model and strategy built): a test releases the survivors once a restarted replica is there, not merely
+started.
+
 Nothing happens without the variables (one dictionary lookup per point).
 """
 
@@ -24,6 +28,7 @@ import time
 
 KILL_ENV = "QUIETSYNC_FT_KILL"
 HOLD_ENV = "QUIETSYNC_FT_HOLD"
+READY_ENV = "QUIETSYNC_FT_READY"
 HOLD_LIMIT_S = 300.0
 POINTS = ("exchange", "heal_send", "step")
 
@@ -66,4 +71,12 @@ def hold(step: int) -> None:
             time.sleep(0.05)
 
 
-__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "KILL_ENV", "POINTS", "hold", "reached"]
+def ready() -> None:
+    """About to ask for the first quorum: create the file named by ``QUIETSYNC_FT_READY``, if set."""
+    path = os.environ.get(READY_ENV)
+    if path:
+        with open(path, "a"):
+            pass
+
+
+__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "KILL_ENV", "POINTS", "READY_ENV", "hold", "reached", "ready"]

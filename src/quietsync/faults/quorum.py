@@ -123,8 +123,24 @@ class ReplicaQuorum:
     # ------------------------------------------------------------------ rounds
     def join(self) -> bool:
         """The first round: connect to the other replicas (healing if they are ahead). Returns whether this
-        replica healed."""
-        healed = self.start_round()
+        replica healed.
+
+        A replica that finds no commit made yet (step 0) and not every replica group of the job in its quorum
+        asks again until they all are: a fresh job starts with all its replica groups, so a replica that comes
+        up while the others are busy -- or after they finished -- never starts a job of its own (it would train
+        from scratch beside them: split brain). It waits at most ``quorum_timeout_s`` (:class:`NoQuorum`)."""
+        deadline = time.monotonic() + self.quorum_timeout_s
+        while True:
+            healed = self.start_round()
+            members = self.members
+            if healed or self.manager.current_step() > 0 or len(members) == self.transport.replicas:
+                break
+            if time.monotonic() > deadline:
+                raise NoQuorum(f"quietsync: replica group {self.transport.replica} found no commit made and only "
+                               f"replica group(s) {members} of {self.transport.replicas} within "
+                               f"{self.quorum_timeout_s:g}s: a fresh job starts with all of them (or the job had "
+                               "already finished)")
+            time.sleep(0.1)
         self.joined = True
         return healed
 

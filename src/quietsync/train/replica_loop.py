@@ -34,7 +34,7 @@ import torch
 
 from ..cli.launch import note_failure
 from ..faults.heal import heal_state, load_heal_state
-from ..faults.inject import hold, reached
+from ..faults.inject import hold, reached, ready
 from ..faults.quorum import ReplicaQuorum
 from ..faults.transport import FaultTolerantTransport
 from ..link import parse_links
@@ -181,6 +181,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         quorum.on_commit(dealer.commit)
         marks["ready"] = time.time()
         hold(0)
+        ready()
         healed = quorum.join()
         marks["joined"] = time.time()
         if not healed:
@@ -254,7 +255,7 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
         now = time.perf_counter()
         evals.append(metrics.eval(strategy.steps, loss, dealer.committed * seq, now - t, now - t0))
 
-    def log_step(losses: list[torch.Tensor], tokens: int, commits_before: int, retries_before: int) -> None:
+    def log_step(losses: list[torch.Tensor], tokens: int, retries_before: int) -> None:
         m = strategy.last_step_metrics()
         record = {
             "step": m.step, "rank": rank, "loss": float(torch.stack(losses).mean()) if losses else float("nan"),
@@ -266,8 +267,9 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
         }
         if m.extra:
             record["extra"] = m.extra
-        if audit and quorum.commits > commits_before:
-            record["commit"] = {k: list(v) for k, v in dealer.last_commit.items()}
+        commit = dealer.take_commits()
+        if audit and commit:
+            record["commit"] = commit
         if run.marks:
             record["start"], run.marks = dict(run.marks), {}
         metrics.step(record)
@@ -309,15 +311,15 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
                 quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks, so a
                 # returning replica finds a round boundary to join at
             mine_tokens += len(windows) * seq
-            log_step(losses, len(windows) * seq, commits, retries)
+            log_step(losses, len(windows) * seq, retries)
             if cfg.eval_every and strategy.steps % cfg.eval_every == 0:
                 run_eval()
             stopped = dealer.position() >= cfg.max_steps
-        commits, retries = quorum.commits, quorum.retries
+        retries = quorum.retries
         if strategy.finish():
-            log_step([], 0, commits, retries)
-        elif quorum.commits > commits:  # the last partial round synced without a step of its own
-            finish_commit = {k: list(v) for k, v in dealer.last_commit.items()}
+            log_step([], 0, retries)
+        else:  # the last partial round synced without a step of its own
+            finish_commit = dealer.take_commits()
         run.state["finished"] = True
         if not evals or evals[-1]["step"] != strategy.steps:
             run_eval()

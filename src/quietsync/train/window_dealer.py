@@ -62,7 +62,10 @@ class WindowDealer:
         self.committed = 0
         """Windows committed so far (every replica together)."""
         self.last_commit: dict[str, list[int]] = {"committed": [], "given_back": []}
-        """The latest commit's committed and given-back windows (the data audit logs them)."""
+        """The latest commit's committed and given-back windows."""
+        self.unlogged: list[dict[str, list[int]]] = []
+        """Commits not yet taken by :meth:`take_commits` (the data audit logs them: a step can hold several, e.g.
+        streaming DiLoCo's fragment committed on the communication thread while the next step runs)."""
         self.present_dealt = 0
         """Windows dealt since the last commit to the slots of the replicas present when dealt."""
         self.positions: dict[int, float] = {}
@@ -109,6 +112,15 @@ class WindowDealer:
             self.open = {}
             self.present_dealt = 0
             self.last_commit = {"committed": committed, "given_back": back}
+            self.unlogged.append(self.last_commit)
+
+    def take_commits(self) -> dict[str, list[int]] | None:
+        """The commits since the last call, merged in commit order (None: none)."""
+        with self._lock:
+            taken, self.unlogged = self.unlogged, []
+        if not taken:
+            return None
+        return {k: [w for c in taken for w in c[k]] for k in ("committed", "given_back")}
 
     # ------------------------------------------------------------------ tokens and the schedule
     def position(self) -> float:
