@@ -1,0 +1,354 @@
+"""Goodput under a failure schedule (issue 28): the same job -- 2 replicas of one worker each (a core per worker
+on this 2-core machine), one thread each, tiny model -- run failure-free, and with replica 1 killed (``kill -9``)
+every ``T`` seconds and started again ``D`` seconds later, under
+
+* ``plain``: no fault tolerance, no failures (the reference: ``quietsync train --nproc 2 --nodes 2``);
+* ``torchft-free``: ``--fault-tolerance torchft``, no failures (what the per-step quorum costs by itself);
+* ``elastic``: ``--elastic`` (two torchrun agents, ``--nnodes 1:2``; agent 1 killed and started again): every
+  membership change restarts every worker from the newest checkpoint;
+* ``torchft``: ``--fault-tolerance torchft`` (a Lighthouse and one ``quietsync train --replica-group K`` process
+  per replica; replica 1 killed and started again): the survivor goes on, the returning replica heals from it.
+
+Goodput = committed tokens per second of the job's wall time (first process started → last one ended) ÷ the
+``plain`` run's. Every run commits the same tokens (``--max-steps`` counts tokens: a step with one replica missing
+holds half the tokens, the schedule follows tokens), so goodput is the plain run's wall time over the run's. Beside
+it: the final held-out loss, the steps each replica count trained, and for each return of replica 1 the seconds
+from its process starting to its first committed step, and the longest gap between two of the survivor's steps
+around it (its pause).
+
+Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
+
+    for s in ddp diloco; do for m in plain torchft-free elastic torchft; do
+        /work/bin/cpulock exclusive .venv/bin/python benchmarks/bench_goodput.py --run $s $m; done; done
+    .venv/bin/python benchmarks/bench_goodput.py --report
+
+Runs land in ``runs/goodput/RUN.json``; ``--report`` writes ``benchmarks/results/goodput.{md,json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+from common import PY_MAIN, RESULTS, write_markdown  # noqa: E402
+
+from tests.elastic_agents import Agents  # noqa: E402
+from tests.train.conftest import synthetic_text  # noqa: E402
+
+RUNS = ROOT / "runs" / "goodput"
+MODES = ("plain", "torchft-free", "elastic", "torchft")
+STRATEGIES = {"ddp": ["--strategy", "ddp"], "diloco": ["--strategy", "diloco", "--sync-every", "20"]}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def job_flags(root: Path, out: Path, strategy: str, steps: int, seed: int) -> list[str]:
+    """The job every mode runs (its --out aside)."""
+    return [*STRATEGIES[strategy], "--model", "tiny", "--max-steps", str(steps), "--micro-batch-size", "8",
+            "--seq-len", "128", "--vocab-size", "512", "--dataset", str(root / "text.txt"), "--cache-dir",
+            str(root / "cache"), "--eval-every", "0", "--eval-windows", "32", "--no-progress", "--no-plot",
+            "--no-export", "--timeout-s", "30", "--threads", "1", "--seed", str(seed), "--out", str(out)]
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    """Every worker's step records (all incarnations), in no particular order."""
+    rows = []
+    for path in out.glob("metrics-rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "event" not in r and "unix_s" in r:
+                rows.append(r)
+    return rows
+
+
+class Schedule:
+    """Replica 1 killed every ``period`` seconds from the job's start, started again ``down`` seconds later."""
+
+    def __init__(self, period: float, down: float) -> None:
+        self.period, self.down = period, down
+        self.events: list[tuple[str, float]] = []
+        """("kill" | "start", unix time) of replica 1."""
+
+    def drive(self, t0: float, running, kill, start) -> None:  # noqa: ANN001 - callables
+        """Until ``running()`` is false: kill at t0 + k*period, start at t0 + k*period + down."""
+        k = 1
+        while running():
+            kill_at = t0 + k * self.period
+            while running() and time.time() < kill_at:
+                time.sleep(0.05)
+            if not running():
+                return
+            kill()
+            self.events.append(("kill", time.time()))
+            back_at = kill_at + self.down
+            while running() and time.time() < back_at:
+                time.sleep(0.05)
+            if not running():
+                return
+            start()
+            self.events.append(("start", time.time()))
+            k += 1
+
+
+def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed), "--nproc", "2",
+           "--nodes", "2"]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **OFFLINE})
+    if proc.returncode:
+        raise RuntimeError(f"plain run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return {"t0": t0, "t1": time.time(), "exit_codes": [proc.returncode], "events": []}
+
+
+def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule | None
+                ) -> dict[str, Any]:
+    from quietsync.faults.lighthouse import LighthouseConfig, start_lighthouse
+
+    server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0"))
+    address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
+    base = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed),
+            "--fault-tolerance", "torchft", "--lighthouse", address, "--nodes", "2", "--nproc", "1"]
+    env = {**os.environ, **OFFLINE, "GLOO_SOCKET_IFNAME": "lo"}
+    procs: dict[int, subprocess.Popen] = {}
+    codes: list[tuple[int, int]] = []
+    starts = {0: 0, 1: 0}
+
+    def start(k: int) -> None:
+        log = open(root / f"replica{k}.{starts[k]}.log", "w")
+        starts[k] += 1
+        procs[k] = subprocess.Popen([*base, "--replica-group", str(k)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+
+    def kill() -> None:
+        procs[1].send_signal(signal.SIGKILL)
+        codes.append((1, procs[1].wait(30)))
+
+    t0 = time.time()
+    try:
+        start(0)
+        start(1)
+        if schedule is not None:
+            schedule.drive(t0, lambda: procs[0].poll() is None, kill, lambda: start(1))
+        codes.append((0, procs[0].wait(1800)))
+        t1 = time.time()  # the job ends with replica 0 (it writes the summary)
+        try:
+            codes.append((1, procs[1].wait(15)))
+        except subprocess.TimeoutExpired:  # restarted too late to join the final quorum: it would wait for a
+            procs[1].kill()                # fresh job's full quorum (120 s) and stop; not part of the job
+            codes.append((1, procs[1].wait(10)))
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        server.shutdown()
+    if codes[-2][1] != 0:
+        logs = "\n".join(p.read_text()[-2000:] for p in sorted(root.glob("replica*.log")))
+        raise RuntimeError(f"torchft run ended with {codes}:\n{logs}")
+    return {"t0": t0, "t1": t1, "exit_codes": codes, "events": schedule.events if schedule else []}
+
+
+def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule) -> dict[str, Any]:
+    folder = root / "agents"
+    folder.mkdir()
+    agents = Agents(folder, 2, job_flags(root, out, strategy, steps, seed), nnodes="1:2", max_restarts=100,
+                    env={**OFFLINE, "QUIETSYNC_AUDIT_DATA": "1"})  # the audit's records hold the world size
+    t0 = time.time()
+    try:
+        agents.start(0)
+        time.sleep(1.0)  # agent 0 hosts the rendezvous store
+        agents.start(1)
+        schedule.drive(t0, lambda: agents.procs[0].poll() is None, lambda: agents.kill_agent(1),
+                       lambda: agents.start(1))
+        codes = agents.wait(1800)
+        left = agents.survivors()
+    finally:
+        agents.close()
+    t1 = time.time()
+    if codes.get(0) != 0:
+        raise RuntimeError(f"elastic run ended with {codes}:\n{agents.logs()}")
+    return {"t0": t0, "t1": t1, "exit_codes": sorted(codes.items()), "processes_left": len(left),
+            "events": schedule.events}
+
+
+def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: str) -> list[dict[str, float]]:
+    """For each start of replica 1: seconds from its process starting to its first committed step, and the longest
+    gap between two consecutive steps of replica 0 (rank 0's records) from its start to 10 s after it trained."""
+    out = []
+    for kind, at in events:
+        if kind != "start":
+            continue
+        if mode == "torchft":
+            mine = sorted((r for r in rows if r["rank"] == 1 and r["unix_s"] > at), key=lambda r: r["unix_s"])
+        else:  # elastic: the first step of a world of 2 after the start (every worker restarted)
+            mine = sorted((r for r in rows if r.get("world_size") == 2 and r["unix_s"] > at),
+                          key=lambda r: r["unix_s"])
+        if not mine:
+            continue
+        first = mine[0]["unix_s"]
+        survivor = sorted(r["unix_s"] for r in rows if r["rank"] == 0 and at - 5 <= r["unix_s"] <= first + 10)
+        gaps = [b - a for a, b in zip(survivor, survivor[1:])]
+        out.append({"training_after_s": first - at, "survivor_max_gap_s": max(gaps, default=float("nan")),
+                    "survivor_median_step_s": statistics.median(gaps) if gaps else float("nan")})
+    return out
+
+
+def run_one(strategy: str, mode: str, steps: int, period: float, down: float, seed: int) -> dict[str, Any]:
+    RUNS.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
+        root = Path(tmp)
+        (root / "text.txt").write_text(synthetic_text(6000))
+        prepare = subprocess.run([sys.executable, "-c", PY_MAIN, "train", *job_flags(root, root / "prep", strategy, 1,
+                                                                                    seed), "--nproc", "1"],
+                                 capture_output=True, text=True, timeout=600, env={**os.environ, **OFFLINE})
+        if prepare.returncode:  # the tokenizer and the token cache, built before the clock starts
+            raise RuntimeError(prepare.stderr[-3000:])
+        out = root / "run"
+        schedule = Schedule(period, down)
+        if mode == "plain":
+            result = run_plain(strategy, root, out, steps, seed)
+        elif mode == "torchft-free":
+            result = run_torchft(strategy, root, out, steps, seed, None)
+        elif mode == "torchft":
+            result = run_torchft(strategy, root, out, steps, seed, schedule)
+        else:
+            result = run_elastic(strategy, root, out, steps, seed, schedule)
+        summary = json.loads((out / "summary.json").read_text())
+        rows = records(out)
+    wall = result["t1"] - result["t0"]
+    t0 = result["t0"]
+    timeline = sorted(({"t": r["unix_s"] - t0, "rank": r["rank"], "step": r["step"], "tokens": r["tokens"],
+                        "replicas": len(r["members"]) if "members" in r else r.get("world_size")}
+                       for r in rows), key=lambda r: r["t"])
+    run = {"strategy": strategy, "mode": mode, "seed": seed, "max_steps": steps, "period_s": period,
+           "down_s": down, "wall_s": wall, "tokens": summary["tokens"], "steps": summary["steps"],
+           "final_loss": summary["last_eval_loss"], "exit_codes": result["exit_codes"],
+           "processes_left": result.get("processes_left", 0),
+           "events": [(k, at - t0) for k, at in result["events"]],
+           "returns": returns(rows, result["events"], mode), "timeline": timeline,
+           "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
+                               if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
+           "load_average": os.getloadavg(), "command": " ".join(["python", *sys.argv])}
+    (RUNS / f"{strategy}-{mode}-seed{seed}.json").write_text(json.dumps(run, indent=1) + "\n")
+    print(f"{strategy} {mode}: {run['tokens']} tokens in {wall:.1f}s, final loss {run['final_loss']:.4f}, "
+          f"{len(run['events'])} events, returns {run['returns']}", flush=True)
+    return run
+
+
+def report() -> None:
+    runs = [json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json"))]
+    by = {(r["strategy"], r["mode"], r["seed"]): r for r in runs}
+    rows, table = [], []
+    for strategy in STRATEGIES:
+        plain = [r for (s, m, _), r in by.items() if s == strategy and m == "plain"]
+        if not plain:
+            continue
+        ref = statistics.mean(r["tokens"] / r["wall_s"] for r in plain)
+        losses = [r["final_loss"] for r in plain]
+        for mode in MODES:
+            for r in (r for (s, m, _), r in sorted(by.items()) if s == strategy and m == mode):
+                goodput = r["tokens"] / r["wall_s"] / ref
+                back = [x["training_after_s"] for x in r["returns"]]
+                pause = [x["survivor_max_gap_s"] for x in r["returns"]]
+                kills = sum(1 for k, _ in r["events"] if k == "kill")
+                table.append({**{k: r[k] for k in ("strategy", "mode", "seed", "wall_s", "tokens", "final_loss")},
+                              "goodput": goodput, "kills": kills, "training_after_s": back, "survivor_pause_s": pause,
+                              "plain_losses": losses})
+                rows.append([strategy, mode, r["seed"], kills, r["wall_s"], r["tokens"], f"{goodput:.0%}",
+                             r["final_loss"], ", ".join(f"{x:.1f}" for x in back) or "-",
+                             ", ".join(f"{x:.2f}" for x in pause) or "-"])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    sizes = runs[0] if runs else {}
+    meta = {"command": "benchmarks/bench_goodput.py (one --run per strategy and mode, then --report)",
+            "period_s": sizes.get("period_s"), "down_s": sizes.get("down_s"), "rows": table}
+    (RESULTS / "goodput.json").write_text(json.dumps(meta, indent=2) + "\n")
+    notes = (f"2 replicas x 1 worker (one thread each), tiny model, micro-batch 8 x 128 tokens, "
+             f"failure schedule: replica 1 `kill -9` every {sizes.get('period_s')} s from the job's start, started "
+             f"again {sizes.get('down_s')} s later. Goodput: committed tokens per wall second (first process "
+             "started to last ended) over the plain failure-free run's. back s: from replica 1's process start "
+             "to its first committed step (elastic: to the first step of the 2-worker world); pause s: the "
+             "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
+             "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.")
+    write_markdown("goodput", "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
+                   ["strategy", "mode", "seed", "kills", "wall s", "tokens", "goodput", "final loss", "back s",
+                    "pause s"], rows, notes)
+    plot(runs)
+    print((RESULTS / "goodput.md").read_text())
+
+
+def plot(runs: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in runs if r["mode"] in ("elastic", "torchft")]
+    if not shown:
+        return
+    fig, axes = plt.subplots(len(shown), 1, figsize=(11, 2.4 * len(shown)), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], shown):
+        bins: dict[int, int] = {}
+        present: dict[int, int] = {}
+        for e in r["timeline"]:
+            b = int(e["t"] // 2)
+            bins[b] = bins.get(b, 0) + e["tokens"]
+            if e["replicas"] is not None:
+                present[b] = max(present.get(b, 0), e["replicas"])
+        xs = sorted(bins)
+        ax.plot([2 * x for x in xs], [bins[x] / 2 for x in xs], color="tab:blue", lw=1)
+        ax.set_ylabel("tokens/s", color="tab:blue")
+        ax2 = ax.twinx()
+        ys = sorted(present)
+        ax2.step([2 * x for x in ys], [present[x] for x in ys], where="post", color="tab:orange", lw=1)
+        ax2.set_ylim(0, 2.5)
+        ax2.set_ylabel("replicas", color="tab:orange")
+        events = r["events"]
+        for (k, a), nxt in zip(events, events[1:] + [("end", r["wall_s"])]):
+            if k == "kill":
+                ax.axvspan(a, nxt[1], color="0.85", zorder=0)
+        ax.set_title(f"{r['strategy']} {r['mode']} (replica 1 down: grey)", fontsize=9)
+    axes[-1, 0].set_xlabel("seconds since the job started")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "goodput.png", dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", nargs=2, metavar=("STRATEGY", "MODE"), help=f"one run: {list(STRATEGIES)} x {MODES}")
+    p.add_argument("--report", action="store_true", help="write benchmarks/results/goodput.{md,json,png}")
+    p.add_argument("--steps", type=int, default=0, help="--max-steps (default: per strategy, ~150 s failure-free)")
+    p.add_argument("--period", type=float, default=60.0, help="T: seconds between kills of replica 1")
+    p.add_argument("--down", type=float, default=20.0, help="D: seconds replica 1 stays down")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.run:
+        strategy, mode = args.run
+        if strategy not in STRATEGIES or mode not in MODES:
+            p.error(f"--run STRATEGY MODE with STRATEGY in {list(STRATEGIES)} and MODE in {list(MODES)}")
+        steps = args.steps or DEFAULT_STEPS[strategy]
+        run_one(strategy, mode, steps, args.period, args.down, args.seed)
+    if args.report:
+        report()
+
+
+DEFAULT_STEPS = {"ddp": 1500, "diloco": 1500}
+"""--max-steps of each strategy (sized so that the plain failure-free run takes about 150 s here)."""
+
+
+if __name__ == "__main__":
+    main()
