@@ -85,6 +85,15 @@ INTER_GROUPS = ("world", "replicate")
 """The groups that span nodes (``shard`` stays inside one; with one worker per node it is empty)."""
 
 
+def shaped_link() -> ShapedLink:
+    """The shaped link under this benchmark's own namespace, device and address names, so that another benchmark's
+    shaped link (``bench_plan``, ``bench_time_to_target``'s probe: the default names) set up meanwhile neither
+    deletes nor joins this one's."""
+    link = ShapedLink()
+    link.ns, link.dev, link.ip = ("qseqloss0", "qseqloss1"), ("qseqv0", "qseqv1"), ("10.79.0.1", "10.79.0.2")
+    return link
+
+
 @dataclasses.dataclass(frozen=True)
 class Job:
     """What every run of the sweep shares (a change re-runs every record)."""
@@ -173,6 +182,20 @@ def planner_grid() -> list[tuple[str, dict[str, Any]]]:
                      nproc=FULL.workers, nodes=FULL.workers)
     w, _ = build_workload(cfg, real=False)
     return list(default_candidates(w, Topology(0, FULL.workers, FULL.workers)))
+
+
+def only(grid: list[tuple[str, dict[str, Any]]], wanted: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The settings named in ``wanted``, in its order: a spec equal to a setting's picks that one, otherwise every
+    setting whose spec starts with it (``diloco:sync_every=16`` alone; ``demo:replicator=random`` all three)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for o in wanted:
+        exact = [(n, k) for n, k in grid if spec(n, k) == o]
+        for nk in exact or [(n, k) for n, k in grid if spec(n, k).startswith(o)]:
+            if nk not in out:
+                out.append(nk)
+    if not out:
+        raise SystemExit(f"--only: no setting matches {wanted}; --list prints them")
+    return out
 
 
 def resolved(name: str, knobs: dict[str, Any]) -> dict[str, Any]:
@@ -300,13 +323,15 @@ def run_one(job: Job, name: str, knobs: dict[str, Any], link: str, seed: int, wo
     """Run one setting on one link with one seed and write its record (called in the child process, under the
     wrap's lock)."""
     path = record_path(work, job, link, name, knobs, seed)
+    if path.exists():  # another sweep made it while this one waited for the lock
+        return json.loads(path.read_text())
     out = path.with_suffix("")
     shutil.rmtree(out, ignore_errors=True)
     flags = run_flags(job, name, knobs, link, seed)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     if LINKS[link] is None:
-        ShapedLink().run(["train", "--out", str(out), "--no-progress", "--no-plot", "--no-export", *flags], 1,
+        shaped_link().run(["train", "--out", str(out), "--no-progress", "--no-plot", "--no-export", *flags], 1,
                          timeout=job.time_s * 2 + 600, port=port)
         summary = read_run(out)
     else:
@@ -381,6 +406,11 @@ class Sweep:
         self.job, self.work, self.wrap, self.dry = job, work, wrap, dry
         self.port = 29700 + os.getpid() % 97 * 3
 
+    def cached(self, name: str, knobs: dict[str, Any], link: str, seed: int = 0) -> dict[str, Any] | None:
+        """The record of a run made before (by this sweep or another), or None."""
+        path = record_path(self.work, self.job, link, name, knobs, seed)
+        return json.loads(path.read_text()) if path.exists() else None
+
     def get(self, name: str, knobs: dict[str, Any], link: str, seed: int) -> dict[str, Any] | None:
         path = record_path(self.work, self.job, link, name, knobs, seed)
         if path.exists():
@@ -422,6 +452,41 @@ def headline_rows(link: str, recs: dict[str, dict[str, Any]], top: int = 2) -> l
     return chosen
 
 
+def not_reachable(job: Job, name: str, knobs: dict[str, Any], link: str, ref: dict[str, Any] | None) -> str | None:
+    """Why ``(name, knobs)`` cannot reach the target within the caps on ``link``, read from its seed-0 run on the
+    reference link (the fastest), or None (then it runs). Only for settings whose arithmetic does not depend on
+    timing (all but ACCO/DPU/WP, whose stages adapt to the link): their loss per token is the same on every link
+    (checked in the report, on the links where both ran), so
+
+    * a run that did not reach the target on the fastest link does not reach it on a slower one (the token cap is
+      the same; a time cap comes at fewer tokens);
+    * a run that reached it sent its bytes to the target on every link, and a worker's link carries them no faster
+      than its bandwidth: past the time cap, it cannot arrive in time.
+    """
+    if ref is None or link == REFERENCE_LINK or name in OVERLAPPED:
+        return None
+    if not ref["reached"]:
+        cap = "token" if ref["stopped_by"] == "max_tokens" else "time"
+        return (f"did not reach it on {REFERENCE_LINK} within the {cap} cap (best {ref['best_loss']:.3f}); its loss "
+                "per token is the same on every link")
+    from quietsync.link import LinkModel
+
+    per_worker = ref["inter_bytes_to_target"] / job.workers
+    bound = per_worker / LinkModel.parse(LINKS[link] or "100mbit").bandwidth  # the shaped link's rate is 100 Mbit/s
+    if bound > job.time_s:
+        return (f"its {per_worker / 1e6:,.0f} MB per worker to the target (as on {REFERENCE_LINK}) take "
+                f"≥ {bound:,.0f} s on this link alone, past the {job.time_s:g} s cap")
+    return None
+
+
+def skipped(name: str, knobs: dict[str, Any], link: str, why: str) -> dict[str, Any]:
+    """The record of a run not made (:func:`not_reachable`)."""
+    return {"strategy": name, "knobs": knobs, "spec": spec(name, knobs), "link": link, "seed": 0, "reached": False,
+            "skipped": why, "stopped_by": None, "best_loss": None, "final_loss": None, "time_to_target_s": None,
+            "tokens_to_target": None, "inter_bytes_to_target": None, "process_s": 0.0,
+            "low_comm": low_comm(name, knobs), "curve": [], "tokens": None, "inter_bytes": None}
+
+
 # ---------------------------------------------------------------------------------------------- the report
 def aggregate(recs: list[dict[str, Any]]) -> dict[str, Any]:
     """Seeds of one setting on one link: mean, spread and how many reached the target."""
@@ -434,11 +499,13 @@ def aggregate(recs: list[dict[str, Any]]) -> dict[str, Any]:
         return {"mean": statistics.mean(vals), "sd": statistics.stdev(vals) if len(vals) > 1 else 0.0,
                 "min": min(vals), "max": max(vals), "n": len(vals)}
 
+    best = [r["best_loss"] for r in recs if r["best_loss"] is not None]
+    final = [r["final_loss"] for r in recs if r["final_loss"] is not None]
     return {"seeds": [r["seed"] for r in recs], "reached": len(hit), "runs": len(recs),
+            "skipped": recs[0].get("skipped"),
             "time_to_target_s": stat("time_to_target_s"), "tokens_to_target": stat("tokens_to_target"),
             "inter_bytes_to_target": stat("inter_bytes_to_target"),
-            "best_loss": min(r["best_loss"] for r in recs if r["best_loss"] is not None),
-            "final_loss": statistics.mean(r["final_loss"] for r in recs if r["final_loss"] is not None)}
+            "best_loss": min(best) if best else None, "final_loss": statistics.mean(final) if final else None}
 
 
 def fmt_stat(s: dict[str, float] | None, scale: float = 1.0, digits: int = 3) -> str:
@@ -452,9 +519,16 @@ def fmt_stat(s: dict[str, float] | None, scale: float = 1.0, digits: int = 3) ->
     return text
 
 
+NOT_RUN = "this sweep's time"
+"""Why a setting of the grid has no run on a link where the sweep's pruning did not rule it out: the sweep ran a
+subset in the time it had (``--only``/``--links``), most important first."""
+
+
 def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], records: dict, name: str,
-           cmd: str, sweep_s: float | None) -> Path:
-    """Write ``results/NAME.{json,md,png}`` from the records (every seed of every setting on every link)."""
+           cmd: str, sweep_s: float | None, unrun_links: list[str] = (), base: str = "") -> Path:
+    """Write ``results/NAME.{json,md,png}`` from the records (every seed of every setting on every link); the
+    settings of ``grid`` with no record on a link of ``links``, and the links ``unrun_links``, are named as not run
+    (:data:`NOT_RUN`)."""
     by_link: dict[str, dict[str, dict[str, Any]]] = {}
     for link in links:
         by_link[link] = {}
@@ -466,13 +540,17 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
     ref = REFERENCE_LINK if REFERENCE_LINK in by_link else links[0]
     table_a, headline = bytes_table(by_link.get(ref, {}), job)
     table_b = time_table(by_link, links, job)
+    not_run = {lk: [spec(n, k) for n, k in grid if spec(n, k) not in by_link[lk]] for lk in links}
+    nowhere = [spec(n, k) for n, k in grid if all(spec(n, k) in not_run[lk] for lk in links)]
+    made = {lk: [s for s, r in by_link[lk].items() if not r["skipped"]] for lk in links}
     cpu = sum(r["process_s"] for lk in records.values() for rs in lk.values() for r in rs)
-    runs = sum(len(rs) for lk in records.values() for rs in lk.values())
+    runs = sum(1 for lk in records.values() for rs in lk.values() for r in rs if not r.get("skipped"))
     (RESULTS / f"{name}.json").write_text(json.dumps({
         "job": dataclasses.asdict(job), "links": {lk: LINKS[lk] or ShapedLink().describe() for lk in links},
         "reference_link": ref, "baseline": BASELINE, "headline": headline, "left_out": left_out(),
         "settings": [{"strategy": n, "knobs": k, "spec": spec(n, k), "config": resolved(n, k)} for n, k in grid],
         "results": by_link, "runs": runs, "run_seconds": cpu, "sweep_wall_s": sweep_s, "command": cmd,
+        "not_run": {**not_run, **{lk: [spec(n, k) for n, k in grid] for lk in unrun_links}}, "not_run_why": NOT_RUN,
     }, indent=1) + "\n")
     plot(by_link, links, job, RESULTS / f"{name}.png", ref)
     notes = "\n".join([
@@ -504,15 +582,36 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         "",
         same_tokens(by_link, links) if len(links) > 1 else "",
         "",
+        seeds_note(records),
+        "",
         "Left out: " + "; ".join(f"**{k}** — {v}" for k, v in left_out().items()) + ".",
         "",
+        (f"**Not run ({NOT_RUN})**: " + (", ".join(f"`{s}`" for s in nowhere) + " on any link" if nowhere else "")
+         + ("; " if nowhere and unrun_links else "") + (", ".join(f"`{lk}`" for lk in unrun_links)
+                                                          + ": no setting" if unrun_links else "")
+         + "."
+         if nowhere or unrun_links else ""),
+        "",
         f"{runs} runs, {cpu / 3600:.2f} h of run time ({wrapped(records)}"
-        + (f"; the sweep {sweep_s / 3600:.2f} h of wall time" if sweep_s else "") + "). Reproduce: `" + cmd + "`.",
+        + (f"; the sweep {sweep_s / 3600:.2f} h of wall time" if sweep_s else "") + "). Reproduce the runs shown: "
+        + "; ".join(f"`{base or cmd} --links {lk} --only {' '.join(made[lk])} --extra-seeds 0`"
+                    for lk in links if made[lk])
+        + ". The whole sweep (every setting on every link, more seeds for the headline rows): `" + cmd + "`.",
     ])
     path = RESULTS / f"{name}.md"
     path.write_text(f"# Equal loss: every setting run to held-out loss {job.target:g}\n\n{notes}\n\n"
                     f"![loss vs time per link]({name}.png)\n")
     return path
+
+
+def seeds_note(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """What the seeds allow to be read: one seed per setting and link, or more for some rows."""
+    made = [r for lk in records.values() for rs in lk.values() for r in rs if not r.get("skipped")]
+    more = sorted({r["spec"] for r in made if r["seed"] != 0})
+    if not more:
+        return ("**One seed (0) per setting and link**: each number is one run, its run-to-run spread not measured; "
+                "read small differences in time (tens of percent) as unresolved.")
+    return f"Seed 0 for every setting; more seeds for {', '.join(f'`{s}`' for s in more)} (mean ± sd)."
 
 
 def wrapped(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
@@ -521,6 +620,8 @@ def wrapped(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     for lk in records.values():
         for rs in lk.values():
             for r in rs:
+                if r.get("skipped"):
+                    continue
                 w = " ".join(Path(r.get("wrap", [""])[0]).name.split() + r.get("wrap", [])[1:]) if r.get("wrap") else ""
                 wraps[w] = wraps.get(w, 0) + 1
     if list(wraps) == ["cpulock exclusive"]:
@@ -549,7 +650,7 @@ def bytes_table(recs: dict[str, dict[str, Any]], job: Job) -> tuple[str, str]:
         else:
             sent = statistics.mean(x["inter_bytes"] for x in r["runs_detail"])
             toks = statistics.mean(x["tokens"] for x in r["runs_detail"])
-            rows.append([f"`{s}`", reached, f"({sent / 1e6:,.3g} at the cap)", "—",
+            rows.append([f"`{s}`", reached, f"({sent / 1e6:,.0f} at the cap)", "—",
                          f"(not reached in {toks / 1e6:.3g} M)",
                          f"{r['best_loss']:.3f} (+{r['best_loss'] - job.target:.3f})"])
     header = ["setting", "reached", "inter-node MB to target", "× fewer than ddp", "tokens to target (× ddp)",
@@ -594,9 +695,12 @@ def time_table(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], 
         for link in links:
             r = by_link[link].get(s)
             if r is None:
-                row.append("")
+                row.append(f"not run ({NOT_RUN})")
                 continue
             t = r["time_to_target_s"]
+            if r["skipped"]:
+                row.append(f"— (not run: {r['skipped']})")
+                continue
             if t is None:
                 how = "; ".join(sorted({x["stopped_by"] for x in r["runs_detail"] if not x["reached"]}))
                 row.append(f"— ({r['best_loss']:.2f}; {how.replace('max_', '')} cap)" if r["reached"] == 0
@@ -615,7 +719,8 @@ def same_tokens(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str])
     same, differ = [], []
     for s in {s for lk in links for s in by_link[lk]}:
         toks = {lk: by_link[lk][s]["runs_detail"][0]["tokens_to_target"] for lk in links
-                if s in by_link[lk] and by_link[lk][s]["runs_detail"][0]["reached"]}
+                if s in by_link[lk] and by_link[lk][s]["runs_detail"][0]["reached"]
+                and not by_link[lk][s]["skipped"]}
         if len(toks) > 1:
             (same if len(set(toks.values())) == 1 else differ).append(s)
     text = (f"Tokens to the target (seed 0) are the same on every link where a setting reached it for {len(same)} "
@@ -629,8 +734,8 @@ COLORS = {"ddp": "black", "zero1": "dimgray", "fsdp": "gray", "acco": "tab:orang
 
 
 def plot(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: Job, path: Path, ref: str) -> None:
-    """Held-out loss vs training time on each link (the baseline and the 4 fastest labelled), and vs tokens on the
-    reference link."""
+    """Held-out loss vs training time on each link (the baseline, the 4 fastest and the 2 low-communication rows with
+    the fewest bytes to the target labelled), and vs tokens on the reference link."""
     from quietsync.cli.figures import pyplot
 
     plt = pyplot()
@@ -641,9 +746,13 @@ def plot(by_link: dict[str, dict[str, dict[str, Any]]], links: list[str], job: J
         recs = by_link[link]
         reached = sorted((s for s in recs if recs[s]["time_to_target_s"]),
                          key=lambda s: recs[s]["time_to_target_s"]["mean"])
-        labelled = set(reached[:4]) | {BASELINE}
+        fewest = sorted((s for s in reached if recs[s]["low_comm"]),
+                        key=lambda s: recs[s]["inter_bytes_to_target"]["mean"])
+        labelled = set(reached[:4]) | {BASELINE} | set(fewest[:2])
         for s, r in recs.items():
             run = r["runs_detail"][0]
+            if not run["curve"]:
+                continue
             xs = [c["tokens" if by_tokens else "time_s"] for c in run["curve"][1:]]
             ys = [c["loss"] for c in run["curve"][1:]]
             ax.plot(xs, ys, "-", lw=2 if s in labelled else 0.8, alpha=1 if s in labelled else 0.45,
@@ -740,7 +849,8 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="only rebuild the results from the records")
     ap.add_argument("--links", nargs="+", default=None, choices=list(LINKS), help="links (default: all)")
     ap.add_argument("--only", nargs="+", default=None, metavar="SPEC",
-                    help="only the settings whose spec starts with one of these (e.g. diloco demo:replicator=dct)")
+                    help="only these settings, in this order: a spec (exact) or the start of specs (e.g. diloco "
+                         "demo:replicator=random)")
     ap.add_argument("--extra-seeds", type=int, default=2, help="more seeds for the headline rows (default 2)")
     ap.add_argument("--list", action="store_true", help="print the settings (specs) and exit")
     ap.add_argument("--work", type=Path, default=Path("runs/equal_loss"), help="records and run folders")
@@ -758,12 +868,12 @@ def main() -> None:
         return
     job = QUICK if args.quick else SMOKE if args.smoke else FULL
     grid = settings(args.quick)
+    if args.only:
+        grid = only(grid, args.only)
     if args.list:
         for n, k in grid:
             print(spec(n, k))
         return
-    if args.only:
-        grid = [(n, k) for n, k in grid if any(spec(n, k).startswith(o) for o in args.only)]
     links = args.links or (["100mbit"] if args.quick else list(LINKS))
     if SHAPED in links and not args.report and (os.geteuid() != 0 or not shutil.which("tc")):
         ap.error("the shaped link needs root and tc (leave it out with --links 10mbit 100mbit 1gbit)")
@@ -771,13 +881,15 @@ def main() -> None:
     sweep = Sweep(job, args.work, wrap, dry=args.report)
     t0 = time.perf_counter()
     records: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    shaped = ShapedLink() if SHAPED in links and not args.report else None
+    shaped = shaped_link() if SHAPED in links and not args.report else None
     try:
         if shaped is not None:
             shaped.__enter__()
         for link in links:  # seed 0 of everything, then more seeds of this link's headline rows
             for n, k in grid:
-                rec = sweep.get(n, k, link, 0)
+                ref = records.get(REFERENCE_LINK, {}).get(spec(n, k), [None])[0] or sweep.cached(n, k, REFERENCE_LINK)
+                why = not_reachable(job, n, k, link, ref)
+                rec = skipped(n, k, link, why) if why else sweep.get(n, k, link, 0)
                 if rec is not None:
                     records.setdefault(link, {}).setdefault(spec(n, k), []).append(rec)
             if not args.extra_seeds or link not in records:
@@ -792,14 +904,17 @@ def main() -> None:
     finally:
         if shaped is not None:
             shaped.__exit__()
-    links = [lk for lk in links if lk in records]
+    ran = [lk for lk in links if any(not r.get("skipped") for rs in records.get(lk, {}).values() for r in rs)]
+    unrun = [lk for lk in links if lk not in ran]
+    links = ran
     if not links:
         print("no records yet")
         return
-    cmd = "python benchmarks/bench_equal_loss.py" + (" --quick" if args.quick else " --smoke" if args.smoke else "") + (
-        f" --links {' '.join(args.links)}" if args.links else "") + (
+    base = "python benchmarks/bench_equal_loss.py" + (" --quick" if args.quick else " --smoke" if args.smoke else "")
+    cmd = base + (f" --links {' '.join(args.links)}" if args.links else "") + (
         f" --only {' '.join(args.only)}" if args.only else "")
-    path = report(job, grid, links, records, name, cmd, None if args.report else time.perf_counter() - t0)
+    path = report(job, grid, links, records, name, cmd, None if args.report else time.perf_counter() - t0, unrun,
+                  base)
     print(path.read_text())
 
 
