@@ -96,7 +96,7 @@ def probe_shaped(job: dict[str, Any], work: Path) -> str:
 def run_plan(argv: list[str], wrap: list[str], timeout: float) -> float:
     """``quietsync plan ARGV`` in a child process under ``wrap`` (the CPU lock); returns its wall seconds."""
     t0 = time.perf_counter()
-    subprocess.run([*wrap, sys.executable, "-m", "quietsync.train.cli", *argv], check=True, timeout=timeout)
+    subprocess.run([*wrap, sys.executable, "-m", "quietsync", *argv], check=True, timeout=timeout)
     return time.perf_counter() - t0
 
 
