@@ -26,6 +26,7 @@ Writes ``results/time_to_target.{json,md}`` (``--quick``: ``time_to_target_quick
 
     python benchmarks/bench_time_to_target.py --pilot-tokens 1000000          # every link of equal_loss.json
     python benchmarks/bench_time_to_target.py --quick --pilot-tokens 200000   # the quick equal-loss set
+    python benchmarks/bench_time_to_target.py --pilot-tokens 400000 --work W --reuse  # W's plans, newer records
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def main() -> None:
     ap.add_argument("--wrap", default="/work/bin/cpulock exclusive",
                     help="command each plan runs under (the CPU lock; '' for none)")
     ap.add_argument("--work", default=None, help="folder for the plans (default: a temporary one)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="judge the plans already in --work against the current equal-loss records (no new plan)")
     args = ap.parse_args()
     source = RESULTS / ("equal_loss_quick.json" if args.quick else "equal_loss.json")
     if not source.exists():
@@ -185,11 +188,16 @@ def main() -> None:
     t0 = time.perf_counter()
     for link in links:
         spec_link = data["links"].get(link)
-        shaped = spec_link is None or str(spec_link).startswith("tc ")
-        plan_link = probe_shaped(job, work) if shaped else spec_link
         folder = work / f"plan-{link}"
-        print(f"== {link}: quietsync plan --link inter={plan_link}", flush=True)
-        plan_s = run_plan(plan_argv(job, plan_link, job["target"], args.pilot_tokens, folder), wrap, 7200)
+        if args.reuse and (folder / "plan.json").exists():
+            old = json.loads((folder / "verdict.json").read_text()) if (folder / "verdict.json").exists() else {}
+            plan_s, plan_link = old.get("plan_s"), old.get("plan_link")
+        else:
+            shaped = spec_link is None or str(spec_link).startswith("tc ")
+            plan_link = probe_shaped(job, work) if shaped else spec_link
+            print(f"== {link}: quietsync plan --link inter={plan_link}", flush=True)
+            plan_s = run_plan(plan_argv(job, plan_link, job["target"], args.pilot_tokens, folder), wrap, 7200)
+            (folder / "verdict.json").write_text(json.dumps({"plan_s": plan_s, "plan_link": plan_link}))
         plan = json.loads((folder / "plan.json").read_text())
         verdict = judge(plan, measured_by_setting(data["results"][link]), grid,
                         (float(job.get("time_s", math.inf)), float(job.get("tokens", math.inf))))
