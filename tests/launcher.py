@@ -41,7 +41,8 @@ def launch_forked(fn: Callable[..., Any], args: tuple = (), nproc: int = 1,
     if nproc <= 1:
         return fn(*args)
     with tempfile.TemporaryDirectory(prefix="quietsync-launch-") as errors:
-        got = run_ranks(_forked_worker, nproc, fn, args, errors, timeout=timeout, nodes=1, env=dict(OFFLINE),
+        env = {**OFFLINE, **{k: v for k, v in os.environ.items() if k.startswith("QUIETSYNC_")}}  # as spawned ones
+        got = run_ranks(_forked_worker, nproc, fn, args, errors, timeout=timeout, nodes=1, env=env,
                         expect_failure=True, grace_s=GRACE_S)
         for rank in range(nproc):
             for stream, name in ((sys.stdout, "stdout"), (sys.stderr, "stderr")):

@@ -35,3 +35,26 @@ def test_readme_layer_diagram_puts_the_comm_worker_inside_the_strategy():
     parts = diagram[diagram.index("-> strategy"):diagram.index("-> transport")]
     for part in ("parts/", "substrates/", "checkpoint/", "flat.py", "replicators/", "codecs/", "comm_worker.py"):
         assert part in parts, part
+
+
+@pytest.mark.timeout(120)
+def test_readme_parquet_commands_run_as_written(tmp_path, monkeypatch):
+    """The two commands a user with a folder of Parquet files runs: prepare runs, and train accepts its folder."""
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from quietsync.commands.main import main
+    from quietsync.train.args import parse_train_args
+    from tests.train.conftest import synthetic_text
+
+    text = README.read_text()
+    prepare, train = re.search(r"```bash\n(quietsync prepare [^\n#]*?)\s*#[^\n]*\n(quietsync train [^\n#]*?)\s*#",
+                               text).groups()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_parquet").mkdir()
+    pq.write_table(pa.table({"text": [synthetic_text(60, seed=i) for i in range(60)]}),
+                   tmp_path / "my_parquet" / "part-0.parquet")
+    assert main([*prepare.split()[1:], "--vocab-size", "300", "--no-progress"]) == 0
+    cfg, _, _ = parse_train_args(train.split()[2:])
+    assert cfg.dataset == "data/mine" and (tmp_path / "data" / "mine" / "index.json").exists()

@@ -37,7 +37,9 @@ def root_cause_on_rank_one_then_slow_cleanup() -> None:
 
 
 def sleep_forever(marker_dir: str) -> None:
-    Path(marker_dir, f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
+    tmp = Path(marker_dir, f".pid-{os.environ['RANK']}")
+    tmp.write_text(str(os.getpid()))
+    tmp.rename(tmp.with_name(tmp.name[1:]))  # whole: the test reads it as soon as it appears
     time.sleep(600)
 
 

@@ -125,3 +125,26 @@ def test_build_once_says_whom_it_waits_for(tmp_path, capsys):
         build_once(target, lambda tmp: tmp.write_text("x"), timeout_s=0.3)
     err = capsys.readouterr().err
     assert err.count("waiting for") == 1 and holder in err
+
+
+def test_a_long_build_that_shows_life_is_waited_for(tmp_path, monkeypatch):
+    """A builder refreshes its lock while it works (a large corpus takes minutes to prepare): a waiter whose
+    timeout is shorter than the build waits for it instead of giving up, and nothing is built twice."""
+    from quietsync.train import cache
+    from quietsync.train.cache import build_in_place
+
+    monkeypatch.setattr(cache, "HEARTBEAT_S", 0.05)
+    done, lock = tmp_path / "done", tmp_path / "done.lock"
+    started = threading.Event()
+
+    def slow_build():
+        started.set()
+        time.sleep(1.0)  # the builder's work, longer than the waiter's timeout
+        done.write_text("x")
+
+    builder = threading.Thread(target=lambda: build_in_place(done, lock, slow_build))
+    builder.start()
+    started.wait(10)
+    build_in_place(done, lock, lambda: pytest.fail("built twice"), timeout_s=0.3)
+    builder.join()
+    assert done.read_text() == "x" and not lock.exists()

@@ -1,10 +1,11 @@
-"""The ``quietsync`` command line (``quietsync``, ``python -m quietsync``): ``quietsync train`` (the main job),
-``quietsync compare``, ``quietsync plan``, ``quietsync --version``.
+"""The ``quietsync`` command line (``quietsync``, ``python -m quietsync``): ``quietsync prepare`` (token shards),
+``quietsync train`` (the main job), ``quietsync compare``, ``quietsync plan``, ``quietsync --version``.
 
 The entry points live here, above the applications they dispatch to: parsing a job is in
 :mod:`quietsync.train.args` (flags, one-line errors) and running it in :mod:`quietsync.train.run_job` (in place under
 torchrun, else on ``--nproc`` local workers, see :mod:`quietsync.cli.launch`), so that ``compare`` shares both
-without importing this module; ``plan`` is :mod:`quietsync.plan.cli`.
+without importing this module; ``plan`` is :mod:`quietsync.plan.cli`, ``prepare``
+:mod:`quietsync.commands.prepare`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from ..plan.cli import plan_main as _plan_main
 from ..train.args import PROG, parse_train_args, train_parser
 from ..train.run_job import run_job
 from .compare import compare_main
+
+
+def prepare_main(argv: list[str]) -> int:
+    """``quietsync prepare``: see :mod:`quietsync.commands.prepare`."""
+    from .prepare import prepare_main as main_
+
+    return main_(argv)
 
 
 def plan_main(argv: list[str]) -> int:
@@ -32,6 +40,7 @@ def train_main(argv: list[str]) -> int:
 
 
 COMMANDS = {
+    "prepare": (prepare_main, "tokenize a corpus once, in parallel, into token shards every worker memory-maps"),
     "train": (train_main, "train a model with a strategy (the main job)"),
     "compare": (compare_main, "run several strategies on the same job; loss-vs-time, bytes and busy-time plots"),
     "plan": (plan_main, "predict every strategy's step time, bytes and memory here or on a described cluster; "

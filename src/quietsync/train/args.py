@@ -165,6 +165,11 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
         strategy_config = build_config(config_cls, strategy_values, f"--strategy {strategy}: ", strategy_fields)
     except FlagError as e:
         parser.error(str(e))
+    from .job_data import prepared_flag_problem
+
+    problem = prepared_flag_problem(cfg, set(job_values))
+    if problem:
+        parser.error(problem)
     cls, _ = get(strategy)
     if cfg.on_nonfinite == "skip" and not cls.discards_rounds:
         skippers = ", ".join(n for n in names if get(n)[0].discards_rounds)

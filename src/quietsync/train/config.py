@@ -76,7 +76,14 @@ class TrainConfig:
     overwrite: bool = False
     """Let a new run replace an earlier run's outputs in --out (a non-empty --out is refused otherwise)."""
     dataset: str = DEFAULT_DATASET
-    """Corpus: 'kjv' (embedded King James Bible), a text file, a folder of .txt files, or a hub dataset name."""
+    """Corpus: a folder made by quietsync prepare (used as it is), or what prepare reads, prepared once into
+    --cache-dir: 'kjv' (embedded King James Bible), a text file or folder of .txt files, JSONL/Parquet/Arrow files or a
+    folder of them, a datasets.save_to_disk folder, pre-tokenized .bin/.npy shards (with --tokenizer), or a hub
+    dataset name."""
+    text_column: str | None = None
+    """Column holding the text (JSONL/Parquet/Arrow/datasets/hub); default: 'text', else the only string column."""
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    """dtype of pre-tokenized .bin files given as --dataset (nanoGPT's: uint16); .npy files say their own."""
     eval_fraction: float = 0.02
     """Fraction of the documents held out for evaluation (every k-th one)."""
     seed: int = 0
@@ -107,7 +114,7 @@ class TrainConfig:
     worker's micro-batches rescaled, rounded up), worker = the same micro-batches per worker; the lr schedule and
     --max-steps follow tokens either way."""
     cache_dir: str | None = None
-    """Tokenizer and token cache folder (default: ~/.cache/quietsync)."""
+    """Cache folder of the datasets train prepares itself (default: ~/.cache/quietsync)."""
     threads: int = 0
     """torch threads per worker (0 = CPU cores / local workers)."""
     timeout_s: float = 300.0
@@ -169,6 +176,7 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"max_grad_norm must be a finite number > 0, or 0 for no clipping, got {v!r}")
         check_choice("batch_policy", self.batch_policy, ("global", "worker"))
+        check_choice("token_dtype", self.token_dtype, ("uint16", "uint32"))
         if self.elastic and self.overwrite:
             raise ValueError("overwrite cannot be combined with --elastic: every restart would delete the "
                              "checkpoints it resumes from (start an elastic run in a fresh --out)")

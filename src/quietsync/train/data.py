@@ -1,7 +1,9 @@
 """Token streams cut into fixed-length sequences, sharded across workers.
 
-* :func:`encode_split` turns the documents of one split into one token stream (an end-of-text token
-  after each document), cached on disk next to the tokenizer.
+* :func:`encode_split` turns the documents of one split, held in memory, into one token stream (an end-of-text
+  token after each document), cached on disk next to the tokenizer, as int64 in memory: what every worker did
+  before ``quietsync prepare`` (kept for small corpora held as a :class:`~quietsync.train.corpus.Corpus`, and as
+  the in-memory reference of tests and benchmarks).
 * :class:`ShardedSequences` is the infinite training iterator of one worker: every epoch it draws a
   seeded random offset and permutation of the non-overlapping ``seq_len`` windows and gives worker
   ``r`` the windows ``perm[r::world_size]`` (truncated so every worker has as many), so the workers'
@@ -12,6 +14,11 @@
   number of workers deals the rest of the epoch, ``perm[consumed:]``, round-robin over its workers
   (:meth:`~ShardedSequences.continue_from`).
 * :func:`eval_batches` gives each worker its fixed, disjoint part of the held-out windows.
+
+Both read a split either from memory (a 1-D int64 tensor, as :func:`encode_split` makes it) or from its prepared
+shards, memory-mapped (:class:`~quietsync.train.shards.TokenShards`): the same windows give the same ids, so a
+run is the same either way. What a worker holds for the data besides the mapped pages is the epoch's order of
+its own windows (int32: 4 bytes per window of the epoch ÷ the number of workers) and one micro-batch.
 """
 
 from __future__ import annotations
@@ -25,6 +32,17 @@ import torch
 
 from ..validate import check_int
 from .cache import DEFAULT_CACHE_DIR, build_once
+from .shards import TokenShards
+
+Tokens = torch.Tensor | TokenShards
+"""A split's token ids: in memory (1-D int64) or memory-mapped shards."""
+
+
+def gather_windows(tokens: Tokens, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[len(starts), seq_len]`` int64 ids of the windows starting at ``starts``."""
+    if isinstance(tokens, TokenShards):
+        return tokens.windows(starts, seq_len)
+    return tokens[starts[:, None] + torch.arange(seq_len)[None, :]]
 
 
 def _documents_digest(documents: tuple[str, ...] | list[str]) -> str:
@@ -46,15 +64,20 @@ def encode_documents(tokenizer, documents, eos: int) -> np.ndarray:
     return np.asarray(out, dtype=dtype)
 
 
-def encode_split(
-    tokenizer, documents, eos: int, cache_dir: str | os.PathLike | None = None
-) -> torch.Tensor:
-    """The token stream of ``documents`` (cached on disk, keyed by tokenizer and text), as int64."""
+def token_cache_path(tokenizer, documents, eos: int, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where :func:`encode_split` caches the stream of ``documents`` (keyed by tokenizer and text)."""
     root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
     key = hashlib.sha256(
         (tokenizer.to_str() + _documents_digest(documents) + str(eos)).encode("utf-8")
     ).hexdigest()[:24]
-    path = root / f"tokens-{key}.npy"
+    return root / f"tokens-{key}.npy"
+
+
+def encode_split(
+    tokenizer, documents, eos: int, cache_dir: str | os.PathLike | None = None
+) -> torch.Tensor:
+    """The token stream of ``documents`` (cached on disk, keyed by tokenizer and text), as int64."""
+    path = token_cache_path(tokenizer, documents, eos, cache_dir)
 
     def build(tmp: Path) -> None:
         with open(tmp, "wb") as f:
@@ -69,14 +92,14 @@ class ShardedSequences:
 
     def __init__(
         self,
-        tokens: torch.Tensor,
+        tokens: Tokens,
         seq_len: int,
         micro_batch_size: int,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
     ) -> None:
-        if tokens.dim() != 1:
+        if isinstance(tokens, torch.Tensor) and tokens.dim() != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
         check_int("world_size", world_size, 1)
         check_int("rank", rank, 0, world_size - 1)
@@ -110,8 +133,11 @@ class ShardedSequences:
             return
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         self._offset = int(torch.randint(0, self.seq_len, (1,), generator=g))
-        perm = torch.randperm(self.num_windows, generator=g)
-        self._mine = perm[self.base + self.rank :: self.world_size][: self._limit()]
+        # int32 when it fits: the same permutation as int64 (torch draws it the same way), half the memory
+        dtype = torch.int32 if self.num_windows < 2**31 else torch.int64
+        perm = torch.randperm(self.num_windows, generator=g, dtype=dtype)
+        self._mine = perm[self.base + self.rank :: self.world_size][: self._limit()].clone()  # only this worker's
+        del perm
         self._order_epoch = self.epoch
 
     def _limit(self) -> int:
@@ -121,7 +147,7 @@ class ShardedSequences:
     def window_starts(self) -> torch.Tensor:
         """Start offsets (in tokens) of this worker's windows in the current epoch."""
         self._order()
-        return self._offset + self._mine * self.seq_len
+        return self._offset + self._mine.long() * self.seq_len
 
     def __iter__(self) -> ShardedSequences:
         return self
@@ -131,11 +157,11 @@ class ShardedSequences:
             self.epoch += 1
             self.index = 0
             self.base = 0
-        starts = self.window_starts()[self.index : self.index + self.micro_batch_size]
+        self._order()
+        starts = self._offset + self._mine[self.index : self.index + self.micro_batch_size].long() * self.seq_len
         self.index += self.micro_batch_size
         self.last_starts = (self.epoch, starts)
-        idx = starts[:, None] + torch.arange(self.seq_len)[None, :]
-        return self.tokens[idx]
+        return gather_windows(self.tokens, starts, self.seq_len)
 
     def state_dict(self) -> dict[str, int]:
         """Position in the stream (epoch and index); the rest is derived from the constructor."""
@@ -170,7 +196,7 @@ class ShardedSequences:
 
 
 def eval_batches(
-    tokens: torch.Tensor,
+    tokens: Tokens,
     seq_len: int,
     micro_batch_size: int,
     max_windows: int,
@@ -188,5 +214,5 @@ def eval_batches(
     batches = []
     for i in range(0, mine.numel(), micro_batch_size):
         starts = mine[i : i + micro_batch_size] * seq_len
-        batches.append(tokens[starts[:, None] + torch.arange(seq_len)[None, :]])
+        batches.append(gather_windows(tokens, starts, seq_len))
     return batches

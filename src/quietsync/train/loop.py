@@ -1,7 +1,7 @@
 """The training loop of `quietsync train`, run by every worker, written on the strategy contract.
 
-Per worker: build the topology and transport from the environment, load the corpus and the cached
-tokenizer, build the GPT-Neo preset (same seed on every worker) and the strategy, then::
+Per worker: build the topology and transport from the environment, map the prepared token shards and load their
+tokenizer (train/job_data.py), build the GPT-Neo preset (same seed on every worker) and the strategy, then::
 
     while stopped_by is None:
         strategy.forward_backward(batch, lm_loss)            # (+ --slow-worker sleep)
@@ -70,10 +70,10 @@ from .checkpoint import (
     step_folder,
 )
 from .config import TrainConfig
-from .corpus import load_corpus
-from .data import ShardedSequences, encode_split, eval_batches
+from .data import ShardedSequences, eval_batches
 from .elastic import Nominal, TokenSchedule, accumulation_field, rescaled
 from .export import MODEL_DIR, export_model
+from .job_data import open_job_data
 from .metrics import MetricsWriter, format_summary, write_summary
 from .nonfinite import NonFiniteError, NonFiniteGuard
 from .preflight import data_problem
@@ -82,7 +82,6 @@ from .resume_check import check_checkpoint
 from .schedule import warmup_cosine
 from .sinks import open_sinks
 from .slow_worker import MicroBatchTimer, SlowWorker
-from .tokenizer import job_tokenizer
 
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW betas of the trainer (GPT-style)."""
@@ -293,10 +292,8 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
                 print(f"quietsync train: --elastic: the run is complete ({resume.folder.name} reached --max-steps "
                       f"{cfg.max_steps}); results in {os.path.abspath(cfg.out)}", flush=True)
             return None
-        corpus = load_corpus(cfg.dataset, cfg.eval_fraction)
-        tokenizer, eos = job_tokenizer(cfg.tokenizer, corpus, cfg.vocab_size, cfg.cache_dir)
-        train_tokens = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir)
-        eval_tokens = encode_split(tokenizer, corpus.eval_documents, eos, cfg.cache_dir)
+        data = open_job_data(cfg)  # prepared once (train/job_data.py), memory-mapped by every worker
+        tokenizer, eos, train_tokens, eval_tokens = data.tokenizer, data.eos, data.train, data.eval
         too_small = data_problem(train_tokens.numel(), eval_tokens.numel(), cfg, world)
         if too_small:
             raise ValueError(too_small)

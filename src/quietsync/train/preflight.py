@@ -3,7 +3,7 @@
 Flag values are checked by the config classes; what is checked here depends on the file system and the
 host: the output, cache and checkpoint paths (:func:`check_paths`), the thread count
 (:func:`check_threads`) and whether the data holds enough text for the job (:func:`check_data`, which
-loads the corpus and builds the cached tokenizer and token streams that the workers then reuse). Each
+prepares the data once when ``--dataset`` is not a prepared folder, for the workers to map). Each
 problem is a :class:`~quietsync.cli.flags.FlagError`: one line naming the flag and what is allowed.
 """
 
@@ -78,23 +78,29 @@ def data_problem(train_tokens: int, eval_tokens: int, cfg: TrainConfig, world: i
 
 
 def check_data(cfg: TrainConfig, world: int) -> None:
-    """Load the corpus, build (or read) the cached tokenizer and token streams, and check their sizes.
+    """Prepare the job's data if it is not (once, into the cache: :mod:`quietsync.train.job_data`), then check it
+    from its index: its tokenizer and its size for the job. Never reads the tokens, so it takes the same time for
+    any size of a prepared corpus.
 
-    The workers find everything in the cache afterwards. Raises :class:`FlagError` for a dataset that cannot
-    be loaded or split, or is too small for the job.
+    The workers find everything prepared afterwards. Raises :class:`FlagError` for a dataset that cannot be
+    prepared, whose tokenizer is not the job's, or that is too small for the job.
     """
-    from .corpus import load_corpus
-    from .data import encode_split
-    from .tokenizer import job_tokenizer
+    import sys
+
+    from .job_data import job_folder, split_tokens, tokenizer_problem
+    from .shards import read_index
 
     try:
-        corpus = load_corpus(cfg.dataset, cfg.eval_fraction)
+        folder = job_folder(cfg, progress=cfg.progress and sys.stderr.isatty())
+        index = read_index(folder)
+        problem = tokenizer_problem(cfg, index)
     except (ValueError, OSError) as e:
-        flag, text = flag_message(str(e), ["dataset", "eval_fraction"])
+        flag, text = flag_message(str(e), ["dataset", "eval_fraction", "text_column", "token_dtype", "tokenizer",
+                                           "vocab_size"])
         raise FlagError(flag or "--dataset", text if flag else f"--dataset {cfg.dataset}: {text}") from None
-    tokenizer, eos = job_tokenizer(cfg.tokenizer, corpus, cfg.vocab_size, cfg.cache_dir)
-    train = encode_split(tokenizer, corpus.documents, eos, cfg.cache_dir).numel()
-    held = encode_split(tokenizer, corpus.eval_documents, eos, cfg.cache_dir).numel()
+    if problem is not None:
+        raise FlagError(problem.split()[0], problem)
+    train, held = split_tokens(folder)
     problem = data_problem(train, held, cfg, world)
     if problem is not None:
         raise FlagError("--dataset", problem)

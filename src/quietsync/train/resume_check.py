@@ -46,6 +46,8 @@ INCOMPATIBLE: dict[str, str] = {
     "lr": "the checkpoint's optimizer keeps its own learning rate",
     "weight_decay": "the checkpoint's optimizer keeps its own weight decay",
     "dataset": "other text",
+    "text_column": "other text",
+    "token_dtype": "other token ids",
     "eval_fraction": "another train/held-out split",
     "seed": "another data order",
     "model": "another model",

@@ -12,6 +12,7 @@ run's ``OUT/model``, or a hub name): :func:`load_pretrained_tokenizer`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,12 @@ def tokenizer_path(corpus: Corpus, vocab_size: int, cache_dir: str | os.PathLike
 
 def train_tokenizer(corpus: Corpus, vocab_size: int):
     """Train a byte-level BPE with ``vocab_size`` entries on the training documents of ``corpus``."""
+    return train_bpe(corpus.documents, vocab_size, length=len(corpus.documents))
+
+
+def train_bpe(documents: Iterable[str], vocab_size: int, length: int | None = None):
+    """Train a byte-level BPE with ``vocab_size`` entries (and the end-of-text token) on ``documents``, read once as
+    a stream (the trainer keeps word counts, not the text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     check_int("vocab_size", vocab_size, MIN_VOCAB)
@@ -47,7 +54,7 @@ def train_tokenizer(corpus: Corpus, vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus.documents, trainer=trainer, length=len(corpus.documents))
+    tok.train_from_iterator(documents, trainer=trainer, length=length)
     return tok
 
 

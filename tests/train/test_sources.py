@@ -1,0 +1,109 @@
+"""Inputs are read as streams: a text file block by block gives the chunks the whole file gives; the kind of a
+`--dataset` is named from what is on disk; held-out files are recognised by name."""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+
+import pytest
+
+from quietsync.train import sources
+from quietsync.train.corpus import chunk_text
+from quietsync.train.prepare import split_stream
+from quietsync.train.sources import is_held_out_file, resolve_source, stream_chunks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("block", [1, 7, 64, 1 << 20])
+def test_a_file_read_block_by_block_gives_the_chunks_of_the_whole_file(monkeypatch, block):
+    text = "".join(f"line {i} " + "x" * (i % 13) + ("\n" if i % 5 else "\u2028") for i in range(400))
+    text += "   \n\n" + "tail without newline"
+    monkeypatch.setattr(sources, "READ_BLOCK", block)
+    for chunk_chars in (1, 50, 300, 10**6):
+        got = list(stream_chunks(io.StringIO(text), chunk_chars))
+        assert got == chunk_text(text, chunk_chars)
+
+
+def test_split_stream_is_split_documents():
+    from quietsync.train.corpus import split_documents
+
+    for n, fraction in ((10, 0.25), (2, 0.1), (7, 0.5 - 1e-9), (101, 0.02)):
+        docs = [f"d{i}" for i in range(n)]
+        train, held = split_documents(docs, fraction)
+        k = max(2, round(1 / fraction))
+        labelled = list(split_stream(((d, 0) for d in docs), k))
+        assert tuple(d for d, h, _ in labelled if not h) == train
+        assert tuple(d for d, h, _ in labelled if h) == held
+
+
+def test_kinds_are_named_from_the_disk(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("x\n")
+    (tmp_path / "t" / "README.md").write_text("x\n")
+    assert resolve_source(str(tmp_path / "t")).kind == "text"
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "train-00.jsonl").write_text("{}\n")
+    (tmp_path / "j" / "val-00.jsonl").write_text("{}\n")
+    s = resolve_source(str(tmp_path / "j"))
+    assert (s.kind, [p.name for p in s.files], [p.name for p in s.held_out_files]) == (
+        "json", ["train-00.jsonl"], ["val-00.jsonl"])
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "dataset_dict.json").write_text("{}")
+    assert resolve_source(str(tmp_path / "saved")).kind == "saved"
+    assert resolve_source("kjv").kind == "kjv" and resolve_source("owner/name").kind == "hub"
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "val.bin").write_bytes(b"\0\0")
+    with pytest.raises(ValueError, match="every file is named like a held-out split .*training files are needed"):
+        resolve_source(str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="no such file or folder"):
+        resolve_source("./missing")
+    (tmp_path / "none").mkdir()
+    with pytest.raises(ValueError, match="holds no .txt, .jsonl"):
+        resolve_source(str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="--token-dtype must be uint16 or uint32, got 'int8'"):
+        resolve_source(str(_bin(tmp_path)), token_dtype="int8")
+
+
+def _bin(tmp_path: Path) -> Path:
+    (tmp_path / "train.bin").write_bytes(b"\0\0")
+    return tmp_path / "train.bin"
+
+
+@pytest.mark.parametrize("name,held", [
+    ("val.bin", True), ("validation-00000-of-00002.parquet", True), ("test.jsonl", True), ("eval_1.arrow", True),
+    ("dev.jsonl", True), ("train.bin", False), ("interval.parquet", False), ("contest.jsonl", False),
+    ("train-val-free.bin", True), ("devices.txt", False)])
+def test_held_out_files_are_recognised_by_name(name, held):
+    assert is_held_out_file(Path(name)) is held
+
+
+def test_the_implicit_prepare_is_done_by_one_process_under_a_lock(tmp_path, monkeypatch):
+    """Workers that start together: one prepares, the others wait for its index and map the same folder."""
+    from quietsync.train import job_data
+    from quietsync.train.config import TrainConfig
+
+    from .conftest import synthetic_text
+
+    (tmp_path / "t.txt").write_text(synthetic_text(400))
+    cfg = TrainConfig(dataset=str(tmp_path / "t.txt"), vocab_size=300, cache_dir=str(tmp_path / "cache"),
+                      model="tiny")
+    real = job_data.prepare
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job_data, "prepare", counted)
+    folders = []
+    threads = [threading.Thread(target=lambda: folders.append(job_data.job_folder(cfg))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(set(folders)) == 1 and len(folders) == 3
+    assert not list((tmp_path / "cache").glob("*.lock"))
+    assert job_data.job_folder(cfg) == folders[0] and len(calls) == 1  # later runs reuse it
