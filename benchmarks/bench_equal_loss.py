@@ -474,8 +474,8 @@ def not_reachable(job: Job, name: str, knobs: dict[str, Any], link: str, ref: di
     per_worker = ref["inter_bytes_to_target"] / job.workers
     bound = per_worker / LinkModel.parse(LINKS[link] or "100mbit").bandwidth  # the shaped link's rate is 100 Mbit/s
     if bound > job.time_s:
-        return (f"its {per_worker / 1e6:,.0f} MB per worker to the target (as on {REFERENCE_LINK}) take "
-                f"≥ {bound:,.0f} s on this link alone, past the {job.time_s:g} s cap")
+        return (f"its {per_worker / 1e6:,.0f} MB per worker to the target need ≥ {bound:,.0f} s on this link alone; "
+                f"cap {job.time_s:g} s")
     return None
 
 
@@ -575,8 +575,9 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         "## (b) Time to the target per link",
         "",
         "Seconds of training (evaluations left out) until the first evaluation at or below the target, mean ± sd "
-        "over seeds where more than one ran; **bold** = the fastest on that link, (×) = this time / the fastest's; "
-        "— (x.xx; … cap) = not reached before the token or time cap, its best held-out loss in brackets.",
+        "over seeds where more than one ran; **bold** = the fastest of the settings run on that link, (×) = this "
+        "time / the fastest's; — (x.xx; … cap) = not reached before the token or time cap, its best held-out loss "
+        "in brackets.",
         "",
         table_b,
         "",

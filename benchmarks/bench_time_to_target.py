@@ -15,15 +15,18 @@ each link it
    :func:`quietsync.plan.candidates.parse_candidate`);
 3. judges (the goals): the recommended setting's measured time to target is the measured fastest's or within 10%
    (among every measured setting, and among the planner's grid); time to target predicted within 25% of measured
-   (median) and none off by 2× (a setting predicted to reach the target that did not, or the reverse, counts as
-   off by more than 2×); the pilots cost less than running the candidates to the target (the ratio), and at most
-   20% of the recommended setting's measured time to target wherever that is 5 minutes or more.
+   (median) and none off by 2× (a setting predicted not to reach the target that reached it counts as off by more
+   than 2×; one that did not reach it within the equal-loss runs' caps is measured as "at least the time cap": a
+   prediction past a cap agrees, one short of it is off by at least cap / predicted); the pilots cost less than
+   running the candidates to the target (the ratio), and at most 20% of the recommended setting's measured time to
+   target wherever that is 5 minutes or more.
 
 Writes ``results/time_to_target.{json,md}`` (``--quick``: ``time_to_target_quick.*`` from
 ``equal_loss_quick.json``).
 
     python benchmarks/bench_time_to_target.py --pilot-tokens 1000000          # every link of equal_loss.json
     python benchmarks/bench_time_to_target.py --quick --pilot-tokens 200000   # the quick equal-loss set
+    python benchmarks/bench_time_to_target.py --pilot-tokens 400000 --work W --reuse  # W's plans, newer records
 """
 
 from __future__ import annotations
@@ -94,12 +97,15 @@ def probe_shaped(job: dict[str, Any], work: Path) -> str:
 def run_plan(argv: list[str], wrap: list[str], timeout: float) -> float:
     """``quietsync plan ARGV`` in a child process under ``wrap`` (the CPU lock); returns its wall seconds."""
     t0 = time.perf_counter()
-    subprocess.run([*wrap, sys.executable, "-m", "quietsync.train.cli", *argv], check=True, timeout=timeout)
+    subprocess.run([*wrap, sys.executable, "-m", "quietsync", *argv], check=True, timeout=timeout)
     return time.perf_counter() - t0
 
 
-def judge(plan: dict[str, Any], measured: dict[str, dict[str, Any]], grid: set[str]) -> dict[str, Any]:
-    """The goals on one link."""
+def judge(plan: dict[str, Any], measured: dict[str, dict[str, Any]], grid: set[str],
+          caps: tuple[float, float] = (math.inf, math.inf)) -> dict[str, Any]:
+    """The goals on one link. ``caps``: the equal-loss runs' time (s) and token caps — a run that did not reach the
+    target within them took longer (or more tokens): a prediction past a cap agrees with it, one short of the time
+    cap is too fast by at least cap / predicted."""
     rows = {r["spec"]: r for r in plan["rows"]}
     rec = plan["advice"]["recommendations"][0]["spec"] if plan["advice"]["recommendations"] else None
     reached = {s: m for s, m in measured.items() if m["reached"]}
@@ -118,15 +124,20 @@ def judge(plan: dict[str, Any], measured: dict[str, dict[str, Any]], grid: set[s
         sec = row.get("seconds") or {}
         pred = sec.get("value") if sec else None
         pred = None if pred is None or not math.isfinite(pred) else pred
+        tokens = ((row.get("estimate") or {}).get("tokens") or {}).get("value")
+        beyond = False  # predicted to reach the target only past the caps the measured run had
         if pred is None and not m["reached"]:
             ratio = 1.0  # both say: not reached
-        elif pred is None or not m["reached"]:
-            ratio = math.inf  # one says reached, the other not
+        elif not m["reached"]:
+            beyond = pred >= caps[0] or (tokens is not None and tokens >= caps[1])
+            ratio = 1.0 if beyond else pred / caps[0]  # measured ≥ the cap: too fast by at least this
+        elif pred is None:
+            ratio = math.inf  # predicted not to reach the target, measured reaching it
         else:
             ratio = pred / m["time_s"]
         pairs.append({"spec": spec, "predicted_s": pred, "measured_s": m["time_s"], "ratio": ratio,
                       "predicted_low_s": sec.get("low"), "predicted_high_s": sec.get("high"),
-                      "source": (row.get("estimate") or {}).get("source"),
+                      "source": (row.get("estimate") or {}).get("source"), "beyond_caps": beyond,
                       "inside_interval": (pred is not None and m["reached"]
                                           and sec["low"] <= m["time_s"] <= sec["high"])})
     errors = [abs(math.log(p["ratio"])) if math.isfinite(p["ratio"]) else math.inf for p in pairs
@@ -158,6 +169,8 @@ def main() -> None:
     ap.add_argument("--wrap", default="/work/bin/cpulock exclusive",
                     help="command each plan runs under (the CPU lock; '' for none)")
     ap.add_argument("--work", default=None, help="folder for the plans (default: a temporary one)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="judge the plans already in --work against the current equal-loss records (no new plan)")
     args = ap.parse_args()
     source = RESULTS / ("equal_loss_quick.json" if args.quick else "equal_loss.json")
     if not source.exists():
@@ -175,13 +188,19 @@ def main() -> None:
     t0 = time.perf_counter()
     for link in links:
         spec_link = data["links"].get(link)
-        shaped = spec_link is None or str(spec_link).startswith("tc ")
-        plan_link = probe_shaped(job, work) if shaped else spec_link
         folder = work / f"plan-{link}"
-        print(f"== {link}: quietsync plan --link inter={plan_link}", flush=True)
-        plan_s = run_plan(plan_argv(job, plan_link, job["target"], args.pilot_tokens, folder), wrap, 7200)
+        if args.reuse and (folder / "plan.json").exists():
+            old = json.loads((folder / "verdict.json").read_text()) if (folder / "verdict.json").exists() else {}
+            plan_s, plan_link = old.get("plan_s"), old.get("plan_link")
+        else:
+            shaped = spec_link is None or str(spec_link).startswith("tc ")
+            plan_link = probe_shaped(job, work) if shaped else spec_link
+            print(f"== {link}: quietsync plan --link inter={plan_link}", flush=True)
+            plan_s = run_plan(plan_argv(job, plan_link, job["target"], args.pilot_tokens, folder), wrap, 7200)
+            (folder / "verdict.json").write_text(json.dumps({"plan_s": plan_s, "plan_link": plan_link}))
         plan = json.loads((folder / "plan.json").read_text())
-        verdict = judge(plan, measured_by_setting(data["results"][link]), grid)
+        verdict = judge(plan, measured_by_setting(data["results"][link]), grid,
+                        (float(job.get("time_s", math.inf)), float(job.get("tokens", math.inf))))
         verdict.update(plan_s=plan_s, plan_link=plan_link, load=os.getloadavg()[0])
         out["links"][link] = verdict
         print(json.dumps({k: v for k, v in verdict.items() if k not in ("pairs", "pilot_report")}, default=str),

@@ -79,9 +79,16 @@ def predictions(result: Any, specs: list[str], workers: int, horizon_tokens: flo
             pred["tokens_to_target"] = vars(est.tokens)
             pred["time_to_target_s"] = vars(s.time.seconds) if s.time is not None else None
             end = max(horizon_tokens, est.tokens.value if math.isfinite(est.tokens.value) else 0.0)
-            ts = [end * (i + 1) / CURVE_POINTS for i in range(CURVE_POINTS)]
-            pred["curve"] = [{"tokens": t, "time_s": t / p.tokens_per_s,
-                              "loss": loss_at(est, result.objective.baseline, t).value} for t in ts]
+            # from the first evaluation the curve rests on (a fitted power law is not drawn backwards)
+            base = result.objective.baseline
+            first = est.fit.tokens[0] if est.fit is not None and est.fit.tokens else (
+                base.measured[0][0] if base.measured else 0.0)
+            ts = [t for t in (end * (i + 1) / CURVE_POINTS for i in range(CURVE_POINTS)) if t >= first]
+            speed = result.objective.tokens_per_s(p)  # the speed the time to target uses (pilots' measured)
+            pred["tokens_per_s"], pred["step_s"] = speed, p.tokens_per_step / speed
+            top = base.measured[0][1] if base.measured else math.inf  # nothing above the first loss measured
+            curve = [{"tokens": t, "time_s": t / speed, "loss": loss_at(est, base, t).value} for t in ts]
+            pred["curve"] = [c for c in curve if c["loss"] <= top]
         out[spec] = pred
     return out
 

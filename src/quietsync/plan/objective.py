@@ -52,7 +52,11 @@ class Objective:
     """The planned run's step budget: a setting needing more steps is not reached within the run."""
     step_overhead_s: dict[str, float] = field(default_factory=dict)
     """Spec → seconds per step its pilot spent beyond the cost model's prediction on the same (delay-free) link:
-    main-thread work the model leaves out (a communication thread sharing the core, codec time)."""
+    main-thread work the model leaves out (a communication thread sharing the core, codec time); 0 for a setting
+    whose pilot measured its whole step through the link."""
+    overhead_per_micro_batch_s: float = 0.0
+    """Seconds per micro-batch the baseline's pilot spent beyond the cost model's prediction (the trainer's work the
+    model leaves out: data, control plane), added to every setting without a pilot of its own."""
 
     @property
     def description(self) -> str:
@@ -78,8 +82,8 @@ class Objective:
         return math.floor(tokens / row.tokens_per_step / self.eval_every) * self.eval_s
 
     def tokens_per_s(self, row: Row) -> float:
-        """The row's predicted tokens/s, with the overhead its pilot measured."""
-        extra = self.step_overhead_s.get(row.spec, 0.0)
+        """The row's predicted tokens/s, with the overhead its pilot (or else the baseline's) measured."""
+        extra = self.step_overhead_s.get(row.spec, self.overhead_per_micro_batch_s * row.micro_batches)
         if not extra or row.tokens_per_s <= 0:
             return row.tokens_per_s
         return row.tokens_per_step / (row.tokens_per_step / row.tokens_per_s + extra)
@@ -113,7 +117,9 @@ class Objective:
                 "baseline": {"source": self.baseline.source, "description": self.baseline.description,
                              "a": self.baseline.law.a, "b": self.baseline.law.b, "c": self.baseline.law.c,
                              "measured": list(self.baseline.measured)},
-                "notes": self.notes, "eval_every": self.eval_every, "eval_s": self.eval_s}
+                "notes": self.notes, "eval_every": self.eval_every, "eval_s": self.eval_s,
+                "step_overhead_s": self.step_overhead_s,
+                "overhead_per_micro_batch_s": self.overhead_per_micro_batch_s}
 
 
 def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, baseline_tokens_per_step: float

@@ -93,6 +93,20 @@ class _Widened:
         return t * (1 + self.rate * math.log2(t / self.last))
 
 
+def fresh(curve: PilotCurve) -> tuple[list[float], list[float]]:
+    """The pilot's ``(tokens, losses)`` without the evaluations that repeat the one before exactly: between two
+    syncs Local SGD and DiLoCo evaluate the same committed model, whose loss belongs to the tokens of its sync, not
+    to the later ones."""
+    ts: list[float] = []
+    ys: list[float] = []
+    for t, y in zip(curve.tokens, curve.losses):
+        if ys and y == ys[-1]:
+            continue
+        ts.append(t)
+        ys.append(y)
+    return ts, ys
+
+
 def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, baseline: BaselineCurve,
                    target: float) -> LossEstimate | None:
     """A setting's estimate from its pilot curve (None when it made no evaluation past its first step)."""
@@ -101,11 +115,12 @@ def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, 
     notes = [f"{len(curve.tokens)} evaluations up to {curve.tokens[-1]:,.0f} tokens ({curve.stopped})"]
     if curve.reached is not None:
         return from_pilot_ratio(curve.tokens, curve.losses, baseline, target, notes, reached=curve.reached)
+    tokens, losses = fresh(curve)
     steps = curve.steps[-1] if curve.steps else 0
     batch = curve.tokens[-1] / steps if steps else row.tokens_per_step
     if batch > 1.05 * base_row.tokens_per_step:
-        return from_pilot_batch(curve.tokens, curve.losses, batch, base_row.tokens_per_step, baseline, target, notes)
-    return from_pilot_ratio(curve.tokens, curve.losses, baseline, target, notes)
+        return from_pilot_batch(tokens, losses, batch, base_row.tokens_per_step, baseline, target, notes)
+    return from_pilot_ratio(tokens, losses, baseline, target, notes)
 
 
 def pilot_speed(curve: PilotCurve) -> tuple[float, float] | None:
@@ -218,6 +233,36 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
 
     prefixes: dict[str, tuple[str, float]] = {}
     done: dict[str, PilotCurve] = {}
+    free = _delay_free(result)
+
+    def speeds() -> tuple[dict[str, float], float, Callable[[Row], Row]]:
+        """The speed the pilots so far saw: a pilot without the emulated delay measures the main-thread work the cost
+        model leaves out (its overhead over the prediction on a delay-free link; the baseline's, per micro-batch,
+        goes to every setting without a pilot); one through the link measures its whole step."""
+        overhead: dict[str, float] = {}
+        measured: dict[str, tuple[float, float]] = {}
+        per_mb = 0.0
+        for spec, curve in done.items():
+            speed = pilot_speed(curve)
+            if speed is None or spec not in rows:
+                continue
+            row = rows[spec]
+            if curve.through_link and emulated:
+                measured[spec], overhead[spec] = speed, 0.0
+            elif emulated:
+                predicted = result.predict(row.strategy, row.knobs, free).step_s
+                overhead[spec] = speed[0] - predicted if speed[0] > predicted * 1.05 else 0.0
+                if spec == base_spec:
+                    per_mb = overhead[spec] / max(row.micro_batches, 1e-9)
+
+        def adjust(row: Row) -> Row:
+            if row.spec not in measured:
+                return row
+            step_s, tokens = measured[row.spec]
+            return dataclasses.replace(row, step_s=step_s, tokens_per_step=tokens, tokens_per_s=tokens / step_s,
+                                       micro_batches=tokens / result.workload.tokens_per_micro_batch,
+                                       notes=[*row.notes, "step time and batch measured by its pilot through the link"])
+        return overhead, per_mb, adjust
 
     def exact(row: Row) -> bool:
         return row.strategy in ("ddp", "zero1", "fsdp") and not row.knobs
@@ -230,8 +275,10 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
             tgt = target if target is not None else base.point(base_row.tokens_per_s * (cfg.budget_s or 0))
             ests = {spec: e for spec, curve in done.items() if spec != base_spec and spec in rows
                     and (e := pilot_estimate(parse_candidate(spec), curve, rows[spec], base_row, base, tgt))}
-            now = objective_with(base, ests)
-            best = sorted((now.score(r) for r in result.rows), key=lambda s: (s.objective, -s.row.tokens_per_s))
+            overhead, per_mb, adjust = speeds()  # ranked as the final plan ranks: with the speeds measured so far
+            now = dataclasses.replace(objective_with(base, ests), step_overhead_s=overhead,
+                                      overhead_per_micro_batch_s=per_mb)
+            best = sorted((now.score(adjust(r)) for r in result.rows), key=lambda s: (s.objective, -s.row.tokens_per_s))
             top = next((s for s in best[:CONFIRM_TOP] if s.row.spec not in done and not exact(s.row)
                         and s.reaches), None)
             if top is None:
@@ -265,33 +312,10 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         if est is not None:
             pilots[spec] = est
     evals = [e for c in done.values() for e in c.eval_s]
-    # the speed the pilots saw: a pilot without the emulated delay measures the main-thread work the cost model
-    # leaves out (the overhead over its prediction on a delay-free link); one through the link measures it all
-    overhead: dict[str, float] = {}
-    measured: dict[str, tuple[float, float]] = {}
-    free = _delay_free(result)
-    for spec, curve in done.items():
-        speed = pilot_speed(curve)
-        if speed is None or spec not in rows:
-            continue
-        row = rows[spec]
-        if curve.through_link and emulated:
-            measured[spec] = speed
-        elif emulated:
-            predicted = result.predict(row.strategy, row.knobs, free).step_s
-            if speed[0] > predicted * 1.05:
-                overhead[spec] = speed[0] - predicted
-
-    def adjust(row: Row) -> Row:
-        if row.spec not in measured:
-            return row
-        step_s, tokens = measured[row.spec]
-        return dataclasses.replace(row, step_s=step_s, tokens_per_step=tokens, tokens_per_s=tokens / step_s,
-                                   micro_batches=tokens / result.workload.tokens_per_micro_batch,
-                                   notes=[*row.notes, "step time and batch measured by its pilot through the link"])
-
+    overhead, per_mb, adjust = speeds()
     objective = dataclasses.replace(
         objective_with(baseline, pilots), eval_every=job_cfg.eval_every, step_overhead_s=overhead,
+        overhead_per_micro_batch_s=per_mb,
         eval_s=statistics.median(evals) if evals else 0.0, max_steps=job_cfg.max_steps if job_cfg.max_steps else None,
         notes=[f"target: held-out loss {target:g}" if target is not None else f"budget: {cfg.budget_s:g} s",
                f"baseline curve: {baseline.description}",
@@ -353,4 +377,4 @@ def _report(result: PlanResult, done: dict[str, PilotCurve], base_spec: str, ski
     return lines
 
 
-__all__ = ["ADAPTIVE", "BASELINES", "baseline_curve", "pilot_estimate", "run_pilots"]
+__all__ = ["ADAPTIVE", "BASELINES", "baseline_curve", "fresh", "pilot_estimate", "pilot_speed", "run_pilots"]
