@@ -13,9 +13,9 @@ cases with a one-process replay and a kill mid-outer-sync in ``test_torchft.py``
 
 Parametrised over the state each strategy keeps: flexdemo shards inside a replica group of 2 workers (worker i
 heals from worker i; its export gathers the shards; zero1 does the same and is run here with one worker to keep
-the suite short -- a replica group of 2 starts 2 more processes at each start), localsgd and diloco keep local parameters
-between syncs (streaming: a fragment in flight; SparseLoCo: an error-feedback residual), demo a decoupled
-momentum.
+the suite short -- a replica group of 2 starts 2 more processes at each start), localsgd and diloco keep local
+parameters between syncs (streaming: a fragment in flight; SparseLoCo: an error-feedback residual), demo a
+decoupled momentum.
 """
 
 from __future__ import annotations
