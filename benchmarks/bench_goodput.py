@@ -188,7 +188,8 @@ def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
 
 def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: str) -> list[dict[str, float]]:
     """For each start of replica 1: seconds from its process starting to its first committed step, and the longest
-    gap between two consecutive steps of replica 0 (rank 0's records) from its start to 10 s after it trained."""
+    gap between two consecutive steps of replica 0 (rank 0's records) from its start to 10 s after it trained (the
+    death of the previous incarnation is before ``at``: only the join is measured)."""
     out = []
     for kind, at in events:
         if kind != "start":
@@ -201,7 +202,7 @@ def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: s
         if not mine:
             continue
         first = mine[0]["unix_s"]
-        survivor = sorted(r["unix_s"] for r in rows if r["rank"] == 0 and at - 5 <= r["unix_s"] <= first + 10)
+        survivor = sorted(r["unix_s"] for r in rows if r["rank"] == 0 and at <= r["unix_s"] <= first + 10)
         gaps = [b - a for a, b in zip(survivor, survivor[1:])]
         out.append({"training_after_s": first - at, "survivor_max_gap_s": max(gaps, default=float("nan")),
                     "survivor_median_step_s": statistics.median(gaps) if gaps else float("nan")})
