@@ -73,8 +73,10 @@ def note_failure() -> None:
     rank = os.environ.get("RANK")
     if folder and rank is not None:
         path = Path(folder, f"rank{rank}")
-        if not path.exists():
-            path.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+        if not path.exists():  # written whole (then renamed): the launcher may read it while a peer still fails
+            part = path.with_name(f".{path.name}.{os.getpid()}")
+            part.write_text(f"{time.time()!r}\n{traceback.format_exc()}")
+            os.replace(part, path)
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
@@ -198,7 +200,10 @@ def first_failure(errors: str, rank: int, details: str) -> WorkerFailed:
     reports = {}
     for path in Path(errors).glob("rank*"):
         stamp, _, trace = path.read_text().partition("\n")
-        reports[int(path.name[4:])] = (float(stamp), trace)
+        try:
+            reports[int(path.name[4:])] = (float(stamp), trace)
+        except ValueError:  # a report cut short (its worker killed while writing it): nothing to order it by
+            continue
     if reports and rank in reports:
         rank = min(reports, key=lambda r: reports[r][0])
         details = reports[rank][1]
