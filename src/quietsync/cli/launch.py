@@ -177,11 +177,16 @@ def _exit_details(context: Any, index: int) -> str:
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, IndexError):
         code = context.processes[index].exitcode
         if code is not None and code < 0:
-            try:
-                return f"process {index} terminated with signal {signal.Signals(-code).name}"
-            except ValueError:
-                return f"process {index} terminated with signal {-code}"
+            return f"process {index} terminated with signal {signal_name(-code)}"
         return f"process {index} terminated with exit code {code}"
+
+
+def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; the bare number for a signal Python does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def _quiet_teardown() -> None:

@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Any
 
+from ..cli.launch import signal_name
 from .args import PROG
 from .replica_loop import STORE_ENV, run_replica
 
@@ -73,12 +74,7 @@ def _replica_main(cfg: Any, strategy_config: Any, replica: int, replicas: int, l
 
 def _ended(code: int | None) -> str:
     if code is not None and code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
+        return f"killed by {signal_name(-code)}"
     return f"exit status {code}"
 
 
