@@ -91,18 +91,48 @@ def _losses(out: Path) -> dict[int, list[tuple[int, float]]]:
             for r in (0, 1)}
 
 
-def _start(job: str, out: Path, corpus) -> tuple[subprocess.Popen, list[int]]:
-    """Start a run; return it and its two workers' pids once a checkpoint exists (so there is one to resume)."""
+def _start(job: str, out: Path, corpus) -> tuple[subprocess.Popen, dict[int, int]]:
+    """Start a run; once a checkpoint exists (so there is one to resume), freeze its two workers (SIGSTOP) and
+    return the launcher and ``{rank: pid}``. The caller signals what it tests, then :func:`_thaw` s them.
+
+    Frozen at once because the test process may be starved of CPU for seconds on a loaded machine: the run
+    must not end (or the victim close its files) between the checkpoint appearing and the test's signal — seen
+    in CI, where a worker had already closed its metrics file when its rank was read."""
     proc = subprocess.Popen(_cmd(job, out, corpus, *SLOWED), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=_env(), preexec_fn=interruptible)
     deadline = time.monotonic() + 120
-    while latest_checkpoint(out, [0, 1]) is None:
+    workers: list[int] = []
+    while True:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no checkpoint within 120 s"
+        assert time.monotonic() < deadline, f"no checkpoint within 120 s (workers seen: {workers})"
+        if len(workers) < 2:
+            workers = [p for p in _descendants(proc.pid) if "spawn_main" in _cmdline(p)]
+        elif latest_checkpoint(out, [0, 1]) is not None:
+            for p in workers:
+                os.kill(p, signal.SIGSTOP)
+            break
         time.sleep(0.05)
-    workers = [p for p in _descendants(proc.pid) if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text()]
     assert len(workers) == 2, workers
-    return proc, sorted(workers)
+    assert proc.poll() is None, "the run ended before its workers were frozen"
+    ranks = {_rank_of(p): p for p in workers}
+    assert sorted(ranks) == [0, 1], ranks
+    return proc, ranks
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
+def _thaw(pids) -> None:
+    """SIGCONT each frozen worker still there."""
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def _rank_of(pid: int) -> int:
@@ -150,10 +180,11 @@ def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, ref
     """Signal worker ``rank``; check the job ends as promised and resumes exactly; return the seconds from the
     signal to the launcher's exit."""
     out = tmp_path / "run"
-    proc, pids = _start(job, out, corpus)
-    victim = next(p for p in pids if _rank_of(p) == rank)
+    proc, ranks = _start(job, out, corpus)
+    pids, victim = list(ranks.values()), ranks[rank]
     t0 = time.monotonic()
     os.kill(victim, sig)
+    _thaw([p for p in pids if p != victim or sig != signal.SIGSTOP])  # a SIGSTOPped victim stays frozen
     code, err = _ends(proc, pids, within=TIMEOUT_S + 30)
     elapsed = time.monotonic() - t0
     if sig == signal.SIGSTOP:
@@ -194,8 +225,10 @@ def test_the_launcher_killed_takes_every_worker_with_it(sig, tmp_path, corpus, r
     them). Checkpoints are written every SAVE_EVERY steps, so a signal may land inside a write: what is left
     loads."""
     out = tmp_path / "run"
-    proc, pids = _start("zero1", out, corpus)
+    proc, ranks = _start("zero1", out, corpus)
+    pids = list(ranks.values())
     proc.send_signal(sig)
+    _thaw(pids)
     code, _ = _ends(proc, pids, within=20)
     assert code != 0
     _resume_matches_reference("zero1", out, corpus, reference)
