@@ -217,11 +217,13 @@ class ProcessRunner:
         except SystemExit:
             return None
         done = json.loads(summary.read_text())
-        want = json.loads(json.dumps({"config": dataclasses.asdict(cfg),
-                                      "strategy_config": dataclasses.asdict(strategy_cfg)}))
-        for part in ("config", "strategy_config"):
-            got = {k: v for k, v in done.get(part, {}).items() if k not in UNRECORDED}
-            if got != {k: v for k, v in want[part].items() if k not in UNRECORDED}:
+        for part, now in (("config", cfg), ("strategy_config", strategy_cfg)):
+            want = json.loads(json.dumps(dataclasses.asdict(now)))
+            # a field the recording trainer did not have yet ran as its default does now
+            defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(now)
+                                              if f.default is not dataclasses.MISSING}, default=str))
+            got = {**{k: v for k, v in defaults.items() if k in want}, **done.get(part, {})}
+            if any(got.get(k) != v for k, v in want.items() if k not in UNRECORDED):
                 return None
         curve = json.loads(record.read_text())
         return curve if curve.get("stopped") in ("budget", "target") else None
@@ -271,6 +273,8 @@ class ProcessRunner:
     def _run(self, cand: Candidate, budget: int, on_eval: Callable[[PilotCurve], bool], folder: Path, link: bool
              ) -> PilotCurve:
         argv = [sys.executable, "-m", "quietsync", "train", *self.argv(cand, budget, folder)]
+        for stale in [*folder.glob("metrics-rank*.jsonl"), folder / "summary.json", folder / RECORD]:
+            stale.unlink(missing_ok=True)  # an earlier run's: read before the new one overwrites them, they mix
         self.log(f"   pilot {cand.spec}: up to {budget:,} tokens{' through the link' if link else ''}")
         curve = PilotCurve(cand.spec, through_link=link)
         t0 = time.perf_counter()
