@@ -9,12 +9,14 @@ own clipping (``max_grad_norm``, 1.0 by default) and ``bf16``/``fp16`` go to the
 
 ``--strategy`` takes any registered name, several separated by commas, or ``all`` (each trained in turn, from
 the same initial model, in the same processes). ``--out FILE`` appends one JSON line per rank and strategy
-(for the tests).
+(for the tests). ``--stage-cap N`` caps the stages of the strategies that size them as the network allows (acco,
+dpu, wp: their ``max_accumulation``), so a short run commits even when the machine is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -58,6 +60,11 @@ class CommittedSteps(TrainerCallback):
             self.lrs.append(optimizer.last_step_metrics().lr)
 
 
+def _has_stages(strategy: str) -> bool:
+    """Whether the strategy sizes its stages itself (its config has ``max_accumulation``)."""
+    return "max_accumulation" in {f.name for f in dataclasses.fields(quietsync.strategies.get(strategy)[1])}
+
+
 def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str) -> dict:
     """One Trainer run of ``strategy``; returns this rank's outcome."""
     torch.manual_seed(0)
@@ -70,7 +77,9 @@ def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str
         max_grad_norm=args.max_grad_norm, bf16=args.precision == "bf16", fp16=args.precision == "fp16",
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
     )
-    trainer = QuietTrainer(model=model, args=training_args, train_dataset=train_set, strategy=strategy)
+    config = {"max_accumulation": args.stage_cap} if args.stage_cap and _has_stages(strategy) else None
+    trainer = QuietTrainer(model=model, args=training_args, train_dataset=train_set, strategy=strategy,
+                           strategy_config=config)
     committed = CommittedSteps(trainer)
     trainer.add_callback(committed)
     result = trainer.train()  # ends with the strategy finished: the last round synced or drained
@@ -81,14 +90,15 @@ def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str
         flat = torch.cat([p.detach().float().flatten()
                           for p in trainer.accelerator.unwrap_model(model_now).parameters()])
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    metrics = optimizer.last_step_metrics()
+    metrics = optimizer.last_step_metrics()  # None: no step committed
     if trainer.is_world_process_zero():
+        sent = f"last step sent {metrics.bytes_sent / 1e3:.1f} kB" if metrics else "no step committed"
         print(f"{strategy}: {optimizer.steps} committed steps in {trainer.state.global_step} Trainer steps, "
-              f"final loss {losses[-1]:.4f}, last step sent {metrics.bytes_sent / 1e3:.1f} kB")
+              f"final loss {losses[-1]:.4f}, {sent}")
     record = {"rank": trainer.args.process_index, "world": trainer.args.world_size, "strategy": strategy,
               "steps": optimizer.steps, "global_step": trainer.state.global_step, "lrs": committed.lrs,
               "train_loss": result.training_loss, "finite": all(math.isfinite(x) for x in losses),
-              "bytes_sent": metrics.bytes_sent, "finished": optimizer.strategy.finished,
+              "bytes_sent": metrics.bytes_sent if metrics else 0, "finished": optimizer.strategy.finished,
               "moved": float((flat.cpu() - initial).abs().max()),
               "checksum": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()}
     optimizer.close()
@@ -107,12 +117,19 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="the Trainer's max_grad_norm (0: off)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--stage-cap", type=int, default=None,
+                        help="at most this many micro-batches per stage for acco, dpu and wp (max_accumulation)")
     parser.add_argument("--out", default=None, help="append one JSON line per rank and strategy with the outcome")
     args = parser.parse_args()
     names = quietsync.available() if args.strategy == "all" else args.strategy.split(",")
     unknown = [n for n in names if n not in quietsync.available()]
     if unknown:
         parser.error(f"--strategy must name registered strategies ({', '.join(quietsync.available())}), got {unknown}")
+    if args.stage_cap is not None:
+        if args.stage_cap < 1:
+            parser.error(f"--stage-cap must be an integer >= 1, got {args.stage_cap}")
+        if not any(_has_stages(n) for n in names):
+            parser.error(f"--stage-cap applies to acco, dpu and wp (their stages); --strategy names none: {names}")
 
     train_set = byte_windows(corpus_bytes(), args.seq_len, count=args.steps * args.accumulation * args.batch_size * 8)
     with tempfile.TemporaryDirectory() as out_dir:
