@@ -27,6 +27,12 @@ Writes ``results/time_to_target.{json,md}`` (``--quick``: ``time_to_target_quick
     python benchmarks/bench_time_to_target.py --pilot-tokens 1000000          # every link of equal_loss.json
     python benchmarks/bench_time_to_target.py --quick --pilot-tokens 200000   # the quick equal-loss set
     python benchmarks/bench_time_to_target.py --pilot-tokens 400000 --work W --reuse  # W's plans, newer records
+    python benchmarks/bench_time_to_target.py --pilot-tokens 400000 --work W --reuse-pilots  # new plans, W's pilots
+
+``--reuse-pilots`` plans again (``quietsync plan --reuse-pilots``): a pilot the new plan asks for that ran to its
+end in ``W`` with the same job and strategy flags is replayed (its recorded curve, its measured cost) and the
+others run; pilots of plans made before pilots were recorded (``pilot.json``) are recorded first from that plan's
+``plan.json``.
 """
 
 from __future__ import annotations
@@ -69,6 +75,27 @@ def measured_by_setting(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
                      "tokens": rec["tokens_to_target"]["mean"] if rec.get("tokens_to_target") else None,
                      "seeds": len(rec.get("seeds", [])), "equal_loss_spec": rec["spec"]}
     return out
+
+
+def record_pilots(folder: Path) -> int:
+    """Write ``pilot.json`` (what ``quietsync plan --reuse-pilots`` replays) into the pilot folders of the plan in
+    ``folder`` from its ``plan.json``, for pilots that ran to their end and have none; returns how many."""
+    from quietsync.plan.pilots import RECORD, ProcessRunner
+
+    plan = folder / "plan.json"
+    if not plan.exists():
+        return 0
+    runner = ProcessRunner([], [], folder / "pilots", None, lambda c: 1.0, lambda c: False)
+    from quietsync.plan.candidates import parse_candidate
+
+    n = 0
+    for spec, curve in json.loads(plan.read_text()).get("pilots", {}).items():
+        out = runner.folder(parse_candidate(spec))
+        if curve.get("stopped") in ("budget", "target") and (out / "summary.json").exists() \
+                and not (out / RECORD).exists():
+            (out / RECORD).write_text(json.dumps(curve) + "\n")
+            n += 1
+    return n
 
 
 def plan_argv(job: dict[str, Any], link: str | None, target: float, pilot_tokens: int, out: Path) -> list[str]:
@@ -144,7 +171,7 @@ def judge(plan: dict[str, Any], measured: dict[str, dict[str, Any]], grid: set[s
               if p["predicted_s"] is not None and p["measured_s"] is not None]
     off2 = [p for p in pairs if not (0.5 <= p["ratio"] <= 2.0)]
     pilots = plan.get("pilots", {})
-    pilot_s = sum(c["wall_s"] for c in pilots.values())
+    pilot_s = sum(c["wall_s"] for c in pilots.values()) + ((plan.get("noise_scale") or {}).get("seconds") or 0.0)
     runs_s = sum(m["time_s"] for s, m in reached.items() if s in rows)
     return {
         "recommended": rec, "recommended_measured_s": rec_time,
@@ -171,13 +198,20 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="folder for the plans (default: a temporary one)")
     ap.add_argument("--reuse", action="store_true",
                     help="judge the plans already in --work against the current equal-loss records (no new plan)")
+    ap.add_argument("--reuse-pilots", action="store_true",
+                    help="plan again, replaying the pilots in --work that the new plans ask for unchanged")
     args = ap.parse_args()
+    if args.reuse and args.reuse_pilots:
+        ap.error("--reuse judges the plans in --work as they are; --reuse-pilots makes new ones: not both")
     source = RESULTS / ("equal_loss_quick.json" if args.quick else "equal_loss.json")
     if not source.exists():
         ap.error(f"{source} is missing: run benchmarks/bench_equal_loss.py first")
     data = json.loads(source.read_text())
     job = data["job"]
     links = args.links or list(data["results"])
+    missing = [x for x in links if x not in data["results"]]
+    if missing:
+        ap.error(f"--links {' '.join(missing)}: not in {source.name} (its links: {', '.join(data['results'])})")
     wrap = shlex.split(args.wrap)
     from quietsync.plan.candidates import GRID, parse_candidate
 
@@ -194,9 +228,17 @@ def main() -> None:
             plan_s, plan_link = old.get("plan_s"), old.get("plan_link")
         else:
             shaped = spec_link is None or str(spec_link).startswith("tc ")
-            plan_link = probe_shaped(job, work) if shaped else spec_link
+            old = json.loads((folder / "verdict.json").read_text()) if (folder / "verdict.json").exists() else {}
+            if args.reuse_pilots and old.get("plan_link"):
+                plan_link = old["plan_link"]  # the link the pilots ran through (a shaped link's earlier probe)
+            else:
+                plan_link = probe_shaped(job, work) if shaped else spec_link
+            argv = plan_argv(job, plan_link, job["target"], args.pilot_tokens, folder)
+            if args.reuse_pilots:
+                print(f"== {link}: {record_pilots(folder)} pilots recorded from the earlier plan.json", flush=True)
+                argv.append("--reuse-pilots")
             print(f"== {link}: quietsync plan --link inter={plan_link}", flush=True)
-            plan_s = run_plan(plan_argv(job, plan_link, job["target"], args.pilot_tokens, folder), wrap, 7200)
+            plan_s = run_plan(argv, wrap, 7200)
             (folder / "verdict.json").write_text(json.dumps({"plan_s": plan_s, "plan_link": plan_link}))
         plan = json.loads((folder / "plan.json").read_text())
         verdict = judge(plan, measured_by_setting(data["results"][link]), grid,

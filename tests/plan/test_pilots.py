@@ -73,45 +73,98 @@ def test_a_setting_that_cannot_reach_the_target_is_reported_so():
     assert "Not predicted to reach the target" in result.advice.markdown()
 
 
-def test_pilots_replace_the_priors_and_a_pilot_through_the_link_its_speed(tmp_path):
-    import copy
+STEP_S = {"zero1": 0.1, "acco": 0.05, "demo": 0.2}
+BATCH = {"zero1": 2048.0, "acco": 4096.0, "demo": 2048.0}
 
-    from quietsync.plan.pilot_plan import ADAPTIVE, run_pilots
-    from quietsync.plan.planner import predict
+
+def pilot_result(tmp_path, warmup_steps: int):
+    """A what-if plan at 10 Mbit/s with its pilots to run (``--warmup-steps`` of the planned run)."""
+    import copy
 
     result = quietsync.plan.plan(what_if=True, model="tiny", nodes=2, workers_per_node=1, seq_len=128,
                                  micro_batch_size=8, link=["inter=10mbit,5ms"], only=True, target_loss=3.5,
                                  strategies=["zero1", "acco", "demo"])
     cfg = copy.copy(result.config)
-    cfg.pilot_tokens, cfg.pilot_out = BUDGET, str(tmp_path)
+    cfg.pilot_tokens, cfg.pilot_out, cfg.pilot_args = BUDGET, str(tmp_path), ["--warmup-steps", str(warmup_steps)]
     result.config = cfg
-    step_s = {"zero1": 0.1, "acco": 0.05, "demo": 0.2}
-    batch = {"zero1": 2048.0, "acco": 4096.0, "demo": 2048.0}
+    return result
 
-    def run(cand, budget, on_eval):  # 3.0 + floor·(t/1000)^-0.3, a step every step_s seconds, evaluations 0.01 s
-        curve = PilotCurve(cand.spec, through_link=cand.strategy in ADAPTIVE)
-        floor = {"zero1": 4.0, "acco": 4.2, "demo": 3.8}[cand.spec]
-        for i in range(1, 17):
-            steps = int(budget * i / 16 / batch[cand.spec])
-            t = steps * batch[cand.spec]
-            curve.steps.append(steps)
-            curve.tokens.append(t)
-            curve.losses.append(3.0 + floor * (t / 1000) ** -0.3)
-            curve.eval_s.append(0.01)
-            curve.time_s.append(steps * step_s[cand.spec] + 0.01 * i)
-            if on_eval(curve):
-                curve.stopped = "pruned"
-                break
-        curve.wall_s = curve.time_s[-1]
-        return curve
 
-    new = run_pilots(result, predict, run)
+def linear_run(cand, budget, on_eval):
+    """3.0 + floor·(t/1000)^-0.3, a step every STEP_S seconds of BATCH tokens, evaluations 0.01 s."""
+    from quietsync.plan.pilot_plan import ADAPTIVE
+
+    curve = PilotCurve(cand.spec, through_link=cand.strategy in ADAPTIVE)
+    floor = {"zero1": 4.0, "acco": 4.2, "demo": 3.8}[cand.spec]
+    for i in range(1, 17):
+        steps = int(budget * i / 16 / BATCH[cand.spec])
+        t = steps * BATCH[cand.spec]
+        curve.steps.append(steps)
+        curve.tokens.append(t)
+        curve.losses.append(3.0 + floor * (t / 1000) ** -0.3)
+        curve.eval_s.append(0.01)
+        curve.time_s.append(steps * STEP_S[cand.spec] + 0.01 * i)
+        if on_eval(curve):
+            curve.stopped = "pruned"
+            break
+    curve.wall_s = curve.time_s[-1]
+    return curve
+
+
+def test_pilots_replace_the_priors_and_a_pilot_through_the_link_its_speed(tmp_path):
+    from quietsync.plan.pilot_plan import run_pilots
+    from quietsync.plan.planner import predict
+
+    # one warm-up step: acco's 39-step pilot shows its own batch effect
+    new = run_pilots(pilot_result(tmp_path, 1), predict, linear_run)
     assert set(new.pilots) == {"zero1", "acco", "demo"}
     by = {s.row.spec: s for s in new.scored}
     assert by["demo"].estimate.source == by["acco"].estimate.source == "pilot"
     # acco piloted through the link: its measured seconds and tokens per step replace the cost model's
-    assert by["acco"].row.step_s == pytest.approx(step_s["acco"], rel=1e-6)
-    assert by["acco"].row.tokens_per_step == pytest.approx(batch["acco"])
+    assert by["acco"].row.step_s == pytest.approx(STEP_S["acco"], rel=1e-6)
+    assert by["acco"].row.tokens_per_step == pytest.approx(BATCH["acco"])
     # demo's curve is below the baseline's at equal tokens: fewer tokens to the target
     assert by["demo"].estimate.tokens.value < by["zero1"].estimate.tokens.value
     assert "pilots cost" in new.pilot_report[-1]
+
+
+def test_a_pilot_of_few_large_steps_mostly_warming_up_takes_its_prior_at_its_measured_batch(tmp_path):
+    from quietsync.plan.pilot_plan import run_pilots
+    from quietsync.plan.planner import predict
+
+    # 50 warm-up steps: acco's 39 steps of 4,096 tokens are all warm-up, too few to show a batch effect
+    new = run_pilots(pilot_result(tmp_path, 50), predict, linear_run)
+    acco = next(s for s in new.scored if s.row.spec == "acco").estimate
+    assert acco.source == "prior"
+    assert any("too few to show its own batch effect" in n for n in acco.notes)
+    assert any("4,096 tokens vs the baseline's 2,048" in n and "50 warm-up steps counted half" in n
+               for n in acco.notes)
+
+
+def test_a_finished_pilot_with_the_same_configuration_is_replayed_and_another_is_not(tmp_path):
+    import dataclasses
+    import json
+
+    from quietsync.plan.pilots import RECORD, ProcessRunner
+    from quietsync.train.args import parse_train_args
+
+    logs: list[str] = []
+    runner = ProcessRunner(["--model", "tiny", "--nproc", "2", "--micro-batch-size", "8", "--seq-len", "128"], [],
+                           tmp_path, 3.6, lambda c: 2048.0, lambda c: False, log=logs.append, reuse=True)
+    cand = parse_candidate("zero1")
+    folder = runner.folder(cand)
+    folder.mkdir(parents=True)
+    cfg, strategy_cfg, _ = parse_train_args(runner.argv(cand, 100_000, folder))
+    summary = {"config": dataclasses.asdict(cfg), "strategy_config": dataclasses.asdict(strategy_cfg)}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    record = PilotCurve("zero1", [50_000.0, 100_000.0], [5.0, 4.5], [25, 49], [4.0, 8.0], [0.1, 0.1], 12.5, "budget",
+                        False)
+    (folder / RECORD).write_text(json.dumps(record.to_dict()))
+    curve = runner(cand, 100_000, lambda c: False)
+    assert (curve.tokens, curve.losses, curve.wall_s, curve.stopped) == (record.tokens, record.losses, 12.5, "budget")
+    assert "replayed" in logs[-1]
+    pruned = runner(cand, 100_000, lambda c: True)  # pruned at its first evaluation: half the record's time
+    assert (pruned.stopped, pruned.tokens, pruned.wall_s) == ("pruned", [50_000.0], pytest.approx(12.5 / 2))
+    summary["config"]["lr"] = 1.0  # another job: not replayed
+    (folder / "summary.json").write_text(json.dumps(summary))
+    assert runner._recorded(runner.argv(cand, 100_000, folder), folder) is None

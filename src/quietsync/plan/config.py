@@ -66,6 +66,9 @@ class PlanConfig:
     """quietsync train flags for the pilots (the run being planned), e.g. '--max-steps 2000 --lr 1e-3'."""
     pilot_out: str | None = None
     """Folder for the pilot runs (default: OUT/pilots with --out, else a temporary folder)."""
+    reuse_pilots: bool = False
+    """Replay the pilots an earlier plan ran to their end in the pilot folder with the same job and strategy flags
+    (their recorded curves and cost) instead of running them again; others run."""
     what_if: bool = False
     """Describe the cluster instead of measuring: no workers are started."""
     workers_per_node: int | None = None

@@ -69,9 +69,15 @@ class Objective:
         if row.spec in self.pilots:
             return self.pilots[row.spec]
         cfg = strategy_config(row.strategy, row.knobs)
-        prior = prior_for(row.strategy, cfg, self.priors, row.tokens_per_step)
         target = self.target if self.target is not None else self._budget_target(row)
+        prior = prior_for(row.strategy, cfg, self.prior_context(target), row.tokens_per_step)
         return from_prior(prior, self.baseline, target)
+
+    def prior_context(self, target: float) -> PriorContext:
+        """The priors' context at ``target``: the baseline's tokens to it (what the warm-up is weighed against)."""
+        if self.priors.baseline_tokens is not None:
+            return self.priors
+        return dataclasses.replace(self.priors, baseline_tokens=self.baseline.tokens_at(target))
 
     def _budget_target(self, row: Row) -> float:
         return self.baseline.point(max(1.0, row.tokens_per_s * (self.budget_s or 0.0)))

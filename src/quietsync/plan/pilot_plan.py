@@ -23,12 +23,16 @@ from pathlib import Path
 from ..cost.costmodel import Links
 from ..link import LinkModel
 from .candidates import Candidate, parse_candidate
+from .critical_batch import CriticalBatch, measured
 from .curve_fit import PowerLaw, fit_power_law
-from .loss_model import BaselineCurve, LossEstimate, from_pilot_batch, from_pilot_ratio
+from .loss_model import RATIO_TAIL, BaselineCurve, LossEstimate, from_pilot_batch, from_pilot_ratio, from_prior
+from .noise_scale import NoiseScale, measure_pilot
 from .objective import Objective
 from .pilots import PilotCurve, ProcessRunner, rungs, successive_halving
+from .priors import PriorContext, prior_for
 from .recommend import Scored, fmt_duration
 from .result import PlanResult
+from .schedules import strategy_config
 from .table import Row
 
 BASELINES = ("zero1", "ddp")
@@ -51,6 +55,16 @@ FLOOR_BRACKET = (0.0, 0.75)
 EXTRAPOLATION_WIDENING = 0.25
 """The interval's high end grows by this fraction per doubling of the extrapolation (tokens to target over the
 pilot's tokens): capped fits from short pilots fell short by up to 0.71× at 2.3× past the pilot on that curve."""
+MIN_BATCH_EVALS = 4
+"""Fewest evaluations in the tail of a pilot (its last :data:`~quietsync.plan.loss_model.RATIO_TAIL` of tokens) whose
+steps hold more tokens than the baseline's for it to show its own batch effect: each evaluation gives one
+``B_crit``, and held-out evaluations scatter by about 1% — one or two cannot tell a batch effect from noise."""
+WARMUP_SHARE = 1 / 8
+"""...and the warm-up's lost steps (``(W−1)/2``: warm-up steps count half, :mod:`~quietsync.plan.critical_batch`)
+at most this share of the pilot's steps: the critical-batch fit to a pilot's curve leaves the warm-up out, so in a
+pilot of few large steps it would read the warm-up as a batch effect (the 10 Mbit/s ACCO pilot of
+``benchmarks/results/time_to_target.md`` made 4 steps, all warming up). Below either, the setting's prior is used,
+with the critical batch measured by the baseline's noise scale."""
 FALLBACK_C = 0.3
 """Exponent of the baseline's curve past a pilot too short to fit (the data exponent β ≈ 0.28 of Hoffmann et al.)."""
 
@@ -108,8 +122,11 @@ def fresh(curve: PilotCurve) -> tuple[list[float], list[float]]:
 
 
 def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, baseline: BaselineCurve,
-                   target: float) -> LossEstimate | None:
-    """A setting's estimate from its pilot curve (None when it made no evaluation past its first step)."""
+                   target: float, ctx: PriorContext | None = None) -> LossEstimate | None:
+    """A setting's estimate from its pilot curve (None when it made no evaluation past its first step). A pilot
+    whose steps hold more tokens than the baseline's but that is too short to show its own batch effect
+    (:data:`MIN_BATCH_EVALS`, :data:`WARMUP_SHARE`) gives its prior at its measured batch instead, with ``ctx``'s
+    critical batch (the baseline's noise scale where measured)."""
     if not any(t > 0 for t in curve.tokens):
         return None
     notes = [f"{len(curve.tokens)} evaluations up to {curve.tokens[-1]:,.0f} tokens ({curve.stopped})"]
@@ -119,8 +136,40 @@ def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, 
     steps = curve.steps[-1] if curve.steps else 0
     batch = curve.tokens[-1] / steps if steps else row.tokens_per_step
     if batch > 1.05 * base_row.tokens_per_step:
-        return from_pilot_batch(tokens, losses, batch, base_row.tokens_per_step, baseline, target, notes)
+        tail = sum(1 for t in tokens if t > 0 and t >= tokens[-1] * (1 - RATIO_TAIL))
+        warmup = ctx.warmup_steps if ctx is not None else 0
+        lost = max(0.0, (warmup - 1) / 2)
+        if ctx is None or (tail >= MIN_BATCH_EVALS and lost <= WARMUP_SHARE * steps):
+            return from_pilot_batch(tokens, losses, batch, base_row.tokens_per_step, baseline, target, notes)
+        why = (f"its pilot made {steps} steps of {batch:,.0f} tokens and {tail} evaluations in its last "
+               f"{RATIO_TAIL:.0%}: too few to show its own batch effect (needs {MIN_BATCH_EVALS} evaluations and "
+               f"the warm-up's {lost:g} lost steps at most {WARMUP_SHARE:.3g} of its steps), so its prior at that "
+               f"batch ({ctx.critical.source} critical batch)")
+        prior = prior_for(cand.strategy, strategy_config(cand.strategy, cand.knob_dict),
+                          dataclasses.replace(ctx, target_loss=target, baseline_tokens=baseline.tokens_at(target)),
+                          batch)
+        est = from_prior(prior, baseline, target)
+        est.notes = notes + [why] + est.notes
+        return est
     return from_pilot_ratio(tokens, losses, baseline, target, notes)
+
+
+def noise_critical_batch(model_dir: Path, job: object, curve: PilotCurve) -> tuple[CriticalBatch | None, str,
+                                                                                     NoiseScale | None]:
+    """The critical batch measured on the model the baseline's pilot exported (its noise scale at the pilot's last
+    held-out loss), or None with the reason (then Kaplan et al.'s is used)."""
+    if not curve.tokens or not curve.losses:
+        return None, "the baseline's pilot made no evaluation", None
+    try:
+        ns = measure_pilot(model_dir, job)
+    except ValueError as e:
+        return None, str(e), None
+    if not math.isfinite(ns.b_simple) or ns.b_simple <= 0:
+        return None, (f"the measured |G|² ({ns.grad_sq:.3g}) is not above zero: the gradient noise dominates "
+                      "what these micro-batches resolve"), ns
+    cb = measured(ns.b_simple, ns.low, ns.high, curve.losses[-1], curve.tokens[-1])
+    return cb, (f"noise scale measured on the baseline's model ({ns.repeats} × {int(ns.b_big // ns.b_small)} "
+                f"micro-batches of {ns.b_small:,.0f} tokens, {ns.seconds:.1f} s): {cb.description}"), ns
 
 
 def pilot_speed(curve: PilotCurve) -> tuple[float, float] | None:
@@ -178,15 +227,24 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         return not emulated or (c.strategy in ADAPTIVE and "deterministic_accumulation" not in c.knob_dict)
 
     runner = runner or ProcessRunner(job_args, link_args, folder, cfg.target_loss,
-                                     lambda c: rows[c.spec].tokens_per_step if c.spec in rows else 1.0, through_link)
+                                     lambda c: rows[c.spec].tokens_per_step if c.spec in rows else 1.0, through_link,
+                                     reuse=cfg.reuse_pilots)
     state: dict[str, object] = {}
     target = cfg.target_loss
 
+    def context() -> PriorContext:
+        critical = state.get("critical")
+        return dataclasses.replace(result.objective.priors, target_loss=target or result.objective.priors.target_loss,
+                                   warmup_steps=job_cfg.warmup, critical=critical if isinstance(
+                                       critical, CriticalBatch) else result.objective.priors.critical)
+
     def objective_with(baseline: BaselineCurve, pilots: dict[str, LossEstimate]) -> Objective:
         return dataclasses.replace(result.objective, baseline=baseline, pilots=pilots,
-                                   target=target, notes=[], priors=dataclasses.replace(
-                                       result.objective.priors, target_loss=target or result.objective.priors.
-                                       target_loss))
+                                   target=target, notes=[], priors=context())
+
+    def estimate(cand: Candidate, curve: PilotCurve, row: Row, base: BaselineCurve, tgt: float
+                 ) -> LossEstimate | None:
+        return pilot_estimate(cand, curve, row, base_row, base, tgt, context())
 
     def value_of(cand: Candidate, curve: PilotCurve) -> float | None:
         if cand.spec == base_spec:
@@ -204,7 +262,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
             return None
         row = rows[cand.spec]
         tgt = target if target is not None else base.point(base_row.tokens_per_s * (cfg.budget_s or 0))
-        est = pilot_estimate(cand, curve, row, base_row, base, tgt)
+        est = estimate(cand, curve, row, base, tgt)
         if est is None:
             return None
         return objective_with(base, {cand.spec: est}).score(row).objective
@@ -215,6 +273,12 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
     def order() -> Iterator[Candidate]:
         yield parse_candidate(base_spec)
         base = state["baseline"] = baseline_curve(done[base_spec])
+        model_dir = getattr(runner, "model_dir", None)
+        if callable(model_dir):
+            full_job: TrainConfig = parse_train_args(job_args)[0]  # the pilots' job: its data and micro-batch
+            critical, why, ns = noise_critical_batch(model_dir(parse_candidate(base_spec)), full_job,
+                                                     done[base_spec])
+            state.update(critical=critical, critical_note=why, noise=ns)
         prior = objective_with(base, {})
         scored = sorted((prior.score(r) for r in result.rows if (r.strategy not in ("ddp", "zero1", "fsdp")
                          or r.knobs) and r.spec != base_spec), key=lambda s: s.objective)
@@ -274,7 +338,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
             assert isinstance(base, BaselineCurve)
             tgt = target if target is not None else base.point(base_row.tokens_per_s * (cfg.budget_s or 0))
             ests = {spec: e for spec, curve in done.items() if spec != base_spec and spec in rows
-                    and (e := pilot_estimate(parse_candidate(spec), curve, rows[spec], base_row, base, tgt))}
+                    and (e := estimate(parse_candidate(spec), curve, rows[spec], base, tgt))}
             overhead, per_mb, adjust = speeds()  # ranked as the final plan ranks: with the speeds measured so far
             now = dataclasses.replace(objective_with(base, ests), step_overhead_s=overhead,
                                       overhead_per_micro_batch_s=per_mb)
@@ -308,7 +372,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         if spec == base_spec:
             continue
         tgt = target if target is not None else baseline.point(base_row.tokens_per_s * (cfg.budget_s or 0))
-        est = pilot_estimate(parse_candidate(spec), curve, rows[spec], base_row, baseline, tgt)
+        est = estimate(parse_candidate(spec), curve, rows[spec], baseline, tgt)
         if est is not None:
             pilots[spec] = est
     evals = [e for c in done.values() for e in c.eval_s]
@@ -320,11 +384,17 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         notes=[f"target: held-out loss {target:g}" if target is not None else f"budget: {cfg.budget_s:g} s",
                f"baseline curve: {baseline.description}",
                f"the planned run: --max-steps {job_cfg.max_steps}, an evaluation every {job_cfg.eval_every} steps "
-               f"(each {statistics.median(evals) if evals else 0:.3g} s, measured by the pilots) counted in the time"])
+               f"(each {statistics.median(evals) if evals else 0:.3g} s, measured by the pilots) counted in the time",
+               "critical batch of the settings whose steps hold more tokens than the baseline's: "
+               + (str(state["critical_note"]) if isinstance(state.get("critical"), CriticalBatch) else
+                  f"{objective_with(baseline, {}).priors.critical.description}"
+                  + (f" (not measured: {state['critical_note']})" if state.get("critical_note") else ""))])
     new = predict(cfg, result.workload, result.cluster, result.compute, probe=result.probe,
                   assumptions=result.assumptions, objective=objective, adjust=adjust)
     new.pilots = done
-    new.pilot_report = _report(new, done, base_spec, skipped, budget)
+    noise = state.get("noise")
+    new.noise_scale = noise if isinstance(noise, NoiseScale) else None
+    new.pilot_report = _report(new, done, base_spec, skipped, budget, new.noise_scale)
     return new
 
 
@@ -352,8 +422,8 @@ def _fmt(s: Scored, v: float) -> str:
     return f"loss {v:.3f}" if s.loss is not None else fmt_duration(v)
 
 
-def _report(result: PlanResult, done: dict[str, PilotCurve], base_spec: str, skipped: list[str], budget: int
-            ) -> list[str]:
+def _report(result: PlanResult, done: dict[str, PilotCurve], base_spec: str, skipped: list[str], budget: int,
+            noise: NoiseScale | None = None) -> list[str]:
     lines = []
     for spec, c in done.items():
         how = ("through the link" if c.through_link else "without the emulated delay (same trajectory)")
@@ -363,10 +433,15 @@ def _report(result: PlanResult, done: dict[str, PilotCurve], base_spec: str, ski
                      f"{c.wall_s:.1f} s {how}")
     lines += [f"not piloted: {s}" for s in skipped if s.split("`")[1] not in done]
     cost = sum(c.wall_s for c in done.values())
+    if noise is not None:
+        lines.append(f"noise scale on the baseline's model: B_simple = {noise.b_simple:,.0f} tokens "
+                     f"({noise.low:,.0f}–{noise.high:,.0f}), {noise.seconds:.1f} s")
+        cost += noise.seconds
     times = [s.time.seconds.value for s in result.scored if s.time is not None and s.reaches]
     total = sum(times)
     rec = result.advice.recommendations[0] if result.advice.recommendations else None
-    line = (f"pilots cost {cost:.1f} s in all (budget {budget:,} tokens each, successive halving at "
+    with_noise = " (the noise scale included)" if noise is not None else ""
+    line = (f"pilots cost {cost:.1f} s in all{with_noise} (budget {budget:,} tokens each, successive halving at "
             f"{', '.join(f'{r:,}' for r in rungs(budget))} tokens)")
     if total > 0:
         line += (f"; running the {len(times)} settings that reach the target to it is predicted to take "

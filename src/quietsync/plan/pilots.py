@@ -52,6 +52,10 @@ EVALS_PER_PILOT = 16
 """Evaluations a full pilot makes (its ``--eval-every`` follows from its predicted steps)."""
 OVERLAP_EVAL_STEPS = 8
 """Fewest steps between two evaluations of an ACCO/DPU/WP pilot."""
+RECORD = "pilot.json"
+"""A finished pilot's curve and cost, in its folder (what ``reuse`` replays)."""
+UNRECORDED = frozenset({"out", "overwrite", "progress", "plot", "resume"})
+"""Configuration fields that do not change what a pilot measures."""
 
 
 @dataclass
@@ -182,6 +186,45 @@ class ProcessRunner:
     timeout_s: float = 3600.0
     poll_s: float = 0.2
     log: Callable[[str], None] = print
+    reuse: bool = False
+    """Replay a pilot that ran to its end in the same folder with the same job and strategy configuration (its
+    ``summary.json``'s, the curve and cost in its ``pilot.json``) instead of running it again."""
+
+    def folder(self, cand: Candidate) -> Path:
+        """The pilot's ``--out``."""
+        return self.out / cand.spec.replace(":", "-").replace(",", "-").replace("=", "")
+
+    def model_dir(self, cand: Candidate) -> Path:
+        """Where the pilot's trainer exported its model at its end."""
+        from ..train.export import MODEL_DIR
+
+        return self.folder(cand) / MODEL_DIR
+
+    def _recorded(self, argv: list[str], folder: Path) -> dict[str, Any] | None:
+        """The recorded curve of a finished pilot run with ``argv``'s configuration, or None."""
+        record, summary = folder / RECORD, folder / "summary.json"
+        if not (self.reuse and record.exists() and summary.exists()):
+            return None
+        import contextlib
+        import dataclasses
+        import io
+
+        from ..train.args import parse_train_args
+
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                cfg, strategy_cfg, _ = parse_train_args(argv)
+        except SystemExit:
+            return None
+        done = json.loads(summary.read_text())
+        want = json.loads(json.dumps({"config": dataclasses.asdict(cfg),
+                                      "strategy_config": dataclasses.asdict(strategy_cfg)}))
+        for part in ("config", "strategy_config"):
+            got = {k: v for k, v in done.get(part, {}).items() if k not in UNRECORDED}
+            if got != {k: v for k, v in want[part].items() if k not in UNRECORDED}:
+                return None
+        curve = json.loads(record.read_text())
+        return curve if curve.get("stopped") in ("budget", "target") else None
 
     def argv(self, cand: Candidate, budget: int, folder: Path) -> list[str]:
         from ..cli.spec import parse_strategy_spec
@@ -198,9 +241,35 @@ class ProcessRunner:
         return argv
 
     def __call__(self, cand: Candidate, budget: int, on_eval: Callable[[PilotCurve], bool]) -> PilotCurve:
-        folder = self.out / cand.spec.replace(":", "-").replace(",", "-").replace("=", "")
+        folder = self.folder(cand)
         folder.mkdir(parents=True, exist_ok=True)
         link = self.through_link(cand)
+        recorded = self._recorded(self.argv(cand, budget, folder), folder)
+        if recorded is not None:
+            return self._replay(cand, recorded, on_eval)
+        curve = self._run(cand, budget, on_eval, folder, link)
+        if curve.stopped in ("budget", "target"):
+            (folder / RECORD).write_text(json.dumps(curve.to_dict()) + "\n")
+        return curve
+
+    def _replay(self, cand: Candidate, rec: dict[str, Any], on_eval: Callable[[PilotCurve], bool]) -> PilotCurve:
+        """A recorded pilot fed to ``on_eval`` evaluation by evaluation; pruned, it cost its share of the record's
+        time up to there."""
+        self.log(f"   pilot {cand.spec}: replayed from {self.folder(cand) / RECORD} (ran {rec['wall_s']:.1f} s)")
+        curve = PilotCurve(cand.spec, through_link=bool(rec["through_link"]), wall_s=float(rec["wall_s"]),
+                           stopped=str(rec["stopped"]))
+        for i in range(len(rec["tokens"])):
+            for key in ("tokens", "losses", "steps", "time_s", "eval_s"):
+                getattr(curve, key).append(rec[key][i])
+            if on_eval(curve):
+                curve.stopped = "pruned"
+                end = rec["time_s"][-1] or 1.0
+                curve.wall_s = float(rec["wall_s"]) * min(1.0, curve.time_s[-1] / end)
+                break
+        return curve
+
+    def _run(self, cand: Candidate, budget: int, on_eval: Callable[[PilotCurve], bool], folder: Path, link: bool
+             ) -> PilotCurve:
         argv = [sys.executable, "-m", "quietsync", "train", *self.argv(cand, budget, folder)]
         self.log(f"   pilot {cand.spec}: up to {budget:,} tokens{' through the link' if link else ''}")
         curve = PilotCurve(cand.spec, through_link=link)

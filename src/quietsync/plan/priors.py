@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .critical_batch import KAPLAN, KAPLAN_ALPHA_B, KAPLAN_B_STAR, CriticalBatch, token_multiplier
+
 SOURCES: dict[str, str] = {
     "charles2025": "Charles et al. 2025, \"Scaling Laws for DiLoCo\" (arXiv:2503.09799), Table 8 and §5",
     "douillard2025": "Douillard et al. 2025, \"Streaming DiLoCo with overlapping communication\" (arXiv:2501.18512), "
@@ -64,10 +66,6 @@ DEMO_COMPRESSION = 1 / 85
 """DeMo: comparable loss to AdamW-DDP while sending up to 85× less data per GPU (Peng et al., abstract)."""
 SPARSELOCO_DENSITY = (0.01, 0.03)
 """SparseLoCo outperforms full-precision DiLoCo at 1–3% density with 2-bit values (Sarfi et al. 2025)."""
-KAPLAN_B_STAR = 2e8
-"""``B*`` of ``B_crit(L) = B*/L^(1/α_B)`` in tokens (Kaplan et al. 2020, eq. 1.4: B* ≈ 2·10^8)."""
-KAPLAN_ALPHA_B = 0.21
-"""``α_B`` of the critical batch (Kaplan et al. 2020: α_B ≈ 0.21)."""
 DPU_MULTIPLIER = (2.0, 4.0)
 """DPU without warm-up: "if we train for twice as long, the DPU training curve approaches the baseline one, without
 totally catching it" (Nabli et al., §4.3): more than 2× the tokens; 4× is this prior's assumed upper end."""
@@ -110,6 +108,12 @@ class PriorContext:
     """Tokens per committed step of the synchronous baseline (the batch the loss curve was measured at)."""
     target_loss: float | None = None
     """The loss the critical batch is evaluated at (its ``B_crit(L)``); none: the batch rule is left out."""
+    critical: CriticalBatch = KAPLAN
+    """``B_crit(L)``: measured from the baseline's pilot (its noise scale) where it ran, else Kaplan et al.'s."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the planned run (a few large steps spend a large share of their tokens warming up)."""
+    baseline_tokens: float | None = None
+    """The baseline's tokens to the target (what the warm-up is weighed against; None: the warm-up is left out)."""
 
 
 def _penalty(low: float, value: float, high: float, note: str, *sources: str) -> Prior:
@@ -145,19 +149,23 @@ def critical_batch(loss: float) -> float:
 
 
 def batch_prior(tokens_per_step: float, ctx: PriorContext) -> Prior:
-    """The critical-batch cost of a batch per step other than the baseline's: ``k = (1 + B/B_crit)/(1 + B0/B_crit)``
-    (McCandlish et al. 2018, with Kaplan et al.'s ``B_crit(L)`` at the target loss)."""
+    """The critical-batch cost of a batch per step above the baseline's (McCandlish et al. 2018; ``B_crit`` at the
+    target loss measured from the baseline's pilot, else Kaplan et al.'s; the run's warm-up counted:
+    :mod:`~quietsync.plan.critical_batch`)."""
     b0 = ctx.baseline_tokens_per_step
     if ctx.target_loss is None or tokens_per_step <= b0 * (1 + 1e-9):
         return Prior()
-    bc = critical_batch(ctx.target_loss)
-    k = (1 + tokens_per_step / bc) / (1 + b0 / bc)
-    # the rule is a model of the data's gradient noise; this prior lets it be off by 2× either way in B_crit
-    lo = (1 + tokens_per_step / (2 * bc)) / (1 + b0 / (2 * bc))
-    hi = (1 + tokens_per_step / (bc / 2)) / (1 + b0 / (bc / 2))
-    note = (f"batch per step {tokens_per_step:,.0f} tokens vs the baseline's {b0:,.0f}: ×{k:.3g} tokens by the "
-            f"critical-batch rule, B_crit({ctx.target_loss:g}) = {bc:,.0f} tokens [mccandlish2018, kaplan2020; "
-            "assumption: B_crit within 2× of Kaplan's fit for this data]")
+    lo_bc, bc, hi_bc = ctx.critical.at(ctx.target_loss)
+
+    def k_at(b_crit: float) -> float:
+        return token_multiplier(tokens_per_step, b0, b_crit, ctx.baseline_tokens, ctx.warmup_steps)
+
+    k, lo, hi = k_at(bc), k_at(hi_bc), k_at(lo_bc)
+    warm = (f", {ctx.warmup_steps} warm-up steps counted half" if ctx.warmup_steps and ctx.baseline_tokens
+            and math.isfinite(ctx.baseline_tokens) else "")
+    note = (f"batch per step {tokens_per_step:,.0f} tokens vs the baseline's {b0:,.0f}: ×{k:.3g} tokens "
+            f"(×{lo:.3g}–×{hi:.3g}) by the critical-batch rule, B_crit({ctx.target_loss:g}) = {bc:,.0f} tokens "
+            f"({ctx.critical.source}: {ctx.critical.description}){warm} [mccandlish2018]")
     return _multiplier(lo, k, hi, note, "mccandlish2018", "kaplan2020")
 
 

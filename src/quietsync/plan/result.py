@@ -48,6 +48,8 @@ class PlanResult:
     pilots: dict[str, Any] = field(default_factory=dict)
     """Spec → :class:`~quietsync.plan.pilots.PilotCurve` of the pilots that ran."""
     pilot_report: list[str] = field(default_factory=list)
+    noise_scale: Any = None
+    """The :class:`~quietsync.plan.noise_scale.NoiseScale` measured on the baseline's pilot (None: not measured)."""
 
     @property
     def topology(self) -> Topology:
@@ -160,6 +162,7 @@ class PlanResult:
             "advice": self.advice.to_dict(),
             "pilots": {k: v.to_dict() for k, v in self.pilots.items()},
             "pilot_report": self.pilot_report,
+            "noise_scale": self.noise_scale.to_dict() if self.noise_scale is not None else None,
             "probe": self.probe,
             "assumptions": self.assumptions,
         }
