@@ -12,6 +12,7 @@ strategy, whose learning-rate schedule reads the dealer's position in tokens. Th
         for each micro-batch: strategy.forward_backward(batch); strategy.step()
                                                           # its collectives over the replicas commit through
                                                           # the quorum (retried among survivors)
+        if alone: strategy.settle(); tick the quorum if nothing committed (a round boundary for joiners)
         log, evaluate when due
     strategy.finish(); the totals; a last round (replicas waiting to join see the run is over); export, summary
 
