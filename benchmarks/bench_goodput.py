@@ -16,6 +16,18 @@ it: the final held-out loss, the steps each replica count trained, and for each 
 from its process starting to its first committed step, and the longest gap between two of the survivor's steps
 around it (its pause).
 
+A run that has not ended ``--limit`` seconds after its start is stopped and recorded as unfinished: its tokens are
+the ones its newest checkpoint holds (``elastic``: what a restart keeps), its goodput those over the limit. Under a
+schedule whose period is shorter than what a membership change costs ``--elastic``, that is what happens: every kill
+and every return restarts every worker (measured here under shared load: 10.7 and 12.6 s from the returning agent's
+start to the 2-worker world's first step; more than the 13 s it stayed up in the periods where it never got there),
+so a period leaves the restarted world 0 to ~2 s of training before the next kill, often less than one checkpoint
+interval (diloco H=20: every 20 steps, ~0.6 s): the job restarts from the same checkpoint again and again. Measured
+in two short repros (diloco H=20, 600 steps, T=20 s, D=7 s, under shared load): the 2-worker world trained steps
+1-140 before the first kill, then only 9 steps (never checkpointed) in the next 50 s; and 1-100, then nothing from
+20 s to 77.7 s (neither the survivor alone, whose restart outlasts the 7 s down time, nor the world of 2, whose
+restart outlasts the 13 s up time), then 101-130 (checkpoint 120 kept) before the kill at 80 s.
+
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
 
     for s in ddp diloco; do for m in plain torchft-free elastic torchft; do
@@ -163,7 +175,15 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
     return {"t0": t0, "t1": t1, "exit_codes": codes, "events": schedule.events if schedule else []}
 
 
-def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule) -> dict[str, Any]:
+def newest_checkpoint(out: Path) -> int:
+    """The step of the newest complete checkpoint under ``out`` (0: none)."""
+    steps = [int(p.name.rpartition("-")[2]) for p in (out / "checkpoints").glob("step-*") if p.is_dir()
+             and p.name.rpartition("-")[2].isdigit()]
+    return max(steps, default=0)
+
+
+def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule, limit: float
+                ) -> dict[str, Any]:
     folder = root / "agents"
     folder.mkdir()
     agents = Agents(folder, 2, job_flags(root, out, strategy, steps, seed), nnodes="1:2", max_restarts=100,
@@ -173,17 +193,19 @@ def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
         agents.start(0)
         time.sleep(1.0)  # agent 0 hosts the rendezvous store
         agents.start(1)
-        schedule.drive(t0, lambda: agents.procs[0].poll() is None, lambda: agents.kill_agent(1),
-                       lambda: agents.start(1))
-        codes = agents.wait(1800)
+        schedule.drive(t0, lambda: agents.procs[0].poll() is None and time.time() < t0 + limit,
+                       lambda: agents.kill_agent(1), lambda: agents.start(1))
+        finished = agents.procs[0].poll() is not None
+        codes = agents.wait(60.0 if finished else 1.0)  # stops what still runs at the limit
+        finished = finished or codes.get(0) == 0
+        t1 = time.time()
         left = agents.survivors()
     finally:
         agents.close()
-    t1 = time.time()
-    if codes.get(0) != 0:
+    if finished and codes.get(0) != 0:
         raise RuntimeError(f"elastic run ended with {codes}:\n{agents.logs()}")
     return {"t0": t0, "t1": t1, "exit_codes": sorted(codes.items()), "processes_left": len(left),
-            "events": schedule.events}
+            "events": schedule.events, "finished": finished, "newest_checkpoint": newest_checkpoint(out)}
 
 
 def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: str) -> list[dict[str, float]]:
@@ -209,7 +231,8 @@ def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: s
     return out
 
 
-def run_one(strategy: str, mode: str, steps: int, period: float, down: float, seed: int) -> dict[str, Any]:
+def run_one(strategy: str, mode: str, steps: int, period: float, down: float, seed: int, limit: float
+            ) -> dict[str, Any]:
     RUNS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
         root = Path(tmp)
@@ -228,16 +251,22 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
         elif mode == "torchft":
             result = run_torchft(strategy, root, out, steps, seed, schedule)
         else:
-            result = run_elastic(strategy, root, out, steps, seed, schedule)
-        summary = json.loads((out / "summary.json").read_text())
+            result = run_elastic(strategy, root, out, steps, seed, schedule, limit)
         rows = records(out)
+        if result.get("finished", True):
+            summary = json.loads((out / "summary.json").read_text())
+        else:  # stopped at the limit: what its newest checkpoint holds is what the job kept
+            done = result["newest_checkpoint"]
+            per_step = max((r["tokens"] * r["world_size"] for r in rows if r.get("world_size")), default=0)
+            summary = {"tokens": done * per_step, "steps": done, "last_eval_loss": float("nan")}
     wall = result["t1"] - result["t0"]
     t0 = result["t0"]
     timeline = sorted(({"t": r["unix_s"] - t0, "rank": r["rank"], "step": r["step"], "tokens": r["tokens"],
                         "replicas": len(r["members"]) if "members" in r else r.get("world_size")}
                        for r in rows), key=lambda r: r["t"])
     run = {"strategy": strategy, "mode": mode, "seed": seed, "max_steps": steps, "period_s": period,
-           "down_s": down, "wall_s": wall, "tokens": summary["tokens"], "steps": summary["steps"],
+           "down_s": down, "wall_s": wall, "limit_s": limit, "finished": result.get("finished", True),
+           "tokens": summary["tokens"], "steps": summary["steps"],
            "final_loss": summary["last_eval_loss"], "exit_codes": result["exit_codes"],
            "processes_left": result.get("processes_left", 0),
            "events": [(k, at - t0) for k, at in result["events"]],
@@ -268,10 +297,14 @@ def report() -> None:
                 pause = [x["survivor_max_gap_s"] for x in r["returns"]]
                 kills = sum(1 for k, _ in r["events"] if k == "kill")
                 table.append({**{k: r[k] for k in ("strategy", "mode", "seed", "wall_s", "tokens", "final_loss")},
+                              "finished": r.get("finished", True),
                               "goodput": goodput, "kills": kills, "training_after_s": back, "survivor_pause_s": pause,
                               "plain_losses": losses})
-                rows.append([strategy, mode, r["seed"], kills, r["wall_s"], r["tokens"], f"{goodput:.0%}",
-                             r["final_loss"], ", ".join(f"{x:.1f}" for x in back) or "-",
+                finished = r.get("finished", True)
+                shown = mode if finished else f"{mode} (stopped at {r['limit_s']:g} s: step {r['steps']} of " \
+                    f"{r['max_steps']} kept)"
+                rows.append([strategy, shown, r["seed"], kills, r["wall_s"], r["tokens"], f"{goodput:.0%}",
+                             r["final_loss"] if finished else "-", ", ".join(f"{x:.1f}" for x in back) or "-",
                              ", ".join(f"{x:.2f}" for x in pause) or "-"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     sizes = runs[0] if runs else {}
@@ -336,13 +369,15 @@ def main() -> None:
     p.add_argument("--period", type=float, default=60.0, help="T: seconds between kills of replica 1")
     p.add_argument("--down", type=float, default=20.0, help="D: seconds replica 1 stays down")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=float, default=600.0,
+                   help="seconds after which an elastic run that has not ended is stopped and recorded as unfinished")
     args = p.parse_args()
     if args.run:
         strategy, mode = args.run
         if strategy not in STRATEGIES or mode not in MODES:
             p.error(f"--run STRATEGY MODE with STRATEGY in {list(STRATEGIES)} and MODE in {list(MODES)}")
         steps = args.steps or DEFAULT_STEPS[strategy]
-        run_one(strategy, mode, steps, args.period, args.down, args.seed)
+        run_one(strategy, mode, steps, args.period, args.down, args.seed, args.limit)
     if args.report:
         report()
 

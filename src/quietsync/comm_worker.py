@@ -12,10 +12,14 @@ finished. Jobs run one at a time, in submission order.
   completion event is recorded after the job; :meth:`Job.wait` makes the caller's stream wait on that event
   — no host synchronisation per micro-batch. :meth:`Job.done` polls the event without blocking.
 * **Shutdown** (:meth:`close`) drains nothing silently: it waits for the running job, then stops the thread.
+* **Context**: a job runs in a copy of the submitter's :mod:`contextvars` context as it was at submit (as
+  ``asyncio`` runs a callback), so what the main thread had set when it launched the work -- e.g. the data a
+  commit holds (:mod:`quietsync.train.window_dealer`) -- is what the job sees, whenever it runs.
 """
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 import time
@@ -35,6 +39,8 @@ class Job:
     def __init__(self, worker: CommWorker, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         self._worker = worker
         self._fn, self._args, self._kwargs = fn, args, kwargs
+        self._context = contextvars.copy_context()
+        """The submitter's context at submit; the job runs in it."""
         self._finished = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
@@ -133,11 +139,11 @@ class CommWorker:
                     if self.stream is not None:
                         with torch.cuda.stream(self.stream):
                             self.stream.wait_event(job._ready_event)
-                            job._result = job._fn(*job._args, **job._kwargs)
+                            job._result = job._context.run(job._fn, *job._args, **job._kwargs)
                             job._done_event = torch.cuda.Event()
                             job._done_event.record(self.stream)
                     else:
-                        job._result = job._fn(*job._args, **job._kwargs)
+                        job._result = job._context.run(job._fn, *job._args, **job._kwargs)
                 except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                     job._error = exc
                     self._failed = job

@@ -25,7 +25,7 @@ import torch
 
 import quietsync.faults  # noqa: E402,F401  (before torchft: its Rust log level is read at import)
 
-from .torchft_replicas import KILLED, Replicas, audit, job_flags, records, wait_exit
+from .torchft_replicas import KILLED, Replicas, audit, job_flags, merged, records, wait_exit
 
 torchft = pytest.importorskip("torchft")
 
@@ -63,7 +63,7 @@ def _replay(root: Path, steps: list[dict], per_replica: int = 2, seq_len: int = 
                             lr=2e-3, betas=(0.9, 0.95))
     params = list(model.parameters())
     for record in steps:
-        windows = record["commit"]["committed"]
+        windows = merged(record)["committed"]
         slots = [windows[i:i + per_replica] for i in range(0, len(windows), per_replica)]
         total = [torch.zeros_like(p) for p in params]
         for slot in slots:
@@ -106,13 +106,13 @@ def test_ddp_survivors_go_on_and_returning_replicas_heal_even_when_their_source_
     survivor = records(out, 1)
     members = [tuple(r["members"]) for r in survivor]
     assert members[0] == (0, 1, 2) and (0, 1) in members and members[-1] == (1, 2), sorted(set(members))
-    lost = next(r for r in survivor if r["commit"]["given_back"])  # the step replica 2 died in: 2 slots committed
-    assert len(lost["commit"]["committed"]) == 4 and len(lost["commit"]["given_back"]) == 2 and lost["retries"] >= 1
+    lost = next(r for r in survivor if merged(r)["given_back"])  # the step replica 2 died in: 2 slots committed
+    assert len(merged(lost)["committed"]) == 4 and len(merged(lost)["given_back"]) == 2 and lost["retries"] >= 1
     healed = records(out, 2)
     assert healed[-1]["healed"] == 1 and healed[-1]["step"] == survivor[-1]["step"]
     committed, summary = audit(out, 3)
     assert len(set(committed)) == len(committed), "a window trained twice"
-    held = summary["windows_given_back"] + summary["windows_open"]  # replica 0's slot of the last step
+    held = summary["windows_held"]  # replica 0's slot of the last step
     assert sorted(committed + held) == list(range(summary["windows_dealt"])), "a window skipped"
     assert len(held) == 2 and summary["schedule_position"] >= 30 and summary["final_members"] == [1, 2]
 
@@ -121,7 +121,7 @@ def test_ddp_survivors_go_on_and_returning_replicas_heal_even_when_their_source_
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is faster, and spares the other core
     try:
-        reference = _replay(tmp_path, [r for r in survivor if "commit" in r]).state_dict()
+        reference = _replay(tmp_path, [r for r in survivor if "commits" in r]).state_dict()
     finally:
         torch.set_num_threads(threads)
     trained = load_file(str(out / "model" / "model.safetensors"))
@@ -155,12 +155,12 @@ def test_diloco_survivor_commits_the_outer_sync_alone_and_the_returning_replica_
     survivor = records(out, 0)
     sync = next(r for r in survivor if r["step"] == 8)
     assert sync["retries"] >= 1 and sync["members"] == [0] and sync["extra"]["synced"]
-    assert len(sync["commit"]["committed"]) == 8 and len(sync["commit"]["given_back"]) == 8  # 4 steps x 2 windows
+    assert len(merged(sync)["committed"]) == 8 and len(merged(sync)["given_back"]) == 8  # 4 steps x 2 windows
     returned = records(out, 1)
     assert returned[-1]["healed"] == 1 and returned[-1]["members"] == [0, 1]
     committed, summary = audit(out, 2)
     assert len(set(committed)) == len(committed), "a window trained twice"
-    held = summary["windows_given_back"] + summary["windows_open"]
+    held = summary["windows_held"]
     assert sorted(committed + held) == list(range(summary["windows_dealt"])) and held == [], "a window skipped"
     evals = [[json.loads(line)["loss"] for line in (out / f"metrics-rank{k}.jsonl").read_text().splitlines()
               if '"eval"' in line][-1] for k in (0, 1)]

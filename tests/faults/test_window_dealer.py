@@ -10,19 +10,20 @@ import random
 import pytest
 import torch
 
+from quietsync.comm_worker import CommWorker
 from quietsync.train.data import ShardedSequences
 from quietsync.train.window_dealer import WindowDealer
 
 
-def _dealer(per: int = 2, replicas: int = 3, tokens: int = 4000) -> WindowDealer:
-    return WindowDealer(ShardedSequences(torch.arange(tokens) % 97, 16, per, 0, 1, seed=3), per, replicas)
+def _dealer(per: int = 2, replicas: int = 3, tokens: int = 4000, lag: int = 0) -> WindowDealer:
+    return WindowDealer(ShardedSequences(torch.arange(tokens) % 97, 16, per, 0, 1, seed=3), per, replicas, lag)
 
 
 def test_with_every_replica_present_the_steps_read_the_sequence_in_order():
     dealer = _dealer()
     assert [dealer.deal([0, 1, 2], k, 0) for k in (0,)] == [[0, 1]]  # slot 0 of the first step
     dealer.commit([0, 1, 2])
-    assert dealer.last_commit == {"committed": [0, 1, 2, 3, 4, 5], "given_back": []}
+    assert dealer.last_commit["committed"] == [0, 1, 2, 3, 4, 5] and dealer.last_commit["given_back"] == []
     assert dealer.position() == 1.0 and dealer.position_at(0) == 0.0 and dealer.position_at(1) == 1.0
 
 
@@ -44,8 +45,7 @@ def test_no_window_is_trained_twice_or_skipped_whatever_the_failures(seed):
         committed += dealer.last_commit["committed"]
         assert len(dealer.last_commit["committed"]) == per * len(present)
     assert len(set(committed)) == len(committed)
-    held = dealer.given_back + [w for ws in dealer.open.values() for w in ws]
-    assert sorted(committed + held) == list(range(dealer.fresh))
+    assert sorted(committed + dealer.held()) == list(range(dealer.fresh))
     assert dealer.committed == len(committed)
     assert dealer.position() == pytest.approx(len(committed) / (replicas * per))
 
@@ -63,6 +63,35 @@ def test_a_window_given_back_from_an_absent_replica_reaches_a_present_one():
     assert {0, 1} <= set(dealer.last_commit["committed"]), "windows given back never reached a present replica"
 
 
+@pytest.mark.parametrize("lands", ["before the next deal", "after the next deal"])
+def test_a_commit_launched_in_the_background_holds_the_steps_up_to_its_launch_wherever_it_lands(lands):
+    """Streaming DiLoCo's fragment commits on the communication worker while the next step is dealt and trained (τ
+    = 1): its commit holds the windows dealt up to the step that launched it, and gives back a missing replica's
+    windows to be dealt from step launch + τ + 1 -- the same deals on every replica, wherever its commit landed."""
+    dealer = _dealer(per=2, replicas=3, lag=1)
+    worker = CommWorker(name="test-dealer")
+    try:
+        dealer.deal([0, 1, 2], 0, 0)  # step 1: windows 0..5
+        dealer.commit([0, 1, 2])
+        dealer.deal([0, 1, 2], 0, 1)  # step 2: windows 6..11; its sync launches, replica 2 dies in it
+        job = worker.submit(lambda: dealer.commit([0, 1]))  # the job runs in the context of its submit
+        if lands == "before the next deal":
+            job.wait()
+        step3 = dealer.deal([0, 1], 0, 2)  # step 3: fresh windows 12..17, whenever the commit landed
+        job.wait()
+    finally:
+        worker.close()
+    assert dealer.last_commit["mark"] == 2 and dealer.last_commit["committed"] == [6, 7, 8, 9]
+    assert dealer.last_commit["given_back"] == [10, 11] and step3 == [12, 13]
+    assert dealer.held() == [10, 11, 12, 13, 14, 15, 16, 17]
+    dealer.commit([0, 1])  # step 3's own commit (main thread: up to the step last dealt)
+    assert dealer.last_commit["committed"] == [12, 13, 14, 15] and dealer.last_commit["given_back"] == [16, 17]
+    # step 4 = launch + τ + 1 deals the background commit's windows given back (round-robin from slot 0); those
+    # step 3's commit gave back wait for step 5
+    assert [dealer.deal([0, 1], 0, 3), dealer.open[-1].slots[1]] == [[10, 18], [11, 19]]
+    assert dealer.deal([0, 1], 0, 4) == [22, 23] and dealer.open[-1].slots[1:] == [[16, 24], [17, 25]]
+
+
 def test_windows_are_the_one_reader_order_of_the_epochs_and_the_state_travels():
     dealer = _dealer(per=2, replicas=2)
     reader = ShardedSequences(torch.arange(4000) % 97, 16, 2, 0, 1, seed=3)
@@ -76,5 +105,5 @@ def test_windows_are_the_one_reader_order_of_the_epochs_and_the_state_travels():
     other = _dealer(per=2, replicas=2)
     other.load_state_dict(dealer.state_dict())
     assert other.deal([0, 1], 1, 1) == dealer.deal([0, 1], 1, 1)
-    with pytest.raises(ValueError, match="the peer deals 2 windows per replica of 2, this replica 2 of 3"):
+    with pytest.raises(ValueError, match=r"the peer deals 2 windows per replica of 2 \(lag 0\), this replica 2 of 3"):
         _dealer(per=2, replicas=3).load_state_dict(dealer.state_dict())

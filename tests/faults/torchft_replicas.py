@@ -142,18 +142,52 @@ def records(out: Path, rank: int) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "event" not in r] if path.exists() else []
 
 
-def audit(out: Path, replicas: int) -> tuple[list[int], dict[str, Any]]:
-    """The windows every commit committed, in commit order, checked to agree between the replicas that logged the
-    same step; and the summary's fault-tolerance section."""
-    by_step: dict[int, set[tuple[int, ...]]] = {}
-    for rank in range(replicas):
-        for r in records(out, rank):
-            if "commit" in r:
-                by_step.setdefault(r["step"], set()).add(tuple(r["commit"]["committed"]))
-    disagree = {s: v for s, v in by_step.items() if len(v) != 1}
-    assert not disagree, f"replicas logged different commits for the same step: {disagree}"
+def merged(record: dict[str, Any]) -> dict[str, list[int]]:
+    """The windows the commits logged with a step record committed and gave back, in commit order."""
+    commits = record.get("commits", [])
+    return {k: [w for c in commits for w in c[k]] for k in ("committed", "given_back")}
+
+
+def audit(out: Path, replicas: int, workers: int = 1) -> tuple[list[int], dict[str, Any]]:
+    """The data audit of a run of ``replicas`` replica groups of ``workers`` workers, whatever the step each commit
+    was logged at (one launched on a communication thread -- streaming DiLoCo's fragment -- lands during a later
+    step, at a moment that differs between replicas). It checks that
+
+    * every worker logged its commits in their order (torchft's numbers strictly increasing), each one its replica
+      group took part in;
+    * the workers that logged the same commit (its number) agree on it: the replica groups in it, the step it was
+      launched at, the windows it committed and gave back;
+    * the commits logged, with those of the run's end (the summary's), are numbered 1..N: none missing;
+    * every window committed was trained (logged) by a worker of a replica group in the commit, and every window
+      trained is committed or given back by a commit, or still held by the run.
+
+    Returns the windows committed, in commit order, and the summary's fault-tolerance section."""
     summary = json.loads((out / "summary.json").read_text())["fault_tolerance"]
-    committed = [w for s in sorted(by_step) for w in next(iter(by_step[s]))]
-    if summary.get("finish_commit"):
-        committed += summary["finish_commit"]["committed"]
+    by_number: dict[int, dict[str, Any]] = {}
+    trained: dict[int, set[int]] = {k: set() for k in range(replicas)}
+
+    def take(commit: dict[str, Any], who: str) -> None:
+        seen = by_number.setdefault(commit["id"], commit)
+        assert seen == commit, f"{who} logged commit {commit['id']} as {commit}, another replica as {seen}"
+
+    for rank in range(replicas * workers):
+        group, last = rank // workers, 0
+        for r in records(out, rank):
+            trained[group].update(r.get("windows", []))
+            for c in r.get("commits", []):
+                assert c["id"] > last, f"worker {rank} logged commit {c['id']} after commit {last}"
+                assert group in c["members"], f"worker {rank} logged commit {c['id']} without its replica group: {c}"
+                take(c, f"worker {rank}")
+                last = c["id"]
+    for c in summary.get("finish_commits") or []:
+        take(c, "the summary")
+    numbers = sorted(by_number)
+    assert numbers == list(range(1, len(numbers) + 1)), f"commits missing: logged {numbers}"
+    commits = [by_number[n] for n in numbers]
+    for c in commits:
+        mine = set().union(*(trained[k] for k in c["members"]))
+        assert set(c["committed"]) <= mine, f"commit {c['id']} holds windows no member trained: {c}"
+    committed = [w for c in commits for w in c["committed"]]
+    accounted = set(committed) | {w for c in commits for w in c["given_back"]} | set(summary["windows_held"])
+    assert set().union(*trained.values()) <= accounted, "a window trained and neither committed nor given back"
     return committed, summary

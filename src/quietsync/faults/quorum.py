@@ -20,7 +20,8 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   peer.
 
 Every commit is counted (``commits``) and announced to the listeners (:meth:`on_commit`) with the replicas that
-took part, so the data policy (:mod:`~quietsync.train.window_dealer`) knows whose micro-batches entered the model.
+took part and its number (torchft's step after it: the same on every replica that made it), so the data policy
+(:mod:`~quietsync.train.window_dealer`) knows whose micro-batches entered the model.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ReplicaQuorum:
         self.timeout_s, self.quorum_timeout_s = float(timeout_s), float(quorum_timeout_s)
         self._saves: dict[str, Callable[[], Any]] = {}
         self._loads: dict[str, Callable[[Any], None]] = {}
-        self._listeners: list[Callable[[list[int]], None]] = []
+        self._listeners: list[Callable[[list[int], int], None]] = []
         self._running = False
         self.round_due = True
         """Whether a round boundary is due (a commit happened since the last quorum; or nothing yet)."""
@@ -108,8 +109,9 @@ class ReplicaQuorum:
             raise ValueError(f"heal state {key!r} is registered twice")
         self._saves[key], self._loads[key] = save, load
 
-    def on_commit(self, listener: Callable[[list[int]], None]) -> None:
-        """Call ``listener(members)`` after every commit (``members``: the replica groups that took part)."""
+    def on_commit(self, listener: Callable[[list[int], int], None]) -> None:
+        """Call ``listener(members, number)`` after every commit (``members``: the replica groups that took part;
+        ``number``: torchft's step after the commit, the same on every replica that made it)."""
         self._listeners.append(listener)
 
     def _save(self) -> dict[str, Any]:
@@ -206,8 +208,9 @@ class ReplicaQuorum:
         self.commits += 1
         self.round_due = True
         members = list(self.transport.replica_group.members)
+        number = self.manager.current_step()
         for listener in self._listeners:
-            listener(members)
+            listener(members, number)
 
     @property
     def members(self) -> list[int]:

@@ -342,6 +342,13 @@ class Strategy(metaclass=_Constructed):
         holds exactly the budget (the trainer's ``--max-steps`` does)."""
         return 0
 
+    def settle(self) -> None:
+        """Wait for every exchange the strategy runs in the background (streaming DiLoCo's fragment in flight);
+        what it computes is applied when it was due, as without the wait. Under ``--fault-tolerance torchft`` a
+        replica alone settles before its quorum ticks, so no two threads commit at once."""
+        for part in self._parts.values():
+            part.quiesce()
+
     @property
     def finished(self) -> bool:
         """Whether :meth:`finish` ran (training calls are refused from then on)."""

@@ -12,13 +12,16 @@ strategy, whose learning-rate schedule reads the dealer's position in tokens. Th
         for each micro-batch: strategy.forward_backward(batch); strategy.step()
                                                           # its collectives over the replicas commit through
                                                           # the quorum (retried among survivors)
+        if alone: strategy.settle(); tick the quorum if nothing committed (a round boundary for joiners)
         log, evaluate when due
     strategy.finish(); the totals; a last round (replicas waiting to join see the run is over); export, summary
 
 Records (``metrics-rank{R}.jsonl``, R the worker's rank in the nominal job) continue across a replica's restarts
 (a healed incarnation appends after the step it healed at) and hold, besides the usual fields, ``members`` (the
 replica groups of the step's quorum), ``healed`` and ``retries`` counters and ``unix_s`` (wall clock, to put the
-replicas on one timeline); with ``QUIETSYNC_AUDIT_DATA=1`` also the windows each commit committed and gave back.
+replicas on one timeline); with ``QUIETSYNC_AUDIT_DATA=1`` also the windows the worker trained in the step
+(``windows``) and every commit logged since its previous step (``commits``: its number, the replica groups in it,
+the step it was launched at, the windows it committed and gave back).
 The replica group whose rank-0 replica leads the final quorum writes ``summary.json`` and ``OUT/model``.
 """
 
@@ -167,7 +170,8 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         field = accumulation_field(strategy_config)
         accumulation = int(getattr(strategy_config, field)) if field else 1
         reader = ShardedSequences(train_tokens, cfg.seq_len, cfg.micro_batch_size, 0, 1, cfg.seed)
-        dealer = WindowDealer(reader, accumulation * cfg.micro_batch_size * transport.workers, replicas)
+        lag = int(getattr(strategy_config, "overlap_delay", 0) or 0)  # a commit lands up to τ steps late
+        dealer = WindowDealer(reader, accumulation * cfg.micro_batch_size * transport.workers, replicas, lag)
         schedule = warmup_cosine(cfg.warmup, cfg.max_steps, cfg.min_lr_ratio)
         strategy = make_strategy(
             cfg.strategy, model, torch.optim.AdamW, param_groups=param_groups(model, cfg.weight_decay),
@@ -244,7 +248,7 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
     evals: list[dict[str, Any]] = []
     seq = cfg.seq_len
     mine_tokens = 0
-    finish_commit: dict[str, list[int]] | None = None
+    finish_commits: list[dict[str, Any]] = []
     sums = dict.fromkeys(STEP_SUMS, 0.0)
     timer = MicroBatchTimer(cfg.slow(), rank, device)
 
@@ -255,11 +259,12 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
         now = time.perf_counter()
         evals.append(metrics.eval(strategy.steps, loss, dealer.committed * seq, now - t, now - t0))
 
-    def log_step(losses: list[torch.Tensor], tokens: int, retries_before: int) -> None:
+    def log_step(losses: list[torch.Tensor], windows: list[int], retries_before: int) -> None:
         m = strategy.last_step_metrics()
         record = {
             "step": m.step, "rank": rank, "loss": float(torch.stack(losses).mean()) if losses else float("nan"),
-            "lr": m.lr, "tokens": tokens, "tokens_total": dealer.committed * seq, "micro_batches": m.micro_batches,
+            "lr": m.lr, "tokens": len(windows) * seq, "tokens_total": dealer.committed * seq,
+            "micro_batches": m.micro_batches,
             "compute_s": m.compute_s, "comm_s": m.comm_s, "idle_s": m.idle_s, "bytes_sent": m.bytes_sent,
             "bytes_recv": m.bytes_recv, "bytes_by_group": m.bytes_by_group, "slow_sleep_s": timer.slept_s,
             "time_s": time.perf_counter() - t0, "unix_s": time.time(), "members": quorum.members,
@@ -267,9 +272,11 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
         }
         if m.extra:
             record["extra"] = m.extra
-        commit = dealer.take_commits()
-        if audit and commit:
-            record["commit"] = commit
+        commits = dealer.take_commits()
+        if audit:
+            record["windows"] = windows
+            if commits:
+                record["commits"] = commits
         if run.marks:
             record["start"], run.marks = dict(run.marks), {}
         metrics.step(record)
@@ -307,19 +314,21 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
                 committed = strategy.step()
             if not committed:
                 raise RuntimeError(f"strategy {cfg.strategy} did not commit after {accumulation} micro-batch(es)")
-            if quorum.commits == commits and transport.group_size("replicate") == 1:
-                quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks, so a
-                # returning replica finds a round boundary to join at
+            if transport.group_size("replicate") == 1:
+                strategy.settle()  # an exchange in flight commits first (alone it has no network to hide)
+                if quorum.commits == commits:
+                    quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks, so
+                    # a returning replica finds a round boundary to join at
             mine_tokens += len(windows) * seq
-            log_step(losses, len(windows) * seq, retries)
+            log_step(losses, windows, retries)
             if cfg.eval_every and strategy.steps % cfg.eval_every == 0:
                 run_eval()
             stopped = dealer.position() >= cfg.max_steps
         retries = quorum.retries
         if strategy.finish():
-            log_step([], 0, retries)
+            log_step([], [], retries)
         else:  # the last partial round synced without a step of its own
-            finish_commit = dealer.take_commits()
+            finish_commits = dealer.take_commits()
         run.state["finished"] = True
         if not evals or evals[-1]["step"] != strategy.steps:
             run_eval()
@@ -328,7 +337,7 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
     finally:
         metrics.close()
     return {"wall_s": time.perf_counter() - t0, "setup_s": setup_s, "evals": evals, "totals": totals,
-            "finish_commit": finish_commit if audit else None}
+            "finish_commits": finish_commits if audit else None}
 
 
 def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: int, strategy: Any) -> dict[str, Any]:
@@ -361,10 +370,9 @@ def _summary(run: _Run, strategy: Any, n_params: int, result: dict[str, Any]) ->
     summary["fault_tolerance"] = {
         "engine": "torchft", "replicas": run.transport.replicas, "final_members": quorum.members,
         "schedule_position": dealer.position(), "windows_committed": dealer.committed,
-        "windows_given_back": sorted(dealer.given_back), "windows_dealt": dealer.fresh,
-        "windows_open": sorted(w for ws in dealer.open.values() for w in ws),
+        "windows_dealt": dealer.fresh, "windows_held": dealer.held(),
         "commits": quorum.commits, "tokens_fed_by_present_replicas": fed,
-        "finish_commit": result["finish_commit"],
+        "finish_commits": result["finish_commits"],
     }
     return summary
 

@@ -63,5 +63,8 @@ class Part:
     def discard(self) -> None:
         """Forget the open round's contribution (``Strategy.discard_round``)."""
 
+    def quiesce(self) -> None:
+        """Wait for the part's background exchange in flight, if any (its result stays due as before)."""
+
     def close(self) -> None:
         """Stop background work and release resources (called once, in reverse order of holding)."""
