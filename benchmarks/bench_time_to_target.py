@@ -174,7 +174,7 @@ def judge(plan: dict[str, Any], measured: dict[str, dict[str, Any]], grid: set[s
     pilot_s = sum(c["wall_s"] for c in pilots.values()) + ((plan.get("noise_scale") or {}).get("seconds") or 0.0)
     runs_s = sum(m["time_s"] for s, m in reached.items() if s in rows)
     return {
-        "recommended": rec, "recommended_measured_s": rec_time,
+        "recommended": rec, "recommended_measured_s": rec_time, "recommended_run": rec in measured,
         "fastest": fastest, "fastest_s": reached[fastest]["time_s"] if fastest else None,
         "fastest_in_grid": fastest_grid,
         "recommended_ok": within(fastest), "recommended_ok_in_grid": within(fastest_grid),
@@ -253,6 +253,7 @@ def main() -> None:
     out["summary"] = {
         "recommended_ok": sum(x["recommended_ok"] for x in v), "recommended_ok_in_grid":
             sum(x["recommended_ok_in_grid"] for x in v), "links": len(v),
+        "recommended_not_run": [link for link, x in out["links"].items() if not x.get("recommended_run", True)],
         "median_abs_error": math.expm1(med) if med is not None else None,
         "off_by_2x": sum(len(x["off_by_2x"]) for x in v), "pairs": sum(len(x["pairs"]) for x in v),
         "pilot_over_runs": [x["pilot_over_runs"] for x in v],
@@ -272,9 +273,13 @@ def write_report(name: str, out: dict[str, Any]) -> Path:
     s = out["summary"]
     table = []
     for link, x in out["links"].items():
+        run = x.get("recommended_run", True)  # a pick the equal-loss runs have no record of is not judged
+
+        def mark(ok: bool, run: bool = run) -> str:
+            return ("✓" if ok else "✗") if run else "not run"
+
         table.append([link, f"`{x['recommended']}`", _s(x["recommended_measured_s"]), f"`{x['fastest']}`",
-                      _s(x["fastest_s"]), "✓" if x["recommended_ok"] else "✗",
-                      "✓" if x["recommended_ok_in_grid"] else "✗",
+                      _s(x["fastest_s"]), mark(x["recommended_ok"]), mark(x["recommended_ok_in_grid"]),
                       f"{x['median_abs_error']:.0%}" if x["median_abs_error"] is not None else "—",
                       len(x["off_by_2x"]), f"{x['pilot_s']:.0f}",
                       f"{x['pilot_over_runs']:.2f}" if x["pilot_over_runs"] else "—",
@@ -286,7 +291,9 @@ def write_report(name: str, out: dict[str, Any]) -> Path:
     notes = (f"Plans of the equal-loss job ({out['source']}: model `{out['job']['model']}`, target "
              f"{out['job']['target']:g}) with `--pilot-tokens {out['pilot_tokens']:,}`. Recommended right (within "
              f"{WITHIN:.0%} of the measured fastest to target) on {s['recommended_ok']} of {s['links']} links "
-             f"({s['recommended_ok_in_grid']} among the planner's grid); time to target predicted within "
+             f"({s['recommended_ok_in_grid']} among the planner's grid)"
+             + (f"; the pick at {', '.join(s['recommended_not_run'])} has no equal-loss run yet (not judged)"
+                if s.get("recommended_not_run") else "") + "; time to target predicted within "
              f"{s['median_abs_error']:.0%} (median |error|) over {s['pairs']} settings, {s['off_by_2x']} off by 2× or "
              f"more (including reached/not-reached disagreements). Pilots over running the candidates to the target: "
              f"{', '.join(f'{r:.2f}' for r in s['pilot_over_runs'] if r)}; over the recommended setting's time where "
