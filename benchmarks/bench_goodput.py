@@ -289,22 +289,28 @@ def report() -> None:
         if not plain:
             continue
         ref = statistics.mean(r["tokens"] / r["wall_s"] for r in plain)
+        free = [r for (s, m, _), r in by.items() if s == strategy and m == "torchft-free"]
+        ref_free = statistics.mean(r["tokens"] / r["wall_s"] for r in free) if free else None
         losses = [r["final_loss"] for r in plain]
         for mode in MODES:
             for r in (r for (s, m, _), r in sorted(by.items()) if s == strategy and m == mode):
                 goodput = r["tokens"] / r["wall_s"] / ref
+                # torchft against its own failure-free run: the failures' cost alone (the modes' start-up differs)
+                own = r["tokens"] / r["wall_s"] / ref_free if mode == "torchft" and ref_free else None
                 back = [x["training_after_s"] for x in r["returns"]]
                 pause = [x["survivor_max_gap_s"] for x in r["returns"]]
                 kills = sum(1 for k, _ in r["events"] if k == "kill")
                 table.append({**{k: r[k] for k in ("strategy", "mode", "seed", "wall_s", "tokens", "final_loss")},
                               "finished": r.get("finished", True),
-                              "goodput": goodput, "kills": kills, "training_after_s": back, "survivor_pause_s": pause,
+                              "goodput": goodput, "goodput_vs_torchft_free": own, "kills": kills,
+                              "training_after_s": back, "survivor_pause_s": pause,
                               "plain_losses": losses})
                 finished = r.get("finished", True)
                 shown = mode if finished else f"{mode} (stopped at {r['limit_s']:g} s: step {r['steps']} of " \
                     f"{r['max_steps']} kept)"
                 rows.append([strategy, shown, r["seed"], kills, r["wall_s"], r["tokens"], f"{goodput:.0%}",
-                             r["final_loss"] if finished else "-", ", ".join(f"{x:.1f}" for x in back) or "-",
+                             f"{own:.0%}" if own is not None else "-", r["final_loss"] if finished else "-",
+                             ", ".join(f"{x:.1f}" for x in back) or "-",
                              ", ".join(f"{x:.2f}" for x in pause) or "-"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     sizes = runs[0] if runs else {}
@@ -314,12 +320,15 @@ def report() -> None:
     notes = (f"2 replicas x 1 worker (one thread each), tiny model, micro-batch 8 x 128 tokens, "
              f"failure schedule: replica 1 `kill -9` every {sizes.get('period_s')} s from the job's start, started "
              f"again {sizes.get('down_s')} s later. Goodput: committed tokens per wall second (first process "
-             "started to last ended) over the plain failure-free run's. back s: from replica 1's process start "
+             "started to last ended) over the plain failure-free run's (mean over its seeds); vs torchft-free: a "
+             "torchft run's over the failure-free torchft run's (what the failures cost, the modes' start-up "
+             "aside). back s: from replica 1's process start "
              "to its first committed step (elastic: to the first step of the 2-worker world); pause s: the "
              "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
              "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.")
     write_markdown("goodput", "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
-                   ["strategy", "mode", "seed", "kills", "wall s", "tokens", "goodput", "final loss", "back s",
+                   ["strategy", "mode", "seed", "kills", "wall s", "tokens", "goodput", "vs torchft-free", "final loss",
+                    "back s",
                     "pause s"], rows, notes)
     plot(runs)
     print((RESULTS / "goodput.md").read_text())
