@@ -98,22 +98,20 @@ class Schedule:
 
     def drive(self, t0: float, running, kill, start) -> None:  # noqa: ANN001 - callables
         """Until ``running()`` is false: kill at t0 + k*period, start at t0 + k*period + down."""
+        def until(moment: float) -> bool:
+            """Wait for ``moment`` while the job runs; whether it still runs."""
+            while running() and time.time() < moment:
+                time.sleep(0.05)
+            return running()
+
         k = 1
         while running():
             kill_at = t0 + k * self.period
-            while running() and time.time() < kill_at:
-                time.sleep(0.05)
-            if not running():
-                return
-            kill()
-            self.events.append(("kill", time.time()))
-            back_at = kill_at + self.down
-            while running() and time.time() < back_at:
-                time.sleep(0.05)
-            if not running():
-                return
-            start()
-            self.events.append(("start", time.time()))
+            for at, act, event in ((kill_at, kill, "kill"), (kill_at + self.down, start, "start")):
+                if not until(at):
+                    return
+                act()
+                self.events.append((event, time.time()))
             k += 1
 
 

@@ -231,6 +231,15 @@ def test_every_strategy_under_the_trainer(tmp_path):
             assert r0["steps"] == 6, name  # one commit per Trainer step
 
 
+@pytest.mark.timeout(120)
+def test_the_trainer_example_refuses_a_stage_cap_no_strategy_takes():
+    """``--stage-cap`` caps acco/dpu/wp stages; named with strategies that have none it is refused, not ignored."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "trainer_train.py"), "--strategy", "zero1,ddp",
+                           "--stage-cap", "2"], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2 and "--stage-cap applies to acco, dpu and wp" in proc.stderr, proc.stderr[-2000:]
+
+
 def _accumulates(name: str) -> bool:
     """Whether the strategy commits every ``accumulation`` micro-batches (the others decide their commits)."""
     return "accumulation" in {f.name for f in dataclasses.fields(quietsync.strategies.get(name)[1])}

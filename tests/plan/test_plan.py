@@ -31,6 +31,8 @@ WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "
     (["--target-loss", "4", "--pilot-tokens", "0"], "--pilot-tokens must be an integer >= 1"),
     (["--target-loss", "4"], "--target-loss needs pilot_tokens N in a measured plan"),
     (["--pilot-tokens", "1000"], "--pilot-tokens needs target_loss"),
+    (["--reuse-pilots"], "--reuse-pilots is about pilot runs: it needs pilot_tokens N"),
+    (["--pilot-out", "p"], "--pilot-out is about pilot runs: it needs pilot_tokens N"),
     (["--target-loss", "4", "--pilot-tokens", "9", "--train-args", "--lr 0"], "--train-args: --lr must be"),
     (["--target-loss", "4", "--pilot-tokens", "9", "--train-args", "--out x"], "must not set --out"),
     (WHAT_IF[:-2] + ["--link", "inter=1gbit"], "--link must be given for intra with what_if"),

@@ -204,17 +204,18 @@ class FaultTolerantTransport(Transport):
 
     def send(self, tensor: torch.Tensor, dst: int, group: str = "world", async_op: bool = False,
              name: str = "send") -> Work:
-        if self._managed(group):
-            raise RuntimeError("quietsync: point-to-point transfers between replicas go through the peer "
-                               "checkpoint (faults/peer_checkpoint.py) under --fault-tolerance torchft")
+        self._refuse_point_to_point(group)
         return super().send(tensor, dst, group, async_op, name)
 
     def recv(self, tensor: torch.Tensor, src: int, group: str = "world", async_op: bool = False,
              name: str = "recv") -> Work:
+        self._refuse_point_to_point(group)
+        return super().recv(tensor, src, group, async_op, name)
+
+    def _refuse_point_to_point(self, group: str) -> None:
         if self._managed(group):
             raise RuntimeError("quietsync: point-to-point transfers between replicas go through the peer "
                                "checkpoint (faults/peer_checkpoint.py) under --fault-tolerance torchft")
-        return super().recv(tensor, src, group, async_op, name)
 
     def heal_transfer(self, tensor: torch.Tensor, peer: int, sending: bool) -> None:
         """Send ``tensor`` to (or receive it from) replica rank ``peer`` of the quorum being formed: the peer

@@ -137,7 +137,12 @@ class PlanConfig:
                 raise ValueError("pilot_tokens runs pilots on this machine: not with what_if")
             if self.target_loss is None and self.budget_s is None:
                 raise ValueError("pilot_tokens needs target_loss (or budget_s): the pilots are judged by time to it")
-        elif not self.what_if and (self.target_loss is not None or self.budget_s is not None):
+        else:
+            for name in ("reuse_pilots", "pilot_out"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is about pilot runs: it needs pilot_tokens N (and target_loss)")
+        if self.pilot_tokens is None and not self.what_if and (self.target_loss is not None or
+                                                               self.budget_s is not None):
             which = "target_loss" if self.target_loss is not None else "budget_s"
             raise ValueError(f"{which} needs pilot_tokens N in a measured plan (the baseline's loss curve comes from "
                              "its pilot run), or what_if")
