@@ -95,28 +95,29 @@ def _start(job: str, out: Path, corpus) -> tuple[subprocess.Popen, dict[int, int
     """Start a run; once a checkpoint exists (so there is one to resume), freeze its two workers (SIGSTOP) and
     return the launcher and ``{rank: pid}``. The caller signals what it tests, then :func:`_thaw` s them.
 
-    Frozen at once because the test process may be starved of CPU for seconds on a loaded machine: the run
-    must not end (or the victim close its files) between the checkpoint appearing and the test's signal — seen
-    in CI, where a worker had already closed its metrics file when its rank was read."""
+    Frozen at once because the test process may be starved of CPU for seconds on a loaded machine: the run must
+    not end between the checkpoint appearing and the test's signal. A worker is a spawned process that holds its
+    metrics file open; other spawned processes (or one already exited, not yet reaped) are left alone — CI once
+    caught such a process among the two it took for the workers."""
     proc = subprocess.Popen(_cmd(job, out, corpus, *SLOWED), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=_env(), preexec_fn=interruptible)
     deadline = time.monotonic() + 120
-    workers: list[int] = []
+    seen: dict[int, int] = {}
     while True:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no checkpoint within 120 s (workers seen: {workers})"
-        if len(workers) < 2:
-            workers = [p for p in _descendants(proc.pid) if "spawn_main" in _cmdline(p)]
-        elif latest_checkpoint(out, [0, 1]) is not None:
-            for p in workers:
+        assert time.monotonic() < deadline, f"no checkpoint with both workers within 120 s (workers seen: {seen})"
+        if latest_checkpoint(out, [0, 1]) is not None:
+            spawned = [p for p in _descendants(proc.pid) if "spawn_main" in _cmdline(p) and _alive(p)]
+            for p in spawned:
                 os.kill(p, signal.SIGSTOP)
-            break
+            seen = {r: p for p in spawned if (r := _rank_of(p)) is not None}
+            _thaw([p for p in spawned if p not in seen.values()])
+            if sorted(seen) == [0, 1]:
+                break
+            _thaw(seen.values())
         time.sleep(0.05)
-    assert len(workers) == 2, workers
     assert proc.poll() is None, "the run ended before its workers were frozen"
-    ranks = {_rank_of(p): p for p in workers}
-    assert sorted(ranks) == [0, 1], ranks
-    return proc, ranks
+    return proc, seen
 
 
 def _cmdline(pid: int) -> str:
@@ -135,16 +136,21 @@ def _thaw(pids) -> None:
             pass
 
 
-def _rank_of(pid: int) -> int:
-    """A worker's rank, from the metrics file it holds open (its RANK is set after exec, not in /proc)."""
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
+def _rank_of(pid: int) -> int | None:
+    """A worker's rank, from the metrics file it holds open (its RANK is set after exec, not in /proc); None for a
+    process that holds none."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return None
+    for fd in fds:
         try:
             name = os.readlink(fd)
         except OSError:
             continue
         if "metrics-rank" in name:
             return int(name.rsplit("metrics-rank", 1)[1].split(".")[0])
-    raise AssertionError(f"worker {pid} holds no metrics file")
+    return None
 
 
 def _ends(proc: subprocess.Popen, pids: list[int], within: float) -> tuple[int, str]:
