@@ -218,7 +218,7 @@ def from_pilot_tokens(tokens: list[float], losses: list[float], baseline: Baseli
         inf = Interval(math.inf, math.inf, math.inf)
         why = ("its pilot's losses are beyond the baseline's curve" if not ks
                else "the baseline is not predicted to reach the target")
-        return LossEstimate(inf, inf, "pilot", notes + [f"pilot: {why}"])
+        return LossEstimate(inf, inf, "pilot", notes + [why])
     last = [k for _, k in ks[-max(1, len(ks) // 3):]]
     k = sum(last) / len(last)
     span = [x for _, x in ks] + [k]
@@ -226,7 +226,7 @@ def from_pilot_tokens(tokens: list[float], losses: list[float], baseline: Baseli
     drift = 1 + K_DRIFT * doublings
     k_lo, k_hi = min(span) * (1 - K_MARGIN) / drift, max(span) * (1 + K_MARGIN) * drift
     base = baseline.tokens_to(target)
-    note = (f"pilot: ×{k:.3g} the baseline's tokens to the same held-out loss over its last "
+    note = (f"×{k:.3g} the baseline's tokens to the same held-out loss over its last "
             f"{ks[-1][0] - ks[0][0]:,.0f} tokens (×{min(span):.3g}–×{max(span):.3g}; the interval lets it drift "
             f"{K_DRIFT:.0%} per doubling over the {doublings:.1f} doublings to the target)")
     return LossEstimate(Interval(k, k_lo, k_hi), Interval(k * t0, k_lo * base.low, k_hi * base.high), "pilot",
@@ -268,7 +268,7 @@ def from_pilot_batch(tokens: list[float], losses: list[float], batch: float, bas
     k, k_lo, k_hi = k_at(b_star), k_at(max(stars)), k_at(min(stars))
     base = baseline.tokens_to(target)
     mult = Interval(k, k_lo, k_hi)
-    note = (f"pilot: {batch:,.0f} tokens per step against the baseline's {baseline_batch:,.0f}; B_crit fitted to "
+    note = (f"{batch:,.0f} tokens per step against the baseline's {baseline_batch:,.0f}; B_crit fitted to "
             f"its last {len(stars)} evaluations (B* = {b_star:.3g} at α_B = {KAPLAN_ALPHA_B}) gives ×{k:.3g} the "
             f"baseline's tokens at the target (×{k_lo:.3g}–×{k_hi:.3g})")
     return LossEstimate(mult, Interval(k * t0, k_lo * base.low, k_hi * base.high), "pilot", notes + [note],
