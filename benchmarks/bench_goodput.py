@@ -316,7 +316,7 @@ def report() -> None:
         for mode in MODES:
             for r in (r for (s, m, _), r in sorted(by.items()) if s == strategy and m == mode):
                 goodput = r["tokens"] / r["wall_s"] / ref
-                # torchft against its own failure-free run: the failures' cost alone (the modes' start-up differs)
+                # torchft against its own failure-free run: the failures' cost alone
                 own = r["tokens"] / r["wall_s"] / ref_free if mode == "torchft" and ref_free else None
                 back = [x["training_after_s"] for x in r["returns"]]
                 pause = [x["survivor_max_gap_s"] for x in r["returns"]]
@@ -342,8 +342,10 @@ def report() -> None:
              f"failure schedule: replica 1 `kill -9` every {sizes.get('period_s')} s from the job's start, started "
              f"again {sizes.get('down_s')} s later. Goodput: committed tokens per wall second (first process "
              "started to last ended) over the plain failure-free run's (mean over its seeds); vs torchft-free: a "
-             "torchft run's over the failure-free torchft run's (what the failures cost, the modes' start-up "
-             "aside). back s: from replica 1's process start "
+             "torchft run's over the failure-free torchft run's (what the failures cost; the plain run's workers and "
+             "the torchft replicas are both started directly, without a launcher; per step the plain run also agrees "
+             "on its non-finite check before every step commits, a barrier per inner step under diloco). "
+             "back s: from replica 1's process start "
              "to its first committed step (elastic: to the first step of the 2-worker world); pause s: the "
              "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
              "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.")
