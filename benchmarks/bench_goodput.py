@@ -355,13 +355,52 @@ def report() -> None:
              "aside). back s: from replica 1's process start "
              "to its first committed step (elastic: to the first step of the 2-worker world); pause s: the "
              "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
-             "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.")
+             "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.") + phase_table(runs)
     write_markdown("goodput", "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
                    ["strategy", "mode", "seed", "kills", "wall s", "tokens", "goodput", "vs torchft-free", "final loss",
                     "back s",
                     "pause s"], rows, notes)
     plot(runs)
     print((RESULTS / "goodput.md").read_text())
+
+
+def phase_table(runs: list[dict[str, Any]]) -> str:
+    """Markdown: where each return's time went (torchft runs whose records hold the phases, :func:`join_phases`)."""
+    lines = []
+    for r in runs:
+        for x in r["returns"]:
+            ph = x.get("phases") or {}
+            j, s = ph.get("joiner") or {}, ph.get("survivor") or {}
+            if not j or not s:
+                continue
+            a = s["round_asked"]
+
+            def ms(later: str, earlier: str, side: dict[str, Any]) -> str:
+                return f"{1e3 * (side[later] - side[earlier]):.0f}" if later in side and earlier in side else "-"
+
+            survivor = (f"{ms('round_quorum', 'round_asked', s)} / {ms('round_connected', 'round_quorum', s)} / "
+                        f"{ms('round_serialized', 'round_connected', s)} / {ms('round_sent', 'round_serialized', s)}"
+                        f" / {1e3 * (s['round_returned'] - a):.0f}")
+            joiner = (f"{ms('round_received', 'round_recv_start', j)} / {ms('round_deserialized', 'round_received', j)}"
+                      f" / {ms('round_applied', 'round_deserialized', j)}")
+            setup = f"{j['loop_start']:.2f} / {j['model']:.2f} / {j.get('warm', float('nan')):.2f} / {j['ready']:.2f}"
+            lines.append(f"| {r['strategy']} seed {r['seed']} | {x['survivor_median_step_s']:.3f} | "
+                         f"{s['step_s']:.3f} | {survivor} | {1e3 * (s['step_end'] - s['round_returned']):.0f} | "
+                         f"{setup} | {joiner} | "
+                         f"{1e3 * (j['first_step'] - j['round_returned']):.0f} | {j['first_step']:.2f} |")
+    if not lines:
+        return ""
+    return "\n".join([
+        "\n\n## Where a return's time goes (torchft)\n",
+        "Survivor: its median step, the step that held the join (from its previous step's end: the round, then its "
+        "own step, which waits in its collective for the joiner), and the round's phases in ms (the Lighthouse's "
+        "answer / the new group connected / its state taken and packed / sent / round total). Joiner, seconds "
+        "from its process start: imports done / model built / warm-up done / asks to join; its heal in ms "
+        "(transfer / unpack / applied); its first step (ms after its round returned) and when it ended (s).\n",
+        "| run | survivor step s | join step s | survivor round ms: quorum / connect / pack / send / total | "
+        "survivor step after the round ms | joiner s: imports / model / warm / asks | joiner heal ms: receive / "
+        "unpack / apply | joiner first step ms | training at s |",
+        "|---|---|---|---|---|---|---|---|---|", *lines])
 
 
 def plot(runs: list[dict[str, Any]]) -> None:
