@@ -8,7 +8,7 @@ stated in the output. A candidate's curve is the baseline's transformed by its p
 (:mod:`~quietsync.plan.priors`): ``L(t) = (1 + δ)·L_b(t / k)``, so its tokens to a target ``L*`` are
 ``k · L_b⁻¹(L* / (1 + δ))`` — a small loss penalty costs many tokens near the curve's floor, and a penalty that
 lifts ``L*/(1+δ)`` to the floor means the target is **not predicted to be reached**. A candidate whose pilot ran
-uses its own fitted curve instead.
+gives its own token multiplier at equal loss instead (:func:`from_pilot_tokens`).
 
 **Time to target** = tokens to target ÷ predicted tokens/s (:mod:`~quietsync.plan.table`), with an interval
 that multiplies the loss model's with the speed model's (:data:`SPEED_ERROR`).
@@ -169,41 +169,68 @@ def from_pilot(fit: CurveFit, baseline: BaselineCurve, target: float, notes: lis
 
 
 RATIO_TAIL = 0.5
-"""The last fraction of a pilot (by tokens) whose loss ratio to the baseline gives ``δ``."""
-RATIO_MARGIN = 0.005
-"""Half-width added to the spread of the ratio over the tail (evaluation noise)."""
+"""The last fraction of a pilot (by tokens) whose evaluations give its token multiplier."""
+K_MARGIN = 0.03
+"""Relative half-width added to the spread of the multiplier over the tail (held-out evaluations scatter by ~1%,
+which the baseline curve's slope turns into a few percent of tokens)."""
+K_DRIFT = 0.15
+"""How far a pilot's multiplier may drift per doubling of the extrapolation past the pilot, each way: on the
+equal-loss runs (benchmarks/results/equal_loss.md) DeMo's fell from ×1.79 at 0.22 M tokens to ×1.21 at the target
+(2.3 M, 3.4 doublings: 11% per doubling) and DiLoCo H = 16's rose from ×1.9 to ×3.26 (4.8 doublings: 12%)."""
 
 
-def from_pilot_ratio(tokens: list[float], losses: list[float], baseline: BaselineCurve, target: float,
-                     notes: list[str], reached: float | None = None) -> LossEstimate:
-    """Tokens to ``target`` of a piloted candidate: its held-out loss over the last part of its pilot, divided by the
-    baseline's at the same tokens, is ``1 + δ`` (the loss penalty the priors guess, measured); its tokens to the
-    target are the baseline's to ``target / (1 + δ)``. The interval spans the ratio's range over the tail. A pilot
-    that reached the target (``reached``: its tokens then) is its own measurement."""
-    if reached is not None:
-        t0 = baseline.tokens_at(target)
-        m = reached / t0 if math.isfinite(t0) and t0 > 0 else math.inf
-        return LossEstimate(Interval(m, m, m), Interval(reached, reached, reached), "pilot",
-                            notes + [f"reached the target in its pilot at {reached:,.0f} tokens"])
+def matched_multipliers(tokens: list[float], losses: list[float], baseline: BaselineCurve
+                        ) -> list[tuple[float, float]]:
+    """``(tokens, k)`` for each evaluation in a pilot's tail: its tokens over the baseline's to the same held-out
+    loss (the baseline's measured curve where it got there, its fitted law past it)."""
     pts = [(t, y) for t, y in zip(tokens, losses) if t > 0 and math.isfinite(y)]
     if not pts:
         raise ValueError("a pilot needs evaluations after its first step")
     start = pts[-1][0] * (1 - RATIO_TAIL)
-    tail = [(t, y) for t, y in pts if t >= start] or pts[-1:]
-    ratios = [y / baseline.point(t) for t, y in tail]
-    last = ratios[-max(1, len(ratios) // 3):]
-    r = sum(last) / len(last)
-    r_lo, r_hi = min(ratios + [r]) - RATIO_MARGIN, max(ratios + [r]) + RATIO_MARGIN
+    out = []
+    for t, y in (p for p in pts if p[0] >= start):
+        tb = baseline.tokens_at(y)
+        if math.isfinite(tb) and tb > 0:
+            out.append((t, t / tb))
+    return out
+
+
+def from_pilot_tokens(tokens: list[float], losses: list[float], baseline: BaselineCurve, target: float,
+                      notes: list[str], reached: float | None = None) -> LossEstimate:
+    """Tokens to ``target`` of a piloted candidate, by the **token multiplier at equal loss**: each evaluation in
+    the last part of its pilot reached its held-out loss after ``k`` times the tokens the baseline needed for the
+    same loss; ``k`` (the mean over the last third) times the baseline's tokens to the target is the candidate's.
+    The interval spans the tail's ``k`` and lets it drift by :data:`K_DRIFT` per doubling of the extrapolation.
+    A pilot that reached the target (``reached``: its tokens then) is its own measurement.
+
+    Why not a loss penalty at equal tokens, ``L = (1 + δ)·L_b``: a pilot sees the early curve, where a slower
+    method's loss is several percent above the baseline's while the curves fall fast; carried to the target, near
+    the curve's floor, that ratio costs far more tokens than the methods need (on the equal-loss runs it predicted
+    SparseLoCo ×11.8 and DeMo ×2.9 for measured ×2.07 and ×1.21; the multiplier at equal loss gave ×2.9 and
+    ×1.8 from the same pilots)."""
     t0 = baseline.tokens_at(target)
-    point, best, worst = (baseline.tokens_at(target / x) for x in (r, r_lo, r_hi))
-    mult = (Interval(point / t0, best / t0, worst / t0) if math.isfinite(t0) and t0 > 0
-            else Interval(math.inf, math.inf, math.inf))
+    if reached is not None:
+        m = reached / t0 if math.isfinite(t0) and t0 > 0 else math.inf
+        return LossEstimate(Interval(m, m, m), Interval(reached, reached, reached), "pilot",
+                            notes + [f"reached the target in its pilot at {reached:,.0f} tokens"])
+    ks = matched_multipliers(tokens, losses, baseline)
+    if not ks or not math.isfinite(t0) or t0 <= 0:
+        inf = Interval(math.inf, math.inf, math.inf)
+        why = ("its pilot's losses are beyond the baseline's curve" if not ks
+               else "the baseline is not predicted to reach the target")
+        return LossEstimate(inf, inf, "pilot", notes + [why])
+    last = [k for _, k in ks[-max(1, len(ks) // 3):]]
+    k = sum(last) / len(last)
+    span = [x for _, x in ks] + [k]
+    doublings = max(0.0, math.log2(k * t0 / ks[-1][0]))
+    drift = 1 + K_DRIFT * doublings
+    k_lo, k_hi = min(span) * (1 - K_MARGIN) / drift, max(span) * (1 + K_MARGIN) * drift
     base = baseline.tokens_to(target)
-    tokens_i = Interval(point, mult.low * base.low if math.isfinite(mult.low) else math.inf,
-                        mult.high * base.high if math.isfinite(mult.high) else math.inf)
-    note = (f"pilot: held-out loss {r - 1:+.2%} against the baseline's at equal tokens over its last "
-            f"{tail[-1][0] - tail[0][0]:,.0f} tokens (range {r_lo - 1:+.2%} to {r_hi - 1:+.2%})")
-    return LossEstimate(mult, tokens_i, "pilot", notes + [note], (r_lo - 1, r - 1, r_hi - 1))
+    note = (f"×{k:.3g} the baseline's tokens to the same held-out loss over its last "
+            f"{ks[-1][0] - ks[0][0]:,.0f} tokens (×{min(span):.3g}–×{max(span):.3g}; the interval lets it drift "
+            f"{K_DRIFT:.0%} per doubling over the {doublings:.1f} doublings to the target)")
+    return LossEstimate(Interval(k, k_lo, k_hi), Interval(k * t0, k_lo * base.low, k_hi * base.high), "pilot",
+                        notes + [note], factor=(k_lo, k, k_hi))
 
 
 def from_pilot_batch(tokens: list[float], losses: list[float], batch: float, baseline_batch: float,
@@ -229,8 +256,8 @@ def from_pilot_batch(tokens: list[float], losses: list[float], batch: float, bas
         if 1 < k < batch / baseline_batch:
             stars.append((batch - k * baseline_batch) / (k - 1) * y ** (1 / KAPLAN_ALPHA_B))
     t0 = baseline.tokens_at(target)
-    if not stars or not math.isfinite(t0):  # no batch effect seen (k ≤ 1 or beyond the rule): the loss ratio
-        return from_pilot_ratio(tokens, losses, baseline, target, notes)
+    if not stars or not math.isfinite(t0):  # no batch effect seen (k ≤ 1 or beyond the rule): k itself
+        return from_pilot_tokens(tokens, losses, baseline, target, notes)
     last = stars[-max(1, len(stars) // 3):]
     b_star = sum(last) / len(last)
 
@@ -241,7 +268,7 @@ def from_pilot_batch(tokens: list[float], losses: list[float], batch: float, bas
     k, k_lo, k_hi = k_at(b_star), k_at(max(stars)), k_at(min(stars))
     base = baseline.tokens_to(target)
     mult = Interval(k, k_lo, k_hi)
-    note = (f"pilot: {batch:,.0f} tokens per step against the baseline's {baseline_batch:,.0f}; B_crit fitted to "
+    note = (f"{batch:,.0f} tokens per step against the baseline's {baseline_batch:,.0f}; B_crit fitted to "
             f"its last {len(stars)} evaluations (B* = {b_star:.3g} at α_B = {KAPLAN_ALPHA_B}) gives ×{k:.3g} the "
             f"baseline's tokens at the target (×{k_lo:.3g}–×{k_hi:.3g})")
     return LossEstimate(mult, Interval(k * t0, k_lo * base.low, k_hi * base.high), "pilot", notes + [note],
@@ -282,4 +309,5 @@ def time_to_target(estimate: LossEstimate, tokens_per_s: float, speed_error: flo
 
 
 __all__ = ["CHINCHILLA", "SPEED_ERROR", "BaselineCurve", "LossEstimate", "TimeToTarget", "chinchilla_curve",
-           "from_pilot", "from_pilot_batch", "from_pilot_ratio", "from_prior", "loss_at", "time_to_target"]
+           "from_pilot", "from_pilot_batch", "from_pilot_tokens", "from_prior", "loss_at", "matched_multipliers",
+           "time_to_target"]

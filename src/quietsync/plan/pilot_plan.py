@@ -4,7 +4,7 @@ the plan re-scored with what they measured (the mechanics — runs, successive h
 
 :func:`run_pilots` takes a plan scored on the priors and returns it re-scored: the baseline's pilot gives the loss
 model its baseline curve (measured up to where it ran, the fitted power law past that), each piloted setting's
-curve its own estimate — by the loss ratio to the baseline at equal tokens, or, where its steps hold more tokens
+curve its own estimate — by its tokens over the baseline's to the same loss, or, where its steps hold more tokens
 than the baseline's, by the critical-batch rule fitted to its pilot (:mod:`~quietsync.plan.loss_model`) — and the
 pilots' evaluation time the overhead of the planned run's evaluations. The report says what every pilot cost and
 what running the candidates to the target is predicted to cost instead.
@@ -25,7 +25,7 @@ from ..link import LinkModel
 from .candidates import Candidate, parse_candidate
 from .critical_batch import CriticalBatch, measured
 from .curve_fit import PowerLaw, fit_power_law
-from .loss_model import RATIO_TAIL, BaselineCurve, LossEstimate, from_pilot_batch, from_pilot_ratio, from_prior
+from .loss_model import RATIO_TAIL, BaselineCurve, LossEstimate, from_pilot_batch, from_pilot_tokens, from_prior
 from .noise_scale import NoiseScale, measure_pilot
 from .objective import Objective
 from .pilots import PilotCurve, ProcessRunner, rungs, successive_halving
@@ -131,7 +131,7 @@ def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, 
         return None
     notes = [f"{len(curve.tokens)} evaluations up to {curve.tokens[-1]:,.0f} tokens ({curve.stopped})"]
     if curve.reached is not None:
-        return from_pilot_ratio(curve.tokens, curve.losses, baseline, target, notes, reached=curve.reached)
+        return from_pilot_tokens(curve.tokens, curve.losses, baseline, target, notes, reached=curve.reached)
     tokens, losses = fresh(curve)
     steps = curve.steps[-1] if curve.steps else 0
     batch = curve.tokens[-1] / steps if steps else row.tokens_per_step
@@ -151,7 +151,7 @@ def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, 
         est = from_prior(prior, baseline, target)
         est.notes = notes + [why] + est.notes
         return est
-    return from_pilot_ratio(tokens, losses, baseline, target, notes)
+    return from_pilot_tokens(tokens, losses, baseline, target, notes)
 
 
 def noise_critical_batch(model_dir: Path, job: object, curve: PilotCurve) -> tuple[CriticalBatch | None, str,
