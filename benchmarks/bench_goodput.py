@@ -248,8 +248,40 @@ def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: s
         survivor = sorted(r["unix_s"] for r in rows if r["rank"] == 0 and at <= r["unix_s"] <= first + 10)
         gaps = [b - a for a, b in zip(survivor, survivor[1:])]
         out.append({"training_after_s": first - at, "survivor_max_gap_s": max(gaps, default=float("nan")),
-                    "survivor_median_step_s": statistics.median(gaps) if gaps else float("nan")})
+                    "survivor_median_step_s": statistics.median(gaps) if gaps else float("nan"),
+                    **({"phases": join_phases(rows, at, mine[0])} if mode == "torchft" else {})})
     return out
+
+
+def join_phases(rows: list[dict[str, Any]], at: float, first: dict[str, Any]) -> dict[str, Any]:
+    """Where a return's time goes (torchft), in seconds from the returning process's start: its set-up marks and
+    its joining round (``start``/``rounds`` of its first record), the survivor's round that took it in (its step
+    record's ``rounds``) and the survivor's step that held that round (``step_s`` from its previous step's end,
+    split into ``compute_s``/``comm_s``). Empty where the records hold no phases."""
+    if "start" not in first:
+        return {}
+    marks = first["start"]
+    origin = marks.get("process_start") or at
+    joiner = {k: round(v - origin, 4) for k, v in marks.items() if v is not None}
+    for rnd in first.get("rounds", [])[-1:]:
+        joiner.update({f"round_{k}": round(rnd["unix_s"] + v - origin, 4) for k, v in rnd.items()
+                       if isinstance(v, float) and k != "unix_s"})
+    joiner["first_step"] = round(first["unix_s"] - origin, 4)
+    survivor: dict[str, Any] = {}
+    mine = sorted((r for r in rows if r["rank"] == 0), key=lambda r: r["unix_s"])
+    for before, step in zip(mine, mine[1:]):
+        taken = [rnd for rnd in step.get("rounds", []) if rnd["unix_s"] >= at and 1 in rnd.get("members", [])]
+        if not taken:
+            continue
+        rnd = taken[-1]
+        survivor = {"previous_step_end": round(before["unix_s"] - origin, 4),
+                    **{f"round_{k}": round(rnd["unix_s"] + v - origin, 4) for k, v in rnd.items()
+                       if isinstance(v, float) and k != "unix_s"},
+                    "round_asked": round(rnd["unix_s"] - origin, 4), "step_end": round(step["unix_s"] - origin, 4),
+                    "step_s": round(step["unix_s"] - before["unix_s"], 4), "compute_s": round(step["compute_s"], 4),
+                    "comm_s": round(step["comm_s"], 4), "sent_bytes": rnd.get("sent_bytes", 0), "step": step["step"]}
+        break
+    return {"joiner": joiner, "survivor": survivor}
 
 
 def run_one(strategy: str, mode: str, steps: int, period: float, down: float, seed: int, limit: float
@@ -348,13 +380,52 @@ def report() -> None:
              "back s: from replica 1's process start "
              "to its first committed step (elastic: to the first step of the 2-worker world); pause s: the "
              "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
-             "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.")
+             "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.") + phase_table(runs)
     write_markdown("goodput", "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
                    ["strategy", "mode", "seed", "kills", "wall s", "tokens", "goodput", "vs torchft-free", "final loss",
                     "back s",
                     "pause s"], rows, notes)
     plot(runs)
     print((RESULTS / "goodput.md").read_text())
+
+
+def phase_table(runs: list[dict[str, Any]]) -> str:
+    """Markdown: where each return's time went (torchft runs whose records hold the phases, :func:`join_phases`)."""
+    lines = []
+    for r in runs:
+        for x in r["returns"]:
+            ph = x.get("phases") or {}
+            j, s = ph.get("joiner") or {}, ph.get("survivor") or {}
+            if not j or not s:
+                continue
+            a = s["round_asked"]
+
+            def ms(later: str, earlier: str, side: dict[str, Any]) -> str:
+                return f"{1e3 * (side[later] - side[earlier]):.0f}" if later in side and earlier in side else "-"
+
+            survivor = (f"{ms('round_quorum', 'round_asked', s)} / {ms('round_connected', 'round_quorum', s)} / "
+                        f"{ms('round_serialized', 'round_connected', s)} / {ms('round_sent', 'round_serialized', s)}"
+                        f" / {1e3 * (s['round_returned'] - a):.0f}")
+            joiner = (f"{ms('round_received', 'round_recv_start', j)} / {ms('round_deserialized', 'round_received', j)}"
+                      f" / {ms('round_applied', 'round_deserialized', j)}")
+            setup = f"{j['loop_start']:.2f} / {j['model']:.2f} / {j.get('warm', float('nan')):.2f} / {j['ready']:.2f}"
+            lines.append(f"| {r['strategy']} seed {r['seed']} | {x['survivor_median_step_s']:.3f} | "
+                         f"{s['step_s']:.3f} | {survivor} | {1e3 * (s['step_end'] - s['round_returned']):.0f} | "
+                         f"{setup} | {joiner} | "
+                         f"{1e3 * (j['first_step'] - j['round_returned']):.0f} | {j['first_step']:.2f} |")
+    if not lines:
+        return ""
+    return "\n".join([
+        "\n\n## Where a return's time goes (torchft)\n",
+        "Survivor: its median step, the step that held the join (from its previous step's end: the round, then its "
+        "own step, which waits in its collective for the joiner), and the round's phases in ms (the Lighthouse's "
+        "answer / the new group connected / its state taken and packed / sent / round total). Joiner, seconds "
+        "from its process start: imports done / model built / warm-up done / asks to join; its heal in ms "
+        "(transfer / unpack / applied); its first step (ms after its round returned) and when it ended (s).\n",
+        "| run | survivor step s | join step s | survivor round ms: quorum / connect / pack / send / total | "
+        "survivor step after the round ms | joiner s: imports / model / warm / asks | joiner heal ms: receive / "
+        "unpack / apply | joiner first step ms | training at s |",
+        "|---|---|---|---|---|---|---|---|---|", *lines])
 
 
 def plot(runs: list[dict[str, Any]]) -> None:
@@ -394,6 +465,7 @@ def plot(runs: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
+    global RUNS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", nargs=2, metavar=("STRATEGY", "MODE"), help=f"one run: {list(STRATEGIES)} x {MODES}")
     p.add_argument("--report", action="store_true", help="write benchmarks/results/goodput.{md,json,png}")
@@ -403,7 +475,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=float, default=600.0,
                    help="seconds after which an elastic run that has not ended is stopped and recorded as unfinished")
+    p.add_argument("--runs", type=Path, default=RUNS, help=f"folder of the per-run JSON (default {RUNS})")
     args = p.parse_args()
+    RUNS = args.runs
     if args.run:
         strategy, mode = args.run
         if strategy not in STRATEGIES or mode not in MODES:

@@ -5,13 +5,12 @@ trains a few steps, the healing replica (another seed, another history) takes it
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
 import quietsync
 from quietsync.faults.heal import heal_state, load_heal_state
+from quietsync.faults.peer_checkpoint import pack_state, unpack_state
 from tests.strategies.helpers.common import loss_fn, micro_batch, param_groups, tiny_model
 
 
@@ -32,9 +31,7 @@ def _params(strategy: quietsync.Strategy) -> list[torch.Tensor]:
 def _healed(name: str, config: dict) -> tuple[quietsync.Strategy, quietsync.Strategy]:
     peer = _trained(name, config, seed=0)
     joiner = _trained(name, config, seed=1, steps=1)
-    buffer = io.BytesIO()
-    torch.save(heal_state(peer), buffer)  # what the peer checkpoint sends: serialised
-    load_heal_state(joiner, torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    load_heal_state(joiner, unpack_state(*pack_state(heal_state(peer))))  # what the peer checkpoint sends: packed
     return peer, joiner
 
 
@@ -91,9 +88,7 @@ def test_demo_and_flexdemo_start_with_an_empty_decoupled_momentum(name):
         for state in peer.optimizer.state.values():
             state["delta"].add_(1.0)
     joiner = _trained(name, config, seed=1, steps=1)
-    buffer = io.BytesIO()
-    torch.save(heal_state(peer), buffer)
-    load_heal_state(joiner, torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    load_heal_state(joiner, unpack_state(*pack_state(heal_state(peer))))
     assert joiner.optimizer.state and all(float(st["delta"].abs().sum()) == 0 for st in joiner.optimizer.state.values())
     for a, b in zip(_params(peer), _params(joiner)):
         assert torch.equal(a, b)

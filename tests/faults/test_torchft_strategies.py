@@ -85,6 +85,15 @@ def test_the_survivor_goes_on_alone_and_the_returning_replica_heals(tmp_path, ca
     assert members[0] == [0, 1] and [0] in members and members[-1] == [0, 1], members  # no restart
     assert survivor[-1]["healed"] == 0 and [r["step"] for r in survivor] == list(range(1, len(survivor) + 1))
     assert returned[-1]["healed"] == 1 and returned[-1]["step"] == survivor[-1]["step"]
+    # the join's phases are on record, on both sides, in the order they happen
+    healed = next(r for r in returned if "start" in r and r["healed"] == 1)
+    joined = [x for x in healed["rounds"] if "applied" in x][-1]
+    assert 0 <= joined["quorum"] <= joined["connected"] <= joined["recv_start"] <= joined["received"] \
+        <= joined["deserialized"] <= joined["applied"] <= joined["returned"], joined
+    assert healed["start"]["model"] <= healed["start"]["warm"] <= healed["start"]["ready"] <= healed["start"]["joined"]
+    served = [x for r in survivor for x in r.get("rounds", []) if x.get("sent_bytes")]
+    assert len(served) == 1 and served[0]["members"] == [0, 1], served
+    assert served[0]["connected"] <= served[0]["snapshot"] <= served[0]["serialized"] <= served[0]["sent"]
     committed, summary = audit(out, 2, workers)  # keyed by commit, not by the step a commit was logged at
     assert len(set(committed)) == len(committed), "a window trained twice"
     held = summary["windows_held"]

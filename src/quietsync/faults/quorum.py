@@ -87,6 +87,10 @@ class ReplicaQuorum:
         """Collectives committed over the replicate dimension."""
         self.retries = 0
         """Attempts of a collective that failed and were run again among the survivors."""
+        self.rounds: list[dict[str, Any]] = []
+        """Phases of the round starts that changed the quorum or moved state since :meth:`take_rounds` (see
+        :meth:`_phases`)."""
+        self._marks: dict[str, float] = {}
         address = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
         self.checkpoint = PeerCheckpoint(transport, timeout_s)
         """How this replica sends its state to a healing peer, and receives one's."""
@@ -115,12 +119,14 @@ class ReplicaQuorum:
         self._listeners.append(listener)
 
     def _save(self) -> dict[str, Any]:
+        self._marks["snapshot"] = time.time()
         return {key: save() for key, save in self._saves.items()}
 
     def _load(self, state: dict[str, Any]) -> None:
         for key, load in self._loads.items():
             load(state[key])
         self.healed += 1
+        self._marks["applied"] = time.time()
 
     # ------------------------------------------------------------------ rounds
     def join(self) -> bool:
@@ -151,6 +157,8 @@ class ReplicaQuorum:
         healed. Asked again while a member fails during it, until ``quorum_timeout_s``."""
         deadline = time.monotonic() + self.quorum_timeout_s
         before = self.healed
+        generation, sent = self.transport.replica_group.generation, self.checkpoint.sent_bytes
+        self._marks = {"asked": time.time()}
         while True:
             self.manager.start_quorum(allow_heal=True, timeout=timedelta(seconds=self.quorum_timeout_s))
             if self.manager.errored() is None and self.manager.participating_rank() is not None:
@@ -162,7 +170,33 @@ class ReplicaQuorum:
                 raise NoQuorum(f"no quorum formed within {self.quorum_timeout_s:g}s "
                                f"({self.manager.errored() or 'not a participant'})")
         self.round_due = False
+        self._marks["returned"] = time.time()
+        if (self.transport.replica_group.generation != generation or self.checkpoint.sent_bytes != sent
+                or self.healed != before):
+            self.rounds.append(self._phases(sent_bytes=self.checkpoint.sent_bytes - sent))
         return self.healed > before
+
+    def _phases(self, sent_bytes: int) -> dict[str, Any]:
+        """A round start that changed the quorum, as seconds from the request (``asked``, wall clock ``unix_s``):
+        ``quorum`` the Lighthouse's answer (the group's reconnection starts), ``connected`` the new group ready;
+        on a heal source ``snapshot`` (its state taken), ``send_start``, ``serialized``, ``sent`` (``sent_bytes``);
+        on a replica that heals ``recv_start`` (its receive posted), ``received``, ``deserialized``, ``applied``
+        (loaded into the strategy); ``returned``: training goes on. A phase that did not happen in this round is
+        absent (a quorum asked again after a failure reports its last attempt's)."""
+        asked = self._marks["asked"]
+        marks = dict(self._marks)
+        start, end = self.transport.replica_group.connecting
+        if start >= asked:
+            marks["quorum"], marks["connected"] = start, end
+        marks.update((k, v) for k, v in self.checkpoint.marks.items() if v >= asked)
+        phases = {k: round(v - asked, 4) for k, v in sorted(marks.items(), key=lambda kv: kv[1]) if k != "asked"}
+        return {"unix_s": asked, **phases, "members": self.members, **({"sent_bytes": sent_bytes} if sent_bytes
+                                                                       else {})}
+
+    def take_rounds(self) -> list[dict[str, Any]]:
+        """The round records gathered since the last call (:attr:`rounds`), emptied."""
+        rounds, self.rounds = self.rounds, []
+        return rounds
 
     def _regroup(self) -> None:
         """A quorum inside a round: the previous members still alive, no join, no heal."""

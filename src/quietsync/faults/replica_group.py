@@ -17,6 +17,7 @@ replica group indices present, in the quorum's rank order.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -74,6 +75,8 @@ class ReplicaProcessGroup(TorchftProcessGroup):
         self.quorum_id: int | None = None
         self.generation = 0
         """How many times the group was (re)connected."""
+        self.connecting: tuple[float, float] = (0.0, 0.0)
+        """Wall-clock start and end of the latest (re)connection (the quorum's answer arrived at the start)."""
         self._error: Exception | None = None
         self._lock = threading.Lock()
 
@@ -82,6 +85,7 @@ class ReplicaProcessGroup(TorchftProcessGroup):
                   global_ranks: list[int] | None = None) -> None:
         """Connect the members of a new quorum (called by the Manager on its quorum thread; blocks until every
         member has connected, or raises after the timeout)."""
+        started = time.time()
         with self._lock:
             self.group = None  # the old group's connections close with it (a dead member's already are)
             self._error = None
@@ -90,6 +94,7 @@ class ReplicaProcessGroup(TorchftProcessGroup):
             self.group = connect_gloo(_store_client(store_addr, self.timeout), rank, world_size, self.timeout)
             self.rank, self.world, self.quorum_id = int(rank), int(world_size), quorum_id
             self.generation += 1
+            self.connecting = (started, time.time())
 
     def report(self, error: Exception) -> None:
         """Record that a collective on this group failed (the Manager reads it in ``should_commit``)."""

@@ -2,8 +2,9 @@
 
 Per worker: the transport of the replica group (:class:`~quietsync.faults.transport.FaultTolerantTransport`) and
 its torchft Manager (:class:`~quietsync.faults.quorum.ReplicaQuorum`, started first, so the Lighthouse sees every
-replica of a fresh job before the first quorum), then the corpus, the model (same seed on every replica) and the
-strategy, whose learning-rate schedule reads the dealer's position in tokens. Then::
+replica of a fresh job before the first quorum), then the corpus, the model (same seed on every replica), one
+warm-up forward and backward (:func:`warm_up`: a returning replica's first step then costs what any step does) and
+the strategy, whose learning-rate schedule reads the dealer's position in tokens. Then::
 
     quorum.join()                                         # heal from a live peer if the others are ahead
     while the schedule's position < --max-steps:
@@ -18,10 +19,12 @@ strategy, whose learning-rate schedule reads the dealer's position in tokens. Th
 
 Records (``metrics-rank{R}.jsonl``, R the worker's rank in the nominal job) continue across a replica's restarts
 (a healed incarnation appends after the step it healed at) and hold, besides the usual fields, ``members`` (the
-replica groups of the step's quorum), ``healed`` and ``retries`` counters and ``unix_s`` (wall clock, to put the
-replicas on one timeline); with ``QUIETSYNC_AUDIT_DATA=1`` also the windows the worker trained in the step
-(``windows``) and every commit logged since its previous step (``commits``: its number, the replica groups in it,
-the step it was launched at, the windows it committed and gave back).
+replica groups of the step's quorum), ``healed`` and ``retries`` counters, ``unix_s`` (wall clock, to put the
+replicas on one timeline), ``start`` (a replica's first step: its set-up marks) and ``rounds`` (the phases of each
+round start since the previous step that changed the quorum or moved state:
+:meth:`~quietsync.faults.quorum.ReplicaQuorum._phases`); with ``QUIETSYNC_AUDIT_DATA=1`` also the windows the
+worker trained in the step (``windows``) and every commit logged since its previous step (``commits``: its number,
+the replica groups in it, the step it was launched at, the windows it committed and gave back).
 The replica group whose rank-0 replica leads the final quorum writes ``summary.json`` and ``OUT/model``.
 """
 
@@ -43,6 +46,7 @@ from ..faults.transport import FaultTolerantTransport
 from ..link import parse_links
 from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import StrategyConfig, make_strategy
+from ..strategies.parts.precision import parse_precision
 from ..topology import GROUPS
 from .data import ShardedSequences, eval_batches
 from .elastic import accumulation_field
@@ -142,7 +146,8 @@ class _Run:
     t_setup: float
     marks: dict[str, float | None]
     """Wall-clock marks of this replica's start, logged with its first step as ``start``: ``process_start``,
-    ``loop_start`` (imports done), ``ready`` (model and strategy built), ``joined``."""
+    ``loop_start`` (imports done), ``manager`` (torchft's Manager up: heartbeats), ``data`` (corpus mapped),
+    ``model``, ``warm`` (:func:`warm_up` done), ``ready`` (strategy built), ``joined``."""
 
 
 def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, replicas: int,
@@ -160,12 +165,17 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         address, store = replica_store(transport, host, cfg.timeout_s)
         quorum = ReplicaQuorum(transport, lighthouse, address, timeout_s=cfg.timeout_s,
                                quorum_timeout_s=max(QUORUM_TIMEOUT_S, cfg.timeout_s), hostname=host)
+        marks["manager"] = time.time()
         data = open_job_data(cfg)  # prepared once (train/job_data.py), memory-mapped by every worker
         tokenizer, eos, train_tokens, eval_tokens = data.tokenizer, data.eos, data.train, data.eval
         too_small = data_problem(train_tokens.numel(), eval_tokens.numel(), cfg, replicas * transport.workers)
         if too_small:
             raise ValueError(too_small)
+        marks["data"] = time.time()
         model = job_model(cfg, tokenizer.get_vocab_size(), eos, transport.device)
+        marks["model"] = time.time()
+        warm_up(model, cfg, transport.device)
+        marks["warm"] = time.time()
         n_params = count_parameters(model)
         field = accumulation_field(strategy_config)
         accumulation = int(getattr(strategy_config, field)) if field else 1
@@ -221,6 +231,21 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
             quorum.shutdown()
         transport.close()
         del store
+
+
+def warm_up(model: torch.nn.Module, cfg: Any, device: torch.device) -> None:
+    """One forward and backward of a micro-batch's shape on the bare model (before the strategy wraps it), its
+    gradient dropped and the random state left as it was: the first step's one-time costs (the allocator's first
+    buffers, autograd's first graph, lazy initialisation, ``--compile``'s compilation) are paid before this replica
+    asks to join, while the others train -- not in its first step, in whose collective they wait for it. On the
+    goodput benchmark's model a fresh process's first step took ~30 ms more than its second."""
+    batch = torch.zeros((cfg.micro_batch_size, cfg.seq_len), dtype=torch.long, device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with parse_precision(cfg.precision).autocast(device.type):
+            loss = lm_loss(model, batch)
+        loss.backward()
+    for p in model.parameters():
+        p.grad = None
 
 
 def check_same_start(strategy: Any, transport: FaultTolerantTransport) -> None:
@@ -279,6 +304,9 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
                 record["commits"] = commits
         if run.marks:
             record["start"], run.marks = dict(run.marks), {}
+        rounds = quorum.take_rounds()
+        if rounds:
+            record["rounds"] = rounds
         metrics.step(record)
         for k in sums:
             sums[k] += record[k]
@@ -378,4 +406,4 @@ def _summary(run: _Run, strategy: Any, n_params: int, result: dict[str, Any]) ->
 
 
 __all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STORE_ENV", "advertised_host", "check_same_start", "replica_store",
-           "run_replica"]
+           "run_replica", "warm_up"]
