@@ -57,3 +57,22 @@ def listening_addresses() -> list[str]:
     transport.close()
     Path(os.environ["QUIETSYNC_TEST_OUT"], f"listen-{os.environ['RANK']}").write_text("\n".join(mine))
     return mine
+
+
+def train_with_one_nan(argv: list[str], bad_rank: int, bad_call: int, rank: int | None = None) -> dict | None:
+    """``quietsync train ARGV`` as one worker (rank ``rank``, default ``$RANK``), whose ``bad_call``-th micro-batch
+    loss on ``bad_rank`` is NaN (the loss function is patched here; nothing in quietsync knows)."""
+    from quietsync.train import loop
+    from quietsync.train.args import parse_train_args
+
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    real, calls = loop.lm_loss, [0]
+
+    def lm_loss(model, batch):
+        calls[0] += 1
+        loss = real(model, batch)
+        return loss * float("nan") if rank == bad_rank and calls[0] == bad_call else loss
+
+    loop.lm_loss = lm_loss
+    cfg, scfg, nodes = parse_train_args(argv)
+    return loop.run(cfg, scfg, nodes)

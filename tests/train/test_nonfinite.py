@@ -20,6 +20,7 @@ from quietsync.train.nonfinite import NonFiniteError, NonFiniteGuard, nonfinite_
 from quietsync.train.schedule import warmup_cosine
 from tests.distributed import run_ranks
 
+from . import _workers
 from ._run import OFFLINE, small_job, train
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,9 +52,18 @@ def _loop(rank: int, world: int, name: str, config: dict, poison: set, steps: in
           where: str = "loss") -> dict:
     """The trainer's loop on a toy model; micro-batch ``i`` of rank ``r`` has a NaN loss (``where="loss"``) or
     a finite loss with NaN gradients (``"gradient"``) when (i, r) in poison."""
+    import torch.distributed as dist
+
     s = quietsync.make_strategy(name, _model(), torch.optim.AdamW, config=config, lr=0.01)
     guard = NonFiniteGuard(policy, s, limit=3)
-    i, skipped_at = 0, []
+    i, skipped_at, on_guard = 0, [], [0]
+    real_all_reduce = dist.all_reduce
+
+    def all_reduce(tensor, *args, group=None, **kwargs):  # counts the collectives on the guard's group
+        on_guard[0] += group is not None and group is guard.group
+        return real_all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = all_reduce
     try:
         while s.steps < steps:
             def loss_fn(model, batch, i=i):
@@ -72,10 +82,12 @@ def _loop(rank: int, world: int, name: str, config: dict, poison: set, steps: in
             s.step()
         with s.committed_params() as m:
             params = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-        return {"params": params, "skipped": guard.skipped, "skipped_at": skipped_at, "fed": i}
+        return {"params": params, "skipped": guard.skipped, "skipped_at": skipped_at, "fed": i,
+                "guard_collectives": on_guard[0]}
     except NonFiniteError as e:
         return {"error": str(e), "steps": s.steps}
     finally:
+        dist.all_reduce = real_all_reduce
         guard.close()
         s.close()
 
@@ -136,6 +148,22 @@ def test_stop_raises_on_every_worker_before_the_step_commits(where):
         assert r["steps"] == 2  # steps 1 and 2 committed, step 3 (micro-batch 2) not
         assert f"non-finite {where} in step 3 on rank 0 (--on-nonfinite stop); nothing of step 3 was committed" \
             == r["error"]
+
+
+@pytest.mark.parametrize("name,config,policy,agreements", [
+    ("localsgd", {"sync_every": 2}, "stop", 0),
+    ("diloco", {"sync_every": 2}, "stop", 0),
+    ("diloco", {"sync_every": 2}, "skip", 4),
+    ("ddp", {}, "stop", 4),
+], ids=["localsgd-stop", "diloco-stop", "diloco-skip", "ddp-stop"])
+def test_stop_adds_no_collective_to_the_inner_steps_of_local_methods(name, config, policy, agreements):
+    """Under stop, localsgd and diloco check each inner step on its own worker: no collective on the guard's
+    group, where an agreement would be a cross-node round trip on every inner step. skip agrees on every round
+    (a round dropped on one worker only would put the workers out of step), as stop does where every step
+    communicates anyway (ddp)."""
+    out = run_ranks(_loop, 2, name, config, set(), 4, policy, timeout=120)
+    assert [r["guard_collectives"] for r in out] == [agreements, agreements]
+    assert torch.equal(out[0]["params"], out[1]["params"])
 
 
 def test_skip_gives_up_after_the_limit():
@@ -270,20 +298,7 @@ def test_skip_gives_up_on_a_run_that_stays_non_finite(tmp_path):
 
 
 def _train_with_one_nan(rank: int, world: int, argv: list[str], bad_rank: int, bad_call: int) -> dict | None:
-    """`quietsync train ARGV` as one worker, whose ``bad_call``-th micro-batch loss on ``bad_rank`` is NaN (the
-    test patches the loss function; nothing in quietsync knows)."""
-    from quietsync.train import loop
-
-    real, calls = loop.lm_loss, [0]
-
-    def lm_loss(model, batch):
-        calls[0] += 1
-        loss = real(model, batch)
-        return loss * float("nan") if rank == bad_rank and calls[0] == bad_call else loss
-
-    loop.lm_loss = lm_loss
-    cfg, scfg, nodes = parse_train_args(argv)
-    return loop.run(cfg, scfg, nodes)
+    return _workers.train_with_one_nan(argv, bad_rank, bad_call, rank)
 
 
 def test_skip_drops_a_non_finite_round_and_the_run_finishes_with_identical_workers(tmp_path):
@@ -307,3 +322,30 @@ def test_skip_drops_a_non_finite_round_and_the_run_finishes_with_identical_worke
     assert _finite_checkpoint(folder)
     states = [torch.load(folder / f"rank{r}.pt", weights_only=False)["strategy"] for r in (0, 1)]
     assert torch.equal(states[0]["parts"]["sharded"]["params"], states[1]["parts"]["sharded"]["params"])
+
+
+@pytest.mark.timeout(120)  # well inside the transport's 300 s timeout: the launcher must stop the peer, not it
+@pytest.mark.parametrize("strategy,flags,spawned", [
+    ("localsgd", ["--sync-every", "4"], False),
+    ("diloco", ["--sync-every", "4", "--fragments", "2", "--overlap-delay", "1"], True),  # streaming, overlapped
+], ids=["localsgd-forked", "diloco-streaming-spawned"])
+def test_a_nan_on_one_worker_of_a_local_method_stops_the_job_naming_it(strategy, flags, spawned, tmp_path):
+    """Rank 1's loss is NaN at inner step 6: it raises before the step commits, alone (no agreement); rank 0
+    trains on to its next sync, where it waits for rank 1 until the launcher stops it. The job fails naming
+    rank 1 and the step; nothing of the step is in a checkpoint, a summary or an exported model. ``spawned``: the
+    real launcher (fresh interpreters, its own teardown); else the tests' forked one."""
+    from quietsync.cli.launch import WorkerFailed, launch
+    from tests.launcher import launch_forked
+
+    out = tmp_path / "run"
+    argv = [*small_job(tmp_path), "--strategy", strategy, *flags, "--max-steps", "12", "--save-every", "4",
+            "--out", str(out)]
+    with pytest.raises(WorkerFailed) as failed:
+        (launch if spawned else launch_forked)(_workers.train_with_one_nan, (argv, 1, 6), nproc=2)
+    newest = out / "checkpoints" / "step-0000004"
+    message = str(failed.value)
+    assert message.startswith("worker 1 failed: ") and message.endswith(
+        "NonFiniteError: non-finite loss in step 6 on rank 1 (--on-nonfinite stop); nothing of step 6 was committed "
+        f"on rank 1; newest checkpoint: {newest}"), message
+    assert latest_checkpoint(out, [0, 1]) == newest and _finite_checkpoint(newest)
+    assert not (out / "summary.json").exists() and not (out / "model").exists()

@@ -143,6 +143,13 @@ class Strategy(metaclass=_Constructed):
     ``--on-nonfinite skip``): strategies whose step commits a round of local micro-batches they hold (their
     round part reports :attr:`~quietsync.strategies.parts.part.Part.round_full`)."""
 
+    local_rounds: ClassVar[bool] = False
+    """Whether a round may commit without communicating across the workers: local methods (localsgd, diloco —
+    hierarchical included, whose inner ddp/zero1 talks inside a node only), whose workers meet only at their
+    syncs. Set for the whole strategy, not per round (a sync round also counts): a caller that would add a
+    collective of its own to every round — the trainer's non-finite agreement under ``--on-nonfinite stop`` —
+    checks the round on each worker instead, so that no cross-node round trip is added to every inner step."""
+
     owns_schedule: ClassVar[bool] = False
     """Whether the strategy schedules forward and backward itself (it overrides :meth:`forward_backward`, and
     :meth:`backward` with a loss computed outside is refused): Cyclic DP runs different micro-batches at

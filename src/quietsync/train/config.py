@@ -145,8 +145,10 @@ class TrainConfig:
     """torch.compile each transformer block of the model (needs a C compiler on CPU; the first steps include
     compiling)."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
-    """A non-finite loss or gradient: stop (every worker, naming the step; nothing of it is committed) or skip the round
-    on every worker (ddp, zero1, demo, flexdemo, localsgd, diloco)."""
+    """A non-finite loss or gradient: stop the job, naming the step and rank (nothing of it is committed; localsgd and
+    diloco check each inner step on its own worker, no added round trip) or skip the round on every worker (ddp,
+    zero1, fsdp, demo, flexdemo, localsgd, diloco; the workers agree on every round, for localsgd and diloco a
+    round trip per inner step)."""
     nonfinite_skip_limit: int = 10
     """With --on-nonfinite skip: the most non-finite rounds skipped in a row; the next one stops the job."""
     progress: bool = True

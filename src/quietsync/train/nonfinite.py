@@ -3,15 +3,27 @@ becomes a committed step, a checkpoint, an exported model or a silent exit 0.
 
 Where it is checked depends on when a strategy commits:
 
-* **Strategies that commit a round of local micro-batches** (``Strategy.discards_rounds``: ddp, zero1, demo,
-  flexdemo, localsgd, diloco, hierarchical diloco included). Each micro-batch's loss is noted (on its device,
-  no sync); when the round is full (the next ``step()`` commits) the round's loss flag and this worker's
-  gradients (``p.grad``) are checked and the workers **agree**: one all-reduce of one flag per rank on a
-  small gloo group of the trainer's own (not link-emulated, not counted in the bytes; its wait counts as
-  idle time) — so every worker takes the same decision before anything commits: ``stop`` raises
-  :class:`NonFiniteError` on every worker naming the step and the ranks; ``skip`` drops the round on every
-  worker (``Strategy.discard_round``: no commit, the lr schedule does not advance, the run still ends after
-  ``--max-steps`` committed steps) and stops after ``limit`` non-finite rounds in a row.
+* **Strategies that commit a round of local micro-batches** (``Strategy.discards_rounds``: ddp, zero1, fsdp,
+  demo, flexdemo, localsgd, diloco, hierarchical diloco included). Each micro-batch's loss is noted (on its
+  device, no sync); when the round is full (the next ``step()`` commits) the round's loss flag and this
+  worker's gradients (``p.grad``) are checked, before anything of the round commits. Then:
+
+  - ``skip``, and ``stop`` for strategies whose every step communicates anyway (ddp, zero1, fsdp, demo,
+    flexdemo): the workers **agree** — one all-reduce of one flag per rank on a small gloo group of the
+    trainer's own (not link-emulated, not counted in the bytes; its wait counts as idle time) — so every
+    worker takes the same decision: ``stop`` raises :class:`NonFiniteError` on every worker naming the step
+    and the ranks; ``skip`` drops the round on every worker (``Strategy.discard_round``: no commit, the lr
+    schedule does not advance, the run still ends after ``--max-steps`` committed steps) and stops after
+    ``limit`` non-finite rounds in a row. ``skip`` must agree on every round whatever the strategy: a round
+    dropped on one worker only would put the workers' step counts (and syncs) out of step.
+  - ``stop`` for local methods (``Strategy.local_rounds``: localsgd, diloco — plain, streaming, low-bit,
+    SparseLoCo, hierarchical): no agreement. Their inner steps are local and their workers meet only every H
+    steps, so a per-round agreement would be a cross-node round trip on every inner step — exactly what these
+    methods exist to avoid (measured: docs/train.md, "Non-finite values"). The worker that saw the value
+    raises at once, before its ``step()`` commits anything; its peers go on with their own (finite) local
+    steps and fail on their next collective — the next sync, or the agreement before a checkpoint or at the
+    end of the run, so none of them saves, exports or exits 0 — and the launcher (or torchrun) stops them
+    as soon as the first worker failed, naming it; the transport's timeout is the backstop.
 * **Strategies that commit inside their step or their own schedule** (acco, dpu, wp, cdp): after every
   micro-batch its loss and this worker's gradients (``p.grad``, where the strategy accumulates there: acco,
   dpu, wp) are checked on that worker, which raises at once; its peers fail on their next collective and the
@@ -135,8 +147,11 @@ class NonFiniteGuard:
         self.policy = policy
         self.strategy = strategy
         self.limit = limit
-        self.agrees = bool(strategy.discards_rounds)
-        """Whether rounds are checked and agreed on before they commit (else each micro-batch, locally)."""
+        self.per_round = bool(strategy.discards_rounds)
+        """Whether each round is checked before it commits (else each micro-batch, after it is fed)."""
+        self.agrees = self.per_round and (policy == "skip" or not strategy.local_rounds)
+        """Whether the workers agree on each round before it commits (else the worker that saw a non-finite
+        value raises alone: ``stop`` under a strategy with ``local_rounds``, see the module docstring)."""
         precision = getattr(strategy, "precision", None)
         self.checks_gradients = getattr(precision, "name", "fp32") != "fp16"
         """Whether gradients are checked: not under fp16, whose loss scaling expects overflowing gradients and
@@ -162,9 +177,9 @@ class NonFiniteGuard:
 
     # ------------------------------------------------------------------ the step loop
     def see(self, loss: torch.Tensor | None) -> None:
-        """After each ``forward_backward``: note a non-finite micro-batch loss (agreeing strategies) or, for
-        strategies that commit inside the step, raise on a non-finite loss or gradient."""
-        if self.agrees:
+        """After each ``forward_backward``: note a non-finite micro-batch loss (strategies checked per round) or,
+        for strategies that commit inside the step, raise on a non-finite loss or gradient."""
+        if self.per_round:
             if loss is not None:
                 bad = ~torch.isfinite(loss.detach()).all()
                 self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
@@ -179,9 +194,10 @@ class NonFiniteGuard:
                                  f"{self.strategy.rank} (--on-nonfinite stop)")
 
     def before_step(self) -> bool:
-        """Before each ``step()``: when it would commit, agree across workers and apply the policy. Returns
-        True when the round was dropped (do not call ``step()``)."""
-        if not self.agrees or self.strategy.round_closes is not True:
+        """Before each ``step()``: when it would commit, check the round (agreed across workers, or on this
+        worker alone: :attr:`agrees`) and apply the policy. Returns True when the round was dropped (do not call
+        ``step()``)."""
+        if not self.per_round or self.strategy.round_closes is not True:
             return False
         code = 0
         if self._loss_bad is not None and bool(self._loss_bad):
@@ -189,7 +205,10 @@ class NonFiniteGuard:
         elif self.checks_gradients and not gradients_finite(self.strategy.module):
             code = _GRADIENT
         self._loss_bad = None
-        codes = self.agree(code, idle=True)
+        if self.agrees:
+            codes = self.agree(code, idle=True)
+        else:  # stop, local rounds: raise here, alone; the peers fail on their next collective
+            codes = [code if r == self.strategy.rank else 0 for r in range(self.strategy.world_size)]
         if not any(codes):
             self._consecutive = 0
             return False
@@ -198,7 +217,9 @@ class NonFiniteGuard:
         what = " or ".join(_WHAT[c] for c in sorted({c for c in codes if c}))
         where = f"non-finite {what} in step {step} on {_ranks(ranks)}"
         if self.policy == "stop":
-            raise NonFiniteError(f"{where} (--on-nonfinite stop); nothing of step {step} was committed")
+            # alone: its peers may have committed their own (finite) step
+            committed = "was committed" if self.agrees else f"was committed on {_ranks(ranks)}"
+            raise NonFiniteError(f"{where} (--on-nonfinite stop); nothing of step {step} {committed}")
         self._consecutive += 1
         if self._consecutive > self.limit:
             raise NonFiniteError(f"{where}: {self._consecutive} rounds in a row (--on-nonfinite skip gives up "

@@ -117,6 +117,8 @@ class DiLoCo(Strategy):
 
     discards_rounds = True
 
+    local_rounds = True  # inner steps commit without a collective across workers (base.Strategy.local_rounds)
+
     buffer_sync = "local"  # running statistics are averaged whenever a fragment's outer step is merged
 
     finish_policy = (

@@ -87,6 +87,8 @@ class LocalSGD(Strategy):
 
     discards_rounds = True
 
+    local_rounds = True  # inner steps commit without a collective across workers (base.Strategy.local_rounds)
+
     buffer_sync = "local"  # running statistics are averaged with the parameters, at every sync
 
     finish_policy = (
