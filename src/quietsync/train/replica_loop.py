@@ -48,6 +48,7 @@ from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import StrategyConfig, make_strategy
 from ..strategies.parts.precision import parse_precision
 from ..topology import GROUPS
+from .allocator import keep_freed_memory
 from .data import ShardedSequences, eval_batches
 from .elastic import accumulation_field
 from .export import MODEL_DIR, export_model
@@ -143,11 +144,14 @@ class _Run:
     state: dict[str, Any]
     """Heal state of the run itself: ``finished``."""
     healed_at_join: bool
+    metrics: MetricsWriter
+    """This worker's records, opened before the join (appended to: a restarted replica continues its file)."""
     t_setup: float
     marks: dict[str, float | None]
     """Wall-clock marks of this replica's start, logged with its first step as ``start``: ``process_start``,
     ``loop_start`` (imports done), ``manager`` (torchft's Manager up: heartbeats), ``data`` (corpus mapped),
-    ``model``, ``warm`` (:func:`warm_up` done), ``ready`` (strategy built), ``joined``."""
+    ``model``, ``warm`` (:func:`warm_up` done), ``ready`` (strategy built, held-out batches and records open),
+    ``joined``."""
 
 
 def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, replicas: int,
@@ -158,8 +162,9 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
     marks = {"process_start": process_started_unix(), "loop_start": time.time()}
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    keep_freed_memory()  # its first steps after a heal, which its peers wait for, fault no fresh pages
     transport = FaultTolerantTransport(replica, replicas, links=parse_links(cfg.link), timeout_s=cfg.timeout_s)
-    quorum, strategy, store = None, None, None
+    quorum, strategy, store, metrics = None, None, None, None
     try:
         host = advertised_host(lighthouse)
         address, store = replica_store(transport, host, cfg.timeout_s)
@@ -193,6 +198,10 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         quorum.register("dealer", dealer.state_dict, dealer.load_state_dict)
         quorum.register("run", lambda: dict(state), state.update)
         quorum.on_commit(dealer.commit)
+        # everything that does not depend on the heal is ready before the join: a returning replica's peers wait
+        # in their next collective from the moment its heal ends until its first step
+        held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
+        metrics = MetricsWriter(cfg.out, transport.topology.rank, append=True)
         marks["ready"] = time.time()
         hold(0)
         ready()
@@ -200,9 +209,8 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         marks["joined"] = time.time()
         if not healed:
             check_same_start(strategy, transport)
-        held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
         run = _Run(cfg, strategy_config, transport, quorum, dealer, held_out, transport.topology.rank, state, healed,
-                   t_setup, marks)
+                   metrics, t_setup, marks)
         result = _train(run, strategy)
         if result is None:  # joined a run that had ended: nothing to do
             return None
@@ -225,6 +233,8 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         note_failure()
         raise
     finally:
+        if metrics is not None:
+            metrics.close()
         if strategy is not None:
             strategy.close()
         if quorum is not None:
@@ -267,7 +277,7 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
     audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
     if run.state["finished"]:
         return None
-    metrics = MetricsWriter(cfg.out, rank, resume_step=1 << 62)  # a restarted replica appends to its records
+    metrics = run.metrics
     t0 = time.perf_counter()
     setup_s = t0 - run.t_setup
     evals: list[dict[str, Any]] = []
