@@ -2,7 +2,8 @@
 on this 2-core machine), one thread each, tiny model -- run failure-free, and with replica 1 killed (``kill -9``)
 every ``T`` seconds and started again ``D`` seconds later, under
 
-* ``plain``: no fault tolerance, no failures (the reference: ``quietsync train --nproc 2 --nodes 2``);
+* ``plain``: no fault tolerance, no failures (the reference: ``quietsync train --nodes 2``, its two workers
+  started directly as torchrun starts them, as the torchft runs start their replicas: no launcher in the clock);
 * ``torchft-free``: ``--fault-tolerance torchft``, no failures (what the per-step quorum costs by itself);
 * ``elastic``: ``--elastic`` (two torchrun agents, ``--nnodes 1:2``; agent 1 killed and started again): every
   membership change restarts every worker from the newest checkpoint;
@@ -57,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from common import PY_MAIN, RESULTS, write_markdown  # noqa: E402
 
+from quietsync.cli.launch import free_port  # noqa: E402
 from tests.elastic_agents import Agents  # noqa: E402
 from tests.train.conftest import synthetic_text  # noqa: E402
 
@@ -116,13 +118,34 @@ class Schedule:
 
 
 def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed), "--nproc", "2",
-           "--nodes", "2"]
+    """The failure-free job without fault tolerance, its two workers started here as torchrun starts them (one
+    ``quietsync train`` process per worker, ``RANK``/``WORLD_SIZE``/``MASTER_*`` in the environment): the same
+    process structure as the torchft runs, whose replica processes are started here too. Through the local
+    launcher (``--nproc 2``) the job would also count the launcher's own start-up and the spawn of its workers --
+    a second interpreter start and torch import before the first step, ~1.5 s -- and its exit after theirs,
+    ~0.5 s, which the torchft runs do not pay."""
+    base = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed), "--nodes", "2"]
+    env = {**os.environ, **OFFLINE, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, **OFFLINE})
-    if proc.returncode:
-        raise RuntimeError(f"plain run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {"t0": t0, "t1": time.time(), "exit_codes": [proc.returncode], "events": []}
+    procs = []
+    for k in range(2):
+        log = open(root / f"worker{k}.log", "w")
+        procs.append(subprocess.Popen(base, stdout=log, stderr=subprocess.STDOUT,
+                                      env={**env, "RANK": str(k), "LOCAL_RANK": str(k)}))
+        log.close()
+    try:
+        codes = [p.wait(1800) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    t1 = time.time()
+    if any(codes):
+        logs = "\n".join(p.read_text()[-3000:] for p in sorted(root.glob("worker*.log")))
+        raise RuntimeError(f"plain run failed ({codes}):\n{logs}")
+    return {"t0": t0, "t1": t1, "exit_codes": codes, "events": []}
 
 
 def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule | None
@@ -325,7 +348,7 @@ def report() -> None:
         for mode in MODES:
             for r in (r for (s, m, _), r in sorted(by.items()) if s == strategy and m == mode):
                 goodput = r["tokens"] / r["wall_s"] / ref
-                # torchft against its own failure-free run: the failures' cost alone (the modes' start-up differs)
+                # torchft against its own failure-free run: the failures' cost alone
                 own = r["tokens"] / r["wall_s"] / ref_free if mode == "torchft" and ref_free else None
                 back = [x["training_after_s"] for x in r["returns"]]
                 pause = [x["survivor_max_gap_s"] for x in r["returns"]]
@@ -351,8 +374,10 @@ def report() -> None:
              f"failure schedule: replica 1 `kill -9` every {sizes.get('period_s')} s from the job's start, started "
              f"again {sizes.get('down_s')} s later. Goodput: committed tokens per wall second (first process "
              "started to last ended) over the plain failure-free run's (mean over its seeds); vs torchft-free: a "
-             "torchft run's over the failure-free torchft run's (what the failures cost, the modes' start-up "
-             "aside). back s: from replica 1's process start "
+             "torchft run's over the failure-free torchft run's (what the failures cost; the plain run's workers and "
+             "the torchft replicas are both started directly, without a launcher; per step the plain run also agrees "
+             "on its non-finite check before every step commits, a barrier per inner step under diloco). "
+             "back s: from replica 1's process start "
              "to its first committed step (elastic: to the first step of the 2-worker world); pause s: the "
              "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
              "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.") + phase_table(runs)
