@@ -36,6 +36,7 @@ def test_a_step_reuses_the_pages_the_previous_step_freed():
     out = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-2000:]
     default, kept = json.loads(out.stdout.strip().splitlines()[-1])
-    # glibc's defaults give the freed top of the heap back each step: every step faults its 24 MiB in again
+    # glibc's defaults give the freed top of the heap back each step: every step faults its 24 MiB in again;
+    # kept, a step reuses them (a block or so may still fault under a loaded machine: measured 0-257 pages)
     assert min(default) > 3000, default
-    assert max(kept) < 100, kept
+    assert max(kept) < min(default) / 10, (default, kept)
