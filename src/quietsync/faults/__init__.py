@@ -15,6 +15,7 @@ position, the schedule -- and joins at the next quorum. The modules:
 * :mod:`.quorum` -- torchft's Manager and the round/commit/retry protocol;
 * :mod:`.peer_checkpoint` -- how a healing replica receives a peer's state (through the transport);
 * :mod:`.heal` -- what it takes of the peer's strategy and what it starts empty;
+* :mod:`.nonfinite` -- ``--on-nonfinite stop|skip`` across replicas (the verdict at the commit vote);
 * :mod:`.inject` -- deterministic ``SIGKILL`` points (and holds) for tests and benchmarks.
 
 This package sits between the strategies and the trainer. The trainer's side is in :mod:`quietsync.train`: the
