@@ -437,6 +437,16 @@ class Sweep:
         return rec
 
 
+SEEDS_KEPT = 8
+"""With ``--report``: seeds 1..this of every setting are read where their records exist."""
+
+
+def extra_seeds(recs: dict[str, list[dict[str, Any]]]) -> tuple[int, list[str]]:
+    """The most extra seeds any setting of one link has, and the settings that have them (for the reproduce line)."""
+    n = max((len(rs) - 1 for rs in recs.values()), default=0)
+    return n, [s for s, rs in recs.items() if n and len(rs) - 1 == n]
+
+
 def headline_rows(link: str, recs: dict[str, dict[str, Any]], top: int = 2) -> list[str]:
     """The settings that need more seeds on ``link`` (of those that reached the target): the baseline, the ``top``
     fastest to the target and, on the reference link, the ``top`` low-communication rows with the fewest bytes to
@@ -597,6 +607,8 @@ def report(job: Job, grid: list[tuple[str, dict[str, Any]]], links: list[str], r
         + (f"; the sweep {sweep_s / 3600:.2f} h of wall time" if sweep_s else "") + "). Reproduce the runs shown: "
         + "; ".join(f"`{base or cmd} --links {lk} --only {' '.join(made[lk])} --extra-seeds 0`"
                     for lk in links if made[lk])
+        + "".join(f"; then `{base or cmd} --links {lk} --only {' '.join(seeded)} --extra-seeds {n}`"
+                  for lk in links for n, seeded in [extra_seeds(records.get(lk, {}))] if seeded)
         + ". The whole sweep (every setting on every link, more seeds for the headline rows): `" + cmd + "`.",
     ])
     path = RESULTS / f"{name}.md"
@@ -893,13 +905,16 @@ def main() -> None:
                 rec = skipped(n, k, link, why) if why else sweep.get(n, k, link, 0)
                 if rec is not None:
                     records.setdefault(link, {}).setdefault(spec(n, k), []).append(rec)
-            if not args.extra_seeds or link not in records:
+            if link not in records:
                 continue
             first = {s: rs[0] for s, rs in records[link].items()}
-            for s in headline_rows(link, first):
+            more = headline_rows(link, first) if args.extra_seeds else []
+            if args.report:  # every extra seed that was run, headline row or not (e.g. `--only` runs of a pick)
+                more += [s for s in first if s not in more]
+            for s in more:
                 n, k = next((n, k) for n, k in grid if spec(n, k) == s)
-                for seed in range(1, 1 + args.extra_seeds):
-                    rec = sweep.get(n, k, link, seed)
+                for seed in range(1, 1 + max(args.extra_seeds, SEEDS_KEPT if args.report else 0)):
+                    rec = sweep.cached(n, k, link, seed) if args.report else sweep.get(n, k, link, seed)
                     if rec is not None:
                         records[link][s].append(rec)
     finally:
