@@ -18,7 +18,7 @@ import json
 import pytest
 
 import quietsync.faults  # noqa: F401  (before torchft: its Rust log level is read at import)
-from quietsync.faults.nonfinite import NONFINITE_EXIT
+from quietsync.train.replica_nonfinite import NONFINITE_EXIT
 from tests.train._run import train_subprocess
 
 from .torchft_replicas import Replicas, audit, job_flags, records, wait_exit

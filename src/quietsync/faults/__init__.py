@@ -15,12 +15,12 @@ position, the schedule -- and joins at the next quorum. The modules:
 * :mod:`.quorum` -- torchft's Manager and the round/commit/retry protocol;
 * :mod:`.peer_checkpoint` -- how a healing replica receives a peer's state (through the transport);
 * :mod:`.heal` -- what it takes of the peer's strategy and what it starts empty;
-* :mod:`.nonfinite` -- ``--on-nonfinite stop|skip`` across replicas (the verdict at the commit vote);
 * :mod:`.inject` -- deterministic ``SIGKILL`` points (and holds) for tests and benchmarks.
 
 This package sits between the strategies and the trainer. The trainer's side is in :mod:`quietsync.train`: the
 data policy (:mod:`~quietsync.train.window_dealer`: windows dealt to the replicas present, given back when one is
-lost), the loop of a replica group's worker (:mod:`~quietsync.train.replica_loop`) and the launchers
+lost), the loop of a replica group's worker (:mod:`~quietsync.train.replica_loop`), its ``--on-nonfinite`` policy
+(:mod:`~quietsync.train.replica_nonfinite`: the verdict at the commit vote) and the launchers
 (:mod:`~quietsync.train.replica_launch`).
 
 ``torchft`` is imported only by the modules that use it (the flag checks and :mod:`.support` need nothing).

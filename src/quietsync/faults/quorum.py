@@ -20,7 +20,7 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   peer.
 
 * **the non-finite vote** — every unit :meth:`run` commits begins with one small all-reduce over the replicas
-  present: each replica group's verdict on its own round (:mod:`~quietsync.faults.nonfinite`; 0 when finite).
+  present: each replica group's verdict on its own round (:mod:`~quietsync.train.replica_nonfinite`; 0 when finite).
   When any is not 0, no replica runs the unit's collectives: each reports the error to torchft
   (``report_error``), so ``should_commit`` is False in every replica group and nothing commits (torchft's step
   does not advance), and :class:`RoundDropped` tells the caller who saw what, the same on every replica. torchft's
@@ -105,7 +105,7 @@ class ReplicaQuorum:
         """Collectives committed over the replicate dimension."""
         self.verdict: tuple[int, int] = (0, 0)
         """This replica group's verdict on its open round, ``(code, step)``, sent with the next unit's vote (0: the
-        round is finite; set by :class:`~quietsync.faults.nonfinite.ReplicaNonFinite`)."""
+        round is finite; set by :class:`~quietsync.train.replica_nonfinite.ReplicaNonFinite`)."""
         self.retries = 0
         """Attempts of a collective that failed and were run again among the survivors."""
         self.rounds: list[dict[str, Any]] = []

@@ -99,7 +99,8 @@ def one_worker_only(strategy: str, strategy_config: object) -> bool:
 
 SKIPPERS = ("ddp", "zero1")
 """Strategies that keep ``--on-nonfinite skip`` under torchft: their step's first exchange across replicas comes
-before any state changes, so a round dropped at the commit vote leaves nothing behind (:mod:`.nonfinite`)."""
+before any state changes, so a round dropped at the commit vote leaves nothing behind
+(:mod:`quietsync.train.replica_nonfinite`)."""
 
 
 def skip_problem(strategy: str) -> str | None:

@@ -7,7 +7,7 @@
   to ``--replica-restarts`` times: it heals from a live peer and rejoins, while the others never restart. The job
   ends when every replica group has finished (exit 0), or fails when one died more often than allowed (exit 1,
   the others stopped). A replica group stopped by ``--on-nonfinite`` (exit 3,
-  :data:`~quietsync.faults.nonfinite.NONFINITE_EXIT`: every replica raises at the same commit vote) is not
+  :data:`~quietsync.train.replica_nonfinite.NONFINITE_EXIT`: every replica raises at the same commit vote) is not
   started again -- it would heal and train into the same values -- and the job exits 3 once the others have
   stopped too (at most ``--timeout-s`` later; then they are stopped). An interrupt stops everything (exit 130).
   Children die with the launcher.
@@ -29,10 +29,10 @@ import traceback
 from typing import Any
 
 from ..cli.launch import signal_name
-from ..faults.nonfinite import NONFINITE_EXIT
 from .args import PROG
 from .nonfinite import NonFiniteError
 from .replica_loop import STORE_ENV, run_replica
+from .replica_nonfinite import NONFINITE_EXIT
 
 POLL_S = 0.2
 

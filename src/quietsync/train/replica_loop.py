@@ -14,7 +14,7 @@ the strategy, whose learning-rate schedule reads the dealer's position in tokens
                                                           # its collectives over the replicas commit through
                                                           # the quorum (retried among survivors); a round
                                                           # that is not finite is voted on, not stepped
-                                                          # (--on-nonfinite: faults/nonfinite.py)
+                                                          # (--on-nonfinite: replica_nonfinite.py)
         if alone: strategy.settle(); tick the quorum if nothing committed (a round boundary for joiners)
         log, evaluate when due
     strategy.finish(); the totals; a last round (replicas waiting to join see the run is over); export, summary
@@ -43,7 +43,6 @@ import torch
 from ..cli.launch import note_failure
 from ..faults.heal import heal_state, load_heal_state
 from ..faults.inject import hold, poison, reached, ready
-from ..faults.nonfinite import ReplicaNonFinite, dropped_in, finite_flag
 from ..faults.quorum import ReplicaQuorum
 from ..faults.transport import FaultTolerantTransport
 from ..link import parse_links
@@ -60,6 +59,7 @@ from .loop import ADAMW_BETAS, AUDIT_ENV, STEP_SUMS, evaluate, job_summary, lm_l
 from .metrics import MetricsWriter, write_summary
 from .nonfinite import NonFiniteError
 from .preflight import data_problem
+from .replica_nonfinite import ReplicaNonFinite, dropped_in, finite_flag
 from .schedule import warmup_cosine
 from .slow_worker import MicroBatchTimer
 from .window_dealer import WindowDealer
@@ -153,7 +153,7 @@ class _Run:
     ``loop_start`` (imports done), ``manager`` (torchft's Manager up: heartbeats), ``data`` (corpus mapped),
     ``model``, ``warm`` (:func:`warm_up` done), ``ready`` (strategy built), ``joined``."""
     guard: Any = None
-    """The ``--on-nonfinite`` policy (:class:`~quietsync.faults.nonfinite.ReplicaNonFinite`), set by the loop."""
+    """The ``--on-nonfinite`` policy (:class:`~quietsync.train.replica_nonfinite.ReplicaNonFinite`), set by the loop."""
 
 
 def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, replicas: int,

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from ..train.nonfinite import NonFiniteError, gradients_finite, parameters_finite
-from .quorum import ReplicaQuorum, RoundDropped
+from ..faults.quorum import ReplicaQuorum, RoundDropped
+from .nonfinite import NonFiniteError, gradients_finite, parameters_finite
 
 NONFINITE_EXIT = 3
 """Exit status of a replica group's process (and of the local launcher) stopped by a non-finite value."""
