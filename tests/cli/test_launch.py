@@ -41,11 +41,11 @@ def test_in_process_when_single_or_under_torchrun(monkeypatch):
     assert launch(lambda x: x * 3, (2,), nproc=4) == 6  # under torchrun: run unchanged, --nproc ignored
 
 
-def test_the_worker_that_failed_first_is_blamed(monkeypatch):
+def test_the_worker_that_failed_first_is_blamed(monkeypatch, tmp_path):
     for k in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(WorkerFailed) as e:
-        launch(_workers.root_cause_on_rank_one_then_slow_cleanup, (), nproc=2)
+        launch(_workers.root_cause_on_rank_one_then_slow_cleanup, (str(tmp_path),), nproc=2)
     assert e.value.rank == 1 and "the real cause on rank one" in str(e.value)
 
 

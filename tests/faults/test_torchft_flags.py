@@ -41,6 +41,10 @@ def _closed_port() -> int:
     (["--strategy", "ddp", "--batch-policy", "global", *FT], "--batch-policy global is not supported with"),
     (["--strategy", "ddp", "--comm-hook", "powersgd", *FT], "--comm-hook powersgd is not supported with"),
     (["--strategy", "ddp", "--lighthouse", "nowhere", *FT], "--lighthouse must be HOST:PORT"),
+    (["--strategy", "diloco", "--on-nonfinite", "skip", *FT], "--on-nonfinite skip is not supported by --strategy "
+     "diloco with --fault-tolerance torchft (localsgd and diloco take their inner steps alone between commits"),
+    (["--strategy", "demo", "--on-nonfinite", "skip", *FT], "--on-nonfinite skip is not supported by --strategy demo "
+     "with --fault-tolerance torchft (demo folds a round's gradient into its decoupled momentum"),
 ])
 def test_bad_combinations_are_one_line_and_start_nothing(flags, message, monkeypatch, capsys):
     assert message in refused(monkeypatch, capsys, *flags)

@@ -20,19 +20,24 @@ def record_env(marker_dir: str) -> None:
     Path(marker_dir, f"env-{os.environ['RANK']}").write_text(" ".join(os.environ[k] for k in keys))
 
 
-def root_cause_on_rank_one_then_slow_cleanup() -> None:
-    """Rank 1 fails first but lingers in its clean-up; rank 0 fails later with a peer's symptom and exits first."""
+def root_cause_on_rank_one_then_slow_cleanup(marker_dir: str) -> None:
+    """Rank 1 fails first but lingers in its clean-up; rank 0 fails later with a peer's symptom and exits first.
+    Rank 0 fails only once rank 1 has noted its failure (a marker file), however late either process started."""
     from quietsync.cli.launch import note_failure
 
+    marker = Path(marker_dir, "rank1-failed")
     if int(os.environ["RANK"]) == 1:
         try:
             raise ValueError("the real cause on rank one")
         except ValueError:
             note_failure()
+            marker.touch()
             raise
         finally:
             time.sleep(3)  # e.g. tearing down process groups
-    time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise RuntimeError("Connection closed by peer")
 
 

@@ -67,6 +67,30 @@ def test_torn_last_line_is_skipped(tmp_path):
     assert read_jsonl(p) == [{"step": 1}]
 
 
+def test_append_keeps_the_file_as_it_is_and_writes_after_it(tmp_path):
+    """A replica restarted under --fault-tolerance torchft continues its records without rewriting them (its
+    peers wait for it); a record torn by the kill stays unreadable on its own line, the next ones are whole."""
+    with MetricsWriter(tmp_path, 2) as w:
+        for s in range(1, 4):
+            w.step(step_record(s, 2, 1.0))
+    path = tmp_path / "metrics-rank2.jsonl"
+    before = path.read_bytes()
+    with MetricsWriter(tmp_path, 2, append=True) as w:
+        assert w.kept == []  # not read
+        w.step(step_record(4, 2, 1.0))
+    assert path.read_bytes().startswith(before)
+    with open(path, "a") as f:
+        f.write('{"step": 5, "ran')  # killed mid-line
+    with MetricsWriter(tmp_path, 2, append=True) as w:
+        w.step(step_record(6, 2, 1.0))
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3, 4, 6]
+    with MetricsWriter(tmp_path / "fresh", 0, append=True) as w:  # no file yet: it starts one
+        w.step(step_record(1, 0, 1.0))
+    assert [r["step"] for r in read_jsonl(tmp_path / "fresh" / "metrics-rank0.jsonl")] == [1]
+    with pytest.raises(ValueError, match="append"):
+        MetricsWriter(tmp_path, 2, resume_step=3, append=True)
+
+
 def test_summary_file_and_table(tmp_path):
     summary = {
         "strategy": "zero1", "world_size": 2, "nodes": 2, "model": "tiny", "parameters": 950_000, "steps": 10,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from .support import one_worker_only, refusal
+from .support import one_worker_only, refusal, skip_problem
 
 UNSUPPORTED = {
     "elastic": "--elastic and --fault-tolerance torchft are two ways to survive lost nodes: choose one (torchft: no "
@@ -52,9 +52,8 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
         value = getattr(cfg, name)
         if value not in (None, False, 0):
             return text
-    if cfg.on_nonfinite == "skip":
-        return ("--on-nonfinite skip is not supported with --fault-tolerance torchft (skipping a round needs every "
-                "replica's verdict outside the quorum's commits); use stop")
+    if cfg.on_nonfinite == "skip" and skip_problem(cfg.strategy):
+        return skip_problem(cfg.strategy)
     if cfg.precision == "fp16":
         return ("--precision fp16 is not supported with --fault-tolerance torchft (the loss scale's skip decision "
                 "needs every replica's verdict outside the quorum's commits); use bf16 or fp32")

@@ -17,6 +17,10 @@ replica is up, so the run cannot end before it rejoins, whatever the machine's l
 (its model and strategy built): a test releases the survivors once a restarted replica is there, not merely
 started.
 
+``QUIETSYNC_FT_NONFINITE=WHAT:N`` (``loss`` or ``gradient``) makes the first micro-batch of a replica's N-th step
+(the first time it computes it) non-finite: its loss times NaN (the gradients stay finite), or its gradients
+(``p.grad``) times NaN -- what ``--on-nonfinite`` must catch before the step commits.
+
 Nothing happens without the variables (one dictionary lookup per point).
 """
 
@@ -25,10 +29,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 KILL_ENV = "QUIETSYNC_FT_KILL"
 HOLD_ENV = "QUIETSYNC_FT_HOLD"
 READY_ENV = "QUIETSYNC_FT_READY"
+NONFINITE_ENV = "QUIETSYNC_FT_NONFINITE"
 HOLD_LIMIT_S = 300.0
 POINTS = ("exchange", "heal_send", "step")
 
@@ -79,4 +85,25 @@ def ready() -> None:
             pass
 
 
-__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "KILL_ENV", "POINTS", "READY_ENV", "hold", "reached", "ready"]
+def poison(step: int, loss: Any, module: Any) -> Any:
+    """The first time the first micro-batch of step ``step`` is computed, make it non-finite as
+    ``QUIETSYNC_FT_NONFINITE=WHAT:N`` says (N = ``step``); returns the loss (times NaN for ``loss``)."""
+    spec = os.environ.get(NONFINITE_ENV, "")
+    if not spec:
+        return loss
+    what, _, count = spec.partition(":")
+    if what not in ("loss", "gradient") or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"{NONFINITE_ENV} must be loss:N or gradient:N with N >= 1, got {spec!r}")
+    if step != int(count) or _counts.get(NONFINITE_ENV):
+        return loss
+    _counts[NONFINITE_ENV] = 1
+    if what == "loss":
+        return loss * float("nan")
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(float("nan"))
+    return loss
+
+
+__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "KILL_ENV", "NONFINITE_ENV", "POINTS", "READY_ENV", "hold", "poison", "reached",
+           "ready"]

@@ -19,6 +19,15 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   :class:`HealFailed`; restarted (the local launcher does it; on a cluster, the scheduler), each heals from a live
   peer.
 
+* **the non-finite vote** — every unit :meth:`run` commits begins with one small all-reduce over the replicas
+  present: each replica group's verdict on its own round (:mod:`~quietsync.train.replica_nonfinite`; 0 when finite).
+  When any is not 0, no replica runs the unit's collectives: each reports the error to torchft
+  (``report_error``), so ``should_commit`` is False in every replica group and nothing commits (torchft's step
+  does not advance), and :class:`RoundDropped` tells the caller who saw what, the same on every replica. torchft's
+  own vote only agrees inside a replica group ("different replica groups may return different values"); the
+  all-reduce is what makes the verdict the same across them. A replica whose round is not finite does not step:
+  it runs :meth:`vote` at once, which meets the others' next unit.
+
 Every commit is counted (``commits``) and announced to the listeners (:meth:`on_commit`) with the replicas that
 took part and its number (torchft's step after it: the same on every replica that made it), so the data policy
 (:mod:`~quietsync.train.window_dealer`) knows whose micro-batches entered the model.
@@ -48,6 +57,15 @@ class FellBehind(RuntimeError):
 
 class HealFailed(RuntimeError):
     """The peer this replica was healing from died mid-transfer; restarted, it heals from another live peer."""
+
+
+class RoundDropped(RuntimeError):
+    """The unit's vote found a non-finite round on some replica group: nothing was committed (every replica raises
+    it at the same unit). ``verdicts``: replica group → ``(code, step)`` for each group that reported one."""
+
+    def __init__(self, verdicts: dict[int, tuple[int, int]]) -> None:
+        self.verdicts = verdicts
+        super().__init__(f"a non-finite round on replica group(s) {sorted(verdicts)}: nothing committed")
 
 
 class NoQuorum(RuntimeError):
@@ -85,6 +103,9 @@ class ReplicaQuorum:
         """How many times this replica took a peer's state."""
         self.commits = 0
         """Collectives committed over the replicate dimension."""
+        self.verdict: tuple[int, int] = (0, 0)
+        """This replica group's verdict on its open round, ``(code, step)``, sent with the next unit's vote (0: the
+        round is finite; set by :class:`~quietsync.train.replica_nonfinite.ReplicaNonFinite`)."""
         self.retries = 0
         """Attempts of a collective that failed and were run again among the survivors."""
         self.rounds: list[dict[str, Any]] = []
@@ -218,9 +239,11 @@ class ReplicaQuorum:
         saved = [t.detach().clone() for t in restore]
         deadline = time.monotonic() + self.quorum_timeout_s
         while True:
+            dropped = None
             try:
                 self._running = True
-                out = op()
+                dropped = self._vote()
+                out = op() if dropped is None else None
             except ReplicaLost as e:
                 out = None
                 for t, s in zip(restore, saved):
@@ -229,6 +252,12 @@ class ReplicaQuorum:
                 self.manager.report_error(e)
             finally:
                 self._running = False
+            if dropped is not None:  # the same verdicts on every replica: none commits, every one raises
+                self.manager.report_error(dropped)
+                self.manager.should_commit(timeout=timedelta(seconds=self.timeout_s))
+                self.verdict = (0, 0)
+                self.round_due = True  # a fresh quorum clears torchft's error before the next unit
+                raise dropped
             if self.manager.should_commit(timeout=timedelta(seconds=self.timeout_s)):
                 self._committed()
                 return out
@@ -237,6 +266,22 @@ class ReplicaQuorum:
                 raise NoQuorum(f"quietsync: no quorum of replicas committed a collective within "
                                f"{self.quorum_timeout_s:g}s")
             self._regroup()
+
+    def _vote(self) -> RoundDropped | None:
+        """The unit's first collective: every present replica group's verdict (module docstring)."""
+        if self.transport.group_size("replicate") == 1 and not self.verdict[0]:
+            return None  # alone and finite: nothing to agree on
+        n = self.transport.replicas
+        flags = torch.zeros(2 * n, dtype=torch.int64, device=self.transport.device)
+        flags[self.transport.replica], flags[n + self.transport.replica] = self.verdict
+        self.transport.vote(flags)
+        verdicts = {k: (int(flags[k]), int(flags[n + k])) for k in range(n) if int(flags[k])}
+        return RoundDropped(verdicts) if verdicts else None
+
+    def vote(self) -> None:
+        """A unit of the vote alone (the replica whose round is not finite, instead of stepping): it meets the
+        others' next unit and raises :class:`RoundDropped` on every replica."""
+        self.run(lambda: None, [])
 
     def _committed(self) -> None:
         self.commits += 1
@@ -256,4 +301,4 @@ class ReplicaQuorum:
         self.manager.shutdown(wait=False)
 
 
-__all__ = ["FellBehind", "HEAL_KEY", "HealFailed", "NoQuorum", "ReplicaQuorum"]
+__all__ = ["FellBehind", "HEAL_KEY", "HealFailed", "NoQuorum", "ReplicaQuorum", "RoundDropped"]

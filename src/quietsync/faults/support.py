@@ -97,4 +97,22 @@ def one_worker_only(strategy: str, strategy_config: object) -> bool:
     return strategy == "diloco" and getattr(strategy_config, "inner", "local") == "local"
 
 
-__all__ = ["ALTERNATIVE", "DATA", "POLICIES", "REFUSALS", "ReplicaPolicy", "one_worker_only", "refusal"]
+SKIPPERS = ("ddp", "zero1")
+"""Strategies that keep ``--on-nonfinite skip`` under torchft: their step's first exchange across replicas comes
+before any state changes, so a round dropped at the commit vote leaves nothing behind
+(:mod:`quietsync.train.replica_nonfinite`)."""
+
+
+def skip_problem(strategy: str) -> str | None:
+    """Why ``--on-nonfinite skip`` cannot run with ``strategy`` under torchft (one line), or None."""
+    if strategy in SKIPPERS:
+        return None
+    why = ("localsgd and diloco take their inner steps alone between commits" if strategy in ("localsgd", "diloco")
+           else f"{strategy} folds a round's gradient into its decoupled momentum before the exchange")
+    return (f"--on-nonfinite skip is not supported by --strategy {strategy} with --fault-tolerance torchft ({why}: a "
+            f"round dropped at the commit vote would leave the other replicas' share of it behind); use stop, or "
+            f"{' or '.join(SKIPPERS)}")
+
+
+__all__ = ["ALTERNATIVE", "DATA", "POLICIES", "REFUSALS", "SKIPPERS", "ReplicaPolicy", "one_worker_only", "refusal",
+           "skip_problem"]

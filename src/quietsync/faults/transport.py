@@ -145,6 +145,18 @@ class FaultTolerantTransport(Transport):
                 raise ReplicaLost(str(e)) from e
         return run
 
+    def vote(self, flags: torch.Tensor) -> None:
+        """Sum ``flags`` over the replicas present, inside a unit the quorum runs (its non-finite vote,
+        :meth:`~quietsync.faults.quorum.ReplicaQuorum.run`): metered and link-emulated like any collective, not a
+        kill point of its own (``QUIETSYNC_FT_KILL=exchange`` counts the units' collectives)."""
+        self._sync_groups()
+        try:
+            Transport.all_reduce(self, flags, "replicate", "sum", False, "nonfinite_vote")
+        except ReplicaLost:
+            raise
+        except RuntimeError as e:
+            raise ReplicaLost(str(e)) from e
+
     _solo = False
     """True while a collective runs before the first quorum: the replicate dimension is this replica alone."""
 

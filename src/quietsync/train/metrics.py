@@ -93,14 +93,19 @@ class MetricsWriter:
     """Appends this worker's records to ``metrics-rank{R}.jsonl``, one flushed line each.
 
     With ``resume_step`` the file is first cut back to the records of steps ``<= resume_step`` (a crashed
-    run may have logged steps after its last checkpoint); otherwise it starts empty. Every record written,
-    the kept ones included, is also handed flattened to each of ``sinks`` (closed with the writer).
+    run may have logged steps after its last checkpoint); with ``append`` every record already there is kept
+    as it is and the new ones follow (without reading or rewriting the file: a replica that restarts under
+    ``--fault-tolerance torchft`` opens it while its peers wait for it); otherwise it starts empty. Every record
+    written, the kept ones included (not the appended-to ones), is also handed flattened to each of ``sinks``
+    (closed with the writer).
     """
 
     def __init__(
         self, out: str | os.PathLike, rank: int, resume_step: int | None = None,
-        sinks: Sequence[MetricsSink] = (),
+        sinks: Sequence[MetricsSink] = (), append: bool = False,
     ) -> None:
+        if append and resume_step is not None:
+            raise ValueError("MetricsWriter: append keeps every record, resume_step cuts them back: give one")
         self.path = metrics_path(out, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rank = rank
@@ -111,7 +116,9 @@ class MetricsWriter:
         """Records carried over from before the resume point."""
         self.sinks = list(sinks)
         """Other outputs fed the flattened records (``--log-with``)."""
-        self._f = open(self.path, "w", encoding="utf-8")
+        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+        if append and self._f.tell() and not _ends_a_line(self.path):
+            self._f.write("\n")  # a process killed mid-line: its partial record stays unreadable on its own line
         for record in kept:
             self._write(record)
 
@@ -154,6 +161,13 @@ class MetricsWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether the (non-empty) file at ``path`` ends with a newline."""
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def write_summary(out: str | os.PathLike, summary: dict[str, Any]) -> Path:

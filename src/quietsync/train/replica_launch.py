@@ -6,9 +6,14 @@
   group dies -- ``kill -9``, a crash, or a replica that fell behind its peers -- the launcher starts it again, up
   to ``--replica-restarts`` times: it heals from a live peer and rejoins, while the others never restart. The job
   ends when every replica group has finished (exit 0), or fails when one died more often than allowed (exit 1,
-  the others stopped). An interrupt stops everything (exit 130). Children die with the launcher.
+  the others stopped). A replica group stopped by ``--on-nonfinite`` (exit 3,
+  :data:`~quietsync.train.replica_nonfinite.NONFINITE_EXIT`: every replica raises at the same commit vote) is not
+  started again -- it would heal and train into the same values -- and the job exits 3 once the others have
+  stopped too (at most ``--timeout-s`` later; then they are stopped). An interrupt stops everything (exit 130).
+  Children die with the launcher.
 * **One replica group of a cluster job** (``--replica-group K --lighthouse HOST:PORT``): this machine's replica
-  group only -- its ``--nproc`` local workers, or torchrun's -- and the cluster's scheduler restarts it.
+  group only -- its ``--nproc`` local workers, or torchrun's -- and the cluster's scheduler restarts it (it exits 3
+  when stopped by a non-finite value: a scheduler should not restart that).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from typing import Any
 
 from ..cli.launch import signal_name
 from .args import PROG
+from .nonfinite import NonFiniteError
 from .replica_loop import STORE_ENV, run_replica
+from .replica_nonfinite import NONFINITE_EXIT
 
 POLL_S = 0.2
 
@@ -38,7 +45,8 @@ def _free_port() -> int:
 
 def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas: int, lighthouse: str,
                           workers: int) -> int:
-    """Run replica group ``replica``'s workers here (in place under torchrun); its exit status (0, 1, 130)."""
+    """Run replica group ``replica``'s workers here (in place under torchrun); its exit status (0, 1, 130, or
+    :data:`NONFINITE_EXIT` when ``--on-nonfinite`` stopped it)."""
     from ..cli.launch import WorkerFailed, launch, under_torchrun
 
     if workers > 1 and not under_torchrun():
@@ -47,10 +55,13 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
         os.environ.setdefault(STORE_ENV, f"{host}:{_free_port()}")
     try:
         launch(run_replica, (cfg, strategy_config, replica, replicas, lighthouse), nproc=workers)
+    except NonFiniteError as e:  # one worker, in this process
+        print(f"{PROG} train: error: replica group {replica}: NonFiniteError: {e}", file=sys.stderr, flush=True)
+        return NONFINITE_EXIT
     except WorkerFailed as e:
         print(e.details, file=sys.stderr)
         print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
-        return 1
+        return NONFINITE_EXIT if "NonFiniteError: " in str(e) else 1
     except KeyboardInterrupt:
         return 130
     return 0
@@ -96,6 +107,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
     children: dict[int, Any] = {}
     restarts = dict.fromkeys(range(replicas), 0)
     finished: set[int] = set()
+    nonfinite: float | None = None  # when a replica group stopped for a non-finite value
 
     def start(k: int) -> None:
         child = context.Process(target=_replica_main, name=f"quietsync-replica{k}",
@@ -124,6 +136,13 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
                 if child.exitcode == 0:
                     finished.add(k)
                     continue
+                if child.exitcode == NONFINITE_EXIT or nonfinite is not None:
+                    if child.exitcode == NONFINITE_EXIT and nonfinite is None:
+                        nonfinite = time.monotonic()
+                        print(f"{PROG} train: error: replica group {k} stopped for a non-finite value "
+                              "(--on-nonfinite); it is not started again, the job stops", file=sys.stderr, flush=True)
+                    finished.add(k)
+                    continue
                 if finished and len(finished) + 1 == replicas:
                     print(f"{PROG} train: replica group {k} ended ({_ended(child.exitcode)}) after the others had "
                           "finished the run", file=sys.stderr, flush=True)
@@ -139,6 +158,9 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
                 print(f"{PROG} train: replica group {k} ended ({_ended(child.exitcode)}); starting it again (restart "
                       f"{restarts[k]} of {cfg.replica_restarts}): it heals from a live peer", flush=True)
                 start(k)
+            if nonfinite is not None and time.monotonic() - nonfinite > cfg.timeout_s:
+                stop_all()  # every replica met the same vote; one that did not (it was joining) is stopped
+                break
             time.sleep(0)
     except KeyboardInterrupt:
         stop_all()
@@ -147,7 +169,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
     finally:
         if server is not None:
             server.shutdown()
-    return 0
+    return NONFINITE_EXIT if nonfinite is not None else 0
 
 
 __all__ = ["run_local_replicas", "run_one_replica_group"]

@@ -12,7 +12,9 @@ the strategy, whose learning-rate schedule reads the dealer's position in tokens
         windows = dealer.deal(quorum.members, ...)        # this step's windows (train/window_dealer.py)
         for each micro-batch: strategy.forward_backward(batch); strategy.step()
                                                           # its collectives over the replicas commit through
-                                                          # the quorum (retried among survivors)
+                                                          # the quorum (retried among survivors); a round
+                                                          # that is not finite is voted on, not stepped
+                                                          # (--on-nonfinite: replica_nonfinite.py)
         if alone: strategy.settle(); tick the quorum if nothing committed (a round boundary for joiners)
         log, evaluate when due
     strategy.finish(); the totals; a last round (replicas waiting to join see the run is over); export, summary
@@ -40,7 +42,7 @@ import torch
 
 from ..cli.launch import note_failure
 from ..faults.heal import heal_state, load_heal_state
-from ..faults.inject import hold, reached, ready
+from ..faults.inject import hold, poison, reached, ready
 from ..faults.quorum import ReplicaQuorum
 from ..faults.transport import FaultTolerantTransport
 from ..link import parse_links
@@ -48,6 +50,7 @@ from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import StrategyConfig, make_strategy
 from ..strategies.parts.precision import parse_precision
 from ..topology import GROUPS
+from .allocator import keep_freed_memory
 from .data import ShardedSequences, eval_batches
 from .elastic import accumulation_field
 from .export import MODEL_DIR, export_model
@@ -55,7 +58,9 @@ from .job_data import open_job_data
 from .job_model import job_model
 from .loop import ADAMW_BETAS, AUDIT_ENV, STEP_SUMS, evaluate, job_summary, lm_loss
 from .metrics import MetricsWriter, write_summary
+from .nonfinite import NonFiniteError
 from .preflight import data_problem
+from .replica_nonfinite import ReplicaNonFinite, dropped_in, finite_flag
 from .schedule import warmup_cosine
 from .slow_worker import MicroBatchTimer
 from .window_dealer import WindowDealer
@@ -143,11 +148,16 @@ class _Run:
     state: dict[str, Any]
     """Heal state of the run itself: ``finished``."""
     healed_at_join: bool
+    metrics: MetricsWriter
+    """This worker's records, opened before the join (appended to: a restarted replica continues its file)."""
     t_setup: float
     marks: dict[str, float | None]
     """Wall-clock marks of this replica's start, logged with its first step as ``start``: ``process_start``,
     ``loop_start`` (imports done), ``manager`` (torchft's Manager up: heartbeats), ``data`` (corpus mapped),
-    ``model``, ``warm`` (:func:`warm_up` done), ``ready`` (strategy built), ``joined``."""
+    ``model``, ``warm`` (:func:`warm_up` done), ``ready`` (strategy built, held-out batches and records open),
+    ``joined``."""
+    guard: Any = None
+    """The ``--on-nonfinite`` policy (:class:`~quietsync.train.replica_nonfinite.ReplicaNonFinite`), set by the loop."""
 
 
 def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, replicas: int,
@@ -158,8 +168,9 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
     marks = {"process_start": process_started_unix(), "loop_start": time.time()}
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    keep_freed_memory()  # its first steps after a heal, which its peers wait for, fault no fresh pages
     transport = FaultTolerantTransport(replica, replicas, links=parse_links(cfg.link), timeout_s=cfg.timeout_s)
-    quorum, strategy, store = None, None, None
+    quorum, strategy, store, metrics = None, None, None, None
     try:
         host = advertised_host(lighthouse)
         address, store = replica_store(transport, host, cfg.timeout_s)
@@ -193,6 +204,10 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         quorum.register("dealer", dealer.state_dict, dealer.load_state_dict)
         quorum.register("run", lambda: dict(state), state.update)
         quorum.on_commit(dealer.commit)
+        # everything that does not depend on the heal is ready before the join: a returning replica's peers wait
+        # in their next collective from the moment its heal ends until its first step
+        held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
+        metrics = MetricsWriter(cfg.out, transport.topology.rank, append=True)
         marks["ready"] = time.time()
         hold(0)
         ready()
@@ -200,9 +215,8 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         marks["joined"] = time.time()
         if not healed:
             check_same_start(strategy, transport)
-        held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
         run = _Run(cfg, strategy_config, transport, quorum, dealer, held_out, transport.topology.rank, state, healed,
-                   t_setup, marks)
+                   metrics, t_setup, marks)
         result = _train(run, strategy)
         if result is None:  # joined a run that had ended: nothing to do
             return None
@@ -225,6 +239,8 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         note_failure()
         raise
     finally:
+        if metrics is not None:
+            metrics.close()
         if strategy is not None:
             strategy.close()
         if quorum is not None:
@@ -267,7 +283,7 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
     audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
     if run.state["finished"]:
         return None
-    metrics = MetricsWriter(cfg.out, rank, resume_step=1 << 62)  # a restarted replica appends to its records
+    metrics = run.metrics
     t0 = time.perf_counter()
     setup_s = t0 - run.t_setup
     evals: list[dict[str, Any]] = []
@@ -276,6 +292,9 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
     finish_commits: list[dict[str, Any]] = []
     sums = dict.fromkeys(STEP_SUMS, 0.0)
     timer = MicroBatchTimer(cfg.slow(), rank, device)
+    guard = ReplicaNonFinite(cfg.on_nonfinite, strategy, quorum, cfg.nonfinite_skip_limit)
+    run.guard = guard
+    dropped_windows: list[int] = []
 
     def run_eval() -> None:
         t = time.perf_counter()
@@ -297,11 +316,17 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
         }
         if m.extra:
             record["extra"] = m.extra
+        skipped = guard.committed()
+        if skipped:
+            record["skipped_rounds"] = skipped
         commits = dealer.take_commits()
         if audit:
             record["windows"] = windows
             if commits:
                 record["commits"] = commits
+            if dropped_windows:
+                record["dropped"] = list(dropped_windows)
+        dropped_windows.clear()
         if run.marks:
             record["start"], run.marks = dict(run.marks), {}
         rounds = quorum.take_rounds()
@@ -329,17 +354,33 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
             commits, retries = quorum.commits, quorum.retries
             windows = dealer.deal(quorum.members, transport.replica, strategy.steps)[me::w]
             losses: list[torch.Tensor] = []
-            committed = False
+            committed = dropped = False
             for a in range(accumulation):
                 batch = dealer.batch(windows[a * mb:(a + 1) * mb]).to(device, non_blocking=True)
                 timer.start()
                 loss = strategy.forward_backward(batch, lm_loss)
                 timer.stop()
+                if a == 0:
+                    loss = poison(strategy.steps + 1, loss, strategy.module)
+                guard.see(loss)
                 if loss is not None:
                     losses.append(loss)
                 if a == accumulation - 1:
                     reached("step")
-                committed = strategy.step()
+                try:
+                    if strategy.round_closes and not guard.round_finite():
+                        guard.vote()  # instead of stepping: the others learn it at their next unit
+                    committed = strategy.step()
+                except Exception as e:
+                    vote = dropped_in(e)
+                    if vote is None:
+                        raise
+                    guard.dropped(vote)  # raises under stop: no replica committed the round
+                    dropped_windows.extend(dealer.drop())  # skip: dealt again first, from the next step
+                    dropped = True
+                    break
+            if dropped:
+                continue
             if not committed:
                 raise RuntimeError(f"strategy {cfg.strategy} did not commit after {accumulation} micro-batch(es)")
             if transport.group_size("replicate") == 1:
@@ -361,7 +402,16 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
         if not evals or evals[-1]["step"] != strategy.steps:
             run_eval()
         totals = _totals(transport, sums, mine_tokens, strategy)
+        if totals.pop("nonfinite_params"):
+            raise NonFiniteError(f"the committed parameters after step {strategy.steps} are not finite on "
+                                 f"{int(totals['nonfinite_workers'])} worker(s); the run is not exported")
         quorum.start_round()  # replicas waiting to join take the final state and stop
+    except Exception as e:
+        vote = None if isinstance(e, NonFiniteError) else dropped_in(e)
+        if vote is None:
+            raise
+        guard.dropped(vote)  # a vote met outside a step (an outer sync, the run's end): stop
+        raise NonFiniteError(f"{vote} (--on-nonfinite {cfg.on_nonfinite})") from None
     finally:
         metrics.close()
     return {"wall_s": time.perf_counter() - t0, "setup_s": setup_s, "evals": evals, "totals": totals,
@@ -370,10 +420,11 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
 
 def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: int, strategy: Any) -> dict[str, Any]:
     """Every present replica's counters summed (inside the replica group, then across the replicas), in the form
-    of :func:`quietsync.train.loop.job_summary`'s totals."""
+    of :func:`quietsync.train.loop.job_summary`'s totals, and ``nonfinite_params``: whether any worker's committed
+    parameters are not finite (the same on every replica: one all-reduce)."""
     snap = transport.meter.snapshot()
     keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
-    values = [float(tokens), float(strategy.micro_batches), *(float(sums[k]) for k in STEP_SUMS)]
+    values = [float(tokens), float(strategy.micro_batches), finite_flag(strategy), *(float(sums[k]) for k in STEP_SUMS)]
     values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
     t = torch.tensor(values, dtype=torch.float64, device=transport.device)
     if transport.workers > 1:
@@ -381,9 +432,10 @@ def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: i
     transport.all_reduce(t, "replicate", op="sum", name="summary")
     v = t.tolist()
     by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}
-    for (g, d), x in zip(keys, v[2 + len(STEP_SUMS):]):
+    for (g, d), x in zip(keys, v[3 + len(STEP_SUMS):]):
         by_group[g][d] = int(x)
-    return {"tokens": int(v[0]), "micro_batches": int(v[1]), **dict(zip(STEP_SUMS, v[2:2 + len(STEP_SUMS)])),
+    return {"tokens": int(v[0]), "micro_batches": int(v[1]), "nonfinite_params": v[2] > 0,
+            "nonfinite_workers": v[2], **dict(zip(STEP_SUMS, v[3:3 + len(STEP_SUMS)])),
             "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]}}
 
 
@@ -394,7 +446,8 @@ def _summary(run: _Run, strategy: Any, n_params: int, result: dict[str, Any]) ->
     fed = totals["tokens"]
     totals["tokens"] = dealer.committed * cfg.seq_len
     summary = job_summary(cfg, strategy, run.strategy_config, run.transport.topology, n_params,
-                          {**result, "stopped_by": "max_steps", "nonfinite_skips": 0}, totals)
+                          {**result, "stopped_by": "max_steps",
+                                                                 "nonfinite_skips": run.guard.skipped}, totals)
     summary["fault_tolerance"] = {
         "engine": "torchft", "replicas": run.transport.replicas, "final_members": quorum.members,
         "schedule_position": dealer.position(), "windows_committed": dealer.committed,

@@ -62,8 +62,9 @@ def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -
 
 def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_given: bool = False) -> int:
     """Run the job (see :mod:`quietsync.cli.launch`); return the exit status: 0, 1 (a worker failed,
-    its traceback printed), 2 (refused before any worker started: one line) or 130 (interrupted). ``nproc_given``:
-    ``--nproc`` was on the command line (under torchrun rank 0 then says it is ignored)."""
+    its traceback printed), 2 (refused before any worker started: one line), 130 (interrupted) or, under
+    ``--fault-tolerance torchft``, 3 (stopped by ``--on-nonfinite``: :mod:`quietsync.train.replica_nonfinite`).
+    ``nproc_given``: ``--nproc`` was on the command line (under torchrun rank 0 then says it is ignored)."""
     from ..cli.launch import WorkerFailed, launch, under_torchrun
     from .loop import run
 

@@ -157,6 +157,18 @@ class WindowDealer:
                                 "given_back": back}
             self.unlogged.append(self.last_commit)
 
+    def drop(self) -> list[int]:
+        """A round dropped on every replica (``--on-nonfinite skip``: nothing committed): the windows dealt since the
+        last commit go back, the rule for a slot whose replica did not take part in a commit, applied to every
+        slot -- dealt again first from the next step, and the schedule's position is back where the last commit
+        left it. Returns the windows given back (the data audit logs them)."""
+        with self._lock:
+            back = [w for d in self.open for s in d.slots for w in s]
+            self.open = []
+            if back:
+                self.waiting.append((self.deals + self.lag + 1, back))
+            return back
+
     def take_commits(self) -> list[dict[str, Any]]:
         """The commits since the last call, in commit order."""
         with self._lock:
