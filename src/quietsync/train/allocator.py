@@ -9,8 +9,8 @@ measured here on the goodput benchmark's model: 2,000-5,000 faults (~5-10 ms) in
 after a warm-up step, none afterwards. :func:`keep_freed_memory` sets the two thresholds to those upper values
 from the start: tensors below 32 MiB come from the heap and what a step frees stays there for the next one.
 
-Used by a replica under ``--fault-tolerance torchft``, whose first steps after it healed are waited for by its
-peers. glibc only (elsewhere nothing changes).
+Used by every training worker: the trainer's (``train/loop.py``) and a replica's under ``--fault-tolerance
+torchft``, whose first steps after it healed are waited for by its peers. glibc only (elsewhere nothing changes).
 """
 
 from __future__ import annotations

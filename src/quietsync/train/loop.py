@@ -47,6 +47,7 @@ from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import Strategy, StrategyConfig, make_strategy
 from ..topology import GROUPS, Topology
 from ..transport import Transport
+from .allocator import keep_freed_memory
 from .budgets import BudgetWatch
 from .checkpoint import (
     checkpoint_root,
@@ -269,6 +270,7 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
     """Train as one worker of the job described by the environment; rank 0 returns the summary."""
     t_setup = time.perf_counter()
     _set_threads(cfg)
+    keep_freed_memory()  # what a step frees stays for the next one: no fresh pages faulted every step (allocator.py)
     topology = Topology.from_env(nodes=nodes if nodes is not None else cfg.nodes)
     rank, world = topology.rank, topology.world_size
     slow = cfg.slow()
