@@ -54,9 +54,10 @@ import torch
 POLICIES = ("stop", "skip")
 """Values of ``--on-nonfinite``."""
 
-_LOSS, _GRADIENT = 1, 2
+LOSS, GRADIENT = 1, 2
 """What a worker reports in the agreement (0: nothing non-finite)."""
-_WHAT = {_LOSS: "loss", _GRADIENT: "gradient"}
+WHAT = {LOSS: "loss", GRADIENT: "gradient"}
+"""Words for the codes in messages."""
 
 
 class NonFiniteError(RuntimeError):
@@ -122,6 +123,29 @@ def nonfinite_entries(state: Any, limit: int = 3) -> list[str]:
     return bad
 
 
+class RoundCheck:
+    """One round's verdict on one worker: micro-batch losses noted as they come (on their device, no host sync),
+    then at the round's end the code — :data:`LOSS`, :data:`GRADIENT` (this worker's ``p.grad``) or 0. Shared by
+    the trainer's guard and the torchft replica's policy (:mod:`quietsync.train.replica_nonfinite`)."""
+
+    def __init__(self) -> None:
+        self._loss_bad: torch.Tensor | None = None
+
+    def see(self, loss: torch.Tensor | None) -> None:
+        if loss is not None:
+            bad = ~torch.isfinite(loss.detach()).all()
+            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+
+    def close(self, module: torch.nn.Module, check_gradients: bool = True) -> int:
+        """The round's code (one host sync), and a fresh round begins."""
+        bad, self._loss_bad = self._loss_bad, None
+        if bad is not None and bool(bad):
+            return LOSS
+        if check_gradients and not gradients_finite(module):
+            return GRADIENT
+        return 0
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -160,7 +184,7 @@ class NonFiniteGuard:
         """Rounds dropped so far."""
         self.skipped_since_commit = 0
         self._consecutive = 0
-        self._loss_bad: torch.Tensor | None = None  # this round's micro-batch losses: any non-finite (on device)
+        self._round = RoundCheck()  # this round's micro-batch losses: any non-finite (on device)
         self._group = None
         world = strategy.world_size
         if world > 1:
@@ -180,17 +204,15 @@ class NonFiniteGuard:
         """After each ``forward_backward``: note a non-finite micro-batch loss (strategies checked per round) or,
         for strategies that commit inside the step, raise on a non-finite loss or gradient."""
         if self.per_round:
-            if loss is not None:
-                bad = ~torch.isfinite(loss.detach()).all()
-                self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+            self._round.see(loss)
             return
         code = 0
         if loss is not None and not _all_finite([loss.detach()]):
-            code = _LOSS
+            code = LOSS
         elif self.checks_gradients and not gradients_finite(self.strategy.module):
-            code = _GRADIENT
+            code = GRADIENT
         if code:
-            raise NonFiniteError(f"non-finite {_WHAT[code]} in step {self.strategy.steps + 1} on rank "
+            raise NonFiniteError(f"non-finite {WHAT[code]} in step {self.strategy.steps + 1} on rank "
                                  f"{self.strategy.rank} (--on-nonfinite stop)")
 
     def before_step(self) -> bool:
@@ -199,12 +221,7 @@ class NonFiniteGuard:
         ``step()``)."""
         if not self.per_round or self.strategy.round_closes is not True:
             return False
-        code = 0
-        if self._loss_bad is not None and bool(self._loss_bad):
-            code = _LOSS
-        elif self.checks_gradients and not gradients_finite(self.strategy.module):
-            code = _GRADIENT
-        self._loss_bad = None
+        code = self._round.close(self.strategy.module, self.checks_gradients)
         if self.agrees:
             codes = self.agree(code, idle=True)
         else:  # stop, local rounds: raise here, alone; the peers fail on their next collective
@@ -214,7 +231,7 @@ class NonFiniteGuard:
             return False
         step = self.strategy.steps + 1
         ranks = [r for r, c in enumerate(codes) if c]
-        what = " or ".join(_WHAT[c] for c in sorted({c for c in codes if c}))
+        what = " or ".join(WHAT[c] for c in sorted({c for c in codes if c}))
         where = f"non-finite {what} in step {step} on {_ranks(ranks)}"
         if self.policy == "stop":
             # alone: its peers may have committed their own (finite) step

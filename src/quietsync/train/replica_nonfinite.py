@@ -37,13 +37,10 @@ from typing import Any
 import torch
 
 from ..faults.quorum import ReplicaQuorum, RoundDropped
-from .nonfinite import NonFiniteError, gradients_finite, parameters_finite
+from .nonfinite import WHAT, NonFiniteError, RoundCheck, parameters_finite
 
 NONFINITE_EXIT = 3
 """Exit status of a replica group's process (and of the local launcher) stopped by a non-finite value."""
-
-_LOSS, _GRADIENT = 1, 2
-_WHAT = {_LOSS: "loss", _GRADIENT: "gradient"}
 
 
 class ReplicaNonFinite:
@@ -62,23 +59,16 @@ class ReplicaNonFinite:
         """Rounds dropped so far (by this replica's count: those it took part in)."""
         self.skipped_since_logged = 0
         self._consecutive = 0
-        self._loss_bad: torch.Tensor | None = None
+        self._round = RoundCheck()
 
     def see(self, loss: torch.Tensor | None) -> None:
         """After each micro-batch: note whether its loss is finite (on its device, no sync)."""
-        if loss is not None:
-            bad = ~torch.isfinite(loss.detach()).all()
-            self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        self._round.see(loss)
 
     def round_finite(self) -> bool:
         """Before the round's ``step()``: whether the round is finite in the whole replica group. When it is not,
         the verdict is set for the vote and the caller runs :meth:`vote` instead of stepping."""
-        code = 0
-        if self._loss_bad is not None and bool(self._loss_bad):
-            code = _LOSS
-        elif not gradients_finite(self.strategy.module):
-            code = _GRADIENT
-        self._loss_bad = None
+        code = self._round.close(self.strategy.module)
         transport = self.quorum.transport
         if transport.workers > 1:  # one verdict per replica group (its workers feed different micro-batches)
             flag = torch.tensor([code], dtype=torch.int64, device=transport.device)
@@ -98,7 +88,7 @@ class ReplicaNonFinite:
     def dropped(self, e: RoundDropped) -> None:
         """Every replica, after the vote found a round that is not finite: raise under ``stop`` (and past the skip
         limit); else drop the open round (the caller gives its windows back)."""
-        where = "; ".join(f"non-finite {_WHAT.get(code, 'value')} in step {step} on replica group {k}"
+        where = "; ".join(f"non-finite {WHAT.get(code, 'value')} in step {step} on replica group {k}"
                           for k, (code, step) in sorted(e.verdicts.items()))
         if self.policy == "stop":
             raise NonFiniteError(f"{where} (--on-nonfinite stop); no replica committed it") from None
