@@ -36,8 +36,8 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 16
 SAVE_EVERY = 4
 TIMEOUT_S = 10
-SLOWED = ["--slow-worker", "0:5"]
-"""Interrupted runs: worker 0 sleeps 4x its compute after each micro-batch (timing only: the same trajectory), so
+SLOWED = ["--slow-worker", "0:10"]
+"""Interrupted runs: worker 0 sleeps 9x its compute after each micro-batch (timing only: the same trajectory), so
 the job is still running for many step times after its first checkpoint, when the test interrupts it, even if
 the test process is starved of CPU meanwhile; and the victim, worker 1, mostly waits on worker 0 in a
 collective."""
