@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -248,6 +249,7 @@ class ReplicaQuorum:
                 out = None
                 for t, s in zip(restore, saved):
                     t.copy_(s)
+                _clear_frames(e)  # they hold the failed group: report() must drop the last reference
                 self.transport.replica_group.report(e)
                 self.manager.report_error(e)
             finally:
@@ -299,6 +301,16 @@ class ReplicaQuorum:
     def shutdown(self) -> None:
         """Stop this replica's manager server and the peer checkpoint (local; the others see it leave)."""
         self.manager.shutdown(wait=False)
+
+
+def _clear_frames(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s traceback and in those of its causes."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 __all__ = ["FellBehind", "HEAL_KEY", "HealFailed", "NoQuorum", "ReplicaQuorum", "RoundDropped"]

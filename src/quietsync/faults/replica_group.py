@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -79,6 +80,8 @@ class ReplicaProcessGroup(TorchftProcessGroup):
         """Wall-clock start and end of the latest (re)connection (the quorum's answer arrived at the start)."""
         self._error: Exception | None = None
         self._lock = threading.Lock()
+        self.on_release: list[Callable[[], None]] = []
+        """Called when the group is dropped: whoever keeps a reference to :attr:`group` lets it go here."""
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   quorum_id: int | None = None, group_rank: int | None = None, group_world_size: int | None = None,
@@ -87,7 +90,7 @@ class ReplicaProcessGroup(TorchftProcessGroup):
         member has connected, or raises after the timeout)."""
         started = time.time()
         with self._lock:
-            self.group = None  # the old group's connections close with it (a dead member's already are)
+            self._release()  # the old group's connections close with it (a dead member's already are)
             self._error = None
             width = max(1, int(group_world_size or 1))
             self.members = [int(g) // width for g in (global_ranks or [])] or [0]
@@ -97,8 +100,23 @@ class ReplicaProcessGroup(TorchftProcessGroup):
             self.connecting = (started, time.time())
 
     def report(self, error: Exception) -> None:
-        """Record that a collective on this group failed (the Manager reads it in ``should_commit``)."""
+        """Record that a collective on this group failed (the Manager reads it in ``should_commit``) and drop the
+        group at once, so that its connections close: a member still waiting in a collective on this replica then
+        fails too and asks for the next quorum together with it. Kept open, that member waits for this replica
+        (alive, gone on to its next quorum) until the collective's timeout; the quorum forms without it after the
+        Lighthouse's join timeout, and, asking only for a quorum of the previous members, it cannot join again
+        (seen with 3 replicas, a replica killed during DiLoCo's outer sync). The next quorum connects a new group
+        (torchft reconfigures after a failed commit). The caller clears the error's traceback first: its frames
+        hold the group too."""
         self._error = error
+        self._release()
+
+    def _release(self) -> None:
+        """Drop this object's and the listeners' references to the group: the last one gone closes its
+        connections (gloo's ``abort``/``shutdown`` leave them open)."""
+        self.group = None
+        for release in self.on_release:
+            release()
 
     def errored(self) -> Exception | None:
         return self._error
@@ -110,10 +128,10 @@ class ReplicaProcessGroup(TorchftProcessGroup):
         return "quietsync-replicas"
 
     def shutdown(self) -> None:
-        self.group = None
+        self._release()
 
     def abort(self) -> None:
-        self.group = None
+        self._release()
 
 
 __all__ = ["REPLICA_PREFIX", "ReplicaProcessGroup", "connect_gloo", "replica_id"]

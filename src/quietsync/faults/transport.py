@@ -66,6 +66,7 @@ class FaultTolerantTransport(Transport):
         self.workers, self.local_rank = local.world_size, local.rank
         self.replica_group = ReplicaProcessGroup(timeout_s)
         """The replicate dimension's process group, reconfigured by torchft at every quorum change."""
+        self.replica_group.on_release.append(self._forget_replica_group)
         self.quorum: Commits | None = None
         """The commit protocol, once attached (:class:`~quietsync.faults.quorum.ReplicaQuorum`)."""
         self._static: ProcessGroups | None = None
@@ -81,8 +82,15 @@ class FaultTolerantTransport(Transport):
 
     @property
     def connected(self) -> bool:
-        """Whether a quorum has connected the replicate dimension (before: this replica alone, no network)."""
-        return self.replica_group.group is not None
+        """Whether a quorum has connected the replicate dimension (before: this replica alone, no network); its
+        group may have been dropped since, after a failed collective, until the next quorum connects a new one."""
+        return self.replica_group.generation > 0
+
+    def _forget_replica_group(self) -> None:
+        """Let go of the replicate dimension's group (:meth:`ReplicaProcessGroup.report`)."""
+        self._groups.pop("replicate", None)
+        if self.workers == 1:
+            self._groups.pop("world", None)
 
     def members(self) -> list[int]:
         """Replica groups of the current quorum, in rank order (before the first quorum: all of them)."""
@@ -113,6 +121,9 @@ class FaultTolerantTransport(Transport):
     def _sync_groups(self) -> None:
         """Point the replicate dimension at the current quorum's process group."""
         group = self.replica_group.group
+        if group is None:
+            raise ReplicaLost("quietsync: the replicas' process group was closed after a failed collective; the "
+                              "next quorum connects a new one")
         self._groups["replicate"] = group
         if self.workers == 1:
             self._groups["world"] = group

@@ -1,0 +1,84 @@
+"""The replicate dimension's process group under torchft: a replica whose collective failed does not leave a live
+peer waiting in it.
+
+Seen with 3 replicas (diloco, a replica killed during an outer sync): one survivor's all-reduce failed at once (its
+neighbour died), the other's waited on that survivor -- alive, gone on to the next quorum -- until the collective's
+timeout; the quorum formed without it after the Lighthouse's join timeout, and it never joined again. A replica that
+gives up on a collective (``report``) now aborts its group, so the peers waiting in it fail at once and ask for the
+next quorum together with it. Two real processes: the waiter is inside an all-reduce; the other reports a failure
+instead of joining it and stays alive until the waiter is released. The waiter must fail well inside the
+collective's timeout (30 s); before the fix it was released only by that timeout.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from quietsync.cli.launch import free_port
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUT_S = 30.0
+"""The collective timeout of both processes: without the abort the waiter would fail only after this."""
+
+SCRIPT = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import quietsync.faults  # noqa: F401
+    from quietsync.faults.replica_group import ReplicaProcessGroup
+
+    rank, port, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
+                          timeout=timedelta(seconds=2 * timeout))
+    group = ReplicaProcessGroup(timeout)
+    group.configure(f"127.0.0.1:{port}/quorum/1", f"quietsync_replica_{rank}", rank, 2, 1, 0, 1, [0, 1])
+    x = torch.ones(1000)
+    group.group.allreduce([x]).wait()  # both connected
+    store.set(f"ready{rank}", "1")
+    if rank == 0:  # the waiter: inside a collective its peer never joins
+        t0 = time.monotonic()
+        try:
+            group.group.allreduce([x]).wait()
+            print("RESULT completed")
+        except RuntimeError as e:
+            print(f"RESULT failed after {time.monotonic() - t0:.2f}", str(e)[:80])
+        store.set("released", "1")
+        time.sleep(0.5)
+    else:  # gives up on the collective (as after a failed one) instead of joining it
+        store.wait(["ready0"])
+        time.sleep(1.0)  # the waiter is inside its all-reduce by now
+        group.report(RuntimeError("a peer died"))
+        print("RESULT reported", flush=True)
+        store.wait(["released"])  # alive until the waiter is out: only the dropped group can release it
+""")
+
+
+def test_a_replica_that_gives_up_on_a_collective_releases_the_peer_waiting_in_it() -> None:
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(rank), str(port), str(TIMEOUT_S)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    started = time.monotonic()
+    try:
+        outs = [p.communicate(timeout=100)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], (codes, outs)
+    waiter = [line for line in outs[0].splitlines() if line.startswith("RESULT")]
+    assert waiter and waiter[0].startswith("RESULT failed after"), outs
+    waited = float(waiter[0].split()[3])
+    assert waited < TIMEOUT_S / 3, f"the waiter was released only after {waited:.1f} s (collective timeout " \
+        f"{TIMEOUT_S:g} s): the reporting replica kept its group open"
+    assert "RESULT reported" in outs[1], outs
+    assert time.monotonic() - started < 100
