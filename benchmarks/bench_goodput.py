@@ -41,6 +41,7 @@ Runs land in ``runs/goodput/RUN.json``; ``--report`` writes ``benchmarks/results
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -117,19 +118,20 @@ class Schedule:
             k += 1
 
 
-def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int) -> dict[str, Any]:
+def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int, replicas: int) -> dict[str, Any]:
     """The failure-free job without fault tolerance, its two workers started here as torchrun starts them (one
     ``quietsync train`` process per worker, ``RANK``/``WORLD_SIZE``/``MASTER_*`` in the environment): the same
     process structure as the torchft runs, whose replica processes are started here too. Through the local
     launcher (``--nproc 2``) the job would also count the launcher's own start-up and the spawn of its workers --
     a second interpreter start and torch import before the first step, ~1.5 s -- and its exit after theirs,
     ~0.5 s, which the torchft runs do not pay."""
-    base = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed), "--nodes", "2"]
+    base = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed), "--nodes",
+            str(replicas)]
     env = {**os.environ, **OFFLINE, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+           "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(replicas), "LOCAL_WORLD_SIZE": str(replicas)}
     t0 = time.time()
     procs = []
-    for k in range(2):
+    for k in range(replicas):
         log = open(root / f"worker{k}.log", "w")
         procs.append(subprocess.Popen(base, stdout=log, stderr=subprocess.STDOUT,
                                       env={**env, "RANK": str(k), "LOCAL_RANK": str(k)}))
@@ -148,18 +150,18 @@ def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int) -> di
     return {"t0": t0, "t1": t1, "exit_codes": codes, "events": []}
 
 
-def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule | None
-                ) -> dict[str, Any]:
+def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule | None,
+                replicas: int) -> dict[str, Any]:
     from quietsync.faults.lighthouse import LighthouseConfig, start_lighthouse
 
     server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0"))
     address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
     base = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed),
-            "--fault-tolerance", "torchft", "--lighthouse", address, "--nodes", "2", "--nproc", "1"]
+            "--fault-tolerance", "torchft", "--lighthouse", address, "--nodes", str(replicas), "--nproc", "1"]
     env = {**os.environ, **OFFLINE, "GLOO_SOCKET_IFNAME": "lo"}
     procs: dict[int, subprocess.Popen] = {}
     codes: list[tuple[int, int]] = []
-    starts = {0: 0, 1: 0}
+    starts = dict.fromkeys(range(replicas), 0)
 
     def start(k: int) -> None:
         log = open(root / f"replica{k}.{starts[k]}.log", "w")
@@ -173,24 +175,25 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
 
     t0 = time.time()
     try:
-        start(0)
-        start(1)
+        for k in range(replicas):
+            start(k)
         if schedule is not None:
             schedule.drive(t0, lambda: procs[0].poll() is None, kill, lambda: start(1))
         codes.append((0, procs[0].wait(1800)))
         t1 = time.time()  # the job ends with replica 0 (it writes the summary)
-        try:
-            codes.append((1, procs[1].wait(15)))
-        except subprocess.TimeoutExpired:  # restarted too late to join the final quorum: it would wait for a
-            procs[1].kill()                # fresh job's full quorum (120 s) and stop; not part of the job
-            codes.append((1, procs[1].wait(10)))
+        for k in range(1, replicas):
+            try:
+                codes.append((k, procs[k].wait(15)))
+            except subprocess.TimeoutExpired:  # restarted too late to join the final quorum: it would wait for
+                procs[k].kill()                # a fresh job's full quorum (120 s) and stop; not part of the job
+                codes.append((k, procs[k].wait(10)))
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
         server.shutdown()
-    if codes[-2][1] != 0:
+    if dict(codes)[0] != 0:
         logs = "\n".join(p.read_text()[-2000:] for p in sorted(root.glob("replica*.log")))
         raise RuntimeError(f"torchft run ended with {codes}:\n{logs}")
     return {"t0": t0, "t1": t1, "exit_codes": codes, "events": schedule.events if schedule else []}
@@ -284,10 +287,12 @@ def join_phases(rows: list[dict[str, Any]], at: float, first: dict[str, Any]) ->
     return {"joiner": joiner, "survivor": survivor}
 
 
-def run_one(strategy: str, mode: str, steps: int, period: float, down: float, seed: int, limit: float
-            ) -> dict[str, Any]:
+def run_one(strategy: str, mode: str, steps: int, period: float, down: float, seed: int, limit: float,
+            replicas: int = 2, keep: Path | None = None) -> dict[str, Any]:
     RUNS.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=False)
+    with contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
         root = Path(tmp)
         (root / "text.txt").write_text(synthetic_text(6000))
         prepare = subprocess.run([sys.executable, "-c", PY_MAIN, "train", *job_flags(root, root / "prep", strategy, 1,
@@ -298,11 +303,13 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
         out = root / "run"
         schedule = Schedule(period, down)
         if mode == "plain":
-            result = run_plain(strategy, root, out, steps, seed)
+            result = run_plain(strategy, root, out, steps, seed, replicas)
         elif mode == "torchft-free":
-            result = run_torchft(strategy, root, out, steps, seed, None)
+            result = run_torchft(strategy, root, out, steps, seed, None, replicas)
         elif mode == "torchft":
-            result = run_torchft(strategy, root, out, steps, seed, schedule)
+            result = run_torchft(strategy, root, out, steps, seed, schedule, replicas)
+        elif replicas != 2:
+            raise SystemExit("--replicas: the elastic mode runs 2 torchrun agents only")
         else:
             result = run_elastic(strategy, root, out, steps, seed, schedule, limit)
         rows = records(out)
@@ -317,7 +324,8 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
     timeline = sorted(({"t": r["unix_s"] - t0, "rank": r["rank"], "step": r["step"], "tokens": r["tokens"],
                         "replicas": len(r["members"]) if "members" in r else r.get("world_size")}
                        for r in rows), key=lambda r: r["t"])
-    run = {"strategy": strategy, "mode": mode, "seed": seed, "max_steps": steps, "period_s": period,
+    run = {"strategy": strategy, "mode": mode, "seed": seed, "replicas": replicas, "max_steps": steps,
+           "period_s": period,
            "down_s": down, "wall_s": wall, "limit_s": limit, "finished": result.get("finished", True),
            "tokens": summary["tokens"], "steps": summary["steps"],
            "final_loss": summary["last_eval_loss"], "exit_codes": result["exit_codes"],
@@ -326,8 +334,9 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "returns": returns(rows, result["events"], mode), "timeline": timeline,
            "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
-           "load_average": os.getloadavg(), "command": " ".join(["python", *sys.argv])}
-    (RUNS / f"{strategy}-{mode}-seed{seed}.json").write_text(json.dumps(run, indent=1) + "\n")
+           "load_average": os.getloadavg(), "cpus": os.cpu_count(), "command": " ".join(["python", *sys.argv])}
+    suffix = "" if replicas == 2 else f"-replicas{replicas}"
+    (RUNS / f"{strategy}-{mode}-seed{seed}{suffix}.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"{strategy} {mode}: {run['tokens']} tokens in {wall:.1f}s, final loss {run['final_loss']:.4f}, "
           f"{len(run['events'])} events, returns {run['returns']}", flush=True)
     return run
@@ -335,18 +344,18 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
 
 def report() -> None:
     runs = [json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json"))]
-    by = {(r["strategy"], r["mode"], r["seed"]): r for r in runs}
+    by = {(r["strategy"], r.get("replicas", 2), r["mode"], r["seed"]): r for r in runs}
     rows, table = [], []
-    for strategy in STRATEGIES:
-        plain = [r for (s, m, _), r in by.items() if s == strategy and m == "plain"]
+    for strategy, n in sorted({(s, n) for s, n, _, _ in by}, key=lambda k: (list(STRATEGIES).index(k[0]), k[1])):
+        plain = [r for (s, k, m, _), r in by.items() if (s, k, m) == (strategy, n, "plain")]
         if not plain:
             continue
         ref = statistics.mean(r["tokens"] / r["wall_s"] for r in plain)
-        free = [r for (s, m, _), r in by.items() if s == strategy and m == "torchft-free"]
+        free = [r for (s, k, m, _), r in by.items() if (s, k, m) == (strategy, n, "torchft-free")]
         ref_free = statistics.mean(r["tokens"] / r["wall_s"] for r in free) if free else None
         losses = [r["final_loss"] for r in plain]
         for mode in MODES:
-            for r in (r for (s, m, _), r in sorted(by.items()) if s == strategy and m == mode):
+            for r in (r for (s, k, m, _), r in sorted(by.items()) if (s, k, m) == (strategy, n, mode)):
                 goodput = r["tokens"] / r["wall_s"] / ref
                 # torchft against its own failure-free run: the failures' cost alone
                 own = r["tokens"] / r["wall_s"] / ref_free if mode == "torchft" and ref_free else None
@@ -354,6 +363,7 @@ def report() -> None:
                 pause = [x["survivor_max_gap_s"] for x in r["returns"]]
                 kills = sum(1 for k, _ in r["events"] if k == "kill")
                 table.append({**{k: r[k] for k in ("strategy", "mode", "seed", "wall_s", "tokens", "final_loss")},
+                              "replicas": n, "cpus": r.get("cpus"),
                               "finished": r.get("finished", True),
                               "goodput": goodput, "goodput_vs_torchft_free": own, "kills": kills,
                               "training_after_s": back, "survivor_pause_s": pause,
@@ -361,7 +371,7 @@ def report() -> None:
                 finished = r.get("finished", True)
                 shown = mode if finished else f"{mode} (stopped at {r['limit_s']:g} s: step {r['steps']} of " \
                     f"{r['max_steps']} kept)"
-                rows.append([strategy, shown, r["seed"], kills, r["wall_s"], r["tokens"], f"{goodput:.0%}",
+                rows.append([strategy, n, shown, r["seed"], kills, r["wall_s"], r["tokens"], f"{goodput:.0%}",
                              f"{own:.0%}" if own is not None else "-", r["final_loss"] if finished else "-",
                              ", ".join(f"{x:.1f}" for x in back) or "-",
                              ", ".join(f"{x:.2f}" for x in pause) or "-"])
@@ -370,7 +380,9 @@ def report() -> None:
     meta = {"command": "benchmarks/bench_goodput.py (one --run per strategy and mode, then --report)",
             "period_s": sizes.get("period_s"), "down_s": sizes.get("down_s"), "rows": table}
     (RESULTS / "goodput.json").write_text(json.dumps(meta, indent=2) + "\n")
-    notes = (f"2 replicas x 1 worker (one thread each), tiny model, micro-batch 8 x 128 tokens, "
+    notes = (f"Replicas of 1 worker each (one thread each, a core each: 2 on this 2-core machine; rows with more "
+             "replicas ran on a larger CPU machine, its core count in goodput.json), tiny model, "
+             "micro-batch 8 x 128 tokens, "
              f"failure schedule: replica 1 `kill -9` every {sizes.get('period_s')} s from the job's start, started "
              f"again {sizes.get('down_s')} s later. Goodput: committed tokens per wall second (first process "
              "started to last ended) over the plain failure-free run's (mean over its seeds); vs torchft-free: a "
@@ -382,7 +394,8 @@ def report() -> None:
              "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
              "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.") + phase_table(runs)
     write_markdown("goodput", "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
-                   ["strategy", "mode", "seed", "kills", "wall s", "tokens", "goodput", "vs torchft-free", "final loss",
+                   ["strategy", "replicas", "mode", "seed", "kills", "wall s", "tokens", "goodput",
+                    "vs torchft-free", "final loss",
                     "back s",
                     "pause s"], rows, notes)
     plot(runs)
@@ -409,7 +422,8 @@ def phase_table(runs: list[dict[str, Any]]) -> str:
             joiner = (f"{ms('round_received', 'round_recv_start', j)} / {ms('round_deserialized', 'round_received', j)}"
                       f" / {ms('round_applied', 'round_deserialized', j)}")
             setup = f"{j['loop_start']:.2f} / {j['model']:.2f} / {j.get('warm', float('nan')):.2f} / {j['ready']:.2f}"
-            lines.append(f"| {r['strategy']} seed {r['seed']} | {x['survivor_median_step_s']:.3f} | "
+            lines.append(f"| {r['strategy']} x{r.get('replicas', 2)} seed {r['seed']} | "
+                         f"{x['survivor_median_step_s']:.3f} | "
                          f"{s['step_s']:.3f} | {survivor} | {1e3 * (s['step_end'] - s['round_returned']):.0f} | "
                          f"{setup} | {joiner} | "
                          f"{1e3 * (j['first_step'] - j['round_returned']):.0f} | {j['first_step']:.2f} |")
@@ -452,13 +466,13 @@ def plot(runs: list[dict[str, Any]]) -> None:
         ax2 = ax.twinx()
         ys = sorted(present)
         ax2.step([2 * x for x in ys], [present[x] for x in ys], where="post", color="tab:orange", lw=1)
-        ax2.set_ylim(0, 2.5)
+        ax2.set_ylim(0, r.get("replicas", 2) + 0.5)
         ax2.set_ylabel("replicas", color="tab:orange")
         events = r["events"]
         for (k, a), nxt in zip(events, events[1:] + [("end", r["wall_s"])]):
             if k == "kill":
                 ax.axvspan(a, nxt[1], color="0.85", zorder=0)
-        ax.set_title(f"{r['strategy']} {r['mode']} (replica 1 down: grey)", fontsize=9)
+        ax.set_title(f"{r['strategy']} {r['mode']}, {r.get('replicas', 2)} replicas (replica 1 down: grey)", fontsize=9)
     axes[-1, 0].set_xlabel("seconds since the job started")
     fig.tight_layout()
     fig.savefig(RESULTS / "goodput.png", dpi=110)
@@ -473,8 +487,12 @@ def main() -> None:
     p.add_argument("--period", type=float, default=60.0, help="T: seconds between kills of replica 1")
     p.add_argument("--down", type=float, default=20.0, help="D: seconds replica 1 stays down")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=2,
+                   help="replica groups of one worker each (plain: workers), a core each (default 2; elastic: 2 only)")
     p.add_argument("--limit", type=float, default=600.0,
                    help="seconds after which an elastic run that has not ended is stopped and recorded as unfinished")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="a new folder to run in and keep (the processes' logs, metrics and checkpoints)")
     p.add_argument("--runs", type=Path, default=RUNS, help=f"folder of the per-run JSON (default {RUNS})")
     args = p.parse_args()
     RUNS = args.runs
@@ -482,8 +500,13 @@ def main() -> None:
         strategy, mode = args.run
         if strategy not in STRATEGIES or mode not in MODES:
             p.error(f"--run STRATEGY MODE with STRATEGY in {list(STRATEGIES)} and MODE in {list(MODES)}")
+        if args.replicas < 2:
+            p.error(f"--replicas must be at least 2 (one to kill, one to go on), got {args.replicas}")
+        if mode == "elastic" and args.replicas != 2:
+            p.error(f"--replicas {args.replicas}: the elastic mode runs 2 torchrun agents only")
         steps = args.steps or DEFAULT_STEPS[strategy]
-        run_one(strategy, mode, steps, args.period, args.down, args.seed, args.limit)
+        run_one(strategy, mode, steps, args.period, args.down, args.seed, args.limit, args.replicas,
+                args.keep)
     if args.report:
         report()
 
