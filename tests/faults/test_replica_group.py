@@ -1,5 +1,5 @@
 """The replicate dimension's process group under torchft: a replica whose collective failed does not leave a live
-peer waiting in it.
+peer waiting in it, and a member that never connects holds the others only for the connect timeout.
 
 Seen with 3 replicas (diloco, a replica killed during an outer sync): one survivor's all-reduce failed at once (its
 neighbour died), the other's waited on that survivor -- alive, gone on to the next quorum -- until the collective's
@@ -35,10 +35,11 @@ SCRIPT = textwrap.dedent("""
     import quietsync.faults  # noqa: F401
     from quietsync.faults.replica_group import ReplicaProcessGroup
 
-    rank, port, timeout = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    rank, port, timeout, connect, mode = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), \
+        sys.argv[5]
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
                           timeout=timedelta(seconds=2 * timeout))
-    group = ReplicaProcessGroup(timeout)
+    group = ReplicaProcessGroup(timeout, connect_timeout_s=connect)
     group.configure(f"127.0.0.1:{port}/quorum/1", f"quietsync_replica_{rank}", rank, 2, 1, 0, 1, [0, 1])
     x = torch.ones(1000)
     group.group.allreduce([x]).wait()  # both connected
@@ -55,17 +56,18 @@ SCRIPT = textwrap.dedent("""
     else:  # gives up on the collective (as after a failed one) instead of joining it
         store.wait(["ready0"])
         time.sleep(1.0)  # the waiter is inside its all-reduce by now
-        group.report(RuntimeError("a peer died"))
-        print("RESULT reported", flush=True)
+        if mode == "report":
+            group.report(RuntimeError("a peer died"))
+            print("RESULT reported", flush=True)
         store.wait(["released"])  # alive until the waiter is out: only the dropped group can release it
 """)
 
 
-def test_a_replica_that_gives_up_on_a_collective_releases_the_peer_waiting_in_it() -> None:
+def _pair(timeout_s: float, connect_s: float, mode: str) -> tuple[float, list[str]]:
+    """Run the two processes; the seconds the waiter waited in its all-reduce, and both outputs."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(rank), str(port), str(TIMEOUT_S)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(rank), str(port), str(timeout_s), str(connect_s),
+                               mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:
         outs = [p.communicate(timeout=100)[0] for p in procs]
     finally:
@@ -77,8 +79,35 @@ def test_a_replica_that_gives_up_on_a_collective_releases_the_peer_waiting_in_it
     assert codes == [0, 0], (codes, outs)
     waiter = [line for line in outs[0].splitlines() if line.startswith("RESULT")]
     assert waiter and waiter[0].startswith("RESULT failed after"), outs
-    waited = float(waiter[0].split()[3])
+    return float(waiter[0].split()[3]), outs
+
+
+def test_a_replica_that_gives_up_on_a_collective_releases_the_peer_waiting_in_it() -> None:
+    waited, outs = _pair(TIMEOUT_S, 5.0, "report")
     assert waited < TIMEOUT_S / 3, f"the waiter was released only after {waited:.1f} s (collective timeout " \
         f"{TIMEOUT_S:g} s): the reporting replica kept its group open"
     assert "RESULT reported" in outs[1], outs
-    assert time.monotonic() - started < 100
+
+
+def test_connecting_waits_the_connect_timeout_and_collectives_the_collective_timeout() -> None:
+    """A quorum member that died after the Lighthouse's answer never connects: the others give up after the
+    connect timeout (then ask for a quorum without it), not after the collective timeout (300 s by default, longer
+    than a round start waits). Collectives on the connected group keep the long timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from quietsync.faults.replica_group import ReplicaProcessGroup
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    group = ReplicaProcessGroup(60.0, connect_timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="timeout"):  # member 1 never comes
+        group.configure(f"127.0.0.1:{port}/quorum/1", "quietsync_replica_0", 0, 2, 1, 0, 1, [0, 1])
+    assert time.monotonic() - t0 < 10.0
+    assert group.group is None and group.generation == 0
+    del store
+    # connected, a peer that never joins a collective is waited for the collective timeout (6 s), not 1 s
+    waited, _ = _pair(6.0, 1.0, "idle")
+    assert 4.5 < waited < 30, waited

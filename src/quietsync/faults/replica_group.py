@@ -30,6 +30,14 @@ REPLICA_PREFIX = "quietsync_replica_"
 """A replica group's torchft replica id is this prefix and its index."""
 
 
+CONNECT_TIMEOUT_S = 10.0
+"""How long connecting a new quorum's group waits for its members. The members that are alive call it within a
+moment of each other (they all act on the Lighthouse's answer) and connect in well under a second; a member that
+died between that answer and its connection (a returning replica killed while joining) would otherwise hold the
+others for the whole collective timeout (``--timeout-s``, 300 s by default: longer than a round start waits, so the
+survivors would stop). Failed, the connection is asked for again with the next quorum, without the dead member."""
+
+
 def replica_id(replica: int) -> str:
     """The torchft replica id of replica group ``replica``."""
     return f"{REPLICA_PREFIX}{replica}"
@@ -43,12 +51,16 @@ def _store_client(address: str, timeout: timedelta) -> Any:
     return dist.PrefixStore(prefix, store)
 
 
-def connect_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+def connect_gloo(store: Any, rank: int, size: int, timeout: timedelta, connect_timeout: timedelta | None = None
+                 ) -> Any:
     """A c10d process group of ``size`` ranks on ``store`` with a gloo backend for CPU (and CUDA) tensors; not
-    registered with ``torch.distributed`` (quietsync's transport addresses it by object, by group ranks)."""
+    registered with ``torch.distributed`` (quietsync's transport addresses it by object, by group ranks). Its
+    collectives wait at most ``timeout``; connecting waits at most ``connect_timeout`` (default: ``timeout``)."""
     group = dist.ProcessGroup(store, rank, size)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+    backend = dist.ProcessGroupGloo(store, rank, size, connect_timeout or timeout)  # gloo connects here
+    if connect_timeout is not None:
+        backend._set_default_timeout(timeout)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     if torch.cuda.is_available():
         group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
@@ -59,12 +71,16 @@ class ReplicaProcessGroup(TorchftProcessGroup):
     """The replicas present, as one process group that torchft's Manager reconfigures (module docstring).
 
     Args:
-        timeout_s: how long the connection and each collective may wait for a member.
+        timeout_s: how long each collective may wait for a member.
+        connect_timeout_s: how long connecting a new quorum's group may wait for its members (at most
+            ``timeout_s``; default :data:`CONNECT_TIMEOUT_S`).
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, connect_timeout_s: float | None = None) -> None:
         super().__init__(0, 1)
         self.timeout = timedelta(seconds=float(timeout_s))
+        self.connect_timeout = timedelta(seconds=min(float(timeout_s), float(
+            CONNECT_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s)))
         self.group: Any = None
         """The c10d group of the current quorum (None before the first quorum)."""
         self.rank = 0
@@ -94,7 +110,8 @@ class ReplicaProcessGroup(TorchftProcessGroup):
             self._error = None
             width = max(1, int(group_world_size or 1))
             self.members = [int(g) // width for g in (global_ranks or [])] or [0]
-            self.group = connect_gloo(_store_client(store_addr, self.timeout), rank, world_size, self.timeout)
+            self.group = connect_gloo(_store_client(store_addr, self.connect_timeout), rank, world_size, self.timeout,
+                                      self.connect_timeout)
             self.rank, self.world, self.quorum_id = int(rank), int(world_size), quorum_id
             self.generation += 1
             self.connecting = (started, time.time())
@@ -134,4 +151,4 @@ class ReplicaProcessGroup(TorchftProcessGroup):
         self._release()
 
 
-__all__ = ["REPLICA_PREFIX", "ReplicaProcessGroup", "connect_gloo", "replica_id"]
+__all__ = ["CONNECT_TIMEOUT_S", "REPLICA_PREFIX", "ReplicaProcessGroup", "connect_gloo", "replica_id"]
