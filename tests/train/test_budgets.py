@@ -240,3 +240,38 @@ def test_compare_at_an_equal_token_budget(tmp_path, monkeypatch):
     assert ("| stopped by | steps |" in table and "| max_tokens | 4 |" in table
             and "different token budgets" not in table)
     assert (out / "timelines.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _count_agreements(rank: int, world: int, strategy: str, knobs: dict, steps: int, eval_every: int) -> tuple:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    s = quietsync.make_strategy(strategy, model, torch.optim.SGD, config=knobs or None, lr=0.1)
+    guard = NonFiniteGuard("stop", s)
+    try:
+        watch = BudgetWatch(Budgets(max_steps=steps, max_time_s=1e9), s, guard.group)
+        at = []
+        for step in range(1, steps + 1):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            s.backward(loss)
+            assert s.step()
+            before = watch.agreements
+            stopped = watch.check(8 * step, 0.01 * step, None, evaluated=step % eval_every == 0)
+            if watch.agreements > before:
+                at.append(step)
+        return at, stopped
+    finally:
+        guard.close()
+        s.close()
+
+
+@pytest.mark.parametrize("strategy, knobs, want", [
+    ("ddp", {}, list(range(1, 13))),                          # every round is collective: agreed every step
+    ("localsgd", {"sync_every": 4}, [4, 6, 8, 12]),           # at its syncs (every 4) and evaluations (every 6)
+    ("diloco", {"sync_every": 4}, [4, 6, 8, 12]),
+])
+def test_local_methods_agree_on_budgets_only_where_their_workers_meet(strategy, knobs, want):
+    """An agreement after every inner step would add a barrier to each one (a cross-node round trip; the faster
+    worker waiting for the slower every step): under localsgd/diloco the workers agree every H steps and after
+    every evaluation, and only --max-steps is checked in between -- the same steps on every worker."""
+    out = run_ranks(_count_agreements, 2, strategy, knobs, 12, 6, timeout=120)
+    assert out[0] == out[1] == (want, "max_steps")

@@ -150,6 +150,14 @@ class Strategy(metaclass=_Constructed):
     collective of its own to every round — the trainer's non-finite agreement under ``--on-nonfinite stop`` —
     checks the round on each worker instead, so that no cross-node round trip is added to every inner step."""
 
+    @property
+    def meeting_period(self) -> int:
+        """Committed steps between the steps at which a caller may add a collective of its own across all workers
+        without adding a barrier the strategy does not have (the trainer's agreement on ``--max-tokens`` and
+        ``--max-time-s``): 1 where every round is collective; a local method's sync period H (its workers meet at
+        its syncs, at least one of which falls in every H steps)."""
+        return 1
+
     owns_schedule: ClassVar[bool] = False
     """Whether the strategy schedules forward and backward itself (it overrides :meth:`forward_backward`, and
     :meth:`backward` with a loss computed outside is refused): Cyclic DP runs different micro-batches at

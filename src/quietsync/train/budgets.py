@@ -24,6 +24,14 @@ one commit earlier and finish brings it to exactly ``--max-steps``.
 The budgets are thresholds on committed steps: a run stops after the **first committed step** at which a budget
 is reached, so a token budget may be passed by less than one step's tokens (exact when it is a multiple of
 them). With only ``--max-steps`` no collective is added (the step count is the same on every worker).
+
+**Local methods** (``Strategy.local_rounds``: localsgd, diloco in every variant) meet only at their syncs, so an
+agreement after every inner step would add a barrier of its own to each one — a cross-node round trip on a real
+link, and on any link the faster worker waiting for the slower at every step (in the equal-loss runs diloco
+H=16 was idle 13 ms per ~100 ms step, in it and at its syncs). There the workers agree only every
+``Strategy.meeting_period`` steps (H) and after every evaluation (``--eval-every``, the same steps on every
+worker); in between only ``--max-steps`` is checked. ``--max-tokens`` and ``--max-time-s`` may then be passed by
+up to H − 1 steps; ``--target-loss`` is checked at its evaluations as before (exact).
 When several budgets are reached at the same step, ``stopped_by`` names the first of :data:`BUDGETS`.
 """
 
@@ -99,20 +107,33 @@ class BudgetWatch:
         self.budgets = budgets
         self.strategy = strategy
         self.group = group
+        self.agreements = 0
+        """All-reduces run so far (one per agreed check)."""
 
-    def check(self, tokens: int, time_s: float, eval_loss: float | None, steps: float | None = None) -> str | None:
+    def check(self, tokens: int, time_s: float, eval_loss: float | None, steps: float | None = None,
+              evaluated: bool = False) -> str | None:
         """After a committed step: which budget stops the run now (the same on every worker), or None.
 
         ``tokens``: this worker's tokens fed so far; ``time_s``: its seconds since the start of training;
         ``eval_loss``: its evaluation after this step, None when none ran; ``steps``: the steps ``--max-steps``
         counts (default the committed steps; after a resume on another number of workers, the learning-rate
-        schedule's position, which follows tokens: :mod:`quietsync.train.elastic`).
+        schedule's position, which follows tokens: :mod:`quietsync.train.elastic`); ``evaluated``: whether an
+        evaluation was due after this step (the schedule's answer, the same on every worker).
         """
         steps = (self.strategy.steps + self.strategy.steps_in_flight) if steps is None else steps
-        if not self.budgets.agreed:
-            return self.budgets.reached(steps, 0, 0.0, None)
+        if not self.budgets.agreed or not self.due(evaluated):
+            return "max_steps" if steps >= self.budgets.max_steps else None
+        self.agreements += 1
         tokens_all, time_all, loss0 = self.agree(tokens, time_s, eval_loss)
         return self.budgets.reached(steps, tokens_all, time_all, loss0)
+
+    def due(self, evaluated: bool) -> bool:
+        """Whether the workers agree after this step: always, except inside a local method's round (module
+        docstring); decided from what every worker knows alike (the committed steps, the evaluation schedule)."""
+        s = self.strategy
+        if not getattr(s, "local_rounds", False) or s.world_size == 1 or evaluated:
+            return True
+        return s.steps % max(1, int(s.meeting_period)) == 0
 
     def agree(self, tokens: int, time_s: float, eval_loss: float | None) -> tuple[float, float, float | None]:
         """``(tokens of all workers, the largest clock, rank 0's evaluation loss or None)``: one all-reduce."""

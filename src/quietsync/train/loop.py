@@ -463,9 +463,11 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
                 profiler.after_commit(strategy.steps)
                 log_step(losses, step_tokens)
                 losses, step_tokens = [], 0
-                eval_loss = run_eval() if cfg.eval_every and strategy.steps % cfg.eval_every == 0 else None
+                evaluated = bool(cfg.eval_every) and strategy.steps % cfg.eval_every == 0
+                eval_loss = run_eval() if evaluated else None
                 stopped_by = budgets.check(tokens_total, time.perf_counter() - t0, eval_loss,
-                                           steps=clock.position(strategy.steps + strategy.steps_in_flight))
+                                           steps=clock.position(strategy.steps + strategy.steps_in_flight),
+                                           evaluated=evaluated)
             elif (strategy.steps_in_flight
                   and clock.position(strategy.steps + strategy.steps_in_flight) >= cfg.max_steps):
                 stopped_by = "max_steps"  # an update began that finish() will commit: the last step is in flight

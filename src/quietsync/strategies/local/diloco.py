@@ -119,6 +119,10 @@ class DiLoCo(Strategy):
 
     local_rounds = True  # inner steps commit without a collective across workers (base.Strategy.local_rounds)
 
+    @property
+    def meeting_period(self) -> int:
+        return int(self.config.sync_every)
+
     buffer_sync = "local"  # running statistics are averaged whenever a fragment's outer step is merged
 
     finish_policy = (

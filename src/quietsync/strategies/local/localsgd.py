@@ -89,6 +89,10 @@ class LocalSGD(Strategy):
 
     local_rounds = True  # inner steps commit without a collective across workers (base.Strategy.local_rounds)
 
+    @property
+    def meeting_period(self) -> int:
+        return int(self.config.sync_every)
+
     buffer_sync = "local"  # running statistics are averaged with the parameters, at every sync
 
     finish_policy = (
