@@ -29,6 +29,14 @@ in two short repros (diloco H=20, 600 steps, T=20 s, D=7 s, under shared load): 
 20 s to 77.7 s (neither the survivor alone, whose restart outlasts the 7 s down time, nor the world of 2, whose
 restart outlasts the 13 s up time), then 101-130 (checkpoint 120 kept) before the kill at 80 s.
 
+``--replicas N`` (plain and torchft modes) runs N replicas. With more replicas than cores (4 on this 2-core
+machine) each is pinned to one core with the others of its core (k per core: every replica runs at 1/k of a core,
+as on k-times slower machines), and while replica 1 is down a process spinning on its core holds its share, so the
+replicas sharing that core do not speed up: a dead machine's compute is gone, not handed to the survivors. With 2
+replicas the failures' cost has a floor whatever the engine does: for the ~23.5 s replica 1 is down or restarting
+per period the job trains at half its speed; with N replicas at 1/N -- goodput ≤ 1 − (D + restart)/(N·T) in the
+steady state.
+
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
 
     for s in ddp diloco; do for m in plain torchft-free elastic torchft; do
@@ -118,6 +126,36 @@ class Schedule:
             k += 1
 
 
+def core_of(k: int, replicas: int) -> int | None:
+    """The core replica ``k`` is pinned to when the replicas outnumber the cores (``k`` mod the cores: each core
+    holds the same number of replicas, so every replica runs at the same fraction of a core); None: unpinned."""
+    cores = os.cpu_count() or 1
+    return None if replicas <= cores or replicas % cores else k % cores
+
+
+def pinned(core: int | None):  # noqa: ANN201 - a preexec_fn
+    """A ``preexec_fn`` pinning the child to ``core`` (None: nothing)."""
+    return None if core is None else (lambda: os.sched_setaffinity(0, {core}))
+
+
+class CoreHolder:
+    """While a pinned replica is down, a process spinning on its core holds its share of that core, so the replicas
+    sharing the core do not speed up: a dead machine's compute is gone, not handed to the survivors."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def hold(self, core: int | None) -> None:
+        if core is not None and self.proc is None:
+            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pinned(core))
+
+    def release(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
+
 def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int, replicas: int) -> dict[str, Any]:
     """The failure-free job without fault tolerance, its two workers started here as torchrun starts them (one
     ``quietsync train`` process per worker, ``RANK``/``WORLD_SIZE``/``MASTER_*`` in the environment): the same
@@ -133,8 +171,8 @@ def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int, repli
     procs = []
     for k in range(replicas):
         log = open(root / f"worker{k}.log", "w")
-        procs.append(subprocess.Popen(base, stdout=log, stderr=subprocess.STDOUT,
-                                      env={**env, "RANK": str(k), "LOCAL_RANK": str(k)}))
+        procs.append(subprocess.Popen(base, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pinned(
+            core_of(k, replicas)), env={**env, "RANK": str(k), "LOCAL_RANK": str(k)}))
         log.close()
     try:
         codes = [p.wait(1800) for p in procs]
@@ -162,15 +200,19 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
     procs: dict[int, subprocess.Popen] = {}
     codes: list[tuple[int, int]] = []
     starts = dict.fromkeys(range(replicas), 0)
+    holder = CoreHolder()
 
     def start(k: int) -> None:
         log = open(root / f"replica{k}.{starts[k]}.log", "w")
         starts[k] += 1
-        procs[k] = subprocess.Popen([*base, "--replica-group", str(k)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        holder.release()
+        procs[k] = subprocess.Popen([*base, "--replica-group", str(k)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=pinned(core_of(k, replicas)))
         log.close()
 
     def kill() -> None:
         procs[1].send_signal(signal.SIGKILL)
+        holder.hold(core_of(1, replicas))
         codes.append((1, procs[1].wait(30)))
 
     t0 = time.time()
@@ -192,6 +234,7 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+        holder.release()
         server.shutdown()
     if dict(codes)[0] != 0:
         logs = "\n".join(p.read_text()[-2000:] for p in sorted(root.glob("replica*.log")))
@@ -334,7 +377,9 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "returns": returns(rows, result["events"], mode), "timeline": timeline,
            "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
-           "load_average": os.getloadavg(), "cpus": os.cpu_count(), "command": " ".join(["python", *sys.argv])}
+           "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+           "replicas_per_core": replicas // (os.cpu_count() or 1) if core_of(0, replicas) is not None else None,
+           "command": " ".join(["python", *sys.argv])}
     suffix = "" if replicas == 2 else f"-replicas{replicas}"
     (RUNS / f"{strategy}-{mode}-seed{seed}{suffix}.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"{strategy} {mode}: {run['tokens']} tokens in {wall:.1f}s, final loss {run['final_loss']:.4f}, "
@@ -371,7 +416,9 @@ def report() -> None:
                 finished = r.get("finished", True)
                 shown = mode if finished else f"{mode} (stopped at {r['limit_s']:g} s: step {r['steps']} of " \
                     f"{r['max_steps']} kept)"
-                rows.append([strategy, n, shown, r["seed"], kills, r["wall_s"], r["tokens"], f"{goodput:.0%}",
+                per_core = r.get("replicas_per_core")
+                rows.append([strategy, f"{n} ({per_core} per core)" if per_core else n, shown, r["seed"], kills,
+                             r["wall_s"], r["tokens"], f"{goodput:.0%}",
                              f"{own:.0%}" if own is not None else "-", r["final_loss"] if finished else "-",
                              ", ".join(f"{x:.1f}" for x in back) or "-",
                              ", ".join(f"{x:.2f}" for x in pause) or "-"])
@@ -380,15 +427,16 @@ def report() -> None:
     meta = {"command": "benchmarks/bench_goodput.py (one --run per strategy and mode, then --report)",
             "period_s": sizes.get("period_s"), "down_s": sizes.get("down_s"), "rows": table}
     (RESULTS / "goodput.json").write_text(json.dumps(meta, indent=2) + "\n")
-    notes = (f"Replicas of 1 worker each (one thread each, a core each: 2 on this 2-core machine; rows with more "
-             "replicas ran on a larger CPU machine, its core count in goodput.json), tiny model, "
+    notes = (f"Replicas of 1 worker each, one thread each, a core each -- except rows marked 'k per core': more "
+             "replicas than cores, each pinned to one core with k-1 others (every replica at 1/k of a core: k times "
+             "slower machines), and while replica 1 is down a process spinning on its core holds its share, so the "
+             "survivors sharing that core do not speed up -- tiny model, "
              "micro-batch 8 x 128 tokens, "
              f"failure schedule: replica 1 `kill -9` every {sizes.get('period_s')} s from the job's start, started "
              f"again {sizes.get('down_s')} s later. Goodput: committed tokens per wall second (first process "
              "started to last ended) over the plain failure-free run's (mean over its seeds); vs torchft-free: a "
              "torchft run's over the failure-free torchft run's (what the failures cost; the plain run's workers and "
-             "the torchft replicas are both started directly, without a launcher; per step the plain run also agrees "
-             "on its non-finite check before every step commits, a barrier per inner step under diloco). "
+             "the torchft replicas are both started directly, without a launcher). "
              "back s: from replica 1's process start "
              "to its first committed step (elastic: to the first step of the 2-worker world); pause s: the "
              "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
