@@ -14,16 +14,27 @@ Two measurements, side by side in one run:
   other's commit.
 
     python benchmarks/bench_budgets.py [--strategies zero1 acco] [--steps 40] [--repeats 2] [--checks 2000]
+
+Local methods (localsgd, diloco) agree only every H steps and after evaluations (``Strategy.meeting_period``);
+``--old-src DIR`` adds a third variant, the agreed budget with the package imported from ``DIR`` (the code before
+that change: an agreement after every inner step), ``--job equal-loss`` runs bench_goodput's/the equal-loss
+job's micro-batches (8 × 128 tokens) instead of 4 × 64, and ``--name`` writes ``results/NAME.{md,json}``::
+
+    python benchmarks/bench_budgets.py --strategies localsgd diloco --steps 400 --repeats 2 --checks 200 \
+        --job equal-loss --old-src OLD/src --name budgets_local
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -74,10 +85,26 @@ def agreement_us(checks: int) -> tuple[float, float]:
     return statistics.median(blocks) * 1e6, statistics.pstdev(blocks) * 1e6
 
 
-def _job(data: Path, cache: Path, strategy: str, steps: int) -> list[str]:
+def _job(data: Path, cache: Path, strategy: str, steps: int, job: str = "small") -> list[str]:
+    mb, seq = ("8", "128") if job == "equal-loss" else ("4", "64")
     return ["--strategy", strategy, "--model", "tiny", "--nproc", "2", "--threads", "1", "--max-steps", str(steps),
-            "--micro-batch-size", "4", "--seq-len", "64", "--vocab-size", "512", "--dataset", str(data),
+            "--micro-batch-size", mb, "--seq-len", seq, "--vocab-size", "512", "--dataset", str(data),
             "--cache-dir", str(cache), "--eval-every", "0", "--eval-windows", "4"]
+
+
+@contextlib.contextmanager
+def _package_from(src: Path | None) -> Iterator[None]:
+    """Within: ``quietsync train`` children import the package from ``src`` (None: as installed)."""
+    saved = os.environ.get("PYTHONPATH")
+    if src is not None:
+        os.environ["PYTHONPATH"] = str(src)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def main() -> None:
@@ -86,7 +113,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--checks", type=int, default=2000)
+    ap.add_argument("--job", choices=["small", "equal-loss"], default="small")
+    ap.add_argument("--old-src", type=Path, default=None,
+                    help="also run the agreed budget with the package from this src folder (the code before a change)")
+    ap.add_argument("--name", default="budgets", help="results/NAME.{md,json} (default budgets)")
     args = ap.parse_args()
+    variants = ("without", "with") + (("with, code before",) if args.old_src else ())
     RESULTS.mkdir(parents=True, exist_ok=True)
     median_us, std_us = agreement_us(args.checks)
     runs: dict[str, list[dict]] = {}
@@ -99,37 +131,47 @@ def main() -> None:
         data.write_text(synthetic_text(4000))
         for r in range(args.repeats):
             for strategy in args.strategies:
-                for agreed in ((False, True) if r % 2 == 0 else (True, False)):
-                    key = f"{strategy} {'with' if agreed else 'without'}"
-                    out = tmp_path / f"{strategy}-{int(agreed)}-{r}"
-                    flags = _job(data, tmp_path / "cache", strategy, args.steps)
-                    if agreed:
+                for variant in (variants if r % 2 == 0 else variants[::-1]):
+                    out = tmp_path / f"{strategy}-{variants.index(variant)}-{r}"
+                    flags = _job(data, tmp_path / "cache", strategy, args.steps, args.job)
+                    if variant != "without":
                         flags += ["--max-time-s", "1e9"]
-                    summary = run_train(out, *flags)
+                    with _package_from(args.old_src if variant == "with, code before" else None):
+                        summary = run_train(out, *flags)
                     assert summary["stopped_by"] == "max_steps"
-                    runs.setdefault(key, []).append(step_stats(summary))
+                    runs.setdefault(f"{strategy} {variant}", []).append(step_stats(summary))
     rows, raw = [], {}
     for strategy in args.strategies:
         med = {}
-        for agreed in ("without", "with"):
-            stats = runs[f"{strategy} {agreed}"]
-            med[agreed] = {k: statistics.median(s[k] for s in stats) for k in stats[0]}
-        raw[strategy] = {"runs": {a: runs[f"{strategy} {a}"] for a in ("without", "with")}, "median": med}
-        rows.append([strategy, med["without"]["step_s"] * 1e3, med["with"]["step_s"] * 1e3,
-                     med["with"]["step_s"] / med["without"]["step_s"], med["without"]["busy"], med["with"]["busy"],
-                     med["without"]["micro_batches"], med["with"]["micro_batches"]])
+        for variant in variants:
+            stats = runs[f"{strategy} {variant}"]
+            med[variant] = {k: statistics.median(s[k] for s in stats) for k in stats[0]}
+        raw[strategy] = {"runs": {a: runs[f"{strategy} {a}"] for a in variants}, "median": med}
+        for variant in variants[1:]:
+            rows.append([strategy if variant == "with" else f"{strategy} ({variant})", med["without"]["step_s"] * 1e3,
+                         med[variant]["step_s"] * 1e3, med[variant]["step_s"] / med["without"]["step_s"],
+                         med["without"]["busy"], med[variant]["busy"], med["without"]["micro_batches"],
+                         med[variant]["micro_batches"]])
     notes = (f"The agreement alone (`BudgetWatch.check`, 2 local gloo workers): median {median_us:.0f} µs per "
              f"check (std over blocks of {BLOCK}: {std_us:.0f} µs), {args.checks} checks.\n\n"
-             f"Whole runs: `quietsync train`, 2 local workers × 1 thread, tiny model, 4×64-token micro-batches, no "
+             f"Whole runs: `quietsync train`, 2 local workers × 1 thread, tiny model, "
+             f"{'8×128' if args.job == 'equal-loss' else '4×64'}-token micro-batches, no "
              f"link, {args.steps} steps, with vs without `--max-time-s 1e9` (never reached: the agreement runs after "
-             f"every step); median over {args.repeats} interleaved repeats of per-worker `common.step_stats` (first 2 "
-             f"steps skipped). Micro-batches are per worker per step. On a shared 2-core machine differences of a "
+             f"every step -- for localsgd and diloco every H steps, and after evaluations, since 15b3bec); median "
+             f"over {args.repeats} interleaved repeats of per-worker `common.step_stats` (first 2 steps skipped). "
+             f"Micro-batches are per worker per step. On a shared 2-core machine differences of a "
              f"few percent are noise. Reproduce: `python benchmarks/bench_budgets.py --strategies "
-             f"{' '.join(args.strategies)} --steps {args.steps} --repeats {args.repeats} --checks {args.checks}`.")
-    path = write_markdown("budgets", "The budgets' agreement: cost per committed step",
+             f"{' '.join(args.strategies)} --steps {args.steps} --repeats {args.repeats} --checks {args.checks}"
+             f"{' --job ' + args.job if args.job != 'small' else ''}"
+             f"{' --old-src OLD/src' if args.old_src else ''}"
+             f"{' --name ' + args.name if args.name != 'budgets' else ''}`"
+             f"{' (OLD: a checkout of the code before local methods agreed every H steps)' if args.old_src else ''}"
+             f"; {time.strftime('%Y-%m-%d')}.")
+    path = write_markdown(args.name, "The budgets' agreement: cost per committed step",
                           ["strategy", "step ms without", "step ms with", "with ÷ without", "busy without",
                            "busy with", "micro-batches/step without", "micro-batches/step with"], rows, notes)
-    (RESULTS / "budgets.json").write_text(json.dumps({"args": vars(args), "agreement_us": {
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                                                   for k, v in vars(args).items()}, "agreement_us": {
         "median": median_us, "std": std_us}, "runs": raw}, indent=1))
     print(path.read_text())
 
