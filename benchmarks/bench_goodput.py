@@ -5,7 +5,7 @@ every ``T`` seconds and started again ``D`` seconds later, under
 * ``plain``: no fault tolerance, no failures (the reference: ``quietsync train --nodes 2``, its two workers
   started directly as torchrun starts them, as the torchft runs start their replicas: no launcher in the clock);
 * ``torchft-free``: ``--fault-tolerance torchft``, no failures (what the per-step quorum costs by itself);
-* ``elastic``: ``--elastic`` (two torchrun agents, ``--nnodes 1:2``; agent 1 killed and started again): every
+* ``elastic``: ``--elastic`` (one torchrun agent per replica, ``--nnodes 1:N``; agent 1 killed and started again): every
   membership change restarts every worker from the newest checkpoint;
 * ``torchft``: ``--fault-tolerance torchft`` (a Lighthouse and one ``quietsync train --replica-group K`` process
   per replica; replica 1 killed and started again): the survivor goes on, the returning replica heals from it.
@@ -29,7 +29,7 @@ in two short repros (diloco H=20, 600 steps, T=20 s, D=7 s, under shared load): 
 20 s to 77.7 s (neither the survivor alone, whose restart outlasts the 7 s down time, nor the world of 2, whose
 restart outlasts the 13 s up time), then 101-130 (checkpoint 120 kept) before the kill at 80 s.
 
-``--replicas N`` (plain and torchft modes) runs N replicas. With more replicas than cores (4 on this 2-core
+``--replicas N`` runs N replicas (elastic: N torchrun agents). With more replicas than cores (4 on this 2-core
 machine) each is pinned to one core with the others of its core (k per core: every replica runs at 1/k of a core,
 as on k-times slower machines), and while replica 1 is down a process spinning on its core holds its share, so the
 replicas sharing that core do not speed up: a dead machine's compute is gone, not handed to the survivors. With 2
@@ -249,19 +249,33 @@ def newest_checkpoint(out: Path) -> int:
     return max(steps, default=0)
 
 
-def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule, limit: float
-                ) -> dict[str, Any]:
+def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule, limit: float,
+                replicas: int = 2) -> dict[str, Any]:
     folder = root / "agents"
     folder.mkdir()
-    agents = Agents(folder, 2, job_flags(root, out, strategy, steps, seed), nnodes="1:2", max_restarts=100,
-                    env={**OFFLINE, "QUIETSYNC_AUDIT_DATA": "1"})  # the audit's records hold the world size
+    agents = Agents(folder, replicas, job_flags(root, out, strategy, steps, seed), nnodes=f"1:{replicas}",
+                    max_restarts=100, env={**OFFLINE, "QUIETSYNC_AUDIT_DATA": "1"})  # the audit's records: world size
+    holder = CoreHolder()
+
+    def start(i: int) -> None:
+        holder.release()
+        pid = agents.start(i).pid
+        core = core_of(i, replicas)
+        if core is not None:  # the agent's workers, spawned after its rendezvous, inherit the pinning
+            os.sched_setaffinity(pid, {core})
+
+    def kill() -> None:
+        agents.kill_agent(1)
+        holder.hold(core_of(1, replicas))
+
     t0 = time.time()
     try:
-        agents.start(0)
+        start(0)
         time.sleep(1.0)  # agent 0 hosts the rendezvous store
-        agents.start(1)
-        schedule.drive(t0, lambda: agents.procs[0].poll() is None and time.time() < t0 + limit,
-                       lambda: agents.kill_agent(1), lambda: agents.start(1))
+        for i in range(1, replicas):
+            start(i)
+        schedule.drive(t0, lambda: agents.procs[0].poll() is None and time.time() < t0 + limit, kill,
+                       lambda: start(1))
         finished = agents.procs[0].poll() is not None
         codes = agents.wait(60.0 if finished else 1.0)  # stops what still runs at the limit
         finished = finished or codes.get(0) == 0
@@ -269,13 +283,15 @@ def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
         left = agents.survivors()
     finally:
         agents.close()
+        holder.release()
     if finished and codes.get(0) != 0:
         raise RuntimeError(f"elastic run ended with {codes}:\n{agents.logs()}")
     return {"t0": t0, "t1": t1, "exit_codes": sorted(codes.items()), "processes_left": len(left),
             "events": schedule.events, "finished": finished, "newest_checkpoint": newest_checkpoint(out)}
 
 
-def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: str) -> list[dict[str, float]]:
+def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: str, replicas: int = 2
+            ) -> list[dict[str, float]]:
     """For each start of replica 1: seconds from its process starting to its first committed step, and the longest
     gap between two consecutive steps of replica 0 (rank 0's records) from its start to 10 s after it trained (the
     death of the previous incarnation is before ``at``: only the join is measured)."""
@@ -285,8 +301,8 @@ def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: s
             continue
         if mode == "torchft":
             mine = sorted((r for r in rows if r["rank"] == 1 and r["unix_s"] > at), key=lambda r: r["unix_s"])
-        else:  # elastic: the first step of a world of 2 after the start (every worker restarted)
-            mine = sorted((r for r in rows if r.get("world_size") == 2 and r["unix_s"] > at),
+        else:  # elastic: the first step of the whole world after the start (every worker restarted)
+            mine = sorted((r for r in rows if r.get("world_size") == replicas and r["unix_s"] > at),
                           key=lambda r: r["unix_s"])
         if not mine:
             continue
@@ -351,10 +367,8 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
             result = run_torchft(strategy, root, out, steps, seed, None, replicas)
         elif mode == "torchft":
             result = run_torchft(strategy, root, out, steps, seed, schedule, replicas)
-        elif replicas != 2:
-            raise SystemExit("--replicas: the elastic mode runs 2 torchrun agents only")
         else:
-            result = run_elastic(strategy, root, out, steps, seed, schedule, limit)
+            result = run_elastic(strategy, root, out, steps, seed, schedule, limit, replicas)
         rows = records(out)
         if result.get("finished", True):
             summary = json.loads((out / "summary.json").read_text())
@@ -374,7 +388,7 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "final_loss": summary["last_eval_loss"], "exit_codes": result["exit_codes"],
            "processes_left": result.get("processes_left", 0),
            "events": [(k, at - t0) for k, at in result["events"]],
-           "returns": returns(rows, result["events"], mode), "timeline": timeline,
+           "returns": returns(rows, result["events"], mode, replicas), "timeline": timeline,
            "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
            "load_average": os.getloadavg(), "cpus": os.cpu_count(),
@@ -438,7 +452,7 @@ def report() -> None:
              "torchft run's over the failure-free torchft run's (what the failures cost; the plain run's workers and "
              "the torchft replicas are both started directly, without a launcher). "
              "back s: from replica 1's process start "
-             "to its first committed step (elastic: to the first step of the 2-worker world); pause s: the "
+             "to its first committed step (elastic: to the first step of the whole world); pause s: the "
              "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
              "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.") + phase_table(runs)
     write_markdown("goodput", "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
@@ -536,7 +550,8 @@ def main() -> None:
     p.add_argument("--down", type=float, default=20.0, help="D: seconds replica 1 stays down")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replicas", type=int, default=2,
-                   help="replica groups of one worker each (plain: workers), a core each (default 2; elastic: 2 only)")
+                   help="replica groups of one worker each (plain: workers; elastic: torchrun agents), a core each "
+                        "(default 2)")
     p.add_argument("--limit", type=float, default=600.0,
                    help="seconds after which an elastic run that has not ended is stopped and recorded as unfinished")
     p.add_argument("--keep", type=Path, default=None,
@@ -550,8 +565,6 @@ def main() -> None:
             p.error(f"--run STRATEGY MODE with STRATEGY in {list(STRATEGIES)} and MODE in {list(MODES)}")
         if args.replicas < 2:
             p.error(f"--replicas must be at least 2 (one to kill, one to go on), got {args.replicas}")
-        if mode == "elastic" and args.replicas != 2:
-            p.error(f"--replicas {args.replicas}: the elastic mode runs 2 torchrun agents only")
         steps = args.steps or DEFAULT_STEPS[strategy]
         run_one(strategy, mode, steps, args.period, args.down, args.seed, args.limit, args.replicas,
                 args.keep)
