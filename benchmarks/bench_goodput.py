@@ -128,9 +128,10 @@ class Schedule:
 
 def core_of(k: int, replicas: int) -> int | None:
     """The core replica ``k`` is pinned to when the replicas outnumber the cores (``k`` mod the cores: each core
-    holds the same number of replicas, so every replica runs at the same fraction of a core); None: unpinned."""
+    holds the same number of replicas -- ``main`` refuses other counts -- so every replica runs at the same fraction
+    of a core); None: unpinned."""
     cores = os.cpu_count() or 1
-    return None if replicas <= cores or replicas % cores else k % cores
+    return None if replicas <= cores else k % cores
 
 
 def pinned(core: int | None):  # noqa: ANN201 - a preexec_fn
@@ -565,6 +566,12 @@ def main() -> None:
             p.error(f"--run STRATEGY MODE with STRATEGY in {list(STRATEGIES)} and MODE in {list(MODES)}")
         if args.replicas < 2:
             p.error(f"--replicas must be at least 2 (one to kill, one to go on), got {args.replicas}")
+        cores = os.cpu_count() or 1
+        if args.replicas > cores and args.replicas % cores:
+            p.error(f"--replicas {args.replicas} on {cores} cores: more replicas than cores run pinned the same number "
+                    f"per core, so --replicas must be at most {cores} or a multiple of it")
+        if args.keep is not None and args.keep.exists():
+            p.error(f"--keep {args.keep}: already exists (give a new folder)")
         steps = args.steps or DEFAULT_STEPS[strategy]
         run_one(strategy, mode, steps, args.period, args.down, args.seed, args.limit, args.replicas,
                 args.keep)

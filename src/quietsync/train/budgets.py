@@ -131,9 +131,7 @@ class BudgetWatch:
         """Whether the workers agree after this step: always, except inside a local method's round (module
         docstring); decided from what every worker knows alike (the committed steps, the evaluation schedule)."""
         s = self.strategy
-        if not getattr(s, "local_rounds", False) or s.world_size == 1 or evaluated:
-            return True
-        return s.steps % max(1, int(s.meeting_period)) == 0
+        return evaluated or s.world_size == 1 or s.steps % s.meeting_period == 0  # meeting_period 1: every step
 
     def agree(self, tokens: int, time_s: float, eval_loss: float | None) -> tuple[float, float, float | None]:
         """``(tokens of all workers, the largest clock, rank 0's evaluation loss or None)``: one all-reduce."""
