@@ -32,7 +32,8 @@ restart outlasts the 13 s up time), then 101-130 (checkpoint 120 kept) before th
 ``--replicas N`` runs N replicas (elastic: N torchrun agents). With more replicas than cores (4 on this 2-core
 machine) each is pinned to one core with the others of its core (k per core: every replica runs at 1/k of a core,
 as on k-times slower machines), and while replica 1 is down a process spinning on its core holds its share, so the
-replicas sharing that core do not speed up: a dead machine's compute is gone, not handed to the survivors. With 2
+replicas sharing that core do not speed up: a dead machine's compute is gone, not handed to the survivors (8 on
+this machine: ``--replicas 8 --steps 750``, the same tokens as 4 × 1,500). With 2
 replicas the failures' cost has a floor whatever the engine does: for the ~23.5 s replica 1 is down or restarting
 per period the job trains at half its speed; with N replicas at 1/N -- goodput ≤ 1 − (D + restart)/(N·T) in the
 steady state.
