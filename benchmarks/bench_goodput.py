@@ -69,6 +69,7 @@ sys.path.insert(0, str(ROOT))
 from common import PY_MAIN, RESULTS, write_markdown  # noqa: E402
 
 from quietsync.cli.launch import free_port  # noqa: E402
+from quietsync.faults.lighthouse import HEARTBEAT_TIMEOUT_MS  # noqa: E402
 from tests.elastic_agents import Agents  # noqa: E402
 from tests.train.conftest import synthetic_text  # noqa: E402
 
@@ -191,10 +192,10 @@ def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int, repli
 
 
 def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule | None,
-                replicas: int) -> dict[str, Any]:
+                replicas: int, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> dict[str, Any]:
     from quietsync.faults.lighthouse import LighthouseConfig, start_lighthouse
 
-    server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0"))
+    server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0", heartbeat_timeout_ms=heartbeat_timeout_ms))
     address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
     base = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed),
             "--fault-tolerance", "torchft", "--lighthouse", address, "--nodes", str(replicas), "--nproc", "1"]
@@ -349,7 +350,8 @@ def join_phases(rows: list[dict[str, Any]], at: float, first: dict[str, Any]) ->
 
 
 def run_one(strategy: str, mode: str, steps: int, period: float, down: float, seed: int, limit: float,
-            replicas: int = 2, keep: Path | None = None) -> dict[str, Any]:
+            replicas: int = 2, keep: Path | None = None, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS
+            ) -> dict[str, Any]:
     RUNS.mkdir(parents=True, exist_ok=True)
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=False)
@@ -366,9 +368,9 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
         if mode == "plain":
             result = run_plain(strategy, root, out, steps, seed, replicas)
         elif mode == "torchft-free":
-            result = run_torchft(strategy, root, out, steps, seed, None, replicas)
+            result = run_torchft(strategy, root, out, steps, seed, None, replicas, heartbeat_timeout_ms)
         elif mode == "torchft":
-            result = run_torchft(strategy, root, out, steps, seed, schedule, replicas)
+            result = run_torchft(strategy, root, out, steps, seed, schedule, replicas, heartbeat_timeout_ms)
         else:
             result = run_elastic(strategy, root, out, steps, seed, schedule, limit, replicas)
         rows = records(out)
@@ -395,6 +397,7 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
            "load_average": os.getloadavg(), "cpus": os.cpu_count(),
            "replicas_per_core": replicas // (os.cpu_count() or 1) if core_of(0, replicas) is not None else None,
+           **({"heartbeat_timeout_ms": heartbeat_timeout_ms} if mode.startswith("torchft") else {}),
            "command": " ".join(["python", *sys.argv])}
     suffix = "" if replicas == 2 else f"-replicas{replicas}"
     (RUNS / f"{strategy}-{mode}-seed{seed}{suffix}.json").write_text(json.dumps(run, indent=1) + "\n")
@@ -559,6 +562,9 @@ def main() -> None:
     p.add_argument("--keep", type=Path, default=None,
                    help="a new folder to run in and keep (the processes' logs, metrics and checkpoints)")
     p.add_argument("--runs", type=Path, default=RUNS, help=f"folder of the per-run JSON (default {RUNS})")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=HEARTBEAT_TIMEOUT_MS,
+                   help=f"the Lighthouse's heartbeat timeout of the torchft modes (default {HEARTBEAT_TIMEOUT_MS}, "
+                        "quietsync's)")
     args = p.parse_args()
     RUNS = args.runs
     if args.run:
@@ -571,11 +577,13 @@ def main() -> None:
         if args.replicas > cores and args.replicas % cores:
             p.error(f"--replicas {args.replicas} on {cores} cores: more replicas than cores run pinned the same number "
                     f"per core, so --replicas must be at most {cores} or a multiple of it")
+        if args.heartbeat_timeout_ms < 1:
+            p.error(f"--heartbeat-timeout-ms must be an integer >= 1, got {args.heartbeat_timeout_ms}")
         if args.keep is not None and args.keep.exists():
             p.error(f"--keep {args.keep}: already exists (give a new folder)")
         steps = args.steps or DEFAULT_STEPS[strategy]
         run_one(strategy, mode, steps, args.period, args.down, args.seed, args.limit, args.replicas,
-                args.keep)
+                args.keep, args.heartbeat_timeout_ms)
     if args.report:
         report()
 
