@@ -169,3 +169,66 @@ def test_a_finished_pilot_with_the_same_configuration_is_replayed_and_another_is
     summary["config"]["lr"] = 1.0  # another job: not replayed
     (folder / "summary.json").write_text(json.dumps(summary))
     assert runner._recorded(runner.argv(cand, 100_000, folder), folder) is None
+
+
+CONFIRM_FLOORS = {"zero1": 4.0, "diloco:sync_every=16": 4.3, "diloco:sync_every=16,fragments=4,overlap_delay=4": 4.3,
+                  "demo": 5.5, "demo:replicator=random": 9.0, "localsgd:sync_every=16": 5.0}
+"""5.0 + floor·(t/1000)^-0.3 per setting: the random replicator far worse than its prior (+2% over DCT) says."""
+
+
+def confirm_plan(tmp_path, pilot_candidates: int):
+    """A 50 Mbit/s plan whose first round pilots ``pilot_candidates`` settings, on CONFIRM_FLOORS's curves."""
+    import copy
+
+    from quietsync.plan.pilot_plan import run_pilots
+    from quietsync.plan.planner import predict
+
+    result = quietsync.plan.plan(what_if=True, model="tiny", nodes=2, workers_per_node=1, seq_len=128,
+                                 micro_batch_size=8, link=["inter=50mbit,20ms"], only=True, target_loss=5.8,
+                                 strategies=list(CONFIRM_FLOORS))
+    cfg = copy.copy(result.config)
+    cfg.pilot_tokens, cfg.pilot_out, cfg.pilot_args = BUDGET, str(tmp_path), ["--warmup-steps", "1"]
+    cfg.pilot_candidates = pilot_candidates
+    result.config = cfg
+    ran: list[str] = []
+
+    def run(cand, budget, on_eval):
+        ran.append(cand.spec)
+        curve = PilotCurve(cand.spec)
+        for i in range(1, 17):
+            steps = int(budget * i / 16 / 2048)
+            curve.steps.append(steps)
+            curve.tokens.append(steps * 2048)
+            curve.losses.append(5.0 + CONFIRM_FLOORS[cand.spec] * (steps * 2048 / 1000) ** -0.3)
+            curve.eval_s.append(0.01)
+            curve.time_s.append(steps * 0.1 + 0.01 * i)
+            if on_eval(curve):
+                curve.stopped = "pruned"
+                break
+        curve.wall_s = curve.time_s[-1]
+        return curve
+
+    return run_pilots(result, predict, run), ran
+
+
+def test_every_setting_to_try_first_rests_on_a_pilot_not_on_its_prior(tmp_path):
+    # one setting in the first round (demo, the best on its prior); its pilot and the next ones' push the random
+    # replicator, on its prior (+2% over DCT), to the top — until its own pilot shows it far worse
+    new, ran = confirm_plan(tmp_path, 1)
+    assert "demo:replicator=random" in ran
+    assert new.advice.recommendations
+    for rec in new.advice.recommendations:
+        assert rec.source in ("pilot", "exact"), (rec.spec, rec.source)
+    assert "demo:replicator=random" not in [r.spec for r in new.advice.recommendations]
+
+
+def test_a_setting_left_on_its_prior_when_the_confirming_pilots_are_spent_is_named(tmp_path, monkeypatch):
+    from quietsync.plan import pilot_plan
+
+    monkeypatch.setattr(pilot_plan, "CONFIRM", 1)
+    new, ran = confirm_plan(tmp_path, 1)
+    assert len(ran) == 3  # the baseline, the first round's one and one confirming pilot
+    on_prior = [r.spec for r in new.advice.recommendations if r.source == "prior"]
+    assert on_prior
+    assert any(line.startswith(f"not piloted: `{on_prior[0]}`: among the best settings on its prior")
+               for line in new.pilot_report), new.pilot_report

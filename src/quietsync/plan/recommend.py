@@ -28,6 +28,8 @@ from .table import Row, fmt_bytes
 EXACT = ("ddp", "zero1", "fsdp")
 HETEROGENEOUS = 1.15
 """Slowest / fastest worker compute above which workers count as heterogeneous."""
+TRY_FIRST = 3
+"""How many settings the advice lists under "Try first" (each strategy's best, best first)."""
 STAGES = {"acco": 2, "dpu": 1, "wp": 1}
 
 
@@ -200,7 +202,7 @@ def best_per_strategy(scored: list[Scored]) -> list[Scored]:
 
 
 def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective: str,
-           left_out: list[tuple[str, str]], top: int = 3) -> Advice:
+           left_out: list[tuple[str, str]], top: int = TRY_FIRST) -> Advice:
     """Rank ``scored`` (see the module docstring). ``left_out``: ``(strategy or setting, why)``."""
     exact = [s for s in scored if s.row.strategy in EXACT and s.row.strategy != "fsdp" and not s.row.knobs] or \
         [s for s in scored if s.row.strategy in EXACT] or scored
@@ -267,5 +269,5 @@ def fmt_knob(v: Any) -> str:
     return str(v)
 
 
-__all__ = ["EXACT", "HETEROGENEOUS", "Advice", "Recommendation", "Scored", "advise", "best_per_strategy",
-           "diagnosis", "fmt_duration", "fmt_interval", "fmt_knob"]
+__all__ = ["EXACT", "HETEROGENEOUS", "TRY_FIRST", "Advice", "Recommendation", "Scored", "advise",
+           "best_per_strategy", "diagnosis", "fmt_duration", "fmt_interval", "fmt_knob"]
