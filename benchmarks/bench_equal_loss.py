@@ -8,7 +8,7 @@ run stops at the first held-out evaluation at or below the **target** (chosen fr
 ``--pilot``: a bit above the synchronous baseline's plateau), or at its budget: a token cap (generous: several
 times what the baseline needs, and never fewer than 16 outer steps of a DiLoCo-family setting) and a time cap.
 
-Links: emulated by the transport at 10 Mbit/s (5 ms), 100 Mbit/s (5 ms) and 1 Gbit/s (1 ms), and one **really
+Links: emulated by the transport at 10 Mbit/s (5 ms), 50 Mbit/s (20 ms), 100 Mbit/s (5 ms) and 1 Gbit/s (1 ms), and one **really
 shaped** link — two network namespaces joined by a veth pair with ``tc qdisc ... tbf rate 100mbit burst 64kb latency
 400ms`` (root needed; the transport emulates nothing there).
 
@@ -70,7 +70,8 @@ from common import RESULTS, ShapedLink, flags_of, read_run, run_train, write_mar
 HERE = Path(__file__).resolve()
 SHAPED = "shaped"
 """Link name of the ``tc tbf`` link between two network namespaces."""
-LINKS = {"10mbit": "10mbit,5ms", "100mbit": "100mbit,5ms", "1gbit": "1gbit,1ms", SHAPED: None}
+LINKS = {"10mbit": "10mbit,5ms", "50mbit": "50mbit,20ms", "100mbit": "100mbit,5ms", "1gbit": "1gbit,1ms",
+         SHAPED: None}
 """Link name → the ``--link inter=...`` value (None: the really shaped link)."""
 REFERENCE_LINK = "1gbit"
 """Where the bytes table (a) is read: the fastest link, where a run is held back least by its time cap (bytes and
