@@ -90,25 +90,37 @@ def pilot_result(tmp_path, warmup_steps: int):
     return result
 
 
-def linear_run(cand, budget, on_eval):
-    """3.0 + floor·(t/1000)^-0.3, a step every STEP_S seconds of BATCH tokens, evaluations 0.01 s."""
+def power_law_runner(floors: dict[str, float], base: float = 3.0, step_s: dict[str, float] | None = None,
+                     batch: dict[str, float] | None = None, ran: list[str] | None = None,
+                     all_through_link: bool = False):
+    """A pilot runner whose curves are ``base + floor·(t/1000)^-0.3``, a step every ``step_s`` seconds (0.1) of
+    ``batch`` tokens (2,048) per setting, evaluations 0.01 s; the specs it ran appended to ``ran``. Pilots run
+    through the link as on an emulated one (only the adaptive ACCO/DPU/WP), or all of them (a real link)."""
     from quietsync.plan.pilot_plan import ADAPTIVE
 
-    curve = PilotCurve(cand.spec, through_link=cand.strategy in ADAPTIVE)
-    floor = {"zero1": 4.0, "acco": 4.2, "demo": 3.8}[cand.spec]
-    for i in range(1, 17):
-        steps = int(budget * i / 16 / BATCH[cand.spec])
-        t = steps * BATCH[cand.spec]
-        curve.steps.append(steps)
-        curve.tokens.append(t)
-        curve.losses.append(3.0 + floor * (t / 1000) ** -0.3)
-        curve.eval_s.append(0.01)
-        curve.time_s.append(steps * STEP_S[cand.spec] + 0.01 * i)
-        if on_eval(curve):
-            curve.stopped = "pruned"
-            break
-    curve.wall_s = curve.time_s[-1]
-    return curve
+    def run(cand, budget, on_eval):
+        if ran is not None:
+            ran.append(cand.spec)
+        tokens_per_step, seconds = (batch or {}).get(cand.spec, 2048.0), (step_s or {}).get(cand.spec, 0.1)
+        curve = PilotCurve(cand.spec, through_link=all_through_link or cand.strategy in ADAPTIVE)
+        for i in range(1, 17):
+            steps = int(budget * i / 16 / tokens_per_step)
+            t = steps * tokens_per_step
+            curve.steps.append(steps)
+            curve.tokens.append(t)
+            curve.losses.append(base + floors[cand.spec] * (t / 1000) ** -0.3)
+            curve.eval_s.append(0.01)
+            curve.time_s.append(steps * seconds + 0.01 * i)
+            if on_eval(curve):
+                curve.stopped = "pruned"
+                break
+        curve.wall_s = curve.time_s[-1]
+        return curve
+    return run
+
+
+linear_run = power_law_runner({"zero1": 4.0, "acco": 4.2, "demo": 3.8}, step_s=STEP_S, batch=BATCH)
+"""3.0 + floor·(t/1000)^-0.3, a step every STEP_S seconds of BATCH tokens, evaluations 0.01 s."""
 
 
 def test_pilots_replace_the_priors_and_a_pilot_through_the_link_its_speed(tmp_path):
@@ -177,7 +189,8 @@ CONFIRM_FLOORS = {"zero1": 4.0, "diloco:sync_every=16": 4.3, "diloco:sync_every=
 
 
 def confirm_plan(tmp_path, pilot_candidates: int):
-    """A 50 Mbit/s plan whose first round pilots ``pilot_candidates`` settings, on CONFIRM_FLOORS's curves."""
+    """A 50 Mbit/s plan whose first round pilots ``pilot_candidates`` settings, on CONFIRM_FLOORS's curves, every pilot
+    through the link (as on a real one)."""
     import copy
 
     from quietsync.plan.pilot_plan import run_pilots
@@ -191,23 +204,7 @@ def confirm_plan(tmp_path, pilot_candidates: int):
     cfg.pilot_candidates = pilot_candidates
     result.config = cfg
     ran: list[str] = []
-
-    def run(cand, budget, on_eval):
-        ran.append(cand.spec)
-        curve = PilotCurve(cand.spec)
-        for i in range(1, 17):
-            steps = int(budget * i / 16 / 2048)
-            curve.steps.append(steps)
-            curve.tokens.append(steps * 2048)
-            curve.losses.append(5.0 + CONFIRM_FLOORS[cand.spec] * (steps * 2048 / 1000) ** -0.3)
-            curve.eval_s.append(0.01)
-            curve.time_s.append(steps * 0.1 + 0.01 * i)
-            if on_eval(curve):
-                curve.stopped = "pruned"
-                break
-        curve.wall_s = curve.time_s[-1]
-        return curve
-
+    run = power_law_runner(CONFIRM_FLOORS, base=5.0, ran=ran, all_through_link=True)
     return run_pilots(result, predict, run), ran
 
 
