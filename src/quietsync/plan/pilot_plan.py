@@ -55,7 +55,9 @@ start of a language model's curve, the floor comes out near the last loss seen a
 pessimistic. Measured on the equal-loss job's baseline (``benchmarks/results/equal_loss_pilot.json``: ZeRO-1,
 constant lr 2e-3 and 1e-3, targets 4.4–3.6 reached at 0.4–2.2 M tokens, pilots of 0.3–1 M tokens), the predicted
 tokens over the measured ones were 0.38–0.88 with no floor, 0.60–0.98 capped at 0.5×, 0.71–1.05 at 0.6×,
-0.71–2.7 at 0.75×, and up to 50× free (1 M-token pilot, target 3.6: 5.6 M predicted, 1.97 M measured)."""
+0.71–2.7 at 0.75×, and up to 50× free (1 M-token pilot, target 3.6: 5.6 M predicted, 1.97 M measured) — fitted to
+every evaluation; fitted after the warm-up (:data:`MIN_FIT_EVALS`), caps of 0.5× and 0.65× did no better on the
+equal-loss curves and 0.75× far worse (28 of 154 off by 2×, against 6)."""
 FLOOR_BRACKET = (0.0, 0.75)
 """Floors whose fits the interval of the baseline's tokens to target spans (0: the optimistic end)."""
 EXTRAPOLATION_WIDENING = 0.25
@@ -73,10 +75,30 @@ pilot of few large steps it would read the warm-up as a batch effect (the 10 Mbi
 with the critical batch measured by the baseline's noise scale."""
 FALLBACK_C = 0.3
 """Exponent of the baseline's curve past a pilot too short to fit (the data exponent β ≈ 0.28 of Hoffmann et al.)."""
+MIN_FIT_EVALS = 4
+"""The baseline's power law is fitted to its pilot's evaluations **after the learning-rate warm-up** where at least
+this many are (the fewest a fit takes). While the learning rate ramps up the loss follows the ramp, not the
+constant-rate power law the fit extrapolates, and the early points — the largest losses, the fastest fall — pull
+the exponent up and the tokens to a low target down. Over the 19 distinct curves of the equal-loss runs
+(``benchmarks/results/curve_extrapolation.md``: each curve's first 0.4 or 0.8 M tokens fitted, tokens to held-out
+losses 4.2–3.6 predicted, 140 pairs), predicted over measured tokens went from a median 0.82 (10th–90th percentile
+0.57–1.18, 14 off by 2×) fitted to every evaluation to 0.88 (0.64–1.47, 6 off by 2×) fitted after the warm-up;
+from the plans' 0.4 M-token pilots, 0.73 (8 off) to 0.78 (4 off)."""
 
 
-def baseline_curve(curve: PilotCurve) -> BaselineCurve:
-    """The baseline's loss curve from its pilot: measured points, and the power law fitted to them past the last."""
+def after_warmup(curve: PilotCurve, warmup_steps: int) -> list[tuple[float, float]]:
+    """The ``(tokens, loss)`` evaluations of ``curve`` a loss curve is fitted to: those after the learning-rate
+    warm-up's last step, where at least :data:`MIN_FIT_EVALS` are (else every evaluation after the first token)."""
+    pts = [(t, y) for t, y in zip(curve.tokens, curve.losses) if t > 0]
+    if warmup_steps <= 0 or len(curve.steps) != len(curve.tokens):
+        return pts
+    after = [(t, y) for t, y, s in zip(curve.tokens, curve.losses, curve.steps) if t > 0 and s > warmup_steps]
+    return after if len(after) >= MIN_FIT_EVALS else pts
+
+
+def baseline_curve(curve: PilotCurve, warmup_steps: int = 0) -> BaselineCurve:
+    """The baseline's loss curve from its pilot: measured points, and the power law fitted past the last one to the
+    evaluations after the learning-rate warm-up (``warmup_steps``: see :data:`MIN_FIT_EVALS`)."""
     pts = [(t, y) for t, y in zip(curve.tokens, curve.losses) if t > 0]
     if len(pts) < 4:
         if not pts or curve.reached is None:
@@ -87,12 +109,17 @@ def baseline_curve(curve: PilotCurve) -> BaselineCurve:
         law = PowerLaw(0.0, y * t ** FALLBACK_C, FALLBACK_C)
         return BaselineCurve(law, "pilot", f"the baseline's pilot: {len(pts)} evaluations up to {t:,.0f} tokens "
                              f"(too few to fit: past them L ∝ t^−{FALLBACK_C})", None, tuple(pts))
-    ts, ys = [t for t, _ in pts], [y for _, y in pts]
+    fitted = after_warmup(curve, warmup_steps)
+    ts, ys = [t for t, _ in fitted], [y for _, y in fitted]
     fit = fit_power_law(ts, ys, floor_cap=FLOOR_CAP)
     brackets = tuple(fit_power_law(ts, ys, floor_cap=cap, bootstrap=0).law for cap in FLOOR_BRACKET)
     brackets += (_Widened(fit.law, ts[-1], EXTRAPOLATION_WIDENING),)
     law = fit.law
-    desc = (f"the baseline's pilot: {len(pts)} evaluations up to {pts[-1][0]:,.0f} tokens, then L(t) = "
+    in_warmup = sum(1 for t, s in zip(curve.tokens, curve.steps) if t > 0 and s <= warmup_steps)
+    fitted_on = (f"fitted to the {len(fitted)} after the {warmup_steps}-step warm-up" if len(fitted) < len(pts)
+                 else f"fitted to all: fewer than {MIN_FIT_EVALS} after the {warmup_steps}-step warm-up"
+                 if in_warmup else "fitted to all")
+    desc = (f"the baseline's pilot: {len(pts)} evaluations up to {pts[-1][0]:,.0f} tokens ({fitted_on}), then L(t) = "
             f"{law.a:.3g} + {law.b:.3g}·t^−{law.c:.3g} (fit rms {fit.rms:.3g}; floor at most {FLOOR_CAP:g}× the "
             f"lowest loss seen, the interval spanning floors from 0 to {FLOOR_BRACKET[-1]:g}×)")
     return BaselineCurve(law, "pilot", desc, fit, tuple(pts), brackets)
@@ -258,7 +285,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
             if len(pts) < 4:
                 return None
             try:
-                base = baseline_curve(curve)
+                base = baseline_curve(curve, job_cfg.warmup)
             except ValueError:
                 return None
             obj = objective_with(base, {})
@@ -278,7 +305,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
 
     def order() -> Iterator[Candidate]:
         yield parse_candidate(base_spec)
-        base = state["baseline"] = baseline_curve(done[base_spec])
+        base = state["baseline"] = baseline_curve(done[base_spec], job_cfg.warmup)
         model_dir = getattr(runner, "model_dir", None)
         if callable(model_dir):
             full_job: TrainConfig = parse_train_args(job_args)[0]  # the pilots' job: its data and micro-batch
@@ -376,7 +403,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
     successive_halving(lazy(), runner, budget, value_of, prefixes=prefixes, out=done)
     baseline = state.get("baseline")
     if not isinstance(baseline, BaselineCurve):
-        baseline = baseline_curve(done[base_spec])
+        baseline = baseline_curve(done[base_spec], job_cfg.warmup)
     pilots: dict[str, LossEstimate] = {}
     for spec, curve in done.items():
         if spec == base_spec:
