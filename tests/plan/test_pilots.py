@@ -77,12 +77,12 @@ STEP_S = {"zero1": 0.1, "acco": 0.05, "demo": 0.2}
 BATCH = {"zero1": 2048.0, "acco": 4096.0, "demo": 2048.0}
 
 
-def pilot_result(tmp_path, warmup_steps: int):
+def pilot_result(tmp_path, warmup_steps: int, link: str = "inter=10mbit,5ms"):
     """A what-if plan at 10 Mbit/s with its pilots to run (``--warmup-steps`` of the planned run)."""
     import copy
 
     result = quietsync.plan.plan(what_if=True, model="tiny", nodes=2, workers_per_node=1, seq_len=128,
-                                 micro_batch_size=8, link=["inter=10mbit,5ms"], only=True, target_loss=3.5,
+                                 micro_batch_size=8, link=[link], only=True, target_loss=3.5,
                                  strategies=["zero1", "acco", "demo"])
     cfg = copy.copy(result.config)
     cfg.pilot_tokens, cfg.pilot_out, cfg.pilot_args = BUDGET, str(tmp_path), ["--warmup-steps", str(warmup_steps)]
@@ -138,6 +138,27 @@ def test_pilots_replace_the_priors_and_a_pilot_through_the_link_its_speed(tmp_pa
     # demo's curve is below the baseline's at equal tokens: fewer tokens to the target
     assert by["demo"].estimate.tokens.value < by["zero1"].estimate.tokens.value
     assert "pilots cost" in new.pilot_report[-1]
+
+
+@pytest.mark.parametrize("share", [0.5, 2.0])
+def test_a_delay_free_pilot_corrects_its_settings_speed_both_ways(tmp_path, share):
+    """The compute profile behind the cost model is measured in a few steps at the plan's start; a pilot trains for
+    half a minute. Whether it ran faster (a profile measured slow) or slower (work the model leaves out) than the
+    model predicted on the same delay-free link, its setting's predicted step time moves by the difference."""
+    from quietsync.plan.pilot_plan import _delay_free, run_pilots
+    from quietsync.plan.planner import predict
+
+    result = pilot_result(tmp_path, 1, "inter=100gbit,0ms")  # a step that is mostly compute
+    free_step = result.predict("demo", {}, _delay_free(result)).step_s
+    model = next(r for r in result.rows if r.spec == "demo")
+    assert free_step > 0.5 * model.step_s
+    runner = power_law_runner({"zero1": 4.0, "acco": 4.2, "demo": 3.8}, step_s={**STEP_S, "demo": share * free_step},
+                              batch=BATCH)
+    new = run_pilots(result, predict, runner)
+    demo = next(s for s in new.scored if s.row.spec == "demo")
+    assert not new.pilots["demo"].through_link
+    step = model.tokens_per_step / demo.time.tokens_per_s
+    assert step == pytest.approx(model.step_s + (share - 1) * free_step, rel=0.02)
 
 
 def test_a_pilot_of_few_large_steps_mostly_warming_up_takes_its_prior_at_its_measured_batch(tmp_path):

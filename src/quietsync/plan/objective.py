@@ -30,6 +30,10 @@ from .recommend import Scored
 from .schedules import strategy_config
 from .table import Row
 
+MIN_STEP_SHARE = 0.25
+"""A pilot's correction of the cost model (:attr:`Objective.step_overhead_s`, which may be negative) never takes a
+step below this share of the model's own step time."""
+
 
 @dataclass
 class Objective:
@@ -51,12 +55,14 @@ class Objective:
     max_steps: int | None = None
     """The planned run's step budget: a setting needing more steps is not reached within the run."""
     step_overhead_s: dict[str, float] = field(default_factory=dict)
-    """Spec → seconds per step its pilot spent beyond the cost model's prediction on the same (delay-free) link:
-    main-thread work the model leaves out (a communication thread sharing the core, codec time); 0 for a setting
-    whose pilot measured its whole step through the link."""
+    """Spec → seconds per step its pilot spent beyond (negative: short of) the cost model's prediction on the same
+    (delay-free) link: main-thread work the model leaves out (a communication thread sharing the core, codec time),
+    or a compute profile measured slow or fast; 0 for a setting whose pilot measured its whole step through the
+    link."""
     overhead_per_micro_batch_s: float = 0.0
-    """Seconds per micro-batch the baseline's pilot spent beyond the cost model's prediction (the trainer's work the
-    model leaves out: data, control plane), added to every setting without a pilot of its own."""
+    """Seconds per micro-batch the baseline's pilot spent beyond (negative: short of) the cost model's prediction (the
+    trainer's work the model leaves out: data, control plane; a compute profile measured slow or fast), added to
+    every setting without a pilot of its own."""
 
     @property
     def description(self) -> str:
@@ -92,7 +98,8 @@ class Objective:
         extra = self.step_overhead_s.get(row.spec, self.overhead_per_micro_batch_s * row.micro_batches)
         if not extra or row.tokens_per_s <= 0:
             return row.tokens_per_s
-        return row.tokens_per_step / (row.tokens_per_step / row.tokens_per_s + extra)
+        step = row.tokens_per_step / row.tokens_per_s
+        return row.tokens_per_step / max(step + extra, MIN_STEP_SHARE * step)
 
     def score(self, row: Row) -> Scored:
         """The row's estimate and objective (time to target, or loss after the budget)."""

@@ -75,6 +75,13 @@ pilot of few large steps it would read the warm-up as a batch effect (the 10 Mbi
 with the critical batch measured by the baseline's noise scale."""
 FALLBACK_C = 0.3
 """Exponent of the baseline's curve past a pilot too short to fit (the data exponent β ≈ 0.28 of Hoffmann et al.)."""
+SPEED_TOLERANCE = 0.05
+"""A delay-free pilot whose step time differs from the cost model's by more than this fraction corrects every
+prediction of its setting by the difference — **both ways**. The cost model's compute profile is measured once, at
+the plan's start, over a few steps; on a shared machine that moved by 1.5× between two plans of the same job minutes
+apart (forward + backward 92 ms, then 138 ms: docs/plan.md, "Speed from the pilots"), while the pilots, ~35 s of
+training each, moved by ~10%. Corrected only upward, a profile measured slow made every setting 1.5× slower than its
+own pilot had run."""
 MIN_FIT_EVALS = 4
 """The baseline's power law is fitted to its pilot's evaluations **after the learning-rate warm-up** where at least
 this many are (the fewest a fit takes). While the learning rate ramps up the loss follows the ramp, not the
@@ -333,9 +340,10 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
     free = _delay_free(result)
 
     def speeds() -> tuple[dict[str, float], float, Callable[[Row], Row]]:
-        """The speed the pilots so far saw: a pilot without the emulated delay measures the main-thread work the cost
-        model leaves out (its overhead over the prediction on a delay-free link; the baseline's, per micro-batch,
-        goes to every setting without a pilot); one through the link measures its whole step."""
+        """The speed the pilots so far saw: a pilot without the emulated delay measures how far the cost model is off
+        on a delay-free link — work it leaves out, or a compute profile measured slow or fast (its step time over
+        or under the prediction, :data:`SPEED_TOLERANCE`; the baseline's, per micro-batch, goes to every setting
+        without a pilot); one through the link measures its whole step."""
         overhead: dict[str, float] = {}
         measured: dict[str, tuple[float, float]] = {}
         per_mb = 0.0
@@ -348,7 +356,8 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
                 measured[spec], overhead[spec] = speed, 0.0
             elif emulated:
                 predicted = result.predict(row.strategy, row.knobs, free).step_s
-                overhead[spec] = speed[0] - predicted if speed[0] > predicted * 1.05 else 0.0
+                off = speed[0] - predicted
+                overhead[spec] = off if abs(off) > SPEED_TOLERANCE * predicted else 0.0
                 if spec == base_spec:
                     per_mb = overhead[spec] / max(row.micro_batches, 1e-9)
 
