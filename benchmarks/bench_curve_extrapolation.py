@@ -64,7 +64,8 @@ def measured_tokens(pts: list[dict[str, Any]], target: float) -> float | None:
         if p["loss"] <= target:
             if prev is None:
                 return float(p["tokens"])
-            return prev["tokens"] + (p["tokens"] - prev["tokens"]) * (prev["loss"] - target) / (prev["loss"] - p["loss"])
+            share = (prev["loss"] - target) / (prev["loss"] - p["loss"])
+            return prev["tokens"] + (p["tokens"] - prev["tokens"]) * share
         prev = p
     return None
 

@@ -8,9 +8,9 @@ run stops at the first held-out evaluation at or below the **target** (chosen fr
 ``--pilot``: a bit above the synchronous baseline's plateau), or at its budget: a token cap (generous: several
 times what the baseline needs, and never fewer than 16 outer steps of a DiLoCo-family setting) and a time cap.
 
-Links: emulated by the transport at 10 Mbit/s (5 ms), 50 Mbit/s (20 ms), 100 Mbit/s (5 ms) and 1 Gbit/s (1 ms), and one **really
-shaped** link — two network namespaces joined by a veth pair with ``tc qdisc ... tbf rate 100mbit burst 64kb latency
-400ms`` (root needed; the transport emulates nothing there).
+Links: emulated by the transport at 10 Mbit/s (5 ms), 50 Mbit/s (20 ms), 100 Mbit/s (5 ms) and 1 Gbit/s (1 ms), and
+one **really shaped** link — two network namespaces joined by a veth pair with ``tc qdisc ... tbf rate 100mbit burst
+64kb latency 400ms`` (root needed; the transport emulates nothing there).
 
 Settings (:func:`settings`): every strategy — ddp (and its PowerSGD hook), zero1, fsdp; acco/dpu/wp adaptive and
 capped at 4 micro-batches per stage; demo with the dct and random replicators at several compressions; localsgd K;
