@@ -250,3 +250,30 @@ def test_a_setting_left_on_its_prior_when_the_confirming_pilots_are_spent_is_nam
     assert on_prior
     assert any(line.startswith(f"not piloted: `{on_prior[0]}`: among the best settings on its prior")
                for line in new.pilot_report), new.pilot_report
+
+
+def test_a_setting_ranked_above_the_last_to_try_first_on_its_prior_is_confirmed_too():
+    """As at 50 Mbit/s: plain DiLoCo H=16 ranked fourth on its prior, above DeMo 1/256 (the third setting to try
+    first) — not its strategy's best (Streaming DiLoCo is), so not under "Try first" itself; it is piloted next.
+    WP, on its prior below the last setting to try first, is not."""
+    from types import SimpleNamespace
+
+    from quietsync.plan.pilot_plan import to_confirm
+
+    def scored(spec: str, strategy: str, seconds: float) -> SimpleNamespace:
+        return SimpleNamespace(row=SimpleNamespace(spec=spec, strategy=strategy, tokens_per_s=1.0),
+                               objective=seconds, reaches=True)
+
+    best = [scored("diloco:sync_every=16,fragments=4,overlap_delay=4,pseudo_grad_dtype=fp4", "diloco", 160),
+            scored("localsgd:sync_every=16", "localsgd", 174), scored("diloco:sync_every=16", "diloco", 175),
+            scored("diloco", "diloco", 238), scored("demo:compression=0.00390625", "demo", 241),
+            scored("wp", "wp", 346), scored("zero1", "zero1", 758)]
+    piloted = {"diloco:sync_every=16,fragments=4,overlap_delay=4,pseudo_grad_dtype=fp4", "localsgd:sync_every=16",
+               "diloco", "demo:compression=0.00390625"}
+
+    def exact(row) -> bool:
+        return row.strategy == "zero1"
+
+    nxt = to_confirm(best, piloted, exact)
+    assert nxt is not None and nxt.row.spec == "diloco:sync_every=16"
+    assert to_confirm(best, piloted | {"diloco:sync_every=16"}, exact) is None
