@@ -6,9 +6,10 @@ at every link and seed; ACCO/DPU/WP are left out — their stages hold link-depe
 warm-up spans up to the whole run) the first ``P`` tokens (0.4 M and 0.8 M: the plans' pilots are 0.4 M) are made into
 a pilot and handed to :func:`quietsync.plan.pilot_plan.baseline_curve`, the function the planner fits its baseline
 with; its predicted tokens to held-out losses 4.2, 4.0, 3.8 and 3.6 are set against the tokens the run measured
-there (where that lies past 1.2 ``P``: an extrapolation). Two rules side by side: the power law fitted to every
-evaluation, and fitted to the evaluations after the job's learning-rate warm-up (the planner's rule,
-:data:`~quietsync.plan.pilot_plan.MIN_FIT_EVALS`).
+there (where that lies past 1.2 ``P``: an extrapolation). The rules side by side: the power law fitted to every
+evaluation, fitted to the evaluations after the job's learning-rate warm-up (the planner's rule,
+:data:`~quietsync.plan.pilot_plan.MIN_FIT_EVALS`), and that with other caps on the fitted floor than the planner's
+:data:`~quietsync.plan.pilot_plan.FLOOR_CAP`.
 
     python benchmarks/bench_curve_extrapolation.py        # reads results/equal_loss.json, seconds
 
@@ -34,6 +35,8 @@ TARGETS = (4.2, 4.0, 3.8, 3.6)
 PAST = 1.2
 """A target counts where the run measured it past this many times the pilot's tokens."""
 ADAPTIVE = ("acco", "dpu", "wp")
+OTHER_CAPS = (0.5, 0.65, 0.75)
+"""Floor caps (fractions of the lowest loss a pilot saw) compared beside the planner's ``FLOOR_CAP``."""
 
 
 def curves(equal_loss: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -74,16 +77,28 @@ def study(equal_loss: dict[str, Any]) -> dict[str, Any]:
     from quietsync.plan.pilot_plan import baseline_curve
     from quietsync.plan.pilots import PilotCurve
 
+    from quietsync.plan import pilot_plan
+
     warmup = int(equal_loss["job"]["warmup_steps"])
-    rules = {"every evaluation": 0, f"after the {warmup}-step warm-up": warmup}
+    cap = pilot_plan.FLOOR_CAP
+    rules = {"every evaluation": (0, cap), f"after the {warmup}-step warm-up": (warmup, cap),
+             **{f"after the warm-up, floor ≤ {c:g}× (not the planner's {cap:g}×)": (warmup, c) for c in OTHER_CAPS}}
     pairs: list[dict[str, Any]] = []
     found = curves(equal_loss)
+
+    def fit(pilot: PilotCurve, w: int, c: float) -> Any:
+        pilot_plan.FLOOR_CAP = c  # the planner's cap, swapped for this comparison only
+        try:
+            return baseline_curve(pilot, w)
+        finally:
+            pilot_plan.FLOOR_CAP = cap
+
     for name, pts in found.items():
         for prefix in PREFIXES:
             head = [p for p in pts if p["tokens"] <= prefix]
             pilot = PilotCurve(name, [float(p["tokens"]) for p in head], [float(p["loss"]) for p in head],
                                [int(p["step"]) for p in head])
-            fits = {rule: baseline_curve(pilot, w) for rule, w in rules.items()}
+            fits = {rule: fit(pilot, w, c) for rule, (w, c) in rules.items()}
             for target in TARGETS:
                 truth = measured_tokens(pts, target)
                 if truth is None or truth <= PAST * prefix:

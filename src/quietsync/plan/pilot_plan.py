@@ -44,7 +44,7 @@ CONFIRM_TOP = 2
 every setting the advice lists under "Try first" (:data:`~quietsync.plan.recommend.TRY_FIRST`, each strategy's best)
 and every setting the table ranks above the last of those: a recommendation, and the rows it is chosen among, rest
 on a measurement, not on a paper's number (plain DiLoCo H = 16 ranked fourth at 50 Mbit/s on its prior, 175 s, and
-took 421 s; its pilot predicts 268 s). On the 50 Mbit/s link of the equal-loss runs the
+took 421 s; its pilot predicts 262 s). On the 50 Mbit/s link of the equal-loss runs the
 random replicator at 1/32 was listed third on its prior (+2%: 144 s predicted) while it did not reach the target in
 600 s (its held-out loss 6.3 against DCT's 4.5 after 0.5 M tokens)."""
 CONFIRM = CONFIRM_TOP + TRY_FIRST
@@ -59,7 +59,8 @@ constant lr 2e-3 and 1e-3, targets 4.4–3.6 reached at 0.4–2.2 M tokens, pilo
 tokens over the measured ones were 0.38–0.88 with no floor, 0.60–0.98 capped at 0.5×, 0.71–1.05 at 0.6×,
 0.71–2.7 at 0.75×, and up to 50× free (1 M-token pilot, target 3.6: 5.6 M predicted, 1.97 M measured) — fitted to
 every evaluation; fitted after the warm-up (:data:`MIN_FIT_EVALS`), caps of 0.5× and 0.65× did no better on the
-equal-loss curves and 0.75× far worse (28 of 154 off by 2×, against 6)."""
+equal-loss curves (6 of 140 extrapolations off by 2× each, as at 0.6×) and 0.75× far worse (25 of 140:
+``benchmarks/results/curve_extrapolation.md``)."""
 FLOOR_BRACKET = (0.0, 0.75)
 """Floors whose fits the interval of the baseline's tokens to target spans (0: the optimistic end)."""
 EXTRAPOLATION_WIDENING = 0.25
