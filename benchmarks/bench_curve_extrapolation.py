@@ -74,10 +74,9 @@ def measured_tokens(pts: list[dict[str, Any]], target: float) -> float | None:
 
 
 def study(equal_loss: dict[str, Any]) -> dict[str, Any]:
+    from quietsync.plan import pilot_plan
     from quietsync.plan.pilot_plan import baseline_curve
     from quietsync.plan.pilots import PilotCurve
-
-    from quietsync.plan import pilot_plan
 
     warmup = int(equal_loss["job"]["warmup_steps"])
     cap = pilot_plan.FLOOR_CAP
