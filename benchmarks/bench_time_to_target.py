@@ -19,7 +19,9 @@ each link it
    than 2×; one whose runs stopped at the equal-loss runs' caps without reaching it is measured as "at least the
    training seconds it ran" — a time cap counts wall seconds, evaluations included, so that is less than the cap —
    a prediction past that agrees with it, one short of it is off by at least that / predicted; a setting not run on
-   a link, its bytes alone needing longer than the cap, is measured as at least the cap); the pilots cost less than
+   a link, its bytes alone needing longer than the cap, is measured as at least the cap; a run carried on past the
+   caps by ``bench_equal_loss_extend.py``, ``results/equal_loss_extended.json``, replaces its capped run's bound
+   with what it measured); the pilots cost less than
    running the candidates to the target (the ratio), and at most 20% of the recommended setting's measured time to
    target wherever that is 5 minutes or more.
 
@@ -77,6 +79,29 @@ def measured_by_setting(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
                      "tokens": rec["tokens_to_target"]["mean"] if rec.get("tokens_to_target") else None,
                      "seeds": len(rec.get("seeds", [])), "equal_loss_spec": rec["spec"], **ran_without(rec)}
     return out
+
+
+def with_extended(measured: dict[str, dict[str, Any]], link: str) -> dict[str, dict[str, Any]]:
+    """``measured`` with the runs ``bench_equal_loss_extend.py`` carried on past the caps
+    (``results/equal_loss_extended.json``) for settings whose one capped run did not reach the target: reached, its
+    time and tokens; else a longer lower bound. Marked ``extended``."""
+    path = RESULTS / "equal_loss_extended.json"
+    if not path.exists():
+        return measured
+    for run in json.loads(path.read_text())["runs"].values():
+        if run["link"] != link:
+            continue
+        from quietsync.plan.candidates import parse_candidate
+
+        m = measured.get(parse_candidate(run["spec"]).spec)
+        if m is None or m["reached"] or m["seeds"] != 1:
+            continue
+        if run["reached"]:
+            m.update(reached=True, time_s=run["time_to_target_s"], tokens=run["tokens_to_target"], ran_s=None,
+                     ran_tokens=None, extended=True)
+        else:
+            m.update(ran_s=run["train_time_s"], ran_tokens=run["tokens"], extended=True)
+    return measured
 
 
 def ran_without(rec: dict[str, Any]) -> dict[str, Any]:
@@ -184,6 +209,7 @@ def judge(plan: dict[str, Any], measured: dict[str, dict[str, Any]], grid: set[s
             ratio = pred / m["time_s"]
         pairs.append({"spec": spec, "predicted_s": pred, "measured_s": m["time_s"], "ratio": ratio,
                       "measured_at_least_s": None if m["reached"] else (m.get("ran_s") or caps[0]),
+                      "extended": bool(m.get("extended")),
                       "predicted_low_s": sec.get("low"), "predicted_high_s": sec.get("high"),
                       "source": (row.get("estimate") or {}).get("source"), "beyond_caps": beyond,
                       "inside_interval": (pred is not None and m["reached"]
@@ -262,7 +288,7 @@ def main() -> None:
             plan_s = run_plan(argv, wrap, 7200)
             (folder / "verdict.json").write_text(json.dumps({"plan_s": plan_s, "plan_link": plan_link}))
         plan = json.loads((folder / "plan.json").read_text())
-        verdict = judge(plan, measured_by_setting(data["results"][link]), grid,
+        verdict = judge(plan, with_extended(measured_by_setting(data["results"][link]), link), grid,
                         (float(job.get("time_s", math.inf)), float(job.get("tokens", math.inf))))
         verdict.update(plan_s=plan_s, plan_link=plan_link, load=os.getloadavg()[0])
         out["links"][link] = verdict
@@ -287,9 +313,10 @@ def main() -> None:
 
 
 def _measured(p: dict[str, Any]) -> str:
+    past = " (run on past the caps)" if p.get("extended") else ""
     if p["measured_s"] is None and p.get("measured_at_least_s") is not None:
-        return f"≥ {_s(p['measured_at_least_s'])}"
-    return _s(p["measured_s"])
+        return f"≥ {_s(p['measured_at_least_s'])}{past}"
+    return _s(p["measured_s"]) + past
 
 
 def _s(v: float | None) -> str:
