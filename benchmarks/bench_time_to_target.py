@@ -301,7 +301,7 @@ def main() -> None:
         "recommended_ok": sum(x["recommended_ok"] for x in v), "recommended_ok_in_grid":
             sum(x["recommended_ok_in_grid"] for x in v), "links": len(v),
         "recommended_not_run": [link for link, x in out["links"].items() if not x.get("recommended_run", True)],
-        "median_abs_error": math.expm1(med) if med is not None else None,
+        "median_abs_error": math.expm1(med) if med is not None else None, "measured_pairs": len(errs),
         "off_by_2x": sum(len(x["off_by_2x"]) for x in v), "pairs": sum(len(x["pairs"]) for x in v),
         "pilot_over_runs": [x["pilot_over_runs"] for x in v],
         "pilot_over_recommended_where_5min": [x["pilot_over_recommended"] for x in v if x["twenty_percent_applies"]],
@@ -352,7 +352,8 @@ def write_report(name: str, out: dict[str, Any]) -> Path:
              f"({s['recommended_ok_in_grid']} among the planner's grid)"
              + (f"; the pick at {', '.join(s['recommended_not_run'])} has no equal-loss run yet (not judged)"
                 if s.get("recommended_not_run") else "") + "; time to target predicted within "
-             f"{s['median_abs_error']:.0%} (median |error|) over {s['pairs']} settings, {s['off_by_2x']} off by 2× or "
+             f"{s['median_abs_error']:.0%} (median |error|) over the {s.get('measured_pairs', s['pairs'])} settings "
+             f"with a measured time (of {s['pairs']} judged), {s['off_by_2x']} off by 2× or "
              f"more (including reached/not-reached disagreements)."
              + (f" Judged against a lower bound only — their runs stopped at a cap (600 s of wall time, evaluations "
                 f"included, or 8 M tokens) without reaching the target, so the measured time is at least the "
