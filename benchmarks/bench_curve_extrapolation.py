@@ -84,20 +84,12 @@ def study(equal_loss: dict[str, Any]) -> dict[str, Any]:
              **{f"after the warm-up, floor ≤ {c:g}× (not the planner's {cap:g}×)": (warmup, c) for c in OTHER_CAPS}}
     pairs: list[dict[str, Any]] = []
     found = curves(equal_loss)
-
-    def fit(pilot: PilotCurve, w: int, c: float) -> Any:
-        pilot_plan.FLOOR_CAP = c  # the planner's cap, swapped for this comparison only
-        try:
-            return baseline_curve(pilot, w)
-        finally:
-            pilot_plan.FLOOR_CAP = cap
-
     for name, pts in found.items():
         for prefix in PREFIXES:
             head = [p for p in pts if p["tokens"] <= prefix]
             pilot = PilotCurve(name, [float(p["tokens"]) for p in head], [float(p["loss"]) for p in head],
                                [int(p["step"]) for p in head])
-            fits = {rule: fit(pilot, w, c) for rule, (w, c) in rules.items()}
+            fits = {rule: baseline_curve(pilot, w, c) for rule, (w, c) in rules.items()}
             for target in TARGETS:
                 truth = measured_tokens(pts, target)
                 if truth is None or truth <= PAST * prefix:

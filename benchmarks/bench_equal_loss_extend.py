@@ -104,6 +104,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.tokens <= 0 or args.time_s <= 0:
         ap.error("--tokens and --time-s must be positive")
+    if not args.record.is_file():
+        ap.error(f"--record {args.record}: no such record (bench_equal_loss.py writes them under its --work)")
     rec = json.loads(args.record.read_text())
     out = args.out / rec["link"] / args.record.stem
     if args.child:

@@ -85,14 +85,14 @@ def with_extended(measured: dict[str, dict[str, Any]], link: str) -> dict[str, d
     """``measured`` with the runs ``bench_equal_loss_extend.py`` carried on past the caps
     (``results/equal_loss_extended.json``) for settings whose one capped run did not reach the target: reached, its
     time and tokens; else a longer lower bound. Marked ``extended``."""
+    from quietsync.plan.candidates import parse_candidate
+
     path = RESULTS / "equal_loss_extended.json"
     if not path.exists():
         return measured
     for run in json.loads(path.read_text())["runs"].values():
         if run["link"] != link:
             continue
-        from quietsync.plan.candidates import parse_candidate
-
         m = measured.get(parse_candidate(run["spec"]).spec)
         if m is None or m["reached"] or m["seeds"] != 1:
             continue

@@ -161,6 +161,20 @@ def test_a_delay_free_pilot_corrects_its_settings_speed_both_ways(tmp_path, shar
     assert step == pytest.approx(model.step_s + (share - 1) * free_step, rel=0.02)
 
 
+def test_a_pilot_far_faster_than_the_model_never_takes_a_step_below_a_quarter_of_it(tmp_path):
+    from quietsync.plan.objective import MIN_STEP_SHARE
+    from quietsync.plan.pilot_plan import run_pilots
+    from quietsync.plan.planner import predict
+
+    result = pilot_result(tmp_path, 1, "inter=100gbit,0ms")
+    model = next(r for r in result.rows if r.spec == "demo")
+    runner = power_law_runner({"zero1": 4.0, "acco": 4.2, "demo": 3.8}, step_s={**STEP_S, "demo": 1e-9},
+                              batch=BATCH)
+    new = run_pilots(result, predict, runner)
+    demo = next(s for s in new.scored if s.row.spec == "demo")
+    assert model.tokens_per_step / demo.time.tokens_per_s == pytest.approx(MIN_STEP_SHARE * model.step_s, rel=1e-6)
+
+
 def test_a_pilot_of_few_large_steps_mostly_warming_up_takes_its_prior_at_its_measured_batch(tmp_path):
     from quietsync.plan.pilot_plan import run_pilots
     from quietsync.plan.planner import predict

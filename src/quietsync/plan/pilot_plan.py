@@ -106,9 +106,10 @@ def after_warmup(curve: PilotCurve, warmup_steps: int) -> list[tuple[float, floa
     return after if len(after) >= MIN_FIT_EVALS else pts
 
 
-def baseline_curve(curve: PilotCurve, warmup_steps: int = 0) -> BaselineCurve:
+def baseline_curve(curve: PilotCurve, warmup_steps: int = 0, floor_cap: float = FLOOR_CAP) -> BaselineCurve:
     """The baseline's loss curve from its pilot: measured points, and the power law fitted past the last one to the
-    evaluations after the learning-rate warm-up (``warmup_steps``: see :data:`MIN_FIT_EVALS`)."""
+    evaluations after the learning-rate warm-up (``warmup_steps``: see :data:`MIN_FIT_EVALS`), its floor at most
+    ``floor_cap`` times the lowest loss seen (:data:`FLOOR_CAP`)."""
     pts = [(t, y) for t, y in zip(curve.tokens, curve.losses) if t > 0]
     if len(pts) < 4:
         if not pts or curve.reached is None:
@@ -121,7 +122,7 @@ def baseline_curve(curve: PilotCurve, warmup_steps: int = 0) -> BaselineCurve:
                              f"(too few to fit: past them L ∝ t^−{FALLBACK_C})", None, tuple(pts))
     fitted = after_warmup(curve, warmup_steps)
     ts, ys = [t for t, _ in fitted], [y for _, y in fitted]
-    fit = fit_power_law(ts, ys, floor_cap=FLOOR_CAP)
+    fit = fit_power_law(ts, ys, floor_cap=floor_cap)
     brackets = tuple(fit_power_law(ts, ys, floor_cap=cap, bootstrap=0).law for cap in FLOOR_BRACKET)
     brackets += (_Widened(fit.law, ts[-1], EXTRAPOLATION_WIDENING),)
     law = fit.law
@@ -130,7 +131,7 @@ def baseline_curve(curve: PilotCurve, warmup_steps: int = 0) -> BaselineCurve:
                  else f"fitted to all: fewer than {MIN_FIT_EVALS} after the {warmup_steps}-step warm-up"
                  if in_warmup else "fitted to all")
     desc = (f"the baseline's pilot: {len(pts)} evaluations up to {pts[-1][0]:,.0f} tokens ({fitted_on}), then L(t) = "
-            f"{law.a:.3g} + {law.b:.3g}·t^−{law.c:.3g} (fit rms {fit.rms:.3g}; floor at most {FLOOR_CAP:g}× the "
+            f"{law.a:.3g} + {law.b:.3g}·t^−{law.c:.3g} (fit rms {fit.rms:.3g}; floor at most {floor_cap:g}× the "
             f"lowest loss seen, the interval spanning floors from 0 to {FLOOR_BRACKET[-1]:g}×)")
     return BaselineCurve(law, "pilot", desc, fit, tuple(pts), brackets)
 
