@@ -38,6 +38,17 @@ replicas the failures' cost has a floor whatever the engine does: for the ~23.5 
 per period the job trains at half its speed; with N replicas at 1/N -- goodput ≤ 1 − (D + restart)/(N·T) in the
 steady state.
 
+``--dilate`` (torchft modes, more replicas than cores) makes such a run stand for the same job with **a core per
+replica**: with k replicas per core every replica's work -- steps, imports, the heal, gloo's copies -- takes k times
+as long, so every clock of the run is multiplied by k too: the schedule (``T``, ``D``), the Lighthouse's heartbeat
+timeout, join timeout and quorum tick, and the survivor's pause window -- the run is then the core-per-replica run
+slowed k times throughout, and its goodput (a ratio of the same job's wall times) is that run's. The plain reference
+it is judged against is the same job at k per core (it has no clock to scale). What it cannot stand for: a
+Lighthouse on its own machine (here it shares the cores) and a real network (here loopback at k times less CPU).
+``--replicas 8 --steps 3000 --dilate`` on this 2-core machine: 4 per core, clocks x4 (kill every 240 s, back 80 s
+later, heartbeat 8 s), the 8-replica job of ~190 core-equivalent seconds that ``.ftsite``-style runs on 8 real cores
+would make.
+
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
 
     for s in ddp diloco; do for m in plain torchft-free elastic torchft; do
@@ -192,10 +203,16 @@ def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int, repli
 
 
 def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule | None,
-                replicas: int, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> dict[str, Any]:
-    from quietsync.faults.lighthouse import LighthouseConfig, start_lighthouse
+                replicas: int, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS, dilation: int = 1
+                ) -> dict[str, Any]:
+    """The torchft job: a Lighthouse here and one replica process per replica group (``dilation``: the
+    Lighthouse's join timeout and quorum tick multiplied by it, as the heartbeat timeout and the schedule are by
+    the caller)."""
+    from quietsync.faults.lighthouse import JOIN_TIMEOUT_MS, LighthouseConfig, start_lighthouse
 
-    server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0", heartbeat_timeout_ms=heartbeat_timeout_ms))
+    server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0", heartbeat_timeout_ms=heartbeat_timeout_ms,
+                                               join_timeout_ms=JOIN_TIMEOUT_MS * dilation,
+                                               quorum_tick_ms=LighthouseConfig.quorum_tick_ms * dilation))
     address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
     base = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed),
             "--fault-tolerance", "torchft", "--lighthouse", address, "--nodes", str(replicas), "--nproc", "1"]
@@ -293,11 +310,11 @@ def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
             "events": schedule.events, "finished": finished, "newest_checkpoint": newest_checkpoint(out)}
 
 
-def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: str, replicas: int = 2
-            ) -> list[dict[str, float]]:
+def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: str, replicas: int = 2,
+            window_s: float = 10.0) -> list[dict[str, float]]:
     """For each start of replica 1: seconds from its process starting to its first committed step, and the longest
-    gap between two consecutive steps of replica 0 (rank 0's records) from its start to 10 s after it trained (the
-    death of the previous incarnation is before ``at``: only the join is measured)."""
+    gap between two consecutive steps of replica 0 (rank 0's records) from its start to ``window_s`` after it trained
+    (the death of the previous incarnation is before ``at``: only the join is measured)."""
     out = []
     for kind, at in events:
         if kind != "start":
@@ -310,7 +327,7 @@ def returns(rows: list[dict[str, Any]], events: list[tuple[str, float]], mode: s
         if not mine:
             continue
         first = mine[0]["unix_s"]
-        survivor = sorted(r["unix_s"] for r in rows if r["rank"] == 0 and at <= r["unix_s"] <= first + 10)
+        survivor = sorted(r["unix_s"] for r in rows if r["rank"] == 0 and at <= r["unix_s"] <= first + window_s)
         gaps = [b - a for a, b in zip(survivor, survivor[1:])]
         out.append({"training_after_s": first - at, "survivor_max_gap_s": max(gaps, default=float("nan")),
                     "survivor_median_step_s": statistics.median(gaps) if gaps else float("nan"),
@@ -350,8 +367,11 @@ def join_phases(rows: list[dict[str, Any]], at: float, first: dict[str, Any]) ->
 
 
 def run_one(strategy: str, mode: str, steps: int, period: float, down: float, seed: int, limit: float,
-            replicas: int = 2, keep: Path | None = None, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS
-            ) -> dict[str, Any]:
+            replicas: int = 2, keep: Path | None = None, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
+            dilation: int = 1) -> dict[str, Any]:
+    """One run, recorded in ``RUNS``. ``dilation`` (torchft modes): the schedule and the Lighthouse's clocks
+    multiplied by it (``--dilate``: the replicas per core)."""
+    period, down, heartbeat_timeout_ms = period * dilation, down * dilation, heartbeat_timeout_ms * dilation
     RUNS.mkdir(parents=True, exist_ok=True)
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=False)
@@ -368,9 +388,10 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
         if mode == "plain":
             result = run_plain(strategy, root, out, steps, seed, replicas)
         elif mode == "torchft-free":
-            result = run_torchft(strategy, root, out, steps, seed, None, replicas, heartbeat_timeout_ms)
+            result = run_torchft(strategy, root, out, steps, seed, None, replicas, heartbeat_timeout_ms, dilation)
         elif mode == "torchft":
-            result = run_torchft(strategy, root, out, steps, seed, schedule, replicas, heartbeat_timeout_ms)
+            result = run_torchft(strategy, root, out, steps, seed, schedule, replicas, heartbeat_timeout_ms,
+                                 dilation)
         else:
             result = run_elastic(strategy, root, out, steps, seed, schedule, limit, replicas)
         rows = records(out)
@@ -392,14 +413,16 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "final_loss": summary["last_eval_loss"], "exit_codes": result["exit_codes"],
            "processes_left": result.get("processes_left", 0),
            "events": [(k, at - t0) for k, at in result["events"]],
-           "returns": returns(rows, result["events"], mode, replicas), "timeline": timeline,
+           "returns": returns(rows, result["events"], mode, replicas, 10.0 * dilation), "timeline": timeline,
+           "dilation": dilation,
            "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
            "load_average": os.getloadavg(), "cpus": os.cpu_count(),
            "replicas_per_core": replicas // (os.cpu_count() or 1) if core_of(0, replicas) is not None else None,
            **({"heartbeat_timeout_ms": heartbeat_timeout_ms} if mode.startswith("torchft") else {}),
            "command": " ".join(["python", *sys.argv])}
-    suffix = "" if replicas == 2 else f"-replicas{replicas}"
+    suffix = ("" if replicas == 2 else f"-replicas{replicas}") + \
+        ("" if steps == DEFAULT_STEPS[strategy] else f"-steps{steps}") + ("" if dilation == 1 else f"-x{dilation}")
     (RUNS / f"{strategy}-{mode}-seed{seed}{suffix}.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"{strategy} {mode}: {run['tokens']} tokens in {wall:.1f}s, final loss {run['final_loss']:.4f}, "
           f"{len(run['events'])} events, returns {run['returns']}", flush=True)
@@ -408,51 +431,61 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
 
 def report() -> None:
     runs = [json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json"))]
-    by = {(r["strategy"], r.get("replicas", 2), r["mode"], r["seed"]): r for r in runs}
+    # a group: one job (strategy, replicas, steps); its runs: (mode, dilation, seed)
+    by = {(r["strategy"], r.get("replicas", 2), r["max_steps"], r["mode"], r.get("dilation", 1), r["seed"]): r
+          for r in runs}
     rows, table = [], []
-    for strategy, n in sorted({(s, n) for s, n, _, _ in by}, key=lambda k: (list(STRATEGIES).index(k[0]), k[1])):
-        plain = [r for (s, k, m, _), r in by.items() if (s, k, m) == (strategy, n, "plain")]
+    for strategy, n, steps in sorted({k[:3] for k in by}, key=lambda k: (list(STRATEGIES).index(k[0]), k[1], k[2])):
+        group = {k[3:]: r for k, r in sorted(by.items()) if k[:3] == (strategy, n, steps)}
+        plain = [r for (m, _, _), r in group.items() if m == "plain"]
         if not plain:
             continue
         ref = statistics.mean(r["tokens"] / r["wall_s"] for r in plain)
-        free = [r for (s, k, m, _), r in by.items() if (s, k, m) == (strategy, n, "torchft-free")]
-        ref_free = statistics.mean(r["tokens"] / r["wall_s"] for r in free) if free else None
         losses = [r["final_loss"] for r in plain]
         for mode in MODES:
-            for r in (r for (s, k, m, _), r in sorted(by.items()) if (s, k, m) == (strategy, n, mode)):
+            for (m, dilation, _), r in group.items():
+                if m != mode:
+                    continue
                 goodput = r["tokens"] / r["wall_s"] / ref
-                # torchft against its own failure-free run: the failures' cost alone
-                own = r["tokens"] / r["wall_s"] / ref_free if mode == "torchft" and ref_free else None
+                # torchft against its own failure-free run (the same dilation): the failures' cost alone
+                free = [f for (fm, fd, _), f in group.items() if (fm, fd) == ("torchft-free", dilation)]
+                own = r["tokens"] / r["wall_s"] / statistics.mean(f["tokens"] / f["wall_s"] for f in free) \
+                    if mode == "torchft" and free else None
                 back = [x["training_after_s"] for x in r["returns"]]
                 pause = [x["survivor_max_gap_s"] for x in r["returns"]]
                 kills = sum(1 for k, _ in r["events"] if k == "kill")
-                table.append({**{k: r[k] for k in ("strategy", "mode", "seed", "wall_s", "tokens", "final_loss")},
-                              "replicas": n, "cpus": r.get("cpus"),
+                table.append({**{k: r[k] for k in ("strategy", "mode", "seed", "wall_s", "tokens", "final_loss",
+                                                   "max_steps", "period_s", "down_s")},
+                              "replicas": n, "cpus": r.get("cpus"), "dilation": dilation,
                               "finished": r.get("finished", True),
                               "goodput": goodput, "goodput_vs_torchft_free": own, "kills": kills,
                               "training_after_s": back, "survivor_pause_s": pause,
                               "plain_losses": losses})
                 finished = r.get("finished", True)
-                shown = mode if finished else f"{mode} (stopped at {r['limit_s']:g} s: step {r['steps']} of " \
-                    f"{r['max_steps']} kept)"
+                shown = mode if dilation == 1 else f"{mode}, clocks x{dilation}"
+                if not finished:
+                    shown += f" (stopped at {r['limit_s']:g} s: step {r['steps']} of {r['max_steps']} kept)"
                 per_core = r.get("replicas_per_core")
-                rows.append([strategy, f"{n} ({per_core} per core)" if per_core else n, shown, r["seed"], kills,
+                schedule = f"{r['period_s']:g} / {r['down_s']:g}" if mode in ("elastic", "torchft") else "-"
+                rows.append([strategy, f"{n} ({per_core} per core)" if per_core else n, steps, shown, r["seed"],
+                             schedule, kills,
                              r["wall_s"], r["tokens"], f"{goodput:.0%}",
                              f"{own:.0%}" if own is not None else "-", r["final_loss"] if finished else "-",
                              ", ".join(f"{x:.1f}" for x in back) or "-",
                              ", ".join(f"{x:.2f}" for x in pause) or "-"])
     RESULTS.mkdir(parents=True, exist_ok=True)
-    sizes = runs[0] if runs else {}
-    meta = {"command": "benchmarks/bench_goodput.py (one --run per strategy and mode, then --report)",
-            "period_s": sizes.get("period_s"), "down_s": sizes.get("down_s"), "rows": table}
+    meta = {"command": "benchmarks/bench_goodput.py (one --run per strategy and mode, then --report)", "rows": table}
     (RESULTS / "goodput.json").write_text(json.dumps(meta, indent=2) + "\n")
-    notes = (f"Replicas of 1 worker each, one thread each, a core each -- except rows marked 'k per core': more "
+    notes = ("Replicas of 1 worker each, one thread each, a core each -- except rows marked 'k per core': more "
              "replicas than cores, each pinned to one core with k-1 others (every replica at 1/k of a core: k times "
              "slower machines), and while replica 1 is down a process spinning on its core holds its share, so the "
              "survivors sharing that core do not speed up -- tiny model, "
              "micro-batch 8 x 128 tokens, "
-             f"failure schedule: replica 1 `kill -9` every {sizes.get('period_s')} s from the job's start, started "
-             f"again {sizes.get('down_s')} s later. Goodput: committed tokens per wall second (first process "
+             "failure schedule (T / D s): replica 1 `kill -9` every T s from the job's start, started again D s "
+             "later; 'clocks xk' (`--dilate`): k per core with the schedule, the Lighthouse's timeouts and the pause "
+             "window multiplied by k -- the core-per-replica job slowed k times throughout (its seconds here are "
+             "k times the core-per-replica run's; its goodput is that run's). Goodput: committed tokens per wall "
+             "second (first process "
              "started to last ended) over the plain failure-free run's (mean over its seeds); vs torchft-free: a "
              "torchft run's over the failure-free torchft run's (what the failures cost; the plain run's workers and "
              "the torchft replicas are both started directly, without a launcher). "
@@ -461,7 +494,8 @@ def report() -> None:
              "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
              "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.") + phase_table(runs)
     write_markdown("goodput", "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
-                   ["strategy", "replicas", "mode", "seed", "kills", "wall s", "tokens", "goodput",
+                   ["strategy", "replicas", "steps", "mode", "seed", "T / D s", "kills", "wall s", "tokens",
+                    "goodput",
                     "vs torchft-free", "final loss",
                     "back s",
                     "pause s"], rows, notes)
@@ -565,6 +599,10 @@ def main() -> None:
     p.add_argument("--heartbeat-timeout-ms", type=int, default=HEARTBEAT_TIMEOUT_MS,
                    help=f"the Lighthouse's heartbeat timeout of the torchft modes (default {HEARTBEAT_TIMEOUT_MS}, "
                         "quietsync's)")
+    p.add_argument("--dilate", action="store_true",
+                   help="torchft modes with more replicas than cores (k per core): multiply the schedule (--period, "
+                        "--down), the Lighthouse's timeouts and the pause window by k, so the run stands for the "
+                        "same job with a core per replica, slowed k times throughout")
     args = p.parse_args()
     RUNS = args.runs
     if args.run:
@@ -581,9 +619,18 @@ def main() -> None:
             p.error(f"--heartbeat-timeout-ms must be an integer >= 1, got {args.heartbeat_timeout_ms}")
         if args.keep is not None and args.keep.exists():
             p.error(f"--keep {args.keep}: already exists (give a new folder)")
+        dilation = 1
+        if args.dilate:
+            if not mode.startswith("torchft"):
+                p.error(f"--dilate applies to the torchft modes (torchft, torchft-free), not {mode}: plain has no "
+                        "clock to scale, elastic's torchrun clocks are not scaled")
+            if args.replicas <= cores:
+                p.error(f"--dilate with --replicas {args.replicas} on {cores} cores: each replica has a core of its "
+                        "own already (nothing to dilate)")
+            dilation = args.replicas // cores
         steps = args.steps or DEFAULT_STEPS[strategy]
         run_one(strategy, mode, steps, args.period, args.down, args.seed, args.limit, args.replicas,
-                args.keep, args.heartbeat_timeout_ms)
+                args.keep, args.heartbeat_timeout_ms, dilation)
     if args.report:
         report()
 
