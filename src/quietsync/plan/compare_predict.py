@@ -81,8 +81,7 @@ def predictions(result: Any, specs: list[str], workers: int, horizon_tokens: flo
             end = max(horizon_tokens, est.tokens.value if math.isfinite(est.tokens.value) else 0.0)
             # from the first evaluation the curve rests on (a fitted power law is not drawn backwards)
             base = result.objective.baseline
-            first = est.fit.tokens[0] if est.fit is not None and est.fit.tokens else (
-                base.measured[0][0] if base.measured else 0.0)
+            first = base.measured[0][0] if base.measured else 0.0
             ts = [t for t in (end * (i + 1) / CURVE_POINTS for i in range(CURVE_POINTS)) if t >= first]
             speed = result.objective.tokens_per_s(p)  # the speed the time to target uses (pilots' measured)
             pred["tokens_per_s"], pred["step_s"] = speed, p.tokens_per_step / speed

@@ -119,7 +119,6 @@ class LossEstimate:
     notes: list[str] = field(default_factory=list)
     penalty: tuple[float, float, float] = (0.0, 0.0, 0.0)
     factor: tuple[float, float, float] = (1.0, 1.0, 1.0)
-    fit: CurveFit | None = None
 
     @property
     def reachable(self) -> bool:
@@ -155,17 +154,6 @@ def from_prior(prior: Prior, baseline: BaselineCurve, target: float) -> LossEsti
     tokens = Interval(point, mult.low * base.low if math.isfinite(mult.low) else math.inf,
                       mult.high * base.high if math.isfinite(mult.high) else math.inf)
     return LossEstimate(mult, tokens, "prior", list(prior.notes), prior.penalty, prior.multiplier)
-
-
-def from_pilot(fit: CurveFit, baseline: BaselineCurve, target: float, notes: list[str]) -> LossEstimate:
-    """Tokens to ``target`` from a candidate's own pilot curve."""
-    reach = fit.tokens_to(target)
-    t0 = baseline.tokens_at(target)
-    if math.isfinite(t0) and t0 > 0:
-        mult = Interval(reach.tokens.value / t0, reach.tokens.low / t0, reach.tokens.high / t0)
-    else:
-        mult = Interval(math.inf, math.inf, math.inf)
-    return LossEstimate(mult, reach.tokens, "pilot", notes, fit=fit)
 
 
 RATIO_TAIL = 0.5
@@ -277,8 +265,6 @@ def from_pilot_batch(tokens: list[float], losses: list[float], batch: float, bas
 
 def loss_at(estimate: LossEstimate, baseline: BaselineCurve, tokens: float) -> Interval:
     """The candidate's predicted held-out loss after ``tokens`` (budget mode, predicted curves)."""
-    if estimate.fit is not None:
-        return estimate.fit.loss_at(tokens)
     (d_lo, d, d_hi), (k_lo, k, k_hi) = estimate.penalty, estimate.factor
     b = baseline.loss_at(tokens / k)
     lo = (1 + d_lo) * baseline.point(tokens / k_lo)
@@ -309,5 +295,5 @@ def time_to_target(estimate: LossEstimate, tokens_per_s: float, speed_error: flo
 
 
 __all__ = ["CHINCHILLA", "SPEED_ERROR", "BaselineCurve", "LossEstimate", "TimeToTarget", "chinchilla_curve",
-           "from_pilot", "from_pilot_batch", "from_pilot_tokens", "from_prior", "loss_at", "matched_multipliers",
+           "from_pilot_batch", "from_pilot_tokens", "from_prior", "loss_at", "matched_multipliers",
            "time_to_target"]
