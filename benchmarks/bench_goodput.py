@@ -549,7 +549,8 @@ def plot(runs: list[dict[str, Any]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in runs if r["mode"] in ("elastic", "torchft")]
+    shown = sorted((r for r in runs if r["mode"] in ("elastic", "torchft")),
+                   key=lambda r: (r["strategy"], r.get("replicas", 2), r["max_steps"], r["mode"], r["seed"]))
     if not shown:
         return
     fig, axes = plt.subplots(len(shown), 1, figsize=(11, 2.4 * len(shown)), sharex=True, squeeze=False)
@@ -573,7 +574,9 @@ def plot(runs: list[dict[str, Any]]) -> None:
         for (k, a), nxt in zip(events, events[1:] + [("end", r["wall_s"])]):
             if k == "kill":
                 ax.axvspan(a, nxt[1], color="0.85", zorder=0)
-        ax.set_title(f"{r['strategy']} {r['mode']}, {r.get('replicas', 2)} replicas (replica 1 down: grey)", fontsize=9)
+        dilated = f", clocks x{r['dilation']}" if r.get("dilation", 1) > 1 else ""
+        ax.set_title(f"{r['strategy']} {r['mode']}{dilated}, {r.get('replicas', 2)} replicas, {r['max_steps']} steps, "
+                     f"seed {r['seed']} (replica 1 down: grey)", fontsize=9)
     axes[-1, 0].set_xlabel("seconds since the job started")
     fig.tight_layout()
     fig.savefig(RESULTS / "goodput.png", dpi=110)
