@@ -46,7 +46,7 @@ slowed k times throughout, and its goodput (a ratio of the same job's wall times
 it is judged against is the same job at k per core (it has no clock to scale). What it cannot stand for: a
 Lighthouse on its own machine (here it shares the cores) and a real network (here loopback at k times less CPU).
 ``--replicas 8 --steps 3000 --dilate`` on this 2-core machine: 4 per core, clocks x4 (kill every 240 s, back 80 s
-later, heartbeat 8 s), the 8-replica job of ~190 core-equivalent seconds that ``.ftsite``-style runs on 8 real cores
+later, heartbeat 8 s), the 8-replica job of ~180 core-equivalent seconds that ``.ftsite``-style runs on 8 real cores
 would make.
 
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
@@ -491,7 +491,8 @@ def report() -> None:
              "the torchft replicas are both started directly, without a launcher). "
              "back s: from replica 1's process start "
              "to its first committed step (elastic: to the first step of the whole world); pause s: the "
-             "survivor's longest gap between two steps from that start to 10 s after.\n\nCommands: see "
+             "survivor's longest gap between two steps from that start to 10 s after (k times that where "
+             "dilated).\n\nCommands: see "
              "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.") + phase_table(runs)
     write_markdown("goodput", "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
                    ["strategy", "replicas", "steps", "mode", "seed", "T / D s", "kills", "wall s", "tokens",
