@@ -46,8 +46,8 @@ slowed k times throughout, and its goodput (a ratio of the same job's wall times
 it is judged against is the same job at k per core (it has no clock to scale). What it cannot stand for: a
 Lighthouse on its own machine (here it shares the cores) and a real network (here loopback at k times less CPU).
 ``--replicas 8 --steps 3000 --dilate`` on this 2-core machine: 4 per core, clocks x4 (kill every 240 s, back 80 s
-later, heartbeat 8 s), the 8-replica job of ~180 core-equivalent seconds that ``.ftsite``-style runs on 8 real cores
-would make.
+later, heartbeat 8 s): the 8-replica job of ~180 core-equivalent seconds that 8 real cores would run without
+``--dilate``.
 
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
 
