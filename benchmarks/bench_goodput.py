@@ -139,10 +139,37 @@ class Schedule:
             k += 1
 
 
+CORES: list[int] | None = None
+"""``--cores``: the CPUs this run's replicas are pinned to, one each in turn (None: every CPU of the machine, pinned
+only where the replicas outnumber them)."""
+
+
+def parse_cores(text: str) -> list[int]:
+    """``"0-7"`` / ``"0,2,4-6"`` as a sorted list of CPU numbers; ValueError naming the form on anything else."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"--cores takes CPU numbers and ranges such as 0-7 or 0,2,4-6; got {text!r}")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"--cores: the range {part.strip()!r} runs backwards")
+        cores.update(range(first, last + 1))
+    return sorted(cores)
+
+
+def core_count() -> int:
+    """The CPUs the replicas run on: ``--cores``' or the machine's."""
+    return len(CORES) if CORES else (os.cpu_count() or 1)
+
+
 def core_of(k: int, replicas: int) -> int | None:
-    """The core replica ``k`` is pinned to when the replicas outnumber the cores (``k`` mod the cores: each core
-    holds the same number of replicas -- ``main`` refuses other counts -- so every replica runs at the same fraction
-    of a core); None: unpinned."""
+    """The core replica ``k`` is pinned to: with ``--cores``, the ``k``-th of them (mod their number), so two jobs
+    can run side by side on disjoint cores of one machine, each replica on a core of its own; without, only when the
+    replicas outnumber the machine's cores (``k`` mod the cores: each core holds the same number of replicas --
+    ``main`` refuses other counts -- so every replica runs at the same fraction of a core); None: unpinned."""
+    if CORES:
+        return CORES[k % len(CORES)]
     cores = os.cpu_count() or 1
     return None if replicas <= cores else k % cores
 
@@ -417,8 +444,9 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "dilation": dilation,
            "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
-           "load_average": os.getloadavg(), "cpus": os.cpu_count(),
-           "replicas_per_core": replicas // (os.cpu_count() or 1) if core_of(0, replicas) is not None else None,
+           "load_average": os.getloadavg(), "cpus": os.cpu_count(), "cores": CORES, "cpu_model": cpu_model(),
+           "machine": MACHINE,
+           "replicas_per_core": max(1, replicas // core_count()) if core_of(0, replicas) is not None else None,
            **({"heartbeat_timeout_ms": heartbeat_timeout_ms} if mode.startswith("torchft") else {}),
            "command": " ".join(["python", *sys.argv])}
     suffix = ("" if replicas == 2 else f"-replicas{replicas}") + \
@@ -429,7 +457,20 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
     return run
 
 
-def report() -> None:
+def cpu_model() -> str:
+    """The processor's model name (Linux ``/proc/cpuinfo``; '' elsewhere)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return ""
+
+
+MACHINE = ""
+"""``--machine``: the machine's name as the report shows it."""
+
+
+def report(name: str = "goodput") -> None:
     runs = [json.loads(p.read_text()) for p in sorted(RUNS.glob("*.json"))]
     # a group: one job (strategy, replicas, steps); its runs: (mode, dilation, seed)
     by = {(r["strategy"], r.get("replicas", 2), r["max_steps"], r["mode"], r.get("dilation", 1), r["seed"]): r
@@ -475,7 +516,7 @@ def report() -> None:
                              ", ".join(f"{x:.2f}" for x in pause) or "-"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"command": "benchmarks/bench_goodput.py (one --run per strategy and mode, then --report)", "rows": table}
-    (RESULTS / "goodput.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n")
     notes = ("Replicas of 1 worker each, one thread each, a core each -- except rows marked 'k per core': more "
              "replicas than cores, each pinned to one core with k-1 others (every replica at 1/k of a core: k times "
              "slower machines), and while replica 1 is down a process spinning on its core holds its share, so the "
@@ -493,15 +534,24 @@ def report() -> None:
              "to its first committed step (elastic: to the first step of the whole world); pause s: the "
              "survivor's longest gap between two steps from that start to 10 s after (k times that where "
              "dilated).\n\nCommands: see "
-             "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.") + phase_table(runs)
-    write_markdown("goodput", "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
+             "`benchmarks/bench_goodput.py`'s docstring; per-run JSON in runs/goodput/.")
+    notes += machines(runs) + phase_table(runs)
+    write_markdown(name, "Goodput under a failure schedule: --elastic vs --fault-tolerance torchft",
                    ["strategy", "replicas", "steps", "mode", "seed", "T / D s", "kills", "wall s", "tokens",
                     "goodput",
                     "vs torchft-free", "final loss",
                     "back s",
                     "pause s"], rows, notes)
-    plot(runs)
-    print((RESULTS / "goodput.md").read_text())
+    plot(runs, name)
+    print((RESULTS / f"{name}.md").read_text())
+
+
+def machines(runs: list[dict[str, Any]]) -> str:
+    """Markdown: the machines the runs were measured on (name, processor, CPUs, the cores each run was pinned to)."""
+    seen = sorted({(r.get("machine") or "", r.get("cpu_model") or "", r.get("cpus") or 0,
+                    ",".join(map(str, r["cores"])) if r.get("cores") else "") for r in runs} - {("", "", 0, "")})
+    return "".join(f"\n\nMeasured on {m or 'a machine'}: {c or 'processor not recorded'}, {n} CPUs"
+                   + (f" (runs pinned to cores {k})" if k else "") + "." for m, c, n, k in seen)
 
 
 def phase_table(runs: list[dict[str, Any]]) -> str:
@@ -544,7 +594,7 @@ def phase_table(runs: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|", *lines])
 
 
-def plot(runs: list[dict[str, Any]]) -> None:
+def plot(runs: list[dict[str, Any]], name: str = "goodput") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -580,11 +630,11 @@ def plot(runs: list[dict[str, Any]]) -> None:
                      f"seed {r['seed']} (replica 1 down: grey)", fontsize=9)
     axes[-1, 0].set_xlabel("seconds since the job started")
     fig.tight_layout()
-    fig.savefig(RESULTS / "goodput.png", dpi=110)
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
 
 
 def main() -> None:
-    global RUNS
+    global RUNS, CORES, MACHINE
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", nargs=2, metavar=("STRATEGY", "MODE"), help=f"one run: {list(STRATEGIES)} x {MODES}")
     p.add_argument("--report", action="store_true", help="write benchmarks/results/goodput.{md,json,png}")
@@ -607,15 +657,30 @@ def main() -> None:
                    help="torchft modes with more replicas than cores (k per core): multiply the schedule (--period, "
                         "--down), the Lighthouse's timeouts and the pause window by k, so the run stands for the "
                         "same job with a core per replica, slowed k times throughout")
+    p.add_argument("--cores", default=None,
+                   help="CPUs to pin the replicas to, one each in turn (e.g. 0-7): two jobs side by side on disjoint "
+                        "cores of one machine (default: every CPU, pinned only with more replicas than CPUs)")
+    p.add_argument("--report-name", default="goodput",
+                   help="with --report: write benchmarks/results/NAME.{md,json,png} (default goodput)")
+    p.add_argument("--machine", default="", help="the machine's name, recorded with each run for the report")
     args = p.parse_args()
-    RUNS = args.runs
+    RUNS, MACHINE = args.runs, args.machine
+    if args.cores is not None:
+        try:
+            CORES = parse_cores(args.cores)
+        except ValueError as e:
+            p.error(str(e))
+        missing = sorted(set(CORES) - os.sched_getaffinity(0))
+        if missing:
+            p.error(f"--cores {args.cores}: CPU(s) {missing} are not available here "
+                    f"(available: {sorted(os.sched_getaffinity(0))})")
     if args.run:
         strategy, mode = args.run
         if strategy not in STRATEGIES or mode not in MODES:
             p.error(f"--run STRATEGY MODE with STRATEGY in {list(STRATEGIES)} and MODE in {list(MODES)}")
         if args.replicas < 2:
             p.error(f"--replicas must be at least 2 (one to kill, one to go on), got {args.replicas}")
-        cores = os.cpu_count() or 1
+        cores = core_count()
         if args.replicas > cores and args.replicas % cores:
             p.error(f"--replicas {args.replicas} on {cores} cores: more replicas than cores run pinned the same number "
                     f"per core, so --replicas must be at most {cores} or a multiple of it")
@@ -636,7 +701,7 @@ def main() -> None:
         run_one(strategy, mode, steps, args.period, args.down, args.seed, args.limit, args.replicas,
                 args.keep, args.heartbeat_timeout_ms, dilation)
     if args.report:
-        report()
+        report(args.report_name)
 
 
 DEFAULT_STEPS = {"ddp": 1500, "diloco": 1500}
