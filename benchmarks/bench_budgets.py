@@ -56,7 +56,7 @@ def _agreement_worker(rank: int, world: int, port: int, checks: int, out: str) -
 
     s = quietsync.make_strategy("ddp", torch.nn.Linear(4, 4), torch.optim.SGD, lr=0.1)
     guard = NonFiniteGuard("stop", s)
-    watch = BudgetWatch(Budgets(10**9, max_time_s=1e9), s, guard.group)
+    watch = BudgetWatch(Budgets(10**9, max_time_s=1e9), s)
     for _ in range(BLOCK):  # warm-up
         watch.check(rank + 1, 0.0, None)
     blocks = []

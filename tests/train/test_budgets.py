@@ -56,7 +56,7 @@ def _agree(rank: int, world: int, budgets: list[Budgets], mine: list[tuple[int, 
     s = quietsync.make_strategy("ddp", model, torch.optim.SGD, lr=0.1)
     guard = NonFiniteGuard("stop", s)
     try:
-        watch = [BudgetWatch(b, s, guard.group) for b in budgets]
+        watch = [BudgetWatch(b, s) for b in budgets]
         tokens, time_s, loss = mine[rank]
         return [w.check(tokens, time_s, loss) for w in watch]
     finally:
@@ -248,7 +248,7 @@ def _count_agreements(rank: int, world: int, strategy: str, knobs: dict, steps: 
     s = quietsync.make_strategy(strategy, model, torch.optim.SGD, config=knobs or None, lr=0.1)
     guard = NonFiniteGuard("stop", s)
     try:
-        watch = BudgetWatch(Budgets(max_steps=steps, max_time_s=1e9), s, guard.group)
+        watch = BudgetWatch(Budgets(max_steps=steps, max_time_s=1e9), s)
         at = []
         for step in range(1, steps + 1):
             loss = model(torch.randn(8, 4)).pow(2).mean()

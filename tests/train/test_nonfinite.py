@@ -52,18 +52,16 @@ def _loop(rank: int, world: int, name: str, config: dict, poison: set, steps: in
           where: str = "loss") -> dict:
     """The trainer's loop on a toy model; micro-batch ``i`` of rank ``r`` has a NaN loss (``where="loss"``) or
     a finite loss with NaN gradients (``"gradient"``) when (i, r) in poison."""
-    import torch.distributed as dist
-
     s = quietsync.make_strategy(name, _model(), torch.optim.AdamW, config=config, lr=0.01)
     guard = NonFiniteGuard(policy, s, limit=3)
     i, skipped_at, on_guard = 0, [], [0]
-    real_all_reduce = dist.all_reduce
+    real_agree_rows = s.transport.agree_rows
 
-    def all_reduce(tensor, *args, group=None, **kwargs):  # counts the collectives on the guard's group
-        on_guard[0] += group is not None and group is guard.group
-        return real_all_reduce(tensor, *args, group=group, **kwargs)
+    def agree_rows(row):  # counts the guard's agreements (on the transport's control group)
+        on_guard[0] += s.world_size > 1
+        return real_agree_rows(row)
 
-    dist.all_reduce = all_reduce
+    s.transport.agree_rows = agree_rows
     try:
         while s.steps < steps:
             def loss_fn(model, batch, i=i):
@@ -87,7 +85,6 @@ def _loop(rank: int, world: int, name: str, config: dict, poison: set, steps: in
     except NonFiniteError as e:
         return {"error": str(e), "steps": s.steps}
     finally:
-        dist.all_reduce = real_all_reduce
         guard.close()
         s.close()
 

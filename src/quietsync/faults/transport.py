@@ -255,6 +255,12 @@ class FaultTolerantTransport(Transport):
             return float(value)
         return self._static.agree(value, op)
 
+    def agree_rows(self, row: Sequence[float]) -> list[list[float]]:
+        """Inside the replica group only, by its ranks: decisions across replicas are the quorum's (torchft's)."""
+        if self._static is None:
+            return [[float(v) for v in row]]
+        return self._static.agree_rows(row)
+
     def process_group(self, group: str) -> Any:
         if self._managed(group) or group == "world":
             raise RuntimeError(f"quietsync: group {group!r} has no fixed process group under --fault-tolerance "

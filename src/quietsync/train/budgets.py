@@ -13,8 +13,9 @@ Budgets (flags of :class:`~quietsync.train.config.TrainConfig`):
 The check runs once per committed step, after that step's evaluation (if one is due). Each worker's clock and
 token count differ (ACCO's workers feed different numbers of micro-batches, a slow worker's clock runs ahead),
 so the workers decide on values they all share: one all-reduce of a ``world x 3`` table (each worker fills its
-row: tokens fed, seconds since the start, its evaluation's loss) on the trainer's own gloo group (the non-finite
-guard's control plane, not link-emulated, not metered; its wait counts as idle time). From the table every
+row: tokens fed, seconds since the start, its evaluation's loss) on the transport's control group
+(:meth:`~quietsync.transport.groups.ProcessGroups.agree_rows`: not link-emulated, not metered; its wait counts as
+idle time). From the table every
 worker reads the same sums: tokens = the column's sum, time = the slowest clock (the largest), loss = rank 0's.
 So every worker stops after the same committed step, with nothing left waiting in a collective; the trainer
 then calls ``strategy.finish()``, which syncs or drains what is in flight. A step that finish will commit (the
@@ -40,8 +41,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 BUDGETS = ("target_loss", "max_tokens", "max_time_s", "max_steps")
 """Values of ``stopped_by`` in ``summary.json``, in the order that names a tie."""
@@ -97,16 +96,12 @@ class BudgetWatch:
 
     Args:
         budgets: the run's budgets.
-        strategy: this worker's strategy (its rank, world size, and ``waiting`` to book the wait as idle).
-        group: a gloo process group of all workers (the non-finite guard's); None with one worker.
+        strategy: this worker's strategy (its transport agrees; ``waiting`` books the wait as idle).
     """
 
-    def __init__(self, budgets: Budgets, strategy: Any, group: Any = None) -> None:
-        if strategy.world_size > 1 and budgets.agreed and group is None:
-            raise ValueError("BudgetWatch needs a process group of all workers to agree on the budgets")
+    def __init__(self, budgets: Budgets, strategy: Any) -> None:
         self.budgets = budgets
         self.strategy = strategy
-        self.group = group
         self.agreements = 0
         """All-reduces run so far (one per agreed check)."""
 
@@ -135,15 +130,8 @@ class BudgetWatch:
 
     def agree(self, tokens: int, time_s: float, eval_loss: float | None) -> tuple[float, float, float | None]:
         """``(tokens of all workers, the largest clock, rank 0's evaluation loss or None)``: one all-reduce."""
-        me, world = self.strategy.rank, self.strategy.world_size
-        table = torch.zeros(world, 3, dtype=torch.float64)
-        table[me] = torch.tensor([float(tokens), float(time_s), math.nan if eval_loss is None else eval_loss],
-                                 dtype=torch.float64)
-        if self.group is not None:
-            import torch.distributed as dist
-
-            # every other row is 0 on this worker, so a sum is each worker's row; NaN + 0 stays NaN
-            with self.strategy.waiting("budget_agree"):
-                dist.all_reduce(table, group=self.group)
-        loss0 = float(table[0, 2])
-        return float(table[:, 0].sum()), float(table[:, 1].max()), None if math.isnan(loss0) else loss0
+        row = [float(tokens), float(time_s), math.nan if eval_loss is None else eval_loss]
+        with self.strategy.waiting("budget_agree"):
+            table = self.strategy.transport.agree_rows(row)
+        loss0 = table[0][2]
+        return sum(r[0] for r in table), max(r[1] for r in table), None if math.isnan(loss0) else loss0

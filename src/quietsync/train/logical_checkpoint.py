@@ -143,7 +143,7 @@ def _group(strategy: Strategy) -> Any:
 
 
 def _no_dist(strategy: Strategy) -> bool:
-    return _group(strategy) is None and not torch.distributed.is_initialized()
+    return _group(strategy) is None and not strategy.transport.distributed()
 
 
 @contextmanager

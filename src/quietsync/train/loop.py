@@ -24,8 +24,8 @@ same autocast.
 Evaluation needs no communication: every worker evaluates the same held-out windows on its committed
 parameters (identical across workers for synchronous strategies) and logs the result; rank 0's is the one
 reported. The collectives the loop issues itself: the non-finite guard's agreements (one tiny all-reduce per
-round for strategies that drop rounds, one per checkpoint and one at the end, on a gloo group of its own), the
-budgets' agreement on the same group (one tiny all-reduce per committed step, only when --max-tokens,
+round for strategies that drop rounds, one per checkpoint and one at the end, on the transport's control
+group), the budgets' agreement on the same group (one tiny all-reduce per committed step, only when --max-tokens,
 --max-time-s or --target-loss is set) and one all-reduce of the totals after ``strategy.close()``, for the
 summary; and, for a strategy that can reshard, torch.distributed.checkpoint's own when a checkpoint's
 world-size-independent part is written or read (train/logical_checkpoint.py). Only rank 0 prints.
@@ -432,7 +432,7 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
 
     windows: list[list[int]] = []  # --audit: the windows fed since the last committed step
     guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
-    budgets = BudgetWatch(cfg.budgets(), strategy, guard.group)
+    budgets = BudgetWatch(cfg.budgets(), strategy)
     stopped_by = "max_steps" if clock.position(strategy.steps) >= cfg.max_steps else None  # a finished run
     profiler = StepProfiler(cfg.profile_steps, cfg.out, rank, device)
     skipped_before = sum(r.get("skipped_rounds", 0) for r in metrics.kept if "event" not in r)

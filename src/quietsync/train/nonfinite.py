@@ -9,8 +9,8 @@ Where it is checked depends on when a strategy commits:
   worker's gradients (``p.grad``) are checked, before anything of the round commits. Then:
 
   - ``skip``, and ``stop`` for strategies whose every step communicates anyway (ddp, zero1, fsdp, demo,
-    flexdemo): the workers **agree** — one all-reduce of one flag per rank on a small gloo group of the
-    trainer's own (not link-emulated, not counted in the bytes; its wait counts as idle time) — so every
+    flexdemo): the workers **agree** — one all-reduce of one flag per rank on the transport's control group
+    (``Transport.agree_rows``; not link-emulated, not counted in the bytes; its wait counts as idle time) — so every
     worker takes the same decision: ``stop`` raises :class:`NonFiniteError` on every worker naming the step
     and the ranks; ``skip`` drops the round on every worker (``Strategy.discard_round``: no commit, the lr
     schedule does not advance, the run still ends after ``--max-steps`` committed steps) and stops after
@@ -44,7 +44,6 @@ checks are agreed across workers, so all of them stop together.
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -153,8 +152,7 @@ def _ranks(ranks: list[int]) -> str:
 class NonFiniteGuard:
     """Applies the policy around one worker's ``forward_backward`` / ``step`` loop (see the module docstring).
 
-    Every worker of the job must build one (with more than one worker it creates a gloo group, a collective
-    call) and call :meth:`check_state` and :meth:`check_parameters` at the same points.
+    Every worker of the job must build one and call :meth:`check_state` and :meth:`check_parameters` at the same points.
 
     Args:
         policy: ``"stop"`` or ``"skip"``.
@@ -185,19 +183,6 @@ class NonFiniteGuard:
         self.skipped_since_commit = 0
         self._consecutive = 0
         self._round = RoundCheck()  # this round's micro-batch losses: any non-finite (on device)
-        self._group = None
-        world = strategy.world_size
-        if world > 1:
-            import torch.distributed as dist
-
-            timeout = datetime.timedelta(seconds=strategy.transport.timeout_s)
-            self._group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
-
-    @property
-    def group(self) -> Any:
-        """The guard's gloo group of all workers (None with one worker): the trainer's control plane, which the
-        budget agreement (:mod:`quietsync.train.budgets`) shares; torn down by :meth:`close`."""
-        return self._group
 
     # ------------------------------------------------------------------ the step loop
     def see(self, loss: torch.Tensor | None) -> None:
@@ -280,26 +265,13 @@ class NonFiniteGuard:
     def agree(self, code: int, idle: bool = False) -> list[int]:
         """Every worker's ``code`` (0: all finite), by rank; every worker gets the same list. With ``idle`` its
         wait counts as the strategy's idle time (in the step loop; elsewhere the caller pauses the accounting)."""
-        me, world = self.strategy.rank, self.strategy.world_size
-        if self._group is None:
-            return [code if r == me else 0 for r in range(world)]
-        import torch.distributed as dist
-
-        flags = torch.zeros(world, dtype=torch.int32)
-        flags[me] = code
+        transport = self.strategy.transport
         if idle:
             with self.strategy.waiting("nonfinite_agree"):
-                dist.all_reduce(flags, group=self._group)
+                rows = transport.agree_rows([code])
         else:
-            dist.all_reduce(flags, group=self._group)
-        return [int(c) for c in flags.tolist()]
+            rows = transport.agree_rows([code])
+        return [int(r[0]) for r in rows]
 
     def close(self) -> None:
-        if self._group is not None:
-            import torch.distributed as dist
-
-            try:
-                dist.destroy_process_group(self._group)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
-            self._group = None
+        """Nothing of its own to tear down: its agreements ran on the transport's control group."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -209,12 +210,36 @@ class ProcessGroups:
             return float(value)
         if self._closed:
             raise RuntimeError("the transport is closed")
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=ops[op], group=self._control_group())
+        return float(t)
+
+    def agree_rows(self, row: Sequence[float]) -> list[list[float]]:
+        """Every worker's ``row`` (the same length on each), by rank: one collective every worker makes at the same
+        point, on the control group of :meth:`agree` -- the one place the trainer's agreements (its budgets, its
+        non-finite policy) cross between workers. NaN travels as NaN."""
+        world, me = self.topology.world_size, self.topology.rank
+        table = torch.zeros(world, len(row), dtype=torch.float64)
+        table[me] = torch.tensor([float(v) for v in row], dtype=torch.float64)
+        if world > 1:
+            if self._closed:
+                raise RuntimeError("the transport is closed")
+            # every other row is 0 on this worker, so the sum is each worker's row (NaN + 0 stays NaN)
+            dist.all_reduce(table, group=self._control_group())
+        return table.tolist()
+
+    def _control_group(self) -> Any:
+        """The gloo group of the agreements, created on first use (every worker calls at the same point)."""
         if self._control is None:
             self._control = dist.new_group(list(range(self.topology.world_size)), backend="gloo",
                                            timeout=self._timeout)
-        t = torch.tensor([float(value)], dtype=torch.float64)
-        dist.all_reduce(t, op=ops[op], group=self._control)
-        return float(t)
+        return self._control
+
+    @staticmethod
+    def distributed() -> bool:
+        """Whether torch.distributed's default process group exists in this process (set up by a transport, a
+        launcher or the user): what torch components that fall back on it (DCP) will use."""
+        return dist.is_available() and dist.is_initialized()
 
     def group_size(self, group: str) -> int:
         return len(self._ranks(group))
