@@ -273,13 +273,6 @@ def _why_not(s: Scored) -> str:
     return f"{head} — " + ("; ".join(e.notes) if e.notes else "its curve flattens above the target")
 
 
-def fmt_knob(v: Any) -> str:
-    """``0.0009765625`` → ``1/1024``; other values as they are."""
-    if isinstance(v, float) and 0 < v < 1 and abs(1 / v - round(1 / v)) < 1e-9:
-        return f"1/{round(1 / v)}"
-    return str(v)
-
-
 __all__ = ["EXACT", "HETEROGENEOUS", "TRY_FIRST", "Advice", "Recommendation", "Scored", "advise",
-           "best_per_strategy", "diagnosis", "fmt_duration", "fmt_interval", "fmt_knob",
+           "best_per_strategy", "diagnosis", "fmt_duration", "fmt_interval",
            "versus_baseline"]

@@ -211,10 +211,6 @@ def _files_of(path: Path, dataset: str) -> list[Path]:
     return files
 
 
-def _suffix_kind(path: Path) -> SourceKind:
-    return SUFFIXES.get(path.suffix.lower(), "text")
-
-
 # ---------------------------------------------------------------------------------------------------- text
 
 
