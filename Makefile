@@ -12,6 +12,8 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist; 0 = in this process). Many tests wait on workers they start or on timeouts, so
 # two test processes finish sooner than one even on two cores.
 PYTEST_WORKERS ?= 2
+# The test order is shuffled on every run (pytest-randomly prints its seed): PYTEST_ARGS="-p randomly
+# --randomly-seed=N" repeats an order, PYTEST_ARGS="-p no:randomly" keeps the files' own order.
 
 .PHONY: install demo train test lint bench clean gpu-check
 

@@ -2,9 +2,9 @@
 
 The corpora are built from the King James Bible (the embedded one): its 31 102 verses, shuffled anew on every
 pass and repeated, one verse per line, in text files of at most 128 MB (``corpus``); never committed — build them
-under /work/bigdata or /tmp. Each measurement is its own sub-command, so each can run under its own
-``cpulock exclusive`` acquisition; each writes its part of ``results/data.json``, and ``report`` writes
-``results/data.md`` from it.
+in a scratch folder of your own (``DIR`` below). Each measurement is its own sub-command, so each can run alone on an
+otherwise idle machine; each writes its part of ``results/data.json``, and ``report`` writes ``results/data.md``
+from it.
 
 1. ``corpus --bytes N --out DIR``: write the corpus.
 2. ``prepare --dataset DIR --out PREP``: ``quietsync prepare`` with the default tokenizer (byte-level BPE, 4096
@@ -25,9 +25,9 @@ under /work/bigdata or /tmp. Each measurement is its own sub-command, so each ca
 5. ``first-step --prepared PREP [PREP ...]``: seconds from starting ``quietsync train --dataset PREP`` (2 workers,
    ``--model default``) to rank 0's first step record, alternating over the folders, ``--repeats`` times.
 
-    python benchmarks/bench_data.py corpus --bytes 10e6 --out /work/bigdata/bible-10mb
-    python benchmarks/bench_data.py corpus --bytes 1.1e9 --out /work/bigdata/bible-1gb
-    /work/bin/cpulock exclusive python benchmarks/bench_data.py prepare --dataset /work/bigdata/bible-1gb ...
+    python benchmarks/bench_data.py corpus --bytes 10e6 --out data/bible-10mb
+    python benchmarks/bench_data.py corpus --bytes 1.1e9 --out data/bible-1gb
+    python benchmarks/bench_data.py prepare --dataset data/bible-1gb ...
     python benchmarks/bench_data.py report
 """
 
@@ -39,6 +39,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -363,11 +364,11 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--name", required=True)
     s.add_argument("--steps", type=int, default=200)
     s.add_argument("--repeats", type=int, default=3)
-    s.add_argument("--work", default="/tmp/bench-data")
+    s.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "bench-data"))
     f = sub.add_parser("first-step")
     f.add_argument("--prepared", nargs="+", required=True)
     f.add_argument("--repeats", type=int, default=3)
-    f.add_argument("--work", default="/tmp/bench-data")
+    f.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "bench-data"))
     sub.add_parser("report")
     args = parser.parse_args(argv)
     if args.cmd == "corpus":

@@ -36,8 +36,8 @@ Seeds: seed 0 for every setting on every link, then seeds 1 and 2 for the rows t
 baseline (ddp) and the best low-communication rows (fewest bytes to the target, fastest to it on each link).
 
 The sweep is resumable: every run writes its record under ``--work`` (default ``runs/equal_loss``) and is not
-re-run while its record exists for the same job. Each run can be wrapped (``--wrap "/work/bin/cpulock
-exclusive"``) so that a shared machine's lock is held per run, not for the whole sweep.
+re-run while its record exists for the same job. Each run can be wrapped in a command prefix (``--wrap "taskset -c
+0,1"``), e.g. a shared machine's lock held per run, not for the whole sweep.
 
     python benchmarks/bench_equal_loss.py --quick      # 4 settings, one emulated link, low target (minutes)
     python benchmarks/bench_equal_loss.py --pilot      # the baseline's lr sweep that sets lr, tokens and target
@@ -629,7 +629,7 @@ def seeds_note(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
 
 
 def wrapped(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
-    """How the runs held the machine: ``each run under `cpulock exclusive``` or a count per wrap."""
+    """How the runs held the machine: ``each run alone on the machine's cores`` or a count per wrap."""
     wraps: dict[str, int] = {}
     for lk in records.values():
         for rs in lk.values():
@@ -639,7 +639,7 @@ def wrapped(records: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
                 w = " ".join(Path(r.get("wrap", [""])[0]).name.split() + r.get("wrap", [])[1:]) if r.get("wrap") else ""
                 wraps[w] = wraps.get(w, 0) + 1
     if list(wraps) == ["cpulock exclusive"]:
-        return "each run alone on the machine's cores: `cpulock exclusive` held per run"
+        return "each run alone on the machine's cores (nothing else running)"  # the records' lock: all cores
     return ", ".join(f"{n} run(s) " + (f"under `{w}`" if w else "unwrapped") for w, n in wraps.items())
 
 
@@ -868,7 +868,7 @@ def main() -> None:
     ap.add_argument("--extra-seeds", type=int, default=2, help="more seeds for the headline rows (default 2)")
     ap.add_argument("--list", action="store_true", help="print the settings (specs) and exit")
     ap.add_argument("--work", type=Path, default=Path("runs/equal_loss"), help="records and run folders")
-    ap.add_argument("--wrap", default="", help='command prefix of every run, e.g. "/work/bin/cpulock exclusive"')
+    ap.add_argument("--wrap", default="", help='command prefix of every run, e.g. "taskset -c 0,1"')
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

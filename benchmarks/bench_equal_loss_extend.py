@@ -5,7 +5,7 @@ included); a setting that stops there without reaching the target gives the plan
 (``bench_time_to_target.py``) only a lower bound on its time to the target. This runs the same ``quietsync train``
 flags as that run's record — the same job, link, seed and evaluations — with larger caps, and records the result
 beside the others in ``results/equal_loss_extended.{json,md}`` (one entry per link and setting, the latest run
-kept). Run each alone (``--wrap "/work/bin/cpulock exclusive"``), as the equal-loss runs were.
+kept). Run each alone (``--wrap "taskset -c 0,1"``), as the equal-loss runs were.
 
     python benchmarks/bench_equal_loss_extend.py --record RUNS/job-*/1gbit/dpu-seed0.json --tokens 20000000 \\
         --time-s 1500 --out runs/extend
@@ -86,9 +86,9 @@ def write(entry: dict[str, Any]) -> None:
         "link", "setting", "seed", "the capped run", "caps now", "reached", "tokens to target",
         "training s to target"], rows,
         "Each the same `quietsync train` flags as the capped run's record (job, link, seed, evaluations), with larger "
-        "caps, alone under `cpulock exclusive`. Adaptive settings (ACCO/DPU/WP stages follow the timing) take a "
+        "caps, alone on an otherwise idle machine. Adaptive settings (ACCO/DPU/WP stages follow the timing) take a "
         "different trajectory from run to run.\n\nReproduce: `python benchmarks/bench_equal_loss_extend.py --record "
-        "RECORD --tokens N --time-s S --wrap \"/work/bin/cpulock exclusive\"`.")
+        "RECORD --tokens N --time-s S --wrap \"taskset -c 0,1\"`.")
 
 
 def main() -> None:
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, required=True, help="new token cap (all workers)")
     ap.add_argument("--time-s", type=float, required=True, help="new wall-time cap (s, evaluations included)")
     ap.add_argument("--out", type=Path, default=Path("runs/extend"), help="folder for the run")
-    ap.add_argument("--wrap", default="", help='command prefix of the run, e.g. "/work/bin/cpulock exclusive"')
+    ap.add_argument("--wrap", default="", help='command prefix of the run, e.g. "taskset -c 0,1"')
     ap.add_argument("--reuse", action="store_true",
                     help="measure the run already in --out (made with these flags) instead of running it again")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

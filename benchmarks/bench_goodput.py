@@ -52,7 +52,7 @@ later, heartbeat 8 s): the 8-replica job of ~180 core-equivalent seconds that 8 
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
 
     for s in ddp diloco; do for m in plain torchft-free elastic torchft; do
-        /work/bin/cpulock exclusive .venv/bin/python benchmarks/bench_goodput.py --run $s $m; done; done
+        .venv/bin/python benchmarks/bench_goodput.py --run $s $m; done; done
     .venv/bin/python benchmarks/bench_goodput.py --report
 
 Runs land in ``runs/goodput/RUN.json``; ``--report`` writes ``benchmarks/results/goodput.{md,json,png}``.

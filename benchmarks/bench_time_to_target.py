@@ -7,8 +7,8 @@ each link it
 
 1. runs ``quietsync plan`` on the same job — model, 2 workers as 2 nodes with one torch thread each, micro-batch,
    AdamW lr and warm-up then constant lr, the link — with ``--target-loss`` (the equal-loss target) and
-   ``--pilot-tokens N``, so its pilots really run and what they cost is measured (each plan under
-   ``cpulock exclusive``, one acquisition per plan); the shaped link is first probed from inside its two network
+   ``--pilot-tokens N``, so its pilots really run and what they cost is measured (each plan alone on an otherwise
+   idle machine, or under ``--wrap``); the shaped link is first probed from inside its two network
    namespaces (``quietsync plan`` there, no pilots) and the plan is then made with the α-β link the probe fitted
    (pilots launch local workers: not under the namespaces' torchrun-style ranks);
 2. joins the plan's rows to the equal-loss records by setting (specs normalized by
@@ -163,7 +163,7 @@ def probe_shaped(job: dict[str, Any], work: Path) -> str:
 
 
 def run_plan(argv: list[str], wrap: list[str], timeout: float) -> float:
-    """``quietsync plan ARGV`` in a child process under ``wrap`` (the CPU lock); returns its wall seconds."""
+    """``quietsync plan ARGV`` in a child process under ``wrap`` (a command prefix); returns its wall seconds."""
     t0 = time.perf_counter()
     subprocess.run([*wrap, sys.executable, "-m", "quietsync", *argv], check=True, timeout=timeout)
     return time.perf_counter() - t0
@@ -240,8 +240,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="judge against equal_loss_quick.json")
     ap.add_argument("--pilot-tokens", type=int, required=True, help="--pilot-tokens of every plan")
     ap.add_argument("--links", nargs="+", default=None, help="links of equal_loss.json to plan (default: all)")
-    ap.add_argument("--wrap", default="/work/bin/cpulock exclusive",
-                    help="command each plan runs under (the CPU lock; '' for none)")
+    ap.add_argument("--wrap", default="",
+                    help="command prefix each plan runs under, e.g. 'taskset -c 0,1' (default: none; run the "
+                         "benchmark on an otherwise idle machine)")
     ap.add_argument("--work", default=None, help="folder for the plans (default: a temporary one)")
     ap.add_argument("--reuse", action="store_true",
                     help="judge the plans already in --work against the current equal-loss records (no new plan)")

@@ -1,8 +1,57 @@
-"""Fixtures for the whole suite."""
+"""Fixtures for the whole suite.
+
+Every test leaves the process as it found it (:func:`_restore_process_state`), so the suite passes in any order
+(``make test`` shuffles it: pytest-randomly).
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_OWN = (ROOT / "src", ROOT / "tests")
+
+
+def _loaded_from_a_script(module: object) -> bool:
+    """A module a test loaded from a file of this checkout that no package owns (``examples/custom_strategy.py``,
+    a benchmark script): importing it again must run it again, as in a fresh process."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return False
+    path = Path(path).resolve()
+    return path.is_relative_to(ROOT) and not any(path.is_relative_to(own) for own in _OWN)
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state() -> Iterator[None]:
+    """Put back what a test may change for the rest of its process: the strategy registry (the example registers
+    ``signsgd``), the modules it loaded from example or benchmark scripts, the environment, torch's default dtype,
+    thread count and CPU random state (a test draws the same numbers whatever ran before it)."""
+    import torch
+
+    from quietsync.strategies.registry import restored
+
+    modules = set(sys.modules)
+    environ = dict(os.environ)
+    dtype, threads, rng = torch.get_default_dtype(), torch.get_num_threads(), torch.random.get_rng_state()
+    with restored():
+        yield
+    for name in [n for n in sys.modules if n not in modules and _loaded_from_a_script(sys.modules[n])]:
+        del sys.modules[name]
+    for key in [k for k in os.environ if k not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+    torch.set_default_dtype(dtype)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    torch.random.set_rng_state(rng)
 
 
 @pytest.fixture

@@ -1,14 +1,20 @@
 """The house is layered: drawn from its imports (every import, those inside functions and under TYPE_CHECKING
 too), ``src/quietsync`` has no circle of modules, no circle between the rooms of any folder (an import that
-runs back up a floor), and the floors stand in the order the design names: the ground kit (transport, codecs,
-models, the cost vocabulary, the command-line kit) below the strategies, the strategies below the trainer, the
-trainer below the planner (whose pilots are training runs), and both below the commands (``quietsync``,
-``quietsync compare``). ``tests/strategies/test_contract.py`` holds the same line inside ``strategies/``
-(no family imports another)."""
+runs back up a floor), and every module stands on a floor (:data:`FLOORS`) with no import from a lower floor to a
+higher one: the leaves (topology, link, events) under the transport and the models, under the communication
+worker, under the flat buffers, the wire, the cost vocabulary and the command-line kit, under the optimizers,
+the strategies, fault tolerance, the front doors (Accelerate, Trainer, ``QuietOptimizer``), the trainer, the
+planner (whose pilots are training runs), the commands (``quietsync``, ``quietsync compare``), the GPU check and,
+on top, the package's face. ``docs/contract.md`` draws the same floors (checked here), and ``import quietsync``
+loads no floor it does not use (not the planner). ``tests/strategies/test_contract.py`` holds the same line
+inside ``strategies/`` (no family imports another)."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -104,17 +110,6 @@ def _rooms(edges: Edges) -> dict[str, dict[tuple[str, str], list[str]]]:
     return out
 
 
-def _reaches(edges: Edges, start: Iterable[str]) -> set[str]:
-    seen, todo = set(), list(start)
-    while todo:
-        v = todo.pop()
-        for w in edges.get(v, {}):
-            if w not in seen:
-                seen.add(w)
-                todo.append(w)
-    return seen
-
-
 EDGES = _imports(_modules())
 
 
@@ -136,27 +131,137 @@ def test_no_import_runs_back_up_in_any_folder():
     assert not problems, problems
 
 
-# lower floor -> the rooms it must never reach (through any chain of imports)
-NEVER = {
-    "quietsync.transport": ("quietsync.strategies", "quietsync.cost", "quietsync.plan", "quietsync.train"),
-    "quietsync.wire.codecs": ("quietsync.strategies", "quietsync.plan", "quietsync.train"),
-    "quietsync.models": ("quietsync.strategies", "quietsync.cost", "quietsync.plan", "quietsync.train"),
-    "quietsync.cost": ("quietsync.strategies", "quietsync.plan", "quietsync.train"),
-    "quietsync.cli": ("quietsync.strategies", "quietsync.plan", "quietsync.train"),
-    "quietsync.strategies": ("quietsync.plan", "quietsync.train", "quietsync.cli", "quietsync.commands",
-                             "quietsync.faults"),
-    "quietsync.faults": ("quietsync.plan", "quietsync.train", "quietsync.commands"),
-    "quietsync.train": ("quietsync.plan", "quietsync.commands"),
-    "quietsync.plan": ("quietsync.commands",),
+FACE = "quietsync"
+FLOORS: dict[str, int] = {
+    FACE: 13,  # the package's __init__: re-exports from the floors below, each loaded on first use
+    "quietsync.__main__": 12, "quietsync.gpu_check": 12,
+    "quietsync.commands": 11,
+    "quietsync.plan": 10,
+    "quietsync.train": 9,
+    "quietsync.accelerate": 8, "quietsync.hf_trainer": 8, "quietsync.quiet_optimizer": 8,
+    "quietsync.faults": 7,
+    "quietsync.strategies": 6,
+    "quietsync.optim": 5,
+    "quietsync.flat": 4, "quietsync.wire": 4, "quietsync.cost": 4, "quietsync.cli": 4,
+    "quietsync.comm_worker": 3,
+    "quietsync.transport": 2, "quietsync.models": 2,
+    "quietsync.topology": 1, "quietsync.link": 1, "quietsync.events": 1, "quietsync.validate": 1,
+    "quietsync.activation_memory": 1, "quietsync._versions": 1,
 }
+"""Module prefix (a room: a package or a module) -> its floor; an import may go down or stay on its floor, never up.
+The face (``quietsync`` itself) is that one module only; every other room holds the modules under it."""
 
 
-@pytest.mark.parametrize("low", sorted(NEVER))
-def test_a_lower_floor_never_reaches_a_higher_one(low):
-    inside = [m for m in EDGES if m == low or m.startswith(low + ".")]
-    reached = _reaches(EDGES, inside)
-    bad = sorted(m for m in reached for high in NEVER[low] if m == high or m.startswith(high + "."))
-    assert not bad, f"{low} reaches {bad}"
+def floor_of(module: str, floors: dict[str, int] = FLOORS) -> int:
+    """The floor of ``module``: that of the longest prefix naming it; KeyError for a module on no floor."""
+    rooms = [p for p in floors if module == p or (p != FACE and module.startswith(p + "."))]
+    if not rooms:
+        raise KeyError(f"{module} stands on no floor: add its room to FLOORS (and to docs/contract.md's drawing)")
+    return floors[max(rooms, key=len)]
+
+
+def upward(edges: Edges, floors: dict[str, int] = FLOORS) -> list[str]:
+    """Every import in ``edges`` from a lower floor to a higher one, as ``importer:line (floor) -> imported
+    (floor)``."""
+    out = []
+    for a, targets in sorted(edges.items()):
+        for b, lines in sorted(targets.items()):
+            low, high = floor_of(a, floors), floor_of(b, floors)
+            if high > low:
+                out.append(f"{a}:{lines[0]} (floor {low}) -> {b} (floor {high})")
+    return out
+
+
+def test_every_module_stands_on_a_floor():
+    missing = []
+    for module in EDGES:
+        try:
+            floor_of(module)
+        except KeyError as e:
+            missing.append(str(e))
+    assert not missing, missing
+    gone = [p for p in FLOORS if not any(m == p or m.startswith(p + ".") for m in EDGES)]
+    assert not gone, gone  # no floor for a room that is gone
+
+
+def test_no_import_runs_up_a_floor():
+    assert upward(EDGES) == []
+
+
+PLANTED = [("quietsync.comm_worker", "quietsync.wire.exchange"), ("quietsync.transport.transport",
+                                                                   "quietsync.comm_worker"),
+           ("quietsync.flat", "quietsync.optim"), ("quietsync.topology", "quietsync.models")]
+"""Four imports that would run up a floor (the communication worker into the wire, the transport into the
+communication worker, the flat buffers into the optimizers, the topology into the models)."""
+
+
+@pytest.mark.parametrize("low,high", PLANTED)
+def test_an_import_planted_up_a_floor_is_caught(low, high):
+    assert low in EDGES and high in EDGES and high not in EDGES[low]  # real modules, not an import they have
+    planted = {a: dict(t) for a, t in EDGES.items()}
+    planted[low][high] = [1]
+    found = upward(planted)
+    assert len(found) == 1 and found[0].startswith(f"{low}:1 (floor ") and f"-> {high} (floor " in found[0], found
+    assert upward({low: {high: [7]}}) == [found[0].replace(":1 ", ":7 ")]  # a function of the edges it is given
+
+
+def test_a_module_on_no_floor_is_named():
+    with pytest.raises(KeyError, match="quietsync.annex stands on no floor"):
+        upward({"quietsync.annex": {"quietsync.topology": [1]}})
+    assert floor_of("quietsync.strategies.baselines.ddp") == floor_of("quietsync.strategies") == 6
+    assert floor_of(FACE) == 13 and floor_of("quietsync.commands.main") == 11
+
+
+CONTRACT = Path(__file__).resolve().parents[1] / "docs" / "contract.md"
+
+
+def drawn_floors(text: str) -> dict[str, int]:
+    """The floors docs/contract.md draws: in its Layers drawing, every ``quietsync/...`` path after a line that
+    begins ``floor N`` (and before the next) stands on floor N; {module prefix: N} (``quietsync/__init__.py`` is
+    the face)."""
+    drawing = text.split("## Layers", 1)[1].split("```", 2)[1]
+    out: dict[str, int] = {}
+    floor = None
+    for line in drawing.splitlines():
+        match = re.match(r"\s*floor\s+(\d+)\s", line)
+        floor = int(match.group(1)) if match else floor
+        for path in re.findall(r"quietsync/[\w/.]*", line):
+            assert floor is not None, f"{path} is drawn above every floor"
+            name = path.rstrip("/").removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+            out[name] = floor
+    return out
+
+
+def test_the_contract_draws_the_same_floors():
+    drawn = drawn_floors(CONTRACT.read_text())
+    assert drawn == FLOORS, {k: (drawn.get(k), FLOORS.get(k)) for k in set(drawn) | set(FLOORS)
+                             if drawn.get(k) != FLOORS.get(k)}
+
+
+def test_a_drawing_that_drifts_is_caught():
+    text = CONTRACT.read_text()
+    moved = text.replace("floor  3  quietsync/comm_worker.py", "floor  1  quietsync/comm_worker.py", 1)
+    assert moved != text and drawn_floors(moved)["quietsync.comm_worker"] == 1 != FLOORS["quietsync.comm_worker"]
+
+
+def _loaded_by(statement: str) -> list[str]:
+    """The quietsync modules a fresh interpreter has loaded after ``statement``."""
+    code = f"import sys; {statement}; print(' '.join(m for m in sys.modules if m.split('.')[0] == 'quietsync'))"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": src, "PATH": ""}, check=True)
+    return out.stdout.split()
+
+
+@pytest.mark.timeout(300)
+def test_import_quietsync_loads_no_floor_it_does_not_use():
+    face = _loaded_by("import quietsync")
+    assert "quietsync.plan" not in face and "quietsync.strategies" not in face, face
+    topology = _loaded_by("import quietsync.topology")
+    assert sorted(topology) == ["quietsync", "quietsync._versions", "quietsync.topology"], topology
+    used = _loaded_by("import quietsync; quietsync.make_strategy")  # a name loads its own floor, not the planner
+    assert "quietsync.strategies" in used and "quietsync.plan" not in used
+    assert "quietsync.plan" in _loaded_by("import quietsync; quietsync.plan")  # still there, on first use
 
 
 def test_the_checks_can_fail():
@@ -166,4 +271,3 @@ def test_the_checks_can_fail():
     rooms = _rooms(edges)
     assert rooms == {"q": {("a", "b"): ["q.a.x:3 -> q.b.y"], ("b", "a"): ["q.b.y:7 -> q.a.z"]}}
     assert _circles(["a", "b"], {"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
-    assert "quietsync.strategies.base" in _reaches(EDGES, ["quietsync.strategies.baselines.ddp"])

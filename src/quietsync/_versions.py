@@ -8,6 +8,9 @@ import warnings
 
 import torch
 
+__version__ = "0.1.0"
+"""quietsync's own version (re-exported as ``quietsync.__version__``)."""
+
 TORCH_MIN = (2, 13)
 """The oldest torch the suite runs on (FSDP2's custom collectives; the flat collectives' names)."""
 

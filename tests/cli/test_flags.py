@@ -90,6 +90,18 @@ def test_build_config_names_the_flag():
     assert flag_message("something else failed", ["link"]) == (None, "something else failed")
 
 
+def test_a_message_names_the_flags_a_user_types():
+    fields = ["target_loss", "pilot_tokens", "what_if", "budget_s"]
+    assert flag_message("target_loss needs pilot_tokens N in a measured plan, or what_if", fields) == (
+        "--target-loss", "--target-loss needs --pilot-tokens N in a measured plan, or --what-if")
+    assert flag_message("budget_s must be > 0 or None, got -1", fields)[1] == \
+        "--budget-s must be > 0 (or leave the flag out), got -1"
+    # a spec's key, a path and a word that is no field stay as they are; outside the CLI "or None" stays
+    assert flag_message("--strategies diloco:pilot_tokens=0 in /runs/what_if/x: no_such thing", fields)[1] == \
+        "--strategies diloco:pilot_tokens=0 in /runs/what_if/x: no_such thing"
+    assert flag_message("n must be >= 0 or None, got -1", fields) == (None, "n must be >= 0 or None, got -1")
+
+
 def test_train_config_defaults_are_the_embedded_job():
     cfg = TrainConfig()
     assert cfg.strategy == DEFAULT_STRATEGY == "zero1" and cfg.dataset == "kjv" and cfg.nproc == 2
@@ -137,7 +149,7 @@ def test_every_registered_strategy_gets_its_flags():
                           "(the hub is offline here), got 'huge'"),
     (["--seq-len", "4096"], "--seq-len must be <= 256 for --model default"),
     (["--nproc", "4", "--nodes", "3"], "--nodes must be a positive divisor of the 4 workers, got 3"),
-    (["--nodes", "0"], "--nodes must be an integer >= 1 or None, got 0"),
+    (["--nodes", "0"], "--nodes must be an integer >= 1 (or leave the flag out), got 0"),
     (["--vocab-size", "100"], "--vocab-size must be an integer >= 257, got 100"),
     (["--eval-fraction", "0.5"], "--eval-fraction must be in (0, 0.5), got 0.5"),
     (["--timeout-s", "nan"], "--timeout-s must be > 0, got nan"),

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from quietsync.faults.inject import PAUSE_ENV
 from quietsync.train.checkpoint import latest_checkpoint, load_checkpoint
 from quietsync.train.metrics import read_jsonl
 from tests.distributed import interruptible
@@ -36,11 +37,6 @@ pytestmark = pytest.mark.timeout(300)
 STEPS = 16
 SAVE_EVERY = 4
 TIMEOUT_S = 10
-SLOWED = ["--slow-worker", "0:10"]
-"""Interrupted runs: worker 0 sleeps 9x its compute after each micro-batch (timing only: the same trajectory), so
-the job is still running for many step times after its first checkpoint, when the test interrupts it, even if
-the test process is starved of CPU meanwhile; and the victim, worker 1, mostly waits on worker 0 in a
-collective."""
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 JOBS = {"zero1": ["--strategy", "zero1"],
         "acco": ["--strategy", "acco", "--deterministic-accumulation", "1"]}
@@ -91,66 +87,39 @@ def _losses(out: Path) -> dict[int, list[tuple[int, float]]]:
             for r in (0, 1)}
 
 
-def _start(job: str, out: Path, corpus) -> tuple[subprocess.Popen, dict[int, int]]:
-    """Start a run; once a checkpoint exists (so there is one to resume), freeze its two workers (SIGSTOP) and
-    return the launcher and ``{rank: pid}``. The caller signals what it tests, then :func:`_thaw` s them.
+class _Held:
+    """A ``quietsync train`` run whose two workers wait after their first checkpoint (``QUIETSYNC_PAUSE``,
+    quietsync.faults.inject): ``proc`` its launcher, ``ranks`` each worker's pid, written by the worker itself."""
 
-    Frozen at once because the test process may be starved of CPU for seconds on a loaded machine: the run must
-    not end between the checkpoint appearing and the test's signal. A worker is a spawned process that holds its
-    metrics file open; other spawned processes (or one already exited, not yet reaped) are left alone — CI once
-    caught such a process among the two it took for the workers."""
-    proc = subprocess.Popen(_cmd(job, out, corpus, *SLOWED), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env(), preexec_fn=interruptible)
+    def __init__(self, proc: subprocess.Popen, folder: Path, ranks: dict[int, int]) -> None:
+        self.proc, self.folder, self.ranks = proc, folder, ranks
+
+    def release(self, *ranks: int) -> None:
+        """Let these workers go on (a dead or frozen one simply does not)."""
+        for r in ranks:
+            (self.folder / f"go-rank{r}").touch()
+
+
+def _start(job: str, out: Path, corpus) -> _Held:
+    """Start a run and wait until both workers hold after step SAVE_EVERY and its checkpoint (so there is one to
+    resume); return the held run. The caller signals what it tests, then releases the workers.
+
+    Events, not timing: each worker writes its own pid when it gets there and waits for the test, so the test
+    knows which process is which worker, and the run cannot end, or move on, however long the test process is
+    starved of CPU on a loaded machine."""
+    folder = out.parent / "pause"
+    folder.mkdir(parents=True)
+    env = {**_env(), PAUSE_ENV: f"{SAVE_EVERY}:{folder}"}
+    proc = subprocess.Popen(_cmd(job, out, corpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, preexec_fn=interruptible)
     deadline = time.monotonic() + 120
-    seen: dict[int, int] = {}
-    while True:
+    files = [folder / f"rank{r}.pid" for r in (0, 1)]
+    while not all(f.exists() for f in files):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no checkpoint with both workers within 120 s (workers seen: {seen})"
-        if latest_checkpoint(out, [0, 1]) is not None:
-            spawned = [p for p in _descendants(proc.pid) if "spawn_main" in _cmdline(p) and _alive(p)]
-            for p in spawned:
-                os.kill(p, signal.SIGSTOP)
-            seen = {r: p for p in spawned if (r := _rank_of(p)) is not None}
-            _thaw([p for p in spawned if p not in seen.values()])
-            if sorted(seen) == [0, 1]:
-                break
-            _thaw(seen.values())
+        assert time.monotonic() < deadline, "the workers did not reach their first checkpoint within 120 s"
         time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before its workers were frozen"
-    return proc, seen
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return ""
-
-
-def _thaw(pids) -> None:
-    """SIGCONT each frozen worker still there."""
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-
-def _rank_of(pid: int) -> int | None:
-    """A worker's rank, from the metrics file it holds open (its RANK is set after exec, not in /proc); None for a
-    process that holds none."""
-    try:
-        fds = list(Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return None
-    for fd in fds:
-        try:
-            name = os.readlink(fd)
-        except OSError:
-            continue
-        if "metrics-rank" in name:
-            return int(name.rsplit("metrics-rank", 1)[1].split(".")[0])
-    return None
+    assert latest_checkpoint(out, [0, 1]) is not None
+    return _Held(proc, folder, {r: int(f.read_text()) for r, f in enumerate(files)})
 
 
 def _ends(proc: subprocess.Popen, pids: list[int], within: float) -> tuple[int, str]:
@@ -183,15 +152,16 @@ def _resume_matches_reference(job: str, out: Path, corpus, reference) -> None:
 
 
 def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, reference, *, named: bool) -> float:
-    """Signal worker ``rank``; check the job ends as promised and resumes exactly; return the seconds from the
-    signal to the launcher's exit."""
+    """Signal worker ``rank`` where it holds after its first checkpoint, then release the others into their next
+    step, where they meet it in a collective; check the job ends as promised and resumes exactly; return the
+    seconds from the signal to the launcher's exit."""
     out = tmp_path / "run"
-    proc, ranks = _start(job, out, corpus)
-    pids, victim = list(ranks.values()), ranks[rank]
+    run = _start(job, out, corpus)
+    pids, victim = list(run.ranks.values()), run.ranks[rank]
     t0 = time.monotonic()
     os.kill(victim, sig)
-    _thaw([p for p in pids if p != victim or sig != signal.SIGSTOP])  # a SIGSTOPped victim stays frozen
-    code, err = _ends(proc, pids, within=TIMEOUT_S + 30)
+    run.release(*[r for r in run.ranks if r != rank])  # a signalled victim never goes on by itself
+    code, err = _ends(run.proc, pids, within=TIMEOUT_S + 30)
     elapsed = time.monotonic() - t0
     if sig == signal.SIGSTOP:
         os.kill(victim, signal.SIGKILL) if _alive(victim) else None
@@ -207,7 +177,7 @@ def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, ref
 
 @pytest.mark.parametrize("job", list(JOBS))
 def test_kill_9_of_a_worker_stops_the_job_names_it_and_the_run_resumes_exactly(job, tmp_path, corpus, reference):
-    """acco: the victim dies with its communication thread mid-collective (it runs every step)."""
+    """acco: the victim dies with its communication thread running (it runs every step)."""
     _kill_worker(job, signal.SIGKILL, 1, tmp_path, corpus, reference, named=True)
 
 
@@ -228,14 +198,12 @@ def test_sigstop_of_a_worker_is_caught_by_the_timeout(tmp_path, corpus, referenc
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_the_launcher_killed_takes_every_worker_with_it(sig, tmp_path, corpus, reference):
     """kill -9 of `quietsync train` (the kernel signals the orphaned workers) and Ctrl-C (the launcher stops
-    them). Checkpoints are written every SAVE_EVERY steps, so a signal may land inside a write: what is left
-    loads."""
+    them), while both workers hold after their first checkpoint: every process is gone, and the run resumes
+    from that checkpoint exactly."""
     out = tmp_path / "run"
-    proc, ranks = _start("zero1", out, corpus)
-    pids = list(ranks.values())
-    proc.send_signal(sig)
-    _thaw(pids)
-    code, _ = _ends(proc, pids, within=20)
+    run = _start("zero1", out, corpus)
+    run.proc.send_signal(sig)
+    code, _ = _ends(run.proc, list(run.ranks.values()), within=20)
     assert code != 0
     _resume_matches_reference("zero1", out, corpus, reference)
 

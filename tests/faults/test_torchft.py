@@ -158,10 +158,22 @@ def test_diloco_survivor_commits_the_outer_sync_alone_and_the_returning_replica_
     assert len(merged(sync)["committed"]) == 8 and len(merged(sync)["given_back"]) == 8  # 4 steps x 2 windows
     returned = records(out, 1)
     assert returned[-1]["healed"] == 1 and returned[-1]["members"] == [0, 1]
+    # the closing line (printed by replica group 0, which led the end) names the group that healed, not its own
+    closing = (tmp_path / "replica0.0.log").read_text()
+    assert "; replica group 1 healed 1 time; results in" in closing, closing[-2000:]
     committed, summary = audit(out, 2)
     assert len(set(committed)) == len(committed), "a window trained twice"
     held = summary["windows_held"]
     assert sorted(committed + held) == list(range(summary["windows_dealt"])) and held == [], "a window skipped"
+    assert summary["heals"] == [0, 1]
     evals = [[json.loads(line)["loss"] for line in (out / f"metrics-rank{k}.jsonl").read_text().splitlines()
               if '"eval"' in line][-1] for k in (0, 1)]
     assert evals[0] == evals[1], f"the replicas ended on different theta_global: {evals}"
+
+
+def test_the_closing_line_names_every_group_that_healed():
+    from quietsync.train.replica_loop import heals_text
+
+    assert heals_text([0, 1]) == "replica group 1 healed 1 time"
+    assert heals_text([2, 0, 1]) == "replica group 0 healed 2 times, replica group 2 healed 1 time"
+    assert heals_text([0, 0]) == "no replica group healed"

@@ -4,6 +4,7 @@ workers for strategies whose state is per worker, a Lighthouse nobody answers at
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -56,6 +57,9 @@ def test_an_unreachable_lighthouse_is_one_line_before_any_worker_starts(monkeypa
                    "1", "--lighthouse", f"127.0.0.1:{port}", "--out", str(tmp_path / "run"))
     assert line.startswith(f"quietsync train: error: --lighthouse 127.0.0.1:{port}: no Lighthouse answered "), line
     assert "quietsync lighthouse" in line
+    # the time it took beside the limit (a closed port refuses at once: not "within 10s")
+    took = re.search(r", after (\d+\.\d) s; the check waits up to 10 s\)", line)
+    assert took and float(took.group(1)) < 10, line
 
 
 def test_every_strategy_is_supported_or_refused_once():

@@ -20,22 +20,26 @@ WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "
 
 @pytest.mark.parametrize("argv,says", [
     (["--model", "nope"], "--model must be a preset"),
-    (["--model", "1b"], "--model '1b' is a described size, only for what_if"),
+    (["--model", "1b"], "--model '1b' is a described size, only for --what-if"),
     (["--nproc", "4", "--nodes", "3"], "--nodes must divide nproc"),
     (["--link", "inter=100xx"], "--link bandwidth must be a number with a unit"),
     (["--link", "between=1gbit"], "--link must look like 'inter=100mbit,5ms'"),
     (["--slow-worker", "5:2"], "--slow-worker must look like RANK:FACTOR"),
     (["--strategies", "nosuch"], "'nosuch' in 'nosuch' is not a strategy"),
     (["--strategies", "diloco:sync_every=0"], "sync_every must be an integer >= 1"),
-    (["--target-loss", "-1"], "--target-loss must be > 0"),
+    (["--target-loss", "-1"], "--target-loss must be > 0 (or leave the flag out), got -1.0"),
     (["--target-loss", "4", "--pilot-tokens", "0"], "--pilot-tokens must be an integer >= 1"),
-    (["--target-loss", "4"], "--target-loss needs pilot_tokens N in a measured plan"),
-    (["--pilot-tokens", "1000"], "--pilot-tokens needs target_loss"),
-    (["--reuse-pilots"], "--reuse-pilots is about pilot runs: it needs pilot_tokens N"),
-    (["--pilot-out", "p"], "--pilot-out is about pilot runs: it needs pilot_tokens N"),
-    (["--target-loss", "4", "--pilot-tokens", "9", "--train-args", "--lr 0"], "--train-args: --lr must be"),
-    (["--target-loss", "4", "--pilot-tokens", "9", "--train-args", "--out x"], "must not set --out"),
-    (WHAT_IF[:-2] + ["--link", "inter=1gbit"], "--link must be given for intra with what_if"),
+    (["--target-loss", "4"], "--target-loss needs --pilot-tokens N in a measured plan"),
+    (["--target-loss", "4"], "or --what-if"),
+    (["--pilot-tokens", "1000"], "--pilot-tokens needs --target-loss"),
+    (["--reuse-pilots"], "--reuse-pilots is about pilot runs: it needs --pilot-tokens N"),
+    (["--pilot-out", "p"], "--pilot-out is about pilot runs: it needs --pilot-tokens N"),
+    (["--target-loss", "4", "--pilot-tokens", "9000", "--train-args", "--lr 0"], "--train-args: --lr must be"),
+    (["--target-loss", "4", "--pilot-tokens", "9000", "--train-args", "--out x"], "must not set --out"),
+    # below 4 steps of the baseline's tokens (2 workers x 8 x 128): refused before any probe or pilot
+    (["--target-loss", "5", "--pilot-tokens", "10"], "--pilot-tokens must be >= 8192 (4 steps of 2 workers x "
+     "--micro-batch-size 8 x --seq-len 128 tokens"),
+    (WHAT_IF[:-2] + ["--link", "inter=1gbit"], "--link must be given for intra with --what-if"),
     (["--what-if", "--model", "transformer:hidden=8"], "needs hidden, layers and vocab"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_worker(argv, says, capsys):
@@ -43,6 +47,12 @@ def test_bad_input_is_one_line_and_exit_2_before_any_worker(argv, says, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("quietsync plan: error: "), err
     assert says in err, err
+
+
+def test_a_pilot_budget_below_four_steps_leaves_nothing_in_out(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["plan", "--target-loss", "5", "--pilot-tokens", "10", "--out", str(out)]) == 2
+    assert "--pilot-tokens must be >= 8192" in capsys.readouterr().err and not out.exists()
 
 
 def test_what_if_predicts_every_strategy_with_exact_bytes_and_recommends_the_fastest():
@@ -68,6 +78,20 @@ def test_what_if_predicts_every_strategy_with_exact_bytes_and_recommends_the_fas
     assert set(ranked) | {x.split(":")[0] for x in result.advice.left_out} >= strategies
     text = result.markdown()
     assert "Diagnosis" in text and "Assumptions" in text and "6 × parameters" in text
+
+
+def test_the_advice_says_faster_or_slower_than_the_baseline_the_right_way_round():
+    from quietsync.plan.recommend import versus_baseline
+
+    assert versus_baseline(6.2) == "6.20× faster than the baseline"  # the baseline takes 6.2 times as long
+    assert versus_baseline(0.8) == "1.25× slower than the baseline"
+    assert versus_baseline(1.0) == versus_baseline(1.001) == "as fast as the baseline"
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=8, seq_len=2048,
+                                 micro_batch_size=4, link=["inter=1gbit,1ms", "intra=900gbit,2us"])
+    text = result.markdown()
+    assert "the baseline's time" not in text
+    first = result.advice.recommendations[0]
+    assert first.speedup > 1 and f"{first.speedup:.2f}× faster than the baseline" in text, text
 
 
 def test_what_if_prediction_never_gets_slower_with_a_faster_link():

@@ -22,7 +22,9 @@ def record_env(marker_dir: str) -> None:
 
 def root_cause_on_rank_one_then_slow_cleanup(marker_dir: str) -> None:
     """Rank 1 fails first but lingers in its clean-up; rank 0 fails later with a peer's symptom and exits first.
-    Rank 0 fails only once rank 1 has noted its failure (a marker file), however late either process started."""
+    The order is fixed by events, not by timing: rank 0 fails only once rank 1 has noted its failure (a marker
+    file), however late either process started, and rank 1 never ends on its own (a clean-up that blocks) — the
+    launcher stops it once rank 0 has exited, so rank 0 always exits first, whatever the machine's load."""
     from quietsync.cli.launch import note_failure
 
     marker = Path(marker_dir, "rank1-failed")
@@ -34,7 +36,11 @@ def root_cause_on_rank_one_then_slow_cleanup(marker_dir: str) -> None:
             marker.touch()
             raise
         finally:
-            time.sleep(3)  # e.g. tearing down process groups
+            # a clean-up that blocks (e.g. tearing down a process group whose peer is gone) until the launcher
+            # stops this worker; the bound only keeps a broken launcher from hanging the test for ever
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
     deadline = time.monotonic() + 120
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)

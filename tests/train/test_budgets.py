@@ -164,10 +164,10 @@ def test_strategies_with_work_in_flight_stop_on_a_budget_and_close_cleanly(strat
 
 # ---------------------------------------------------------------------------------------------- refused
 @pytest.mark.parametrize("flags, message", [
-    (["--max-tokens", "0"], "--max-tokens must be an integer >= 1 or None, got 0"),
-    (["--max-time-s", "0"], "--max-time-s must be > 0 or None, got 0.0"),
-    (["--max-time-s", "-5"], "--max-time-s must be > 0 or None, got -5.0"),
-    (["--target-loss", "0"], "--target-loss must be > 0 or None, got 0.0"),
+    (["--max-tokens", "0"], "--max-tokens must be an integer >= 1 (or leave the flag out), got 0"),
+    (["--max-time-s", "0"], "--max-time-s must be > 0 (or leave the flag out), got 0.0"),
+    (["--max-time-s", "-5"], "--max-time-s must be > 0 (or leave the flag out), got -5.0"),
+    (["--target-loss", "0"], "--target-loss must be > 0 (or leave the flag out), got 0.0"),
     (["--target-loss", "2", "--eval-every", "0"], "--target-loss needs --eval-every N > 0"),
 ])
 def test_bad_budgets_are_refused_before_any_worker_starts(flags, message, monkeypatch, capsys):

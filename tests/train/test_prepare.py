@@ -244,10 +244,17 @@ def test_an_interrupted_prepare_resumes_to_the_same_bytes(tmp_path, monkeypatch)
     # a different prepare into the half-written folder is refused; the same one resumes
     with pytest.raises(Refused, match="holds an unfinished prepare of other input or settings: --overwrite"):
         prepare(_cfg(text, out, shard_tokens=1_000), say=lambda _: None)
+    (tmp_path / "journal.json").write_text((out / prep.STATE).read_text())  # what the resume starts from
     calls["n"] = -10**9
     said: list[str] = []
     prepare(_cfg(text, out, shard_tokens=2_000, workers=1), say=said.append)
-    assert any(s.startswith("resuming") for s in said)
+    resumed = next(s for s in said if s.startswith("resuming"))
+    journal = json.loads((tmp_path / "journal.json").read_text())
+    itemsize = np.dtype(json.loads((whole / "index.json").read_text())["dtype"]).itemsize
+    kept = sum(s["tokens"] for split in journal["shards"].values() for s in split) * itemsize
+    assert journal["documents"] > 0 and kept > 0
+    assert f"{journal['documents']:,} documents ({kept:,} bytes of shards) kept from the journal's last entry" in \
+        resumed, resumed
     assert calls["n"] < -10**9 + 60  # the batches written before the interruption were not encoded again
     for name in sorted(p.name for p in whole.iterdir()):
         if name != "index.json":

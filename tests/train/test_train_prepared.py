@@ -80,6 +80,30 @@ def test_flags_that_contradict_the_prepared_folder_are_refused(prepared, finishe
     assert not (tmp_path / "o").exists()
 
 
+def test_a_damaged_prepared_folder_is_refused_before_any_worker_starts(prepared, finished_zero1_run, refused,
+                                                                      tmp_path):
+    """A shard truncated after prepare, and an index.json cut in half, are one line naming what to do (prepare
+    again), from the launcher: never a traceback in the workers, never "already prepared"."""
+    _, flags = finished_zero1_run
+    truncated, halved = tmp_path / "truncated", tmp_path / "halved"
+    shutil.copytree(prepared, truncated)
+    shutil.copytree(prepared, halved)
+    index = json.loads((truncated / "index.json").read_text())
+    shard = truncated / index["splits"]["train"]["shards"][-1]["path"]
+    size = shard.stat().st_size
+    with open(shard, "r+b") as fh:
+        fh.truncate(size // 2)
+    line = refused(*_job_flags(flags), "--dataset", str(truncated), "--out", str(tmp_path / "o"))
+    assert f"--dataset {truncated}: shard {shard} is {size // 2} bytes, the index says {size}" in line, line
+    assert line.endswith("prepare it again"), line
+    text = (halved / "index.json").read_text()
+    (halved / "index.json").write_text(text[: len(text) // 2])
+    line = refused(*_job_flags(flags), "--dataset", str(halved), "--out", str(tmp_path / "o"))
+    assert f"--dataset {halved}: cannot read index.json (JSONDecodeError" in line, line
+    assert "already prepared" not in line and "prepare it again from its source" in line, line
+    assert not (tmp_path / "o").exists()
+
+
 def test_prepare_refusals_are_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n\n")
     assert main(["prepare", "--dataset", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "o")]) == 2

@@ -168,22 +168,31 @@ def given_values(args: argparse.Namespace, flags: dict[str, str] | typing.Iterab
 
 
 _LEADING_NAME = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)(.*)$", re.S)
+_SNAKE_NAME = re.compile(r"(?<![\w\-./:'=])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w=(/])")
+"""A snake_case word standing alone in a message (not in a path, a spec ``k=v`` or a call): a field's name."""
 
 
 def flag_message(message: str, fields: dict[str, str] | typing.Iterable[str]) -> tuple[str | None, str]:
     """Rewrite ``"<field> must be ..."`` as ``"--<flag> must be ..."``; return ``(flag or None, text)``.
 
-    ``fields`` maps field names to their flags (or lists field names whose flag is ``--<field>``).
+    The rest of the message speaks the user's language too: another field named in it (``needs pilot_tokens N
+    ... or what_if``) becomes its flag (``needs --pilot-tokens N ... or --what-if``), and ``or None`` (a value no
+    one can type) becomes "or leave the flag out". ``fields`` maps field names to their flags (or lists field
+    names whose flag is ``--<field>``).
     """
     mapping = fields if isinstance(fields, dict) else {n: flag_name(n) for n in fields}
     message = " ".join(str(message).split())
-    if message.startswith("--"):
-        return message.split()[0].rstrip(":,"), message
+    flag = None
     m = _LEADING_NAME.match(message)
-    if m and m.group(1) in mapping:
+    if message.startswith("--"):
+        flag = message.split()[0].rstrip(":,")
+    elif m and m.group(1) in mapping:
         flag = mapping[m.group(1)]
-        return flag, flag + m.group(2)
-    return None, message
+        message = flag + m.group(2)
+    message = _SNAKE_NAME.sub(lambda w: mapping.get(w.group(0), w.group(0)), message)
+    if flag is not None:
+        message = re.sub(r" or None\b", " (or leave the flag out)", message)
+    return flag, message
 
 
 def build_config(

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``quietsync`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("--version", "-V"):
-        from .. import __version__
+        from .._versions import __version__
 
         print(f"{PROG} {__version__}")
         return 0

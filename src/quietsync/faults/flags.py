@@ -95,13 +95,18 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
 
 def lighthouse_problem(address: str, timeout_s: float = 10.0) -> str | None:
     """Why the Lighthouse at ``address`` cannot be reached (one line naming --lighthouse), or None."""
+    import time
+
     from .lighthouse import reachable
 
+    t0 = time.monotonic()
     problem = reachable(address, timeout_s)
     if problem is None:
         return None
-    return f"--lighthouse {address}: no Lighthouse answered within {timeout_s:g}s ({problem}); start one with " \
-           "`quietsync lighthouse` (or torchft_lighthouse) and give its address"
+    # the time it took, beside the limit: a refused connection answers at once, a silent host at the limit
+    return (f"--lighthouse {address}: no Lighthouse answered ({problem}, after {time.monotonic() - t0:.1f} s; the "
+            f"check waits up to {timeout_s:g} s); start one with `quietsync lighthouse` (or torchft_lighthouse) and "
+            "give its address")
 
 
 __all__ = ["UNSUPPORTED", "ft_problem", "lighthouse_problem"]

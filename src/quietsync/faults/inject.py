@@ -21,6 +21,11 @@ started.
 (the first time it computes it) non-finite: its loss times NaN (the gradients stay finite), or its gradients
 (``p.grad``) times NaN -- what ``--on-nonfinite`` must catch before the step commits.
 
+``QUIETSYNC_PAUSE=N:DIR`` makes each worker of ``quietsync train`` (a fixed or torchrun world), once its N-th step
+is committed and saved, write its pid to ``DIR/rank{R}.pid`` and wait until ``DIR/go-rank{R}`` exists (at most
+:data:`HOLD_LIMIT_S`): a test knows which process is which worker, and signals one at a known point of the run
+while the others wait there, whatever the machine's load.
+
 Nothing happens without the variables (one dictionary lookup per point).
 """
 
@@ -35,6 +40,7 @@ KILL_ENV = "QUIETSYNC_FT_KILL"
 HOLD_ENV = "QUIETSYNC_FT_HOLD"
 READY_ENV = "QUIETSYNC_FT_READY"
 NONFINITE_ENV = "QUIETSYNC_FT_NONFINITE"
+PAUSE_ENV = "QUIETSYNC_PAUSE"
 HOLD_LIMIT_S = 300.0
 POINTS = ("exchange", "heal_send", "step")
 
@@ -77,6 +83,27 @@ def hold(step: int) -> None:
             time.sleep(0.05)
 
 
+def pause(step: int, rank: int) -> None:
+    """After committed step ``step`` (and its checkpoint): if ``QUIETSYNC_PAUSE=N:DIR`` names this step, write this
+    process's pid to ``DIR/rank{rank}.pid`` (whole: written, then renamed) and wait for ``DIR/go-rank{rank}``."""
+    spec = os.environ.get(PAUSE_ENV, "")
+    if not spec:
+        return
+    count, _, folder = spec.partition(":")
+    if not count.isdigit() or not folder:
+        raise ValueError(f"{PAUSE_ENV} must be N:DIR (a step and a folder), got {spec!r}")
+    if step != int(count):
+        return
+    part = os.path.join(folder, f".rank{rank}.pid")
+    with open(part, "w") as fh:
+        fh.write(str(os.getpid()))
+    os.replace(part, os.path.join(folder, f"rank{rank}.pid"))
+    go = os.path.join(folder, f"go-rank{rank}")
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def ready() -> None:
     """About to ask for the first quorum: create the file named by ``QUIETSYNC_FT_READY``, if set."""
     path = os.environ.get(READY_ENV)
@@ -105,5 +132,5 @@ def poison(step: int, loss: Any, module: Any) -> Any:
     return loss
 
 
-__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "KILL_ENV", "NONFINITE_ENV", "POINTS", "READY_ENV", "hold", "poison", "reached",
-           "ready"]
+__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "KILL_ENV", "NONFINITE_ENV", "PAUSE_ENV", "POINTS", "READY_ENV", "hold", "pause",
+           "poison", "reached", "ready"]

@@ -84,8 +84,7 @@ def versions() -> dict[str, str]:
     """torch, CUDA, cuDNN, NCCL, Python, quietsync and transformers versions."""
     import platform
 
-    from .. import __version__
-    from .._versions import TORCH_MIN
+    from .._versions import TORCH_MIN, __version__
 
     out = {"torch": torch.__version__, "python": platform.python_version(), "quietsync": __version__}
     found = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])

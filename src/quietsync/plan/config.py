@@ -15,6 +15,10 @@ from ..link import parse_links
 from ..validate import check_float, check_int
 from .cluster import BYTES_UNITS, FLOPS_UNITS, RATE_UNITS, Device, parse_quantity
 
+PILOT_MIN_STEPS = 4
+"""The fewest steps a pilot budget (``pilot_tokens``) may hold: the baseline's pilot evaluates at most once per step,
+and its loss curve is fitted to at least 4 evaluations (``pilot_plan.MIN_FIT_EVALS``)."""
+
 WHAT_IF_MODELS = {
     "1b": {"hidden": 2048, "layers": 18, "vocab": 50257},
     "7b": {"hidden": 4096, "layers": 32, "vocab": 32000},
@@ -139,6 +143,12 @@ class PlanConfig:
                 raise ValueError("pilot_tokens runs pilots on this machine: not with what_if")
             if self.target_loss is None and self.budget_s is None:
                 raise ValueError("pilot_tokens needs target_loss (or budget_s): the pilots are judged by time to it")
+            step = self.nproc * self.micro_batch_size * self.seq_len  # a step's tokens, without accumulation
+            if self.pilot_tokens < PILOT_MIN_STEPS * step:  # refused here, before any probe or pilot runs
+                raise ValueError(f"pilot_tokens must be >= {PILOT_MIN_STEPS * step} ({PILOT_MIN_STEPS} steps of "
+                                 f"{self.nproc} workers x micro_batch_size {self.micro_batch_size} x seq_len "
+                                 f"{self.seq_len} tokens: the baseline's pilot fits its loss curve to one evaluation "
+                                 f"per step at least), got {self.pilot_tokens}")
         else:
             for name in ("reuse_pilots", "pilot_out"):
                 if getattr(self, name):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -387,10 +386,5 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
     proc.wait(timeout=10.0)
 
 
-def split_args(text: str) -> list[str]:
-    """``--train-args`` as argv."""
-    return shlex.split(text)
-
-
-__all__ = ["ETA", "RUNGS", "PilotCurve", "ProcessRunner", "Runner", "eval_every", "rungs", "split_args",
+__all__ = ["ETA", "RUNGS", "PilotCurve", "ProcessRunner", "Runner", "eval_every", "rungs",
            "successive_halving"]

@@ -155,8 +155,19 @@ def _objective_text(r: Recommendation, short: bool = False) -> str:
     text = f"{fmt_interval(r.seconds)} to the target"
     if short:
         return text
-    return (f"{text}, {r.tokens.value:,.0f} tokens at {r.tokens_per_s:,.0f} tokens/s, {r.speedup:.2f}× the "
-            "baseline's time")
+    return f"{text}, {r.tokens.value:,.0f} tokens at {r.tokens_per_s:,.0f} tokens/s, {versus_baseline(r.speedup)}"
+
+
+def versus_baseline(speedup: float) -> str:
+    """How a time to target compares with the baseline's, ``speedup`` being the baseline's time over this one's:
+    ``6.20× faster than the baseline``, ``1.25× slower than the baseline``, ``as fast as the baseline``."""
+    if math.isinf(speedup):
+        return "∞× faster than the baseline"
+    if f"{speedup:.2f}" == "1.00":
+        return "as fast as the baseline"
+    if speedup > 1:
+        return f"{speedup:.2f}× faster than the baseline"
+    return f"{1 / speedup:.2f}× slower than the baseline"
 
 
 def diagnosis(baseline: Row) -> str:
@@ -262,12 +273,6 @@ def _why_not(s: Scored) -> str:
     return f"{head} — " + ("; ".join(e.notes) if e.notes else "its curve flattens above the target")
 
 
-def fmt_knob(v: Any) -> str:
-    """``0.0009765625`` → ``1/1024``; other values as they are."""
-    if isinstance(v, float) and 0 < v < 1 and abs(1 / v - round(1 / v)) < 1e-9:
-        return f"1/{round(1 / v)}"
-    return str(v)
-
-
 __all__ = ["EXACT", "HETEROGENEOUS", "TRY_FIRST", "Advice", "Recommendation", "Scored", "advise",
-           "best_per_strategy", "diagnosis", "fmt_duration", "fmt_interval", "fmt_knob"]
+           "best_per_strategy", "diagnosis", "fmt_duration", "fmt_interval",
+           "versus_baseline"]

@@ -4,12 +4,14 @@ and the planner.
 Each strategy module registers itself with :func:`register`, naming its config dataclass and the function that
 writes its communication schedule (its family's ``cost.py``); each family's ``__init__`` imports its strategy
 modules and ``quietsync.strategies`` imports every family, so ``available()`` lists them all. A strategy of your
-own registers when you import its module.
+own registers when you import its module; :func:`unregister` takes it away again and :func:`restored` puts the
+registry back as it was when a block ends (tests, notebooks that try a strategy out).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import is_dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 
 _REGISTRY: dict[str, tuple[type[Strategy], type[StrategyConfig]]] = {}
 _SCHEDULES: dict[str, Callable[..., Schedule]] = {}
+_TABLES: tuple[dict[str, Any], ...] = (_REGISTRY, _SCHEDULES)
+"""Every table a registration writes: what :func:`unregister` and :func:`restored` clear and restore."""
 S = TypeVar("S", bound="type[Strategy]")
 
 
@@ -41,6 +45,26 @@ def register(name: str, config_cls: type[StrategyConfig],
         return cls
 
     return deco
+
+
+def unregister(name: str) -> None:
+    """Forget strategy ``name`` (registered by :func:`register`), with an error listing the choices if unknown."""
+    get(name)
+    for table in _TABLES:
+        table.pop(name, None)
+
+
+@contextmanager
+def restored() -> Iterator[None]:
+    """Within the block, register or unregister at will; when it ends (even by an exception) the registry holds
+    exactly what it held when the block began."""
+    saved = [dict(table) for table in _TABLES]
+    try:
+        yield
+    finally:
+        for table, before in zip(_TABLES, saved):
+            table.clear()
+            table.update(before)
 
 
 def available() -> list[str]:

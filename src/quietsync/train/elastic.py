@@ -38,22 +38,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["BATCH_POLICIES", "DEFAULT_SAVE_EVERY", "Nominal", "TokenSchedule", "accumulation_field",
-           "default_save_every", "rescaled", "under_elastic_agent"]
+           "default_save_every", "rescaled"]
 
 BATCH_POLICIES = ("global", "worker")
 
 DEFAULT_SAVE_EVERY = 10
 """Checkpoint cadence under ``--elastic`` for strategies without an outer synchronisation (steps)."""
-
-
-def under_elastic_agent() -> bool:
-    """Whether this process was started by torchrun's elastic agent (``TORCHELASTIC_RUN_ID`` is set)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def default_save_every(strategy: str, strategy_config: Any) -> int:

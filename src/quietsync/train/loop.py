@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ..cli.launch import ERRORS_ENV, note_failure, under_torchrun
+from ..faults.inject import pause
 from ..link import parse_links
 from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import Strategy, StrategyConfig, make_strategy
@@ -487,6 +488,7 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
             if cfg.save_every and (strategy.steps % cfg.save_every == 0 or stopped_by is not None):
                 with strategy.paused():
                     _save(job, strategy, tokens_total, guard)
+            pause(strategy.steps, rank)  # QUIETSYNC_PAUSE: a test holds the workers here (else one env lookup)
         strategy.finish()  # a no-op after the loop's own call; a resumed run that had nothing left to train
         guard.check_parameters()
         guard.close()  # not on a failure: tearing its group down would cut the peers' view of who failed first

@@ -137,11 +137,12 @@ def check_data(cfg: TrainConfig, world: int) -> None:
     import sys
 
     from .job_data import job_folder, split_tokens, tokenizer_problem
-    from .shards import read_index
+    from .shards import check_shards, read_index
 
     try:
         folder = job_folder(cfg, progress=cfg.progress and sys.stderr.isatty())
         index = read_index(folder)
+        check_shards(folder, index)  # a shard truncated or changed since it was prepared: here, not in the workers
         problem = tokenizer_problem(cfg, index)
     except (ValueError, OSError) as e:
         flag, text = flag_message(str(e), ["dataset", "eval_fraction", "text_column", "token_dtype", "tokenizer",

@@ -59,8 +59,9 @@ STATE = "prepare-state.json"
 BATCH_CHARS = 1 << 20
 """Characters of text per encoding batch."""
 
-CHECKPOINT_S = 10.0
-"""Seconds between two journal entries (the work an interrupted prepare redoes)."""
+CHECKPOINT_S = 2.0
+"""Seconds between two journal entries (at most the work an interrupted prepare redoes; each entry fsyncs the
+shards, a small cost at this cadence)."""
 
 
 @dataclass
@@ -484,7 +485,6 @@ def _encode_corpus(cfg: PrepareConfig, source: Source, folder: Path, tokenizer, 
     if state is not None and state.get("tokenizer_done"):
         tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))
         about = state["tokenizer_about"]
-        say(f"resuming {folder}: {state['documents']:,} documents were written")
     else:
         if tokenizer is None:
             tokenizer, about, tokenizer_s = _default_tokenizer(cfg, source, k, by_file, say)
@@ -501,6 +501,11 @@ def _encode_corpus(cfg: PrepareConfig, source: Source, folder: Path, tokenizer, 
     skip = 0
     elapsed_before = 0.0
     if state is not None:
+        on_disk = sum(p.stat().st_size for split in writers for p in folder.glob(f"{split}-*.bin"))
+        kept = sum(int(s["tokens"]) for split in writers for s in state["shards"][split]) * DTYPES[dtype].itemsize
+        # what the journal's last entry records is kept; what was written after it (not yet durable) is redone
+        say(f"resuming {folder}: {int(state['documents']):,} documents ({kept:,} bytes of shards) kept from the "
+            f"journal's last entry; {max(0, on_disk - kept):,} bytes written after it are encoded again")
         for split, w in writers.items():
             w.restore(state["shards"][split])
         skip = int(state["documents"])

@@ -192,8 +192,8 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
             summary = _summary(run, strategy, n_params, result)
             write_summary(cfg.out, summary)
             print(f"quietsync train: --fault-tolerance torchft: {summary['steps']} steps, {summary['tokens']} tokens "
-                  f"committed in {summary['wall_s']:.1f}s; last eval loss {summary['last_eval_loss']:.4f}; replica "
-                  f"group {replica} healed {quorum.healed} time(s); results in {os.path.abspath(cfg.out)}",
+                  f"committed in {summary['wall_s']:.1f}s; last eval loss {summary['last_eval_loss']:.4f}; "
+                  f"{heals_text(summary['fault_tolerance']['heals'])}; results in {os.path.abspath(cfg.out)}",
                   flush=True)
         return summary
     except BaseException:
@@ -387,6 +387,10 @@ def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: i
     keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
     values = [float(tokens), float(strategy.micro_batches), finite_flag(strategy), *(float(sums[k]) for k in STEP_SUMS)]
     values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
+    heals = [0.0] * transport.replicas  # this group's own heals, at its index (one worker of the group counts them)
+    if transport.local_rank == 0 and transport.quorum is not None:
+        heals[transport.replica] = float(transport.quorum.healed)
+    values += heals
     t = torch.tensor(values, dtype=torch.float64, device=transport.device)
     if transport.workers > 1:
         transport.all_reduce(t, "shard", op="sum", name="summary")
@@ -397,7 +401,8 @@ def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: i
         by_group[g][d] = int(x)
     return {"tokens": int(v[0]), "micro_batches": int(v[1]), "nonfinite_params": v[2] > 0,
             "nonfinite_workers": v[2], **dict(zip(STEP_SUMS, v[3:3 + len(STEP_SUMS)])),
-            "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]}}
+            "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]},
+            "heals": [int(x) for x in v[len(v) - transport.replicas:]]}
 
 
 def _summary(run: _Run, strategy: Any, n_params: int, result: dict[str, Any]) -> dict[str, Any]:
@@ -414,10 +419,18 @@ def _summary(run: _Run, strategy: Any, n_params: int, result: dict[str, Any]) ->
         "schedule_position": dealer.position(), "windows_committed": dealer.committed,
         "windows_dealt": dealer.fresh, "windows_held": dealer.held(),
         "commits": quorum.commits, "tokens_fed_by_present_replicas": fed,
-        "finish_commits": result["finish_commits"],
+        "finish_commits": result["finish_commits"], "heals": totals["heals"],
     }
     return summary
 
 
-__all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STORE_ENV", "advertised_host", "check_same_start", "replica_store",
+def heals_text(heals: list[int]) -> str:
+    """``replica group 1 healed 1 time`` (every group that healed, as the groups present at the end count their
+    own heals), or ``no replica group healed``."""
+    said = [f"replica group {k} healed {n} time{'s' if n > 1 else ''}" for k, n in enumerate(heals) if n]
+    return ", ".join(said) if said else "no replica group healed"
+
+
+__all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STORE_ENV", "advertised_host", "check_same_start", "heals_text",
+           "replica_store",
            "run_replica", "warm_up"]

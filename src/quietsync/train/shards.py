@@ -262,21 +262,37 @@ def map_shard(path: Path, dtype: np.dtype, offset: int, tokens: int, mapped: mma
     return np.frombuffer(mapped if mapped is not None else map_file(path), dtype=dtype, count=tokens, offset=offset)
 
 
+def _checked_shard(folder: Path, entry: dict[str, Any], dtype: np.dtype) -> Path:
+    """The path of a shard of the index, there and of the size the index gives (``ValueError``, one line)."""
+    path = shard_path(folder, entry)
+    offset, tokens = int(entry["offset"]), int(entry["tokens"])
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ValueError(f"--dataset {folder}: shard {path} is missing: prepare it again") from None
+    if size != int(entry["bytes"]) or offset + tokens * dtype.itemsize > size:
+        raise ValueError(f"--dataset {folder}: shard {path} is {size} bytes, the index says {entry['bytes']} "
+                         "(changed or truncated since it was prepared): prepare it again")
+    return path
+
+
+def check_shards(folder: str | os.PathLike, index: dict[str, Any]) -> None:
+    """Every shard ``index`` lists is there, of the size it gives (``ValueError``, one line): one ``stat`` per
+    shard, no token read, so the launcher can refuse a damaged folder before any worker starts."""
+    dtype = DTYPES[index["dtype"]]
+    for split in index["splits"].values():
+        for entry in split["shards"]:
+            _checked_shard(Path(folder), entry, dtype)
+
+
 def _open_split(folder: Path, index: dict[str, Any], split: str) -> TokenShards:
     dtype = DTYPES[index["dtype"]]
     arrays = []
     maps: dict[Path, mmap.mmap] = {}
     where: list[tuple[mmap.mmap, int]] = []
     for entry in index["splits"][split]["shards"]:
-        path = shard_path(folder, entry)
+        path = _checked_shard(folder, entry, dtype)
         offset, tokens = int(entry["offset"]), int(entry["tokens"])
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise ValueError(f"--dataset {folder}: shard {path} is missing: prepare it again") from None
-        if size != int(entry["bytes"]) or offset + tokens * dtype.itemsize > size:
-            raise ValueError(f"--dataset {folder}: shard {path} is {size} bytes, the index says {entry['bytes']} "
-                             "(changed or truncated since it was prepared): prepare it again")
         if tokens:
             if path not in maps:
                 maps[path] = map_file(path)

@@ -160,6 +160,13 @@ def resolve_source(dataset: str, text_column: str | None = None, *, chunk_chars:
             raise ValueError(f"--dataset: no such file or folder: {dataset}")
         return Source("hub", dataset, text_column=text_column, options={"max_chars": max_chars})
     if path.is_dir() and (path / PREPARED_INDEX).is_file():
+        from .shards import read_index
+
+        try:
+            read_index(path)
+        except ValueError as e:  # cut short (a prepare killed mid-write, a partial copy): not a dataset to train on
+            raise ValueError(f"{str(e).rstrip('.')}; the folder is not a usable prepared dataset: prepare it again "
+                             "from its source (quietsync prepare --dataset SOURCE --out FOLDER)") from None
         raise ValueError(f"--dataset {dataset} is already prepared (it holds {PREPARED_INDEX}): train on it as it is")
     if path.is_dir() and any((path / name).is_file() for name in ("dataset_info.json", "state.json",
                                                                   "dataset_dict.json")):
@@ -202,10 +209,6 @@ def _files_of(path: Path, dataset: str) -> list[Path]:
     if not files:
         raise ValueError(f"--dataset folder {dataset} holds no {', '.join(SUFFIXES)} files")
     return files
-
-
-def _suffix_kind(path: Path) -> SourceKind:
-    return SUFFIXES.get(path.suffix.lower(), "text")
 
 
 # ---------------------------------------------------------------------------------------------------- text

@@ -47,7 +47,7 @@ import torch
 from ...validate import check_choice, check_int
 
 __all__ = ["LOWBIT_FORMATS", "SCALE_DTYPES", "ROUNDINGS", "LowBitFormat", "lowbit_format", "BlockQuantizer",
-           "pack_codes", "unpack_codes", "bits_per_element"]
+           "pack_codes", "unpack_codes"]
 
 
 @dataclass(frozen=True)
@@ -275,9 +275,3 @@ class BlockQuantizer:
             values = torch.nn.functional.pad(values, (0, pad))
         out = (values.view(buf.shape[0], nb, self.block) * scales.unsqueeze(2)).view(buf.shape[0], -1)[:, :numel]
         return out[0] if squeeze else out
-
-
-def bits_per_element(quantizer: BlockQuantizer, numel: int) -> float:
-    """Bits on the wire per element (codes + scales), e.g. 4.25 for fp4 with bf16 scales per 64."""
-    return 8 * quantizer.payload_bytes(numel) / max(1, numel)
-
