@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from .support import one_worker_only, refusal, skip_problem
+from .support import one_worker_hint, one_worker_only, refusal, skip_problem
 
 UNSUPPORTED = {
     "elastic": "--elastic and --fault-tolerance torchft are two ways to survive lost nodes: choose one (torchft: no "
@@ -86,10 +86,9 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
         return (f"--fault-tolerance torchft needs at least 2 replica groups (--nodes, default one per worker), got "
                 f"{replicas}")
     if workers > 1 and one_worker_only(cfg.strategy, strategy_config):
-        inner = " with --inner local" if cfg.strategy == "diloco" else ""
-        return (f"--strategy {cfg.strategy}{inner} keeps its state per worker, so under --fault-tolerance torchft it "
-                f"runs with one worker per replica group; got {workers} (--nproc / --nodes)"
-                + ("; diloco --inner ddp or zero1 runs several" if cfg.strategy == "diloco" else ""))
+        qualifier, hint = one_worker_hint(cfg.strategy)
+        return (f"--strategy {cfg.strategy}{qualifier} keeps its state per worker, so under --fault-tolerance torchft "
+                f"it runs with one worker per replica group; got {workers} (--nproc / --nodes){hint}")
     return None
 
 
