@@ -42,7 +42,9 @@ def own_strategy():
 
 # ---------------------------------------------------------------------------------------------- the planner
 def test_the_plan_ranks_it_on_its_declared_prior_and_cost(own_strategy):
-    result = quietsync.plan.plan(**PLAN)
+    # a 1B model on two nodes, the baseline's tokens to the target from the Chinchilla law
+    result = quietsync.plan.plan(**{**PLAN, "model": "1b", "seq_len": 2048, "link": ["inter=1gbit,20ms"],
+                                    "target_loss": 3.0})
     by = {s.row.strategy: s for s in result.scored}
     signsgd, ddp = by["signsgd"], by["ddp"]
     # its cost: one int8 vote per parameter where DDP all-reduces fp32 gradients

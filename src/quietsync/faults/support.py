@@ -36,9 +36,10 @@ def alternative() -> str:
     return "use --elastic (torchrun restarts every worker from a checkpoint), or one of " + ", ".join(policies())
 
 
-def refusal(strategy: str) -> str | None:
-    """Why ``strategy`` cannot run under ``--fault-tolerance torchft`` (None: it can)."""
-    facts = declaration(strategy).faults
+def refusal(strategy: str, facts: Any = None) -> str | None:
+    """Why ``strategy`` cannot run under ``--fault-tolerance torchft`` (None: it can); ``facts``: its declared
+    ``faults``, where the caller has them (else asked of the registry)."""
+    facts = declaration(strategy).faults if facts is None else facts
     if isinstance(facts, ReplicaPolicy):
         return None
     why = facts or "it is not one of the strategies whose replicas meet only at commits"
@@ -51,17 +52,11 @@ def one_worker_only(strategy: str, strategy_config: Any) -> bool:
     return isinstance(facts, ReplicaPolicy) and facts.runs_one_worker(strategy_config)
 
 
-def one_worker_hint(strategy: str) -> tuple[str, str]:
-    """``(qualifier, hint)`` of the refusal of several workers per replica group (``ReplicaPolicy.one_worker_hint``)."""
-    facts = declaration(strategy).faults
-    return facts.one_worker_hint if isinstance(facts, ReplicaPolicy) else ("", "")
-
-
-def skip_problem(strategy: str) -> str | None:
+def skip_problem(strategy: str, facts: Any = None) -> str | None:
     """Why ``--on-nonfinite skip`` cannot run with ``strategy`` under torchft (one line), or None: a strategy keeps
     it when its step's first exchange across replicas comes before any state changes, so a round dropped at the
-    commit vote leaves nothing behind (:mod:`quietsync.train.replica_nonfinite`)."""
-    facts = declaration(strategy).faults
+    commit vote leaves nothing behind (:mod:`quietsync.train.replica_nonfinite`). ``facts`` as :func:`refusal`'s."""
+    facts = declaration(strategy).faults if facts is None else facts
     why = facts.skip_refusal if isinstance(facts, ReplicaPolicy) else "it is not supported under torchft"
     if why is None:
         return None
@@ -71,5 +66,5 @@ def skip_problem(strategy: str) -> str | None:
             f"{' or '.join(skippers)}")
 
 
-__all__ = ["DATA", "ReplicaPolicy", "alternative", "one_worker_hint", "one_worker_only", "policies", "refusal",
+__all__ = ["DATA", "ReplicaPolicy", "alternative", "one_worker_only", "policies", "refusal",
            "refusals", "skip_problem"]

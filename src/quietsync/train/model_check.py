@@ -44,14 +44,14 @@ def _meta_model(cfg: TrainConfig) -> torch.nn.Module:
 def model_problem(cfg: TrainConfig, strategy_config: Any, world: int) -> str | None:
     """Why a structure-dependent strategy flag cannot work with ``cfg.model`` on ``world`` workers (one line
     naming the flag and what is allowed), or None."""
-    if not needs_model_check(cfg.strategy, strategy_config):
+    needs = declaration(cfg.strategy).models  # what the strategy needs of the model: its one look-up here
+    if needs is None and int(getattr(strategy_config, "fragments", 1) or 1) <= 1:
         return None
     try:
         model = _meta_model(cfg)
     except (OSError, ValueError) as e:  # a model folder or hub name that cannot be read: the workers say why
         del e
         return None
-    needs = declaration(cfg.strategy).models
     if needs is not None:
         return needs(model, strategy_config, world)
     from ..models.causal_lm import param_groups
