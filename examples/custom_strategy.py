@@ -45,8 +45,8 @@ class SignSGDConfig(AccumulationConfig):  # (3) a config dataclass: one docstrin
 
 
 def prior(config: SignSGDConfig, scale: Any) -> Any:  # (19) its loss per token against DDP's, with its source
-    return penalty(0.0, 0.05, 0.2, "signSGD-MV trained ResNet-50 on ImageNet near Adam's accuracy [bernstein2019] "
-                   "(assumption for language models: +5%, up to +20%)", "bernstein2019")
+    return penalty(0.0, 0.05, 0.2, "signSGD-MV was shown on ImageNet/ResNet-50 in figures [bernstein2019], not on "
+                   "language models (assumption: +5%, up to +20%)", "bernstein2019")
 
 
 FACTS = Declaration(  # (16) what the rest must know of it: (17) its cost, (18) the planner's facts, (20) torchft's
