@@ -6,8 +6,8 @@ under torchft, ...: everything outside this package asks the registry instead of
 folders, one per family, over three shared layers:
 
 * families, each strategy one module that registers itself under its name, its config and its declaration (the
-  family's ``facts.py``, beside its ``cost.py``) when imported (each family's ``__init__`` imports its strategy modules and this package imports every family, so
-  ``quietsync.strategies.available()`` lists them all):
+  family's ``facts.py``, beside its ``cost.py``) when imported (each family's ``__init__`` imports its strategy
+  modules and this package imports every family, so ``quietsync.strategies.available()`` lists them all):
   ``baselines/`` (ddp, zero1, fsdp), ``overlap/`` (acco, dpu, wp, with the overlap machinery and the
   estimate), ``decoupled/`` (demo, flexdemo, with their config and round), ``local/`` (localsgd, diloco,
   with the outer loop and the fragments), ``cdp/`` (cdp, with its schedule and loss capture);
