@@ -261,9 +261,10 @@ def main() -> None:
     if missing:
         ap.error(f"--links {' '.join(missing)}: not in {source.name} (its links: {', '.join(data['results'])})")
     wrap = shlex.split(args.wrap)
-    from quietsync.plan.candidates import GRID, parse_candidate
+    from quietsync.plan.candidates import grid as canonical
+    from quietsync.plan.candidates import parse_candidate
 
-    grid = {parse_candidate(s).spec for s in GRID}
+    grid = {parse_candidate(s).spec for s in canonical()}
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-ttt-"))
     out: dict[str, Any] = {"source": str(source.relative_to(RESULTS.parent.parent)), "job": job,
                            "pilot_tokens": args.pilot_tokens, "links": {}, "command": " ".join(sys.argv)}

@@ -1,4 +1,4 @@
-"""A new quietsync strategy in under 80 lines: signSGD with majority vote (Bernstein et al., 2018).
+"""A new quietsync strategy in under 90 lines: signSGD with majority vote (Bernstein et al., 2018).
 
 Each worker accumulates its micro-batches, takes the **sign** of its gradient, and the workers add their signs
 in one all-reduce of int8 votes (1 byte per parameter instead of 4); every worker then applies the sign of the
@@ -10,9 +10,11 @@ vote with its optimizer (plain SGD: θ ← θ − lr·sign(Σᵢ sign(gᵢ))). I
 
 It writes only its recurrence: the ``Replicated`` substrate it holds broadcasts the parameters, builds the
 optimizer, runs the round of accumulation, unscales fp16 gradients (an overflow on any worker drops the round on
-every worker), clips the committed update to ``max_grad_norm`` and checkpoints — in a form that reshards. It is
-the walkthrough of ``docs/contract.md``: the 15 names an author needs are marked (1)–(15) there and here.
-``tests/test_custom_strategy.py`` checks it against a plain-torch reference of the rule.
+every worker), clips the committed update to ``max_grad_norm`` and checkpoints — in a form that reshards. And it
+declares what the rest must know of it (``FACTS``): its cost, its loss prior for ``quietsync plan``, its policy
+under ``--fault-tolerance torchft``. It is the walkthrough of ``docs/contract.md``: the names an author needs are
+marked (1)–(20) there and here. ``tests/test_custom_strategy.py`` checks it against a plain-torch reference of the
+rule; ``tests/test_custom_strategy_declared.py`` plans it, runs it under torchft and lists it in the GPU check.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 import torch
 
 from quietsync.strategies import Strategy, register
+from quietsync.strategies.declaration import Declaration, PlanFacts, ReplicaPolicy, penalty
 from quietsync.strategies.parts.accumulation import AccumulationConfig
+from quietsync.strategies.substrates.cost import replicated_cost
 from quietsync.strategies.substrates.replicated import Replicated
 
 
@@ -40,7 +44,21 @@ class SignSGDConfig(AccumulationConfig):  # (3) a config dataclass: one docstrin
             raise ValueError(f"min_votes must be in [0, 1), got {self.min_votes!r}")
 
 
-@register("signsgd", SignSGDConfig)  # (1) a Strategy subclass, (2) registered by name with its config
+def prior(config: SignSGDConfig, scale: Any) -> Any:  # (19) its loss per token against DDP's, with its source
+    return penalty(0.0, 0.05, 0.2, "signSGD-MV was shown on ImageNet/ResNet-50 in figures [bernstein2019], not on "
+                   "language models (assumption: +5%, up to +20%)", "bernstein2019")
+
+
+FACTS = Declaration(  # (16) what the rest must know of it: (17) its cost, (18) the planner's facts, (20) torchft's
+    schedule=lambda w, topo, cfg: replicated_cost(w, topo, cfg, "signsgd", element_bytes=1),  # int8 votes
+    plan=PlanFacts(prior=prior, sources={"bernstein2019": "Bernstein et al. 2019, \"signSGD with Majority Vote is "
+                   "Communication Efficient and Fault Tolerant\" (arXiv:1810.05291)"},
+                   advice="sends {sent} per step: one int8 vote per parameter"),
+    faults=ReplicaPolicy(missing="the step's vote is that of the replicas present", workers="one", one_worker=True,
+                         joining="the peer's parameters and optimizer state (equal on every replica: exact)"))
+
+
+@register("signsgd", SignSGDConfig, facts=FACTS)  # (1) a Strategy subclass, (2) registered with its config
 class SignSGD(Strategy):
     """signSGD with majority vote; see the module docstring."""
 

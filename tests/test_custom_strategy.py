@@ -2,7 +2,7 @@
 3 workers it follows signSGD with majority vote as a plain-torch reference writes it, sends 1 byte per parameter,
 keeps ``max_grad_norm`` (the committed update clipped) and fp16 (an overflow on one worker drops the round on
 every worker, the scale backs off), reshards, refuses a bad knob at construction — and needs exactly the names
-``docs/contract.md`` lists, no more than 15."""
+``docs/contract.md`` lists, no more than 20 (15 to train, 5 to declare its facts)."""
 
 from __future__ import annotations
 
@@ -233,6 +233,6 @@ def test_the_contract_lists_exactly_the_names_the_example_and_the_base_need():
     required = {n for n in dir(Strategy) if getattr(getattr(Strategy, n), "__isabstractmethod__", False)}
     assert required <= needed  # the base's abstract hooks are among them
     listed = _names_the_contract_lists()
-    assert len(listed) == len(set(listed)) <= 15
+    assert len(listed) == len(set(listed)) <= 20
     assert set(listed) == needed, (sorted(set(listed) - needed), sorted(needed - set(listed)))
-    assert len(EXAMPLE.read_text().splitlines()) <= 80
+    assert len(EXAMPLE.read_text().splitlines()) <= 90

@@ -114,8 +114,8 @@ class QuietTrainer(Trainer):
         self.quiet_precision = "fp16" if self.args.fp16 else "bf16" if self.args.bf16 else "fp32"
         """The strategy's ``precision``, from ``args.fp16`` / ``args.bf16``."""
         cls, _ = get_strategy(strategy)
-        if self.quiet_precision == "fp16" and cls.fp16_refusal:
-            raise ValueError(f"fp16 is not supported by strategy {strategy}: {cls.fp16_refusal}; use bf16")
+        if self.quiet_precision == "fp16" and cls.fp16_problem():  # the strategy's own line (args.fp16)
+            raise ValueError(cls.fp16_problem())
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("quietsync strategies replace data parallelism; DeepSpeed/FSDP are not supported")
 

@@ -96,13 +96,13 @@ def power_law_runner(floors: dict[str, float], base: float = 3.0, step_s: dict[s
     """A pilot runner whose curves are ``base + floor·(t/1000)^-0.3``, a step every ``step_s`` seconds (0.1) of
     ``batch`` tokens (2,048) per setting, evaluations 0.01 s; the specs it ran appended to ``ran``. Pilots run
     through the link as on an emulated one (only the adaptive ACCO/DPU/WP), or all of them (a real link)."""
-    from quietsync.plan.pilot_plan import ADAPTIVE
+    from quietsync.plan.pilot_plan import adaptive
 
     def run(cand, budget, on_eval):
         if ran is not None:
             ran.append(cand.spec)
         tokens_per_step, seconds = (batch or {}).get(cand.spec, 2048.0), (step_s or {}).get(cand.spec, 0.1)
-        curve = PilotCurve(cand.spec, through_link=all_through_link or cand.strategy in ADAPTIVE)
+        curve = PilotCurve(cand.spec, through_link=all_through_link or adaptive(cand.strategy))
         for i in range(1, 17):
             steps = int(budget * i / 16 / tokens_per_step)
             t = steps * tokens_per_step

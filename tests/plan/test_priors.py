@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from quietsync.plan.priors import SOURCES, PriorContext, critical_batch, diloco_replica_penalty, prior_for
+from quietsync.plan.priors import PriorContext, critical_batch, prior_for, sources
 from quietsync.plan.schedules import strategy_config
+from quietsync.strategies.local.facts import diloco_replica_penalty
 
 # Charles et al. 2025 (arXiv:2503.09799), Table 8, copied from the paper: L(N) ≈ A·N^α
 TABLE_8 = {"dp": (18.129, -0.0953), 1: (18.363, -0.0961), 2: (18.768, -0.0969), 4: (19.762, -0.0992),
@@ -57,7 +58,7 @@ def test_every_prior_cites_listed_sources():
         assert p.notes, name
         for key in re.findall(r"\[([a-z0-9, ]+)\]", " ".join(p.notes)):
             for k in key.split(", "):
-                assert k in SOURCES, (name, k)
+                assert k in sources(), (name, k)
         assert p.penalty[0] <= p.penalty[1] <= p.penalty[2], name
 
 

@@ -6,7 +6,7 @@ the replicas present at every round boundary. When a replica dies, the others go
 restart and without a reload; when it comes back, it heals from a live peer -- the strategy's state, the data
 position, the schedule -- and joins at the next quorum. The modules:
 
-* :mod:`.support` -- which strategies run, and what each does with a missing replica's share (stated once);
+* :mod:`.support` -- which strategies run, and what each does with a missing replica's share (as each declares);
 * :mod:`.flags` -- the flag checks, one line each, before any worker starts;
 * :mod:`.lighthouse` -- the quorum server (``quietsync lighthouse``);
 * :mod:`.replica_group` -- the replicate dimension's process group that torchft reconfigures;
@@ -30,6 +30,6 @@ import os
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum and commit at info (read at import)
 
-from .support import POLICIES, REFUSALS, refusal  # noqa: E402
+from .support import policies, refusal, refusals  # noqa: E402
 
-__all__ = ["POLICIES", "REFUSALS", "refusal"]
+__all__ = ["policies", "refusal", "refusals"]

@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from .support import one_worker_only, refusal, skip_problem
+from ..strategies.declaration import ReplicaPolicy
+from ..strategies.registry import declaration
+from .support import refusal, skip_problem
 
 UNSUPPORTED = {
     "elastic": "--elastic and --fault-tolerance torchft are two ways to survive lost nodes: choose one (torchft: no "
@@ -45,15 +47,16 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
         return None
     if importlib.util.find_spec("torchft") is None:
         return "--fault-tolerance torchft needs the torchft package: pip install 'quietsync[ft]'"
-    why = refusal(cfg.strategy)
-    if why:
+    facts = declaration(cfg.strategy).faults  # what the strategy declares for torchft: its one look-up here
+    why = refusal(cfg.strategy, facts)
+    if why or not isinstance(facts, ReplicaPolicy):
         return why
     for name, text in UNSUPPORTED.items():
         value = getattr(cfg, name)
         if value not in (None, False, 0):
             return text
-    if cfg.on_nonfinite == "skip" and skip_problem(cfg.strategy):
-        return skip_problem(cfg.strategy)
+    if cfg.on_nonfinite == "skip" and skip_problem(cfg.strategy, facts):
+        return skip_problem(cfg.strategy, facts)
     if cfg.precision == "fp16":
         return ("--precision fp16 is not supported with --fault-tolerance torchft (the loss scale's skip decision "
                 "needs every replica's verdict outside the quorum's commits); use bf16 or fp32")
@@ -85,11 +88,10 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
     if replicas < 2:
         return (f"--fault-tolerance torchft needs at least 2 replica groups (--nodes, default one per worker), got "
                 f"{replicas}")
-    if workers > 1 and one_worker_only(cfg.strategy, strategy_config):
-        inner = " with --inner local" if cfg.strategy == "diloco" else ""
-        return (f"--strategy {cfg.strategy}{inner} keeps its state per worker, so under --fault-tolerance torchft it "
-                f"runs with one worker per replica group; got {workers} (--nproc / --nodes)"
-                + ("; diloco --inner ddp or zero1 runs several" if cfg.strategy == "diloco" else ""))
+    if workers > 1 and facts.runs_one_worker(strategy_config):
+        qualifier, hint = facts.one_worker_hint
+        return (f"--strategy {cfg.strategy}{qualifier} keeps its state per worker, so under --fault-tolerance torchft "
+                f"it runs with one worker per replica group; got {workers} (--nproc / --nodes){hint}")
     return None
 
 

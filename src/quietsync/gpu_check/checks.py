@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..strategies.registry import baselines, declaration, module_flags, ordered
 from .report import Check, Tolerance, compare_trajectories, compare_values
 from .runs import RunSpec
 
@@ -44,23 +45,23 @@ CALIBRATION_RTOL = 0.30
 DCT_ORACLE_RTOL = 1e-4
 """fp32 DCT coefficients on the device against the fp64 oracle: max error ≤ 1e-4 of the largest coefficient."""
 
-STRATEGY_SPECS: dict[str, list[str]] = {
-    "ddp": [],
-    "zero1": [],
-    "fsdp": [],
-    "acco": ["--deterministic-accumulation", "1"],  # fixed stages: the CPU and CUDA trajectories are comparable
-    "dpu": ["--deterministic-accumulation", "1"],
-    "wp": ["--deterministic-accumulation", "1"],
-    "demo": [],
-    "flexdemo": [],
-    "localsgd": ["--sync-every", "4"],
-    "diloco": ["--sync-every", "4", "--fragments", "2", "--overlap-delay", "1"],  # outer step on the comm worker
-    "cdp": [],
-}
-"""Every strategy, each on one device (world of one) with the knobs that put its device paths to work."""
+def strategy_specs() -> dict[str, list[str]]:
+    """Every strategy the check trains on one device (world of one), with the flags that put its device paths to
+    work, as each declares them (``Declaration.gpu_flags``; a strategy of your own, registered from a file, is
+    imported by its runs through ``--strategy-module``)."""
+    return {name: [*module_flags(name), *facts.gpu_flags] for name in ordered()
+            if (facts := declaration(name)).gpu_flags is not None}
 
-MIXED: dict[str, list[str]] = {"zero1": ["bf16", "fp16"]}
-"""Mixed precisions per strategy besides fp32 (default bf16 only; cdp refuses fp16)."""
+
+def mixed_precisions(name: str) -> list[str]:
+    """The mixed precisions strategy ``name`` runs besides fp32 (``Declaration.gpu_precisions``)."""
+    return list(declaration(name).gpu_precisions)
+
+
+def reference_strategy() -> str:
+    """The strategy of the calibration and compile checks: the preferred synchronous baseline."""
+    return baselines()[0]
+
 
 UNCHECKED = [
     "NCCL collectives between ranks (every strategy at world > 1): one device cannot hold two NCCL ranks",
@@ -244,7 +245,7 @@ def judge_strategy(label: str, runs: dict[str, Any], seconds: float) -> list[Che
 
 def strategy_checks(names: list[str], *, device: str, steps: int, cpu_steps: int, work: str, cache_dir: str | None,
                     deadline: float, per_strategy_s: float = 180.0) -> tuple[list[Check], dict[str, Any]]:
-    """Every strategy of ``names``; also returns the raw runs (the calibration check reads zero1's)."""
+    """Every strategy of ``names``; also returns the raw runs (the calibration check reads the baseline's)."""
     checks: list[Check] = []
     raw: dict[str, Any] = {}
     for name in names:
@@ -252,8 +253,8 @@ def strategy_checks(names: list[str], *, device: str, steps: int, cpu_steps: int
         if left < 20:
             checks.append(Check("train", f"{name} runs", "SKIP", "the check's time budget ran out"))
             continue
-        spec = RunSpec(strategy=name, flags=STRATEGY_SPECS[name], steps=steps, cpu_steps=cpu_steps,
-                       precisions=MIXED.get(name, ["bf16"]), work=work, cache_dir=cache_dir, device=device)
+        spec = RunSpec(strategy=name, flags=strategy_specs()[name], steps=steps, cpu_steps=cpu_steps,
+                       precisions=mixed_precisions(name), work=work, cache_dir=cache_dir, device=device)
         t0 = time.perf_counter()
         runs = run_strategy(spec, min(per_strategy_s, left))
         raw[name] = runs
@@ -381,18 +382,20 @@ def _placements(layout: Any) -> list[Any]:
 
 
 # ------------------------------------------------------------------------------------------------ calibration
-def calibration_check(device: str, zero1_runs: dict[str, Any] | None) -> Check:
-    """The planner's calibrated forward + backward against the one the zero1 fp32 run measured (its loop times
+def calibration_check(device: str, base_runs: dict[str, Any] | None) -> Check:
+    """The planner's calibrated forward + backward against the one the baseline's fp32 run measured
+    (:func:`reference_strategy`: zero1) (its loop times
     every micro-batch's forward and backward, synchronising the device); the whole step beside it."""
     from ..models.causal_lm import build_model
     from ..plan.calibrate import calibrate
     from ..train.loop import lm_loss
 
     t0 = time.perf_counter()
-    run = (zero1_runs or {}).get("fp32") if isinstance(zero1_runs, dict) else None
+    base = reference_strategy()
+    run = (base_runs or {}).get("fp32") if isinstance(base_runs, dict) else None
     if not run or "error" in run or not run.get("fwd_bwd_s"):
-        return Check("calibration", "planner forward+backward vs measured (zero1)", "SKIP",
-                     "the zero1 fp32 run did not finish")
+        return Check("calibration", f"planner forward+backward vs measured ({base})", "SKIP",
+                     f"the {base} fp32 run did not finish")
     dev = torch.device(device)
     model = build_model("tiny", 4096, seed=0).to(dev)
     batch = torch.randint(0, 4096, (8, 128), device=dev)
@@ -404,7 +407,8 @@ def calibration_check(device: str, zero1_runs: dict[str, Any] | None) -> Check:
     adamw = profile.optimizer_s_per_element * profile.elements
     step = f"; whole step: calibrated forward+backward+AdamW {(predicted + adamw) * 1e3:.2f} ms vs measured " \
            f"{run['step_s'] * 1e3:.2f} ms" if run.get("step_s") else ""
-    return Check("calibration", "planner forward+backward vs measured (zero1, tiny, 8×128)", "PASS" if ok else "FAIL",
+    return Check("calibration", f"planner forward+backward vs measured ({base}, tiny, 8×128)",
+                 "PASS" if ok else "FAIL",
                  f"calibrated forward {profile.forward_s * 1e3:.2f} + backward {profile.backward_s * 1e3:.2f} = "
                  f"{predicted * 1e3:.2f} ms vs {measured * 1e3:.2f} ms measured in the run ({rel:+.0%}; "
                  f"{'within' if ok else 'beyond'} ±{CALIBRATION_RTOL:.0%}){step}",
@@ -415,17 +419,19 @@ def calibration_check(device: str, zero1_runs: dict[str, Any] | None) -> Check:
 
 # ------------------------------------------------------------------------------------------------ compile
 def compile_check(device: str, steps: int, work: str, cache_dir: str | None, timeout_s: float) -> list[Check]:
-    """zero1 with ``--compile`` against the same run eager, on the device (fp32 and bf16)."""
+    """The baseline (:func:`reference_strategy`: zero1) with ``--compile`` against the same run eager, on the device
+    (fp32 and bf16)."""
     t0 = time.perf_counter()
+    base = reference_strategy()
     if timeout_s < 30:
-        return [Check("compile", "zero1 --compile", "SKIP", "the check's time budget ran out")]
-    spec = RunSpec(strategy="zero1", steps=steps, cpu_steps=0, precisions=["bf16"], extra_flags=["--compile"],
-                   work=work, cache_dir=cache_dir, label="zero1-compile", device=device)
-    eager = RunSpec(strategy="zero1", steps=steps, cpu_steps=0, precisions=["bf16"], work=work, cache_dir=cache_dir,
-                    label="zero1-eager", device=device)
+        return [Check("compile", f"{base} --compile", "SKIP", "the check's time budget ran out")]
+    spec = RunSpec(strategy=base, steps=steps, cpu_steps=0, precisions=["bf16"], extra_flags=["--compile"],
+                   work=work, cache_dir=cache_dir, label=f"{base}-compile", device=device)
+    eager = RunSpec(strategy=base, steps=steps, cpu_steps=0, precisions=["bf16"], work=work, cache_dir=cache_dir,
+                    label=f"{base}-eager", device=device)
     compiled = run_strategy(spec, timeout_s)
     if "error" in compiled:
-        return [Check("compile", "zero1 --compile", "FAIL", str(compiled["error"]).strip()[-300:],
+        return [Check("compile", f"{base} --compile", "FAIL", str(compiled["error"]).strip()[-300:],
                       seconds=_elapsed(t0))]
     plain = run_strategy(eager, max(30.0, timeout_s - _elapsed(t0)))
     out = []
@@ -433,9 +439,9 @@ def compile_check(device: str, steps: int, work: str, cache_dir: str | None, tim
         c, e = compiled.get(precision, {}), plain.get(precision, {}) if isinstance(plain, dict) else {}
         problem = _run_failed(c) or _run_failed(e)
         if problem:
-            out.append(Check("compile", f"zero1 --compile {precision}", "FAIL", problem))
+            out.append(Check("compile", f"{base} --compile {precision}", "FAIL", problem))
             continue
-        out.append(compare_values("compile", f"zero1 --compile {precision} vs eager", c["last_eval_loss"],
+        out.append(compare_values("compile", f"{base} --compile {precision} vs eager", c["last_eval_loss"],
                                   e["last_eval_loss"], COMPILE_TOL,
                                   f"held-out loss after {c['steps']} steps ({c['step_s'] * 1e3:.1f} vs "
                                   f"{e['step_s'] * 1e3:.1f} ms/step, first run {c['seconds']:.0f} s with compiling)",

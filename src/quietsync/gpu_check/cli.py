@@ -1,7 +1,8 @@
 """The command line of the GPU check: parse, refuse without a device, run the checks within a time budget, write
 the report, exit 0 (all passed) / 1 (a check failed) / 2 (refused).
 
-    python -m quietsync.gpu_check [--out DIR] [--budget-s 480] [--strategies zero1 acco ...] [--skip-tests]
+    python -m quietsync.gpu_check [--out DIR] [--budget-s 480] [--strategies NAME ...] [--strategy-module FILE]
+                                  [--skip-tests]
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    from .checks import STRATEGY_SPECS
+    from .checks import strategy_specs
 
+    specs = strategy_specs()
     p = _Parser(prog=PROG, description="Check every GPU path of quietsync on one CUDA device; write gpu-check.md "
                                        "and gpu-check.json.")
     p.add_argument("--out", default="runs/gpu-check", help="folder for gpu-check.md/.json and the runs "
                                                              "(default: runs/gpu-check)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="wall-clock budget; checks that would start after it are reported SKIP (default 480)")
-    p.add_argument("--strategies", nargs="+", default=list(STRATEGY_SPECS), metavar="NAME",
-                   help=f"strategies to train on the device (default: all: {' '.join(STRATEGY_SPECS)})")
+    p.add_argument("--strategies", nargs="+", default=list(specs), metavar="NAME",
+                   help=f"strategies to train on the device (default: all: {' '.join(specs)})")
+    p.add_argument("--strategy-module", metavar="FILE", default=None,
+                   help="import a strategy of your own first (a .py file or a module name), so that it is checked "
+                        "too (quietsync train --strategy-module)")
     p.add_argument("--steps", type=int, default=40, help="committed steps of each run on the device (default 40)")
     p.add_argument("--cpu-steps", type=int, default=5,
                    help="steps compared step by step between the device and the CPU (default 5; 0 = none)")
@@ -45,13 +50,23 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    from .checks import STRATEGY_SPECS
+    from ..strategies.registry import load_module
+    from .checks import strategy_specs
 
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--strategy-module", default=None)
+    module = pre.parse_known_args(argv)[0].strategy_module
+    if module is not None:
+        try:
+            load_module(module)
+        except ValueError as e:
+            _Parser(prog=PROG).error(str(e))
     p = parser()
     args = p.parse_args(argv)
-    unknown = [s for s in args.strategies if s not in STRATEGY_SPECS]
+    specs = strategy_specs()
+    unknown = [s for s in args.strategies if s not in specs]
     if unknown:
-        p.error(f"--strategies must be among {', '.join(STRATEGY_SPECS)}; got {', '.join(unknown)}")
+        p.error(f"--strategies must be among {', '.join(specs)}; got {', '.join(unknown)}")
     if args.budget_s <= 0:
         p.error(f"--budget-s must be > 0, got {args.budget_s:g}")
     if args.steps < 2:
@@ -90,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                                           deadline=deadline)
     add(results)
     for name, fn in (("codec", lambda: checks.codec_checks(args.device)),
-                     ("calibration", lambda: [checks.calibration_check(args.device, raw.get("zero1"))])):
+                     ("calibration",
+                      lambda: [checks.calibration_check(args.device, raw.get(checks.reference_strategy()))])):
         if deadline - time.perf_counter() < 10:
             add([Check(name, name, "SKIP", "the check's time budget ran out")])
             continue

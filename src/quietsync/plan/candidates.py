@@ -2,19 +2,21 @@
 
 A candidate is a ``NAME[:FIELD=VALUE,...]`` spec — the strings ``quietsync compare --strategies`` takes — so a plan's
 rows, ``quietsync compare`` runs and the equal-loss benchmark (``benchmarks/bench_equal_loss.py``) join on them.
-:data:`GRID` is every strategy at its defaults plus the knob settings that change loss per token or bytes most:
-ACCO/DPU/WP adaptive and capped at 4 micro-batches per stage, DeMo's DCT at 1/32 and 1/256 and the random replicator,
-Local SGD, DiLoCo at H = 16 and 64, Streaming DiLoCo (4 fragments, each exchange hidden behind H/F inner steps) in
-fp32 and in fp4 as its paper sends it, SparseLoCo (2-bit values by default, and outer lr 1 — a plain averaged step —
-as its paper), CDP.
-:data:`WIDE` adds the long-H and heavy-compression settings a large cluster on a slow link needs (``--what-if``).
+:func:`grid` is every strategy at the knob settings it declares (``PlanFacts.grid`` of its
+:class:`~quietsync.strategies.declaration.Declaration`, in the declarations' order): the settings that change
+loss per token or bytes most — ACCO/DPU/WP adaptive and capped at 4 micro-batches per stage, DeMo's DCT at 1/32 and
+1/256 and the random replicator, Local SGD, DiLoCo at H = 16 and 64, Streaming DiLoCo (4 fragments, each exchange
+hidden behind H/F inner steps) in fp32 and in fp4 as its paper sends it, SparseLoCo (2-bit values by default, and
+outer lr 1 — a plain averaged step — as its paper), CDP. ``grid(wide=True)`` adds the long-H and heavy-compression
+settings a large cluster on a slow link needs (``PlanFacts.wide``, for ``--what-if``).
 
 The knobs of each strategy are **tuned for time to target** (:mod:`~quietsync.plan.advice`): among a strategy's
 settings in the grid, the one with the least predicted time to the target loss is its best, so the search space
 is the grid itself and every recommendation is a setting the benchmark runs.
 
 :func:`canonical_grid` returns the candidates that apply to a topology and, for the others, why they are left out
-(FlexDeMo needs several workers per node; CDP needs as many model stages as workers).
+(each strategy declares when it applies: FlexDeMo needs several workers per node; CDP needs as many model stages
+as workers).
 """
 
 from __future__ import annotations
@@ -24,41 +26,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from ..strategies.registry import declaration, ordered
 from ..topology import Topology
-
-GRID: tuple[str, ...] = (
-    "ddp",
-    "zero1",
-    "fsdp",
-    "acco",
-    "acco:max_accumulation=4",
-    "dpu",
-    "dpu:max_accumulation=4",
-    "wp",
-    "wp:max_accumulation=4",
-    "demo",
-    "demo:compression=0.00390625",
-    "demo:replicator=random",
-    "flexdemo",
-    "localsgd:sync_every=16",
-    "diloco:sync_every=16",
-    "diloco:sync_every=64",
-    "diloco:sync_every=16,fragments=4,overlap_delay=4",
-    "diloco:sync_every=16,fragments=4,overlap_delay=4,pseudo_grad_dtype=fp4",
-    "diloco:sync_every=16,outer=sparseloco,outer_lr=1.0",
-    "cdp",
-)
-"""The canonical candidate grid (spec strings as ``quietsync compare --strategies`` takes them)."""
-
-WIDE: tuple[str, ...] = (
-    "demo:compression=0.0009765625",
-    "flexdemo:compression=0.0009765625",
-    "diloco:sync_every=128,fragments=4,overlap_delay=32",
-    "diloco:sync_every=512",
-    "diloco:sync_every=512,fragments=4,overlap_delay=128,pseudo_grad_dtype=fp4",
-    "diloco:sync_every=128,outer=sparseloco,outer_lr=1.0",
-)
-"""Settings added for large clusters on slow links (``--what-if`` plans): longer H, heavier compression."""
 
 
 @dataclass(frozen=True)
@@ -119,25 +88,35 @@ def parse_candidate(spec: str) -> Candidate:
     return candidate(name, knobs)
 
 
+def grid(wide: bool = False) -> tuple[str, ...]:
+    """The canonical candidate grid (spec strings as ``quietsync compare --strategies`` takes them): every
+    registered strategy's declared settings; ``wide``: and its settings for large clusters on slow links."""
+    out = []
+    for name in ordered():
+        facts = declaration(name).plan
+        out += [spec_string(name, dict(knobs)) for knobs in facts.grid]
+    if wide:
+        for name in ordered():
+            out += [spec_string(name, dict(knobs)) for knobs in declaration(name).plan.wide]
+    return tuple(out)
+
+
 def applies(strategy: str, topo: Topology, stage_counts: tuple[int, ...] = ()) -> str | None:
-    """Why ``strategy`` does not apply to ``topo`` (None when it does)."""
-    if topo.world_size == 1 and strategy not in ("ddp", "zero1", "fsdp"):
+    """Why ``strategy`` does not apply to ``topo`` (None when it does): one worker has nothing to hide or shrink
+    unless the strategy is exact; the rest the strategy declares (``PlanFacts.applies``)."""
+    facts = declaration(strategy).plan
+    if topo.world_size == 1 and not facts.exact:
         return "one worker: nothing to hide or shrink"
-    if strategy == "flexdemo" and topo.workers_per_node < 2:
-        return ("needs more than one worker per node (FlexDeMo shards parameters inside a node and replicates "
-                "compressed shards across nodes); with one worker per node it is DeMo")
-    if strategy == "cdp" and stage_counts and topo.world_size not in stage_counts:
-        return f"the model cannot be cut into {topo.world_size} stages (CDP needs one stage per worker)"
-    return None
+    return facts.applies(topo, stage_counts) if facts.applies is not None else None
 
 
 def canonical_grid(topo: Topology, stage_counts: tuple[int, ...] = (), wide: bool = False
                    ) -> tuple[list[Candidate], list[LeftOut]]:
-    """The grid's candidates that apply to ``topo`` (``wide``: with :data:`WIDE`), and the ones left out with why.
+    """The grid's candidates that apply to ``topo`` (``wide``: with the wide settings), and the ones left out with why.
     ``stage_counts``: the stage counts the model can be cut into (CDP); empty = not checked."""
     out: list[Candidate] = []
     left: list[LeftOut] = []
-    for spec in GRID + (WIDE if wide else ()):
+    for spec in grid(wide):
         c = parse_candidate(spec)
         why = applies(c.strategy, topo, stage_counts)
         if why is not None:
@@ -166,6 +145,6 @@ def unique(candidates: list[Candidate]) -> list[Candidate]:
     return out
 
 
-__all__ = ["GRID", "WIDE", "Candidate", "LeftOut", "applies", "candidate", "canonical_grid", "default_candidates",
+__all__ = ["Candidate", "LeftOut", "applies", "candidate", "canonical_grid", "default_candidates", "grid",
            "parse_candidate",
            "spec_string", "unique"]

@@ -53,6 +53,9 @@ class PlanConfig:
     """Extra rows NAME[:FIELD=VALUE,...] (as quietsync compare takes them); the defaults are always evaluated."""
     only: bool = False
     """Evaluate only --strategies (no grid rows)."""
+    strategy_module: str | None = None
+    """A strategy of your own: the .py file (or importable module) that registers it, imported first (its pilots
+    import it too), e.g. examples/custom_strategy.py for --strategies signsgd."""
     target_loss: float | None = None
     """Held-out loss to reach: settings are ranked by predicted time to it (measured plans need --pilot-tokens; with
     what_if the Chinchilla law gives the baseline's tokens to it)."""
@@ -168,6 +171,10 @@ class PlanConfig:
             memory_bytes=(parse_quantity(self.device_memory, "device_memory", BYTES_UNITS, "80GB, 24GiB")
                           if self.device_memory else None))
         self.slow = _parse_slow(self.slow_worker, self.world)
+        if self.strategy_module is not None:  # it registers the user's strategy before --strategies names it
+            from ..strategies.registry import load_module
+
+            load_module(self.strategy_module)
         from .strategies_spec import parse_specs
 
         self.extra = parse_specs(self.strategies)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..cost.costmodel import Links
 from ..link import LinkModel
+from ..strategies.registry import baselines, declaration
 from .candidates import Candidate, parse_candidate
 from .critical_batch import CriticalBatch, measured
 from .curve_fit import PowerLaw, fit_power_law
@@ -35,10 +36,11 @@ from .result import PlanResult
 from .schedules import strategy_config
 from .table import Row
 
-BASELINES = ("zero1", "ddp")
-"""The setting whose pilot is the baseline curve (the first present; DDP, ZeRO-1 and FSDP follow one trajectory)."""
-ADAPTIVE = ("acco", "dpu", "wp")
-"""Strategies whose steps depend on timing (adaptive stages): their pilots run through an emulated link."""
+
+def adaptive(strategy: str) -> bool:
+    """Whether ``strategy``'s steps depend on timing (it declares adaptive stages): its pilots run through an
+    emulated link."""
+    return declaration(strategy).plan.stages > 0
 CONFIRM_TOP = 2
 """How many of the best settings must rest on a pilot (or on the baseline's exact trajectory) — and besides them
 every setting the advice lists under "Try first" (:data:`~quietsync.plan.recommend.TRY_FIRST`, each strategy's best)
@@ -231,13 +233,10 @@ def pilot_speed(curve: PilotCurve) -> tuple[float, float] | None:
 
 
 def _first_sync_steps(c: Candidate) -> int | None:
-    """Steps a local-family setting trains alone before its first synchronization (None: not local)."""
-    k = c.knob_dict
-    if c.strategy == "localsgd":
-        return int(k.get("sync_every", 8))
-    if c.strategy == "diloco" and k.get("inner", "local") == "local":
-        return max(1, int(k.get("sync_every", 64)) // int(k.get("fragments", 1)))
-    return None
+    """Steps a setting trains alone before its first synchronization (None: it meets every step), as its strategy
+    declares (``PlanFacts.first_sync``)."""
+    first = declaration(c.strategy).plan.first_sync
+    return first(strategy_config(c.strategy, c.knob_dict)) if first is not None else None
 
 
 def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: ProcessRunner | None = None
@@ -248,9 +247,10 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
     assert cfg.pilot_tokens is not None
     budget = cfg.pilot_tokens
     rows = {r.spec: r for r in result.rows}
-    base_spec = next((s for s in BASELINES if s in rows), None)
+    preferred = baselines()  # the setting whose pilot is the baseline curve: the first present (they follow one
+    base_spec = next((s for s in preferred if s in rows), None)  # trajectory)
     if base_spec is None:  # the baseline's pilot is the loss model's reference even when it is not a row
-        base_spec = BASELINES[0]
+        base_spec = preferred[0]
         rows[base_spec] = result.predict(base_spec, {})
     base_row = rows[base_spec]
     from ..train.args import parse_train_args
@@ -268,7 +268,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
     emulated = bool(cfg.link)
 
     def through_link(c: Candidate) -> bool:
-        return not emulated or (c.strategy in ADAPTIVE and "deterministic_accumulation" not in c.knob_dict)
+        return not emulated or (adaptive(c.strategy) and "deterministic_accumulation" not in c.knob_dict)
 
     runner = runner or ProcessRunner(job_args, link_args, folder, cfg.target_loss,
                                      lambda c: rows[c.spec].tokens_per_step if c.spec in rows else 1.0, through_link,
@@ -324,7 +324,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
                                                      done[base_spec])
             state.update(critical=critical, critical_note=why, noise=ns)
         prior = objective_with(base, {})
-        scored = sorted((prior.score(r) for r in result.rows if (r.strategy not in ("ddp", "zero1", "fsdp")
+        scored = sorted((prior.score(r) for r in result.rows if (not declaration(r.strategy).plan.exact
                          or r.knobs) and r.spec != base_spec), key=lambda s: s.objective)
         best_high = min((_high(s) for s in scored), default=math.inf)
         for s in scored:
@@ -375,7 +375,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         return overhead, per_mb, adjust
 
     def exact(row: Row) -> bool:
-        return row.strategy in ("ddp", "zero1", "fsdp") and not row.knobs
+        return declaration(row.strategy).plan.exact and not row.knobs
 
     def confirm() -> Iterator[Candidate]:
         """After the first round: while one of the best settings, or one the advice lists under "Try first", rests on
@@ -517,5 +517,5 @@ def _report(result: PlanResult, done: dict[str, PilotCurve], base_spec: str, ski
     return lines
 
 
-__all__ = ["ADAPTIVE", "BASELINES", "baseline_curve", "fresh", "pilot_estimate", "pilot_speed", "run_pilots",
+__all__ = ["adaptive", "baseline_curve", "fresh", "pilot_estimate", "pilot_speed", "run_pilots",
            "to_confirm"]

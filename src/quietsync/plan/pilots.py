@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..strategies.registry import declaration, module_flags, strategy_config
 from .candidates import Candidate
 
 ETA = 2
@@ -234,8 +235,10 @@ class ProcessRunner:
         name, _, flags = parse_strategy_spec(cand.spec)
         steps = max(1.0, budget / max(1.0, self.tokens_per_step(cand)))
         every = eval_every(cand, steps)
-        argv = [*self.job_args, "--strategy", name, *flags, "--max-tokens", str(budget), "--eval-every", str(every),
-                "--out", str(folder), "--overwrite", "--no-progress", "--no-plot", "--save-every", "0"]
+        # a strategy of the user's own: its file is imported by the pilot too
+        argv = [*self.job_args, *module_flags(name), "--strategy", name, *flags, "--max-tokens", str(budget),
+                "--eval-every", str(every), "--out", str(folder), "--overwrite", "--no-progress", "--no-plot",
+                "--save-every", "0"]
         if self.through_link(cand):
             argv += self.link_args
         if self.target_loss is not None:
@@ -333,13 +336,13 @@ def eval_every(cand: Candidate, steps: float) -> int:
     """A pilot's evaluation cadence: :data:`EVALS_PER_PILOT` over its predicted steps; at least
     :data:`OVERLAP_EVAL_STEPS` apart for ACCO/DPU/WP (an evaluation waits for the update in flight, which would keep
     their stages from growing as they do in the planned run); for Local SGD and DiLoCo right after syncs (a multiple
-    of the period, or a divisor of it: the evaluated model changes at syncs)."""
+    of the period, or a divisor of it: the evaluated model changes at syncs) — as each strategy declares (its
+    ``PlanFacts.stages`` and ``sync_period``)."""
     every = max(1, int(steps // EVALS_PER_PILOT))
-    k = cand.knob_dict
-    if cand.strategy in ("acco", "dpu", "wp"):
+    facts = declaration(cand.strategy).plan
+    if facts.stages:
         return max(every, OVERLAP_EVAL_STEPS)
-    period = int(k.get("sync_every", 64 if cand.strategy == "diloco" else 8)) if cand.strategy in (
-        "diloco", "localsgd") else 1
+    period = facts.sync_period(strategy_config(cand.strategy, cand.knob_dict)) if facts.sync_period else 1
     if period > 1:
         if every >= period:
             return every - every % period

@@ -23,16 +23,17 @@ from typing import Any
 
 import torch
 
-from ..cost.compute import ComputeProfile, codec_key, codec_knobs
+from ..cost.compute import ComputeProfile, codec_knobs
 from ..cost.costmodel import Links
 from ..cost.workload import Workload
 from ..link import LinkModel
+from ..strategies.registry import declaration, ordered
 from ..topology import Topology
 from .candidates import Candidate, LeftOut, candidate, canonical_grid, unique
 from .cluster import Cluster, Device
 from .config import PlanConfig, transformer_shape
 from .objective import Objective, initial_objective
-from .recommend import HETEROGENEOUS, advise
+from .recommend import HETEROGENEOUS, advise, is_baseline
 from .result import PlanResult
 from .schedules import strategy_config
 from .table import Row, evaluate
@@ -109,21 +110,19 @@ def candidates(cfg: PlanConfig, w: Workload, topo: Topology) -> tuple[list[Candi
 
 
 def codec_keys(cfg: PlanConfig, w: Workload, topo: Topology) -> list[str]:
-    """The decoupled settings whose codec the calibration times."""
+    """The codecs the calibration times: those of the settings planned, and those the strategies declare for every
+    plan (``PlanFacts.codec`` and ``calibrate``)."""
     keys = []
     cands, _ = candidates(cfg, w, topo)
-    for name, knobs in [(c.strategy, c.knob_dict) for c in cands] + [("demo", {"replicator": "dct"}),
-                                                                      ("demo", {"replicator": "random"})]:
-        if name in ("demo", "flexdemo"):
-            c = strategy_config(name, knobs)
-            base = "adamw" if c.base in ("adamw", "auto") else "sgd"
-            key = codec_key(c.replicator, c.compression, c.transfer_dtype, c.chunk, c.topk, base)
-            if key not in keys and c.replicator != "none":
-                keys.append(key)
+    always = [(name, dict(knobs)) for name in ordered() for knobs in declaration(name).plan.calibrate]
+    for name, knobs in [(c.strategy, c.knob_dict) for c in cands] + always:
+        codec = declaration(name).plan.codec
+        key = codec(strategy_config(name, knobs)) if codec is not None else None
+        if key is not None and key not in keys:
+            keys.append(key)
     return keys
 
 
-# ---------------------------------------------------------------------------------------------- measuring
 def _measure_worker(cfg: PlanConfig, keys: list[str], result_path: str) -> None:
     """In every worker: calibrate (all at once), agree on per-worker speeds, probe the links; rank 0 writes."""
     from ..transport import Transport
@@ -253,7 +252,7 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
             continue
         rows.append(row)
     if objective is None:
-        exact = [r for r in rows if r.strategy in ("ddp", "zero1") and not r.knobs] or rows
+        exact = [r for r in rows if is_baseline(r)] or rows
         objective = initial_objective(cfg, w.params, cluster.world, cluster.nodes,
                                       exact[0].tokens_per_step if exact else w.tokens_per_micro_batch)
     scored = [objective.score(r) for r in rows]

@@ -21,16 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cost.compute import ComputeProfile
+from ..strategies.registry import declaration, strategy_config
 from .curve_fit import Interval
 from .loss_model import LossEstimate, TimeToTarget
 from .table import Row, fmt_bytes
 
-EXACT = ("ddp", "zero1", "fsdp")
 HETEROGENEOUS = 1.15
 """Slowest / fastest worker compute above which workers count as heterogeneous."""
 TRY_FIRST = 3
 """How many settings the advice lists under "Try first" (each strategy's best, best first)."""
-STAGES = {"acco": 2, "dpu": 1, "wp": 1}
 
 
 @dataclass
@@ -181,24 +180,24 @@ def diagnosis(baseline: Row) -> str:
 
 
 def _reason(r: Row, baseline: Row, world: int) -> str:
+    """The busy share, then the sentence the strategy declares (``PlanFacts.advice``) filled in for this row."""
     busy = f"busy {r.compute_busy:.0%}"
-    inter = r.bytes_per_link.get("inter", 0.0)
-    if r.strategy in EXACT:
-        return f"{busy}; exact synchronous gradients"
-    if r.strategy in STAGES:
-        per = r.micro_batches / world / STAGES[r.strategy]
-        what = "hides the network behind" if r.strategy == "acco" else "hides the update behind"
-        return f"{busy}; {what} {per:.3g} micro-batches per stage per worker ({r.tokens_per_step:,.0f} tokens per step)"
-    if r.strategy in ("demo", "flexdemo"):
-        return (f"{busy}; sends {fmt_bytes(inter or sum(r.bytes_per_link.values()))} per step across nodes instead "
-                f"of {fmt_bytes(baseline.bytes_per_link.get('inter', 0.0) or sum(baseline.bytes_per_link.values()))}")
-    if r.strategy == "localsgd":
-        return f"{busy}; averages parameters every {r.knobs.get('sync_every', 8)} steps"
-    if r.strategy == "diloco":
-        return f"{busy}; {r.label.removeprefix('diloco ')}: outer sync every H inner steps"
-    if r.strategy == "cdp":
-        return f"{busy}; gradients travel point to point over the cycle, no collective"
-    return busy
+    facts = declaration(r.strategy).plan
+    if facts.advice is None:
+        return busy
+
+    def sent(row: Row) -> str:
+        return fmt_bytes(row.bytes_per_link.get("inter", 0.0) or sum(row.bytes_per_link.values()))
+
+    fields = {"config": strategy_config(r.strategy, r.knobs), "setting": r.label.removeprefix(f"{r.strategy} "),
+              "tokens_per_step": r.tokens_per_step, "sent": sent(r), "baseline_sent": sent(baseline),
+              "per_stage": r.micro_batches / world / facts.stages if facts.stages else None}
+    return f"{busy}; {facts.advice.format(**fields)}"
+
+
+def is_baseline(row: Row) -> bool:
+    """Whether ``row`` may be the synchronous baseline: a baseline strategy at its defaults."""
+    return declaration(row.strategy).plan.baseline is not None and not row.knobs
 
 
 def best_per_strategy(scored: list[Scored]) -> list[Scored]:
@@ -215,8 +214,8 @@ def best_per_strategy(scored: list[Scored]) -> list[Scored]:
 def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective: str,
            left_out: list[tuple[str, str]], top: int = TRY_FIRST) -> Advice:
     """Rank ``scored`` (see the module docstring). ``left_out``: ``(strategy or setting, why)``."""
-    exact = [s for s in scored if s.row.strategy in EXACT and s.row.strategy != "fsdp" and not s.row.knobs] or \
-        [s for s in scored if s.row.strategy in EXACT] or scored
+    exact = [s for s in scored if is_baseline(s.row)] or \
+        [s for s in scored if declaration(s.row.strategy).plan.exact] or scored
     base = min(exact, key=lambda s: (s.objective, -s.row.tokens_per_s))
     ranked = best_per_strategy(scored)
     reaching = [s for s in ranked if s.reaches]
@@ -273,6 +272,5 @@ def _why_not(s: Scored) -> str:
     return f"{head} — " + ("; ".join(e.notes) if e.notes else "its curve flattens above the target")
 
 
-__all__ = ["EXACT", "HETEROGENEOUS", "TRY_FIRST", "Advice", "Recommendation", "Scored", "advise",
-           "best_per_strategy", "diagnosis", "fmt_duration", "fmt_interval",
-           "versus_baseline"]
+__all__ = ["HETEROGENEOUS", "TRY_FIRST", "Advice", "Recommendation", "Scored", "advise", "is_baseline",
+           "best_per_strategy", "diagnosis", "fmt_duration", "fmt_interval", "versus_baseline"]

@@ -1,11 +1,13 @@
 """Strategies: how and when gradients or parameters cross the network, and when the optimizer runs.
 
-``base.py`` holds the contract every strategy keeps (:class:`Strategy`) and ``registry.py`` the names. The rest
-is folders, one per family, over three shared layers:
+``base.py`` holds the contract every strategy keeps (:class:`Strategy`), ``registry.py`` the names and
+``declaration.py`` what a strategy declares for the rest of the house (its cost, its planner facts, its policy
+under torchft, ...: everything outside this package asks the registry instead of naming a strategy). The rest is
+folders, one per family, over three shared layers:
 
-* families, each strategy one module that registers itself under its name, its config and its schedule when
-  imported (each family's ``__init__`` imports its strategy modules and this package imports every family, so
-  ``quietsync.strategies.available()`` lists them all):
+* families, each strategy one module that registers itself under its name, its config and its declaration (the
+  family's ``facts.py``, beside its ``cost.py``) when imported (each family's ``__init__`` imports its strategy
+  modules and this package imports every family, so ``quietsync.strategies.available()`` lists them all):
   ``baselines/`` (ddp, zero1, fsdp), ``overlap/`` (acco, dpu, wp, with the overlap machinery and the
   estimate), ``decoupled/`` (demo, flexdemo, with their config and round), ``local/`` (localsgd, diloco,
   with the outer loop and the fragments), ``cdp/`` (cdp, with its schedule and loss capture);

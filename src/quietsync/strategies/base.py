@@ -74,6 +74,7 @@ from ..transport import Transport
 from .checkpoint.logical import Reader, ReshardError, SavedTensors, open_round_problem
 from .checkpoint.positions import check_positions_agree
 from .config import StrategyConfig
+from .declaration import Declaration
 from .parts.accounting import StepAccounting, StepMetrics
 from .parts.buffers import ModuleBuffers
 from .parts.clipping import GradientCheck, check_max_grad_norm, prepare_gradient
@@ -129,6 +130,8 @@ class Strategy(metaclass=_Constructed):
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type[StrategyConfig]] = StrategyConfig
+    declaration: ClassVar[Declaration] = Declaration()
+    """What the rest of the house must know of it (set by ``@register(..., facts=...)``)."""
     resumable: ClassVar[bool] = True
     """Whether :meth:`state_dict` works between committed steps of a running job (the trainer's
     ``--save-every``/``--resume``); a strategy that keeps micro-batches in flight across steps sets False."""
@@ -214,9 +217,8 @@ class Strategy(metaclass=_Constructed):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.precision = parse_precision(precision)
         """The mixed-precision policy (``self.precision.name``: fp32, bf16 or fp16)."""
-        if self.precision.loss_scaling and self.fp16_refusal:
-            raise ValueError(f"precision fp16 is not supported by strategy {self.name}: {self.fp16_refusal}; "
-                             "use bf16 or fp32")
+        if self.precision.loss_scaling and self.fp16_problem():
+            raise ValueError(self.fp16_problem())
         check_model_dtype(model, self.precision)
         self._max_grad_norm = check_max_grad_norm(max_grad_norm)
         if not callable(optimizer):
@@ -563,6 +565,20 @@ class Strategy(metaclass=_Constructed):
         and any number of workers (None: it can; None for either count: unknown, not checked). By default
         :attr:`reshard_refusal`; a strategy whose state is tied to the node count adds that (``flexdemo``)."""
         return cls.reshard_refusal
+
+    def rejoin(self) -> None:
+        """Make this strategy a returning replica's, right after it loaded a live peer's :meth:`state_dict` at a
+        round boundary (``--fault-tolerance torchft``'s heal): what it owes the others starts empty and what
+        drifts between syncs starts from the agreed state, as its checkpoint's :data:`join rule
+        <quietsync.strategies.checkpoint.replicas.JoinRule>` has a joining worker do. By default nothing: the
+        peer's state is this replica's exactly (every replica holds the same)."""
+
+    @classmethod
+    def fp16_problem(cls) -> str | None:
+        """Why this strategy refuses ``precision fp16`` (one line, from :attr:`fp16_refusal`), or None."""
+        if not cls.fp16_refusal:
+            return None
+        return f"precision fp16 is not supported by strategy {cls.name}: {cls.fp16_refusal}; use bf16 or fp32"
 
     def close(self) -> None:
         """Stop background work and release this strategy's resources; safe to call twice."""

@@ -30,17 +30,31 @@ def _strategies() -> tuple[list[str], Any]:
     return strategies.available(), strategies.get
 
 
-def _pre_parse(argv: list[str]) -> tuple[str | None, str | None]:
-    """``(--strategy, --config)`` as given on the command line (None when absent)."""
+def _pre_parse(argv: list[str]) -> tuple[str | None, str | None, str | None]:
+    """``(--strategy, --config, --strategy-module)`` as given on the command line (None when absent)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--strategy", default=None)
     pre.add_argument("--config", default=None)
+    pre.add_argument("--strategy-module", default=None)
     known, _ = pre.parse_known_args(argv)
-    return known.strategy, known.config
+    return known.strategy, known.config, known.strategy_module
 
 
-def train_parser(strategy: str) -> tuple[OneLineParser, dict[str, str], dict[str, str]]:
-    """The ``quietsync train`` parser for ``strategy``: (parser, job ``{field: flag}``, strategy ``{field: flag}``).
+def _load_strategy_module(module: str | None) -> None:
+    """Import ``--strategy-module`` (it registers the user's strategy) before ``--strategy`` is looked up."""
+    if module is None:
+        return
+    from ..strategies.registry import load_module
+
+    try:
+        load_module(module)
+    except ValueError as e:
+        OneLineParser(prog=f"{PROG} train").error(str(e))
+
+
+def train_parser(strategy: str, config_cls: Any = None) -> tuple[OneLineParser, dict[str, str], dict[str, str]]:
+    """The ``quietsync train`` parser for ``strategy``: (parser, job ``{field: flag}``, strategy ``{field: flag}``);
+    ``config_cls``: the strategy's config dataclass, where the caller resolved it already.
 
     A strategy field whose name a job flag already uses (e.g. ``seed``) is spelled ``--<strategy>-<field>``.
     """
@@ -67,7 +81,7 @@ def train_parser(strategy: str) -> tuple[OneLineParser, dict[str, str], dict[str
             action.metavar = "NAME"
     strategy_fields: dict[str, str] = {}
     if strategy in names:
-        _, config_cls = get(strategy)
+        config_cls = config_cls or get(strategy)[1]
         group = parser.add_argument_group(f"{strategy} strategy ({config_cls.__name__})")
         strategy_fields = add_dataclass_flags(group, config_cls, prefix_for=train_fields, prefix=f"{strategy}_")
     return parser, train_fields, strategy_fields
@@ -87,13 +101,13 @@ def _flags_elsewhere(flag: str) -> list[str]:
     return owners
 
 
-def _check_environment(parser: OneLineParser, cfg: TrainConfig, nodes: int | None, world: int | None) -> None:
+def _check_environment(parser: OneLineParser, cfg: TrainConfig, cls: Any, nodes: int | None,
+                       world: int | None) -> None:
     from ..models.causal_lm import max_positions
-    from ..strategies import get
     from .corpus import DEFAULT_DATASET, looks_like_path
     from .preflight import check_compiler, check_paths, check_threads
 
-    if not get(cfg.strategy)[0].resumable and (cfg.save_every or cfg.resume):
+    if not cls.resumable and (cfg.save_every or cfg.resume):
         flag = "--save-every" if cfg.save_every else "--resume"
         parser.error(f"{flag} is not supported with --strategy {cfg.strategy} (it keeps micro-batches in flight "
                      "across steps, so it cannot checkpoint mid-run yet)")
@@ -129,18 +143,20 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     """Parse ``quietsync train`` arguments into (TrainConfig, strategy config, nodes); exit 2 on a bad value."""
     from .config_file import ConfigFileError, read_config_file, split_values
 
-    names, get = _strategies()
-    strategy, config_path = _pre_parse(argv)
+    strategy, config_path, module = _pre_parse(argv)
     file = None
     if config_path is not None:
         try:
             file = read_config_file(config_path)
         except ConfigFileError as e:
             OneLineParser(prog=f"{PROG} train").error(str(e))
+    _load_strategy_module(module or (file.values.get("strategy_module") if file is not None else None))
+    names, get = _strategies()
     if strategy is None:
         strategy = (file.strategy if file is not None else None) or DEFAULT_STRATEGY
-    parser, train_fields, strategy_fields = train_parser(strategy)
-    if strategy not in names:
+    cls, config_cls = get(strategy) if strategy in names else (None, None)  # the one look-up of --strategy
+    parser, train_fields, strategy_fields = train_parser(strategy, config_cls)
+    if cls is None:
         parser.error(f"--strategy must be one of {', '.join(names)}; got {strategy!r}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -149,7 +165,6 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
         if owners:
             parser.error(f"{flag} is not a flag of strategy {strategy} (it belongs to {', '.join(owners)})")
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    _, config_cls = get(strategy)
     job_values: dict[str, Any] = {}
     strategy_values: dict[str, Any] = {}
     if file is not None:
@@ -171,14 +186,12 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     problem = prepared_flag_problem(cfg, set(job_values))
     if problem:
         parser.error(problem)
-    cls, _ = get(strategy)
     if cfg.on_nonfinite == "skip" and not cls.discards_rounds:
         skippers = ", ".join(n for n in names if get(n)[0].discards_rounds)
         parser.error(f"--on-nonfinite skip is not supported by strategy {strategy} (it commits inside its step, "
                      f"so a round cannot be dropped first); use stop, or one of {skippers}")
-    if cfg.precision == "fp16" and cls.fp16_refusal:
-        parser.error(f"--precision fp16 is not supported by strategy {strategy}: {cls.fp16_refusal}; "
-                     "use bf16 or fp32")
+    if cfg.precision == "fp16" and cls.fp16_problem():
+        parser.error(f"--{cls.fp16_problem()}")  # the strategy's own line, as its constructor refuses it
     from ..cli.launch import under_torchrun
     from ..faults.flags import ft_problem
 
@@ -211,7 +224,7 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
         nodes = cfg.nodes if cfg.nodes is not None else cfg.nproc
     # a torchft replica group's --nodes counts the job's replica groups, not this machine's workers' nodes
     if cfg.replica_group is not None:  # ranks (--slow-worker) count the job's workers: every replica group's
-        _check_environment(parser, cfg, None, world * (cfg.nodes or 1))
+        _check_environment(parser, cfg, cls, None, world * (cfg.nodes or 1))
     else:
-        _check_environment(parser, cfg, nodes, world)
+        _check_environment(parser, cfg, cls, nodes, world)
     return cfg, strategy_config, nodes

@@ -39,6 +39,9 @@ class TrainConfig:
 
     strategy: str = DEFAULT_STRATEGY
     """Registered strategy name (quietsync.strategies.available())."""
+    strategy_module: str | None = None
+    """A strategy of your own: the .py file (or importable module) that registers it, imported before --strategy is
+    looked up (e.g. examples/custom_strategy.py for --strategy signsgd)."""
     nproc: int = 2
     """Local worker processes to spawn when not under torchrun (1 = train in this process)."""
     nodes: int | None = None

@@ -38,7 +38,7 @@ from ..parts.accumulation import AccumulationConfig
 from ..parts.across_replicas import average_across, split_groups
 from ..registry import register
 from ..substrates.replicated import Replicated
-from . import cost
+from . import facts
 from .powersgd import CAST_HOOK_DTYPES, PowerSGDState, cast_hook, powersgd_hook
 
 COMM_HOOKS = ("allreduce", "powersgd", "fp16", "bf16")
@@ -74,7 +74,7 @@ class DDPConfig(AccumulationConfig):
                              f"its buckets after the first iteration), got {self.powersgd_start_iter}")
 
 
-@register("ddp", DDPConfig, schedule=cost.ddp)
+@register("ddp", DDPConfig, facts=facts.DDP)
 class DDP(Strategy):
     """torch DDP + local gradient accumulation; see the module docstring.
 

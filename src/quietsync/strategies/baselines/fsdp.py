@@ -38,7 +38,7 @@ from ..parts.accumulation import AccumulationConfig, OptimizerRound
 from ..registry import register
 from ..substrates.fsdp_shards import FsdpShards
 from ..substrates.sharded_optimizer import build_optimizer
-from . import cost
+from . import facts
 
 
 def average_across_nodes(strategy: Strategy, grads: list[torch.Tensor | None]) -> None:
@@ -57,7 +57,7 @@ def average_across_nodes(strategy: Strategy, grads: list[torch.Tensor | None]) -
                 at += g.numel()
 
 
-@register("fsdp", AccumulationConfig, schedule=cost.fsdp)
+@register("fsdp", AccumulationConfig, facts=facts.FSDP)
 class FSDP(Strategy):
     """FSDP2 inside the node + gradient-shard all-reduce across nodes; see the module docstring."""
 

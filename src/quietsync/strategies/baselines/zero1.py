@@ -37,7 +37,7 @@ from ..parts.accumulation import AccumulationConfig, Accumulator
 from ..parts.across_replicas import average_across, split_groups
 from ..registry import register
 from ..substrates.sharded_state import ShardedState
-from . import cost
+from . import facts
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Zero1Config(AccumulationConfig):
         parse_dtype(self.reduce_dtype, "reduce_dtype")
 
 
-@register("zero1", Zero1Config, schedule=cost.zero1)
+@register("zero1", Zero1Config, facts=facts.ZERO1)
 class Zero1(Strategy):
     """Blocking ZeRO-1; see the module docstring.
 

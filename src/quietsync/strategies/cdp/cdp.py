@@ -90,7 +90,7 @@ from ..parts.clipping import CLIP_EPS
 from ..parts.lr import LRScaler
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
-from . import cost
+from . import facts
 from .capture import Replay, capture_call
 from .mailbox import Mailbox
 from .schedule import Message, Schedule
@@ -156,7 +156,7 @@ class _MicroBatch:
 
 
 # ---------------------------------------------------------------------------------------------- the strategy
-@register("cdp", CDPConfig, schedule=cost.cdp)
+@register("cdp", CDPConfig, facts=facts.CDP)
 class CDP(Strategy):
     """Cyclic Data Parallelism; see the module docstring."""
 

@@ -48,11 +48,11 @@ from ..checkpoint.logical import (
 )
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
-from . import cost
+from . import facts
 from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 
 
-@register("demo", DecoupledConfig, schedule=cost.demo)
+@register("demo", DecoupledConfig, facts=facts.DEMO)
 class DeMo(Strategy):
     """DeMo over plain data parallelism; see the module docstring."""
 
@@ -104,6 +104,15 @@ class DeMo(Strategy):
     def join_rule(key: str) -> replicas.JoinRule:
         """A joining worker's δ starts empty; its base-optimizer state is the saved workers' mean."""
         return "zero" if key.endswith(".delta") else "mean"
+
+    def rejoin(self) -> None:
+        """A returning replica (torchft's heal): its δ starts empty, as its join rule says (it owes nothing); the
+        parameters and the base-optimizer state are the peer's."""
+        with torch.no_grad():
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and self.join_rule(f".{key}") == "zero":
+                        value.zero_()
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
         opt = self.optimizer

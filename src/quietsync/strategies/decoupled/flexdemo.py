@@ -63,7 +63,7 @@ from ..checkpoint.logical_shards import load_shards, shard_state, shard_targets
 from ..registry import register
 from ..substrates.dim0_shards import DimZeroShards, FlatDimZeroShards
 from ..substrates.fsdp_shards import FsdpShards
-from . import cost
+from . import facts
 from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 
 __all__ = ["DimZeroShards", "FlexDeMo", "FlexDeMoConfig"]
@@ -83,7 +83,7 @@ class FlexDeMoConfig(DecoupledConfig):
         check_choice("params", self.params, ("sharded", "replicated"))
 
 
-@register("flexdemo", FlexDeMoConfig, schedule=cost.flexdemo)
+@register("flexdemo", FlexDeMoConfig, facts=facts.FLEXDEMO)
 class FlexDeMo(Strategy):
     """Hybrid-sharded decoupled momentum; see the module docstring."""
 
@@ -156,6 +156,15 @@ class FlexDeMo(Strategy):
         """A joining node's δ starts empty; its parameters (the same on every node) and base-optimizer state
         are the saved nodes' (their mean where they differ)."""
         return "zero" if key.endswith(".delta") else "mean"
+
+    def rejoin(self) -> None:
+        """A returning replica (torchft's heal): its δ starts empty, as its join rule says (it owes nothing); the
+        parameters and the base-optimizer state are the peer's."""
+        with torch.no_grad():
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and self.join_rule(f".{key}") == "zero":
+                        value.zero_()
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
         state = shard_state(self.shards, self.module, self.optimizer, replicas.prefix(self.replica))

@@ -87,7 +87,7 @@ from ..parts.accumulation import OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import get, register
 from ..substrates.sharded_optimizer import build_optimizer
-from . import cost
+from . import facts
 from .outer import OuterSync
 from .outer_config import OuterConfig
 
@@ -107,7 +107,7 @@ class DiLoCoConfig(OuterConfig):
         check_choice("inner", self.inner, _INNER)
 
 
-@register("diloco", DiLoCoConfig, schedule=cost.diloco)
+@register("diloco", DiLoCoConfig, facts=facts.DILOCO)
 class DiLoCo(Strategy):
     """DiLoCo / Streaming DiLoCo, optionally hierarchical; see the module docstring."""
 
@@ -271,6 +271,15 @@ class DiLoCo(Strategy):
         if key in slots:
             return slots[key][1]
         return "skip" if key.startswith("model.") or key == "optim.flat.master" else "mean"
+
+    def rejoin(self) -> None:
+        """A returning replica (torchft's heal): what its join rule zeroes (error-feedback residuals) starts empty,
+        its local parameters from θ_global (no drift)."""
+        with torch.no_grad():
+            for key, (tensor, _) in self.outer.worker_slots().items():
+                if self.join_rule(key) == "zero":
+                    tensor.zero_()
+        self.outer.start_from_global()
 
     def _mine(self) -> dict[str, torch.Tensor]:
         if self.inner is None:

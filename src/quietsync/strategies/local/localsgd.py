@@ -59,7 +59,7 @@ from ..parts.accumulation import AccumulationConfig, OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
-from . import cost
+from . import facts
 
 
 @dataclass
@@ -77,7 +77,7 @@ class LocalSGDConfig(AccumulationConfig):
         check_int("sync_every", self.sync_every, 1)
 
 
-@register("localsgd", LocalSGDConfig, schedule=cost.localsgd)
+@register("localsgd", LocalSGDConfig, facts=facts.LOCALSGD)
 class LocalSGD(Strategy):
     """Local SGD with periodic parameter averaging over ``world``; see the module docstring."""
 
@@ -194,6 +194,11 @@ class LocalSGD(Strategy):
         """A joining worker's θ_i is the last averaged θ (``skip``: set from ``synced``); its moments are the
         saved workers' mean."""
         return "skip" if key.startswith("model.") else "mean"
+
+    def rejoin(self) -> None:
+        """A returning replica (torchft's heal): its θ_i is the last averaged θ, as its join rule says."""
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in self.params], self.synced)
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
         names = parameter_names(self.module)

@@ -53,7 +53,7 @@ import torch
 from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
-from . import cost
+from . import facts
 from .machinery import Overlap, OverlapConfig
 from .strategy import collected, stage_scale
 
@@ -66,7 +66,7 @@ class ACCOConfig(OverlapConfig):
     :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`)."""
 
 
-@register("acco", ACCOConfig, schedule=cost.acco)
+@register("acco", ACCOConfig, facts=facts.ACCO)
 class ACCO(Strategy):
     """ACCO on the flat sharded substrate; see the module docstring."""
 

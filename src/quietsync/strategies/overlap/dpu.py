@@ -44,7 +44,7 @@ from ...validate import check_int
 from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
-from . import cost
+from . import facts
 from .machinery import Overlap, OverlapConfig
 from .strategy import collected, stage_scale
 
@@ -63,7 +63,7 @@ class DPUConfig(OverlapConfig):
         check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
 
 
-@register("dpu", DPUConfig, schedule=cost.dpu)
+@register("dpu", DPUConfig, facts=facts.DPU)
 class DPU(Strategy):
     """Delayed Parameter Update; see the module docstring."""
 

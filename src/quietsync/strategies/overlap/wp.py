@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..registry import register
-from . import cost
+from . import facts
 from .dpu import DPU, DPUConfig
 
 
@@ -34,7 +34,7 @@ class WPConfig(DPUConfig):
     """Knobs of ``wp`` (those of ``dpu``)."""
 
 
-@register("wp", WPConfig, schedule=cost.wp)
+@register("wp", WPConfig, facts=facts.WP)
 class WP(DPU):
     """Weight prediction; see the module docstring."""
 

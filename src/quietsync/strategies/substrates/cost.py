@@ -1,15 +1,34 @@
 """The cost of the substrates (for the ``cost.py`` beside each family): the flat ZeRO-1 state padded to the group,
 dim-0 shards (FSDP2's unpadded chunks, the flat dim-0 substrate's padded rows), FSDP2's per-unit gathers and
 scatters, and the memory each holds — as :mod:`.sharded_state`, :mod:`.dim0_shards` and :mod:`.fsdp_shards`
-lay them out.
+lay them out; and the step of a strategy on the replicated substrate (:func:`replicated_cost`), a new strategy's
+schedule in one line.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...cost.costmodel import Comm, chunk_rows, numel
+from ...cost.schedule import Schedule
+from ...cost.terms import MicroBatches, Seq, Wire, optimizer
 from ...cost.workload import Shape, Workload
 from ...topology import Topology
-from ..parts.cost import OptimizerState, dtype_bytes, group_of
+from ..parts.cost import ADAMW, OptimizerState, dtype_bytes, group_of
+
+
+def replicated_cost(w: Workload, topo: Topology, cfg: Any, name: str, element_bytes: float,
+                    opt: OptimizerState = ADAMW) -> Schedule:
+    """The step of strategy ``name`` on the :class:`~.replicated.Replicated` substrate whose round ends in one
+    blocking all-reduce of every parameter element over ``world`` (``element_bytes`` each): ``accumulation``
+    micro-batches, the all-reduce, the optimizer step on every worker; parameters, gradients and optimizer state
+    held in full."""
+    comms = (Comm("all_reduce", "world", w.params * element_bytes, f"{name}: all-reduce"),) \
+        if group_of(topo, "world") > 1 else ()
+    step = Seq(MicroBatches(cfg.accumulation), Wire(comms), optimizer(w.params))
+    memory = {"params": w.param_bytes, "grads": w.param_bytes, "optimizer_state": opt.bytes(w.numels)}
+    label = name + (f" acc={cfg.accumulation}" if cfg.accumulation > 1 else "")
+    return Schedule(name, label, comms, step, memory, config=cfg)
 
 
 def flat_shard(w: Workload, n: int) -> int:
