@@ -24,7 +24,8 @@ def _loaded_from_a_script(module: object) -> bool:
     if not path:
         return False
     path = Path(path).resolve()
-    return path.is_relative_to(ROOT) and not any(path.is_relative_to(own) for own in _OWN)
+    installed = "site-packages" in path.parts or path.is_relative_to(Path(sys.prefix).resolve())  # a venv inside
+    return path.is_relative_to(ROOT) and not installed and not any(path.is_relative_to(own) for own in _OWN)
 
 
 @pytest.fixture(autouse=True)
