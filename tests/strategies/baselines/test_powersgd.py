@@ -143,11 +143,17 @@ CASES = [
 
 
 @pytest.mark.timeout(180)
-def test_hooks_match_pytorch_bit_for_bit_and_bytes_match_hand_count():
+def test_hooks_match_pytorch_to_the_rounding_and_bytes_match_hand_count():
     results = run_ranks(_oracle, 2, CASES, timeout=170)
     for per_rank in results:
         for case, res in zip(CASES, per_rank):
-            assert res["equal"], (case, res["max_diff"])
+            if case["hook"] == "powersgd":
+                # the same arithmetic, but PyTorch's hook and ours reach the matrix products through differently
+                # shaped calls, and some CPUs' kernels round those apart by an ulp (1.5e-8 seen on one Xeon model
+                # whose recordings matched bit for bit elsewhere): bit-equal, or within float32 rounding
+                assert res["equal"] or res["max_diff"] <= 1e-7, (case, res["max_diff"])
+            else:
+                assert res["equal"], (case, res["max_diff"])
             assert res["moved"] > 0  # training happened
             if case["hook"] == "powersgd":
                 assert res["sent"] == res["hand"], case
