@@ -158,7 +158,7 @@ class DiLoCo(Strategy):
         layers = layer_units(model, self.params) if cfg.fragment_pattern == "strided" else None
         self.outer = self.hold("outer", OuterSync(self.params, self.transport, self.sync_group, cfg, self,
                                                   on_params_written=self._params_written, layers=layers))
-        self.period = cfg.sync_every // cfg.fragments
+        self.period = cfg.round_length()
         """Nominal steps between two syncs (a round of adaptive inner steps)."""
         self.adaptive = None if cfg.inner_steps == "fixed" else self.hold("adaptive", AdaptivePlan(
             self.transport, self.sync_group, self.period, cfg.fragments, cfg.worker_speeds))

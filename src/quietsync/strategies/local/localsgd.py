@@ -77,6 +77,10 @@ class LocalSGDConfig(AdaptiveConfig):
         super().__post_init__()
         check_int("sync_every", self.sync_every, 1)
 
+    def round_length(self) -> int:
+        """Steps between two syncs (a round of adaptive inner steps): K."""
+        return self.sync_every
+
 
 @register("localsgd", LocalSGDConfig, schedule=cost.localsgd)
 class LocalSGD(Strategy):

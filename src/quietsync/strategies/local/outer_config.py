@@ -116,5 +116,9 @@ class OuterConfig(AdaptiveConfig):
                 values = ", ".join(d for d in PSEUDO_GRAD_DTYPES if d != "int8")
                 raise ValueError(f"pseudo_grad_dtype must be one of {values} with outer sparseloco, got 'int8'")
 
+    def round_length(self) -> int:
+        """Steps between two syncs (a round of adaptive inner steps): H / F."""
+        return self.sync_every // self.fragments
+
 
 __all__ = ["OUTER_STEPS", "OuterConfig", "PSEUDO_GRAD_DTYPES", "PSEUDO_GRAD_REPLICATORS"]
