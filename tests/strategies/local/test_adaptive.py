@@ -193,7 +193,7 @@ def test_plan_from_speeds_is_proportional_and_at_least_one():
 @pytest.mark.parametrize("strategy,config,message", [
     ("localsgd", {"inner_steps": "sometimes"}, "inner_steps must be one of fixed, adaptive"),
     ("localsgd", {"worker_speeds": (1.0, 2.0)}, "worker_speeds needs inner_steps adaptive"),
-    ("diloco", {"inner_steps": "adaptive", "worker_speeds": (1.0, 0.0)}, "worker_speeds must be numbers > 0"),
+    ("diloco", {"inner_steps": "adaptive", "worker_speeds": (1.0, 0.0)}, "worker_speeds must be finite numbers > 0"),
     ("diloco", {"inner_steps": "adaptive", "inner": "ddp"}, "inner must be local with inner_steps adaptive"),
 ])
 def test_bad_knobs_one_line(strategy, config, message):

@@ -64,10 +64,11 @@ class AdaptiveConfig(AccumulationConfig):
         check_choice("inner_steps", self.inner_steps, INNER_STEPS)
         if self.worker_speeds is not None:
             self.worker_speeds = tuple(float(v) for v in self.worker_speeds)
+            if not self.worker_speeds or any(not math.isfinite(v) or v <= 0 for v in self.worker_speeds):
+                given = ", ".join(f"{v:g}" for v in self.worker_speeds) or "none"
+                raise ValueError(f"worker_speeds must be finite numbers > 0 (one per worker), got {given}")
             if self.inner_steps != "adaptive":
                 raise ValueError("worker_speeds needs inner_steps adaptive")
-            if not self.worker_speeds or any(not math.isfinite(v) or v <= 0 for v in self.worker_speeds):
-                raise ValueError(f"worker_speeds must be numbers > 0, one per worker, got {list(self.worker_speeds)}")
 
 
 def plan_from_speeds(speeds: list[float], period: int) -> list[int]:
