@@ -119,6 +119,9 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
       "--worker-speeds", "1"], "--worker-speeds must give one value per worker (2), got 1"),
     (["--strategy", "diloco", "--inner-steps", "adaptive", "--inner", "ddp", "--nodes", "1"],
      "--inner must be local with inner_steps adaptive"),
+    (["--strategy", "diloco", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
+      "--fault-tolerance", "torchft", "--nodes", "2"],
+     "--inner-steps adaptive is not supported with --fault-tolerance torchft"),
 ])
 def test_bad_flags_refused_in_one_line(tmp_path, monkeypatch, capsys, flags, message):
     line = refused(monkeypatch, capsys, *small_job(tmp_path), *flags, "--out", str(tmp_path / "out"))
