@@ -426,7 +426,7 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
         for k in sums:
             sums[k] += record[k]
         timer.slept_s = 0.0
-        bar.update(1)
+        bar.update(max(0, m.step - bar.n))  # a step may span several (adaptive inner steps)
         shown = {"loss": f"{step_loss:.3f}", "lr": f"{m.lr:.2e}"}
         if m.extra.get("grad_norm") is not None:
             shown["grad_norm"] = f"{m.extra['grad_norm']:.3g}"

@@ -10,13 +10,13 @@ two syncs), and worker i takes
     H_i = max(1, round(L · v_i / max_j v_j))                   inner steps in it (v: inner steps per second)
 
 so the fastest worker takes L and every worker arrives at the sync at about the same time. The plan is agreed at
-each sync, not a wall-clock deadline: each worker measures its own compute time over the round that just ended
-(:attr:`~quietsync.strategies.parts.accounting.StepAccounting.compute_s`, which leaves out evaluation and
-checkpointing), the workers exchange their speeds through the transport's control group (``Transport.agree``, one
-number per worker), and every worker derives the same next plan from the same numbers. So the plan is a function of
-agreed values only (deterministic, testable: ``worker_speeds`` fixes the speeds instead of measuring them), the
-first round is synchronous (nothing measured yet), and a worker whose speed changes gets a new share at the next
-sync.
+each sync, not a wall-clock deadline: each worker measures its own compute time per inner step over the round that
+just ended (:attr:`~quietsync.strategies.parts.accounting.StepAccounting.compute_s`, which leaves out evaluation and
+checkpointing), averaged with the earlier rounds' (:data:`SMOOTHING`); the workers exchange their speeds through
+the transport's control group (``Transport.agree``, one number per worker), and every worker derives the same next
+plan from the same numbers. So the plan is a function of agreed values only (deterministic, testable:
+``worker_speeds`` fixes the speeds instead of measuring them), the first round is synchronous (nothing measured
+yet), and a worker whose speed changes gets its new share within a few syncs.
 
 **Nominal steps.** ``steps`` stays the same on every worker at every sync: the k-th of worker i's H_i inner steps
 in a round that starts at nominal step a ends at nominal step ``a + ceil(k·L/H_i)`` — a slow worker's inner step
@@ -46,6 +46,10 @@ from ..parts.accumulation import AccumulationConfig
 from ..parts.part import Part
 
 INNER_STEPS = ("fixed", "adaptive")
+
+SMOOTHING = 0.5
+"""Weight of the earlier rounds in a worker's measured seconds per inner step (an exponential moving average: the
+last round counts half, the one before a quarter, ...)."""
 
 
 @dataclass
@@ -115,6 +119,8 @@ class AdaptivePlan(Part):
         """This worker's compute seconds in the current round."""
         self.rounds = 0
         """Rounds ended so far."""
+        self.step_s: float | None = None
+        """This worker's seconds per inner step, smoothed over the rounds measured (None: none yet)."""
 
     # ------------------------------------------------------------------ inner steps
     def stride(self) -> int:
@@ -134,7 +140,10 @@ class AdaptivePlan(Part):
             raise RuntimeError(f"the round ended after {self.taken} inner steps, the plan says {self.plan[self.me]}")
         self.done = [d + h for d, h in zip(self.done, self.plan)]
         if self.fixed is None:
-            mine = self.taken / max(self.busy_s, 1e-9)
+            # seconds per inner step, smoothed over rounds: one round's timing on a shared machine is noisy
+            now = self.busy_s / self.taken
+            self.step_s = now if self.step_s is None else SMOOTHING * self.step_s + (1 - SMOOTHING) * now
+            mine = 1.0 / max(self.step_s, 1e-9)
             # one number per worker through the control group: a sum in which only worker j's term is non-zero is
             # exactly worker j's value, so every worker derives the plan from the same numbers
             self.speeds = [self.transport.agree(mine if j == self.me else 0.0, "sum") for j in range(self.n)]
@@ -176,7 +185,7 @@ class AdaptivePlan(Part):
     def state_dict(self) -> dict[str, Any]:
         return {"speeds": list(self.speeds), "plan": list(self.plan), "done": list(self.done),
                 "launched": [list(x) for x in self.launched], "taken": self.taken, "busy_s": self.busy_s,
-                "rounds": self.rounds, "n": self.n}
+                "rounds": self.rounds, "n": self.n, "step_s": self.step_s}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -188,6 +197,7 @@ class AdaptivePlan(Part):
         self.done = [int(v) for v in state["done"]]
         self.launched = [[int(v) for v in x] for x in state["launched"]]
         self.taken, self.busy_s, self.rounds = int(state["taken"]), float(state["busy_s"]), int(state["rounds"])
+        self.step_s = None if state.get("step_s") is None else float(state["step_s"])
 
 
 __all__ = ["AdaptiveConfig", "AdaptivePlan", "INNER_STEPS", "plan_from_speeds"]
