@@ -160,6 +160,20 @@ def test_token_weighted_outer_average_equal_speeds_resume_and_measured_plan():
     torch.testing.assert_close(res[0][8]["committed"], res[1][8]["committed"], rtol=0, atol=0)
 
 
+@pytest.mark.timeout(300)
+def test_three_workers_each_at_its_own_speed():
+    """Three speeds, three shares: plan [4, 2, 1] at L = 4; localsgd and diloco ≡ the reference."""
+    speeds = {"inner_steps": "adaptive", "worker_speeds": (1.0, 0.5, 0.25), "sync_every": 4}
+    jobs = [{"strategy": "localsgd", "config": speeds, "steps": 8},
+            {"strategy": "diloco", "config": speeds, "steps": 8}]
+    res = run_ranks(run_jobs, 3, jobs, timeout=240)
+    for job, method in enumerate(("localsgd", "diloco")):
+        ref = reference(3, 4, 2, [4, 2, 1], method)
+        for r in range(3):
+            torch.testing.assert_close(res[r][job]["params"], ref[r], rtol=1e-5, atol=1e-6)
+    assert [t["step"] for t in res[2][1]["trace"]] == [4, 8]
+
+
 def _unweighted_localsgd(plan: list[int]) -> torch.Tensor:
     """localsgd with the same uneven plan but the plain 1/n average (what weighting by tokens changes)."""
     base = tiny_model()
