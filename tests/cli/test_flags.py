@@ -264,7 +264,8 @@ FLOAT_FIELDS = {
     "ddp": {"bucket_cap_mb"},
     "demo": {"compression", "beta"},
     "flexdemo": {"compression", "beta"},
-    "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density"},
+    "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density", "worker_speeds"},
+    "localsgd": {"worker_speeds"},
 }
 """Every float field of the job's config (None) and of each strategy's config that has one: the float flags the
 next test sends NaN and infinities to."""

@@ -199,6 +199,11 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
                          else cfg.nproc, under_torchrun())
     if problem:
         parser.error(problem)
+    from .adaptive_rounds import adaptive_problem
+
+    problem = adaptive_problem(cfg, strategy_config, int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc)
+    if problem:
+        parser.error(problem)
     if cfg.elastic:
         if not under_torchrun():
             parser.error("--elastic needs torchrun, which restarts the workers when nodes leave or join: torchrun "

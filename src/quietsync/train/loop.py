@@ -48,6 +48,7 @@ from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import Strategy, StrategyConfig, make_strategy
 from ..topology import GROUPS, Topology
 from ..transport import Transport
+from .adaptive_rounds import training_stream
 from .allocator import keep_freed_memory
 from .budgets import BudgetWatch
 from .checkpoint import (
@@ -304,7 +305,8 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             precision=cfg.precision, max_grad_norm=cfg.clip_norm,
             lr=cfg.lr, weight_decay=cfg.weight_decay, betas=ADAMW_BETAS,
         )
-        stream = ShardedSequences(train_tokens, cfg.seq_len, cfg.micro_batch_size, rank, world, cfg.seed)
+        # adaptive inner steps: each round's windows dealt by the agreed plan (train/adaptive_rounds.py)
+        stream = training_stream(strategy, train_tokens, cfg.seq_len, cfg.micro_batch_size, rank, world, cfg.seed)
         held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
         tokens_total = 0
         resume_step = None
@@ -425,7 +427,7 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
         for k in sums:
             sums[k] += record[k]
         timer.slept_s = 0.0
-        bar.update(1)
+        bar.update(max(0, m.step - bar.n))  # a step may span several (adaptive inner steps)
         shown = {"loss": f"{step_loss:.3f}", "lr": f"{m.lr:.2e}"}
         if m.extra.get("grad_norm") is not None:
             shown["grad_norm"] = f"{m.extra['grad_norm']:.3g}"

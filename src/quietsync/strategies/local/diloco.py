@@ -88,6 +88,7 @@ from ..parts.broadcast import broadcast_parameters
 from ..registry import get, register
 from ..substrates.sharded_optimizer import build_optimizer
 from . import facts
+from .adaptive import AdaptivePlan
 from .outer import OuterSync
 from .outer_config import OuterConfig
 
@@ -105,6 +106,9 @@ class DiLoCoConfig(OuterConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("inner", self.inner, _INNER)
+        if self.inner_steps == "adaptive" and self.inner != "local":
+            raise ValueError(f"inner must be local with inner_steps adaptive (a node's workers step together), "
+                             f"got {self.inner!r}")
 
 
 @register("diloco", DiLoCoConfig, facts=facts.DILOCO)
@@ -154,6 +158,19 @@ class DiLoCo(Strategy):
         layers = layer_units(model, self.params) if cfg.fragment_pattern == "strided" else None
         self.outer = self.hold("outer", OuterSync(self.params, self.transport, self.sync_group, cfg, self,
                                                   on_params_written=self._params_written, layers=layers))
+        self.period = cfg.round_length()
+        """Nominal steps between two syncs (a round of adaptive inner steps)."""
+        self.adaptive = None if cfg.inner_steps == "fixed" else self.hold("adaptive", AdaptivePlan(
+            self.transport, self.sync_group, self.period, cfg.fragments, cfg.worker_speeds))
+        """Adaptive inner steps: each worker's inner steps per round and the token weights (None: fixed)."""
+
+    @property
+    def window_plan(self) -> tuple[int, list[int]] | None:
+        """Adaptive inner steps: ``(round, micro-batches of each worker in it)``, by which the trainer deals the data
+        windows; None with fixed inner steps."""
+        if self.adaptive is None:
+            return None
+        return self.steps // self.period, self.adaptive.micro_batches(self.config.accumulation)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -170,7 +187,13 @@ class DiLoCo(Strategy):
         """Δ = θ_global[f] − θ_local[f]: this worker's pseudo-gradient (fp32, a fresh buffer), taken at launch."""
         o = self.outer
         local = torch.cat([self.params[i].detach().reshape(-1).float() for i in o.fragments[f]])
-        return o.globals[f].to(o.device) - local
+        delta = o.globals[f].to(o.device) - local
+        if self.adaptive is not None:
+            # the group's mean of n·w_i·Δ_i is the token-weighted Σ w_i Δ_i (the factor is exactly 1 at equal tokens)
+            scale = self.adaptive.scale(f)
+            if scale != 1.0:
+                delta.mul_(scale)
+        return delta
 
     def outer_step(self, f: int, delta: torch.Tensor) -> None:
         """Δ̄ = mean over the sync group of Δ, as it crosses the wire (the fragment's exchange: fp32, bf16, int8,
@@ -223,7 +246,14 @@ class DiLoCo(Strategy):
             if check is None:  # fp16 overflow on some worker: the round is dropped on every worker
                 self.discard_round()
                 return False
+            if self.adaptive is not None:  # a slow worker's inner step spans several nominal steps (adaptive.py)
+                self.steps += self.adaptive.stride() - 1
             self.round.step(self._lr_scale(self.steps), self.accounting)
+            if self.adaptive is not None:
+                self.adaptive.inner_step_done(self.accounting.compute_s)
+                check = {**check, **self.adaptive.extra()}
+                if (self.steps + 1) % self.period == 0:  # the round's last inner step, on every worker
+                    self.adaptive.end_round()
         extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
         if extra["applied"] != -1:
             self.buffers.sync()
@@ -231,7 +261,13 @@ class DiLoCo(Strategy):
         return True
 
     def _finish(self, sync: bool) -> None:
-        self.outer.finish(self.steps, sync, self.accounting.timed, self.accounting.idle)
+        fragments = None
+        if self.adaptive is not None and sync:
+            # workers may stand at different nominal steps inside a round: the fragments to sync follow the agreed
+            # inner steps, the same on every worker
+            self.adaptive.end_partial()
+            fragments = [f for f in range(self.config.fragments) if self.adaptive.pending(f) > 0]
+        self.outer.finish(self.steps, sync, self.accounting.timed, self.accounting.idle, fragments)
         self.buffers.sync()
 
     # ------------------------------------------------------------------ contract

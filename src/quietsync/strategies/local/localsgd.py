@@ -55,15 +55,16 @@ from ..checkpoint.logical import (
     optimizer_targets,
     parameter_names,
 )
-from ..parts.accumulation import AccumulationConfig, OptimizerRound
+from ..parts.accumulation import OptimizerRound
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
 from . import facts
+from .adaptive import AdaptiveConfig, AdaptivePlan
 
 
 @dataclass
-class LocalSGDConfig(AccumulationConfig):
+class LocalSGDConfig(AdaptiveConfig):
     """Knobs of the ``localsgd`` strategy."""
 
     sync_every: int = 8
@@ -75,6 +76,10 @@ class LocalSGDConfig(AccumulationConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("sync_every", self.sync_every, 1)
+
+    def round_length(self) -> int:
+        """Steps between two syncs (a round of adaptive inner steps): K."""
+        return self.sync_every
 
 
 @register("localsgd", LocalSGDConfig, facts=facts.LOCALSGD)
@@ -110,6 +115,17 @@ class LocalSGD(Strategy):
         broadcast_parameters(self.transport, self.params, "world")
         self.synced = [p.detach().clone() for p in self.params]
         """θ of the last sync (the committed parameters)."""
+        self.adaptive = None if self.config.inner_steps == "fixed" else self.hold("adaptive", AdaptivePlan(
+            self.transport, "world", self.config.sync_every, speeds=self.config.worker_speeds))
+        """Adaptive inner steps: each worker's inner steps per round and the token weights (None: fixed)."""
+
+    @property
+    def window_plan(self) -> tuple[int, list[int]] | None:
+        """Adaptive inner steps: ``(round, micro-batches of each worker in it)``, by which the trainer deals the data
+        windows; None with fixed inner steps."""
+        if self.adaptive is None:
+            return None
+        return self.steps // self.config.sync_every, self.adaptive.micro_batches(self.config.accumulation)
 
     def _step(self) -> bool:
         if not self.round.full:
@@ -119,15 +135,28 @@ class LocalSGD(Strategy):
         if check is None:  # fp16 overflow on some worker: the round is dropped on every worker
             self.discard_round()
             return False
+        plan: dict[str, Any] = {}
+        if self.adaptive is not None:  # a slow worker's inner step spans several nominal steps (adaptive.py)
+            self.steps += self.adaptive.stride() - 1
         self.round.step(self._lr_scale(self.steps), self.accounting)
         sync = (self.steps + 1) % self.config.sync_every == 0
+        if self.adaptive is not None:
+            self.adaptive.inner_step_done(self.accounting.compute_s)
+            plan = self.adaptive.extra()
+            if sync:
+                self.adaptive.end_round()
         if sync:
             self.accounting.timed(self._average, "average")
-        self._commit(extra={"synced": sync, **check})
+        self._commit(extra={"synced": sync, **plan, **check})
         return True
 
     def _finish(self, sync: bool) -> None:
-        if self.steps % self.config.sync_every == 0:  # the last step synced (or none was taken)
+        if self.adaptive is not None:
+            # workers may stand at different nominal steps inside the round: decide on the agreed inner steps
+            # (sync=False: every worker resets, the buffers' average being a collective)
+            if sync and self.adaptive.end_partial() == 0:
+                return
+        elif self.steps % self.config.sync_every == 0:  # the last step synced (or none was taken)
             return
         if sync:
             self._average()
@@ -141,12 +170,16 @@ class LocalSGD(Strategy):
         tensors = list(self.params)
         if self.config.average_optimizer_state:
             tensors += self._optimizer_state_tensors()
+        # adaptive inner steps: the mean of n·w_i·θ_i is the token-weighted average (exactly 1.0 at equal tokens)
+        scale = 1.0 if self.adaptive is None else self.adaptive.scale()
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         with torch.no_grad():
             for dtype, group in by_dtype.items():
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
+                if scale != 1.0:
+                    flat.mul_(scale)
                 name = "average/params" if group[0] is self.params[0] else f"average/{dtype}"
                 self.transport.all_reduce(flat, "world", op="avg", name=name)
                 torch._foreach_copy_(

@@ -129,7 +129,8 @@ class OuterSync(Part):
         """
         r = self.recurrence
         extra: dict[str, Any] = {"synced": False, "fragment": -1, "applied": -1, "sync_bytes": 0}
-        if self.pending is not None and self.pending.apply_after == step:
+        # <=: with adaptive inner steps a slow worker's inner step may jump past the apply step (adaptive.py)
+        if self.pending is not None and self.pending.apply_after <= step:
             f, job = self.pending.fragment, self.pending.job
             if job is not None:
                 with idle("outer_wait"):
@@ -150,16 +151,20 @@ class OuterSync(Part):
         return extra
 
     def finish(self, step: int, sync: bool, timed: Callable[[Callable[[], Any], str], None],
-               idle: Callable[[str], Any]) -> list[int]:
+               idle: Callable[[str], Any], fragments: list[int] | None = None) -> list[int]:
         """End of training after inner step ``step`` (module docstring); returns the fragments synced here.
-        ``sync=False``: no final sync — the model just takes θ_global of the last syncs."""
+        ``sync=False``: no final sync — the model just takes θ_global of the last syncs. ``fragments``: the ones
+        to sync, where the caller decided it (adaptive inner steps: from the agreed steps); default: those with
+        inner steps since their last launch."""
         r = self.recurrence
         if self.pending is not None:
             if self.pending.job is not None:
                 with idle("outer_wait"):
                     self.pending.job.wait()
             self.pending = None
-        synced = [f for f in range(self.F) if sync and self.schedule.last_launch(f, step) < step]
+        if fragments is None:
+            fragments = [f for f in range(self.F) if self.schedule.last_launch(f, step) < step]
+        synced = fragments if sync else []
         for f in synced:
             delta = r.pseudo_gradient(f)
             timed(lambda f=f, d=delta: r.outer_step(f, d), "outer_sync")

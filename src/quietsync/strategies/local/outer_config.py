@@ -13,7 +13,7 @@ from typing import Literal
 from ...validate import check_choice, check_float, check_int
 from ...wire.codecs.lowbit import ROUNDINGS
 from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES
-from ..parts.accumulation import AccumulationConfig
+from .adaptive import AdaptiveConfig
 from .fragments import FRAGMENT_PATTERNS
 
 PSEUDO_GRAD_DTYPES = ("fp32", "bf16", "int8", *LOWBIT_PSEUDO_GRAD_DTYPES)
@@ -22,7 +22,7 @@ OUTER_STEPS = ("sgd", "sparseloco")
 
 
 @dataclass
-class OuterConfig(AccumulationConfig):
+class OuterConfig(AdaptiveConfig):
     """The outer loop's knobs (DiLoCo's config extends it with the inner training); checked once, here."""
 
     sync_every: int = 64
@@ -115,6 +115,10 @@ class OuterConfig(AccumulationConfig):
             if self.pseudo_grad_dtype == "int8":
                 values = ", ".join(d for d in PSEUDO_GRAD_DTYPES if d != "int8")
                 raise ValueError(f"pseudo_grad_dtype must be one of {values} with outer sparseloco, got 'int8'")
+
+    def round_length(self) -> int:
+        """Steps between two syncs (a round of adaptive inner steps): H / F."""
+        return self.sync_every // self.fragments
 
 
 __all__ = ["OUTER_STEPS", "OuterConfig", "PSEUDO_GRAD_DTYPES", "PSEUDO_GRAD_REPLICATORS"]

@@ -1,0 +1,128 @@
+"""`quietsync train --inner-steps adaptive`: a worker that takes fewer inner steps reads fewer windows and no other
+worker reads them (the windows of all workers are a prefix of the epoch's permutation, each read once); every worker
+meets at the round's end on the same nominal step; a resume at a checkpoint continues identically; bad flags are
+refused in one line before any worker starts."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from quietsync.train.adaptive_rounds import PlannedSequences
+from quietsync.train.data import ShardedSequences
+from quietsync.train.metrics import read_jsonl
+
+from ._run import refused, small_job, train
+
+ADAPTIVE = ["--strategy", "diloco", "--sync-every", "4", "--inner-steps", "adaptive", "--worker-speeds", "1",
+            "--worker-speeds", "0.5", "--threads", "1", "--no-export"]
+
+
+def _order(n_tokens: int, seq_len: int, count: int) -> list[tuple[int, int]]:
+    """The oracle of the data order: one reader of epoch 0's permutation, one window at a time."""
+    one = ShardedSequences(torch.arange(n_tokens), seq_len, 1, 0, 1, seed=0)
+    out = []
+    for _ in range(count):
+        start = int(next(one)[0, 0])
+        out.append((one.last_starts[0], start))
+    return out
+
+
+def test_planned_windows_are_the_fixed_order_at_equal_plans_and_a_prefix_at_uneven_ones():
+    tokens, seq_len = torch.arange(4000), 8
+    rounds = {"n": 0, "plan": [2, 2]}
+
+    def streams(cls, world):
+        if cls is ShardedSequences:
+            return [ShardedSequences(tokens, seq_len, 2, r, world, seed=0) for r in range(world)]
+        return [PlannedSequences(tokens, seq_len, 2, r, world, 0, lambda: (rounds["n"], rounds["plan"]))
+                for r in range(world)]
+
+    fixed, planned = streams(ShardedSequences, 2), streams(PlannedSequences, 2)
+    for n in range(3):  # equal plans: exactly the fixed per-worker order
+        rounds["n"] = n
+        for _ in range(2):
+            for f, p in zip(fixed, planned):
+                assert torch.equal(next(f), next(p))
+    # uneven plans: a round's windows of all workers are the next ones of the permutation, each once
+    read: list[tuple[int, int]] = []
+    three = streams(PlannedSequences, 3)
+    for n, plan in enumerate([[3, 1, 2], [1, 1, 1], [2, 3, 1]]):
+        rounds["n"], rounds["plan"] = n, plan
+        for r, s in enumerate(three):
+            for _ in range(plan[r]):
+                next(s)
+                read += [(s.last_starts[0], int(x)) for x in s.last_starts[1]]
+    assert sorted(read) == sorted(_order(4000, seq_len, len(read)))
+    state = three[1].state_dict()
+    again = PlannedSequences(tokens, seq_len, 2, 1, 3, 0, lambda: (rounds["n"] + 1, [1, 1, 1]))
+    again.load_state_dict(state)
+    three[1].plan = again.plan
+    assert torch.equal(next(again), next(three[1]))
+    with pytest.raises(RuntimeError, match="more windows than round"):
+        next(again)
+
+
+@pytest.mark.timeout(600)
+def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUIETSYNC_AUDIT_DATA", "1")
+    job = small_job(tmp_path)
+    out = tmp_path / "run"
+    done = train(*job, *ADAPTIVE, "--max-steps", "16", "--save-every", "8", "--eval-every", "8", "--out", str(out),
+                 timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = {r: [x for x in read_jsonl(out / f"metrics-rank{r}.jsonl") if "event" not in x] for r in range(2)}
+    # worker 1 (half the speed) takes 2 inner steps per round of 4, each spanning 2 nominal steps; both meet at 4k
+    assert [x["step"] for x in steps[0]] == list(range(1, 17))
+    assert [x["step"] for x in steps[1]] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert all(x["tokens"] == 2 * 32 for r in range(2) for x in steps[r])  # one micro-batch per inner step
+    # nothing read twice or skipped: the windows of both workers are a prefix of the permutation
+    windows = [tuple(w) for r in range(2) for x in steps[r] for w in x["windows"]]
+    assert len(windows) == 2 * (16 + 8)
+    from quietsync.train.corpus import load_corpus
+    from quietsync.train.data import encode_split
+    from quietsync.train.tokenizer import job_tokenizer
+
+    corpus = load_corpus(str(tmp_path / "text.txt"), 0.02)
+    tokenizer, eos = job_tokenizer(None, corpus, 300, tmp_path / "cache")
+    n = encode_split(tokenizer, corpus.documents, eos, tmp_path / "cache").numel()
+    assert sorted(windows) == sorted(_order(n, 32, len(windows)))
+
+    # a resume from the checkpoint at step 8 continues identically (plan, data position, weights)
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    resumed = train(*job, *ADAPTIVE, "--max-steps", "16", "--save-every", "8", "--eval-every", "8", "--out",
+                    str(again), "--resume", str(again / "checkpoints" / "step-0000008"), timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for r in range(2):
+        first = [x for x in read_jsonl(out / f"metrics-rank{r}.jsonl")]
+        second = [x for x in read_jsonl(again / f"metrics-rank{r}.jsonl")]
+        evals = [(x["step"], x["loss"]) for x in first if x.get("event") == "eval"]
+        assert evals == [(x["step"], x["loss"]) for x in second if x.get("event") == "eval"]
+        assert evals[-1][0] == 16
+        assert ([x["windows"] for x in first if "event" not in x]
+                == [x["windows"] for x in second if "event" not in x])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--strategy", "ddp", "--inner-steps", "adaptive"],
+     "--inner-steps is not a flag of strategy ddp (it belongs to diloco, localsgd)"),
+    (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "10"],
+     "--max-steps must be a multiple of 4 with --inner-steps adaptive"),
+    (["--strategy", "diloco", "--inner-steps", "adaptive", "--sync-every", "8", "--fragments", "2", "--max-steps",
+      "16", "--eval-every", "6"], "--eval-every must be a multiple of 4 with --inner-steps adaptive"),
+    (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
+      "--on-nonfinite", "skip"], "--on-nonfinite must be stop with --inner-steps adaptive"),
+    (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
+      "--worker-speeds", "1"], "--worker-speeds must give one value per worker (2), got 1"),
+    (["--strategy", "diloco", "--inner-steps", "adaptive", "--inner", "ddp", "--nodes", "1"],
+     "--inner must be local with inner_steps adaptive"),
+    (["--strategy", "diloco", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
+      "--fault-tolerance", "torchft", "--nodes", "2"],
+     "--inner-steps adaptive is not supported with --fault-tolerance torchft"),
+])
+def test_bad_flags_refused_in_one_line(tmp_path, monkeypatch, capsys, flags, message):
+    line = refused(monkeypatch, capsys, *small_job(tmp_path), *flags, "--out", str(tmp_path / "out"))
+    assert message in line, line
