@@ -280,3 +280,25 @@ def test_every_float_flag_refuses_nan_and_infinities(strategy, capsys, monkeypat
             err = capsys.readouterr().err
             assert e.value.code == 2 and err.count("\n") == 1, err
             assert f"{flag} must be " in err and f"got {value}" in err, err
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--link", "inter=100mbit@0s,10mbit@60s,100mbit@30s"],
+     "--link inter: schedule goes back in time: '100mbit@30s' is not after 60s; schedule: BW[,LAT]@TIME entries"),
+    (["--link", "inter=100mbit@0s,0mbit@60s"], "--link inter: bandwidth must be > 0, got '0mbit'"),
+    (["--link", "inter=100mbit@0s,10mbit"], "--link inter: schedule must be BW[,LAT]@TIME entries, the first @0s"),
+    (["--link", "inter=100mbit@0s,10mbit@60s", "--fault-tolerance", "torchft"],
+     "--link with a schedule (BW@TIME,...) cannot be combined with --fault-tolerance torchft"),
+])
+def test_bad_link_schedules_are_one_line_errors(argv, expect, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("quietsync train: error: ")
+    assert expect in err, err
+
+
+def test_a_link_schedule_is_a_link():
+    cfg, _, _ = parse_train_args(["--link", "inter=100mbit,5ms@0s,10mbit@60s"])
+    assert cfg.link == ["inter=100mbit,5ms@0s,10mbit@60s"]
