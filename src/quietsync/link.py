@@ -275,7 +275,8 @@ class LinkModel:
             value, _, at_text = last.partition("@")
             parts = [*rest, value]
             if not 1 <= len(parts) <= 2 or "@" in at_text:
-                raise ValueError(f"schedule entry {','.join(entry)!r} must be BW[,LAT]@TIME; schedule: {_SCHEDULE_FORM}")
+                raise ValueError(f"schedule entry {','.join(entry)!r} must be BW[,LAT]@TIME; "
+                                 f"schedule: {_SCHEDULE_FORM}")
             bw = _parse_quantity(parts[0], _RATE_UNITS, "bandwidth", "100mbit, 10gbit, 50MB")
             if len(parts) == 2:
                 latency = _parse_quantity(parts[1], _TIME_UNITS, "latency", "5ms, 50us, 0.1s")
