@@ -156,7 +156,7 @@ class ShapedLink:
         return f"tc tbf rate {self.rate} burst {self.burst} latency {self.latency} on a veth pair between two netns"
 
     def set_rate(self, rate: str) -> None:
-        """Change both ends' ``tbf`` rate now (``tc qdisc change``: queued packets stay, later ones get the new rate)."""
+        """Change both ends' ``tbf`` rate now (``tc qdisc change``; later packets get the new rate)."""
         for ns, dev in zip(self.ns, self.dev):
             self._ip("netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, "root", "tbf", "rate", rate,
                      "burst", self.burst, "latency", self.latency)
