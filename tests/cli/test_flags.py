@@ -252,7 +252,8 @@ FLOAT_FIELDS = {
     "ddp": {"bucket_cap_mb"},
     "demo": {"compression", "beta"},
     "flexdemo": {"compression", "beta"},
-    "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density"},
+    "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density",
+               "adapt_overhead"},
 }
 """Every float field of the job's config (None) and of each strategy's config that has one: the float flags the
 next test sends NaN and infinities to."""
@@ -302,3 +303,20 @@ def test_bad_link_schedules_are_one_line_errors(argv, expect, capsys):
 def test_a_link_schedule_is_a_link():
     cfg, _, _ = parse_train_args(["--link", "inter=100mbit,5ms@0s,10mbit@60s"])
     assert cfg.link == ["inter=100mbit,5ms@0s,10mbit@60s"]
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--strategy", "zero1", "--adapt"], "--adapt is not a flag of strategy zero1 (it belongs to diloco)"),
+    (["--strategy", "diloco", "--adapt", "--sync-every", "8", "--fragments", "2"],
+     "adapt changes H only with fragments 1"),
+    (["--strategy", "diloco", "--adapt", "--adapt-sync-every", "8,12"], "--adapt-sync-every must be whole numbers"),
+    (["--strategy", "diloco", "--adapt", "--fault-tolerance", "torchft"],
+     "--adapt cannot be combined with --fault-tolerance torchft"),
+])
+def test_adapt_is_refused_where_it_cannot_work(argv, expect, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("quietsync train: error: ")
+    assert expect in err, err

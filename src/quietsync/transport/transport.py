@@ -75,24 +75,27 @@ class Transport(ProcessGroups):
         self.recorder = recorder if recorder is not None else EventRecorder()
         self.meter = ByteMeter()
         super().__init__(topology, timeout_s, backend)
-        self._start_link_clocks()
+        self.start_link_clocks()
 
-    def _start_link_clocks(self) -> None:
-        """Start the clock of every scheduled link at one moment shared by all workers.
+    def start_link_clocks(self, elapsed: float = 0.0) -> None:
+        """Start the clock of every scheduled link at one moment shared by all workers: a collective (every
+        worker calls it at the same point; nothing happens without a scheduled link).
 
         ``t = 0`` of a link schedule is the moment the workers leave a start barrier (an :meth:`agree` on the
-        control group, made right after the groups are up); each worker reads its own ``perf_counter`` then. So
-        every worker sees the same rate at the same moment, to within the barrier's release skew (under a
-        millisecond on one machine, about one network latency across machines), with no clock synchronised
-        between machines. A run resumed from a checkpoint starts its schedule again from 0 s.
+        control group); each worker reads its own ``perf_counter`` then. So every worker sees the same rate at
+        the same moment, to within the barrier's release skew (under a millisecond on one machine, about one
+        network latency across machines), with no clock synchronised between machines. The transport starts the
+        clocks when it is built; the trainer starts them again when training starts, with ``elapsed`` = the
+        training time a resumed run already had (agreed: the largest any worker reports), so the schedule
+        follows training time and a resumed run continues it where it stopped.
         """
         if not any(link.scheduled for link in self.links.values()):
             return
         if self.fault_tolerant:  # replicas start and restart on their own: no moment they all share
             raise ValueError("a --link schedule needs one clock shared by every worker, which --fault-tolerance "
                              "torchft's replicas do not have (they start and restart on their own); use a steady link")
-        self.agree(0.0)
-        epoch = time.perf_counter()
+        elapsed = self.agree(float(elapsed), "max")
+        epoch = time.perf_counter() - elapsed
         for link in self.links.values():
             link.start_clock(epoch)
 
