@@ -253,7 +253,7 @@ FLOAT_FIELDS = {
     "demo": {"compression", "beta"},
     "flexdemo": {"compression", "beta"},
     "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density",
-               "adapt_overhead"},
+               "adapt_overhead", "adapt_threshold"},
 }
 """Every float field of the job's config (None) and of each strategy's config that has one: the float flags the
 next test sends NaN and infinities to."""

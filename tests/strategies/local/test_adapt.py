@@ -70,6 +70,68 @@ def test_overlap_hides_the_sync_so_a_smaller_h_fits():
     assert h1 == next(h for h in (4, 8, 16, 32, 64, 128) if exposed / (h * step_s) <= 0.1) == 16
 
 
+class _Meter:
+    def __init__(self) -> None:
+        self.sent, self.seconds = 0.0, 0.0
+
+    def snapshot(self) -> dict:
+        return {"world": {"sent": self.sent, "recv": self.sent, "seconds": self.seconds}}
+
+
+class _Transport:
+    """What the controller asks of a transport: the meter, the topology, and agreement (one worker here)."""
+
+    def __init__(self) -> None:
+        self.meter, self.topology = _Meter(), Topology(0, 2, 2)
+
+    def agree(self, value: float, op: str = "max") -> float:
+        return float(value)
+
+
+def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
+    """The controller's measurements (bytes/s of the syncs from the meter, the median step) drive the pick; a
+    link that drops 10x makes H grow at the next decision, its recovery brings H back; step-time noise within the
+    threshold re-picks nothing."""
+    from quietsync.strategies.local.adapt import SyncPeriod
+
+    model = tiny_model()
+    cfg = DiLoCoConfig(sync_every=8, adapt=True, adapt_window=8)
+    transport = _Transport()
+    ctrl = SyncPeriod(transport, "world", cfg, model, param_groups(model))
+    sync_bytes = 4 * PSI  # what a sync sends on 2 workers (ring all-reduce of the fp32 pseudo-gradient)
+    step_s = 1e-3
+    step = 0
+
+    def round_at(bandwidth: float, steps_s: list[float]) -> object:
+        nonlocal step
+        decision = None
+        for i, c in enumerate(steps_s):
+            step += 1
+            synced = step % ctrl.sync_every == 0
+            if synced:  # the sync's bytes and seconds, as the transport meters them
+                transport.meter.sent += sync_bytes
+                transport.meter.seconds += sync_bytes / bandwidth
+            decision = ctrl.after_inner_step(step, synced, c) or decision
+        return decision
+
+    fast, slow = 100e6 / 8, 10e6 / 8
+    d = round_at(fast, [step_s] * 8)  # the first decision: picks for the measured link
+    assert d is not None and d.new == _expected_h(ctrl.candidates, fast, step_s, 0.1) == 2
+    assert d.bandwidth == pytest.approx(fast) and d.step_s == pytest.approx(step_s)
+    # noise: one step 50x slower in the window, the median does not move; no re-pick
+    assert round_at(fast, [step_s, 50 * step_s]) is None
+    # the link drops 10x: the next decision picks a larger H
+    d = round_at(slow, [step_s] * 2)
+    assert d is not None and (d.old, d.new) == (2, _expected_h(ctrl.candidates, slow, step_s, 0.1)) == (2, 8)
+    assert cfg.sync_every == 8 and ctrl.schedule.H == 8 and ctrl.changed_at == step
+    # steps 25% slower: within the threshold (1.5x), H stays
+    assert round_at(slow, [1.25 * step_s] * 8) is None and ctrl.sync_every == 8
+    # the link recovers: back down
+    d = round_at(fast, [step_s] * 8)
+    assert d is not None and (d.old, d.new) == (8, 2)
+    assert [x["new"] for x in ctrl.decisions] == [2, 8, 2]
+
+
 @pytest.mark.parametrize("knobs,match", [
     ({"sync_every": 8, "adapt": True, "fragments": 2}, "adapt changes H only with fragments 1"),
     ({"sync_every": 8, "adapt": True, "adapt_sync_every": "8,12"}, "each dividing the next"),
@@ -160,7 +222,8 @@ def _reference(sync_steps: set[int], steps: int, finish: bool = False) -> tuple[
 @pytest.mark.timeout(240)
 def test_adapt_knob_changes_follow_diloco_and_resume_exactly():
     static = {"sync_every": 2}
-    keep = {"sync_every": 2, "adapt": True, "adapt_sync_every": "2,4,8,16", "adapt_overhead": 1e9}
+    keep = {"sync_every": 2, "adapt": True, "adapt_sync_every": "2,4,8,16", "adapt_overhead": 1e9,
+            "adapt_threshold": 0.0}
     forced = {**keep, "adapt_every": 1000}  # no decision of its own in these runs: H changes where the test says
     jobs = [
         {"config": static, "steps": 8},

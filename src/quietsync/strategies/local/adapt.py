@@ -3,7 +3,8 @@
 **What is measured** (every ``adapt_every`` outer syncs, at the step right after a sync launched): the link, as
 bytes/s of the outer syncs completed since the last decision -- bytes this worker sent on the sync group over the
 seconds those transfers took, from the transport's meter (on an emulated link the emulation's time, on a real one
-the wire's); and the inner step, as the mean main-thread compute seconds per inner step since the last decision.
+the wire's); and the inner step, as the median main-thread compute seconds of this worker's last
+``adapt_window`` inner steps.
 The workers agree on both (the fastest link any worker saw -- a worker that reached the sync first also waited
 for the others, which the slowest-arriving one did not -- and the slowest worker's step, which a synchronous
 outer sync waits for), on the transport's control group, so every worker takes the same decision.
@@ -16,7 +17,9 @@ whose exposed communication is at most ``adapt_overhead`` of its compute (the la
 DiLoCo's loss per token grows with H (Charles et al. 2025, "Scaling Laws for DiLoCo", §5: the loss grows with H,
 less for larger models -- a figure, no formula, so the planner's priors give H no central cost either), so the
 best H is the smallest one the link carries at a bounded cost in speed. When the link drops, H grows until the
-sync fits the budget again; when it recovers, H comes back down.
+sync fits the budget again; when it recovers, H comes back down. The controller re-picks only when the measured
+ratio of sync to step time moved by more than ``adapt_threshold`` since its last pick (the first decision always
+picks), so a shared machine's noise in the step time does not flip H back and forth.
 
 **What a change does to the state** (H changes only right after a sync launched, at a step ``s`` that is a
 multiple of both the old and the new H: the candidates form a chain where each divides the next, and the
@@ -42,8 +45,10 @@ change goes on with the adapted H, exactly as if it had not stopped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +78,12 @@ class AdaptConfig:
     """With adapt: outer syncs between two decisions."""
     adapt_overhead: float = 0.1
     """With adapt: the largest share of the compute the exposed outer communication may add (0.1 = 10%)."""
+    adapt_threshold: float = 0.5
+    """With adapt: re-pick only when the measured sync-to-step ratio (step seconds x link bytes/s, inverted) moved
+    by more than this factor since the last pick (0.5: below 1/1.5 or above 1.5 of it), so the noise of a shared
+    machine does not flip H back and forth; 0: re-pick at every decision."""
+    adapt_window: int = 32
+    """With adapt: the inner step time is the median of this worker's last N inner steps' compute."""
     adapt_sync_every: str = ""
     """With adapt: the candidate H values, comma-separated, each dividing the next and including sync_every
     (e.g. 8,16,32,64,128); default: sync_every times 1/4, 1/2, 1, 2, 4, 8, 16 (whole numbers only)."""
@@ -81,6 +92,8 @@ class AdaptConfig:
         """Check the knobs that need no other config (with or without ``adapt``)."""
         check_int("adapt_every", self.adapt_every, 1)
         check_float("adapt_overhead", self.adapt_overhead, 0, low_open=True)
+        check_float("adapt_threshold", self.adapt_threshold, 0)
+        check_int("adapt_window", self.adapt_window, 1)
 
     def adapt_candidates(self, sync_every: int, fragments: int, overlap_delay: int) -> tuple[int, ...]:
         """The candidate H values, checked (raises ValueError naming the knob and the allowed form)."""
@@ -197,8 +210,8 @@ class SyncPeriod(Part):
         self.decisions: list[dict[str, Any]] = []
         """Every decision taken (changes and keeps), as :meth:`Decision.record` (rank-local, for reports)."""
         self._syncs = 0
-        self._compute = 0.0
-        self._steps = 0
+        self._recent: collections.deque[float] = collections.deque(maxlen=config.adapt_window)
+        self._ratio: float | None = None  # the measured sync-to-step ratio of the last pick
         self._mark = self._meter()
 
     @property
@@ -222,8 +235,7 @@ class SyncPeriod(Part):
         """Count inner step ``step`` (``compute_s`` of main-thread compute); right after a sync launched, every
         ``adapt_every`` syncs, decide (a collective on the control group: every worker calls it at the same
         steps). Returns the decision when H changed."""
-        self._compute += compute_s
-        self._steps += 1
+        self._recent.append(compute_s)
         if not synced:
             return None
         self._syncs += 1
@@ -232,15 +244,22 @@ class SyncPeriod(Part):
         sent, seconds = self._meter()
         d_sent, d_seconds = sent - self._mark[0], seconds - self._mark[1]
         local_bw = d_sent / d_seconds if d_seconds > 0 and d_sent > 0 else 0.0
-        local_step = self._compute / max(1, self._steps)
+        # the median: one step slowed by a neighbour on a shared machine (or the first step's warm-up) moves it
+        # little, a worker that is slower throughout moves it all
+        local_step = statistics.median(self._recent)
         bandwidth = self.transport.agree(local_bw, "max")
         step_s = self.transport.agree(local_step, "max")
-        self._syncs, self._compute, self._steps = 0, 0.0, 0
+        self._syncs = 0
         self._mark = (sent, seconds)
         if bandwidth <= 0 or step_s <= 0:  # no completed sync to measure yet (τ > 0: the first is in flight)
             return None
+        ratio = 1.0 / (bandwidth * step_s)  # what the pick depends on: the sync's seconds per inner step's
+        if self._ratio is not None and 1 / (1 + self.config.adapt_threshold) <= ratio / self._ratio <= (
+                1 + self.config.adapt_threshold):
+            return None  # the link and the step moved too little since the last pick to re-pick
         decision = pick_sync_every(self.workload, self.transport.topology, self.config, self.candidates,
                                    self.sync_every, step_s, bandwidth, self.config.adapt_overhead, self.group)
+        self._ratio = ratio
         self.decisions.append({**decision.record(step), "t": time.perf_counter()})
         if decision.new == decision.old:
             return None
