@@ -46,6 +46,7 @@ from common import RESULTS, ShapedLink, read_run, run_train, write_markdown  # n
 
 def job_flags(args: argparse.Namespace, seconds: float) -> list[str]:
     return ["--strategy", "diloco", "--model", "tiny", "--nproc", "2", "--threads", "1", "--seed", str(args.seed),
+            "--micro-batch-size", str(args.micro_batch_size), "--seq-len", str(args.seq_len),
             "--max-time-s", f"{seconds:g}", "--max-steps", str(args.max_steps), "--warmup-steps", "20",
             "--eval-every", str(args.eval_every), "--eval-windows", "24", "--overwrite"]
 
@@ -101,7 +102,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sync-every", type=int, default=16, help="H the adapt arms start from")
     ap.add_argument("--max-steps", type=int, default=2000, help="the lr schedule's length (runs stop by time)")
-    ap.add_argument("--eval-every", type=int, default=16)
+    ap.add_argument("--eval-every", type=int, default=32)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--real-link", action="store_true", help="the drop arms on a tc-shaped veth link (root)")
     ap.add_argument("--work", default=None)
     args = ap.parse_args()

@@ -36,7 +36,8 @@ def test_a_link_that_drops_picks_a_larger_h_and_one_that_recovers_a_smaller_one(
     model = tiny_model()
     workload = Workload.from_model(model, tokens_per_micro_batch=1, param_groups=param_groups(model))
     topo = Topology(0, 2, 2)
-    cfg = DiLoCoConfig(sync_every=8, adapt=True)
+    cfg = DiLoCoConfig(sync_every=8, adapt=True, adapt_sync_every="2,4,8,16,32,64,128")
+    assert DiLoCoConfig(sync_every=8, adapt=True).adapt_candidates(8, 1, 0) == (8, 16, 32, 64, 128)  # the default
     candidates = cfg.adapt_candidates(8, 1, 0)
     assert candidates == (2, 4, 8, 16, 32, 64, 128)
     step_s = 1e-3
@@ -95,7 +96,7 @@ def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
     from quietsync.strategies.local.adapt import SyncPeriod
 
     model = tiny_model()
-    cfg = DiLoCoConfig(sync_every=8, adapt=True, adapt_window=8)
+    cfg = DiLoCoConfig(sync_every=8, adapt=True, adapt_window=8, adapt_sync_every="2,4,8,16,32,64,128")
     transport = _Transport()
     ctrl = SyncPeriod(transport, "world", cfg, model, param_groups(model))
     sync_bytes = 4 * PSI  # what a sync sends on 2 workers (ring all-reduce of the fp32 pseudo-gradient)
@@ -105,7 +106,7 @@ def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
     def round_at(bandwidth: float, steps_s: list[float]) -> object:
         nonlocal step
         decision = None
-        for i, c in enumerate(steps_s):
+        for c in steps_s:
             step += 1
             synced = step % ctrl.sync_every == 0
             if synced:  # the sync's bytes and seconds, as the transport meters them

@@ -86,7 +86,8 @@ class AdaptConfig:
     """With adapt: the inner step time is the median of this worker's last N inner steps' compute."""
     adapt_sync_every: str = ""
     """With adapt: the candidate H values, comma-separated, each dividing the next and including sync_every
-    (e.g. 8,16,32,64,128); default: sync_every times 1/4, 1/2, 1, 2, 4, 8, 16 (whole numbers only)."""
+    (e.g. 8,16,32,64,128); default: sync_every times 1, 2, 4, 8, 16 (H grows from the chosen one when the link
+    cannot carry it, and comes back down to it)."""
 
     def check_adapt_knobs(self) -> None:
         """Check the knobs that need no other config (with or without ``adapt``)."""
@@ -104,10 +105,8 @@ class AdaptConfig:
             except ValueError:
                 raise ValueError(f"adapt_sync_every must be whole numbers >= 1, comma-separated, each dividing the "
                                  f"next (e.g. 8,16,32), got {self.adapt_sync_every!r}") from None
-        else:  # H/4, H/2 (where whole), H, 2H, ... 16H; none below τ
-            smaller = {sync_every // d for d in (2, 4) if sync_every % d == 0}
-            values = tuple(sorted(v for v in smaller | {sync_every * 2 ** k for k in range(5)}
-                                  if v >= max(1, overlap_delay) or v == sync_every))
+        else:  # H, 2H, ... 16H: never below the H chosen for the run (a smaller H is not free in loss either)
+            values = tuple(sync_every * 2 ** k for k in range(5))
         if any(v < 1 for v in values) or any(b % a for a, b in zip(values, values[1:])) or list(values) != sorted(
                 set(values)):
             raise ValueError(f"adapt_sync_every must be whole numbers >= 1, increasing, each dividing the next "
