@@ -7,9 +7,9 @@ link costs at most 5%.
 Arms (2 workers, one per node, one torch thread each, tiny model, the same seed; every arm runs for the same
 training seconds ``T`` and evaluates the committed model every ``--eval-every`` steps):
 
-1. ``adapt steady``: ``--adapt`` on a steady 100 Mbit/s link. Its first decision is the H the rule picks for the
-   starting link: the **static** setting of the arms below (the H the cost model's rule picks at the start, from
-   the measured link and step -- the plan at the start for this knob).
+1. ``adapt steady``: ``--adapt`` from ``--sync-every`` on a steady 100 Mbit/s link. The first H it moves to (or
+   the starting one if it keeps it) is the **static** setting of the arms below: the H the cost model's rule
+   picks for this link and this machine's measured step (the plan at the start, for this knob).
 2. ``static steady``: that H, fixed, on the steady link.
 3. ``static drop``: that H, fixed, on ``100mbit@0s,10mbit@T/3,100mbit@2T/3``.
 4. ``adapt drop``: ``--adapt`` on the same schedule.
@@ -77,8 +77,9 @@ def arm(work: Path, name: str, flags: list[str], real: tuple[ShapedLink, list[tu
         run = run_train(out, *flags)
     else:
         shaped, schedule = real
+        i = flags.index("--nproc")  # one worker per namespace, torchrun-style: no local workers
         made = shaped.run(["train", "--out", str(out), "--no-progress", "--no-plot", "--no-export",
-                           *[f for f in flags if f not in ("--nproc", "2")]], 1, timeout=1800, rate_schedule=schedule)
+                           *flags[:i], *flags[i + 2:]], 1, timeout=1800, rate_schedule=schedule)
         run = read_run(out)
         run["tc_changes"] = made
     run["process_s"] = time.perf_counter() - t0
@@ -106,6 +107,10 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--real-link", action="store_true", help="the drop arms on a tc-shaped veth link (root)")
+    ap.add_argument("--static-sync-every", type=int, default=None,
+                    help="skip the steady arms and use this static H (e.g. an earlier run's)")
+    ap.add_argument("--setup-s", type=float, default=35.0,
+                    help="with --static-sync-every --real-link: seconds from the workers' start to training")
     ap.add_argument("--work", default=None)
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_adapt_"))
@@ -115,14 +120,18 @@ def main() -> None:
     uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
     print(f"work {work}; {uptime[0]}", flush=True)
 
-    steady = arm(work, "adapt steady", [*base, *adapt, "--link", "inter=100mbit"])
-    picks = changes(steady)
-    h_static = picks[0]["new"] if picks else args.sync_every
-    static = ["--sync-every", str(h_static)]
-    static_steady = arm(work, "static steady", [*base, *static, "--link", "inter=100mbit"])
+    if args.static_sync_every is None:
+        steady = arm(work, "adapt steady", [*base, *adapt, "--link", "inter=100mbit"])
+        picks = changes(steady)
+        h_static = picks[0]["new"] if picks else args.sync_every
+        static = ["--sync-every", str(h_static)]
+        static_steady = arm(work, "static steady", [*base, *static, "--link", "inter=100mbit"])
+        setup = steady["setup_s"]
+    else:  # the steady pair of an earlier run stands: only the drop arms
+        h_static, steady, static_steady, setup = args.static_sync_every, None, None, args.setup_s
+        static = ["--sync-every", str(h_static)]
     real = None
     if args.real_link:
-        setup = steady["setup_s"]
         schedule = [(0.0, "100mbit"), (setup + T / 3, "10mbit"), (setup + 2 * T / 3, "100mbit")]
         shaped = ShapedLink().__enter__()
         real = (shaped, schedule)
@@ -139,9 +148,9 @@ def main() -> None:
             real[0].__exit__()
     uptime.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
-    runs = [steady, static_steady, static_drop, adapt_drop, large_drop]
+    runs = [r for r in (steady, static_steady, static_drop, adapt_drop, large_drop) if r is not None]
     drop_pair = pair(static_drop, adapt_drop)
-    steady_pair = pair(steady, static_steady)
+    steady_pair = pair(steady, static_steady) if steady is not None else None
     large_pair = pair(large_drop, adapt_drop)
     name = "adapt_tc" if args.real_link else "adapt"
     link = "tc tbf on a veth pair, 100 -> 10 -> 100 Mbit/s" if args.real_link else drop_link(T)
@@ -160,10 +169,13 @@ def main() -> None:
     rows = []
     for p, what in ((drop_pair, "drop: static / adapt"), (steady_pair, "steady: adapt / static"),
                     (large_pair, "drop: static largest H / adapt")):
+        if p is None:
+            continue
         rows.append([what, p["a"], p["b"], f"{p['target']:.4f}", p["a_s"], p["b_s"], p["ratio"]])
     changes_text = "; ".join(f"step {c['step']}: H {c['old']}→{c['new']} ({c['why']})" for c in changes(adapt_drop))
     notes = (f"Command: `{cmd}`. Seed {args.seed}; 2 workers (one per node), tiny model, T = {T:g} training "
-             f"seconds per arm. Static H = {h_static} (adapt's first pick on the steady link); drop link: {link}. "
+             f"seconds per arm. Static H = {h_static} (the first H adapt moved to on the steady link, from "
+             f"{args.sync_every}); drop link: {link}. "
              f"adapt on the drop changed: {changes_text or 'nothing'}. Load: {uptime[0]} / {uptime[-1]}.")
     write_markdown(name, "diloco --adapt against the static H picked at the start",
                    ["pair", "a", "b", "target loss", "a s", "b s", "a / b"], rows, notes)
