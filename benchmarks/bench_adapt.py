@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,11 +70,13 @@ def time_to(run: dict[str, Any], target: float) -> float | None:
     return next((t for t, loss, _ in evals(run) if loss <= target), None)
 
 
-def arm(work: Path, name: str, flags: list[str], real: tuple[ShapedLink, list[tuple[float, str]]] | None = None
-        ) -> dict[str, Any]:
-    out = work / name.replace(" ", "_").replace(",", "").replace("'", "")
+def arm(work: Path, name: str, flags: list[str], real: tuple[ShapedLink, list[tuple[float, str]]] | None = None,
+        reuse: bool = False) -> dict[str, Any]:
+    out = work / name.replace(" ", "_").replace(",", "").replace("'", "").replace("#", "")
     t0 = time.perf_counter()
-    if real is None:
+    if reuse and (out / "summary.json").exists():  # an arm an earlier run of this command finished
+        run = read_run(out)
+    elif real is None:
         run = run_train(out, *flags)
     else:
         shaped, schedule = real
@@ -112,6 +115,9 @@ def main() -> None:
     ap.add_argument("--setup-s", type=float, default=35.0,
                     help="with --static-sync-every --real-link: seconds from the workers' start to training")
     ap.add_argument("--work", default=None)
+    ap.add_argument("--repeats", type=int, default=1, help="drop (and steady) pairs, each other one in reverse order")
+    ap.add_argument("--reuse", action="store_true",
+                    help="read the arms an earlier run left in --work instead of running them again")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_adapt_"))
     T = args.seconds
@@ -120,15 +126,20 @@ def main() -> None:
     uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
     print(f"work {work}; {uptime[0]}", flush=True)
 
+    def named(what: str, i: int) -> str:
+        return what if i == 0 else f"{what} #{i + 1}"
+
+    steadies: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (adapt, static) per repeat
     if args.static_sync_every is None:
-        steady = arm(work, "adapt steady", [*base, *adapt, "--link", "inter=100mbit"])
-        picks = changes(steady)
+        first = arm(work, "adapt steady", [*base, *adapt, "--link", "inter=100mbit"], reuse=args.reuse)
+        picks = changes(first)
         h_static = picks[0]["new"] if picks else args.sync_every
         static = ["--sync-every", str(h_static)]
-        static_steady = arm(work, "static steady", [*base, *static, "--link", "inter=100mbit"])
-        setup = steady["setup_s"]
+        steadies.append((first, arm(work, "static steady", [*base, *static, "--link", "inter=100mbit"],
+                                    reuse=args.reuse)))
+        setup = first["setup_s"]
     else:  # the steady pair of an earlier run stands: only the drop arms
-        h_static, steady, static_steady, setup = args.static_sync_every, None, None, args.setup_s
+        h_static, setup = args.static_sync_every, args.setup_s
         static = ["--sync-every", str(h_static)]
     real = None
     if args.real_link:
@@ -138,27 +149,47 @@ def main() -> None:
         drop = []
     else:
         drop = ["--link", drop_link(T)]
+    drops: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (static, adapt) per repeat
     try:
-        static_drop = arm(work, "static drop", [*base, *static, *drop], real)
-        adapt_drop = arm(work, "adapt drop", [*base, *adapt, *drop], real)
-        h_large = max([c["new"] for c in changes(adapt_drop)] or [h_static])
-        large_drop = arm(work, "static drop, adapt's largest H", [*base, "--sync-every", str(h_large), *drop], real)
+        for i in range(args.repeats):
+            # every other repeat runs the pair in the other order (a load that drifts falls on both)
+            order = [("static drop", static), ("adapt drop", adapt)][:: 1 if i % 2 == 0 else -1]
+            got = {what: arm(work, named(what, i), [*base, *knobs, *drop], real, reuse=args.reuse)
+                   for what, knobs in order}
+            drops.append((got["static drop"], got["adapt drop"]))
+            if i == 0:
+                adapt_drop = got["adapt drop"]
+                h_large = max([c["new"] for c in changes(adapt_drop)] or [h_static])
+                large_drop = arm(work, "static drop, adapt's largest H",
+                                 [*base, "--sync-every", str(h_large), *drop], real, reuse=args.reuse)
+            if i > 0 and args.static_sync_every is None:
+                order = [("static steady", static), ("adapt steady", adapt)][:: 1 if i % 2 == 1 else -1]
+                got = {what: arm(work, named(what, i), [*base, *knobs, "--link", "inter=100mbit"],
+                                 reuse=args.reuse) for what, knobs in order}
+                steadies.append((got["adapt steady"], got["static steady"]))
     finally:
         if real is not None:
             real[0].__exit__()
     uptime.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
-    runs = [r for r in (steady, static_steady, static_drop, adapt_drop, large_drop) if r is not None]
-    drop_pair = pair(static_drop, adapt_drop)
-    steady_pair = pair(steady, static_steady) if steady is not None else None
+    runs = [r for pr in steadies for r in pr] + [r for pr in drops for r in pr] + [large_drop]
+    drop_pairs = [pair(a, b) for a, b in drops]
+    steady_pairs = [pair(a, b) for a, b in steadies]
     large_pair = pair(large_drop, adapt_drop)
+
+    def median_ratio(pairs: list[dict[str, Any]]) -> float | None:
+        ratios = [p["ratio"] for p in pairs if p["ratio"] is not None]
+        return statistics.median(ratios) if ratios else None
+
     name = "adapt_tc" if args.real_link else "adapt"
     link = "tc tbf on a veth pair, 100 -> 10 -> 100 Mbit/s" if args.real_link else drop_link(T)
     result = {
         "goal": "static/adapt time to target >= 1.3 on the drop; adapt/static <= 1.05 on the steady link",
-        "seconds": T, "seed": args.seed, "static_sync_every": h_static, "largest_adapted_sync_every": h_large,
-        "drop_link": link, "uptime": uptime,
-        "drop": drop_pair, "steady": steady_pair, "drop_vs_largest_static": large_pair,
+        "seconds": T, "seed": args.seed, "repeats": args.repeats, "static_sync_every": h_static,
+        "largest_adapted_sync_every": h_large, "drop_link": link, "uptime": uptime,
+        "drop": drop_pairs, "drop_median_ratio": median_ratio(drop_pairs),
+        "steady": steady_pairs, "steady_median_ratio": median_ratio(steady_pairs),
+        "drop_vs_largest_static": large_pair,
         "runs": [{"name": r["name"], "flags": r["flags"], "steps": r["steps"], "wall_s": r["wall_s"],
                   "setup_s": r["setup_s"], "evals": evals(r), "changes": changes(r),
                   "tc_changes": r.get("tc_changes")} for r in runs],
@@ -167,19 +198,22 @@ def main() -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     cmd = "python benchmarks/bench_adapt.py " + " ".join(sys.argv[1:])
     rows = []
-    for p, what in ((drop_pair, "drop: static / adapt"), (steady_pair, "steady: adapt / static"),
-                    (large_pair, "drop: static largest H / adapt")):
-        if p is None:
-            continue
-        rows.append([what, p["a"], p["b"], f"{p['target']:.4f}", p["a_s"], p["b_s"], p["ratio"]])
-    changes_text = "; ".join(f"step {c['step']}: H {c['old']}→{c['new']} ({c['why']})" for c in changes(adapt_drop))
+    for pairs, what in ((drop_pairs, "drop: static / adapt"), (steady_pairs, "steady: adapt / static"),
+                        ([large_pair], "drop: static largest H / adapt")):
+        for p in pairs:
+            rows.append([what, p["a"], p["b"], f"{p['target']:.4f}", p["a_s"], p["b_s"], p["ratio"]])
+        if len(pairs) > 1:
+            rows.append([what + ", median", "", "", "", "", "", median_ratio(pairs)])
+    changes_text = "; ".join(f"step {c['step']}: H {c['old']}→{c['new']} ({c['why']})"
+                             for c in changes(adapt_drop))
     notes = (f"Command: `{cmd}`. Seed {args.seed}; 2 workers (one per node), tiny model, T = {T:g} training "
              f"seconds per arm. Static H = {h_static} (the first H adapt moved to on the steady link, from "
              f"{args.sync_every}); drop link: {link}. "
              f"adapt on the drop changed: {changes_text or 'nothing'}. Load: {uptime[0]} / {uptime[-1]}.")
     write_markdown(name, "diloco --adapt against the static H picked at the start",
                    ["pair", "a", "b", "target loss", "a s", "b s", "a / b"], rows, notes)
-    print(json.dumps({k: result[k] for k in ("drop", "steady", "drop_vs_largest_static")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("drop_median_ratio", "steady_median_ratio", "drop", "steady",
+                                             "drop_vs_largest_static")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -154,10 +154,23 @@ def _build(config: dict) -> quietsync.Strategy:
                                    config=config, **ADAMW)
 
 
+class _Stream:
+    """The data position a logical checkpoint carries (these tests feed their own micro-batches)."""
+
+    def logical_position(self) -> tuple[int, int]:
+        return 0, 0
+
+    def continue_from(self, epoch: int, consumed: int) -> None:
+        pass
+
+
 def _run(rank: int, config: dict, steps: int, change: tuple[int, int] | None = None, resume_at: int | None = None,
-         finish: bool = False) -> dict:
+         finish: bool = False, logical: str | None = None) -> dict:
     """``steps`` inner steps; ``change = (s, H)``: H set right after step s (as a decision there would);
-    ``resume_at``: checkpoint after that step and go on in a fresh strategy built with the original config."""
+    ``resume_at``: checkpoint after that step and go on in a fresh strategy built with the original config (the
+    rank's ``state_dict``, or with ``logical`` the world-size-independent checkpoint written there)."""
+    from quietsync.train.logical_checkpoint import load_logical, save_logical
+
     s = _build(config)
     trace = []
     for t in range(1, steps + 1):
@@ -167,7 +180,12 @@ def _run(rank: int, config: dict, steps: int, change: tuple[int, int] | None = N
         if change is not None and change[0] == t:
             s.adapter.set_sync_every(change[1], t)
         trace.append({"synced": m.extra["synced"], "adapt": m.extra.get("adapt"), "params": flat_params(s.module)})
-        if resume_at == t:
+        if resume_at == t and logical is not None:
+            save_logical(logical, s, _Stream(), 0)
+            s.close()
+            s = _build(config)
+            load_logical(logical, s, _Stream())
+        elif resume_at == t:
             buf = io.BytesIO()
             torch.save(s.state_dict(), buf)
             s.close()
@@ -221,7 +239,7 @@ def _reference(sync_steps: set[int], steps: int, finish: bool = False) -> tuple[
 
 
 @pytest.mark.timeout(240)
-def test_adapt_knob_changes_follow_diloco_and_resume_exactly():
+def test_adapt_knob_changes_follow_diloco_and_resume_exactly(tmp_path):
     static = {"sync_every": 2}
     keep = {"sync_every": 2, "adapt": True, "adapt_sync_every": "2,4,8,16", "adapt_overhead": 1e9,
             "adapt_threshold": 0.0}
@@ -234,6 +252,8 @@ def test_adapt_knob_changes_follow_diloco_and_resume_exactly():
         {"config": forced, "steps": 17, "change": (6, 8)},
         # the same, checkpointed after step 7 (after the change, mid-round) and resumed in a fresh strategy
         {"config": forced, "steps": 17, "change": (6, 8), "resume_at": 7},
+        # the same through the logical (world-size-independent) checkpoint
+        {"config": forced, "steps": 17, "change": (6, 8), "resume_at": 7, "logical": str(tmp_path / "logical")},
         # finish right where H changed: no second sync of an empty round
         {"config": forced, "steps": 6, "change": (6, 8), "finish": True},
         {"config": static, "steps": 6, "finish": True},
@@ -243,7 +263,7 @@ def test_adapt_knob_changes_follow_diloco_and_resume_exactly():
     ]
     results = run_ranks(_jobs, 2, jobs, timeout=220)
     for rank, res in enumerate(results):
-        st, kept, changed, resumed, fin_changed, fin_static, down = res
+        st, kept, changed, resumed, resumed_logical, fin_changed, fin_static, down = res
         # adapt to the same knob = the static run, bit for bit, and it did decide (every sync)
         assert len(kept["decisions"]) == 4 and all(d["new"] == 2 for d in kept["decisions"])
         for a, b in zip(st["trace"], kept["trace"]):
@@ -254,9 +274,10 @@ def test_adapt_knob_changes_follow_diloco_and_resume_exactly():
         ref, _ = _reference({2, 4, 6, 8, 16}, 17)
         assert torch.allclose(changed["params"], ref[rank], atol=1e-6), (changed["params"] - ref[rank]).abs().max()
         # resumed after the change = uninterrupted, bit for bit (H = 8 came back from the checkpoint)
-        assert resumed["sync_every"] == 8
-        for a, b in zip(changed["trace"], resumed["trace"]):
-            assert a["synced"] == b["synced"] and torch.equal(a["params"], b["params"])
+        for again in (resumed, resumed_logical):
+            assert again["sync_every"] == 8
+            for a, b in zip(changed["trace"], again["trace"]):
+                assert a["synced"] == b["synced"] and torch.equal(a["params"], b["params"])
         # finishing right at the change step adds no sync: the same as the static run finishing there
         assert torch.equal(fin_changed["committed"], fin_static["committed"])
         # 8 -> 2 after step 8: syncs at 8, 10, and the final one on the partial round (step 11)
