@@ -66,6 +66,17 @@ def changes(run: dict[str, Any]) -> list[dict[str, Any]]:
             and "adapt" in r["extra"]]
 
 
+def costs(run: dict[str, Any], seconds: float) -> dict[str, float]:
+    """Rank 0's load-robust numbers: seconds idle on the network in all and in the drop's window (the middle third of
+    the training seconds), the median step's compute seconds, MB sent."""
+    steps = [r for r in run["records"][0] if "event" not in r]
+    window = [r for r in steps if seconds / 3 <= r["time_s"] < 2 * seconds / 3]
+    return {"steps": len(steps), "idle_s": sum(r["idle_s"] for r in steps),
+            "idle_middle_third_s": sum(r["idle_s"] for r in window),
+            "median_step_compute_s": statistics.median(r["compute_s"] for r in steps) if steps else 0.0,
+            "mb_sent": sum(r["bytes_sent"] for r in steps) / 1e6}
+
+
 def time_to(run: dict[str, Any], target: float) -> float | None:
     return next((t for t, loss, _ in evals(run) if loss <= target), None)
 
@@ -191,7 +202,7 @@ def main() -> None:
         "steady": steady_pairs, "steady_median_ratio": median_ratio(steady_pairs),
         "drop_vs_largest_static": large_pair,
         "runs": [{"name": r["name"], "flags": r["flags"], "steps": r["steps"], "wall_s": r["wall_s"],
-                  "setup_s": r["setup_s"], "evals": evals(r), "changes": changes(r),
+                  "setup_s": r["setup_s"], "evals": evals(r), "changes": changes(r), **costs(r, T),
                   "tc_changes": r.get("tc_changes")} for r in runs],
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -210,8 +221,14 @@ def main() -> None:
              f"seconds per arm. Static H = {h_static} (the first H adapt moved to on the steady link, from "
              f"{args.sync_every}); drop link: {link}. "
              f"adapt on the drop changed: {changes_text or 'nothing'}. Load: {uptime[0]} / {uptime[-1]}.")
+    per_arm = ["", "", "| arm | steps | idle s (all) | idle s (middle third) | median step compute s | MB sent |",
+               "|---|---|---|---|---|---|"]
+    for r in runs:
+        c = costs(r, T)
+        per_arm.append(f"| {r['name']} | {c['steps']} | {c['idle_s']:.1f} | {c['idle_middle_third_s']:.1f} | "
+                       f"{c['median_step_compute_s']:.3f} | {c['mb_sent']:.1f} |")
     write_markdown(name, "diloco --adapt against the static H picked at the start",
-                   ["pair", "a", "b", "target loss", "a s", "b s", "a / b"], rows, notes)
+                   ["pair", "a", "b", "target loss", "a s", "b s", "a / b"], rows, notes + "\n".join(per_arm))
     print(json.dumps({k: result[k] for k in ("drop_median_ratio", "steady_median_ratio", "drop", "steady",
                                              "drop_vs_largest_static")}, indent=1))
 
