@@ -21,9 +21,8 @@ the training seconds of the first evaluation at or under it. Ratios are side by 
 move with the machine's load (``uptime`` is recorded).
 
 ``--real-link`` runs the drop arms on a real link instead of the emulation: two network namespaces joined by a
-veth pair shaped by ``tc tbf`` (needs root), whose rate the benchmark changes mid-run (``tc qdisc change``) at
-``T/3`` and ``2T/3`` after the first training step is expected (the workers' start plus the set-up seconds the
-emulated arms measured).
+veth pair shaped by ``tc tbf`` (needs root), whose rate the benchmark changes mid-run (``tc qdisc change``)
+``T/3`` and ``2T/3`` after training started (the run's first metrics record appeared).
 
     python benchmarks/bench_adapt.py --seconds 150                 # writes results/adapt.{md,json}
     python benchmarks/bench_adapt.py --seconds 150 --real-link     # the drop under tc, results/adapt_tc.*
@@ -92,8 +91,10 @@ def arm(work: Path, name: str, flags: list[str], real: tuple[ShapedLink, list[tu
     else:
         shaped, schedule = real
         i = flags.index("--nproc")  # one worker per namespace, torchrun-style: no local workers
+        metrics = out / "metrics-rank0.jsonl"  # its first record (the step-0 evaluation): training has started
         made = shaped.run(["train", "--out", str(out), "--no-progress", "--no-plot", "--no-export",
-                           *flags[:i], *flags[i + 2:]], 1, timeout=1800, rate_schedule=schedule)
+                           *flags[:i], *flags[i + 2:]], 1, timeout=1800, rate_schedule=schedule,
+                          started=lambda: metrics.exists() and metrics.stat().st_size > 0)
         run = read_run(out)
         run["tc_changes"] = made
     run["process_s"] = time.perf_counter() - t0
@@ -123,8 +124,6 @@ def main() -> None:
     ap.add_argument("--real-link", action="store_true", help="the drop arms on a tc-shaped veth link (root)")
     ap.add_argument("--static-sync-every", type=int, default=None,
                     help="skip the steady arms and use this static H (e.g. an earlier run's)")
-    ap.add_argument("--setup-s", type=float, default=35.0,
-                    help="with --static-sync-every --real-link: seconds from the workers' start to training")
     ap.add_argument("--work", default=None)
     ap.add_argument("--repeats", type=int, default=1, help="drop (and steady) pairs, each other one in reverse order")
     ap.add_argument("--reuse", action="store_true",
@@ -148,13 +147,12 @@ def main() -> None:
         static = ["--sync-every", str(h_static)]
         steadies.append((first, arm(work, "static steady", [*base, *static, "--link", "inter=100mbit"],
                                     reuse=args.reuse)))
-        setup = first["setup_s"]
     else:  # the steady pair of an earlier run stands: only the drop arms
-        h_static, setup = args.static_sync_every, args.setup_s
+        h_static = args.static_sync_every
         static = ["--sync-every", str(h_static)]
     real = None
     if args.real_link:
-        schedule = [(0.0, "100mbit"), (setup + T / 3, "10mbit"), (setup + 2 * T / 3, "100mbit")]
+        schedule = [(0.0, "100mbit"), (T / 3, "10mbit"), (2 * T / 3, "100mbit")]  # from training's start
         shaped = ShapedLink().__enter__()
         real = (shaped, schedule)
         drop = []

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,12 +164,15 @@ class ShapedLink:
         self.rate = rate
 
     def run(self, args: list[str], workers_per_node: int, timeout: float, port: int | None = None,
-            rate_schedule: list[tuple[float, str]] | None = None) -> list[tuple[float, str]]:
+            rate_schedule: list[tuple[float, str]] | None = None,
+            started: Callable[[], bool] | None = None) -> list[tuple[float, str]]:
         """Run ``quietsync ARGS`` on 2 nodes (one per namespace) × ``workers_per_node``, torchrun-style env (one
         torch thread per worker); ``port``: the rendezvous port (default: a new one per call of this process).
 
         ``rate_schedule``: ``[(seconds, rate), ...]`` -- change the real link's rate (:meth:`set_rate`) that many
-        seconds after the workers were started, mid-run. Returns the changes made, as ``(seconds, rate)``.
+        seconds after the workers were started (or, with ``started``, after it first returns True: e.g. once the
+        run's first metrics record exists, so the schedule follows training time, not set-up's), mid-run. Returns
+        the changes made, as ``(seconds, rate)`` from that moment.
         """
         world = 2 * workers_per_node
         if port is None:
@@ -192,11 +196,17 @@ class ShapedLink:
         stop = threading.Event()
 
         def change_rates() -> None:  # on a thread: the workers' pipes are read below meanwhile
+            t0 = t_start
+            if started is not None and rate_schedule:
+                while not started():
+                    if stop.wait(0.2):
+                        return
+                t0 = time.monotonic()
             for at, rate in sorted(rate_schedule or []):
-                if stop.wait(max(0.0, t_start + at - time.monotonic())):
+                if stop.wait(max(0.0, t0 + at - time.monotonic())):
                     return
                 self.set_rate(rate)
-                changed.append((round(time.monotonic() - t_start, 3), rate))
+                changed.append((round(time.monotonic() - t0, 3), rate))
 
         changer = threading.Thread(target=change_rates, daemon=True)
         changer.start()
