@@ -34,7 +34,7 @@ Spelled on the command line as ``inter=100mbit,5ms`` or ``intra=10gbit,0.05ms``.
 **A link may change during the run** (a schedule): ``inter=100mbit@0s,10mbit@60s,100mbit@120s`` -- each entry is a
 link spelled as above followed by ``@TIME``, the first at ``@0s``, times strictly increasing; an entry without a
 latency keeps the previous one's. At ``t`` seconds since the run's clock started (:meth:`LinkModel.start_clock`;
-the transport starts it on every worker at the same moment, see :meth:`quietsync.transport.Transport`), the link
+the transport starts it on every worker at the same moment: ``Transport.start_link_clocks``), the link
 has the rate and latency of the last entry at or before ``t``. A transfer pays the latency in force when it starts
 being served, then its bytes drain at whatever rate is in force second by second: a transfer that straddles a
 change is served partly at the old rate and partly at the new one, as on a real wire whose shaper is changed.
@@ -178,6 +178,7 @@ class LinkModel:
                 return clock + left / bw - t
             left -= can
             clock, i = seg_end, i + 1
+
     def time(self, kind: str, nbytes: int, n: int, at: float | None = None) -> float:
         """Modeled seconds for one collective (0 for a group of one) on an idle link: at the ``0 s`` rate, or for a
         scheduled link started at ``at`` seconds on the run's clock (following the schedule's changes)."""

@@ -69,7 +69,7 @@ class TrainConfig:
     """Final learning rate of the cosine decay, as a fraction of --lr."""
     link: list[str] = field(default_factory=list, metadata={"flag": {"metavar": "NAME=BW[,LAT]"}})
     """Emulated link, repeatable: inter=100mbit,5ms (between nodes) or intra=10gbit,0.05ms (inside one); or a schedule
-    inter=100mbit@0s,10mbit@60s,100mbit@120s (BW[,LAT]@TIME entries, seconds since the workers started)."""
+    inter=100mbit@0s,10mbit@60s,100mbit@120s (BW[,LAT]@TIME entries in training seconds, docs/train.md)."""
     slow_worker: str | None = field(default=None, metadata={"flag": {"metavar": "RANK:FACTOR"}})
     """Make worker RANK FACTOR times slower: after each micro-batch it sleeps (FACTOR-1)x its compute time."""
     out: str = "runs/train"
