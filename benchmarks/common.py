@@ -12,7 +12,9 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +156,24 @@ class ShapedLink:
     def describe(self) -> str:
         return f"tc tbf rate {self.rate} burst {self.burst} latency {self.latency} on a veth pair between two netns"
 
-    def run(self, args: list[str], workers_per_node: int, timeout: float, port: int | None = None) -> None:
+    def set_rate(self, rate: str) -> None:
+        """Change both ends' ``tbf`` rate now (``tc qdisc change``; later packets get the new rate)."""
+        for ns, dev in zip(self.ns, self.dev):
+            self._ip("netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, "root", "tbf", "rate", rate,
+                     "burst", self.burst, "latency", self.latency)
+        self.rate = rate
+
+    def run(self, args: list[str], workers_per_node: int, timeout: float, port: int | None = None,
+            rate_schedule: list[tuple[float, str]] | None = None,
+            started: Callable[[], bool] | None = None) -> list[tuple[float, str]]:
         """Run ``quietsync ARGS`` on 2 nodes (one per namespace) × ``workers_per_node``, torchrun-style env (one
-        torch thread per worker); ``port``: the rendezvous port (default: a new one per call of this process)."""
+        torch thread per worker); ``port``: the rendezvous port (default: a new one per call of this process).
+
+        ``rate_schedule``: ``[(seconds, rate), ...]`` -- change the real link's rate (:meth:`set_rate`) that many
+        seconds after the workers were started (or, with ``started``, after it first returns True: e.g. once the
+        run's first metrics record exists, so the schedule follows training time, not set-up's), mid-run. Returns
+        the changes made, as ``(seconds, rate)`` from that moment.
+        """
         world = 2 * workers_per_node
         if port is None:
             ShapedLink._port += 1
@@ -173,19 +190,41 @@ class ShapedLink:
                 cmd = ["ip", "netns", "exec", self.ns[node], sys.executable, "-c", PY_MAIN, *args]
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                               text=True))
-        deadline = time.monotonic() + timeout
+        t_start = time.monotonic()
+        deadline = t_start + timeout
+        changed: list[tuple[float, str]] = []
+        stop = threading.Event()
+
+        def change_rates() -> None:  # on a thread: the workers' pipes are read below meanwhile
+            t0 = t_start
+            if started is not None and rate_schedule:
+                while not started():
+                    if stop.wait(0.2):
+                        return
+                t0 = time.monotonic()
+            for at, rate in sorted(rate_schedule or []):
+                if stop.wait(max(0.0, t0 + at - time.monotonic())):
+                    return
+                self.set_rate(rate)
+                changed.append((round(time.monotonic() - t0, 3), rate))
+
+        changer = threading.Thread(target=change_rates, daemon=True)
+        changer.start()
         outs = []
         try:
             for p in procs:
                 out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
                 outs.append(out)
         finally:
+            stop.set()
+            changer.join()
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait()
         if any(p.returncode for p in procs):
             raise RuntimeError(f"shaped-link run {' '.join(args[:3])} failed:\n" + "\n".join(o[-2000:] for o in outs))
+        return changed
 
 
 def read_run(out: Path) -> dict[str, Any]:

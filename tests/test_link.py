@@ -63,3 +63,76 @@ def test_link_is_full_duplex_collectives_book_both_directions():
     assert link.reserve(1.0, start=0.0, tx=False, rx=True) == 1.0
     with pytest.raises(ValueError, match="at least one of tx and rx"):
         link.reserve(1.0, tx=False, rx=False)
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+def test_schedule_spelling_each_entry_is_a_link_at_a_time():
+    link = parse_links(["inter=100mbit,5ms@0s,10mbit@60s,100mbit,1ms@2min"])["inter"]
+    assert link.scheduled
+    assert [(r.at_s, r.bandwidth, r.latency) for r in link.rates()] == [
+        (0.0, pytest.approx(12.5e6), pytest.approx(0.005)),
+        (60.0, pytest.approx(1.25e6), pytest.approx(0.005)),  # no latency given: the previous entry's
+        (120.0, pytest.approx(12.5e6), pytest.approx(0.001)),
+    ]
+    assert link.bandwidth == pytest.approx(12.5e6)  # the rate from 0 s (what the planner reads)
+    assert str(link) == "100mbit,5ms@0s,10mbit,5ms@60s,100mbit,1ms@120s"
+    assert not parse_links(["inter=100mbit"])["inter"].scheduled
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("inter=100mbit@0s,10mbit@60s,100mbit@30s", r"--link inter: schedule goes back in time: '100mbit@30s'.*"
+                                                  r"BW\[,LAT\]@TIME"),
+    ("inter=100mbit@0s,10mbit@0s", "goes back in time"),
+    ("inter=100mbit@0s,0mbit@60s", "bandwidth must be > 0"),
+    ("inter=100mbit@5s,10mbit@60s", "must start at @0s"),
+    ("inter=100mbit@0s,10mbit", r"--link inter: schedule must be BW\[,LAT\]@TIME"),
+    ("inter=100mbit@0s,,10mbit@60s", "schedule must be"),
+    ("inter=100mbit,5ms,1ms@0s", "must be BW\\[,LAT\\]@TIME"),
+    ("inter=100mbit@0s@1s", "must be BW\\[,LAT\\]@TIME"),
+    ("inter=100mbit@soon", "schedule time must be a number with a unit"),
+    ("inter=100mbit@0s,fast@60s", "--link inter: bandwidth must be a number"),
+])
+def test_bad_schedules_are_refused_naming_the_argument_and_the_form(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_links([spec])
+
+
+def _reference_seconds(rates, start, nbytes, messages):
+    """Integrate the piecewise-constant rate by hand, 1 µs at a time: the latency in force at ``start``, then the
+    bytes drain at whatever rate is in force at each instant."""
+    lat = [lat for at, _, lat in rates if at <= start][-1]
+    t, left, dt = start + messages * lat, float(nbytes), 1e-6
+    while left > 0:
+        bw = [bw for at, bw, _ in rates if at <= t + 1e-12][-1]
+        left -= bw * dt
+        t += dt
+    return t - start
+
+
+def test_transfer_time_follows_the_schedule_on_an_injected_clock():
+    link = LinkModel.parse("1000b,0.1s@0s,100b@2s,1000b,0s@3s")  # 1000 B/s, 100 B/s from 2 s, 1000 B/s from 3 s
+    link.start_clock(50.0)  # the run's t = 0 is perf_counter 50 s
+    rates = [(r.at_s, r.bandwidth, r.latency) for r in link.rates()]
+    # before the drop: 1 message x 0.1 s + 500 B / 1000 B/s
+    assert link.book_transfer("send", 500, 2, start=50.0, rx=False) == (50.0, pytest.approx(50.6))
+    # straddles the drop at 2 s: starts at 1.5 s, latency 0.1 s, 400 B at 1000 B/s by 2.0 s, the other 100 B at
+    # 100 B/s take 1 s -> ends at 3.0 s
+    begin, end = link.book_transfer("send", 500, 2, start=51.5, rx=False)
+    assert (begin, end) == (51.5, pytest.approx(53.0))
+    assert end - begin == pytest.approx(_reference_seconds(rates, 1.5, 500, 1), abs=1e-4)
+    # queued behind it (FIFO), served from 3.0 s at the restored rate with the new latency 0
+    assert link.book_transfer("send", 500, 2, start=52.0, rx=False) == (pytest.approx(53.0), pytest.approx(53.5))
+    # spans two changes: starts at 1.9 s (receive queue is free), 0.1 s latency, then 100 B/s for 1 s, then 1000 B/s
+    begin, end = link.book_transfer("recv", 1100, 2, start=51.9, tx=False)
+    assert end - begin == pytest.approx(_reference_seconds(rates, 1.9, 1100, 1), abs=1e-4)
+    assert end - begin == pytest.approx(0.1 + 1.0 + 1000 / 1000)
+    # a collective's modeled time at a moment on an idle link: 2 messages at the 2 s entry's latency (to 2.7 s),
+    # 30 B at 100 B/s up to 3 s, the other 970 B at 1000 B/s
+    assert link.time("all_reduce", 1000, 2, at=2.5) == pytest.approx(2 * 0.1 + 0.3 + 970 / 1000)
+    assert link.time("all_reduce", 1000, 2) == pytest.approx(2 * 0.1 + 1.0)  # no moment: the 0 s rate
+
+
+def test_a_scheduled_link_needs_its_clock():
+    link = LinkModel.parse("100mbit@0s,10mbit@1s")
+    with pytest.raises(RuntimeError, match="clock started"):
+        link.book_transfer("send", 1000, 2, rx=False)

@@ -220,3 +220,31 @@ def test_default_backend_is_nccl_only_with_a_gpu_per_local_worker_process(monkey
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="needs one CUDA device per worker process"):
         Transport(four, backend="nccl")
+
+
+def _scheduled_all_reduces(rank: int, world: int, numel: int, change_s: float) -> dict:
+    link = LinkModel.parse(f"1mb@0s,0.25mb@{change_s}s")  # 1 MB/s, then 0.25 MB/s from change_s on
+    t = Transport(Topology.from_env(), links={"inter": link})
+    t0 = time.perf_counter()
+    t.all_reduce(torch.ones(numel))
+    before = time.perf_counter() - t0
+    # wait on the schedule's clock (not standing in for work: the next transfer must start after the change)
+    time.sleep(max(0.0, link.epoch + change_s + 0.05 - time.perf_counter()))
+    t0 = time.perf_counter()
+    work = t.all_reduce(torch.ones(numel))
+    after = time.perf_counter() - t0
+    t.close()
+    return {"before": before, "after": after, "epoch": link.epoch, "modeled_after": work.modeled_s}
+
+
+@pytest.mark.timeout(120)
+def test_a_scheduled_link_changes_rate_at_the_same_moment_on_every_worker():
+    """Real gloo workers: a transfer before the change takes the first rate's time, one after it the new rate's;
+    both workers' clocks start at the same moment (perf_counter is one system-wide clock on this machine)."""
+    numel = 62_500  # 250 kB; on 2 workers a ring all-reduce sends B: 0.25 s at 1 MB/s, 1 s at 0.25 MB/s
+    res = run_ranks(_scheduled_all_reduces, 2, numel, 1.0)
+    for r in res:
+        assert 0.99 * 0.25 <= r["before"] < 1.9 * 0.25, r
+        assert r["modeled_after"] == pytest.approx(1.0)
+        assert 0.99 * 1.0 <= r["after"] < 1.5 * 1.0, r
+    assert abs(res[0]["epoch"] - res[1]["epoch"]) < 0.1

@@ -30,10 +30,19 @@ nodes, a point-to-point operation uses the kind of the peer (its node against th
 kinds as separate interfaces means an intra-node copy never queues behind inter-node traffic.
 
 Spelled on the command line as ``inter=100mbit,5ms`` or ``intra=10gbit,0.05ms``.
+
+**A link may change during the run** (a schedule): ``inter=100mbit@0s,10mbit@60s,100mbit@120s`` -- each entry is a
+link spelled as above followed by ``@TIME``, the first at ``@0s``, times strictly increasing; an entry without a
+latency keeps the previous one's. At ``t`` seconds since the run's clock started (:meth:`LinkModel.start_clock`;
+the transport starts it on every worker at the same moment: ``Transport.start_link_clocks``), the link
+has the rate and latency of the last entry at or before ``t``. A transfer pays the latency in force when it starts
+being served, then its bytes drain at whatever rate is in force second by second: a transfer that straddles a
+change is served partly at the old rate and partly at the new one, as on a real wire whose shaper is changed.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -50,6 +59,20 @@ _RATE_UNITS = {
     "bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8,
 }
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+_AT_UNITS = {**_TIME_UNITS, "min": 60.0, "h": 3600.0}
+_SCHEDULE_FORM = "BW[,LAT]@TIME entries, the first @0s, times increasing (e.g. 'inter=100mbit,5ms@0s,10mbit@60s')"
+
+
+@dataclass(frozen=True)
+class LinkRate:
+    """One entry of a link schedule: from ``at_s`` seconds on (the run's clock), this bandwidth and latency."""
+
+    at_s: float
+    """Seconds since the run's clock started (:meth:`LinkModel.start_clock`)."""
+    bandwidth: float
+    """Bytes per second (> 0)."""
+    latency: float
+    """Seconds per message."""
 
 
 def traffic(kind: str, nbytes: int, n: int) -> tuple[int, int]:
@@ -85,6 +108,10 @@ class LinkModel:
     """Bytes per second."""
     latency: float = 0.0
     """Seconds per message (α)."""
+    changes: tuple[LinkRate, ...] = ()
+    """Later entries of a schedule (``at_s`` > 0, increasing); ``bandwidth`` and ``latency`` are the rate from 0 s.
+    Empty: a steady link."""
+    _epoch: float | None = field(default=None, init=False, repr=False, compare=False)
     _tx_free_at: float = field(default=0.0, init=False, repr=False)
     _rx_free_at: float = field(default=0.0, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -94,11 +121,92 @@ class LinkModel:
             raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth}")
         if self.latency < 0:
             raise ValueError(f"latency must be >= 0 s, got {self.latency}")
+        prev = 0.0
+        for c in self.changes:
+            if not c.at_s > prev:
+                raise ValueError(f"schedule times must increase from 0 s, got {c.at_s:g} s after {prev:g} s")
+            if not c.bandwidth > 0 or c.latency < 0:
+                raise ValueError(f"schedule entry at {c.at_s:g} s needs bandwidth > 0 and latency >= 0, got {c}")
+            prev = c.at_s
 
-    def time(self, kind: str, nbytes: int, n: int) -> float:
-        """Modeled seconds for one collective (0 for a group of one)."""
+    # ------------------------------------------------------------------ the schedule's clock
+    @property
+    def scheduled(self) -> bool:
+        """Whether the rate changes during the run."""
+        return bool(self.changes)
+
+    def start_clock(self, epoch: float) -> None:
+        """Set the run's ``t = 0`` to ``epoch`` (``perf_counter`` seconds of this process)."""
+        self._epoch = float(epoch)
+
+    @property
+    def epoch(self) -> float | None:
+        """``perf_counter`` seconds of the run's ``t = 0`` in this process; None before :meth:`start_clock`."""
+        return self._epoch
+
+    def rates(self) -> tuple[LinkRate, ...]:
+        """The whole schedule, the ``0 s`` entry first (one entry for a steady link)."""
+        return (LinkRate(0.0, self.bandwidth, self.latency), *self.changes)
+
+    def rate_at(self, t: float) -> LinkRate:
+        """The entry in force at ``t`` seconds on the run's clock (the first one before 0)."""
+        current = LinkRate(0.0, self.bandwidth, self.latency)
+        for c in self.changes:
+            if c.at_s > t:
+                break
+            current = c
+        return current
+
+    def _since_start(self, now: float) -> float:
+        if not self.changes:
+            return 0.0
+        if self._epoch is None:
+            raise RuntimeError("a link with a schedule needs its clock started (LinkModel.start_clock) before a "
+                               "transfer is booked on it")
+        return now - self._epoch
+
+    def _drain(self, t: float, nbytes: float) -> float:
+        """Seconds (on the run's clock, from ``t``) until ``nbytes`` have gone through at the scheduled rates."""
+        rates = self.rates()
+        i = max(k for k, r in enumerate(rates) if r.at_s <= max(t, 0.0))
+        clock, left = t, float(nbytes)
+        while True:
+            bw = rates[i].bandwidth
+            seg_end = rates[i + 1].at_s if i + 1 < len(rates) else math.inf
+            can = (seg_end - clock) * bw
+            if left <= can:
+                return clock + left / bw - t
+            left -= can
+            clock, i = seg_end, i + 1
+
+    def time(self, kind: str, nbytes: int, n: int, at: float | None = None) -> float:
+        """Modeled seconds for one collective (0 for a group of one) on an idle link: at the ``0 s`` rate, or for a
+        scheduled link started at ``at`` seconds on the run's clock (following the schedule's changes)."""
         messages, sent = traffic(kind, nbytes, n)
-        return messages * self.latency + sent / self.bandwidth
+        if at is None or not self.changes:
+            return messages * self.latency + sent / self.bandwidth
+        alpha = messages * self.rate_at(at).latency
+        return alpha + self._drain(at + alpha, sent)
+
+    def book_transfer(self, kind: str, nbytes: int, n: int, start: float | None = None, tx: bool = True,
+                      rx: bool = True) -> tuple[float, float]:
+        """Book one collective (or a send/recv: ``kind``, ``nbytes``, ``n`` as :func:`traffic`) on the queues it
+        uses; return ``(begin, end)`` in ``perf_counter`` seconds, as :meth:`book`. Its duration is taken at the
+        moment it starts being served, so on a scheduled link it follows the rate of that moment and of every
+        change until it ends."""
+        if not self.changes:
+            return self.book(self.time(kind, nbytes, n), start, tx, rx)
+        if not (tx or rx):
+            raise ValueError("reserve must book at least one of tx and rx")
+        now = time.perf_counter() if start is None else start
+        with self._lock:
+            begin = max(now, self._tx_free_at if tx else now, self._rx_free_at if rx else now)
+            end = begin + self.time(kind, nbytes, n, at=self._since_start(begin))
+            if tx:
+                self._tx_free_at = end
+            if rx:
+                self._rx_free_at = end
+            return begin, end
 
     def reserve(self, seconds: float, start: float | None = None, tx: bool = True, rx: bool = True) -> float:
         """Book ``seconds`` of wire time starting no earlier than ``start``; return the finish time
@@ -140,7 +248,10 @@ class LinkModel:
 
     @classmethod
     def parse(cls, spec: str) -> LinkModel:
-        """Parse ``"100mbit,5ms"`` (bandwidth, optional latency)."""
+        """Parse ``"100mbit,5ms"`` (bandwidth, optional latency), or a schedule
+        ``"100mbit,5ms@0s,10mbit@60s"`` (see the module docstring)."""
+        if "@" in spec:
+            return cls._parse_schedule(spec)
         parts = [p.strip() for p in spec.split(",") if p.strip()]
         if not 1 <= len(parts) <= 2:
             raise ValueError(f"link must look like '100mbit,5ms', got {spec!r}")
@@ -148,8 +259,44 @@ class LinkModel:
         lat = _parse_quantity(parts[1], _TIME_UNITS, "latency", "5ms, 50us, 0.1s") if len(parts) == 2 else 0.0
         return cls(bw, lat)
 
+    @classmethod
+    def _parse_schedule(cls, spec: str) -> LinkModel:
+        tokens = [p.strip() for p in spec.split(",")]
+        entries: list[list[str]] = [[]]
+        for tok in tokens:  # "100mbit", "5ms@0s", "10mbit@60s" -> [["100mbit", "5ms@0s"], ["10mbit@60s"]]
+            entries[-1].append(tok)
+            if "@" in tok:
+                entries.append([])
+        if entries[-1] or any(not t for t in tokens):
+            raise ValueError(f"schedule must be {_SCHEDULE_FORM}, got {spec!r}")
+        rates: list[LinkRate] = []
+        latency = 0.0
+        for entry in entries[:-1]:
+            *rest, last = entry
+            value, _, at_text = last.partition("@")
+            parts = [*rest, value]
+            if not 1 <= len(parts) <= 2 or "@" in at_text:
+                raise ValueError(f"schedule entry {','.join(entry)!r} must be BW[,LAT]@TIME; "
+                                 f"schedule: {_SCHEDULE_FORM}")
+            bw = _parse_quantity(parts[0], _RATE_UNITS, "bandwidth", "100mbit, 10gbit, 50MB")
+            if len(parts) == 2:
+                latency = _parse_quantity(parts[1], _TIME_UNITS, "latency", "5ms, 50us, 0.1s")
+            at = _parse_quantity(at_text, _AT_UNITS, "schedule time", "0s, 60s, 500ms, 2min")
+            if not rates and at != 0:
+                raise ValueError(f"schedule must start at @0s, got {','.join(entry)!r}; schedule: {_SCHEDULE_FORM}")
+            if rates and not at > rates[-1].at_s:
+                raise ValueError(f"schedule goes back in time: {','.join(entry)!r} is not after {rates[-1].at_s:g}s; "
+                                 f"schedule: {_SCHEDULE_FORM}")
+            rates.append(LinkRate(at, bw, latency))
+        return cls(rates[0].bandwidth, rates[0].latency, tuple(rates[1:]))
+
     def __str__(self) -> str:
-        return f"{self.bandwidth * 8 / 1e6:g}mbit,{self.latency * 1e3:g}ms"
+        def one(r: LinkRate) -> str:
+            return f"{r.bandwidth * 8 / 1e6:g}mbit,{r.latency * 1e3:g}ms"
+
+        if not self.changes:
+            return one(self.rates()[0])
+        return ",".join(f"{one(r)}@{r.at_s:g}s" for r in self.rates())
 
 
 def parse_links(specs: Iterable[str]) -> dict[str, LinkModel]:
@@ -160,11 +307,17 @@ def parse_links(specs: Iterable[str]) -> dict[str, LinkModel]:
         name = name.strip()
         if not sep or name not in LINK_NAMES:
             raise ValueError(
-                f"--link must look like 'inter=100mbit,5ms' with a name in {LINK_NAMES}, got {spec!r}"
+                f"--link must look like 'inter=100mbit,5ms' (or a schedule 'inter=100mbit@0s,10mbit@60s') with a "
+                f"name in {LINK_NAMES}, got {spec!r}"
             )
         if name in links:
             raise ValueError(f"--link {name} given twice")
-        links[name] = LinkModel.parse(rest)
+        try:
+            links[name] = LinkModel.parse(rest)
+        except ValueError as e:
+            if "@" in rest:  # name the argument: a schedule's error is read out of context otherwise
+                raise ValueError(f"--link {name}: {e}") from None
+            raise
     return links
 
 
@@ -177,4 +330,6 @@ def _parse_quantity(text: str, units: dict[str, float], what: str, examples: str
     value = float(m.group(1)) * scale
     if what == "bandwidth" and value <= 0:
         raise ValueError(f"bandwidth must be > 0, got {text!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be finite, got {text!r}")
     return value

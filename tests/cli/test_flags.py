@@ -264,7 +264,8 @@ FLOAT_FIELDS = {
     "ddp": {"bucket_cap_mb"},
     "demo": {"compression", "beta"},
     "flexdemo": {"compression", "beta"},
-    "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density", "worker_speeds"},
+    "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density", "worker_speeds",
+               "adapt_overhead", "adapt_threshold"},
     "localsgd": {"worker_speeds"},
 }
 """Every float field of the job's config (None) and of each strategy's config that has one: the float flags the
@@ -293,3 +294,42 @@ def test_every_float_flag_refuses_nan_and_infinities(strategy, capsys, monkeypat
             err = capsys.readouterr().err
             assert e.value.code == 2 and err.count("\n") == 1, err
             assert f"{flag} must be " in err and f"got {value}" in err, err
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--link", "inter=100mbit@0s,10mbit@60s,100mbit@30s"],
+     "--link inter: schedule goes back in time: '100mbit@30s' is not after 60s; schedule: BW[,LAT]@TIME entries"),
+    (["--link", "inter=100mbit@0s,0mbit@60s"], "--link inter: bandwidth must be > 0, got '0mbit'"),
+    (["--link", "inter=100mbit@0s,10mbit"], "--link inter: schedule must be BW[,LAT]@TIME entries, the first @0s"),
+    (["--link", "inter=100mbit@0s,10mbit@60s", "--fault-tolerance", "torchft"],
+     "--link with a schedule (BW@TIME,...) cannot be combined with --fault-tolerance torchft"),
+])
+def test_bad_link_schedules_are_one_line_errors(argv, expect, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("quietsync train: error: ")
+    assert expect in err, err
+
+
+def test_a_link_schedule_is_a_link():
+    cfg, _, _ = parse_train_args(["--link", "inter=100mbit,5ms@0s,10mbit@60s"])
+    assert cfg.link == ["inter=100mbit,5ms@0s,10mbit@60s"]
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--strategy", "zero1", "--adapt"], "--adapt is not a flag of strategy zero1 (it belongs to diloco)"),
+    (["--strategy", "diloco", "--adapt", "--sync-every", "8", "--fragments", "2"],
+     "adapt changes H only with fragments 1"),
+    (["--strategy", "diloco", "--adapt", "--adapt-sync-every", "8,12"], "--adapt-sync-every must be whole numbers"),
+    (["--strategy", "diloco", "--adapt", "--fault-tolerance", "torchft"],
+     "--adapt cannot be combined with --fault-tolerance torchft"),
+])
+def test_adapt_is_refused_where_it_cannot_work(argv, expect, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_train_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("quietsync train: error: ")
+    assert expect in err, err

@@ -14,7 +14,7 @@ from quietsync.train.metrics import (
     read_jsonl,
     write_summary,
 )
-from quietsync.train.plots import loss_curves, plot_loss
+from quietsync.train.plots import knob_changes, loss_curves, plot_loss
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,3 +140,26 @@ def test_non_finite_numbers_are_written_as_strict_json_null(tmp_path):
     assert strict(line)["loss"] is None and strict(line)["extra"] == {"x": None}
     # plain json.dumps would have written the invalid token NaN: the test can fail
     assert "NaN" in json.dumps({"loss": math.nan})
+
+
+def test_adapt_changes_are_read_from_the_step_records_and_drawn(tmp_path):
+    change = {"step": 2, "knob": "sync_every", "old": 16, "new": 128, "bandwidth_mbit": 10.0, "step_s": 0.1,
+              "share": 0.05, "why": "10 Mbit/s ..."}
+
+    def write(with_change: bool) -> None:
+        for rank in (0, 1):
+            (tmp_path / f"metrics-rank{rank}.jsonl").unlink(missing_ok=True)
+            with MetricsWriter(tmp_path, rank) as w:
+                for s in range(1, 4):
+                    rec = step_record(s, rank, 5.0)
+                    if s == 2 and with_change:
+                        rec["extra"] = {"synced": True, "adapt": change}
+                    w.step(rec)
+
+    write(True)
+    assert knob_changes(tmp_path) == [change]
+    drawn = plot_loss(tmp_path).read_bytes()
+    write(False)
+    assert knob_changes(tmp_path) == []
+    plain = plot_loss(tmp_path).read_bytes()
+    assert drawn[:8] == plain[:8] == b"\x89PNG\r\n\x1a\n" and drawn != plain  # the change's line is on the plot

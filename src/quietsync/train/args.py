@@ -204,6 +204,9 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     problem = adaptive_problem(cfg, strategy_config, int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc)
     if problem:
         parser.error(problem)
+    if getattr(strategy_config, "adapt", False) and cfg.fault_tolerance == "torchft":
+        parser.error("--adapt cannot be combined with --fault-tolerance torchft: every worker must take each "
+                     "decision together, and torchft's replicas agree only inside their group; use a fixed knob")
     if cfg.elastic:
         if not under_torchrun():
             parser.error("--elastic needs torchrun, which restarts the workers when nodes leave or join: torchrun "

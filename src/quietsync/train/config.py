@@ -71,7 +71,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine decay, as a fraction of --lr."""
     link: list[str] = field(default_factory=list, metadata={"flag": {"metavar": "NAME=BW[,LAT]"}})
-    """Emulated link, repeatable: inter=100mbit,5ms (between nodes) or intra=10gbit,0.05ms (inside one)."""
+    """Emulated link, repeatable: inter=100mbit,5ms (between nodes) or intra=10gbit,0.05ms (inside one); or a schedule
+    inter=100mbit@0s,10mbit@60s,100mbit@120s (BW[,LAT]@TIME entries in training seconds, docs/train.md)."""
     slow_worker: str | None = field(default=None, metadata={"flag": {"metavar": "RANK:FACTOR"}})
     """Make worker RANK FACTOR times slower: after each micro-batch it sleeps (FACTOR-1)x its compute time."""
     out: str = "runs/train"
@@ -226,10 +227,13 @@ class TrainConfig:
             if self.tokenizer is None:  # the model's own: its folder's tokenizer.json, or the hub repo's
                 self.tokenizer = self.model
         try:
-            parse_links(self.link)
+            links = parse_links(self.link)
         except ValueError as e:
             msg = str(e)
             raise ValueError(msg if msg.startswith("--link") else f"link {msg}") from None
+        if self.fault_tolerance == "torchft" and any(lk.scheduled for lk in links.values()):
+            raise ValueError("--link with a schedule (BW@TIME,...) cannot be combined with --fault-tolerance torchft: "
+                             "its replicas start and restart on their own, with no clock they all share")
         if self.slow_worker is not None:
             parse_slow_worker(self.slow_worker)
         if self.profile_steps is not None:

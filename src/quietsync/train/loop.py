@@ -387,7 +387,9 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
     sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in STEP_SUMS}
     setup_s = time.perf_counter() - t_setup
     # time_s continues across a resume (the clock restarts where the kept records end)
-    t0 = time.perf_counter() - max((r.get("time_s", 0.0) for r in metrics.kept), default=0.0)
+    elapsed = max((r.get("time_s", 0.0) for r in metrics.kept), default=0.0)
+    strategy.transport.start_link_clocks(elapsed)  # a --link schedule follows training time (not setup's)
+    t0 = time.perf_counter() - elapsed
 
     def run_eval() -> float:
         t = time.perf_counter()

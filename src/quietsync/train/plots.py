@@ -55,10 +55,21 @@ def loss_curves(out: str | os.PathLike, world_size: int | None = None) -> dict[s
     }
 
 
+def knob_changes(out: str | os.PathLike) -> list[dict]:
+    """The knob changes ``--adapt`` made (the ``adapt`` entries of the lowest rank's step records, each with its
+    ``step``, ``knob``, ``old``, ``new`` and ``why``), in order."""
+    files = sorted(Path(out).glob("metrics-rank*.jsonl"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    if not files:
+        return []
+    return [r["extra"]["adapt"] for r in read_jsonl(files[0]) if isinstance(r.get("extra"), dict)
+            and isinstance(r["extra"].get("adapt"), dict)]
+
+
 def plot_loss(out: str | os.PathLike, world_size: int | None = None, title: str = "") -> Path:
-    """Draw ``OUT/loss.png`` and return its path."""
+    """Draw ``OUT/loss.png`` and return its path (with a dotted line at each knob change of ``--adapt``)."""
     plt = pyplot()
     c = loss_curves(out, world_size)
+    changes = knob_changes(out)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     for ax, x, ex, label in (
         (axes[0], c["step"], c["eval_step"], "step"),
@@ -67,6 +78,11 @@ def plot_loss(out: str | os.PathLike, world_size: int | None = None, title: str 
         ax.plot(x, c["loss"], lw=1, alpha=0.8, label="train (mean over workers)")
         if c["eval_loss"]:
             ax.plot(ex, c["eval_loss"], "o-", lw=1.5, ms=4, label="eval (held out)")
+        for i, ch in enumerate(changes):  # where --adapt changed a knob, on the step (and its tokens) axis
+            at = ch["step"] if ax is axes[0] else _tokens_at(c, ch["step"])
+            ax.axvline(at, color="grey", ls=":", lw=1, label="--adapt changes" if i == 0 else None)
+            ax.annotate(f"{ch['knob']} {ch['old']}→{ch['new']}", (at, 1), xycoords=("data", "axes fraction"),
+                        rotation=90, va="top", ha="right", fontsize=7, color="grey")
         ax.set_xlabel(label)
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
@@ -74,3 +90,9 @@ def plot_loss(out: str | os.PathLike, world_size: int | None = None, title: str 
     if title:
         fig.suptitle(title)
     return save_figure(fig, out, "loss.png")
+
+
+def _tokens_at(c: dict[str, list[float]], step: int) -> float:
+    """Tokens of the last recorded step at or before ``step``."""
+    before = [t for s, t in zip(c["step"], c["tokens"]) if s <= step]
+    return before[-1] if before else 0.0

@@ -75,6 +75,29 @@ class Transport(ProcessGroups):
         self.recorder = recorder if recorder is not None else EventRecorder()
         self.meter = ByteMeter()
         super().__init__(topology, timeout_s, backend)
+        self.start_link_clocks()
+
+    def start_link_clocks(self, elapsed: float = 0.0) -> None:
+        """Start the clock of every scheduled link at one moment shared by all workers: a collective (every
+        worker calls it at the same point; nothing happens without a scheduled link).
+
+        ``t = 0`` of a link schedule is the moment the workers leave a start barrier (an :meth:`agree` on the
+        control group); each worker reads its own ``perf_counter`` then. So every worker sees the same rate at
+        the same moment, to within the barrier's release skew (under a millisecond on one machine, about one
+        network latency across machines), with no clock synchronised between machines. The transport starts the
+        clocks when it is built; the trainer starts them again when training starts, with ``elapsed`` = the
+        training time a resumed run already had (agreed: the largest any worker reports), so the schedule
+        follows training time and a resumed run continues it where it stopped.
+        """
+        if not any(link.scheduled for link in self.links.values()):
+            return
+        if self.fault_tolerant:  # replicas start and restart on their own: no moment they all share
+            raise ValueError("a --link schedule needs one clock shared by every worker, which --fault-tolerance "
+                             "torchft's replicas do not have (they start and restart on their own); use a steady link")
+        elapsed = self.agree(float(elapsed), "max")
+        epoch = time.perf_counter() - elapsed
+        for link in self.links.values():
+            link.start_clock(epoch)
 
     # ------------------------------------------------------------------ links
     def link_for(self, group: str) -> LinkModel | None:
@@ -197,10 +220,9 @@ class Transport(ProcessGroups):
             handle = dist.irecv(tensor, group=self._groups[group], group_src=peer_rank)
         link = self.link_to(peer)
         nbytes = _nbytes(tensor)
-        seconds = link.time(kind, nbytes, 2) if link is not None else 0.0
         return self._p2p((handle,), kind, group, nbytes, name, async_op, sent=nbytes if sending else 0,
                          recv=0 if sending else nbytes, dst=peer_rank if sending else None,
-                         src=None if sending else peer_rank, bookings=[(link, seconds, sending, not sending)])
+                         src=None if sending else peer_rank, bookings=[(link, kind, nbytes, sending, not sending)])
 
     @_labeled("quietsync/comm/exchange")
     def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group: str = "world",
@@ -253,10 +275,9 @@ class Transport(ProcessGroups):
             dist.P2POp(dist.irecv, recv, group=pg, group_peer=src),
         ])
         tx_link, rx_link = self.link_to(self.global_rank(group, dst)), self.link_to(self.global_rank(group, src))
-        tx_s = tx_link.time("send", sent_b, 2) if tx_link is not None else 0.0
-        rx_s = rx_link.time("recv", recv_b, 2) if rx_link is not None else 0.0
         return self._p2p(tuple(handles), "exchange", group, sent_b, name, async_op, sent=sent_b, recv=recv_b,
-                         src=src, dst=dst, bookings=[(tx_link, tx_s, True, False), (rx_link, rx_s, False, True)])
+                         src=src, dst=dst, bookings=[(tx_link, "send", sent_b, True, False),
+                                                     (rx_link, "recv", recv_b, False, True)])
 
     def across_replicas(self, fn: Callable[[], Any]) -> Any:
         """``fn()``: the collectives of one exchange across replicas (e.g. an all-gather and the decoding that
@@ -310,8 +331,13 @@ class Transport(ProcessGroups):
         t_issue = time.perf_counter()
         n = self.group_size(group)
         link = self.link_for(group)
-        modeled = link.time(kind, nbytes, n) if link is not None else 0.0
-        t_wire, deadline = link.book(modeled, t_issue) if link is not None and n > 1 else (None, 0.0)
+        modeled = 0.0
+        t_wire: float | None = None
+        deadline = 0.0
+        if link is not None and n > 1:
+            t_wire, deadline = link.book_transfer(kind, nbytes, n, t_issue)
+            # on a scheduled link: at the rates in force while it is served
+            modeled = deadline - t_wire if link.scheduled else link.time(kind, nbytes, n)
         if sent is None or recv is None:
             sent = recv = traffic(kind, nbytes, n)[1]
         work = Work(self._wait_handle, self._account, (handle,) if handle is not None else (), kind, group, nbytes,
@@ -322,18 +348,19 @@ class Transport(ProcessGroups):
         return work
 
     def _p2p(self, handles: tuple[Any, ...], kind: str, group: str, nbytes: int, name: str, async_op: bool,
-             sent: int, recv: int, bookings: Sequence[tuple[LinkModel | None, float, bool, bool]],
+             sent: int, recv: int, bookings: Sequence[tuple[LinkModel | None, str, int, bool, bool]],
              src: int | None = None, dst: int | None = None) -> Work:
-        """Wrap a point-to-point operation: each ``(link, seconds, tx, rx)`` booking runs on its own queue."""
+        """Wrap a point-to-point operation: each ``(link, kind, bytes, tx, rx)`` booking (``kind`` send or recv)
+        runs on its own queue."""
         t_issue = time.perf_counter()
         deadline, modeled = 0.0, 0.0
         t_wire: float | None = None
-        for link, seconds, tx, rx in bookings:
+        for link, one_way, size, tx, rx in bookings:
             if link is not None:
-                begin, end = link.book(seconds, t_issue, tx=tx, rx=rx)
+                begin, end = link.book_transfer(one_way, size, 2, t_issue, tx=tx, rx=rx)
                 deadline = max(deadline, end)
                 t_wire = begin if t_wire is None else min(t_wire, begin)
-                modeled = max(modeled, seconds)
+                modeled = max(modeled, end - begin if link.scheduled else link.time(one_way, size, 2))
         work = Work(self._wait_handle, self._account, handles, kind, group, nbytes, name, sent, recv, src=src,
                     dst=dst, modeled_s=modeled, t_issue=t_issue, deadline=deadline, t_wire=t_wire,
                     cuda_events=self._issue_event(bool(handles)))

@@ -88,6 +88,7 @@ from ..parts.broadcast import broadcast_parameters
 from ..registry import get, register
 from ..substrates.sharded_optimizer import build_optimizer
 from . import facts
+from .adapt import AdaptConfig, SyncPeriod
 from .adaptive import AdaptivePlan
 from .outer import OuterSync
 from .outer_config import OuterConfig
@@ -96,8 +97,9 @@ _INNER = ("local", "ddp", "zero1")
 
 
 @dataclass
-class DiLoCoConfig(OuterConfig):
-    """Knobs of the ``diloco`` strategy: the outer loop's (:class:`OuterConfig`) and the inner training."""
+class DiLoCoConfig(OuterConfig, AdaptConfig):
+    """Knobs of the ``diloco`` strategy: the outer loop's (:class:`OuterConfig`), the inner training, and
+    ``--adapt`` (:class:`~quietsync.strategies.local.adapt.AdaptConfig`)."""
 
     inner: Literal["local", "ddp", "zero1"] = "local"
     """Inner training: local (each worker alone; the sync spans world), ddp or zero1 (synchronous inside each
@@ -109,6 +111,12 @@ class DiLoCoConfig(OuterConfig):
         if self.inner_steps == "adaptive" and self.inner != "local":
             raise ValueError(f"inner must be local with inner_steps adaptive (a node's workers step together), "
                              f"got {self.inner!r}")
+        self.check_adapt_knobs()
+        if self.adapt:
+            self.adapt_candidates(self.sync_every, self.fragments, self.overlap_delay)
+        if self.adapt and self.inner_steps == "adaptive":
+            raise ValueError("adapt re-picks H for every worker while inner_steps adaptive gives each worker its own "
+                             "share of H: use one of them (adapt=False or inner_steps='fixed')")
 
 
 @register("diloco", DiLoCoConfig, facts=facts.DILOCO)
@@ -163,6 +171,14 @@ class DiLoCo(Strategy):
         self.adaptive = None if cfg.inner_steps == "fixed" else self.hold("adaptive", AdaptivePlan(
             self.transport, self.sync_group, self.period, cfg.fragments, cfg.worker_speeds))
         """Adaptive inner steps: each worker's inner steps per round and the token weights (None: fixed)."""
+        self.adapter: SyncPeriod | None = None
+        if cfg.adapt:  # H re-picked during the run (adapt.py); the outer sync runs on the adapter's schedule
+            if self.transport.fault_tolerant:
+                raise ValueError("adapt needs every worker to take each decision together, which --fault-tolerance "
+                                 "torchft's replicas (agreeing only inside their group) cannot; use a fixed H")
+            self.adapter = self.hold("adapt", SyncPeriod(self.transport, self.sync_group, cfg, model,
+                                                         self.param_groups))
+            self.outer.schedule = self.adapter.schedule
 
     @property
     def window_plan(self) -> tuple[int, list[int]] | None:
@@ -257,6 +273,10 @@ class DiLoCo(Strategy):
         extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
         if extra["applied"] != -1:
             self.buffers.sync()
+        if self.adapter is not None:
+            decision = self.adapter.after_inner_step(self.steps + 1, extra["synced"], self.accounting.compute_s)
+            if decision is not None:
+                extra["adapt"] = decision.record(self.steps + 1)
         self._commit(extra={**extra, **check})
         return True
 
@@ -329,6 +349,8 @@ class DiLoCo(Strategy):
         out = {**self.outer.shared_state(), **replicas.own(self.replica, self._mine())}
         if self.inner is None:
             out.update(base_lrs_state(self.round.lr.base_lrs))
+        if self.adapter is not None:
+            out.update(self.adapter.logical_state())
         return out
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
@@ -346,12 +368,16 @@ class DiLoCo(Strategy):
         out = {**self.outer.shared_targets(saved), **self._replica_load.targets}
         if self.inner is None:
             out.update(base_lrs_target(self.round.lr.base_lrs, saved))
+        if self.adapter is not None:
+            out.update(self.adapter.logical_targets(saved))
         return out
 
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         load = self._replica_load
         mine = load.merged(filled)
         self.outer.load_shared(filled, mine)
+        if self.adapter is not None:
+            self.adapter.load_logical(filled)
         inner_state = {k: v for k, v in mine.items() if not k.startswith("outer.")}
         if self.inner is None:
             if not load.joined:

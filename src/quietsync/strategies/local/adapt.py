@@ -1,0 +1,297 @@
+"""``--adapt`` for DiLoCo: re-pick the sync period H during the run from the measured link and inner step time.
+
+**What is measured** (every ``adapt_every`` outer syncs, at the step right after a sync launched): the link, as
+bytes/s of the outer syncs completed since the last decision -- bytes this worker sent on the sync group over the
+seconds those transfers took, from the transport's meter (on an emulated link the emulation's time, on a real one
+the wire's); and the inner step, as the median main-thread compute seconds of this worker's last
+``adapt_window`` inner steps.
+The workers agree on both (the fastest link any worker saw -- a worker that reached the sync first also waited
+for the others, which the slowest-arriving one did not -- and the slowest worker's step, which a synchronous
+outer sync waits for), on the transport's control group, so every worker takes the same decision.
+
+**The decision** (:func:`pick_sync_every`) uses the cost model: for each candidate H, the strategy's own cost
+schedule (:func:`~quietsync.strategies.local.cost.diloco`, the bytes of each fragment's exchange, overlap with τ)
+evaluated on the measured link (α = 0: the measured rate already holds the per-message costs) and the measured
+step gives the exposed communication per step and the compute per step. The pick is the **smallest** candidate
+whose exposed communication is at most ``adapt_overhead`` of its compute (the largest candidate when none is):
+DiLoCo's loss per token grows with H (Charles et al. 2025, "Scaling Laws for DiLoCo", §5: the loss grows with H,
+less for larger models -- a figure, no formula, so the planner's priors give H no central cost either), so the
+best H is the smallest one the link carries at a bounded cost in speed. When the link drops, H grows until the
+sync fits the budget again; when it recovers, H comes back down. The controller re-picks only when the measured
+ratio of sync to step time moved by more than ``adapt_threshold`` since its last pick (the first decision always
+picks), so a shared machine's noise in the step time does not flip H back and forth.
+
+**What a change does to the state** (H changes only right after a sync launched, at a step ``s`` that is a
+multiple of both the old and the new H: the candidates form a chain where each divides the next, and the
+change is taken at a sync step ``s``, a multiple of the old H; a larger new H whose multiple ``s`` is not ends
+its first round at the next multiple of the new H, a shorter first round, so the schedule stays "sync after every
+step that is a multiple of H" and the budgets' meeting points stay on syncs):
+
+* θ_global and the outer optimizer's momentum (Nesterov buffer): kept as they are; the momentum keeps averaging
+  pseudo-gradients of rounds of different lengths (larger H, larger Δ), as DiLoCo's outer SGD does with a
+  partial last round.
+* the inner optimizer (AdamW moments, step counts) and the learning-rate schedule: untouched (they count inner
+  steps, which H does not change).
+* error-feedback residuals of a low-bit or replicated pseudo-gradient: kept (they are in pseudo-gradient units
+  and are added to the next sync's Δ, whatever its round length).
+* a fragment in flight (τ > 0): the change is taken right after its launch; it is merged τ steps later as
+  scheduled, and every candidate H is at least τ, so the next launch comes after that merge.
+
+Only ``fragments = 1`` (the staggered schedule of several fragments would need a change point per fragment).
+
+Checkpoints hold the current H and the step of the last change (:class:`SyncPeriod`), so a run resumed after a
+change goes on with the adapted H, exactly as if it had not stopped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...cost.compute import ComputeProfile
+from ...cost.costmodel import Ctx, Links
+from ...cost.workload import Workload
+from ...link import LinkModel
+from ...topology import Topology
+from ...transport import Transport
+from ...validate import check_float, check_int
+from ..parts.part import Part
+from . import cost
+from .fragments import FragmentSchedule
+
+
+@dataclass
+class AdaptConfig:
+    """The ``--adapt`` knobs of a strategy whose sync period can change during the run (DiLoCo's H)."""
+
+    adapt: bool = False
+    """Re-pick H (sync_every) during the run from the measured link and inner step time: the smallest candidate H
+    whose outer sync adds at most adapt_overhead of the compute (docs/local.md, 'Adapting H to the link')."""
+    adapt_every: int = 1
+    """With adapt: outer syncs between two decisions."""
+    adapt_overhead: float = 0.1
+    """With adapt: the largest share of the compute the exposed outer communication may add (0.1 = 10%)."""
+    adapt_threshold: float = 0.5
+    """With adapt: re-pick only when the measured sync-to-step ratio (step seconds x link bytes/s, inverted) moved
+    by more than this factor since the last pick (0.5: below 1/1.5 or above 1.5 of it), so the noise of a shared
+    machine does not flip H back and forth; 0: re-pick at every decision."""
+    adapt_window: int = 32
+    """With adapt: the inner step time is the median of this worker's last N inner steps' compute."""
+    adapt_sync_every: str = ""
+    """With adapt: the candidate H values, comma-separated, each dividing the next and including sync_every
+    (e.g. 8,16,32,64,128); default: sync_every times 1, 2, 4, 8, 16 (H grows from the chosen one when the link
+    cannot carry it, and comes back down to it)."""
+
+    def check_adapt_knobs(self) -> None:
+        """Check the knobs that need no other config (with or without ``adapt``)."""
+        check_int("adapt_every", self.adapt_every, 1)
+        check_float("adapt_overhead", self.adapt_overhead, 0, low_open=True)
+        check_float("adapt_threshold", self.adapt_threshold, 0)
+        check_int("adapt_window", self.adapt_window, 1)
+
+    def adapt_candidates(self, sync_every: int, fragments: int, overlap_delay: int) -> tuple[int, ...]:
+        """The candidate H values, checked (raises ValueError naming the knob and the allowed form)."""
+        self.check_adapt_knobs()
+        if self.adapt_sync_every.strip():
+            try:
+                values = tuple(int(v) for v in self.adapt_sync_every.split(","))
+            except ValueError:
+                raise ValueError(f"adapt_sync_every must be whole numbers >= 1, comma-separated, each dividing the "
+                                 f"next (e.g. 8,16,32), got {self.adapt_sync_every!r}") from None
+        else:  # H, 2H, ... 16H: never below the H chosen for the run (a smaller H is not free in loss either)
+            values = tuple(sync_every * 2 ** k for k in range(5))
+        if any(v < 1 for v in values) or any(b % a for a, b in zip(values, values[1:])) or list(values) != sorted(
+                set(values)):
+            raise ValueError(f"adapt_sync_every must be whole numbers >= 1, increasing, each dividing the next "
+                             f"(e.g. 8,16,32), got {self.adapt_sync_every!r}")
+        if sync_every not in values:
+            raise ValueError(f"adapt_sync_every must include sync_every ({sync_every}), got "
+                             f"{','.join(map(str, values))}")
+        if self.adapt and fragments != 1:
+            raise ValueError(f"adapt changes H only with fragments 1 (a staggered schedule of {fragments} fragments "
+                             "has no step where every fragment just synced), got fragments "
+                             f"{fragments}")
+        too_short = [v for v in values if v < overlap_delay]
+        if too_short:
+            raise ValueError(f"adapt_sync_every values must be >= overlap_delay ({overlap_delay}: a fragment in "
+                             f"flight is merged before the next launch), got {','.join(map(str, too_short))}")
+        return values
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision of the controller (logged in the step's metrics as ``adapt``)."""
+
+    old: int
+    new: int
+    bandwidth: float
+    """Measured link, bytes/s (agreed over the workers)."""
+    step_s: float
+    """Measured inner step, compute seconds (the slowest worker's)."""
+    share: float
+    """Predicted exposed communication / compute at the new H."""
+    why: str
+
+    def record(self, step: int) -> dict[str, Any]:
+        return {"step": step, "knob": "sync_every", "old": self.old, "new": self.new,
+                "bandwidth_mbit": round(self.bandwidth * 8 / 1e6, 3), "step_s": round(self.step_s, 6),
+                "share": round(self.share, 4), "why": self.why}
+
+
+def predicted_share(workload: Workload, topo: Topology, cfg: Any, sync_every: int, step_s: float,
+                    link: LinkModel, group: str) -> float:
+    """Exposed communication / compute per inner step that the cost model predicts for ``cfg`` at H =
+    ``sync_every``, with inner steps of ``step_s`` compute seconds and the sync group's link ``link``."""
+    schedule = cost.diloco(workload, topo, dataclasses.replace(cfg, sync_every=sync_every))
+    accumulation = max(1, int(getattr(cfg, "accumulation", 1)))
+    # the measured step already holds the optimizer and the copies: the profile gives them no extra time
+    compute = ComputeProfile(forward_s=step_s / accumulation, backward_s=0.0, optimizer_s_per_element=0.0,
+                             elements=workload.params, source="measured during the run")
+    kind = "inter" if topo.spans_nodes(group) else "intra"
+    c = schedule.step.cost(Ctx(compute, Links(model={kind: link}), topo))
+    return c.exposed_comm / c.compute if c.compute > 0 else math.inf
+
+
+def pick_sync_every(workload: Workload, topo: Topology, cfg: Any, candidates: tuple[int, ...], current: int,
+                    step_s: float, bandwidth: float, overhead: float, group: str) -> Decision:
+    """The smallest candidate H whose predicted exposed communication is at most ``overhead`` of the compute
+    (the largest candidate when none is); see the module docstring."""
+    link = LinkModel(bandwidth, 0.0)
+    shares = {h: predicted_share(workload, topo, cfg, h, step_s, link, group) for h in candidates}
+    fits = [h for h in candidates if shares[h] <= overhead]
+    new = fits[0] if fits else candidates[-1]
+    rate = f"{bandwidth * 8 / 1e6:.3g} Mbit/s, inner step {step_s * 1e3:.3g} ms"
+    if fits:
+        why = f"{rate}: smallest H whose sync adds <= {overhead:.0%} (predicted {shares[new]:.1%})"
+    else:
+        why = f"{rate}: no H keeps the sync under {overhead:.0%}; the largest ({shares[new]:.1%})"
+    return Decision(current, new, bandwidth, step_s, shares[new], why)
+
+
+class AdaptiveSchedule(FragmentSchedule):
+    """The sync schedule of one fragment whose H may change: a sync after every step that is a multiple of the
+    current H (module docstring), and the change step counted as a launch."""
+
+    def __init__(self, sync_every: int) -> None:
+        super().__init__(sync_every, 1)
+        self.changed_at = 0
+        """The step of the last change of H (0: none); a sync launched right there."""
+
+    def last_launch(self, f: int, step: int) -> int:
+        """The latest multiple of H at or before ``step``, or the change step when that is later (0: none)."""
+        return max(step // self.H * self.H, self.changed_at if self.changed_at <= step else 0)
+
+
+class SyncPeriod(Part):
+    """The controller DiLoCo holds under ``adapt``: measures, decides, and keeps the current H (checkpointed).
+
+    Args:
+        transport: the transport (its meter, and its control group for the agreement).
+        group: the group the outer syncs run on.
+        config: DiLoCo's config (its ``sync_every`` is changed in place when H changes).
+        model, param_groups: what the cost model's workload is read from.
+    """
+
+    def __init__(self, transport: Transport, group: str, config: Any, model: torch.nn.Module,
+                 param_groups: list[dict[str, Any]]) -> None:
+        self.transport, self.group, self.config = transport, group, config
+        self.candidates = config.adapt_candidates(config.sync_every, config.fragments, config.overlap_delay)
+        self.workload = Workload.from_model(model, tokens_per_micro_batch=1, param_groups=param_groups)
+        self.schedule = AdaptiveSchedule(config.sync_every)
+        """The outer sync's schedule (the strategy's outer machinery runs on it)."""
+        self.decisions: list[dict[str, Any]] = []
+        """Every decision taken (changes and keeps), as :meth:`Decision.record` (rank-local, for reports)."""
+        self._syncs = 0
+        self._recent: collections.deque[float] = collections.deque(maxlen=config.adapt_window)
+        self._ratio: float | None = None  # the measured sync-to-step ratio of the last pick
+        self._mark = self._meter()
+
+    @property
+    def sync_every(self) -> int:
+        return int(self.config.sync_every)
+
+    def _meter(self) -> tuple[float, float]:
+        v = self.transport.meter.snapshot().get(self.group, {})
+        return float(v.get("sent", 0.0)), float(v.get("seconds", 0.0))
+
+    @property
+    def changed_at(self) -> int:
+        """The step of the last change of H (0: none)."""
+        return self.schedule.changed_at
+
+    def _take(self, sync_every: int, changed_at: int) -> None:
+        self.config.sync_every = self.schedule.H = int(sync_every)
+        self.schedule.changed_at = int(changed_at)
+
+    def after_inner_step(self, step: int, synced: bool, compute_s: float) -> Decision | None:
+        """Count inner step ``step`` (``compute_s`` of main-thread compute); right after a sync launched, every
+        ``adapt_every`` syncs, decide (a collective on the control group: every worker calls it at the same
+        steps). Returns the decision when H changed."""
+        self._recent.append(compute_s)
+        if not synced:
+            return None
+        self._syncs += 1
+        if self._syncs < self.config.adapt_every:
+            return None
+        sent, seconds = self._meter()
+        d_sent, d_seconds = sent - self._mark[0], seconds - self._mark[1]
+        local_bw = d_sent / d_seconds if d_seconds > 0 and d_sent > 0 else 0.0
+        # the median: one step slowed by a neighbour on a shared machine (or the first step's warm-up) moves it
+        # little, a worker that is slower throughout moves it all
+        local_step = statistics.median(self._recent)
+        bandwidth = self.transport.agree(local_bw, "max")
+        step_s = self.transport.agree(local_step, "max")
+        self._syncs = 0
+        self._mark = (sent, seconds)
+        if bandwidth <= 0 or step_s <= 0:  # no completed sync to measure yet (τ > 0: the first is in flight)
+            return None
+        ratio = 1.0 / (bandwidth * step_s)  # what the pick depends on: the sync's seconds per inner step's
+        if self._ratio is not None and 1 / (1 + self.config.adapt_threshold) <= ratio / self._ratio <= (
+                1 + self.config.adapt_threshold):
+            return None  # the link and the step moved too little since the last pick to re-pick
+        decision = pick_sync_every(self.workload, self.transport.topology, self.config, self.candidates,
+                                   self.sync_every, step_s, bandwidth, self.config.adapt_overhead, self.group)
+        self._ratio = ratio
+        self.decisions.append({**decision.record(step), "t": time.perf_counter()})
+        if decision.new == decision.old:
+            return None
+        self.set_sync_every(decision.new, step)
+        return decision
+
+    def set_sync_every(self, new: int, step: int) -> None:
+        """Take H = ``new`` right after the sync launched after ``step`` (module docstring: what happens to the
+        state)."""
+        if new not in self.candidates:
+            raise ValueError(f"sync_every must be one of the candidates {self.candidates}, got {new}")
+        if step % self.sync_every:
+            raise ValueError(f"H changes only right after a sync (a multiple of H = {self.sync_every}), got step "
+                             f"{step}")
+        self._take(new, step)
+
+    # ------------------------------------------------------------------ part protocol
+    def state_dict(self) -> dict[str, Any]:
+        return {"sync_every": self.sync_every, "changed_at": self.changed_at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._take(state["sync_every"], state["changed_at"])
+
+    def logical_state(self) -> dict[str, torch.Tensor]:
+        return {"adapt.sync_every": torch.tensor(self.sync_every, dtype=torch.int64),
+                "adapt.changed_at": torch.tensor(self.changed_at, dtype=torch.int64)}
+
+    def logical_targets(self, saved: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {k: torch.zeros((), dtype=torch.int64) for k in ("adapt.sync_every", "adapt.changed_at") if k in saved}
+
+    def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        if "adapt.sync_every" in filled:  # a checkpoint of a run without --adapt has none: H stays as configured
+            self._take(int(filled["adapt.sync_every"]), int(filled["adapt.changed_at"]))
+
+
+__all__ = ["AdaptConfig", "AdaptiveSchedule", "Decision", "SyncPeriod", "pick_sync_every", "predicted_share"]
