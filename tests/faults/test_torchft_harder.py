@@ -169,3 +169,13 @@ def test_the_replicas_go_on_when_the_lighthouse_is_lost_and_started_again(tmp_pa
         _steps(out, k)
     summary = _audited(out, 3)
     assert summary["final_members"] == [0, 1, 2] and summary["schedule_position"] >= 24
+
+
+def test_a_quorum_number_names_the_lighthouse_number_and_the_incarnations_not_their_order():
+    from quietsync.faults.quorum import quorum_number
+
+    a, b, b2 = "quietsync_replica_0:1111", "quietsync_replica_1:2222", "quietsync_replica_1:3333"
+    assert quorum_number(1, [a, b]) == quorum_number(1, [b, a])
+    # a restarted Lighthouse's quorum 1 over other incarnations, or its quorum 2 over the same ones, is another
+    assert len({quorum_number(1, [a, b]), quorum_number(1, [a, b2]), quorum_number(2, [a, b])}) == 3
+    assert all(0 <= quorum_number(n, [a, b]) < 2 ** 48 for n in range(50))
