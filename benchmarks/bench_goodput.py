@@ -53,9 +53,9 @@ later, heartbeat 8 s): the 8-replica job of ~180 core-equivalent seconds that 8 
 transformers' trainer, datasets, pandas, pyarrow, matplotlib, sympy, optuna, sqlalchemy, tensorboard, torch's
 compiler -- what a stock GPU image's ``import transformers`` pulls in), so a returning replica pays what it pays on
 such a host. ``--standby`` (torchft) runs replica 1's returns as standbys (``quietsync train --standby PATH``): a
-standby is started beside the job (``nice 19``: it prepares in the background), imports, opens the data, builds and
-warms the model, then waits; at each return the benchmark creates its file (it joins and heals at once) and starts
-the next standby. A return is then timed from that moment.
+standby is started beside the job, imports, opens the data, builds and warms the model, then waits; at each return
+the benchmark creates its file (it joins and heals at once) and starts the next standby beside it (its start-up
+shares replica 1's core for a few seconds: the standby's cost). A return is then timed from that moment.
 
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
 
@@ -163,16 +163,6 @@ def pinned(core: int | None):  # noqa: ANN201 - a preexec_fn
     return None if core is None else (lambda: os.sched_setaffinity(0, {core}))
 
 
-def niced(core: int | None):  # noqa: ANN201 - a preexec_fn
-    """A ``preexec_fn`` lowering the child's priority to the least (a standby preparing beside the replicas takes
-    only what they leave), pinned to ``core`` (None: unpinned)."""
-    def preexec() -> None:
-        os.nice(19)
-        if core is not None:
-            os.sched_setaffinity(0, {core})
-    return preexec
-
-
 class CoreHolder:
     """While a pinned replica is down, a process spinning on its core holds its share of that core, so the replicas
     sharing the core do not speed up: a dead machine's compute is gone, not handed to the survivors."""
@@ -256,7 +246,7 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
 
     def start_standby() -> None:
         path = root / f"activate{len(standbys)}"
-        standbys.append((path, launch(1, ["--standby", str(path)], niced(core_of(1, replicas)))))
+        standbys.append((path, launch(1, ["--standby", str(path)], pinned(core_of(1, replicas)))))
 
     def start(k: int) -> None:
         holder.release()
