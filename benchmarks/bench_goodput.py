@@ -49,6 +49,14 @@ Lighthouse on its own machine (here it shares the cores) and a real network (her
 later, heartbeat 8 s): the 8-replica job of ~180 core-equivalent seconds that 8 real cores would run without
 ``--dilate``.
 
+``--heavy-env`` starts every replica process with a heavy environment's imports first (:data:`HEAVY_IMPORTS`:
+transformers' trainer, datasets, pandas, pyarrow, matplotlib, sympy, optuna, sqlalchemy, tensorboard, torch's
+compiler -- what a stock GPU image's ``import transformers`` pulls in), so a returning replica pays what it pays on
+such a host. ``--standby`` (torchft) runs replica 1's returns as standbys (``quietsync train --standby PATH``): a
+standby is started beside the job, imports, opens the data, builds and warms the model, then waits; at each return
+the benchmark creates its file (it joins and heals at once) and starts the next standby beside it (its start-up
+shares replica 1's core for a few seconds: the standby's cost). A return is then timed from that moment.
+
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
 
     for s in ddp diloco; do for m in plain torchft-free elastic torchft; do
@@ -88,6 +96,9 @@ RUNS = ROOT / "runs" / "goodput"
 MODES = ("plain", "torchft-free", "elastic", "torchft")
 STRATEGIES = {"ddp": ["--strategy", "ddp"], "diloco": ["--strategy", "diloco", "--sync-every", "20"]}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+HEAVY_IMPORTS = ("import transformers, datasets, pandas, pyarrow, matplotlib.pyplot, sympy, optuna, sqlalchemy, "
+                 "tensorboard, torch._dynamo; from transformers import Trainer; ")
+"""What ``--heavy-env`` makes every replica process import before quietsync (module docstring)."""
 
 
 def job_flags(root: Path, out: Path, strategy: str, steps: int, seed: int) -> list[str]:
@@ -230,32 +241,48 @@ def run_plain(strategy: str, root: Path, out: Path, steps: int, seed: int, repli
 
 
 def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, schedule: Schedule | None,
-                replicas: int, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS, dilation: int = 1
-                ) -> dict[str, Any]:
+                replicas: int, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS, dilation: int = 1,
+                heavy: bool = False, standby: bool = False) -> dict[str, Any]:
     """The torchft job: a Lighthouse here and one replica process per replica group (``dilation``: the
     Lighthouse's join timeout and quorum tick multiplied by it, as the heartbeat timeout and the schedule are by
-    the caller)."""
+    the caller; ``heavy``: ``--heavy-env``; ``standby``: replica 1 returns as a standby, ``--standby``)."""
     from quietsync.faults.lighthouse import JOIN_TIMEOUT_MS, LighthouseConfig, start_lighthouse
 
     server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0", heartbeat_timeout_ms=heartbeat_timeout_ms,
                                                join_timeout_ms=JOIN_TIMEOUT_MS * dilation,
                                                quorum_tick_ms=LighthouseConfig.quorum_tick_ms * dilation))
     address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
-    base = [sys.executable, "-c", PY_MAIN, "train", *job_flags(root, out, strategy, steps, seed),
-            "--fault-tolerance", "torchft", "--lighthouse", address, "--nodes", str(replicas), "--nproc", "1"]
+    base = [sys.executable, "-c", (HEAVY_IMPORTS if heavy else "") + PY_MAIN, "train",
+            *job_flags(root, out, strategy, steps, seed), "--fault-tolerance", "torchft", "--lighthouse", address,
+            "--nodes", str(replicas), "--nproc", "1"]
     env = {**os.environ, **OFFLINE, "GLOO_SOCKET_IFNAME": "lo"}
     procs: dict[int, subprocess.Popen] = {}
     codes: list[tuple[int, int]] = []
     starts = dict.fromkeys(range(replicas), 0)
     holder = CoreHolder()
 
-    def start(k: int) -> None:
+    standbys: list[tuple[Path, subprocess.Popen]] = []
+
+    def launch(k: int, more: list[str], preexec) -> subprocess.Popen:  # noqa: ANN001 - a preexec_fn
         log = open(root / f"replica{k}.{starts[k]}.log", "w")
         starts[k] += 1
-        holder.release()
-        procs[k] = subprocess.Popen([*base, "--replica-group", str(k)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=pinned(core_of(k, replicas)))
+        proc = subprocess.Popen([*base, "--replica-group", str(k), *more], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, preexec_fn=preexec)
         log.close()
+        return proc
+
+    def start_standby() -> None:
+        path = root / f"activate{len(standbys)}"
+        standbys.append((path, launch(1, ["--standby", str(path)], pinned(core_of(1, replicas)))))
+
+    def start(k: int) -> None:
+        holder.release()
+        if standby and k == 1 and standbys:  # the prepared standby takes over; the next one starts behind it
+            path, procs[k] = standbys[-1]
+            path.write_text("")
+            start_standby()
+            return
+        procs[k] = launch(k, [], pinned(core_of(k, replicas)))
 
     def kill() -> None:
         procs[1].send_signal(signal.SIGKILL)
@@ -266,6 +293,8 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
     try:
         for k in range(replicas):
             start(k)
+        if standby:
+            start_standby()
         if schedule is not None:
             schedule.drive(t0, lambda: procs[0].poll() is None, kill, lambda: start(1))
         codes.append((0, procs[0].wait(1800)))
@@ -277,7 +306,7 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
                 procs[k].kill()                # a fresh job's full quorum (120 s) and stop; not part of the job
                 codes.append((k, procs[k].wait(10)))
     finally:
-        for p in procs.values():
+        for p in [*procs.values(), *(p for _, p in standbys)]:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
@@ -370,7 +399,7 @@ def join_phases(rows: list[dict[str, Any]], at: float, first: dict[str, Any]) ->
     if "start" not in first:
         return {}
     marks = first["start"]
-    origin = marks.get("process_start") or at
+    origin = marks.get("activated") or marks.get("process_start") or at  # a standby's return starts when activated
     joiner = {k: round(v - origin, 4) for k, v in marks.items() if v is not None}
     for rnd in first.get("rounds", [])[-1:]:
         joiner.update({f"round_{k}": round(rnd["unix_s"] + v - origin, 4) for k, v in rnd.items()
@@ -395,7 +424,7 @@ def join_phases(rows: list[dict[str, Any]], at: float, first: dict[str, Any]) ->
 
 def run_one(strategy: str, mode: str, steps: int, period: float, down: float, seed: int, limit: float,
             replicas: int = 2, keep: Path | None = None, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
-            dilation: int = 1) -> dict[str, Any]:
+            dilation: int = 1, heavy: bool = False, standby: bool = False) -> dict[str, Any]:
     """One run, recorded in ``RUNS``. ``dilation`` (torchft modes): the schedule and the Lighthouse's clocks
     multiplied by it (``--dilate``: the replicas per core)."""
     period, down, heartbeat_timeout_ms = period * dilation, down * dilation, heartbeat_timeout_ms * dilation
@@ -415,10 +444,11 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
         if mode == "plain":
             result = run_plain(strategy, root, out, steps, seed, replicas)
         elif mode == "torchft-free":
-            result = run_torchft(strategy, root, out, steps, seed, None, replicas, heartbeat_timeout_ms, dilation)
+            result = run_torchft(strategy, root, out, steps, seed, None, replicas, heartbeat_timeout_ms, dilation,
+                                 heavy)
         elif mode == "torchft":
             result = run_torchft(strategy, root, out, steps, seed, schedule, replicas, heartbeat_timeout_ms,
-                                 dilation)
+                                 dilation, heavy, standby)
         else:
             result = run_elastic(strategy, root, out, steps, seed, schedule, limit, replicas)
         rows = records(out)
@@ -441,7 +471,7 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "processes_left": result.get("processes_left", 0),
            "events": [(k, at - t0) for k, at in result["events"]],
            "returns": returns(rows, result["events"], mode, replicas, 10.0 * dilation), "timeline": timeline,
-           "dilation": dilation,
+           "dilation": dilation, "heavy_env": heavy, "standby": standby,
            "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
            "load_average": os.getloadavg(), "cpus": os.cpu_count(), "cores": CORES, "cpu_model": cpu_model(),
@@ -450,7 +480,8 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            **({"heartbeat_timeout_ms": heartbeat_timeout_ms} if mode.startswith("torchft") else {}),
            "command": " ".join(["python", *sys.argv])}
     suffix = ("" if replicas == 2 else f"-replicas{replicas}") + \
-        ("" if steps == DEFAULT_STEPS[strategy] else f"-steps{steps}") + ("" if dilation == 1 else f"-x{dilation}")
+        ("" if steps == DEFAULT_STEPS[strategy] else f"-steps{steps}") + ("" if dilation == 1 else f"-x{dilation}") + \
+        ("-heavy" if heavy else "") + ("-standby" if standby else "")
     (RUNS / f"{strategy}-{mode}-seed{seed}{suffix}.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"{strategy} {mode}: {run['tokens']} tokens in {wall:.1f}s, final loss {run['final_loss']:.4f}, "
           f"{len(run['events'])} events, returns {run['returns']}", flush=True)
@@ -663,6 +694,12 @@ def main() -> None:
     p.add_argument("--report-name", default="goodput",
                    help="with --report: write benchmarks/results/NAME.{md,json,png} (default goodput)")
     p.add_argument("--machine", default="", help="the machine's name, recorded with each run for the report")
+    p.add_argument("--heavy-env", action="store_true",
+                   help="torchft modes: every replica process imports a heavy environment's packages first "
+                        "(HEAVY_IMPORTS), as on a stock GPU image")
+    p.add_argument("--standby", action="store_true",
+                   help="torchft: replica 1 returns as a prepared standby (quietsync train --standby), activated at "
+                        "each return")
     args = p.parse_args()
     RUNS, MACHINE = args.runs, args.machine
     if args.cores is not None:
@@ -697,9 +734,13 @@ def main() -> None:
                 p.error(f"--dilate with --replicas {args.replicas} on {cores} cores: each replica has a core of its "
                         "own already (nothing to dilate)")
             dilation = args.replicas // cores
+        if args.heavy_env and not mode.startswith("torchft"):
+            p.error(f"--heavy-env applies to the torchft modes (torchft, torchft-free), not {mode}")
+        if args.standby and mode != "torchft":
+            p.error(f"--standby applies to the torchft mode (replica 1's returns), not {mode}")
         steps = args.steps or DEFAULT_STEPS[strategy]
         run_one(strategy, mode, steps, args.period, args.down, args.seed, args.limit, args.replicas,
-                args.keep, args.heartbeat_timeout_ms, dilation)
+                args.keep, args.heartbeat_timeout_ms, dilation, args.heavy_env, args.standby)
     if args.report:
         report(args.report_name)
 

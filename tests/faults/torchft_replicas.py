@@ -3,7 +3,8 @@ them: a Lighthouse (in the test process) and one ``quietsync train --replica-gro
 replica group, forked from the tests' forkserver (torch and quietsync imported once: tests/distributed.py) so a
 (re)start costs little. A process can be killed for real (``QUIETSYNC_FT_KILL``: it ``SIGKILL``s itself at a
 named point), started again, held at a step until a restarted one is up (``QUIETSYNC_FT_HOLD``), and every
-process started is accounted for at the end.
+process started is accounted for at the end. With ``lighthouse_process=True`` the Lighthouse runs in a process of
+its own at a fixed port, so a test can kill it (``SIGKILL``) and start it again at the same address.
 """
 
 from __future__ import annotations
@@ -52,20 +53,68 @@ def _replica(argv: list[str], env: dict[str, str], log: str) -> None:
     os._exit(code)
 
 
+def _lighthouse(config: Any) -> None:
+    """A Lighthouse process (killed by the test)."""
+    import threading
+
+    from quietsync.faults.lighthouse import start_lighthouse
+
+    server = start_lighthouse(config)  # noqa: F841 - serves until the process is killed
+    threading.Event().wait()
+
+
 class Replicas:
     """A Lighthouse and the replica group processes of one job (module docstring)."""
 
-    def __init__(self, folder: Path, replicas: int, flags: list[str], heartbeat_timeout_ms: int = 1500) -> None:
+    def __init__(self, folder: Path, replicas: int, flags: list[str], heartbeat_timeout_ms: int = 1500,
+                 lighthouse_process: bool = False) -> None:
         from quietsync.faults.lighthouse import LighthouseConfig, start_lighthouse
+        from tests.distributed import free_port
 
         self.folder, self.replicas, self.flags = folder, replicas, flags
-        self.server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0", heartbeat_timeout_ms=heartbeat_timeout_ms,
-                                                        join_timeout_ms=5000))
-        self.address = f"127.0.0.1:{self.server.address().rpartition(':')[2]}"
+        self.lighthouse: Any = None
+        """The Lighthouse's process (``lighthouse_process=True``), else None (it runs in this process)."""
+        if lighthouse_process:
+            self.config = LighthouseConfig(bind=f"127.0.0.1:{free_port()}", heartbeat_timeout_ms=heartbeat_timeout_ms,
+                                           join_timeout_ms=5000)
+            self.server = None
+            self.address = self.config.bind
+            self.start_lighthouse()
+        else:
+            self.server = start_lighthouse(LighthouseConfig(bind="127.0.0.1:0", join_timeout_ms=5000,
+                                                            heartbeat_timeout_ms=heartbeat_timeout_ms))
+            self.address = f"127.0.0.1:{self.server.address().rpartition(':')[2]}"
         self.started: list[tuple[int, Any]] = []
         """Every process started: (replica group, process)."""
         self.known: dict[int, set[str]] = {}
         """Incarnations of each replica group seen so far (see :meth:`go`, :meth:`wait_restarted`)."""
+
+    def start_lighthouse(self, timeout: float = 60.0) -> None:
+        """Start the Lighthouse's process (at the same address every time) and wait until it answers."""
+        from quietsync.faults.lighthouse import reachable
+
+        self.lighthouse = _CTX.Process(target=_lighthouse, args=(self.config,))
+        self.lighthouse.start()
+        deadline = time.monotonic() + timeout
+        while reachable(self.address, 1.0) is not None:
+            if time.monotonic() > deadline or not self.lighthouse.is_alive():
+                raise TimeoutError(f"the Lighthouse at {self.address} did not come up within {timeout:g}s")
+            time.sleep(0.05)
+
+    def kill_lighthouse(self) -> None:
+        """``SIGKILL`` the Lighthouse's process and wait until it is gone."""
+        self.lighthouse.kill()
+        self.lighthouse.join(10)
+        assert self.lighthouse.exitcode == KILLED
+
+    def wait_text(self, log: str, text: str, timeout: float = 90.0) -> None:
+        """Wait until the log ``log`` (a name under the folder: ``replica0.0.log``) holds ``text``."""
+        path = self.folder / log
+        deadline = time.monotonic() + timeout
+        while not (path.exists() and text in path.read_text()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{log} did not say {text!r} within {timeout:g}s:\n{self.logs()}")
+            time.sleep(0.05)
 
     def start(self, k: int, env: dict[str, str] | None = None, workers: int = 1) -> Any:
         """Start replica group ``k`` (``workers`` worker processes) with ``env`` added to its environment."""
@@ -118,15 +167,20 @@ class Replicas:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.folder.glob("replica*.log")))
 
     def alive(self) -> list[int]:
-        """Pids of the started processes still running."""
-        return [p.pid for _, p in self.started if p.is_alive()]
+        """Pids of the started processes still running (the Lighthouse's included)."""
+        lighthouse = [self.lighthouse] if self.lighthouse is not None else []
+        return [p.pid for p in [*(p for _, p in self.started), *lighthouse] if p.is_alive()]
 
     def close(self) -> None:
         for _, proc in self.started:
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
-        self.server.shutdown()
+        if self.server is not None:
+            self.server.shutdown()
+        if self.lighthouse is not None and self.lighthouse.is_alive():
+            self.lighthouse.kill()
+            self.lighthouse.join(10)
 
 
 def wait_exit(replicas: Replicas, proc: Any, timeout: float = 150.0) -> int | None:

@@ -40,7 +40,7 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
     """Why this torchft job cannot run (one line naming the flag), or None; ``given``: the job fields set on the
     command line or in the config file; ``world``: workers on this machine (``--nproc``, or torchrun's)."""
     if cfg.fault_tolerance != "torchft":
-        for name in ("lighthouse", "replica_group"):
+        for name in ("lighthouse", "replica_group", "standby"):
             if getattr(cfg, name) is not None:
                 flag = "--" + name.replace("_", "-")
                 return f"{flag} needs --fault-tolerance torchft"
@@ -85,6 +85,9 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
         if world % replicas:
             return f"--nodes must be a positive divisor of --nproc {world}, got {replicas}"
         workers = world // replicas
+    if getattr(cfg, "standby", None) is not None and (cfg.replica_group is None or workers != 1):
+        return ("--standby needs --replica-group K and one worker (--nproc 1): it stands by for one replica group's "
+                f"single worker, got {'no --replica-group' if cfg.replica_group is None else f'{workers} workers'}")
     if replicas < 2:
         return (f"--fault-tolerance torchft needs at least 2 replica groups (--nodes, default one per worker), got "
                 f"{replicas}")

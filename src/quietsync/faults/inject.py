@@ -11,7 +11,9 @@ does: no clean-up, its connections closed by the kernel) at a named point of the
 ``QUIETSYNC_FT_HOLD=step:N:PATH`` (several, comma-separated) makes a replica wait at the top of its N-th step
 (before the step's quorum; N = 0: before its first quorum) until the file ``PATH`` exists (at most
 :data:`HOLD_LIMIT_S`): a test starts every replica in the first quorum, or holds the survivors until a restarted
-replica is up, so the run cannot end before it rejoins, whatever the machine's load.
+replica is up, so the run cannot end before it rejoins, whatever the machine's load. ``heal_send:N:PATH`` holds a
+heal source the N-th time it sends its state (after the length, before the bytes: the joiner waits in the
+transfer). A replica that reaches a hold creates ``PATH.waiting`` first, so a test acts once it is there.
 
 ``QUIETSYNC_FT_READY=PATH`` makes a replica create the file ``PATH`` when it is about to ask for its first quorum
 (its model and strategy built): a test releases the survivors once a restarted replica is there, not merely
@@ -43,6 +45,7 @@ NONFINITE_ENV = "QUIETSYNC_FT_NONFINITE"
 PAUSE_ENV = "QUIETSYNC_PAUSE"
 HOLD_LIMIT_S = 300.0
 POINTS = ("exchange", "heal_send", "step")
+HOLD_POINTS = ("step", "heal_send")
 
 _counts: dict[str, int] = {}
 
@@ -67,17 +70,29 @@ def reached(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hold(step: int) -> None:
-    """At the top of step ``step`` (1-based; 0: before joining the first quorum), wait for the file of a
-    configured hold at that step (``QUIETSYNC_FT_HOLD=step:N:PATH[,step:M:PATH2...]``)."""
+def reached_heal_send() -> None:
+    """A heal source is about to send its state: count it, hold there if configured, die there if configured."""
+    _counts["hold:heal_send"] = _counts.get("hold:heal_send", 0) + 1
+    if os.environ.get(HOLD_ENV):
+        hold(_counts["hold:heal_send"], "heal_send")
+    reached("heal_send")
+
+
+def hold(step: int, point: str = "step") -> None:
+    """At the top of step ``step`` (1-based; 0: before joining the first quorum), or the ``step``-th time a heal
+    source sends (``point="heal_send"``), wait for the file of a configured hold there
+    (``QUIETSYNC_FT_HOLD=step:N:PATH[,heal_send:M:PATH2...]``), after creating ``PATH.waiting``."""
     spec = os.environ.get(HOLD_ENV, "")
     for part in filter(None, spec.split(",")):
-        point, _, rest = part.partition(":")
+        kind, _, rest = part.partition(":")
         count, _, path = rest.partition(":")
-        if point != "step" or not count.isdigit() or not path:
-            raise ValueError(f"{HOLD_ENV} must be step:N:PATH[,step:M:PATH...], got {spec!r}")
-        if step != int(count):
+        if kind not in HOLD_POINTS or not count.isdigit() or not path:
+            raise ValueError(f"{HOLD_ENV} must be POINT:N:PATH[,POINT:M:PATH...] with POINT in "
+                             f"{', '.join(HOLD_POINTS)}, got {spec!r}")
+        if kind != point or step != int(count):
             continue
+        with open(path + ".waiting", "a"):
+            pass
         deadline = time.monotonic() + HOLD_LIMIT_S
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -132,5 +147,5 @@ def poison(step: int, loss: Any, module: Any) -> Any:
     return loss
 
 
-__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "KILL_ENV", "NONFINITE_ENV", "PAUSE_ENV", "POINTS", "READY_ENV", "hold", "pause",
-           "poison", "reached", "ready"]
+__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "HOLD_POINTS", "KILL_ENV", "NONFINITE_ENV", "PAUSE_ENV", "POINTS", "READY_ENV",
+           "hold", "pause", "poison", "reached", "reached_heal_send", "ready"]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torchft.checkpointing.transport import CheckpointTransport
 
-from .inject import reached
+from .inject import reached_heal_send
 from .transport import FaultTolerantTransport
 
 ALIGN = 16
@@ -128,7 +128,7 @@ class PeerCheckpoint(CheckpointTransport[Any]):
         lengths = torch.tensor([skeleton.numel(), buffer.numel()], dtype=torch.int64)
         for dst in dst_ranks:
             self.transport.heal_transfer(lengths, int(dst), sending=True)
-            reached("heal_send")
+            reached_heal_send()
             self.transport.heal_transfer(skeleton, int(dst), sending=True)
             self.transport.heal_transfer(buffer, int(dst), sending=True)
             self.sent_bytes += skeleton.numel() + buffer.numel()

@@ -28,6 +28,18 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   all-reduce is what makes the verdict the same across them. A replica whose round is not finite does not step:
   it runs :meth:`vote` at once, which meets the others' next unit.
 
+* **a lost Lighthouse** — the replicas go on: a quorum request the Lighthouse does not answer within
+  :data:`LIGHTHOUSE_ATTEMPT_S` is asked again (torchft 0.2.0's manager never answers a request whose Lighthouse
+  call failed -- its own "resulting in a hang" -- until the request's timeout; asked again, the request reaches a
+  Lighthouse started again at the same address, which forms the quorum afresh from the replicas that ask). The
+  collectives and commits do not involve the Lighthouse, so only round starts wait for it. A Lighthouse that stays
+  away for ``quorum_timeout_s`` stops every replica waiting on it with one line naming it (:class:`NoQuorum`).
+  A Lighthouse started again numbers its quorums from 1 again, and torchft reconnects a replica's group only when
+  the number changes, at a store prefix named by it: a repeated number would keep a group whose members changed,
+  or meet the stale keys of the earlier quorum of that number. :class:`_Renumbered` numbers each quorum by its
+  Lighthouse number *and its members' incarnations* (torchft's replica ids, a fresh uuid per process), and the
+  group's prefix adds the quorum's step.
+
 Every commit is counted (``commits``) and announced to the listeners (:meth:`on_commit`) with the replicas that
 took part and its number (torchft's step after it: the same on every replica that made it), so the data policy
 (:mod:`~quietsync.train.window_dealer`) knows whose micro-batches entered the model.
@@ -35,7 +47,9 @@ took part and its number (torchft's step after it: the same on every replica tha
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -47,6 +61,11 @@ import torch
 from .peer_checkpoint import PeerCheckpoint
 from .replica_group import replica_id
 from .transport import FaultTolerantTransport, ReplicaLost
+
+LIGHTHOUSE_ATTEMPT_S = 20.0
+"""A quorum request the Lighthouse has not answered within this long is asked again (module docstring). Longer than
+any wait a live Lighthouse makes a request do (its join timeout, 10 s by default, then a tick): keep the
+Lighthouse's ``--join-timeout-ms`` under it."""
 
 HEAL_KEY = "quietsync"
 """The key under which a replica's heal state travels (torchft's ``register_state_dict_fn``)."""
@@ -73,6 +92,40 @@ class NoQuorum(RuntimeError):
     """No quorum could commit a collective, or form, within the time allowed."""
 
 
+def quorum_number(lighthouse_number: int, replica_ids: Sequence[str]) -> int:
+    """A quorum's number as this replica's torchft Manager sees it: the Lighthouse's number and the members'
+    incarnations (module docstring), hashed to 48 bits. The same on every member of the quorum; it changes whenever
+    the Lighthouse's does (one Lighthouse gives a number to one set of members)."""
+    key = f"{lighthouse_number}|{','.join(sorted(replica_ids))}".encode()
+    return int.from_bytes(hashlib.sha1(key).digest()[:6], "big")
+
+
+class _Renumbered:
+    """torchft's ``ManagerClient``, whose quorum answers carry :func:`quorum_number` as ``quorum_id`` and hand the
+    quorum's step to the replica group (its store prefix: :meth:`ReplicaProcessGroup.configure`)."""
+
+    def __init__(self, client: Any, group: Any) -> None:
+        self._client, self._group = client, group
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        self._group.quorum_step = int(result.max_step)
+        return _Answer(result, quorum_number(result.quorum_id, result.replica_ids))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class _Answer:
+    """A quorum answer with another ``quorum_id``."""
+
+    def __init__(self, answer: Any, quorum_id: int) -> None:
+        self._answer, self.quorum_id = answer, quorum_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._answer, name)
+
+
 class ReplicaQuorum:
     """torchft's Manager for one worker of a replica group, and the round/commit protocol (module docstring).
 
@@ -83,16 +136,22 @@ class ReplicaQuorum:
         timeout_s: collectives, commits and the peer checkpoint wait at most this long.
         quorum_timeout_s: a quorum waits at most this long for the Lighthouse (and the other replicas).
         hostname: the address other replicas reach this replica group's manager at.
+        attempt_s: a quorum request unanswered this long is asked again (:data:`LIGHTHOUSE_ATTEMPT_S`).
     """
 
     def __init__(self, transport: FaultTolerantTransport, lighthouse: str, store: tuple[str, int], *,
-                 timeout_s: float, quorum_timeout_s: float, hostname: str = "127.0.0.1") -> None:
+                 timeout_s: float, quorum_timeout_s: float, hostname: str = "127.0.0.1",
+                 attempt_s: float = LIGHTHOUSE_ATTEMPT_S) -> None:
         from torchft.manager import Manager
 
         for name in ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.ERROR)
         self.transport = transport
         self.timeout_s, self.quorum_timeout_s = float(timeout_s), float(quorum_timeout_s)
+        self.attempt_s = min(float(attempt_s), self.quorum_timeout_s)
+        self.lighthouse = lighthouse
+        self.lighthouse_lost = 0
+        """How many times this replica found the Lighthouse not answering a quorum request."""
         self._saves: dict[str, Callable[[], Any]] = {}
         self._loads: dict[str, Callable[[Any], None]] = {}
         self._listeners: list[Callable[[list[int], int], None]] = []
@@ -126,6 +185,7 @@ class ReplicaQuorum:
             heartbeat_interval=timedelta(milliseconds=100),
             checkpoint_transport=self.checkpoint)
         self.manager.register_state_dict_fn(HEAL_KEY, self._load, self._save)
+        self.manager._client = _Renumbered(self.manager._client, transport.replica_group)  # a Lighthouse restart
         transport.quorum = self
 
     # ------------------------------------------------------------------ what a healing replica receives
@@ -182,7 +242,7 @@ class ReplicaQuorum:
         generation, sent = self.transport.replica_group.generation, self.checkpoint.sent_bytes
         self._marks = {"asked": time.time()}
         while True:
-            self.manager.start_quorum(allow_heal=True, timeout=timedelta(seconds=self.quorum_timeout_s))
+            self._ask(allow_heal=True)
             if self.manager.errored() is None and self.manager.participating_rank() is not None:
                 break
             if self.checkpoint.receiving:  # it stays a member of that quorum: the survivors' retries would wait on it
@@ -197,6 +257,38 @@ class ReplicaQuorum:
                 or self.healed != before):
             self.rounds.append(self._phases(sent_bytes=self.checkpoint.sent_bytes - sent))
         return self.healed > before
+
+    def _ask(self, allow_heal: bool, shrink_only: bool = False) -> None:
+        """torchft's ``start_quorum``, asked again while the Lighthouse does not answer (module docstring), at most
+        ``quorum_timeout_s`` in all (:class:`NoQuorum`, naming the Lighthouse)."""
+        from .lighthouse import reachable
+
+        deadline = time.monotonic() + self.quorum_timeout_s
+        lost = False
+        while True:
+            attempt = max(0.5, min(self.attempt_s, deadline - time.monotonic()))
+            try:
+                self.manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only,
+                                          timeout=timedelta(seconds=attempt))
+            except TimeoutError:
+                # torchft keeps the failed request's future and raises its error again at the next start_quorum
+                self.manager._quorum_future = None
+                why = reachable(self.lighthouse, 2.0)
+                if time.monotonic() >= deadline:
+                    raise NoQuorum(f"quietsync: replica group {self.transport.replica}: the Lighthouse at "
+                                   f"{self.lighthouse} answered no quorum request for {self.quorum_timeout_s:g}s ("
+                                   f"{why or 'it is up, but formed no quorum'}); the replica stops") from None
+                if not lost:
+                    lost = True
+                    self.lighthouse_lost += 1
+                    print(f"quietsync: replica group {self.transport.replica}: the Lighthouse at {self.lighthouse} did "
+                          f"not answer a quorum request within {attempt:g}s ({why or 'it is up'}); asking again, for "
+                          f"at most {self.quorum_timeout_s:g}s", file=sys.stderr, flush=True)
+                continue
+            if lost:
+                print(f"quietsync: replica group {self.transport.replica}: the Lighthouse at {self.lighthouse} "
+                      "answered again; training goes on", file=sys.stderr, flush=True)
+            return
 
     def _phases(self, sent_bytes: int) -> dict[str, Any]:
         """A round start that changed the quorum, as seconds from the request (``asked``, wall clock ``unix_s``):
@@ -222,8 +314,7 @@ class ReplicaQuorum:
 
     def _regroup(self) -> None:
         """A quorum inside a round: the previous members still alive, no join, no heal."""
-        self.manager.start_quorum(allow_heal=False, shrink_only=True,
-                                  timeout=timedelta(seconds=self.quorum_timeout_s))
+        self._ask(allow_heal=False, shrink_only=True)
         if self.manager.participating_rank() is None:
             raise FellBehind("quietsync: this replica missed a commit the other replicas made (its collective failed "
                              "where theirs succeeded); it stops, and once restarted it heals from a live peer")
@@ -313,4 +404,5 @@ def _clear_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
-__all__ = ["FellBehind", "HEAL_KEY", "HealFailed", "NoQuorum", "ReplicaQuorum", "RoundDropped"]
+__all__ = ["FellBehind", "HEAL_KEY", "HealFailed", "LIGHTHOUSE_ATTEMPT_S", "NoQuorum", "ReplicaQuorum", "RoundDropped",
+           "quorum_number"]

@@ -90,6 +90,9 @@ class ReplicaProcessGroup(TorchftProcessGroup):
         self.members: list[int] = []
         """Replica group indices of the current quorum's members, in rank order."""
         self.quorum_id: int | None = None
+        self.quorum_step = 0
+        """The step of the quorum being configured (set by the quorum's answer): part of the store prefix, so a
+        Lighthouse started again, whose quorum numbers repeat, never meets an earlier quorum's keys."""
         self.generation = 0
         """How many times the group was (re)connected."""
         self.connecting: tuple[float, float] = (0.0, 0.0)
@@ -110,8 +113,8 @@ class ReplicaProcessGroup(TorchftProcessGroup):
             self._error = None
             width = max(1, int(group_world_size or 1))
             self.members = [int(g) // width for g in (global_ranks or [])] or [0]
-            self.group = connect_gloo(_store_client(store_addr, self.connect_timeout), rank, world_size, self.timeout,
-                                      self.connect_timeout)
+            store = _store_client(f"{store_addr}/{self.quorum_step}", self.connect_timeout)
+            self.group = connect_gloo(store, rank, world_size, self.timeout, self.connect_timeout)
             self.rank, self.world, self.quorum_id = int(rank), int(world_size), quorum_id
             self.generation += 1
             self.connecting = (started, time.time())

@@ -123,6 +123,10 @@ class TrainConfig:
     replica_group: int | None = field(default=None, metadata={"flag": {"metavar": "K"}})
     """With --fault-tolerance torchft and --lighthouse: run only replica group K of the --nodes (this machine's
     share of the job: --nproc workers, or torchrun's); default: the local launcher starts every replica group."""
+    standby: str | None = field(default=None, metadata={"flag": {"metavar": "PATH"}})
+    """With --fault-tolerance torchft and --replica-group K (one worker): a standby for replica group K -- it imports,
+    opens the data, builds and warms the model and the strategy, then waits until the file PATH exists (whoever saw
+    K's replica die creates it) and only then joins the Lighthouse and heals (docs/faults.md)."""
     replica_restarts: int = 3
     """With --fault-tolerance torchft and the local launcher: how many times a replica group that died is started
     again (it heals from a live peer and rejoins; the others never restart)."""

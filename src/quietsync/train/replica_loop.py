@@ -116,7 +116,8 @@ class _Run:
     """Wall-clock marks of this replica's start, logged with its first step as ``start``: ``process_start``,
     ``loop_start`` (imports done), ``manager`` (torchft's Manager up: heartbeats), ``data`` (corpus mapped),
     ``model``, ``warm`` (:func:`warm_up` done), ``ready`` (strategy built, held-out batches and records open),
-    ``joined``."""
+    ``joined``; a standby (``--standby``) also ``standby`` (prepared, waiting) and ``activated`` (its file seen;
+    its ``manager`` follows)."""
     guard: Any = None
     """The ``--on-nonfinite`` policy (:class:`~quietsync.train.replica_nonfinite.ReplicaNonFinite`), set by the loop."""
 
@@ -132,12 +133,19 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
     keep_freed_memory()  # its first steps after a heal, which its peers wait for, fault no fresh pages
     transport = FaultTolerantTransport(replica, replicas, links=parse_links(cfg.link), timeout_s=cfg.timeout_s)
     quorum, strategy, store, metrics = None, None, None, None
+    standby = getattr(cfg, "standby", None)
     try:
         host = advertised_host(lighthouse)
-        address, store = replica_store(transport, host, cfg.timeout_s)
-        quorum = ReplicaQuorum(transport, lighthouse, address, timeout_s=cfg.timeout_s,
-                               quorum_timeout_s=max(QUORUM_TIMEOUT_S, cfg.timeout_s), hostname=host)
-        marks["manager"] = time.time()
+
+        def connect() -> tuple[Any, ReplicaQuorum]:
+            address, server = replica_store(transport, host, cfg.timeout_s)
+            manager = ReplicaQuorum(transport, lighthouse, address, timeout_s=cfg.timeout_s,
+                                    quorum_timeout_s=max(QUORUM_TIMEOUT_S, cfg.timeout_s), hostname=host)
+            marks["manager"] = time.time()
+            return server, manager
+
+        if not standby:  # heartbeats first: the Lighthouse sees every replica of a fresh job before its first quorum
+            store, quorum = connect()
         data = open_job_data(cfg)  # prepared once (train/job_data.py), memory-mapped by every worker
         tokenizer, eos, train_tokens, eval_tokens = data.tokenizer, data.eos, data.train, data.eval
         too_small = data_problem(train_tokens.numel(), eval_tokens.numel(), cfg, replicas * transport.workers)
@@ -160,14 +168,22 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
             transport=transport, config=strategy_config, lr_schedule=lambda step: schedule(dealer.position_at(step)),
             precision=cfg.precision, max_grad_norm=cfg.clip_norm, lr=cfg.lr, weight_decay=cfg.weight_decay,
             betas=ADAMW_BETAS)
+        # everything that does not depend on the heal is ready before the join: a returning replica's peers wait
+        # in their next collective from the moment its heal ends until its first step
+        held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
+        if standby:
+            marks["standby"] = time.time()
+            prepared = marks["standby"] - marks["loop_start"]
+            print(f"quietsync: replica group {replica}: standing by (prepared {prepared:.1f} s after its imports); "
+                  f"it joins when {standby} exists", flush=True)
+            wait_for(standby)
+            marks["activated"] = time.time()
+            store, quorum = connect()
         state: dict[str, Any] = {"finished": False}
         quorum.register("strategy", lambda: heal_state(strategy), lambda s: load_heal_state(strategy, s))
         quorum.register("dealer", dealer.state_dict, dealer.load_state_dict)
         quorum.register("run", lambda: dict(state), state.update)
         quorum.on_commit(dealer.commit)
-        # everything that does not depend on the heal is ready before the join: a returning replica's peers wait
-        # in their next collective from the moment its heal ends until its first step
-        held_out = eval_batches(eval_tokens, cfg.seq_len, cfg.micro_batch_size, cfg.eval_windows)
         metrics = MetricsWriter(cfg.out, transport.topology.rank, append=True)
         marks["ready"] = time.time()
         hold(0)
@@ -208,6 +224,17 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
             quorum.shutdown()
         transport.close()
         del store
+
+
+STANDBY_POLL_S = 0.01
+"""How often a standby looks for its activation file (a stat call: no load)."""
+
+
+def wait_for(path: str) -> None:
+    """A standby's wait (``--standby PATH``): until the file ``PATH`` exists. It holds no connection meanwhile: the
+    Lighthouse does not know it, so it never counts as a member, a straggler or a heal source."""
+    while not os.path.exists(path):
+        time.sleep(STANDBY_POLL_S)
 
 
 def warm_up(model: torch.nn.Module, cfg: Any, device: torch.device) -> None:
@@ -431,6 +458,5 @@ def heals_text(heals: list[int]) -> str:
     return ", ".join(said) if said else "no replica group healed"
 
 
-__all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STORE_ENV", "advertised_host", "check_same_start", "heals_text",
-           "replica_store",
-           "run_replica", "warm_up"]
+__all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STANDBY_POLL_S", "STORE_ENV", "advertised_host", "check_same_start",
+           "heals_text", "replica_store", "run_replica", "wait_for", "warm_up"]

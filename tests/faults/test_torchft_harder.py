@@ -1,0 +1,181 @@
+"""Harder failures of a ``--fault-tolerance torchft`` job, with real processes (``SIGKILL``), each run audited:
+no step committed twice, no window lost or read twice (:func:`~tests.faults.torchft_replicas.audit`).
+
+* **Two replicas lost at the same moment** -- of 3 (ddp), replicas 1 and 2 die in the same step, after computing
+  their micro-batches: replica 0 commits that step alone (their windows given back) and trains on alone; both are
+  started again, heal from replica 0 and all three finish together.
+* **A replica lost while another heals** -- replica 2 returns and heals from replica 0; while replica 0 is inside
+  the transfer (held there), replica 1 is killed. The heal completes, replicas 0 and 2 commit their next step
+  without replica 1 (retried among the survivors), replica 1 is started again and heals in turn.
+* **The Lighthouse lost and started again** -- the replicas go on: a round start the Lighthouse does not answer is
+  asked again (``faults/quorum.py``), and the Lighthouse started again at the same address forms the quorum afresh
+  from the replicas that ask. Every replica says so in one line; a replica lost before the Lighthouse died (so the
+  new Lighthouse's quorum numbers repeat ones the job used) heals after it came back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import quietsync.faults  # noqa: F401  (before torchft: its Rust log level is read at import)
+
+from .torchft_replicas import KILLED, Replicas, audit, job_flags, merged, records, wait_exit
+
+torchft = pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _audited(out: Path, replicas: int) -> dict:
+    """The audit (every window committed once, none skipped), and the summary's fault-tolerance section."""
+    committed, summary = audit(out, replicas)
+    assert len(set(committed)) == len(committed), "a window trained twice"
+    held = summary["windows_held"]
+    assert sorted(committed + held) == list(range(summary["windows_dealt"])), "a window skipped"
+    return summary
+
+
+def _steps(out: Path, rank: int) -> list[int]:
+    steps = [r["step"] for r in records(out, rank)]
+    assert steps == sorted(set(steps)), f"worker {rank} logged a step twice: {steps}"
+    return steps
+
+
+def test_two_replicas_lost_at_once_the_survivor_goes_on_and_both_heal(tmp_path):
+    out = tmp_path / "run"
+    replicas = Replicas(tmp_path, 3, job_flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "24"))
+    try:
+        go = f"step:0:{tmp_path / 'go'}"
+        back = tmp_path / "both-back"
+        r0 = replicas.start(0, {"QUIETSYNC_FT_HOLD": f"{go},step:12:{back}"})
+        r1 = replicas.start(1, {"QUIETSYNC_FT_KILL": "step:5", "QUIETSYNC_FT_HOLD": go})
+        r2 = replicas.start(2, {"QUIETSYNC_FT_KILL": "step:5", "QUIETSYNC_FT_HOLD": go})
+        replicas.go(tmp_path / "go", [0, 1, 2])
+        assert wait_exit(replicas, r1) == KILLED and wait_exit(replicas, r2) == KILLED
+        ready = [tmp_path / f"ready{k}" for k in (1, 2)]
+        r1 = replicas.start(1, {"QUIETSYNC_FT_READY": str(ready[0])})
+        r2 = replicas.start(2, {"QUIETSYNC_FT_READY": str(ready[1])})
+        for path in ready:
+            replicas.wait_file(path)
+        back.write_text("")
+        for proc in (r0, r1, r2):
+            assert wait_exit(replicas, proc) == 0, replicas.logs()
+    finally:
+        replicas.close()
+    assert replicas.alive() == []
+
+    survivor = records(out, 0)
+    members = [tuple(r["members"]) for r in survivor]
+    assert members[0] == (0, 1, 2) and members[-1] == (0, 1, 2) and (0,) in members, members
+    lost = next(r for r in survivor if r["step"] == 5)  # both died in it: replica 0's slot alone committed
+    assert lost["retries"] >= 1 and lost["members"] == [0]
+    assert len(merged(lost)["committed"]) == 2 and len(merged(lost)["given_back"]) == 4
+    for k in (1, 2):
+        returned = records(out, k)
+        assert returned[-1]["healed"] == 1 and returned[-1]["step"] == survivor[-1]["step"]
+        _steps(out, k)
+    _steps(out, 0)
+    summary = _audited(out, 3)
+    assert summary["final_members"] == [0, 1, 2] and summary["schedule_position"] >= 24
+
+
+def test_a_replica_lost_while_another_heals_from_a_third(tmp_path):
+    out = tmp_path / "run"
+    replicas = Replicas(tmp_path, 3, job_flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "24"))
+    try:
+        go = f"step:0:{tmp_path / 'go'}"
+        sending, back = tmp_path / "sending", tmp_path / "back"
+        # replica 2 heals from replica 0 (torchft's choice: the first up-to-date replica in id order), which holds
+        # inside the transfer until replica 1 is gone; replicas 0 and 2 then wait at step 14 for replica 1's return
+        r0 = replicas.start(0, {"QUIETSYNC_FT_HOLD": f"{go},heal_send:1:{sending},step:14:{back}"})
+        r1 = replicas.start(1, {"QUIETSYNC_FT_HOLD": go})
+        r2 = replicas.start(2, {"QUIETSYNC_FT_KILL": "step:4", "QUIETSYNC_FT_HOLD": go})
+        replicas.go(tmp_path / "go", [0, 1, 2])
+        assert wait_exit(replicas, r2) == KILLED
+        r2 = replicas.start(2, {"QUIETSYNC_FT_HOLD": f"step:14:{back}"})
+        replicas.wait_file(Path(f"{sending}.waiting"))  # replica 0 is sending replica 2 its state
+        r1.kill()
+        assert wait_exit(replicas, r1) == KILLED
+        sending.write_text("")
+        ready = tmp_path / "ready1"
+        r1 = replicas.start(1, {"QUIETSYNC_FT_READY": str(ready)})
+        replicas.wait_file(ready)
+        back.write_text("")
+        for proc in (r0, r1, r2):
+            assert wait_exit(replicas, proc) == 0, replicas.logs()
+    finally:
+        replicas.close()
+    assert replicas.alive() == []
+
+    survivor = records(out, 0)
+    members = [tuple(r["members"]) for r in survivor]
+    assert (0, 1) in members and members[-1] == (0, 1, 2), members
+    # the step after the heal: its quorum held replica 1, dead; committed by replicas 0 and 2 alone, replica 1's
+    # slot given back
+    after = next(r for r in survivor if r.get("rounds") and r["step"] > 4 and r["members"] == [0, 2])
+    assert after["retries"] >= 1 and len(merged(after)["committed"]) == 4 and len(merged(after)["given_back"]) == 2
+    healed = records(out, 2)
+    assert healed[-1]["healed"] == 1 and records(out, 1)[-1]["healed"] == 1
+    for k in range(3):
+        _steps(out, k)
+    summary = _audited(out, 3)
+    assert summary["final_members"] == [0, 1, 2]
+
+
+def test_the_replicas_go_on_when_the_lighthouse_is_lost_and_started_again(tmp_path):
+    out = tmp_path / "run"
+    replicas = Replicas(tmp_path, 3, job_flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "24"),
+                        lighthouse_process=True)
+    try:
+        go = f"step:0:{tmp_path / 'go'}"
+        held = [tmp_path / f"lighthouse-gone{k}" for k in (0, 1)]
+        back = tmp_path / "back"
+        # replica 2 dies first, so the survivors' quorum numbers moved on (the new Lighthouse counts from 1 again)
+        r0 = replicas.start(0, {"QUIETSYNC_FT_HOLD": f"{go},step:8:{held[0]},step:16:{back}"})
+        r1 = replicas.start(1, {"QUIETSYNC_FT_HOLD": f"{go},step:8:{held[1]},step:16:{back}"})
+        r2 = replicas.start(2, {"QUIETSYNC_FT_KILL": "step:3", "QUIETSYNC_FT_HOLD": go})
+        replicas.go(tmp_path / "go", [0, 1, 2])
+        assert wait_exit(replicas, r2) == KILLED
+        for path in held:  # both survivors at the top of step 8, before its quorum
+            replicas.wait_file(Path(f"{path}.waiting"))
+        replicas.kill_lighthouse()
+        for path in held:
+            path.write_text("")
+        for k in (0, 1):  # each asked for step 8's quorum and got no answer
+            replicas.wait_text(f"replica{k}.0.log", "did not answer a quorum request")
+        replicas.start_lighthouse()
+        ready = tmp_path / "ready2"
+        r2 = replicas.start(2, {"QUIETSYNC_FT_READY": str(ready)})
+        replicas.wait_file(ready)
+        back.write_text("")
+        for proc in (r0, r1, r2):
+            assert wait_exit(replicas, proc) == 0, replicas.logs()
+    finally:
+        replicas.close()
+    assert replicas.alive() == []
+
+    for k in (0, 1):
+        log = (tmp_path / f"replica{k}.0.log").read_text()
+        assert log.count(f"the Lighthouse at {replicas.address} did not answer") == 1, log
+        assert "answered again; training goes on" in log, log
+    survivor = records(out, 0)
+    members = [tuple(r["members"]) for r in survivor]
+    assert (0, 1) in members and members[-1] == (0, 1, 2), members
+    assert [r["step"] for r in survivor] == list(range(1, len(survivor) + 1))  # no step lost or repeated
+    assert records(out, 2)[-1]["healed"] == 1
+    for k in range(3):
+        _steps(out, k)
+    summary = _audited(out, 3)
+    assert summary["final_members"] == [0, 1, 2] and summary["schedule_position"] >= 24
+
+
+def test_a_quorum_number_names_the_lighthouse_number_and_the_incarnations_not_their_order():
+    from quietsync.faults.quorum import quorum_number
+
+    a, b, b2 = "quietsync_replica_0:1111", "quietsync_replica_1:2222", "quietsync_replica_1:3333"
+    assert quorum_number(1, [a, b]) == quorum_number(1, [b, a])
+    # a restarted Lighthouse's quorum 1 over other incarnations, or its quorum 2 over the same ones, is another
+    assert len({quorum_number(1, [a, b]), quorum_number(1, [a, b2]), quorum_number(2, [a, b])}) == 3
+    assert all(0 <= quorum_number(n, [a, b]) < 2 ** 48 for n in range(50))
