@@ -19,7 +19,9 @@ Options to separate the effects: ``--nproc 2`` (two workers on the two cores: ea
 worker's idle time is really idle), ``--ratios 1`` / ``--no-slow`` (one setting), ``--deterministic`` (a
 third run: acco with exactly 1 micro-batch per stage, the overlap without extras), ``--trace`` (each run's
 trace.json and timeline kept under benchmarks/results/NAME-trace/), ``--name`` (results file stem),
-``--repeats N`` (every setting N times with seeds 0..N−1; the table gets the mean ± std of acco ÷ zero1).
+``--repeats N`` (every setting N times with seeds 0..N−1; the table gets the mean ± std of acco ÷ zero1),
+``--slow-only`` (only the settings with a 4× slower worker), ``--no-straggler-run`` (a third run: adaptive acco
+with ``--straggler-factor 0``, i.e. every worker computes in both stages, the pre-straggler-rule behaviour).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ RUNS = {"zero1 (accumulation 2)": ["--strategy", "zero1", "--accumulation", "2"]
 
 
 DETERMINISTIC = {"acco (exactly 1 micro-batch per stage)": ["--strategy", "acco", "--deterministic-accumulation", "1"]}
+NO_STRAGGLER = {"acco (adaptive, no straggler rule)": ["--strategy", "acco", "--min-accumulation", "1",
+                                                       "--straggler-factor", "0"]}
 
 
 def calibrate(tmp: Path, base: list[str]) -> tuple[float, float]:
@@ -67,6 +71,9 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=NPROC)
     ap.add_argument("--ratios", type=int, nargs="+", default=[1, 3], help="zero1 comm ÷ one micro-batch")
     ap.add_argument("--no-slow", action="store_true", help="homogeneous workers only")
+    ap.add_argument("--slow-only", action="store_true", help="only the settings with a 4x slower worker")
+    ap.add_argument("--no-straggler-run", action="store_true",
+                    help="add adaptive acco with --straggler-factor 0 (every worker computes in both stages)")
     ap.add_argument("--deterministic", action="store_true", help="add acco at exactly 1 micro-batch per stage")
     ap.add_argument("--trace", action="store_true", help="keep each run's trace.json and timeline.png")
     ap.add_argument("--name", default="acco_paper")
@@ -74,7 +81,8 @@ def main() -> None:
     args = ap.parse_args()
     nproc = args.nproc
     base = ["--nproc", str(nproc), *BASE]
-    runs_spec = {**RUNS, **(DETERMINISTIC if args.deterministic else {})}
+    runs_spec = {**RUNS, **(DETERMINISTIC if args.deterministic else {}),
+                 **(NO_STRAGGLER if args.no_straggler_run else {})}
     trace_dir = RESULTS / f"{args.name}-trace"
     out: dict[str, Any] = {}
     rows = []
@@ -89,6 +97,8 @@ def main() -> None:
             settings = {"homogeneous": [], "one worker 4x slower": ["--slow-worker", f"{nproc - 1}:4"]}
             if args.no_slow:
                 settings.pop("one worker 4x slower")
+            if args.slow_only:
+                settings.pop("homogeneous")
             for (setting, extra), seed in [(item, seed) for item in settings.items()
                                            for seed in range(args.repeats)]:
                 key = f"comm≈{ratio}× compute ({link}), {setting}" + (f", seed {seed}" if args.repeats > 1 else "")

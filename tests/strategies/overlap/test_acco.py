@@ -153,6 +153,46 @@ def test_slow_worker_contributes_fewer_micro_batches_and_weighting_is_exact():
         torch.testing.assert_close(r["theta"], flat(expected.committed[-1]), rtol=RTOL, atol=ATOL)
 
 
+def _straggler(rank: int, world: int, steps: int, factor: float) -> dict:
+    # a job takes a few ms (1 ms per message); a micro-batch ~30 ms (simulated), ≥ 300 ms on the slow worker
+    transport = Transport(Topology.from_env(), links={"inter": LinkModel(bandwidth=1e9, latency=0.001)})
+    strategy = make("acco", "adamw", {"straggler_factor": factor}, transport=transport)
+    train(strategy, rank, steps, base_s=0.03, sleep_factor=10.0 if rank == world - 1 else 1.0)
+    out = {"theta": flat_params(strategy.module), "history": list(strategy.overlap.stage_history),
+           "speeds": strategy.overlap.peer_micro_batch_s}
+    strategy.close()
+    transport.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_straggler_leaves_its_estimate_stages_empty_and_the_count_weighting_stays_exact():
+    """Paper 003, Algorithm 1 with time-varying counts: a worker whose micro-batch outlasts the commit job by far
+    computes nothing at θ̃ (Ñᵢ = 0) instead of holding every worker's stage 2 open; the commit still averages
+    Σ(gᵢ + g̃ᵢ) over Σ(Nᵢ + Ñᵢ), which the plain recurrence replayed with the recorded counts reproduces."""
+    steps, world = 8, 2
+    results = run_ranks(_straggler, world, steps, 2.0)
+    history = results[0]["history"]
+    assert all(r["history"] == history for r in results)
+    speeds = results[0]["speeds"]
+    assert speeds[1] > 4 * speeds[0] > 0, speeds  # every worker learned both speeds through the count all-reduce
+    # history: init, then (stage 1, stage 2) per round; the estimate job of stage 1 carries the stage-2 counts Ñ
+    stage2 = [c for k, c in enumerate(history) if k and k % 2 == 0]
+    stage1 = [c for k, c in enumerate(history) if k % 2 == 1]
+    assert all(c[1] >= 1 for c in stage1), history  # the straggler's gradients at θ enter every commit
+    assert all(c[0] >= 1 for c in stage2), history  # the fastest worker never skips: ΣÑ ≥ 1
+    assert sum(c[1] == 0 for c in stage2) >= len(stage2) // 2, history  # once measured, the straggler skips
+    expected = reference("acco", world, "adamw", steps, counts=history)
+    for r in results:
+        torch.testing.assert_close(r["theta"], flat(expected.committed[-1]), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.timeout(180)
+def test_without_the_straggler_rule_every_worker_computes_in_both_stages():
+    history = run_ranks(_straggler, 2, 4, 0.0)[0]["history"]
+    assert all(min(c) >= 1 for c in history), history
+
+
 def test_an_exception_in_the_communication_worker_surfaces_in_the_loop():
     strategy = make("acco", "adamw", {"deterministic_accumulation": 1})
     calls = {"n": 0}
@@ -260,6 +300,8 @@ def test_memory_report_lists_every_buffer():
     ({"max_accumulation": 2, "deterministic_accumulation": 3}, "deterministic_accumulation must lie in"),
     ({"max_accumulation": 1.5}, "max_accumulation must be an integer"),
     ({"reduce_dtype": "int8"}, "reduce_dtype must be one of"),
+    ({"straggler_factor": 0.5}, "straggler_factor must be 0 \\(off\\) or a number >= 1"),
+    ({"straggler_factor": float("nan")}, "straggler_factor must be 0"),
 ])
 def test_bad_knobs_fail_clearly(config, message):
     with pytest.raises(ValueError, match=message):
@@ -270,7 +312,7 @@ def test_cli_flags_come_from_the_config():
     from quietsync.train.args import train_parser
 
     parser, _, fields = train_parser("acco")
-    assert {"min_accumulation", "max_accumulation", "deterministic_accumulation"} <= set(fields)
+    assert {"min_accumulation", "max_accumulation", "deterministic_accumulation", "straggler_factor"} <= set(fields)
     help_text = parser.format_help()
     assert "--deterministic-accumulation" in help_text and "--max-accumulation" in help_text
 

@@ -43,6 +43,7 @@ micro-batches counted as they were.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,6 +65,18 @@ STAGES = ("init", "stage1", "stage2")
 class ACCOConfig(OverlapConfig):
     """Knobs of ``acco`` (accumulation per stage; see
     :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`)."""
+
+    straggler_factor: float = 2.0
+    """A worker whose micro-batch takes more than this many times the fastest worker's, and longer than the
+    commit job it would overlap, leaves its estimate stage empty (Ñᵢ = 0: it waits for the commit instead of
+    making every worker wait for its micro-batch at θ̃); its stage-1 micro-batches still enter every commit.
+    Adaptive mode only; 0 = off (every worker computes at least ``min_accumulation`` in both stages)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        f = self.straggler_factor
+        if not (isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and (f == 0 or f >= 1)):
+            raise ValueError(f"straggler_factor must be 0 (off) or a number >= 1, got {f!r}")
 
 
 @register("acco", ACCOConfig, facts=facts.ACCO)
@@ -95,6 +108,13 @@ class ACCO(Strategy):
 
     # ------------------------------------------------------------------ main thread
     def _step(self) -> bool:
+        self.overlap.time_micro_batch()
+        try:
+            return self._advance()
+        finally:
+            self.overlap.step_returned()
+
+    def _advance(self) -> bool:
         o = self.overlap
         if self.stage == "init":  # g̃⁽⁰⁾ at θ⁽⁰⁾, nothing to overlap with yet
             if o.start(self._estimate_job, self.steps, stage_scale(self), self.max_grad_norm):
@@ -105,16 +125,38 @@ class ACCO(Strategy):
         scale = stage_scale(self)  # of the stage ending now (the scale changes only when a commit is collected)
         if self.stage == "stage1":
             o.wait("acco/estimate")
-            count = o.hand_over(install="estimate")  # P ← θ̃⁽ᵗ⁺¹⁾, B ← gᵢ⁽ᵗ⁾
+            straggler = self._straggles()
+            # P ← θ̃⁽ᵗ⁺¹⁾ (a straggler keeps θ⁽ᵗ⁾: it computes nothing at θ̃), B ← gᵢ⁽ᵗ⁾
+            count = o.hand_over(install=None if straggler else "estimate")
             o.submit(self._commit_job, count, self.steps, scale, self.max_grad_norm)
             self.stage = "stage2"
-            return False
+            if not straggler:
+                return False
+            # An empty stage 2 (Ñᵢ = 0): the commit job is short next to this worker's micro-batch, so it waits
+            # for it and starts the next round's stage 1 at θ⁽ᵗ⁺¹⁾ at once; the count all-reduce leaves it out
+            # of ΣÑ (paper 003, Algorithm 1 with a time-varying Ñᵢ⁽ᵗ⁾ that is 0 here). Its loss scale is stage
+            # 1's: the scale changes only when a commit is collected.
         result = o.wait("acco/commit")
         count = o.hand_over(install="committed")  # P ← θ⁽ᵗ⁺¹⁾, B ← g̃ᵢ⁽ᵗ⁺¹⁾
         committed = collected(self, self.overlap, result)
         o.submit(self._estimate_job, count, self.steps, scale, self.max_grad_norm)
         self.stage = "stage1"
         return committed
+
+    def _straggles(self) -> bool:
+        """Whether this worker leaves the coming stage 2 empty: its median micro-batch (as the last job
+        all-reduced everybody's) exceeds ``straggler_factor`` × the fastest worker's and the last commit job as
+        this worker saw it. Then a micro-batch of its at θ̃ would hold every worker's stage 2 open past the
+        commit (stage 2 would last that micro-batch instead of the commit job); the fastest worker never
+        qualifies, so ΣÑ ≥ ``min_accumulation`` ≥ 1."""
+        o, factor = self.overlap, self.config.straggler_factor
+        if not factor or self.config.deterministic_accumulation is not None or o.ending:
+            return False
+        speeds, commit_s = o.peer_micro_batch_s, o.job_s.get("commit")
+        if not speeds or min(speeds) <= 0.0 or commit_s is None:  # not measured yet
+            return False
+        mine = speeds[self.transport.group_rank(o.group)]
+        return mine > factor * min(speeds) and mine > commit_s
 
     def _estimate_job(self, local_count: int, step: int, scale: float | None = None,
                       max_norm: float | None = None) -> dict[str, Any]:

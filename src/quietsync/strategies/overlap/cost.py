@@ -1,8 +1,8 @@
 """The cost of the overlapping family, beside it: ``acco``, ``dpu``, ``wp``.
 
 Each stage, the main thread accumulates micro-batches while a job runs on the communication worker: an
-all-reduce of the per-worker micro-batch counts (float64, one per worker), a reduce-scatter of the handed-over
-gradients, an optimizer step on this worker's shard (ACCO: an uncommitted estimate or the commit; WP: the
+all-reduce of the per-worker micro-batch counts and times (float64, two per worker), a reduce-scatter of the
+handed-over gradients, an optimizer step on this worker's shard (ACCO: an uncommitted estimate or the commit; WP: the
 commit and a second, predicted step), and an all-gather of the resulting parameters. A stage holds as many
 micro-batches as it takes for the job to finish (:class:`~quietsync.cost.terms.Adaptive`), so computation
 hides the network at any link speed — a slower link means more micro-batches (tokens) per step, not idle
@@ -27,7 +27,7 @@ def _job(w: Workload, topo: Topology, cfg: Any, name: str, steps: int) -> tuple[
     n = group_of(topo, "world")
     if n == 1:
         return [], Seq(*(optimizer(flat_shard(w, 1)) for _ in range(steps)))
-    counts = Comm("all_reduce", "world", 8 * n, f"{name}: all-reduce micro-batch counts")
+    counts = Comm("all_reduce", "world", 16 * n, f"{name}: all-reduce micro-batch counts and times")
     rs, ag = flat_collectives(w, topo, "world", cfg.reduce_dtype, name)
     shard = flat_shard(w, n)
     work = [optimizer(shard, f"{name}: optimizer step on the shard") for _ in range(steps)]

@@ -23,7 +23,10 @@ The number of micro-batches per stage is
 Stages with no job to overlap (ACCO's first stage, DPU/WP warm-up steps) hold ``deterministic_accumulation``
 micro-batches in deterministic mode and ``min_accumulation`` otherwise. Every job all-reduces the per-worker
 micro-batch counts (:meth:`Overlap.reduce`), so gradients are Σ over workers and micro-batches / Σ counts: a
-slow worker weighs less.
+slow worker weighs less. The same all-reduce carries each worker's median micro-batch wall time
+(:attr:`Overlap.micro_batch_s`, measured between two ``step()`` calls, so a simulated straggler's sleep counts), so
+every worker knows everybody's speed (:attr:`Overlap.peer_micro_batch_s`): ACCO uses it to let a straggler leave
+its estimate stage empty (``acco.py``).
 
 Precision and clipping: a job that is about to step the optimizer (DPU's and WP's update, ACCO's estimate and
 commit) divides the reduced gradient by the loss scale of the stage(s) that produced it (fp16; the main thread
@@ -52,6 +55,7 @@ synchronises the host per micro-batch.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -75,6 +79,10 @@ from .estimate import EstimatingOptimizer
 
 HISTORY = 100_000
 """Stages kept in :attr:`Overlap.stage_history`."""
+
+SPEED_WINDOW = 8
+"""Micro-batch wall times whose median is this worker's :attr:`Overlap.micro_batch_s` (a median, so an
+evaluation or a checkpoint between two micro-batches does not make a worker look slow)."""
 
 JOB_KINDS = ("estimate", "commit", "update")
 """The ``kind`` of a job's result (ACCO's two stages, DPU/WP's update), by index in a logical checkpoint."""
@@ -187,6 +195,17 @@ class Overlap(Part):
         latest ``HISTORY``)."""
         self._pending_counts: list[list[int]] = []  # counts of stages consumed since the last commit
         self._end_now = False  # ending_stage(): the current stage ends at the next step(), however short
+        self._recent_micro_batch_s: deque[float] = deque(maxlen=SPEED_WINDOW)
+        self._step_left: float | None = None  # when the strategy's step() last returned (main thread)
+        self.micro_batch_s = 0.0
+        """Median wall time of this worker's recent micro-batches (0 = not measured yet); shared by
+        :meth:`reduce`."""
+        self._job_speeds: list[float] = []  # written by the communication worker in reduce()
+        self.peer_micro_batch_s: list[float] = []
+        """Every worker's :attr:`micro_batch_s` as the last collected job all-reduced them (by group rank)."""
+        self.job_s: dict[str, float] = {}
+        """Seconds the last collected job of each ``kind`` ran on this worker's communication thread (from
+        its start there to its end, waiting for peers included; on CUDA the host side only)."""
 
     @classmethod
     def for_strategy(cls, strategy: Strategy, *, estimate: bool, snapshot: bool) -> Overlap:
@@ -202,6 +221,18 @@ class Overlap(Part):
         return overlap
 
     # ------------------------------------------------------------------ main thread
+    def time_micro_batch(self) -> None:
+        """At the top of the strategy's ``step()``: the main-thread time since the last ``step()`` returned is
+        one micro-batch (data, forward, backward, and a simulated slow worker's sleep, like a slower device)."""
+        now = time.perf_counter()
+        if self._step_left is not None and not self._end_now:
+            self._recent_micro_batch_s.append(now - self._step_left)
+            self.micro_batch_s = statistics.median(self._recent_micro_batch_s)
+
+    def step_returned(self) -> None:
+        """At the end of the strategy's ``step()`` (see :meth:`time_micro_batch`)."""
+        self._step_left = time.perf_counter()
+
     def backward(self, loss: torch.Tensor) -> bool:
         """One micro-batch of the current stage: its gradient accumulates into G (taken: True)."""
         self.sharded.flat.require_grads_attached(self.grads)
@@ -255,6 +286,10 @@ class Overlap(Part):
             self._comm_wait_s += max(0.0, job.t_start - self._last_job_end)
         self._last_job_end = job.t_end or None
         self.job = None
+        if job.t_start and job.t_end:
+            self.job_s[result.get("kind", "")] = job.t_end - job.t_start
+        if self._job_speeds:  # read here, while no job runs: the next one rewrites them
+            self.peer_micro_batch_s, self._job_speeds = self._job_speeds, []
         counts = result.get("counts")
         if counts is not None:
             self.stage_history.append(list(counts))
@@ -312,6 +347,11 @@ class Overlap(Part):
         more than one, since a job completes only once every worker submitted it."""
         return self.transport.agree(self.hand_overs, "max") > self.hand_overs
 
+    @property
+    def ending(self) -> bool:
+        """Whether the current stage is being ended at once (inside :meth:`ending_stage`)."""
+        return self._end_now
+
     @contextmanager
     def ending_stage(self) -> Iterator[None]:
         """Within this context the current stage may end at once (the strategy's ``step()`` hands it over with
@@ -347,12 +387,16 @@ class Overlap(Part):
 
     # ------------------------------------------------------------------ communication worker
     def reduce(self, local_count: int, name: str) -> tuple[list[int], float]:
-        """Job part: all-reduce the per-worker counts, reduce-scatter B: ``shard.grad`` ← Σ over workers (not
-        divided). Returns the counts and their total."""
-        counts = torch.zeros(self.n, dtype=torch.float64, device=self.transport.device)
-        counts[self.transport.group_rank(self.group)] = float(local_count)
+        """Job part: all-reduce the per-worker counts (and micro-batch times, kept for :attr:`peer_micro_batch_s`),
+        reduce-scatter B: ``shard.grad`` ← Σ over workers (not divided). Returns the counts and their total."""
+        n, rank = self.n, self.transport.group_rank(self.group)
+        counts = torch.zeros(2 * n, dtype=torch.float64, device=self.transport.device)
+        counts[rank] = float(local_count)
+        counts[n + rank] = self.micro_batch_s  # a float written by the main thread: read once, either value is fine
         self.transport.all_reduce(counts, self.group, name=f"all_reduce/counts_{name}")
-        per_worker = [int(round(c)) for c in counts.tolist()]
+        values = counts.tolist()
+        per_worker = [int(round(c)) for c in values[:n]]
+        self._job_speeds = values[n:]
         self.sharded.reduce_scatter_grads(self.comm_buf, 1.0, name=name)
         return per_worker, float(sum(per_worker))
 
@@ -464,7 +508,7 @@ class Overlap(Part):
         if self.snapshot is not None and state["snapshot"] is not None:
             self.snapshot.copy_(state["snapshot"])
         self._snapshot_step = int(state["snapshot_step"])
-        self._last_job_end = None
+        self._last_job_end = self._step_left = None
 
     # ------------------------------------------------------------------ checkpoints that reshard
     def logical_state(self) -> dict[str, torch.Tensor]:
