@@ -314,8 +314,8 @@ class DCTReplicator(Replicator):
 
 
 _TILE_ELEMENTS = 2**18
-"""Elements of one tile (1 MiB in fp32): a tile's scratch buffers stay near a core's L2 cache (measured against 2**17 and
-2**20 on the 10m model: 2**17 pays more per-call overhead, 2**20 spills)."""
+"""Elements of one tile (1 MiB in fp32): a tile's scratch buffers stay near a core's L2 cache (measured against
+2**17 and 2**20 on the 10m model: 2**17 pays more per-call overhead, 2**20 spills)."""
 
 
 def _piece_runs(tile: Tile) -> list[tuple[int, int, int]]:
