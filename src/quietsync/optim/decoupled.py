@@ -166,25 +166,30 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         segments = Segments([p.shape for p in params])
         return DecoupledStep(groups, params, segments, self._flat_delta(params, segments), self.last_replicated)
 
+    @torch.no_grad()
     def momentum(self, step: DecoupledStep) -> None:
         """``delta <- beta * delta + s * g`` for every parameter, in the replicator's domain."""
         betas = [float(g["beta"]) for g, ps in step.groups for _ in ps]
         scales = [self._delta_scale(g) for g, ps in step.groups for _ in ps]
         self.replicator.accumulate(step.delta, step.segments, [p.grad for p in step.params], betas, scales)
 
+    @torch.no_grad()
     def extract(self, step: DecoupledStep) -> Message:
         """``q``: the part of ``delta`` that travels, removed from ``delta`` (error feedback)."""
         return self.replicator.extract_momentum(step.delta, step.segments)
 
+    @torch.no_grad()
     def exchange(self, step: DecoupledStep, q: Message) -> torch.Tensor | SparseUpdate:
         """``Q``: every worker's ``q`` exchanged in one collective, averaged and decoded (spatial, flat)."""
         return self.replicator.exchange_momentum(q, step.segments)
 
+    @torch.no_grad()
     def local_update(self, step: DecoupledStep) -> torch.Tensor:
         """A step that does not replicate applies the local gradient, ``s * g`` (the momentum is left alone)."""
         return torch.cat([p.grad.reshape(-1).to(torch.float32) * self._delta_scale(g)
                           for g, ps in step.groups for p in ps])
 
+    @torch.no_grad()
     def apply(self, step: DecoupledStep, update: torch.Tensor | SparseUpdate) -> None:
         """The base rule on ``Q`` (its sign where the group asks for it)."""
         if isinstance(update, SparseUpdate):
