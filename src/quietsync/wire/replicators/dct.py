@@ -11,16 +11,18 @@ where an all-reduce of ``random``/``striding`` moves ``2(n-1)/n`` of one.
 
 A decoupled optimizer keeps its momentum **in the DCT domain** (``momentum_domain == "dct:<chunk>"``: the
 coefficients of every block, stacked per block shape, see :class:`~quietsync.wire.codecs.BlockLayout`):
-:meth:`DCTReplicator.accumulate` adds the transformed gradient (``C <- beta C + s DCT(g)``, one batched
-transform per block shape), and :meth:`DCTReplicator.replicate_momentum` picks the top-k straight from ``C``,
-does error feedback by zeroing what was sent (keeping what the transfer cast lost), projects the edge blocks
-of padded tensors back onto blocks that are zero in their padding (so the residual is exactly the one a
-spatial momentum keeps), all-gathers, sums and counts the received coefficients into reused buffers and
-decodes their mean with one inverse transform: two transforms a step where a spatial momentum needs three
-(encode, decode what was sent, decode the mean). :meth:`DCTReplicator.replicate` is the spatial entry point
-(DiLoCo's pseudo-gradients): it converts, steps and converts back. The fp64 oracle written from paper 001
-(``tests/strategies/helpers/reference_demo.py``) agrees up to fp32 rounding; the top-k may pick other positions only
-among coefficients of equal magnitude (:func:`~quietsync.wire.codecs.topk_positions`).
+:meth:`DCTReplicator.accumulate` adds the transformed gradient (``C <- beta C + s DCT(g)``),
+:meth:`DCTReplicator.extract_momentum` picks the top-k straight from ``C``, does error feedback by zeroing what
+was sent (keeping what the transfer cast lost) and projects the edge blocks of padded tensors back onto blocks
+that are zero in their padding (so the residual is exactly the one a spatial momentum keeps), and
+:meth:`DCTReplicator.exchange_momentum` all-gathers, sums and counts the received coefficients and decodes their
+mean with one inverse transform: two transforms a step where a spatial momentum needs three (encode, decode what
+was sent, decode the mean). Each works through the stacked coefficients in tiles of :data:`_TILE_ELEMENTS`
+(:meth:`~quietsync.wire.codecs.BlockLayout.tiles`), so a tile's blocks, magnitudes, sums and counts stay in
+cache and nothing model-sized is written besides the momentum and the update. :meth:`DCTReplicator.replicate`
+is the spatial entry point (DiLoCo's pseudo-gradients): it converts, steps and converts back. The fp64 oracle
+written from paper 001 (``tests/strategies/helpers/reference_demo.py``) agrees up to fp32 rounding; the top-k may
+pick other positions only among coefficients of equal magnitude (:func:`~quietsync.wire.codecs.topk_positions`).
 
 ``k`` per block follows from ``compression`` (bytes per coefficient = value + position bytes), or
 is fixed by ``topk`` (DeMo's own knob; then ``compression`` is not used). With a low-bit ``transfer_dtype``
