@@ -19,7 +19,8 @@ measured, never a dependency of quietsync.
 ``--profile`` additionally records a ``torch.profiler`` table of a few quietsync ``dct`` steps on rank 0
 (after the timed rounds) into ``results/demo_codec_profile_<model>.txt``.
 
-    python benchmarks/bench_demo_codec.py [--models tiny 10m] [--rounds 8] [--steps-per-round 2] [--profile]
+    python benchmarks/bench_demo_codec.py [--models tiny 10m] [--rounds 8] [--steps-per-round 2] [--variants dct]
+                                          [--profile]
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     batch = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
     result: dict[str, Any] = {}
     for model_name in args.models:
-        variants = {f"quietsync {r}": _quietsync_variant(model_name, r) for r in ("dct", "random", "striding")}
+        variants = {f"quietsync {r}": _quietsync_variant(model_name, r) for r in args.variants}
         if args.detonation:
             variants["detonation dct"] = _detonation_variant(model_name, args.detonation_topk, solos[rank])
         names = list(variants)
@@ -171,6 +172,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps-per-round", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (2 workers share 2 cores)")
+    ap.add_argument("--variants", nargs="+", default=["dct", "random", "striding"],
+                    choices=["dct", "random", "striding"], help="quietsync replicators to time")
     ap.add_argument("--detonation-topk", type=int, default=32, help="DeMo reference's compression_topk")
     ap.add_argument("--no-detonation", action="store_true", help="skip the reference even when installed")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of quietsync dct steps (rank 0)")
@@ -196,7 +199,7 @@ def main() -> None:
             summary[model_name][name] = {"fwd_bwd_ms": fb * 1e3, "step_ms": st * 1e3, "step_over_fwd_bwd": st / fb}
             rows.append([model_name, f"{res['params']:,}", name, fb * 1e3, st * 1e3, st / fb])
     cmd = (f"python benchmarks/bench_demo_codec.py --models {' '.join(args.models)} --rounds {args.rounds} "
-           f"--steps-per-round {args.steps_per_round} --threads {args.threads}"
+           f"--steps-per-round {args.steps_per_round} --threads {args.threads} --variants {' '.join(args.variants)}"
            + (" --profile" if args.profile else "") + (" --no-detonation" if args.no_detonation else "")
            + ("" if args.step_barrier else " --no-step-barrier"))
     ref = (f"`detonation dct` is the reference implementation (PyPI detonation 0.5.2, topk {args.detonation_topk} "

@@ -5,8 +5,8 @@ and a :class:`~quietsync.transport.Transport`; usable in any training loop and b
 ``demo`` / ``flexdemo`` strategies.
 """
 
-from .decoupled import DecoupledOptimizer, check_replication_schedule
+from .decoupled import DecoupledOptimizer, DecoupledStep, check_replication_schedule
 from .decoupled_adamw import DecoupledAdamW
 from .demo_sgd import DeMoSGD
 
-__all__ = ["DecoupledOptimizer", "DecoupledAdamW", "DeMoSGD", "check_replication_schedule"]
+__all__ = ["DecoupledOptimizer", "DecoupledStep", "DecoupledAdamW", "DeMoSGD", "check_replication_schedule"]

@@ -1,12 +1,15 @@
 """The decoupled-momentum optimizer step shared by DeMo-SGD and decoupled AdamW (paper 001).
 
-Every step, for all parameters that have a gradient, together:
+Every step, for all parameters that have a gradient, together (one method each, so a strategy can spell the
+update out: :meth:`DecoupledOptimizer.begin_step`, then):
 
-1. ``delta <- beta * delta + s * g``  (decoupled momentum, local to the worker; ``s`` is the lr for
-   DeMo-SGD as in the DeMo reference, 1 for decoupled AdamW),
-2. the replicator extracts ``q`` from ``delta``, removes it (``delta <- delta - decode(q)``) and
-   exchanges it with the replicate group in one collective, returning the average ``Q``,
-3. the base rule applies ``Q`` (optionally its sign) to the parameters.
+1. :meth:`~DecoupledOptimizer.momentum`: ``delta <- beta * delta + s * g`` (decoupled momentum, local to the
+   worker; ``s`` is the lr for DeMo-SGD as in the DeMo reference, 1 for decoupled AdamW),
+2. :meth:`~DecoupledOptimizer.extract`: the replicator extracts ``q`` from ``delta`` and removes it
+   (``delta <- delta - decode(q)``),
+3. :meth:`~DecoupledOptimizer.exchange`: ``q`` crosses the replicate group in one collective; the average ``Q``
+   comes back,
+4. :meth:`~DecoupledOptimizer.apply`: the base rule applies ``Q`` (optionally its sign) to the parameters.
 
 Periodic replication: step ``t`` (1-based) replicates iff ``t % replicate_every == 0`` and not
 ``t % skip_every == 0``; on other steps the momentum is left alone and the local gradient
@@ -30,15 +33,33 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..transport import Collectives
 from ..validate import check_float, check_int
-from ..wire.replicators import Replicator, Segments, SparseUpdate, convert_momentum, make_replicator
+from ..wire.replicators import Message, Replicator, Segments, SparseUpdate, convert_momentum, make_replicator
 
-__all__ = ["DecoupledOptimizer", "check_replication_schedule"]
+__all__ = ["DecoupledOptimizer", "DecoupledStep", "check_replication_schedule"]
+
+
+@dataclass
+class DecoupledStep:
+    """One step of a :class:`DecoupledOptimizer`, from :meth:`~DecoupledOptimizer.begin_step` to
+    :meth:`~DecoupledOptimizer.apply`."""
+
+    groups: list[tuple[dict[str, Any], list[torch.Tensor]]]
+    """Each parameter group with its parameters that have a gradient."""
+    params: list[torch.Tensor]
+    """Those parameters, in order."""
+    segments: Segments
+    """Their shapes, as laid out in ``delta``."""
+    delta: torch.Tensor
+    """The flat decoupled momentum of ``params``, in the replicator's domain."""
+    replicates: bool
+    """Whether this step replicates (else it applies the local gradient)."""
 
 
 def check_replication_schedule(replicate_every: int, skip_every: int) -> None:
@@ -132,35 +153,49 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         self._flat, self._flat_key = flat, key
         return flat
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    # DeMo's update, one phase at a time (a strategy may call them itself: ``strategies/decoupled/demo.py``)
+    def begin_step(self) -> DecoupledStep | None:
+        """Open step ``t + 1``: the parameters with a gradient and their momentum buffer, and whether the step
+        replicates (None, and no replication, when no parameter has a gradient)."""
         self.decoupled_step += 1
         groups = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         params = [p for _, ps in groups for p in ps]
+        self.last_replicated = bool(params) and self.replicates_at(self.decoupled_step)
         if not params:
-            self.last_replicated = False
-            return loss
+            return None
         segments = Segments([p.shape for p in params])
-        flat = self._flat_delta(params, segments)
-        self.last_replicated = self.replicates_at(self.decoupled_step)
-        update: torch.Tensor | SparseUpdate
-        if self.last_replicated:
-            betas = [float(g["beta"]) for g, ps in groups for _ in ps]
-            scales = [self._delta_scale(g) for g, ps in groups for _ in ps]
-            self.replicator.accumulate(flat, segments, [p.grad for p in params], betas, scales)
-            update = self.replicator.replicate_momentum(flat, segments)
-        else:
-            update = torch.cat(
-                [p.grad.reshape(-1).to(torch.float32) * self._delta_scale(g) for g, ps in groups for p in ps]
-            )
+        return DecoupledStep(groups, params, segments, self._flat_delta(params, segments), self.last_replicated)
+
+    @torch.no_grad()
+    def momentum(self, step: DecoupledStep) -> None:
+        """``delta <- beta * delta + s * g`` for every parameter, in the replicator's domain."""
+        betas = [float(g["beta"]) for g, ps in step.groups for _ in ps]
+        scales = [self._delta_scale(g) for g, ps in step.groups for _ in ps]
+        self.replicator.accumulate(step.delta, step.segments, [p.grad for p in step.params], betas, scales)
+
+    @torch.no_grad()
+    def extract(self, step: DecoupledStep) -> Message:
+        """``q``: the part of ``delta`` that travels, removed from ``delta`` (error feedback)."""
+        return self.replicator.extract_momentum(step.delta, step.segments)
+
+    @torch.no_grad()
+    def exchange(self, step: DecoupledStep, q: Message) -> torch.Tensor | SparseUpdate:
+        """``Q``: every worker's ``q`` exchanged in one collective, averaged and decoded (spatial, flat)."""
+        return self.replicator.exchange_momentum(q, step.segments)
+
+    @torch.no_grad()
+    def local_update(self, step: DecoupledStep) -> torch.Tensor:
+        """A step that does not replicate applies the local gradient, ``s * g`` (the momentum is left alone)."""
+        return torch.cat([p.grad.reshape(-1).to(torch.float32) * self._delta_scale(g)
+                          for g, ps in step.groups for p in ps])
+
+    @torch.no_grad()
+    def apply(self, step: DecoupledStep, update: torch.Tensor | SparseUpdate) -> None:
+        """The base rule on ``Q`` (its sign where the group asks for it)."""
         if isinstance(update, SparseUpdate):
-            pieces = update.split(segments.sizes)
+            pieces = update.split(step.segments.sizes)
             done = 0
-            for g, ps in groups:
+            for g, ps in step.groups:
                 mine = pieces[done : done + len(ps)]
                 done += len(ps)
                 if g["sign"]:
@@ -172,9 +207,9 @@ class DecoupledOptimizer(torch.optim.Optimizer):
                         u.index_copy_(0, i, v)
                         dense.append(u.view(p.shape))
                     self._apply(g, ps, dense)
-            return loss
+            return
         at = 0
-        for g, ps in groups:
+        for g, ps in step.groups:
             if not ps:
                 continue
             ups = []
@@ -184,6 +219,22 @@ class DecoupledOptimizer(torch.optim.Optimizer):
             if g["sign"]:
                 torch._foreach_sign_(ups)
             self._apply(g, ps, ups)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = self.begin_step()
+        if step is None:
+            return loss
+        if step.replicates:
+            self.momentum(step)
+            update = self.replicator.replicate_momentum(step.delta, step.segments)  # extract, then exchange
+        else:
+            update = self.local_update(step)
+        self.apply(step, update)
         return loss
 
     # ------------------------------------------------------------------ state

@@ -1,18 +1,23 @@
 """``demo``: Decoupled Momentum (DeMo) over plain data parallelism (paper 001, after Peng et al. 2024).
 
-Every worker holds the whole model and its own decoupled momentum ``delta``. A step:
+Every worker holds the whole model and its own decoupled momentum ``delta``. A step accumulates
+``accumulation`` micro-batches locally (no communication at all during backward; with ``max_grad_norm`` this local
+gradient ``g`` is clipped by its own norm before it enters the momentum; fp16: an overflow on any worker drops the
+round on all, one flag all-reduce), then runs DeMo's update, spelled out in :meth:`DeMo._update`:
 
-1. accumulate ``accumulation`` micro-batches locally (no communication at all during backward); with
-   ``max_grad_norm`` this local gradient is clipped by its own norm before it enters the momentum (fp16: an
-   overflow on any worker drops the round on all, one flag all-reduce);
-2. ``delta <- beta * delta + lr * g`` (DeMo-SGD; ``+ g`` for decoupled AdamW);
-3. the **replicator** extracts a small part ``q`` of ``delta`` for all parameters at once
-   (``dct``: top-k DCT-II coefficients per chunk; ``random`` / ``striding``: positions every rank
-   derives from a shared seed; ``full``; ``none``), removes it from ``delta`` (error feedback) and
-   exchanges it with every other worker in **one** collective (all-gather for ``dct``, all-reduce
-   for the others) through the transport;
-4. the averaged, decoded update (its sign by default) is applied by the base optimizer:
-   DeMo-SGD (``base="sgd"``, the paper's default) or decoupled AdamW (``base="adamw"``).
+1. **momentum**: ``delta <- beta * delta + lr * g`` (DeMo-SGD; ``+ g`` for decoupled AdamW);
+2. **extract**: the replicator picks a small part ``q`` of ``delta`` for all parameters at once (``dct``: the
+   top-k DCT-II coefficients of every chunk; ``random`` / ``striding``: positions every rank derives from a shared
+   seed; ``full``; ``none``) and removes it from ``delta`` (error feedback);
+3. **exchange**: ``q`` crosses to every other worker in **one** collective through the transport (all-gather for
+   ``dct``, all-reduce for the others) and comes back as ``Q``, each coefficient averaged over the workers that
+   sent it, decoded;
+4. **apply**: the base optimizer applies ``Q`` (its sign by default): DeMo-SGD (``base="sgd"``, the paper's
+   default: ``theta <- theta - lr * sign(Q)``) or decoupled AdamW (``base="adamw"``).
+
+The codec behind steps 1-3 (blocks, transforms, top-k, packing) is :mod:`quietsync.wire`'s
+(:class:`~quietsync.wire.replicators.DCTReplicator` for ``dct``); for ``dct`` the momentum lives in the DCT domain,
+so step 1 transforms the gradient and step 3 inverts the mean, two transforms a step.
 
 Workers' parameters stay identical (they all apply the same averaged update). The knobs of
 :class:`~quietsync.strategies.decoupled.round.DecoupledConfig` become the CLI flags ``--replicator
@@ -87,11 +92,25 @@ class DeMo(Strategy):
         if check is None:  # fp16 overflow on some worker: the round is dropped on every worker
             self.discard_round()
             return False
-        extra = self.round.step(self._lr_scale(self.steps), self.accounting)
+        extra = self.round.step(self._lr_scale(self.steps), self.accounting, self._update)
         self.optimizer.zero_grad(set_to_none=True)
         self._commit(extra={**extra, **check})
         return True
 
+    @torch.no_grad()
+    def _update(self) -> None:
+        """DeMo's update on every parameter at once (the module docstring's steps 1-4)."""
+        opt = self.optimizer
+        step = opt.begin_step()  # t <- t + 1; whether t replicates (--replicate-every / --skip-every)
+        if step is None:  # no parameter has a gradient
+            return
+        if step.replicates:
+            opt.momentum(step)  # 1. delta <- beta * delta + lr * g
+            q = opt.extract(step)  # 2. q <- the fast components of delta; delta <- delta - q
+            update = opt.exchange(step, q)  # 3. Q <- every worker's q, averaged (one collective)
+        else:
+            update = opt.local_update(step)  # between replications: the local lr * g
+        opt.apply(step, update)  # 4. theta <- theta - lr * sign(Q) (or decoupled AdamW on Q)
 
     def _state(self) -> dict[str, Any]:
         return {"model": self.module.state_dict()}

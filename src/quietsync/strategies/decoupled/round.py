@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -120,11 +121,13 @@ class DecoupledRound(OptimizerRound):
     one, so the step's collective (the replication) is counted as idle time and the step reports whether it
     replicated. Gradients are left to the strategy (demo drops them; flexdemo's live on its shard)."""
 
-    def step(self, lr_scale: float, accounting: StepAccounting) -> dict[str, Any]:
-        """The decoupled optimizer's step (replication inside); closes the round; returns the step's
+    def step(self, lr_scale: float, accounting: StepAccounting,
+             update: Callable[[], Any] | None = None) -> dict[str, Any]:
+        """The decoupled optimizer's step (replication inside) at the scheduled lr -- ``update`` when given (a
+        strategy's own spelling of it), else ``optimizer.step`` --; closes the round; returns the step's
         extras."""
         self.lr.apply(lr_scale)
-        accounting.timed(self.optimizer.step, "replicate")
+        accounting.timed(update or self.optimizer.step, "replicate")
         self.accumulator.reset()
         return {"replicated": self.optimizer.last_replicated}
 

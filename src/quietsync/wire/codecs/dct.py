@@ -36,7 +36,7 @@ import torch
 
 from ...validate import check_int
 
-__all__ = ["dct_basis", "BlockGroup", "BlockLayout", "BlockWorkspace"]
+__all__ = ["dct_basis", "BlockGroup", "BlockLayout", "BlockWorkspace", "Tile"]
 
 
 @functools.lru_cache(maxsize=128)
@@ -103,6 +103,18 @@ class _Placement:
         if len(self.block) == 1:
             return self.nr * self.block[0] != self.rows
         return self.nr * self.block[0] != self.rows or self.nc * self.block[1] != self.cols
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A run of consecutive stacked blocks of one group, ``first .. first + count``, small enough to stay in a
+    core's cache while a step works through it; ``pieces`` are where they come from: ``(placement, r0, r1)``,
+    block rows ``r0 .. r1`` of a segment (all its rows for a 1-D or padded segment), in stacked order."""
+
+    group: int
+    first: int
+    count: int
+    pieces: tuple[tuple[_Placement, int, int], ...]
 
 
 class BlockLayout:
@@ -172,6 +184,82 @@ class BlockLayout:
             out[p.index] = stacked[p.group][p.first : p.first + p.num_blocks]
         return out
 
+    def tiles(self, max_elements: int) -> list[Tile]:
+        """The stacked blocks cut into :class:`Tile` runs of at most ``max_elements`` elements (a larger
+        unpadded matrix is cut by block rows; a tile holds at least one block row), each within one group."""
+        check_int("max_elements", max_elements, 1)
+        out: list[Tile] = []
+        for gi, g in enumerate(self.groups):
+            per = max(1, max_elements // g.block_numel)  # blocks per tile
+            pieces: list[tuple[_Placement, int, int]] = []
+            first = count = 0
+            for p in sorted((q for q in self.placements if q.group == gi), key=lambda q: q.first):
+                splittable = len(p.block) == 2 and not p.padded
+                step = max(1, per // p.nc) if splittable else p.nr  # block rows per piece
+                for r0 in range(0, p.nr, step):
+                    r1 = min(p.nr, r0 + step)
+                    n = (r1 - r0) * p.nc
+                    if count and count + n > per:
+                        out.append(Tile(gi, first, count, tuple(pieces)))
+                        pieces, first, count = [], first + count, 0
+                    pieces.append((p, r0, r1))
+                    count += n
+            if count:
+                out.append(Tile(gi, first, count, tuple(pieces)))
+        return out
+
+    @staticmethod
+    def _piece_views(p: _Placement, r0: int, r1: int, seg: torch.Tensor,
+                     blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block rows ``r0 .. r1`` of an unpadded 2-D segment ``seg`` (flat) and the same blocks in ``blocks``
+        (``((r1 - r0) * nc, br, bc)``), both viewed ``(r1 - r0, br, nc, bc)``."""
+        br, bc = p.block
+        rows = seg.view(p.nr, br, p.nc, bc)[r0:r1]
+        return rows, blocks.view(r1 - r0, p.nc, br, bc).permute(0, 2, 1, 3)
+
+    def tile_gather(self, tile: Tile, flat: torch.Tensor | Sequence[torch.Tensor], blocks: torch.Tensor) -> None:
+        """:meth:`gather_blocks` for one tile: its segments' elements (of a flat buffer, or of a list of
+        tensors, one per segment) into ``blocks`` (``(tile.count, *block_shape)``), padding written as zeros."""
+        at = 0
+        for p, r0, r1 in tile.pieces:
+            seg = flat[p.offset : p.offset + p.numel] if isinstance(flat, torch.Tensor) else flat[p.index].reshape(-1)
+            n = (r1 - r0) * p.nc
+            dst = blocks[at : at + n]
+            at += n
+            if len(p.block) == 2 and not p.padded:
+                src, view = self._piece_views(p, r0, r1, seg, dst)
+                view.copy_(src)
+                continue
+            mine = self._own_layout(p, dst)
+            if len(p.block) == 1:
+                mine[: p.rows].copy_(seg)
+                mine[p.rows :].zero_()
+            else:  # through a zero-padded copy of the segment's own layout, as gather_blocks
+                br, bc = p.block
+                pad = seg.new_zeros(p.nr * br, p.nc * bc)
+                pad[: p.rows, : p.cols] = seg.view(p.rows, p.cols)
+                mine.copy_(pad.view(p.nr, br, p.nc, bc))
+
+    def tile_scatter(self, tile: Tile, blocks: torch.Tensor, flat: torch.Tensor) -> None:
+        """:meth:`scatter_blocks` for one tile: the real part of ``blocks`` (``(tile.count, *block_shape)``)
+        written into the tile's segments of ``flat``."""
+        at = 0
+        for p, r0, r1 in tile.pieces:
+            seg = flat[p.offset : p.offset + p.numel]
+            n = (r1 - r0) * p.nc
+            src = blocks[at : at + n]
+            at += n
+            if len(p.block) == 2 and not p.padded:
+                dst, view = self._piece_views(p, r0, r1, seg, src)
+                dst.copy_(view)
+                continue
+            mine = self._own_layout(p, src)
+            if len(p.block) == 1:
+                seg.copy_(mine[: p.rows])
+            else:
+                br, bc = p.block
+                seg.view(p.rows, p.cols).copy_(mine.reshape(p.nr * br, p.nc * bc)[: p.rows, : p.cols])
+
     # -- moving blocks ------------------------------------------------------------------------
     def empty_blocks(self, dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
         """Zeroed stacked block buffers, one ``(num_blocks, *block_shape)`` per group."""
@@ -181,7 +269,11 @@ class BlockLayout:
     def _blocks_of(p: _Placement, stacked: torch.Tensor) -> torch.Tensor:
         """``p``'s blocks in ``stacked`` viewed in the segment's own (padded) layout:
         ``(nr, br, nc, bc)`` for 2-D, ``(nr * b,)`` for 1-D."""
-        mine = stacked[p.first : p.first + p.num_blocks]
+        return BlockLayout._own_layout(p, stacked[p.first : p.first + p.num_blocks])
+
+    @staticmethod
+    def _own_layout(p: _Placement, mine: torch.Tensor) -> torch.Tensor:
+        """``p``'s ``num_blocks`` blocks ``mine`` viewed as :meth:`_blocks_of` views them."""
         if len(p.block) == 1:
             return mine.view(-1)
         br, bc = p.block

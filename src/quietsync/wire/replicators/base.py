@@ -19,9 +19,11 @@ optimizer on the local gradient).
 (:attr:`Replicator.momentum_domain`): ``spatial`` (the momentum as the parameters lay it out; ``random``,
 ``striding``, ``full``, ``none``) or ``dct:<chunk>`` (``dct``: the DCT-II coefficients of every block, so a
 step needs one forward transform of the gradient and one inverse of the averaged update, and error feedback
-just zeroes what was sent). The optimizer goes through :meth:`Replicator.accumulate` (``delta <- beta * delta
-+ s * g``) and :meth:`Replicator.replicate_momentum`; :meth:`Replicator.replicate` stays the spatial entry point
-for callers that hold a spatial residual. :meth:`replicate_momentum` may return a :class:`SparseUpdate`
+just zeroes what was sent). The optimizer goes through DeMo's steps one by one:
+:meth:`Replicator.accumulate` (the momentum, ``delta <- beta * delta + s * g``), :meth:`Replicator.extract_momentum`
+(the extract, error feedback included) and :meth:`Replicator.exchange_momentum` (the collective and the decoded
+average); :meth:`Replicator.replicate_momentum` is the two last in one call, and :meth:`Replicator.replicate` the
+spatial entry point for callers that hold a spatial residual. The exchange may return a :class:`SparseUpdate`
 (zero except at a few positions) that an optimizer applies without a dense temporary.
 """
 
@@ -68,14 +70,17 @@ class Message:
     """What one worker sends in one step.
 
     Attributes:
-        payload: the tensor that goes into the collective (values, or packed values+indices).
-        sent: dense flat buffer of what ``payload`` decodes to (for error feedback).
+        payload: the tensor that goes into the collective (values, or packed values+indices); for a ``local``
+            message, the update itself.
+        sent: dense flat buffer of what ``payload`` decodes to (a spatial replicator's error feedback), or None.
         meta: whatever the replicator needs to decode the exchanged payload (indices, specs).
+        local: nothing is exchanged (a replicate group of one, or ``none``): ``payload`` is the update.
     """
 
     payload: torch.Tensor
-    sent: torch.Tensor
+    sent: torch.Tensor | None = None
     meta: Any = None
+    local: bool = False
 
 
 @dataclass
@@ -256,9 +261,34 @@ class Replicator(ABC):
                 torch._foreach_mul_(views[a:b], betas[a])
             torch._foreach_add_(views[a:b], [g.to(momentum.dtype) for g in grads[a:b]], alpha=scales[a])
 
+    def extract_momentum(self, momentum: torch.Tensor, segments: Segments) -> Message:
+        """DeMo's *extract*: pick what travels from ``momentum`` (flat, in this replicator's domain) and remove it
+        there (error feedback: ``delta <- delta - decode(q)``, transfer rounding included). Advances any per-step
+        counter. In a replicate group of one the whole momentum is the (local) update."""
+        if momentum.dim() != 1 or momentum.numel() != self.momentum_numel(segments):
+            raise ValueError(f"momentum must be flat with {self.momentum_numel(segments)} elements, got shape "
+                             f"{tuple(momentum.shape)}")
+        if self.group_size == 1:
+            return self._keep_all(momentum, segments)
+        msg = self.extract(momentum, segments)
+        momentum.sub_(msg.sent)
+        return msg
+
+    def exchange_momentum(self, msg: Message, segments: Segments) -> torch.Tensor | SparseUpdate:
+        """DeMo's *exchange*: the collective, and the decoded average of every worker's ``msg`` -- the update,
+        spatial and flat (or a :class:`SparseUpdate`)."""
+        return msg.payload if msg.local else self.exchange(msg, segments)
+
     def replicate_momentum(self, momentum: torch.Tensor, segments: Segments) -> torch.Tensor | SparseUpdate:
-        """:meth:`replicate` on the momentum in this replicator's domain; the update is spatial (flat)."""
-        return self.replicate_update(momentum, segments)
+        """:meth:`extract_momentum` then :meth:`exchange_momentum`: one step on the momentum in this replicator's
+        domain; the update is spatial (flat, or a :class:`SparseUpdate`)."""
+        return self.exchange_momentum(self.extract_momentum(momentum, segments), segments)
+
+    def _keep_all(self, momentum: torch.Tensor, segments: Segments) -> Message:
+        """Nobody to send to: the whole momentum is the update (spatial), and the momentum starts afresh."""
+        update = self.momentum_to_spatial(momentum, segments)
+        momentum.zero_()
+        return Message(update, local=True)
 
     def momentum_from_spatial(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
         """A flat spatial momentum in this replicator's domain (a new tensor)."""

@@ -23,6 +23,11 @@ class NoReplicator(Replicator):
         delta.zero_()
         return update
 
+    def extract_momentum(self, momentum: torch.Tensor, segments: Segments) -> Message:
+        if momentum.dim() != 1 or momentum.numel() != self.momentum_numel(segments):
+            return super().extract_momentum(momentum, segments)  # its error names the shape
+        return self._keep_all(momentum, segments)
+
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
         return Message(delta.new_empty(0), delta.clone())
 

@@ -79,23 +79,36 @@ class RandomReplicator(Replicator):
         return update.dense() if isinstance(update, SparseUpdate) else update
 
     def replicate_update(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor | SparseUpdate:
-        """Same values as the base class's extract / error feedback / exchange, without a dense temporary:
-        the error feedback touches only the sent positions (``x - 0 == x`` elsewhere, bit for bit) and the
-        update comes back sparse (positions ascending)."""
+        """Same values as the base class's extract / error feedback / exchange, without a dense temporary
+        (:meth:`extract_momentum` then :meth:`exchange_momentum`): the update comes back sparse."""
         if delta.dim() != 1 or delta.numel() != segments.numel or self.group_size == 1:
             return super().replicate(delta, segments)
-        idx = _ascending(self.indices(segments, self.counter, delta.device))
+        return self.replicate_momentum(delta, segments)
+
+    def extract_momentum(self, momentum: torch.Tensor, segments: Segments) -> Message:
+        """Same values as the base class's extract / error feedback, without a dense temporary: the error
+        feedback touches only the sent positions (``x - 0 == x`` elsewhere, bit for bit); the message holds the
+        positions (ascending) for :meth:`exchange_momentum`'s sparse update."""
+        if momentum.dim() != 1 or momentum.numel() != segments.numel or self.group_size == 1:
+            return super().extract_momentum(momentum, segments)
+        idx = _ascending(self.indices(segments, self.counter, momentum.device))
         self.counter += 1
-        vals = delta.index_select(0, idx)
+        vals = momentum.index_select(0, idx)
+        payload, sent = self.encode_values(vals)
+        momentum.index_copy_(0, idx, vals - sent)
+        return Message(payload, meta=(idx, momentum.dtype, momentum.numel()))
+
+    def exchange_momentum(self, msg: Message, segments: Segments) -> torch.Tensor | SparseUpdate:
+        """The average of every worker's values at the shared positions, as a :class:`SparseUpdate` (low-bit
+        payloads all-gathered, decoded and averaged; others all-reduced)."""
+        if msg.local or msg.sent is not None:
+            return super().exchange_momentum(msg, segments)
+        idx, dtype, numel = msg.meta
         if self.lowbit is not None:  # packed codes: all-gathered, decoded, averaged
-            payload, sent = self.encode_values(vals)
-            delta.index_copy_(0, idx, vals - sent)
-            mean = self.average_lowbit(payload, vals.numel(), delta.dtype, f"replicate/{self.name}")
-            return SparseUpdate(idx, mean, delta.numel())
-        payload = vals.to(self.transfer_dtype)
-        delta.index_copy_(0, idx, vals - payload.to(delta.dtype))
-        self.transport.all_reduce(payload, self.group, op="avg", name=f"replicate/{self.name}")
-        return SparseUpdate(idx, payload.to(delta.dtype), delta.numel())
+            mean = self.average_lowbit(msg.payload, idx.numel(), dtype, f"replicate/{self.name}")
+            return SparseUpdate(idx, mean, numel)
+        self.transport.all_reduce(msg.payload, self.group, op="avg", name=f"replicate/{self.name}")
+        return SparseUpdate(idx, msg.payload.to(dtype), numel)
 
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
         idx = self.indices(segments, self.counter, delta.device)
