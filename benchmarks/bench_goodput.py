@@ -273,7 +273,10 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
 
     def start_standby() -> None:
         path = root / f"activate{len(standbys)}"
-        standbys.append((path, launch(1, ["--standby", str(path)], pinned(core_of(1, replicas)))))
+        # on its own core if one is given: a standby importing beside the replica it replaces slows that replica,
+        # and with it every outer sync of the job, for as long as its start-up lasts (~25-40 s on a heavy image)
+        core = STANDBY_CORE if STANDBY_CORE is not None else core_of(1, replicas)
+        standbys.append((path, launch(1, ["--standby", str(path)], pinned(core))))
 
     def start(k: int) -> None:
         holder.release()
@@ -471,7 +474,7 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "processes_left": result.get("processes_left", 0),
            "events": [(k, at - t0) for k, at in result["events"]],
            "returns": returns(rows, result["events"], mode, replicas, 10.0 * dilation), "timeline": timeline,
-           "dilation": dilation, "heavy_env": heavy, "standby": standby,
+           "dilation": dilation, "heavy_env": heavy, "standby": standby, "standby_core": STANDBY_CORE,
            "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
            "load_average": os.getloadavg(), "cpus": os.cpu_count(), "cores": CORES, "cpu_model": cpu_model(),
@@ -499,6 +502,9 @@ def cpu_model() -> str:
 
 MACHINE = ""
 """``--machine``: the machine's name as the report shows it."""
+
+STANDBY_CORE: int | None = None
+"""``--standby-core``: the CPU replica 1's standbys start on (None: replica 1's own core)."""
 
 
 def report(name: str = "goodput") -> None:
@@ -665,7 +671,7 @@ def plot(runs: list[dict[str, Any]], name: str = "goodput") -> None:
 
 
 def main() -> None:
-    global RUNS, CORES, MACHINE
+    global RUNS, CORES, MACHINE, STANDBY_CORE
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", nargs=2, metavar=("STRATEGY", "MODE"), help=f"one run: {list(STRATEGIES)} x {MODES}")
     p.add_argument("--report", action="store_true", help="write benchmarks/results/goodput.{md,json,png}")
@@ -697,6 +703,9 @@ def main() -> None:
     p.add_argument("--heavy-env", action="store_true",
                    help="torchft modes: every replica process imports a heavy environment's packages first "
                         "(HEAVY_IMPORTS), as on a stock GPU image")
+    p.add_argument("--standby-core", type=int, default=None,
+                   help="with --standby: the CPU each standby starts on (default: replica 1's own core, which the "
+                        "standby's start-up then shares with the replica it replaces)")
     p.add_argument("--standby", action="store_true",
                    help="torchft: replica 1 returns as a prepared standby (quietsync train --standby), activated at "
                         "each return")
@@ -736,6 +745,13 @@ def main() -> None:
             dilation = args.replicas // cores
         if args.heavy_env and not mode.startswith("torchft"):
             p.error(f"--heavy-env applies to the torchft modes (torchft, torchft-free), not {mode}")
+        if args.standby_core is not None:
+            if not args.standby:
+                p.error("--standby-core needs --standby")
+            if args.standby_core not in os.sched_getaffinity(0):
+                p.error(f"--standby-core {args.standby_core}: not a CPU available here "
+                        f"(available: {sorted(os.sched_getaffinity(0))})")
+            STANDBY_CORE = args.standby_core
         if args.standby and mode != "torchft":
             p.error(f"--standby applies to the torchft mode (replica 1's returns), not {mode}")
         steps = args.steps or DEFAULT_STEPS[strategy]
