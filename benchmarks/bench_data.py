@@ -74,7 +74,7 @@ def make_corpus(total: int, out: Path, seed: int = 0) -> dict[str, Any]:
     """The Bible's verses, shuffled on every pass and repeated, one per line, in files of at most 128 MB."""
     import numpy as np
 
-    from quietsync.train.corpus import kjv_path
+    from quietsync.data.corpus import kjv_path
 
     verses = []
     with open(kjv_path(), encoding="utf-8") as f:
@@ -139,11 +139,11 @@ def memory_worker(mode: str, text: str, prepared: str, cache: str, batches: int)
     import torch  # noqa: F401  (the libraries a worker has loaded before its data)
     import transformers  # noqa: F401
 
+    from quietsync.data.corpus import load_corpus
+    from quietsync.data.sequences import ShardedSequences, encode_split, eval_batches
+    from quietsync.data.tokenizer import job_tokenizer
     from quietsync.train.config import TrainConfig
-    from quietsync.train.corpus import load_corpus
-    from quietsync.train.data import ShardedSequences, encode_split, eval_batches
     from quietsync.train.job_data import open_job_data
-    from quietsync.train.tokenizer import job_tokenizer
 
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
     before = _status()
@@ -177,10 +177,10 @@ def prefill_today(text: str, prepared: str, cache: str) -> None:
     """Put the prepared folder's tokenizer and token streams where today's worker looks for them."""
     import numpy as np
 
-    from quietsync.train.corpus import load_corpus
-    from quietsync.train.data import token_cache_path
-    from quietsync.train.shards import open_prepared
-    from quietsync.train.tokenizer import eos_id, tokenizer_path
+    from quietsync.data.corpus import load_corpus
+    from quietsync.data.sequences import token_cache_path
+    from quietsync.data.shards import open_prepared
+    from quietsync.data.tokenizer import eos_id, tokenizer_path
 
     data = open_prepared(prepared)
     corpus = load_corpus(text, 0.02)

@@ -183,12 +183,12 @@ def _join_bytes(strategy: str, root: Path, out: Path) -> list[int]:
 
 def _count_load(rank: int, world: int, folder: str, strategy: str, config: dict, root: str) -> int:
     import quietsync.train.logical_checkpoint as lc
+    from quietsync.data.corpus import load_corpus
+    from quietsync.data.sequences import ShardedSequences, encode_split
+    from quietsync.data.tokenizer import job_tokenizer
     from quietsync.models import build_model, param_groups
     from quietsync.strategies import make_strategy
     from quietsync.strategies.checkpoint.logical import local_part
-    from quietsync.train.corpus import load_corpus
-    from quietsync.train.data import ShardedSequences, encode_split
-    from quietsync.train.tokenizer import job_tokenizer
 
     corpus = load_corpus(str(Path(root) / "text.txt"), 0.02)
     tokenizer, eos = job_tokenizer(None, corpus, 300, Path(root) / "cache")

@@ -37,7 +37,7 @@ from quietsync.accelerate import QuietAccelerator
 def corpus_bytes() -> bytes:
     """Training text as bytes (the byte is the token): the embedded KJV corpus when installed, else a filler."""
     try:
-        from quietsync.train.corpus import kjv_chapters
+        from quietsync.data.corpus import kjv_chapters
 
         return "".join(kjv_chapters()[:40]).encode()
     except (ImportError, FileNotFoundError):

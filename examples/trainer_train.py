@@ -32,7 +32,7 @@ from quietsync.hf_trainer import QuietTrainer
 def corpus_bytes() -> bytes:
     """Training text as bytes: the embedded KJV corpus when installed, else a filler."""
     try:
-        from quietsync.train.corpus import kjv_chapters
+        from quietsync.data.corpus import kjv_chapters
 
         return "".join(kjv_chapters()[:40]).encode()
     except (ImportError, FileNotFoundError):

@@ -24,8 +24,8 @@ def build_folders(root: Path, families: list[str] | None = None, vocab_size: int
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from quietsync.train.corpus import Corpus
-    from quietsync.train.tokenizer import EOS_TOKEN, eos_id, train_tokenizer
+    from quietsync.data.corpus import Corpus
+    from quietsync.data.tokenizer import EOS_TOKEN, eos_id, train_tokenizer
     from tests.train.conftest import synthetic_text
 
     corpus = Corpus("synthetic", tuple(synthetic_text(40, seed=s) for s in range(30)), (synthetic_text(40, seed=99),))

@@ -3,8 +3,9 @@ too), ``src/quietsync`` has no circle of modules, no circle between the rooms of
 runs back up a floor), and every module stands on a floor (:data:`FLOORS`) with no import from a lower floor to a
 higher one: the leaves (topology, link, events) under the transport and the models, under the communication
 worker, under the flat buffers, the wire, the cost vocabulary and the command-line kit, under the optimizers,
-the strategies, fault tolerance, the front doors (Accelerate, Trainer, ``QuietOptimizer``), the trainer, the
-planner (whose pilots are training runs), the commands (``quietsync``, ``quietsync compare``), the GPU check and,
+the strategies, fault tolerance, the front doors (Accelerate, Trainer, ``QuietOptimizer``), the data pipeline
+(which knows nothing of training), the trainer (whose loop reads its batches), the planner (whose pilots are
+training runs), the commands (``quietsync``, ``quietsync compare``), the GPU check and,
 on top, the package's face. ``docs/contract.md`` draws the same floors (checked here), and ``import quietsync``
 loads no floor it does not use (not the planner). ``tests/strategies/test_contract.py`` holds the same line
 inside ``strategies/`` (no family imports another)."""
@@ -133,11 +134,12 @@ def test_no_import_runs_back_up_in_any_folder():
 
 FACE = "quietsync"
 FLOORS: dict[str, int] = {
-    FACE: 13,  # the package's __init__: re-exports from the floors below, each loaded on first use
-    "quietsync.__main__": 12, "quietsync.gpu_check": 12,
-    "quietsync.commands": 11,
-    "quietsync.plan": 10,
-    "quietsync.train": 9,
+    FACE: 14,  # the package's __init__: re-exports from the floors below, each loaded on first use
+    "quietsync.__main__": 13, "quietsync.gpu_check": 13,
+    "quietsync.commands": 12,
+    "quietsync.plan": 11,
+    "quietsync.train": 10,
+    "quietsync.data": 9,
     "quietsync.accelerate": 8, "quietsync.hf_trainer": 8, "quietsync.quiet_optimizer": 8,
     "quietsync.faults": 7,
     "quietsync.strategies": 6,
@@ -209,7 +211,8 @@ def test_a_module_on_no_floor_is_named():
     with pytest.raises(KeyError, match="quietsync.annex stands on no floor"):
         upward({"quietsync.annex": {"quietsync.topology": [1]}})
     assert floor_of("quietsync.strategies.baselines.ddp") == floor_of("quietsync.strategies") == 6
-    assert floor_of(FACE) == 13 and floor_of("quietsync.commands.main") == 11
+    assert floor_of(FACE) == 14 and floor_of("quietsync.commands.main") == 12
+    assert floor_of("quietsync.data.sequences") == floor_of("quietsync.train") - 1
 
 
 CONTRACT = Path(__file__).resolve().parents[1] / "docs" / "contract.md"

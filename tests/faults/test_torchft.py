@@ -48,8 +48,8 @@ def _window_starts(tokens: torch.Tensor, seq_len: int, seed: int, windows: list[
 def _replay(root: Path, steps: list[dict], per_replica: int = 2, seq_len: int = 32) -> torch.nn.Module:
     """One process, one model: every committed step is AdamW on the mean of the present replicas' gradients, each
     the gradient of the mean loss of its slot's windows (``per_replica`` of them, in slot order)."""
+    from quietsync.data.shards import open_prepared
     from quietsync.models.causal_lm import build_model
-    from quietsync.train.shards import open_prepared
 
     (folder,) = [p for p in (root / "cache").glob("prepared-*") if p.is_dir()]  # prepared once by the run
     prepared = open_prepared(folder)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quietsync.comm_worker import CommWorker
-from quietsync.train.data import ShardedSequences
+from quietsync.data.sequences import ShardedSequences
 from quietsync.train.window_dealer import WindowDealer
 
 

@@ -75,7 +75,7 @@ def _strategy(name: str, seed: int):
 
 
 def _stream(rank: int, world: int):
-    from quietsync.train.data import ShardedSequences
+    from quietsync.data.sequences import ShardedSequences
 
     return ShardedSequences(torch.arange(4000), 8, MBS, rank, world, seed=3)
 

@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
+from quietsync.data.sequences import ShardedSequences
 from quietsync.train.adaptive_rounds import PlannedSequences
-from quietsync.train.data import ShardedSequences
 from quietsync.train.metrics import read_jsonl
 
 from ._run import refused, small_job, train
@@ -81,9 +81,9 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
     # nothing read twice or skipped: the windows of both workers are a prefix of the permutation
     windows = [tuple(w) for r in range(2) for x in steps[r] for w in x["windows"]]
     assert len(windows) == 2 * (16 + 8)
-    from quietsync.train.corpus import load_corpus
-    from quietsync.train.data import encode_split
-    from quietsync.train.tokenizer import job_tokenizer
+    from quietsync.data.corpus import load_corpus
+    from quietsync.data.sequences import encode_split
+    from quietsync.data.tokenizer import job_tokenizer
 
     corpus = load_corpus(str(tmp_path / "text.txt"), 0.02)
     tokenizer, eos = job_tokenizer(None, corpus, 300, tmp_path / "cache")

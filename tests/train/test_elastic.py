@@ -83,9 +83,9 @@ def _steps(out: Path, rank: int) -> list[dict]:
 
 def _one_reader_order(root: Path, count: int) -> list[list[int]]:
     """The oracle of the data order: one reader of each epoch's permutation, one window at a time."""
-    from quietsync.train.corpus import load_corpus
-    from quietsync.train.data import ShardedSequences, encode_split
-    from quietsync.train.tokenizer import job_tokenizer
+    from quietsync.data.corpus import load_corpus
+    from quietsync.data.sequences import ShardedSequences, encode_split
+    from quietsync.data.tokenizer import job_tokenizer
 
     corpus = load_corpus(str(root / "text.txt"), 0.02)
     tokenizer, eos = job_tokenizer(None, corpus, 300, root / "cache")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quietsync.data.tokenizer import EOS_TOKEN, eos_id, train_tokenizer
 from quietsync.models import build_model
 from quietsync.train.export import export_model
-from quietsync.train.tokenizer import EOS_TOKEN, eos_id, train_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,8 +64,8 @@ def test_export_refuses_a_plain_module(tmp_path, small_corpus):
 
 def test_a_run_can_start_from_an_exported_folder(small_corpus, tmp_path):
     """--model and --tokenizer take a Hugging Face folder (here one quietsync exported)."""
+    from quietsync.data.tokenizer import load_pretrained_tokenizer
     from quietsync.models import is_pretrained, load_pretrained
-    from quietsync.train.tokenizer import load_pretrained_tokenizer
 
     tok = train_tokenizer(small_corpus, 300)
     model = build_model("tiny", tok.get_vocab_size(), eos_id(tok), seed=0)
@@ -90,11 +90,11 @@ def test_a_run_ends_with_a_model_from_pretrained_loads_and_the_next_run_starts_f
     and `--model OUT/model` (tokenizer from the same folder) starts a run at exactly that loss."""
     from transformers import AutoModelForCausalLM
 
+    from quietsync.data.corpus import load_corpus
+    from quietsync.data.sequences import encode_split, eval_batches
+    from quietsync.data.tokenizer import load_pretrained_tokenizer
     from quietsync.train.config import TrainConfig
-    from quietsync.train.corpus import load_corpus
-    from quietsync.train.data import encode_split, eval_batches
     from quietsync.train.loop import evaluate, run
-    from quietsync.train.tokenizer import load_pretrained_tokenizer
 
     from .conftest import synthetic_text
 

@@ -124,7 +124,7 @@ def _starts(batch: torch.Tensor) -> list[int]:
 
 @pytest.mark.parametrize("old,new", [(4, 2), (2, 4), (3, 2)])
 def test_the_data_stream_continues_where_the_old_world_stopped(old, new):
-    from quietsync.train.data import ShardedSequences
+    from quietsync.data.sequences import ShardedSequences
 
     tokens, seq, mbs, steps = torch.arange(2000), 8, 2, 3
     olds = [ShardedSequences(tokens, seq, mbs, r, old, seed=5) for r in range(old)]

@@ -50,8 +50,8 @@ def test_a_truncated_logical_shard_is_named_before_workers_start(saved, tmp_path
 def test_a_worker_loading_a_truncated_shard_names_it(saved, tmp_path, monkeypatch):
     import torch
 
+    from quietsync.data.sequences import ShardedSequences
     from quietsync.strategies import make_strategy
-    from quietsync.train.data import ShardedSequences
     from quietsync.train.logical_checkpoint import load_logical
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):

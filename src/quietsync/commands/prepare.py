@@ -1,6 +1,6 @@
-"""``quietsync prepare --dataset INPUT --out DIR``: the command line of :func:`quietsync.train.prepare.prepare`.
+"""``quietsync prepare --dataset INPUT --out DIR``: the command line of :func:`quietsync.data.prepare.prepare`.
 
-Flags are the fields of :class:`~quietsync.train.prepare.PrepareConfig`; a bad value, or input that cannot be
+Flags are the fields of :class:`~quietsync.data.prepare.PrepareConfig`; a bad value, or input that cannot be
 prepared as asked, is one line on stderr and exit status 2, with nothing left half-written; an interrupted prepare
 exits 130 and the same command resumes it. The last line says how to train on the result.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 
 from ..cli.flags import FlagError, OneLineParser, add_dataclass_flags, build_config, given_values
+from ..data.prepare import PrepareConfig, Refused, prepare
 from ..train.args import PROG
-from ..train.prepare import PrepareConfig, Refused, prepare
 
 __all__ = ["prepare_main", "prepare_parser"]
 

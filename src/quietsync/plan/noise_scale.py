@@ -145,8 +145,8 @@ def measure_pilot(model_dir: str | Path, job: Any, micro_batches: int = MICRO_BA
     """``B_simple`` of the model a pilot exported (``model_dir``, a Hugging Face folder) on the job's training data
     (``job``: its :class:`~quietsync.train.config.TrainConfig`), micro-batches drawn at random (another seed than
     the run's). ``ValueError`` (one line) when the folder holds no model."""
+    from ..data.sequences import ShardedSequences
     from ..models.causal_lm import load_pretrained
-    from ..train.data import ShardedSequences
     from ..train.job_data import open_job_data
 
     t0 = time.perf_counter()

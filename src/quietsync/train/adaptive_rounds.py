@@ -3,8 +3,8 @@ dealt by the agreed plan, and the flags checked before any worker starts.
 
 **Windows.** A worker that takes fewer inner steps in a round must read fewer windows, and no other worker may read
 the ones it leaves. With fixed inner steps every worker reads ``perm[r::W]`` of the epoch's permutation
-(:class:`~quietsync.train.data.ShardedSequences`), the same count each. Under adaptive inner steps every worker knows
-the round's plan (the strategy's ``window_plan``: the round's number and each worker's micro-batches in it, agreed
+(:class:`~quietsync.data.sequences.ShardedSequences`), the same count each. Under adaptive inner steps every worker
+knows the round's plan (the strategy's ``window_plan``: the round's number and each worker's micro-batches in it, agreed
 at the previous sync), so :class:`PlannedSequences` deals the round's windows out of the epoch's permutation as one
 stream: the round takes the next ``Σ_j c_j`` windows (``c_j`` = worker j's micro-batches × micro-batch size), dealt
 one per worker in turn, a worker dropping out of the turn once it has its ``c_j``. So the windows all workers read
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .data import ShardedSequences, Tokens, gather_windows
+from ..data.sequences import ShardedSequences, Tokens, gather_windows
 
 Plan = Callable[[], "tuple[int, list[int]] | None"]
 """The strategy's ``window_plan``: ``(round, micro-batches of each worker in it)``."""
@@ -65,7 +65,7 @@ class PlannedSequences(ShardedSequences):
 
     Args:
         plan: the strategy's ``window_plan`` (read before every micro-batch); the rest as
-            :class:`~quietsync.train.data.ShardedSequences`.
+            :class:`~quietsync.data.sequences.ShardedSequences`.
     """
 
     def __init__(self, tokens: Tokens, seq_len: int, micro_batch_size: int, rank: int, world_size: int, seed: int,

@@ -103,8 +103,8 @@ def _flags_elsewhere(flag: str) -> list[str]:
 
 def _check_environment(parser: OneLineParser, cfg: TrainConfig, cls: Any, nodes: int | None,
                        world: int | None) -> None:
+    from ..data.corpus import DEFAULT_DATASET, looks_like_path
     from ..models.causal_lm import max_positions
-    from .corpus import DEFAULT_DATASET, looks_like_path
     from .preflight import check_compiler, check_paths, check_threads
 
     if not cls.resumable and (cfg.save_every or cfg.resume):

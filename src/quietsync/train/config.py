@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
+from ..data.corpus import DEFAULT_DATASET
+from ..data.tokenizer import MIN_VOCAB
 from ..link import parse_links
 from ..validate import check_choice, check_float, check_int
 from .budgets import Budgets
-from .corpus import DEFAULT_DATASET
 from .profile import parse_profile_steps
 from .sinks import parse_log_with
 from .slow_worker import SlowWorker, parse_slow_worker
-from .tokenizer import MIN_VOCAB
 
 DEFAULT_STRATEGY = "zero1"
 """Strategy of `quietsync train` when ``--strategy`` is not given."""

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .tokenizer import EOS_TOKEN
+from ..data.tokenizer import EOS_TOKEN
 
 MODEL_DIR = "model"
 """Sub-folder of ``--out`` the trainer exports to."""

@@ -1,10 +1,10 @@
 """The data of a ``quietsync train`` job: a prepared folder, mapped by every worker.
 
 ``--dataset`` is either a prepared folder (``quietsync prepare``'s output, taken as it is) or any input
-:mod:`quietsync.train.sources` reads, which is then prepared once into ``--cache-dir`` (``prepared-<key>/``, the key
+:mod:`quietsync.data.sources` reads, which is then prepared once into ``--cache-dir`` (``prepared-<key>/``, the key
 a digest of the input files' names, sizes and times, the tokenizer and the split): the first process takes the
 folder's lock and prepares it — the launcher, before any worker starts, or under torchrun one worker while the
-others wait — and later runs reuse it. :func:`open_job_data` then maps its shards (:mod:`quietsync.train.shards`).
+others wait — and later runs reuse it. :func:`open_job_data` then maps its shards (:mod:`quietsync.data.shards`).
 
 With a prepared folder the tokenizer is the folder's. ``--tokenizer`` (or a ``--model`` folder's own tokenizer)
 must be the same one (same fingerprint), and the flags that decided the folder (``--vocab-size``,
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from .cache import DEFAULT_CACHE_DIR, build_in_place
+from ..data.cache import DEFAULT_CACHE_DIR, build_in_place
+from ..data.prepare import PrepareConfig, plan_request, prepare, request_key
+from ..data.shards import INDEX, TokenShards, is_prepared, open_prepared, read_index, tokenizer_fingerprint
 from .config import TrainConfig
-from .prepare import PrepareConfig, plan_request, prepare, request_key
-from .shards import INDEX, TokenShards, is_prepared, open_prepared, read_index, tokenizer_fingerprint
 
 IN_MEMORY_ENV = "QUIETSYNC_DATA_IN_MEMORY"
 """Set to 1: each worker copies its splits into memory as int64 (the path before mapped shards; benchmarks)."""
@@ -108,7 +108,7 @@ def tokenizer_problem(cfg: TrainConfig, index: dict[str, Any]) -> str | None:
     tokenizer)."""
     if cfg.tokenizer is None or not is_prepared(cfg.dataset):
         return None
-    from .tokenizer import load_pretrained_tokenizer
+    from ..data.tokenizer import load_pretrained_tokenizer
 
     tok, _ = load_pretrained_tokenizer(cfg.tokenizer)
     theirs = tokenizer_fingerprint(tok)

@@ -6,7 +6,7 @@ strategy that can reshard (``Strategy.reshard_refusal is None``: ddp, zero1, fsd
 job's:
 
 * ``data.epoch``, ``data.consumed`` — the data stream's world-size-independent position
-  (:meth:`~quietsync.train.data.ShardedSequences.logical_position`);
+  (:meth:`~quietsync.data.sequences.ShardedSequences.logical_position`);
 * ``world_size`` — the number of workers that wrote it;
 * ``worker.<r>.tokens``, ``worker.<r>.micro_batches`` — each old worker's counters.
 
@@ -40,9 +40,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..data.sequences import ShardedSequences
 from ..strategies import Strategy
 from ..strategies.checkpoint.logical import ReshardError, SavedTensors
-from .data import ShardedSequences
 
 LOGICAL_DIR = "logical"
 """The DCP folder inside a step folder."""

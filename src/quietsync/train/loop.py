@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ..cli.launch import ERRORS_ENV, note_failure, under_torchrun
+from ..data.sequences import ShardedSequences, eval_batches
 from ..faults.inject import pause
 from ..link import parse_links
 from ..models.causal_lm import count_parameters, param_groups
@@ -64,7 +65,6 @@ from .checkpoint import (
     step_folder,
 )
 from .config import TrainConfig
-from .data import ShardedSequences, eval_batches
 from .elastic import Nominal, TokenSchedule, accumulation_field, rescaled
 from .export import MODEL_DIR, export_model
 from .job_data import open_job_data

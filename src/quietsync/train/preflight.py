@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from ..cli.flags import FlagError, flag_message
-from .cache import DEFAULT_CACHE_DIR
+from ..data.cache import DEFAULT_CACHE_DIR
 from .config import TrainConfig
 
 __all__ = ["THREADS_PER_CORE", "check_compiler", "check_paths", "check_threads", "check_data", "compiler_problem",
@@ -136,8 +136,8 @@ def check_data(cfg: TrainConfig, world: int) -> None:
     """
     import sys
 
+    from ..data.shards import check_shards, read_index
     from .job_data import job_folder, split_tokens, tokenizer_problem
-    from .shards import check_shards, read_index
 
     try:
         folder = job_folder(cfg, progress=cfg.progress and sys.stderr.isatty())

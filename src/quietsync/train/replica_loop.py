@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..cli.launch import note_failure
+from ..data.sequences import ShardedSequences, eval_batches
 from ..faults.heal import heal_state, load_heal_state
 from ..faults.inject import hold, poison, reached, ready
 from ..faults.quorum import ReplicaQuorum
@@ -52,7 +53,6 @@ from ..strategies import StrategyConfig, make_strategy
 from ..strategies.parts.precision import parse_precision
 from ..topology import GROUPS
 from .allocator import keep_freed_memory
-from .data import ShardedSequences, eval_batches
 from .elastic import accumulation_field
 from .export import MODEL_DIR, export_model
 from .job_data import open_job_data

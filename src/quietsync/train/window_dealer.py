@@ -2,7 +2,7 @@
 windows of a slot whose replica did not take part in the commit go back to the stream.
 
 The training text is read as one sequence of windows: epoch after epoch, each epoch's seeded permutation of its
-``seq_len`` windows (:class:`~quietsync.train.data.ShardedSequences`'s order with one reader), window ``g`` of
+``seq_len`` windows (:class:`~quietsync.data.sequences.ShardedSequences`'s order with one reader), window ``g`` of
 the sequence being window ``g mod N`` of epoch ``g div N``. :class:`WindowDealer` is the same on every replica
 (it is part of the state a healing replica receives). At the start of every step it deals ``replicas`` slots of
 ``per_replica`` windows (``--accumulation`` × ``--micro-batch-size`` × the replica group's workers) -- first the
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .data import ShardedSequences, gather_windows
+from ..data.sequences import ShardedSequences, gather_windows
 
 KEEP_POSITIONS = 64
 """Steps whose starting position the dealer remembers (the schedule asks for the current step's)."""

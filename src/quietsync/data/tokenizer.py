@@ -3,7 +3,7 @@
 Nothing is downloaded: the tokenizer is trained with the ``tokenizers`` library on the training
 documents of the corpus (never on the held-out part). The result is cached as
 ``<cache_dir>/tokenizer-<corpus fingerprint>-v<vocab size>.json``; concurrent workers build it once
-(see :mod:`quietsync.train.cache`). Byte-level BPE round-trips any text exactly.
+(see :mod:`quietsync.data.cache`). Byte-level BPE round-trips any text exactly.
 
 ``--tokenizer`` instead takes a pretrained tokenizer (a local folder with ``tokenizer.json``, e.g. a previous
 run's ``OUT/model``, or a hub name): :func:`load_pretrained_tokenizer`.

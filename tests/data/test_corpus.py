@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from quietsync.train.corpus import (
+from quietsync.data.corpus import (
     chunk_text,
     kjv_chapters,
     kjv_path,

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import io
-import threading
 from pathlib import Path
 
 import pytest
 
-from quietsync.train import sources
-from quietsync.train.corpus import chunk_text
-from quietsync.train.prepare import split_stream
-from quietsync.train.sources import is_held_out_file, resolve_source, stream_chunks
+from quietsync.data import sources
+from quietsync.data.corpus import chunk_text
+from quietsync.data.prepare import split_stream
+from quietsync.data.sources import is_held_out_file, resolve_source, stream_chunks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,7 +27,7 @@ def test_a_file_read_block_by_block_gives_the_chunks_of_the_whole_file(monkeypat
 
 
 def test_split_stream_is_split_documents():
-    from quietsync.train.corpus import split_documents
+    from quietsync.data.corpus import split_documents
 
     for n, fraction in ((10, 0.25), (2, 0.1), (7, 0.5 - 1e-9), (101, 0.02)):
         docs = [f"d{i}" for i in range(n)]
@@ -78,32 +77,3 @@ def _bin(tmp_path: Path) -> Path:
     ("train-val-free.bin", True), ("devices.txt", False)])
 def test_held_out_files_are_recognised_by_name(name, held):
     assert is_held_out_file(Path(name)) is held
-
-
-def test_the_implicit_prepare_is_done_by_one_process_under_a_lock(tmp_path, monkeypatch):
-    """Workers that start together: one prepares, the others wait for its index and map the same folder."""
-    from quietsync.train import job_data
-    from quietsync.train.config import TrainConfig
-
-    from .conftest import synthetic_text
-
-    (tmp_path / "t.txt").write_text(synthetic_text(400))
-    cfg = TrainConfig(dataset=str(tmp_path / "t.txt"), vocab_size=300, cache_dir=str(tmp_path / "cache"),
-                      model="tiny")
-    real = job_data.prepare
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(threading.get_ident())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(job_data, "prepare", counted)
-    folders = []
-    threads = [threading.Thread(target=lambda: folders.append(job_data.job_folder(cfg))) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(calls) == 1 and len(set(folders)) == 1 and len(folders) == 3
-    assert not list((tmp_path / "cache").glob("*.lock"))
-    assert job_data.job_folder(cfg) == folders[0] and len(calls) == 1  # later runs reuse it

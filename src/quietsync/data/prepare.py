@@ -1,9 +1,9 @@
 """``quietsync prepare``: tokenize a corpus once, in parallel, into memory-mappable token shards.
 
-:func:`prepare` reads the documents of ``--dataset`` as a stream (:mod:`quietsync.train.sources`), splits off the
+:func:`prepare` reads the documents of ``--dataset`` as a stream (:mod:`quietsync.data.sources`), splits off the
 held-out documents, encodes batches of documents on every core (the ``tokenizers`` library's Rust encoder runs
 without Python's lock, one encoding thread per core, in order), and appends each split's ids, every document
-followed by the end-of-text id, to shards of at most ``shard_tokens`` tokens (:mod:`quietsync.train.shards`).
+followed by the end-of-text id, to shards of at most ``shard_tokens`` tokens (:mod:`quietsync.data.shards`).
 Only a few batches of text are in memory at any time. The index is written last.
 
 * **Tokenizer**: ``--tokenizer`` (a folder with ``tokenizer.json`` or a hub name), or else the default one, a
@@ -154,7 +154,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def split_stream(documents: Iterable[tuple[str, int]], k: int) -> Iterator[tuple[str, bool, int]]:
     """``(document, held out?, position)``: every k-th document held out, counting from the (k-1)-th — and when
-    there are fewer than k, the last one — as :func:`~quietsync.train.corpus.split_documents` splits a list (one
+    there are fewer than k, the last one — as :func:`~quietsync.data.corpus.split_documents` splits a list (one
     document is held back until the next one is read)."""
     pending: tuple[str, int] | None = None
     i = 0
@@ -456,7 +456,7 @@ def prepare(cfg: PrepareConfig, folder: str | os.PathLike | None = None, *,
 
 def _index_token_files(cfg: PrepareConfig, source: Source, folder: Path, tokenizer, eos: int,
                        request: dict[str, Any]) -> Prepared:
-    """Index pre-tokenized files where they are (:mod:`quietsync.train.token_files`); write the tokenizer and
+    """Index pre-tokenized files where they are (:mod:`quietsync.data.token_files`); write the tokenizer and
     the index."""
     vocab = tokenizer.get_vocab_size()
     dtype, entries, split = index_token_files(source.files, source.held_out_files, source.options["token_dtype"],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quietsync.train.data import ShardedSequences, encode_documents, encode_split, eval_batches
-from quietsync.train.tokenizer import eos_id, load_or_train_tokenizer
+from quietsync.data.sequences import ShardedSequences, encode_documents, encode_split, eval_batches
+from quietsync.data.tokenizer import eos_id, load_or_train_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
 

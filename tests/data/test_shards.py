@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from quietsync.train.data import ShardedSequences, eval_batches
-from quietsync.train.shards import FORMAT, VERSION, TokenShards, map_file, map_shard, open_prepared
+from quietsync.data.sequences import ShardedSequences, eval_batches
+from quietsync.data.shards import FORMAT, VERSION, TokenShards, map_file, map_shard, open_prepared
 
 pytestmark = pytest.mark.timeout(60)
 

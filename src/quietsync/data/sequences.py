@@ -2,7 +2,7 @@
 
 * :func:`encode_split` turns the documents of one split, held in memory, into one token stream (an end-of-text
   token after each document), cached on disk next to the tokenizer, as int64 in memory: what every worker did
-  before ``quietsync prepare`` (kept for small corpora held as a :class:`~quietsync.train.corpus.Corpus`, and as
+  before ``quietsync prepare`` (kept for small corpora held as a :class:`~quietsync.data.corpus.Corpus`, and as
   the in-memory reference of tests and benchmarks).
 * :class:`ShardedSequences` is the infinite training iterator of one worker: every epoch it draws a
   seeded random offset and permutation of the non-overlapping ``seq_len`` windows and gives worker
@@ -16,7 +16,7 @@
 * :func:`eval_batches` gives each worker its fixed, disjoint part of the held-out windows.
 
 Both read a split either from memory (a 1-D int64 tensor, as :func:`encode_split` makes it) or from its prepared
-shards, memory-mapped (:class:`~quietsync.train.shards.TokenShards`): the same windows give the same ids, so a
+shards, memory-mapped (:class:`~quietsync.data.shards.TokenShards`): the same windows give the same ids, so a
 run is the same either way. What a worker holds for the data besides the mapped pages is the epoch's order of
 its own windows (int32: 4 bytes per window of the epoch ÷ the number of workers) and one micro-batch.
 """

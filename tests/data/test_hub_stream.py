@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from quietsync.train.corpus import load_hub
+from quietsync.data.corpus import load_hub
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -14,11 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from quietsync.train import prepare as prep
-from quietsync.train.corpus import load_corpus
-from quietsync.train.prepare import PrepareConfig, Refused, prepare
-from quietsync.train.shards import open_prepared, tokenizer_fingerprint
-from quietsync.train.tokenizer import EOS_TOKEN, train_tokenizer
+from quietsync.data import prepare as prep
+from quietsync.data.corpus import load_corpus
+from quietsync.data.prepare import PrepareConfig, Refused, prepare
+from quietsync.data.shards import open_prepared, tokenizer_fingerprint
+from quietsync.data.tokenizer import EOS_TOKEN, train_tokenizer
 
 from .conftest import synthetic_text
 
@@ -109,7 +109,7 @@ def tokenizer_folder(tmp_path):
     """A tokenizer folder as `--tokenizer` takes it (what OUT/model holds)."""
     from transformers import PreTrainedTokenizerFast
 
-    from quietsync.train.corpus import Corpus
+    from quietsync.data.corpus import Corpus
 
     tok = train_tokenizer(Corpus("t", tuple(_docs(50))), 400)
     folder = tmp_path / "tok"

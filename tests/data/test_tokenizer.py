@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from quietsync.train import tokenizer as tokmod
-from quietsync.train.cache import build_once
-from quietsync.train.tokenizer import EOS_TOKEN, eos_id, load_or_train_tokenizer, tokenizer_path
+from quietsync.data import tokenizer as tokmod
+from quietsync.data.cache import build_once
+from quietsync.data.tokenizer import EOS_TOKEN, eos_id, load_or_train_tokenizer, tokenizer_path
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,8 +130,8 @@ def test_build_once_says_whom_it_waits_for(tmp_path, capsys):
 def test_a_long_build_that_shows_life_is_waited_for(tmp_path, monkeypatch):
     """A builder refreshes its lock while it works (a large corpus takes minutes to prepare): a waiter whose
     timeout is shorter than the build waits for it instead of giving up, and nothing is built twice."""
-    from quietsync.train import cache
-    from quietsync.train.cache import build_in_place
+    from quietsync.data import cache
+    from quietsync.data.cache import build_in_place
 
     monkeypatch.setattr(cache, "HEARTBEAT_S", 0.05)
     done, lock = tmp_path / "done", tmp_path / "done.lock"

@@ -1,4 +1,4 @@
-"""Writing one split's token ids into shard files, resumably (the write side of :mod:`quietsync.train.shards`).
+"""Writing one split's token ids into shard files, resumably (the write side of :mod:`quietsync.data.shards`).
 
 :class:`SplitWriter` appends ids to ``<split>-00000.bin``, ``-00001``, … of at most ``shard_tokens`` ids each, in the
 split's dtype; :meth:`~SplitWriter.state` is what a journal records after :meth:`~SplitWriter.flush`, and

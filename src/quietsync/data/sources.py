@@ -3,9 +3,9 @@
 :func:`resolve_source` names the kind of input from what is on disk; :meth:`Source.documents` yields its
 documents in a fixed order, a few at a time. Kinds:
 
-* ``kjv``: the embedded King James Bible, one document per chapter (:mod:`quietsync.train.corpus`);
+* ``kjv``: the embedded King James Bible, one document per chapter (:mod:`quietsync.data.corpus`);
 * ``text``: a text file, or a folder whose ``*.txt`` files (recursively, sorted) are read, cut into chunks of
-  about ``chunk_chars`` characters at line boundaries — the same chunks as :func:`~quietsync.train.corpus.chunk_text`
+  about ``chunk_chars`` characters at line boundaries — the same chunks as :func:`~quietsync.data.corpus.chunk_text`
   of the whole file, read block by block;
 * ``json`` / ``parquet`` / ``arrow``: files (or a folder of them) read by the ``datasets`` library's own
   streaming readers; each non-blank value of the text column (``--text-column``; default ``text``, else the only
@@ -19,7 +19,7 @@ documents in a fixed order, a few at a time. Kinds:
 The held-out split: for tables, token shards and hub datasets, files named like a held-out split (``val``,
 ``valid``, ``validation``, ``dev``, ``test``, ``eval`` — nanoGPT's ``val.bin``, ``validation-*.parquet``) form it
 when there are any; otherwise, and always for text, every k-th document is held out (k = round(1 /
-eval_fraction)), as :func:`~quietsync.train.corpus.split_documents` does (for token shards without a held-out file:
+eval_fraction)), as :func:`~quietsync.data.corpus.split_documents` does (for token shards without a held-out file:
 the last ``eval_fraction`` of the tokens).
 
 Every problem is a ``ValueError`` whose message is one line naming the flag (``--dataset``, ``--text-column``,
@@ -52,7 +52,7 @@ HELD_OUT_NAME = re.compile(r"(^|[-_.])(val|valid|validation|dev|test|eval|evalua
 """A file whose name (without suffix, lower case) matches holds held-out data."""
 
 PREPARED_INDEX = "index.json"
-"""The file that marks a prepared folder (:mod:`quietsync.train.shards`)."""
+"""The file that marks a prepared folder (:mod:`quietsync.data.shards`)."""
 
 READ_BLOCK = 1 << 22
 """Characters of a text file read at a time."""
@@ -226,7 +226,7 @@ def _text_documents(files: tuple[Path, ...], chunk_chars: int) -> Iterator[tuple
 
 
 def stream_chunks(f, chunk_chars: int) -> Iterator[str]:
-    """:func:`~quietsync.train.corpus.chunk_text` of the text file ``f``, reading :data:`READ_BLOCK` characters
+    """:func:`~quietsync.data.corpus.chunk_text` of the text file ``f``, reading :data:`READ_BLOCK` characters
     at a time: the same chunks, whatever the file's size.
 
     Lines are cut by ``str.splitlines`` as in ``chunk_text``; the last piece of a block may be an unfinished
