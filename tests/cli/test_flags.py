@@ -267,6 +267,7 @@ FLOAT_FIELDS = {
     "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density", "worker_speeds",
                "adapt_overhead", "adapt_threshold"},
     "localsgd": {"worker_speeds"},
+    "acco": {"straggler_factor"},
 }
 """Every float field of the job's config (None) and of each strategy's config that has one: the float flags the
 next test sends NaN and infinities to."""

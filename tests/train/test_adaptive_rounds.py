@@ -118,7 +118,7 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
     (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
       "--worker-speeds", "1"], "--worker-speeds must give one value per worker (2), got 1"),
     (["--strategy", "diloco", "--inner-steps", "adaptive", "--inner", "ddp", "--nodes", "1"],
-     "--inner must be local with inner_steps adaptive"),
+     "--inner must be local with --inner-steps adaptive"),
     (["--strategy", "diloco", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
       "--fault-tolerance", "torchft", "--nodes", "2"],
      "--inner-steps adaptive is not supported with --fault-tolerance torchft"),

@@ -81,6 +81,7 @@ SAFE = frozenset({
     "activation_checkpointing", "compile",  # the same computation, other memory and speed
     "fault_tolerance", "lighthouse", "replica_group", "replica_restarts",  # torchft runs do not resume (refused)
     "standby",
+    "strategy_module",  # where the strategy's code is imported from; the strategy and its config are compared
 })
 """Job fields a resumed run may change without a word."""
 
