@@ -126,9 +126,9 @@ def test_ddp_survivors_go_on_and_returning_replicas_heal_even_when_their_source_
         torch.set_num_threads(threads)
     trained = load_file(str(out / "model" / "model.safetensors"))
     diff = max(float((reference[name] - value).abs().max()) for name, value in trained.items())
-    # measured 2.6e-6 (float summation order); a replay that skips one step, or shifts the lr by one, is off by
-    # 2.2e-4 to 6e-2
-    assert diff < 2e-5, f"the run's model differs from the one-process replay of its commits by {diff}"
+    # measured 2.6e-6 on one CPU and up to 4.6e-5 on another (float summation order: gloo's reduction and the
+    # replay's sum differ); a replay that skips one step, or shifts the lr by one, is off by 2.2e-4 to 6e-2
+    assert diff < 1e-4, f"the run's model differs from the one-process replay of its commits by {diff}"
 
 
 def test_diloco_survivor_commits_the_outer_sync_alone_and_the_returning_replica_heals(tmp_path):
