@@ -303,14 +303,22 @@ class Replicator(ABC):
         """:meth:`replicate`, but the update may come back as a :class:`SparseUpdate` (here: never)."""
         return self.replicate(delta, segments)
 
-    def replicate(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
-        """Extract, apply error feedback to ``delta`` in place, exchange; return the averaged update."""
+    def _alone(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor | None:
+        """Check ``delta`` is flat over ``segments``; in a group of one, the whole of it is the update (``delta``
+        emptied); else None."""
         if delta.dim() != 1 or delta.numel() != segments.numel:
             raise ValueError(f"delta must be flat with {segments.numel} elements, got shape {tuple(delta.shape)}")
-        if self.group_size == 1:
-            update = delta.clone()
-            delta.zero_()
-            return update
+        if self.group_size != 1:
+            return None
+        update = delta.clone()
+        delta.zero_()
+        return update
+
+    def replicate(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
+        """Extract, apply error feedback to ``delta`` in place, exchange; return the averaged update."""
+        alone = self._alone(delta, segments)
+        if alone is not None:
+            return alone
         msg = self.extract(delta, segments)
         delta.sub_(msg.sent)
         return self.exchange(msg, segments)

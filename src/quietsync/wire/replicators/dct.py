@@ -188,12 +188,9 @@ class DCTReplicator(Replicator):
     def replicate(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
         """The spatial entry point: ``delta`` into the DCT domain, :meth:`replicate_momentum`, and the residual
         back (three transforms; a decoupled optimizer keeps its momentum in the DCT domain and needs two)."""
-        if delta.dim() != 1 or delta.numel() != segments.numel:
-            raise ValueError(f"delta must be flat with {segments.numel} elements, got shape {tuple(delta.shape)}")
-        if self.group_size == 1:
-            update = delta.clone()
-            delta.zero_()
-            return update
+        alone = self._alone(delta, segments)
+        if alone is not None:
+            return alone
         momentum = self.momentum_from_spatial(delta, segments)
         update = self.replicate_momentum(momentum, segments).clone()
         delta.copy_(self.momentum_to_spatial(momentum, segments))
