@@ -42,8 +42,7 @@ from typing import Any
 import torch
 
 from ..cli.launch import ERRORS_ENV, note_failure, under_torchrun
-from ..data.sequences import ShardedSequences, eval_batches
-from ..faults.inject import pause
+from ..data.sequences import eval_batches
 from ..link import parse_links
 from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import Strategy, StrategyConfig, make_strategy
@@ -56,12 +55,10 @@ from .checkpoint import (
     checkpoint_root,
     complete_checkpoints,
     files_problem,
-    latest_checkpoint,
     load_checkpoint,
     rank_file,
     remove_partial_writes,
     resolve_resume,
-    save_checkpoint,
     step_folder,
 )
 from .config import TrainConfig
@@ -69,14 +66,15 @@ from .elastic import Nominal, TokenSchedule, accumulation_field, rescaled
 from .export import MODEL_DIR, export_model
 from .job_data import open_job_data
 from .job_model import job_model
+from .membership import COMMITTED, DROPPED, OPEN, Membership
 from .metrics import MetricsWriter, format_summary, write_summary
-from .nonfinite import NonFiniteError, NonFiniteGuard
 from .preflight import data_problem
 from .profile import StepProfiler
 from .resume_check import check_checkpoint
 from .schedule import warmup_cosine
 from .sinks import open_sinks
-from .slow_worker import MicroBatchTimer, SlowWorker
+from .slow_worker import MicroBatchTimer
+from .world import ElasticWorld, FixedWorld, local_ranks
 
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW betas of the trainer (GPT-style)."""
@@ -88,14 +86,6 @@ AUDIT_ENV = "QUIETSYNC_AUDIT_DATA"
 """Set to 1: every step record also holds ``windows``, the ``[epoch, first token offset]`` of each training
 window this worker fed since the previous committed step, and ``world_size`` (an audit of the data order:
 across resumes and membership changes no window may be read twice or skipped)."""
-
-
-def _local_ranks(topology: Topology) -> list[int]:
-    """Ranks whose files share this worker's disk: its torchrun node (all ranks for local workers)."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
-    local_rank = int(os.environ.get("LOCAL_RANK", topology.rank % max(1, local_world)))
-    first = topology.rank - local_rank
-    return list(range(first, first + local_world))
 
 
 def _set_threads(cfg: TrainConfig) -> None:
@@ -126,10 +116,10 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
 
 
 class _Printer:
-    """Rank-0-only printing that does not tear the progress bar."""
+    """Printing by the worker that speaks (rank 0), not tearing the progress bar."""
 
-    def __init__(self, rank: int, bar: Any) -> None:
-        self.enabled = rank == 0
+    def __init__(self, enabled: bool, bar: Any) -> None:
+        self.enabled = enabled
         self.bar = bar
 
     def __call__(self, text: str) -> None:
@@ -155,32 +145,13 @@ class _Resume:
     """An elastic run whose newest checkpoint already reached ``--max-steps``: there is nothing left to do."""
 
 
-@dataclasses.dataclass
-class _Job:
-    """What one worker's step loop needs besides the strategy."""
-
-    cfg: TrainConfig
-    strategy_flags: StrategyConfig | None
-    """The strategy's config as the flags gave it (the batch policy may have rescaled the one it runs)."""
-    clock: TokenSchedule
-    """The learning-rate schedule's position by committed step (follows tokens: train/elastic.py)."""
-    nominal: Nominal
-    """What a step held when the run started (the batch policy's reference)."""
-    stream: ShardedSequences
-    held_out: list[torch.Tensor]
-    device: torch.device
-    rank: int
-    slow: SlowWorker | None
-    t_setup: float
-
-
 def _agreed_checkpoint(cfg: TrainConfig, topology: Topology, transport: Transport, required: bool) -> Path | None:
     """The newest complete checkpoint under ``--out`` whose files are whole, as rank 0 sees it, broadcast so every
     worker loads the same one (None when there is none and ``required`` is False). Under ``--elastic`` a
     checkpoint with a bad file is passed over, with a note naming it, for the next older one."""
     code, problem = -1, None
     if topology.rank == 0:
-        for folder in complete_checkpoints(cfg.out, _local_ranks(topology)):
+        for folder in complete_checkpoints(cfg.out, local_ranks(topology)):
             problem = files_problem(folder, topology.world_size, topology.nodes)
             if problem is None:
                 code = int(folder.name.split("-")[1])
@@ -220,13 +191,13 @@ def _resume_point(cfg: TrainConfig, strategy_config: StrategyConfig | None, topo
     if cfg.elastic or cfg.resume == "latest":
         folder = _agreed_checkpoint(cfg, topology, transport, required=not cfg.elastic)
         if folder is None and cfg.resume not in (None, "latest"):
-            folder = resolve_resume(str(cfg.resume), cfg.out, _local_ranks(topology))
+            folder = resolve_resume(str(cfg.resume), cfg.out, local_ranks(topology))
     else:
-        folder = resolve_resume(str(cfg.resume), cfg.out, _local_ranks(topology))
+        folder = resolve_resume(str(cfg.resume), cfg.out, local_ranks(topology))
     if folder is None:
         return None
     head = load_checkpoint(folder, 0, mmap=True)
-    local = _local_ranks(topology)  # the same choice on every worker: all use the rank files, or none
+    local = local_ranks(topology)  # the same choice on every worker: all use the rank files, or none
     same = (head.get("world_size") == world and head.get("nodes", topology.nodes) == topology.nodes
             and all(rank_file(folder, r).is_file() for r in local))
     state = load_checkpoint(folder, rank) if same and rank != 0 else load_checkpoint(folder, 0, mmap=not same)
@@ -324,8 +295,13 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         if rank == 0 and cfg.elastic:
             print(f"quietsync train: --elastic: {_elastic_note(cfg, resume, world, run_config, clock)}", flush=True)
         clock_offset = time.time() - time.perf_counter()
-        job = _Job(cfg, strategy_config, clock, nominal, stream, held_out, device, rank, slow, t_setup)
-        result = _train(job, strategy, tokens_total, resume_step)
+        audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
+        kind = ElasticWorld if cfg.elastic else FixedWorld
+        membership = kind(cfg, strategy, strategy_config, clock, nominal, stream, resume_step is not None, audit)
+        metrics = MetricsWriter(cfg.out, rank, resume_step, sinks=open_sinks(
+            cfg.log_with, cfg.out, rank, resume=resume_step is not None,
+            config={"config": dataclasses.asdict(cfg), "strategy_config": dataclasses.asdict(strategy.config)}))
+        result = train_steps(cfg, strategy, membership, metrics, held_out, t_setup, tokens_total)
         result["memory_bytes"] = strategy.memory_report()  # before export: buffers as training held them
         if cfg.export:  # the committed parameters, as from_pretrained loads them (every worker: fsdp gathers)
             with strategy.paused(), strategy.committed_params() as module:
@@ -362,29 +338,50 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         transport.close()  # also takes down torch.distributed's default group when the transport set it up
 
 
-def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | None) -> dict[str, Any]:
-    """The step loop of one worker: micro-batches until the first budget is reached (``--max-steps`` committed
-    steps — the schedule's position, after a resume on another number of workers —, or one of
-    train/budgets.py, agreed by every worker); logs, evals, saves."""
-    from tqdm.auto import tqdm
+class _NoBar:
+    """The progress bar of a worker that shows none (``tqdm`` is not imported for it)."""
 
-    cfg, stream, held_out, device, rank, slow = job.cfg, job.stream, job.held_out, job.device, job.rank, job.slow
-    t_setup, clock = job.t_setup, job.clock
-    audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
+    disable = True
 
-    metrics = MetricsWriter(cfg.out, rank, resume_step, sinks=open_sinks(
-        cfg.log_with, cfg.out, rank, resume=resume_step is not None,
-        config={"config": dataclasses.asdict(cfg), "strategy_config": dataclasses.asdict(strategy.config)}))
-    timer = MicroBatchTimer(slow, rank, device)
-    if rank == 0:
+    def __init__(self, initial: int) -> None:
+        self.n = initial
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, metrics: MetricsWriter,
+                held_out: list[torch.Tensor], t_setup: float, tokens_fed: int = 0) -> dict[str, Any] | None:
+    """The step loop, one for every mode (``membership``: :mod:`quietsync.train.membership`): micro-batches until the
+    first budget is reached (``--max-steps`` counted on the membership's position, or one of train/budgets.py, agreed
+    by every worker); logs, evaluates, and lets the membership save. None when the run ended without this worker
+    (a torchft replica that healed into a finished run)."""
+    device, rank = strategy.transport.device, membership.rank
+    if membership.ended:
+        return None
+    guard = membership.guard
+    timer = MicroBatchTimer(cfg.slow(), rank, device)
+    if membership.speaks:
         print(f"quietsync train: strategy {cfg.strategy}, {strategy.world_size} worker(s), model {cfg.model} "
               f"({count_parameters(strategy.module) / 1e6:.2f} M parameters), {cfg.budgets().describe()}, "
               f"out {cfg.out}", flush=True)
-    bar = tqdm(total=cfg.max_steps, initial=strategy.steps, unit="step", dynamic_ncols=True, mininterval=0.5,
-               disable=rank != 0 or not cfg.progress, desc=f"{cfg.strategy}")
-    say = _Printer(rank, bar)
+    if membership.speaks and cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=strategy.steps, unit="step", dynamic_ncols=True, mininterval=0.5,
+                   desc=f"{cfg.strategy}")
+    else:
+        bar = _NoBar(strategy.steps)
+    say = _Printer(membership.speaks, bar)
     evals = [r for r in metrics.kept if r.get("event") == "eval"]
     sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in STEP_SUMS}
+    tokens_logged = 0  # the tokens of the steps this loop logged
     setup_s = time.perf_counter() - t_setup
     # time_s continues across a resume (the clock restarts where the kept records end)
     elapsed = max((r.get("time_s", 0.0) for r in metrics.kept), default=0.0)
@@ -397,37 +394,36 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
         with strategy.paused(), strategy.committed_params(), strategy.autocast():  # the run's --precision
             loss = evaluate(strategy.module, held_out, device)
         now = time.perf_counter()
-        evals.append(metrics.eval(strategy.steps, loss, tokens_total, now - t, now - t0))
+        evals.append(metrics.eval(strategy.steps, loss, membership.tokens_total(tokens_fed), now - t, now - t0))
         bar.set_postfix(eval=f"{loss:.3f}", refresh=False)
         if bar.disable:
             say(f"step {strategy.steps:>6}  eval loss {loss:.4f}")
         return loss
 
-    def log_step(losses: list[torch.Tensor], step_tokens: int) -> None:
-        """The metrics record of the step just committed (``losses``/``step_tokens``: the micro-batches fed for
-        it; none for a step that finish() committed)."""
+    def log_step(losses: list[torch.Tensor], fed: int) -> None:
+        """The metrics record of the step just committed (``losses``/``fed``: the micro-batches fed for it; none
+        for a step that finish() committed)."""
+        nonlocal tokens_logged
         m = strategy.last_step_metrics()
         step_loss = float(torch.stack(losses).mean()) if losses else float("nan")
         record = {
-            "step": m.step, "rank": rank, "loss": step_loss, "lr": m.lr, "tokens": step_tokens,
-            "tokens_total": tokens_total, "micro_batches": m.micro_batches, "compute_s": m.compute_s,
-            "comm_s": m.comm_s, "idle_s": m.idle_s, "bytes_sent": m.bytes_sent, "bytes_recv": m.bytes_recv,
-            "bytes_by_group": m.bytes_by_group, "slow_sleep_s": timer.slept_s,
+            "step": m.step, "rank": rank, "loss": step_loss, "lr": m.lr, "tokens": membership.step_tokens(fed),
+            "tokens_total": membership.tokens_total(tokens_fed), "micro_batches": m.micro_batches,
+            "compute_s": m.compute_s, "comm_s": m.comm_s, "idle_s": m.idle_s, "bytes_sent": m.bytes_sent,
+            "bytes_recv": m.bytes_recv, "bytes_by_group": m.bytes_by_group, "slow_sleep_s": timer.slept_s,
             "time_s": time.perf_counter() - t0, "unix_s": time.time(),
         }
         if m.extra:
             record["extra"] = m.extra
-        if audit:
-            record["windows"] = list(windows)
-            record["world_size"] = strategy.world_size
-            windows.clear()
         skipped = guard.committed()
         if skipped:
             record["skipped_rounds"] = skipped
             say(f"step {m.step:>6}  {skipped} round(s) with a non-finite loss or gradient skipped before it")
+        membership.record(record)
         metrics.step(record)
         for k in sums:
             sums[k] += record[k]
+        tokens_logged += record["tokens"]
         timer.slept_s = 0.0
         bar.update(max(0, m.step - bar.n))  # a step may span several (adaptive inner steps)
         shown = {"loss": f"{step_loss:.3f}", "lr": f"{m.lr:.2e}"}
@@ -435,105 +431,98 @@ def _train(job: _Job, strategy: Strategy, tokens_total: int, resume_step: int | 
             shown["grad_norm"] = f"{m.extra['grad_norm']:.3g}"
         bar.set_postfix(shown, refresh=False)
 
-    windows: list[list[int]] = []  # --audit: the windows fed since the last committed step
-    guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
     budgets = BudgetWatch(cfg.budgets(), strategy)
-    stopped_by = "max_steps" if clock.position(strategy.steps) >= cfg.max_steps else None  # a finished run
+    stopped_by = "max_steps" if membership.position(strategy) >= cfg.max_steps else None  # nothing left to train
     profiler = StepProfiler(cfg.profile_steps, cfg.out, rank, device)
     skipped_before = sum(r.get("skipped_rounds", 0) for r in metrics.kept if "event" not in r)
-    try:
-        if resume_step is None:
+    losses: list[torch.Tensor] = []
+    step_tokens = 0  # this worker's tokens fed since the last committed step
+    ended = False
+
+    def end_run() -> None:
+        """The run ends here on every worker: sync or drain what is in flight (``finish``; a step it commits is
+        logged and evaluated like any other), and every run ends with an evaluation of its last step."""
+        nonlocal losses, step_tokens, ended
+        ended = True
+        if stopped_by != "max_steps":
+            say(f"step {strategy.steps:>6}  stopped by {stopped_by} ({cfg.budgets().describe()})")
+        if membership.finish(strategy):
+            log_step(losses, step_tokens)
+            losses, step_tokens = [], 0
+        if not evals or evals[-1]["step"] != strategy.steps:
             run_eval()
-        losses: list[torch.Tensor] = []
-        step_tokens = 0
+
+    try:
+        if membership.fresh:
+            run_eval()
         while stopped_by is None:
-            profiler.before_micro_batch(strategy.steps)
-            batch = next(stream).to(device, non_blocking=True)
-            if audit:
-                epoch, starts = stream.last_starts
-                windows += [[epoch, int(x)] for x in starts]
-            timer.start()
-            loss = strategy.forward_backward(batch, lm_loss)
-            timer.stop()
-            step_tokens += batch.numel()
-            tokens_total += batch.numel()
-            guard.see(loss)
-            if loss is not None:
-                losses.append(loss)
-            if guard.before_step():  # a non-finite round, dropped on every worker (--on-nonfinite skip)
-                losses = []
+            membership.begin_step(strategy)
+            if membership.ended:  # a torchft replica that healed into a run that ended meanwhile
+                return None
+            if membership.position(strategy) >= cfg.max_steps:  # a torchft replica that healed at the last step
+                stopped_by = "max_steps"
+                break
+            losses = []
+            outcome, index, batches = OPEN, -1, membership.micro_batches(strategy)
+            while True:
+                profiler.before_micro_batch(strategy.steps)
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                index += 1
+                batch = batch.to(device, non_blocking=True)
+                timer.start()
+                loss = strategy.forward_backward(batch, lm_loss)
+                timer.stop()
+                step_tokens += batch.numel()
+                tokens_fed += batch.numel()
+                loss = membership.fed(strategy, index, loss)
+                guard.see(loss)
+                if loss is not None:
+                    losses.append(loss)
+                outcome = membership.commit(strategy, index)
+                if outcome != OPEN:
+                    break
+                if strategy.steps_in_flight and membership.position(strategy) >= cfg.max_steps:
+                    break  # an update began that finish() will commit: the last step is in flight
+            if outcome == DROPPED:  # on every worker: the step starts again
                 continue
             eval_loss = None
-            if strategy.step():
+            if outcome == COMMITTED:
+                membership.after_commit(strategy)
                 profiler.after_commit(strategy.steps)
                 log_step(losses, step_tokens)
                 losses, step_tokens = [], 0
                 evaluated = bool(cfg.eval_every) and strategy.steps % cfg.eval_every == 0
                 eval_loss = run_eval() if evaluated else None
-                stopped_by = budgets.check(tokens_total, time.perf_counter() - t0, eval_loss,
-                                           steps=clock.position(strategy.steps + strategy.steps_in_flight),
-                                           evaluated=evaluated)
-            elif (strategy.steps_in_flight
-                  and clock.position(strategy.steps + strategy.steps_in_flight) >= cfg.max_steps):
-                stopped_by = "max_steps"  # an update began that finish() will commit: the last step is in flight
+                stopped_by = budgets.check(tokens_fed, time.perf_counter() - t0, eval_loss,
+                                           steps=membership.position(strategy), evaluated=evaluated)
+            elif strategy.steps_in_flight and membership.position(strategy) >= cfg.max_steps:
+                stopped_by = "max_steps"
             else:
-                continue
+                raise RuntimeError(f"strategy {cfg.strategy} did not commit after {index + 1} micro-batch(es)")
             if stopped_by is not None:
-                if stopped_by != "max_steps":
-                    say(f"step {strategy.steps:>6}  stopped by {stopped_by} ({cfg.budgets().describe()})")
-                # the run ends here on every worker: sync or drain what is in flight (Strategy.finish); a step it
-                # commits is logged, evaluated and saved like any other
-                if strategy.finish():
-                    log_step(losses, step_tokens)
-                    losses, step_tokens = [], 0
-                    eval_loss = None
-                if eval_loss is None:  # every run ends with an evaluation of its last step
-                    run_eval()
-            if cfg.save_every and (strategy.steps % cfg.save_every == 0 or stopped_by is not None):
-                with strategy.paused():
-                    _save(job, strategy, tokens_total, guard)
-            pause(strategy.steps, rank)  # QUIETSYNC_PAUSE: a test holds the workers here (else one env lookup)
-        strategy.finish()  # a no-op after the loop's own call; a resumed run that had nothing left to train
-        guard.check_parameters()
-        guard.close()  # not on a failure: tearing its group down would cut the peers' view of who failed first
-    except NonFiniteError as e:  # every worker raises it at the same point (agreed), except as documented
-        raise NonFiniteError(f"{e}; {_checkpoint_note(cfg, strategy)}") from None
+                end_run()
+            membership.after_step(strategy, stopped_by is not None, tokens_fed)
+        if not ended:  # nothing was left to train, or a torchft replica healed at the last step
+            end_run()
+        result = {
+            "setup_s": setup_s, "tokens_total": tokens_fed, "evals": evals, "micro_batches": strategy.micro_batches,
+            "nonfinite_skips": skipped_before + guard.skipped, "stopped_by": stopped_by, "tokens_logged": tokens_logged,
+            **sums,
+        }
+        result.update(membership.close(strategy, result))
+    except Exception as e:
+        instead = membership.failure(e, strategy)
+        if instead is None:
+            raise
+        raise instead from None
     finally:
         profiler.close()
         bar.close()
         metrics.close()
-    return {
-        "wall_s": time.perf_counter() - t0, "setup_s": setup_s, "tokens_total": tokens_total,
-        "evals": evals, "micro_batches": strategy.micro_batches,
-        "nonfinite_skips": skipped_before + guard.skipped, "stopped_by": stopped_by, **sums,
-    }
-
-
-def _checkpoint_note(cfg: TrainConfig, strategy: Strategy) -> str:
-    """Where a stopped run can resume from: the newest complete checkpoint under ``--out``."""
-    newest = latest_checkpoint(cfg.out, _local_ranks(strategy.transport.topology))
-    return f"newest checkpoint: {newest}" if newest is not None else "no checkpoint was written"
-
-
-def _save(job: _Job, strategy: Any, tokens_total: int, guard: NonFiniteGuard) -> None:
-    """Write this worker's checkpoint file, unless any worker's state is not finite (then all raise); first,
-    for a strategy that can reshard, the world-size-independent part (every worker takes part)."""
-    cfg, stream = job.cfg, job.stream
-    state = strategy.state_dict()
-    guard.check_state(state, strategy.steps)
-    if strategy.reshard_refusal is None:
-        from .logical_checkpoint import save_logical  # torch.distributed.checkpoint: imported when first used
-
-        save_logical(step_folder(cfg.out, strategy.steps), strategy, stream, tokens_total)
-    save_checkpoint(cfg.out, strategy.steps, job.rank, {
-        "strategy": state, "data": stream.state_dict(),
-        "tokens_total": tokens_total, "rng": torch.get_rng_state(),
-        "config": dataclasses.asdict(cfg),  # the strategy's config is in strategy.state_dict()["config"]
-        "strategy_flags": None if job.strategy_flags is None else dataclasses.asdict(job.strategy_flags),
-        "nominal": job.nominal.state(),
-        "schedule_position": job.clock.position(strategy.steps),
-        "world_size": strategy.world_size, "nodes": strategy.transport.topology.nodes,
-    })
+    result["wall_s"] = time.perf_counter() - t0
+    return result
 
 
 def _gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
