@@ -32,10 +32,10 @@ The replica group whose rank-0 replica leads the final quorum writes ``summary.j
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -57,13 +57,13 @@ from .elastic import accumulation_field
 from .export import MODEL_DIR, export_model
 from .job_data import open_job_data
 from .job_model import job_model
-from .loop import ADAMW_BETAS, AUDIT_ENV, STEP_SUMS, evaluate, job_summary, lm_loss
+from .loop import ADAMW_BETAS, AUDIT_ENV, STEP_SUMS, job_summary, lm_loss, train_steps
+from .membership import COMMITTED, DROPPED, OPEN
 from .metrics import MetricsWriter, write_summary
 from .nonfinite import NonFiniteError
 from .preflight import data_problem
 from .replica_nonfinite import ReplicaNonFinite, dropped_in, finite_flag
 from .schedule import warmup_cosine
-from .slow_worker import MicroBatchTimer
 from .window_dealer import WindowDealer
 
 HOST_ENV = "QUIETSYNC_FT_HOST"
@@ -95,31 +95,135 @@ def process_started_unix() -> float | None:
         return None
 
 
-@dataclasses.dataclass
-class _Run:
-    """What the step loop needs besides the strategy."""
+class TorchftQuorum:
+    """The membership of one worker of one replica group under a torchft quorum
+    (:mod:`quietsync.train.membership`; the protocol's methods are documented there).
 
-    cfg: Any
-    strategy_config: Any
-    transport: FaultTolerantTransport
-    quorum: ReplicaQuorum
-    dealer: WindowDealer
-    held_out: list[torch.Tensor]
-    rank: int
-    state: dict[str, Any]
-    """Heal state of the run itself: ``finished``."""
-    healed_at_join: bool
-    metrics: MetricsWriter
-    """This worker's records, opened before the join (appended to: a restarted replica continues its file)."""
-    t_setup: float
-    marks: dict[str, float | None]
-    """Wall-clock marks of this replica's start, logged with its first step as ``start``: ``process_start``,
-    ``loop_start`` (imports done), ``manager`` (torchft's Manager up: heartbeats), ``data`` (corpus mapped),
-    ``model``, ``warm`` (:func:`warm_up` done), ``ready`` (strategy built, held-out batches and records open),
-    ``joined``; a standby (``--standby``) also ``standby`` (prepared, waiting) and ``activated`` (its file seen;
-    its ``manager`` follows)."""
-    guard: Any = None
-    """The ``--on-nonfinite`` policy (:class:`~quietsync.train.replica_nonfinite.ReplicaNonFinite`), set by the loop."""
+    Args:
+        cfg: the run's flags.
+        strategy: this worker's strategy.
+        transport: the replica group's transport.
+        quorum: the replica group's torchft Manager.
+        dealer: the job's window dealer (its state heals with the strategy's).
+        state: the run's own heal state (``finished``).
+        healed_at_join: whether this replica healed from a live peer when it joined.
+        marks: wall-clock marks of this replica's start, logged with its first step as ``start``:
+            ``process_start``, ``loop_start`` (imports done), ``manager`` (torchft's Manager up: heartbeats),
+            ``data`` (corpus mapped), ``model``, ``warm`` (:func:`warm_up` done), ``ready`` (strategy built,
+            held-out batches and records open), ``joined``; a standby (``--standby``) also ``standby`` (prepared,
+            waiting) and ``activated`` (its file seen; its ``manager`` follows).
+        audit: whether records hold the windows and commits (``QUIETSYNC_AUDIT_DATA``).
+    """
+
+    speaks = False  # the replica groups come and go: the lead of the final quorum prints the closing line
+
+    def __init__(self, cfg: Any, strategy: Any, transport: FaultTolerantTransport, quorum: ReplicaQuorum,
+                 dealer: WindowDealer, state: dict[str, Any], healed_at_join: bool, marks: dict[str, float | None],
+                 audit: bool) -> None:
+        self.cfg, self.transport, self.quorum, self.dealer, self.state = cfg, transport, quorum, dealer, state
+        self.marks, self.audit = marks, audit
+        self.rank = transport.topology.rank
+        self.fresh = strategy.steps == 0 and not healed_at_join
+        self.guard = ReplicaNonFinite(cfg.on_nonfinite, strategy, quorum, cfg.nonfinite_skip_limit)
+        self.accumulation = dealer.per_replica // (cfg.micro_batch_size * transport.workers)
+        self.windows: list[int] = []  # this worker's windows of the step being trained
+        self.dropped_windows: list[int] = []  # windows of dropped rounds given back since the last record
+        self.finish_commits: list[dict[str, Any]] = []
+        self._commits = self._retries = 0  # the quorum's counters when the step began
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.state["finished"])
+
+    def position(self, strategy: Any) -> float:
+        return self.dealer.position()
+
+    def begin_step(self, strategy: Any) -> None:
+        hold(strategy.steps + 1)
+        if self.quorum.round_due:
+            self.quorum.start_round()  # after a commit: joiners heal here
+
+    def micro_batches(self, strategy: Any) -> Iterator[torch.Tensor]:
+        self._commits, self._retries = self.quorum.commits, self.quorum.retries
+        mb, w = self.cfg.micro_batch_size, self.transport.workers
+        self.windows = self.dealer.deal(self.quorum.members, self.transport.replica, strategy.steps)[
+            self.transport.local_rank::w]
+        return (self.dealer.batch(self.windows[a * mb:(a + 1) * mb]) for a in range(self.accumulation))
+
+    def fed(self, strategy: Any, index: int, loss: torch.Tensor | None) -> torch.Tensor | None:
+        return poison(strategy.steps + 1, loss, strategy.module) if index == 0 else loss
+
+    def commit(self, strategy: Any, index: int) -> str:
+        if index == self.accumulation - 1:
+            reached("step")
+        try:
+            if strategy.round_closes and not self.guard.round_finite():
+                self.guard.vote()  # instead of stepping: the others learn it at their next unit
+            return COMMITTED if strategy.step() else OPEN
+        except Exception as e:
+            vote = dropped_in(e)
+            if vote is None:
+                raise
+            self.guard.dropped(vote)  # raises under stop: no replica committed the round
+            self.dropped_windows.extend(self.dealer.drop())  # skip: dealt again first, from the next step
+            return DROPPED
+
+    def after_commit(self, strategy: Any) -> None:
+        if self.transport.group_size("replicate") == 1:
+            strategy.settle()  # an exchange in flight commits first (alone it has no network to hide)
+            if self.quorum.commits == self._commits:
+                self.quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks,
+                # so a returning replica finds a round boundary to join at
+
+    def step_tokens(self, fed: int) -> int:
+        return len(self.windows) * self.cfg.seq_len
+
+    def tokens_total(self, fed: int) -> int:
+        return self.dealer.committed * self.cfg.seq_len
+
+    def record(self, record: dict[str, Any]) -> None:
+        quorum = self.quorum
+        record.update({"members": quorum.members, "position": self.dealer.position(), "healed": quorum.healed,
+                       "retries": quorum.retries - self._retries})
+        commits = self.dealer.take_commits()
+        if self.audit:
+            record["windows"] = self.windows
+            if commits:
+                record["commits"] = commits
+            if self.dropped_windows:
+                record["dropped"] = list(self.dropped_windows)
+        self.dropped_windows.clear()
+        if self.marks:
+            record["start"], self.marks = dict(self.marks), {}
+        rounds = quorum.take_rounds()
+        if rounds:
+            record["rounds"] = rounds
+
+    def finish(self, strategy: Any) -> bool:
+        self._retries, self.windows = self.quorum.retries, []
+        if strategy.finish():
+            return True
+        self.finish_commits = self.dealer.take_commits()  # the last partial round synced without a step of its own
+        return False
+
+    def after_step(self, strategy: Any, stopping: bool, tokens_fed: int) -> None:
+        pass
+
+    def close(self, strategy: Any, result: dict[str, Any]) -> dict[str, Any]:
+        self.state["finished"] = True
+        totals = _totals(self.transport, result, result["tokens_logged"], strategy)
+        if totals.pop("nonfinite_params"):
+            raise NonFiniteError(f"the committed parameters after step {strategy.steps} are not finite on "
+                                 f"{int(totals['nonfinite_workers'])} worker(s); the run is not exported")
+        self.quorum.start_round()  # replicas waiting to join take the final state and stop
+        return {"totals": totals, "finish_commits": self.finish_commits if self.audit else None}
+
+    def failure(self, error: Exception, strategy: Any) -> Exception | None:
+        vote = None if isinstance(error, NonFiniteError) else dropped_in(error)
+        if vote is None:
+            return None
+        self.guard.dropped(vote)  # a vote met outside a step (an outer sync, the run's end): stop
+        return NonFiniteError(f"{vote} (--on-nonfinite {self.cfg.on_nonfinite})")
 
 
 def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, replicas: int,
@@ -192,9 +296,9 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         marks["joined"] = time.time()
         if not healed:
             check_same_start(strategy, transport)
-        run = _Run(cfg, strategy_config, transport, quorum, dealer, held_out, transport.topology.rank, state, healed,
-                   metrics, t_setup, marks)
-        result = _train(run, strategy)
+        audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
+        membership = TorchftQuorum(cfg, strategy, transport, quorum, dealer, state, healed, marks, audit)
+        result = train_steps(cfg, strategy, membership, metrics, held_out, t_setup)
         if result is None:  # joined a run that had ended: nothing to do
             return None
         lead_group = quorum.members[0] == replica
@@ -205,7 +309,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
                     export_model(module, tokenizer, os.path.join(cfg.out, MODEL_DIR))
         summary = None
         if lead:
-            summary = _summary(run, strategy, n_params, result)
+            summary = _summary(cfg, strategy_config, membership, strategy, n_params, result)
             write_summary(cfg.out, summary)
             print(f"quietsync train: --fault-tolerance torchft: {summary['steps']} steps, {summary['tokens']} tokens "
                   f"committed in {summary['wall_s']:.1f}s; last eval loss {summary['last_eval_loss']:.4f}; "
@@ -264,148 +368,6 @@ def check_same_start(strategy: Any, transport: FaultTolerantTransport) -> None:
                          "on every replica group: --seed, the same --model)")
 
 
-def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
-    """The step loop (module docstring); None when this replica healed into a run that had already ended."""
-    cfg, transport, quorum, dealer = run.cfg, run.transport, run.quorum, run.dealer
-    device, rank = transport.device, run.rank
-    audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
-    if run.state["finished"]:
-        return None
-    metrics = run.metrics
-    t0 = time.perf_counter()
-    setup_s = t0 - run.t_setup
-    evals: list[dict[str, Any]] = []
-    seq = cfg.seq_len
-    mine_tokens = 0
-    finish_commits: list[dict[str, Any]] = []
-    sums = dict.fromkeys(STEP_SUMS, 0.0)
-    timer = MicroBatchTimer(cfg.slow(), rank, device)
-    guard = ReplicaNonFinite(cfg.on_nonfinite, strategy, quorum, cfg.nonfinite_skip_limit)
-    run.guard = guard
-    dropped_windows: list[int] = []
-
-    def run_eval() -> None:
-        t = time.perf_counter()
-        with strategy.paused(), strategy.committed_params(), strategy.autocast():
-            loss = evaluate(strategy.module, run.held_out, device)
-        now = time.perf_counter()
-        evals.append(metrics.eval(strategy.steps, loss, dealer.committed * seq, now - t, now - t0))
-
-    def log_step(losses: list[torch.Tensor], windows: list[int], retries_before: int) -> None:
-        m = strategy.last_step_metrics()
-        record = {
-            "step": m.step, "rank": rank, "loss": float(torch.stack(losses).mean()) if losses else float("nan"),
-            "lr": m.lr, "tokens": len(windows) * seq, "tokens_total": dealer.committed * seq,
-            "micro_batches": m.micro_batches,
-            "compute_s": m.compute_s, "comm_s": m.comm_s, "idle_s": m.idle_s, "bytes_sent": m.bytes_sent,
-            "bytes_recv": m.bytes_recv, "bytes_by_group": m.bytes_by_group, "slow_sleep_s": timer.slept_s,
-            "time_s": time.perf_counter() - t0, "unix_s": time.time(), "members": quorum.members,
-            "position": dealer.position(), "healed": quorum.healed, "retries": quorum.retries - retries_before,
-        }
-        if m.extra:
-            record["extra"] = m.extra
-        skipped = guard.committed()
-        if skipped:
-            record["skipped_rounds"] = skipped
-        commits = dealer.take_commits()
-        if audit:
-            record["windows"] = windows
-            if commits:
-                record["commits"] = commits
-            if dropped_windows:
-                record["dropped"] = list(dropped_windows)
-        dropped_windows.clear()
-        if run.marks:
-            record["start"], run.marks = dict(run.marks), {}
-        rounds = quorum.take_rounds()
-        if rounds:
-            record["rounds"] = rounds
-        metrics.step(record)
-        for k in sums:
-            sums[k] += record[k]
-        timer.slept_s = 0.0
-
-    stopped = dealer.position() >= cfg.max_steps
-    try:
-        if strategy.steps == 0 and not run.healed_at_join:
-            run_eval()
-        accumulation = dealer.per_replica // (cfg.micro_batch_size * transport.workers)
-        mb, w, me = cfg.micro_batch_size, transport.workers, transport.local_rank
-        while not stopped:
-            hold(strategy.steps + 1)
-            if quorum.round_due:
-                quorum.start_round()
-                if run.state["finished"]:  # healed into a run that ended meanwhile
-                    return None
-                if dealer.position() >= cfg.max_steps:
-                    break
-            commits, retries = quorum.commits, quorum.retries
-            windows = dealer.deal(quorum.members, transport.replica, strategy.steps)[me::w]
-            losses: list[torch.Tensor] = []
-            committed = dropped = False
-            for a in range(accumulation):
-                batch = dealer.batch(windows[a * mb:(a + 1) * mb]).to(device, non_blocking=True)
-                timer.start()
-                loss = strategy.forward_backward(batch, lm_loss)
-                timer.stop()
-                if a == 0:
-                    loss = poison(strategy.steps + 1, loss, strategy.module)
-                guard.see(loss)
-                if loss is not None:
-                    losses.append(loss)
-                if a == accumulation - 1:
-                    reached("step")
-                try:
-                    if strategy.round_closes and not guard.round_finite():
-                        guard.vote()  # instead of stepping: the others learn it at their next unit
-                    committed = strategy.step()
-                except Exception as e:
-                    vote = dropped_in(e)
-                    if vote is None:
-                        raise
-                    guard.dropped(vote)  # raises under stop: no replica committed the round
-                    dropped_windows.extend(dealer.drop())  # skip: dealt again first, from the next step
-                    dropped = True
-                    break
-            if dropped:
-                continue
-            if not committed:
-                raise RuntimeError(f"strategy {cfg.strategy} did not commit after {accumulation} micro-batch(es)")
-            if transport.group_size("replicate") == 1:
-                strategy.settle()  # an exchange in flight commits first (alone it has no network to hide)
-                if quorum.commits == commits:
-                    quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks, so
-                    # a returning replica finds a round boundary to join at
-            mine_tokens += len(windows) * seq
-            log_step(losses, windows, retries)
-            if cfg.eval_every and strategy.steps % cfg.eval_every == 0:
-                run_eval()
-            stopped = dealer.position() >= cfg.max_steps
-        retries = quorum.retries
-        if strategy.finish():
-            log_step([], [], retries)
-        else:  # the last partial round synced without a step of its own
-            finish_commits = dealer.take_commits()
-        run.state["finished"] = True
-        if not evals or evals[-1]["step"] != strategy.steps:
-            run_eval()
-        totals = _totals(transport, sums, mine_tokens, strategy)
-        if totals.pop("nonfinite_params"):
-            raise NonFiniteError(f"the committed parameters after step {strategy.steps} are not finite on "
-                                 f"{int(totals['nonfinite_workers'])} worker(s); the run is not exported")
-        quorum.start_round()  # replicas waiting to join take the final state and stop
-    except Exception as e:
-        vote = None if isinstance(e, NonFiniteError) else dropped_in(e)
-        if vote is None:
-            raise
-        guard.dropped(vote)  # a vote met outside a step (an outer sync, the run's end): stop
-        raise NonFiniteError(f"{vote} (--on-nonfinite {cfg.on_nonfinite})") from None
-    finally:
-        metrics.close()
-    return {"wall_s": time.perf_counter() - t0, "setup_s": setup_s, "evals": evals, "totals": totals,
-            "finish_commits": finish_commits if audit else None}
-
-
 def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: int, strategy: Any) -> dict[str, Any]:
     """Every present replica's counters summed (inside the replica group, then across the replicas), in the form
     of :func:`quietsync.train.loop.job_summary`'s totals, and ``nonfinite_params``: whether any worker's committed
@@ -432,17 +394,18 @@ def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: i
             "heals": [int(x) for x in v[len(v) - transport.replicas:]]}
 
 
-def _summary(run: _Run, strategy: Any, n_params: int, result: dict[str, Any]) -> dict[str, Any]:
+def _summary(cfg: Any, strategy_config: StrategyConfig | None, membership: TorchftQuorum, strategy: Any, n_params: int,
+             result: dict[str, Any]) -> dict[str, Any]:
     """``summary.json``: :func:`quietsync.train.loop.job_summary`'s fields (counters summed over the replicas
     present at the end; ``tokens`` the committed ones) and ``fault_tolerance``."""
-    cfg, quorum, dealer, totals = run.cfg, run.quorum, run.dealer, dict(result["totals"])
+    quorum, dealer, transport = membership.quorum, membership.dealer, membership.transport
+    totals = dict(result["totals"])
     fed = totals["tokens"]
     totals["tokens"] = dealer.committed * cfg.seq_len
-    summary = job_summary(cfg, strategy, run.strategy_config, run.transport.topology, n_params,
-                          {**result, "stopped_by": "max_steps",
-                                                                 "nonfinite_skips": run.guard.skipped}, totals)
+    summary = job_summary(cfg, strategy, strategy_config, transport.topology, n_params,
+                          {**result, "stopped_by": "max_steps"}, totals)
     summary["fault_tolerance"] = {
-        "engine": "torchft", "replicas": run.transport.replicas, "final_members": quorum.members,
+        "engine": "torchft", "replicas": transport.replicas, "final_members": quorum.members,
         "schedule_position": dealer.position(), "windows_committed": dealer.committed,
         "windows_dealt": dealer.fresh, "windows_held": dealer.held(),
         "commits": quorum.commits, "tokens_fed_by_present_replicas": fed,
