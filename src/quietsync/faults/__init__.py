@@ -19,7 +19,8 @@ position, the schedule -- and joins at the next quorum. The modules:
 
 This package sits between the strategies and the trainer. The trainer's side is in :mod:`quietsync.train`: the
 data policy (:mod:`~quietsync.train.window_dealer`: windows dealt to the replicas present, given back when one is
-lost), the loop of a replica group's worker (:mod:`~quietsync.train.replica_loop`), its ``--on-nonfinite`` policy
+lost), a replica group's worker in the trainer's one loop (:mod:`~quietsync.train.replica_loop`: its set-up and
+its membership), its ``--on-nonfinite`` policy
 (:mod:`~quietsync.train.replica_nonfinite`: the verdict at the commit vote) and the launchers
 (:mod:`~quietsync.train.replica_launch`).
 

@@ -1,25 +1,33 @@
-"""The training loop of `quietsync train`, run by every worker, written on the strategy contract.
+"""The training loop of `quietsync train`, one for every mode, run by every worker, written on the strategy
+contract; and the set-up of a fixed or elastic world's worker.
 
-Per worker: build the topology and transport from the environment, map the prepared token shards and load their
-tokenizer (train/job_data.py), build the GPT-Neo preset (same seed on every worker) and the strategy, then::
+:func:`train_steps` is the step loop. What differs between the modes -- a fixed world, torchrun's elastic world,
+one replica group under a torchft quorum -- it asks a :class:`~quietsync.train.membership.Membership`
+(train/world.py: ``FixedWorld``, ``ElasticWorld``; train/replica_loop.py: ``TorchftQuorum``)::
 
     while stopped_by is None:
-        strategy.forward_backward(batch, lm_loss)            # (+ --slow-worker sleep)
-        guard.see(loss)                                      # --on-nonfinite (train/nonfinite.py)
-        if guard.before_step(): continue                     # a non-finite round, dropped on every worker
-        if strategy.step():                                  # a committed step: log, eval (if due),
-            stopped_by = budgets.check(...)                  # the budgets, agreed (train/budgets.py),
-            ...                                              # strategy.finish(), the last eval, checkpoint
+        membership.begin_step()                              # torchft: a round start when due (joiners heal)
+        for batch in membership.micro_batches():             # the stream, or the windows dealt for this step
+            strategy.forward_backward(batch, lm_loss)        # (+ --slow-worker sleep, --profile-steps)
+            guard.see(loss)                                  # --on-nonfinite (train/nonfinite.py)
+            outcome = membership.commit()                    # step(), or the round dropped on every worker
+            if outcome != OPEN: break
+        if committed: log, eval (if due), stopped_by = budgets.check(...)   # agreed (train/budgets.py)
+        if stopped_by: strategy.finish(), the last eval
+        membership.after_step()                              # a checkpoint when due
+    membership.close()                                       # parameters checked; torchft: totals, last round
 
 The run ends with ``strategy.finish()`` on every worker, after the committed step at which a budget was reached
 (counting a step the strategy has in flight, ``steps_in_flight``, so dpu/wp/acco end on exactly --max-steps):
 local methods sync their last partial round, overlapped methods drain theirs, and the final evaluation, the
 last checkpoint and the exported model see every step.
 
-The model is built, then (``--activation-checkpointing``, ``--compile``) checkpointed and compiled block by
-block, then handed to the strategy with ``--precision`` and ``--max-grad-norm`` (the strategy autocasts the
-forward, scales the fp16 loss and clips the gradient it commits; see ``Strategy``). Evaluation runs under the
-same autocast.
+Per worker of a fixed or elastic world (:func:`run`): build the topology and transport from the environment,
+map the prepared token shards and load their tokenizer (train/job_data.py), build the GPT-Neo preset (same seed
+on every worker) and the strategy, then run the loop. The model is built, then (``--activation-checkpointing``,
+``--compile``) checkpointed and compiled block by block, then handed to the strategy with ``--precision`` and
+``--max-grad-norm`` (the strategy autocasts the forward, scales the fp16 loss and clips the gradient it commits;
+see ``Strategy``). Evaluation runs under the same autocast.
 
 Evaluation needs no communication: every worker evaluates the same held-out windows on its committed
 parameters (identical across workers for synchronous strategies) and logs the result; rank 0's is the one
@@ -36,51 +44,36 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..cli.launch import ERRORS_ENV, note_failure, under_torchrun
+from ..cli.launch import note_failure
 from ..data.sequences import eval_batches
 from ..link import parse_links
 from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import Strategy, StrategyConfig, make_strategy
-from ..topology import GROUPS, Topology
+from ..topology import Topology
 from ..transport import Transport
 from .adaptive_rounds import training_stream
 from .allocator import keep_freed_memory
 from .budgets import BudgetWatch
-from .checkpoint import (
-    checkpoint_root,
-    complete_checkpoints,
-    files_problem,
-    load_checkpoint,
-    rank_file,
-    remove_partial_writes,
-    resolve_resume,
-    step_folder,
-)
 from .config import TrainConfig
-from .elastic import Nominal, TokenSchedule, accumulation_field, rescaled
+from .elastic import Nominal, TokenSchedule, rescaled
 from .export import MODEL_DIR, export_model
 from .job_data import open_job_data
 from .job_model import job_model
-from .membership import COMMITTED, DROPPED, OPEN, Membership
+from .membership import COMMITTED, DROPPED, OPEN, STEP_SUMS, Membership
 from .metrics import MetricsWriter, format_summary, write_summary
 from .preflight import data_problem
 from .profile import StepProfiler
-from .resume_check import check_checkpoint
 from .schedule import warmup_cosine
 from .sinks import open_sinks
 from .slow_worker import MicroBatchTimer
-from .world import ElasticWorld, FixedWorld, local_ranks
+from .world import ElasticWorld, FixedWorld, Resume, gather_totals
 
 ADAMW_BETAS = (0.9, 0.95)
 """AdamW betas of the trainer (GPT-style)."""
-
-STEP_SUMS = ("compute_s", "comm_s", "idle_s", "bytes_sent", "bytes_recv")
-"""Per-step record keys summed over steps and workers for the summary."""
 
 AUDIT_ENV = "QUIETSYNC_AUDIT_DATA"
 """Set to 1: every step record also holds ``windows``, the ``[epoch, first token offset]`` of each training
@@ -131,87 +124,8 @@ class _Printer:
             print(text, flush=True)
 
 
-@dataclasses.dataclass
-class _Resume:
-    """The checkpoint this worker resumes from."""
-
-    folder: Path
-    state: dict[str, Any]
-    """This worker's rank file (``same_layout``), else rank 0's, tensors memory-mapped (config and counters)."""
-    same_layout: bool
-    """Whether the checkpoint was written by this world size and node count (then the rank files are loaded,
-    exactly; else its world-size-independent part)."""
-    finished: bool = False
-    """An elastic run whose newest checkpoint already reached ``--max-steps``: there is nothing left to do."""
-
-
-def _agreed_checkpoint(cfg: TrainConfig, topology: Topology, transport: Transport, required: bool) -> Path | None:
-    """The newest complete checkpoint under ``--out`` whose files are whole, as rank 0 sees it, broadcast so every
-    worker loads the same one (None when there is none and ``required`` is False). Under ``--elastic`` a
-    checkpoint with a bad file is passed over, with a note naming it, for the next older one."""
-    code, problem = -1, None
-    if topology.rank == 0:
-        for folder in complete_checkpoints(cfg.out, local_ranks(topology)):
-            problem = files_problem(folder, topology.world_size, topology.nodes)
-            if problem is None:
-                code = int(folder.name.split("-")[1])
-                break
-            if not cfg.elastic:
-                code = -2
-                break
-            print(f"quietsync train: --elastic: passing over {folder}: {problem}", flush=True)
-            problem = None
-    if topology.world_size > 1:
-        agreed = torch.tensor([code], dtype=torch.int64, device=transport.device)
-        transport.broadcast(agreed, src=0, group="world", name="resume_step")
-        code = int(agreed.item())
-    if code == -2:
-        raise ValueError(f"--resume: {problem}" if problem else "--resume: rank 0 found a bad checkpoint file "
-                         "(see its error)")
-    if code < 0:
-        if required:
-            raise ValueError(f"--resume found no complete checkpoint under {checkpoint_root(cfg.out)}")
-        return None
-    return step_folder(cfg.out, code)
-
-
-def _resume_point(cfg: TrainConfig, strategy_config: StrategyConfig | None, topology: Topology,
-                  transport: Transport) -> _Resume | None:
-    """Where this worker resumes from (None: a fresh run), its checkpoint checked against this run (one
-    :class:`~quietsync.train.resume_check.ResumeMismatch` line on every worker otherwise).
-
-    ``--resume`` (bare: the newest complete checkpoint under ``--out``) or ``--resume DIR``; under ``--elastic``
-    every start takes the newest complete checkpoint under ``--out``, else ``--resume DIR``, else none. What a
-    write cut short left (``*.tmp``) is removed first (no worker of the run is writing now)."""
-    rank, world = topology.rank, topology.world_size
-    if cfg.resume is None and not cfg.elastic:
-        return None
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        remove_partial_writes(cfg.out)
-    if cfg.elastic or cfg.resume == "latest":
-        folder = _agreed_checkpoint(cfg, topology, transport, required=not cfg.elastic)
-        if folder is None and cfg.resume not in (None, "latest"):
-            folder = resolve_resume(str(cfg.resume), cfg.out, local_ranks(topology))
-    else:
-        folder = resolve_resume(str(cfg.resume), cfg.out, local_ranks(topology))
-    if folder is None:
-        return None
-    head = load_checkpoint(folder, 0, mmap=True)
-    local = local_ranks(topology)  # the same choice on every worker: all use the rank files, or none
-    same = (head.get("world_size") == world and head.get("nodes", topology.nodes) == topology.nodes
-            and all(rank_file(folder, r).is_file() for r in local))
-    state = load_checkpoint(folder, rank) if same and rank != 0 else load_checkpoint(folder, 0, mmap=not same)
-    position = float(head.get("schedule_position", head["strategy"]["steps"]))
-    if cfg.elastic and position >= cfg.max_steps:  # e.g. a node that rejoins as the run ends: nothing to do
-        return _Resume(folder, state, same, finished=True)
-    for note in check_checkpoint(state, cfg, strategy_config, world, topology.nodes, folder):
-        if rank == 0 and under_torchrun() and ERRORS_ENV not in os.environ:  # else the launcher did
-            print(f"quietsync train: {note}", flush=True)
-    return _Resume(folder, state, same)
-
-
 def _step_plan(cfg: TrainConfig, strategy_config: StrategyConfig | None, world: int,
-               resume: _Resume | None) -> tuple[StrategyConfig | None, TokenSchedule, Nominal]:
+               resume: Resume | None) -> tuple[StrategyConfig | None, TokenSchedule, Nominal]:
     """The strategy config this world runs (``--batch-policy``), the learning-rate schedule's clock and the run's
     nominal step."""
     schedule = warmup_cosine(cfg.warmup, cfg.max_steps, cfg.min_lr_ratio)
@@ -228,17 +142,6 @@ def _step_plan(cfg: TrainConfig, strategy_config: StrategyConfig | None, world: 
     return run_config, TokenSchedule(schedule, step, position, ratio), nominal
 
 
-def _elastic_note(cfg: TrainConfig, resume: _Resume | None, world: int, run_config: Any,
-                  clock: TokenSchedule) -> str:
-    if resume is None:
-        return f"no complete checkpoint under {checkpoint_root(cfg.out)}: the run starts on {world} worker(s)"
-    field = accumulation_field(run_config)
-    per = f", {getattr(run_config, field)} micro-batch(es) per worker per step" if field else ""
-    return (f"resuming {resume.folder.name} (written by {resume.state.get('world_size')} worker(s)) on {world} "
-            f"worker(s){per}; a step holds {clock.ratio:g} x the run's first tokens per step; learning-rate "
-            f"schedule at step {clock.anchor_position:g} of {cfg.max_steps}")
-
-
 def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: int | None = None) -> dict | None:
     """Train as one worker of the job described by the environment; rank 0 returns the summary."""
     t_setup = time.perf_counter()
@@ -252,8 +155,9 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
     transport = Transport(topology, links=parse_links(cfg.link), timeout_s=cfg.timeout_s)
     device = transport.device
     strategy = None
+    kind = ElasticWorld if cfg.elastic else FixedWorld  # the membership: how resume is agreed, how it steps
     try:
-        resume = _resume_point(cfg, strategy_config, topology, transport)
+        resume = kind.resume_point(cfg, strategy_config, topology, transport)
         if resume is not None and resume.finished:
             if rank == 0:
                 print(f"quietsync train: --elastic: the run is complete ({resume.folder.name} reached --max-steps "
@@ -292,11 +196,11 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
 
                 tokens_total = load_logical(resume.folder, strategy, stream)
             resume_step = strategy.steps
-        if rank == 0 and cfg.elastic:
-            print(f"quietsync train: --elastic: {_elastic_note(cfg, resume, world, run_config, clock)}", flush=True)
+        note = kind.start_note(cfg, resume, world, run_config, clock)
+        if rank == 0 and note:
+            print(f"quietsync train: {note}", flush=True)
         clock_offset = time.time() - time.perf_counter()
         audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
-        kind = ElasticWorld if cfg.elastic else FixedWorld
         membership = kind(cfg, strategy, strategy_config, clock, nominal, stream, resume_step is not None, audit)
         metrics = MetricsWriter(cfg.out, rank, resume_step, sinks=open_sinks(
             cfg.log_with, cfg.out, rank, resume=resume_step is not None,
@@ -311,7 +215,7 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         from .trace import collect_spans, write_merged_trace
 
         spans = collect_spans(transport.recorder) if cfg.trace else []
-        totals = _gather_totals(transport, result)
+        totals = gather_totals(transport, result)
         if cfg.trace:  # every worker's spans, gathered into rank 0's OUT/trace.json
             write_merged_trace(cfg.out, transport, spans, clock_offset)
         summary = None
@@ -523,24 +427,6 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         metrics.close()
     result["wall_s"] = time.perf_counter() - t0
     return result
-
-
-def _gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
-    """Sum the workers' counters with one all-reduce (after the strategy is closed)."""
-    snap = transport.meter.snapshot()
-    keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
-    values = [float(result["tokens_total"]), float(result["micro_batches"]), *(float(result[k]) for k in STEP_SUMS)]
-    values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
-    t = torch.tensor(values, dtype=torch.float64, device=transport.device)
-    transport.all_reduce(t, group="world", op="sum", name="summary")
-    v = t.tolist()
-    by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}
-    for (g, d), x in zip(keys, v[2 + len(STEP_SUMS):]):
-        by_group[g][d] = int(x)
-    return {
-        "tokens": int(v[0]), "micro_batches": int(v[1]), **dict(zip(STEP_SUMS, v[2:2 + len(STEP_SUMS)])),
-        "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]},
-    }
 
 
 def job_summary(

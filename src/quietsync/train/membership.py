@@ -40,6 +40,10 @@ COMMITTED, OPEN, DROPPED = "committed", "open", "dropped"
 micro-batch), or its round was dropped on every worker (``--on-nonfinite skip``: start the step again)."""
 
 
+STEP_SUMS = ("compute_s", "comm_s", "idle_s", "bytes_sent", "bytes_recv")
+"""Per-step record keys the loop sums over steps, and every membership over workers, for the summary."""
+
+
 class Membership(Protocol):
     """What the step loop asks of the mode it runs in (module docstring). One object per worker and run."""
 
@@ -114,4 +118,4 @@ class Membership(Protocol):
         ...
 
 
-__all__ = ["COMMITTED", "DROPPED", "OPEN", "Membership"]
+__all__ = ["COMMITTED", "DROPPED", "OPEN", "STEP_SUMS", "Membership"]

@@ -1,23 +1,23 @@
-"""The training loop of one worker of one replica group under ``--fault-tolerance torchft``.
+"""One worker of one replica group under ``--fault-tolerance torchft``: its set-up and its membership
+(:class:`TorchftQuorum`) in the trainer's one step loop (:func:`quietsync.train.loop.train_steps`).
 
 Per worker: the transport of the replica group (:class:`~quietsync.faults.transport.FaultTolerantTransport`) and
 its torchft Manager (:class:`~quietsync.faults.quorum.ReplicaQuorum`, started first, so the Lighthouse sees every
 replica of a fresh job before the first quorum), then the corpus, the model (same seed on every replica), one
 warm-up forward and backward (:func:`warm_up`: a returning replica's first step then costs what any step does) and
-the strategy, whose learning-rate schedule reads the dealer's position in tokens. Then::
+the strategy, whose learning-rate schedule reads the dealer's position in tokens. Then ``quorum.join()`` (heal
+from a live peer if the others are ahead) and the loop, in which the quorum answers::
 
-    quorum.join()                                         # heal from a live peer if the others are ahead
-    while the schedule's position < --max-steps:
-        if quorum.round_due: quorum.start_round()         # after a commit: joiners heal here
-        windows = dealer.deal(quorum.members, ...)        # this step's windows (train/window_dealer.py)
-        for each micro-batch: strategy.forward_backward(batch); strategy.step()
-                                                          # its collectives over the replicas commit through
-                                                          # the quorum (retried among survivors); a round
-                                                          # that is not finite is voted on, not stepped
-                                                          # (--on-nonfinite: replica_nonfinite.py)
-        if alone: strategy.settle(); tick the quorum if nothing committed (a round boundary for joiners)
-        log, evaluate when due
-    strategy.finish(); the totals; a last round (replicas waiting to join see the run is over); export, summary
+    before a step:     if quorum.round_due: quorum.start_round()   # after a commit: joiners heal here
+    its micro-batches: dealer.deal(quorum.members, ...)            # this step's windows (train/window_dealer.py)
+    its commit:        strategy.step()                             # its collectives over the replicas commit
+                                                                   # through the quorum (retried among survivors);
+                                                                   # a round that is not finite is voted on, not
+                                                                   # stepped (--on-nonfinite: replica_nonfinite.py)
+    after a commit:    if alone: strategy.settle(); tick the quorum if nothing committed (a round boundary)
+    the close:         the totals; a last round (replicas waiting to join see the run is over)
+
+then the export and the summary.
 
 Records (``metrics-rank{R}.jsonl``, R the worker's rank in the nominal job) continue across a replica's restarts
 (a healed incarnation appends after the step it healed at) and hold, besides the usual fields, ``members`` (the
@@ -57,8 +57,8 @@ from .elastic import accumulation_field
 from .export import MODEL_DIR, export_model
 from .job_data import open_job_data
 from .job_model import job_model
-from .loop import ADAMW_BETAS, AUDIT_ENV, STEP_SUMS, job_summary, lm_loss, train_steps
-from .membership import COMMITTED, DROPPED, OPEN
+from .loop import ADAMW_BETAS, AUDIT_ENV, job_summary, lm_loss, train_steps
+from .membership import COMMITTED, DROPPED, OPEN, STEP_SUMS
 from .metrics import MetricsWriter, write_summary
 from .nonfinite import NonFiniteError
 from .preflight import data_problem

@@ -14,19 +14,34 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..cli.launch import ERRORS_ENV, under_torchrun
 from ..data.sequences import ShardedSequences
 from ..faults.inject import pause
 from ..strategies import StrategyConfig
-from ..topology import Topology
-from .checkpoint import latest_checkpoint, save_checkpoint, step_folder
+from ..topology import GROUPS, Topology
+from ..transport import Transport
+from .checkpoint import (
+    checkpoint_root,
+    complete_checkpoints,
+    files_problem,
+    latest_checkpoint,
+    load_checkpoint,
+    rank_file,
+    remove_partial_writes,
+    resolve_resume,
+    save_checkpoint,
+    step_folder,
+)
 from .config import TrainConfig
-from .elastic import Nominal, TokenSchedule
-from .membership import COMMITTED, DROPPED, OPEN
+from .elastic import Nominal, TokenSchedule, accumulation_field
+from .membership import COMMITTED, DROPPED, OPEN, STEP_SUMS
 from .nonfinite import NonFiniteError, NonFiniteGuard
+from .resume_check import check_checkpoint
 
 
 def local_ranks(topology: Topology) -> list[int]:
@@ -35,6 +50,79 @@ def local_ranks(topology: Topology) -> list[int]:
     local_rank = int(os.environ.get("LOCAL_RANK", topology.rank % max(1, local_world)))
     first = topology.rank - local_rank
     return list(range(first, first + local_world))
+
+
+@dataclasses.dataclass
+class Resume:
+    """The checkpoint this worker resumes from."""
+
+    folder: Path
+    state: dict[str, Any]
+    """This worker's rank file (``same_layout``), else rank 0's, tensors memory-mapped (config and counters)."""
+    same_layout: bool
+    """Whether the checkpoint was written by this world size and node count (then the rank files are loaded,
+    exactly; else its world-size-independent part)."""
+    finished: bool = False
+    """An elastic run whose newest checkpoint already reached ``--max-steps``: there is nothing left to do."""
+
+
+def agreed_checkpoint(cfg: TrainConfig, topology: Topology, transport: Transport, required: bool,
+                      pass_over: bool) -> Path | None:
+    """The newest complete checkpoint under ``--out`` whose files are whole, as rank 0 sees it, broadcast so every
+    worker loads the same one (None when there is none and ``required`` is False). With ``pass_over``
+    (``--elastic``) a checkpoint with a bad file is passed over, with a note naming it, for the next older one."""
+    code, problem = -1, None
+    if topology.rank == 0:
+        for folder in complete_checkpoints(cfg.out, local_ranks(topology)):
+            problem = files_problem(folder, topology.world_size, topology.nodes)
+            if problem is None:
+                code = int(folder.name.split("-")[1])
+                break
+            if not pass_over:
+                code = -2
+                break
+            print(f"quietsync train: --elastic: passing over {folder}: {problem}", flush=True)
+            problem = None
+    if topology.world_size > 1:
+        agreed = torch.tensor([code], dtype=torch.int64, device=transport.device)
+        transport.broadcast(agreed, src=0, group="world", name="resume_step")
+        code = int(agreed.item())
+    if code == -2:
+        raise ValueError(f"--resume: {problem}" if problem else "--resume: rank 0 found a bad checkpoint file "
+                         "(see its error)")
+    if code < 0:
+        if required:
+            raise ValueError(f"--resume found no complete checkpoint under {checkpoint_root(cfg.out)}")
+        return None
+    return step_folder(cfg.out, code)
+
+
+def _remove_partial_writes(cfg: TrainConfig) -> None:
+    """What a write cut short left (``*.tmp``), removed once per node (no worker of the run is writing now)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        remove_partial_writes(cfg.out)
+
+
+def load_resume(folder: Path | None, cfg: TrainConfig, strategy_config: StrategyConfig | None, topology: Topology,
+                finished_at_max: bool = False) -> Resume | None:
+    """The checkpoint in ``folder`` as this worker resumes from it (None: no folder, a fresh run), checked against
+    this run (one :class:`~quietsync.train.resume_check.ResumeMismatch` line on every worker otherwise); with
+    ``finished_at_max``, a checkpoint whose schedule already reached ``--max-steps`` is ``finished``."""
+    if folder is None:
+        return None
+    rank, world = topology.rank, topology.world_size
+    head = load_checkpoint(folder, 0, mmap=True)
+    local = local_ranks(topology)  # the same choice on every worker: all use the rank files, or none
+    same = (head.get("world_size") == world and head.get("nodes", topology.nodes) == topology.nodes
+            and all(rank_file(folder, r).is_file() for r in local))
+    state = load_checkpoint(folder, rank) if same and rank != 0 else load_checkpoint(folder, 0, mmap=not same)
+    position = float(head.get("schedule_position", head["strategy"]["steps"]))
+    if finished_at_max and position >= cfg.max_steps:  # e.g. a node that rejoins as the run ends: nothing to do
+        return Resume(folder, state, same, finished=True)
+    for note in check_checkpoint(state, cfg, strategy_config, world, topology.nodes, folder):
+        if rank == 0 and under_torchrun() and ERRORS_ENV not in os.environ:  # else the launcher did
+            print(f"quietsync train: {note}", flush=True)
+    return Resume(folder, state, same)
 
 
 class FixedWorld:
@@ -65,6 +153,26 @@ class FixedWorld:
         self.audit = audit
         self.guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
         self.windows: list[list[int]] = []  # --audit: the windows fed since the last committed step
+
+    @classmethod
+    def resume_point(cls, cfg: TrainConfig, strategy_config: StrategyConfig | None, topology: Topology,
+                     transport: Transport) -> Resume | None:
+        """Where this worker resumes from (None: a fresh run): ``--resume`` (bare: the newest complete checkpoint
+        under ``--out``, agreed by every worker) or ``--resume DIR``."""
+        if cfg.resume is None:
+            return None
+        _remove_partial_writes(cfg)
+        if cfg.resume == "latest":
+            folder = agreed_checkpoint(cfg, topology, transport, required=True, pass_over=False)
+        else:
+            folder = resolve_resume(str(cfg.resume), cfg.out, local_ranks(topology))
+        return load_resume(folder, cfg, strategy_config, topology)
+
+    @classmethod
+    def start_note(cls, cfg: TrainConfig, resume: Resume | None, world: int, run_config: Any,
+                   clock: TokenSchedule) -> str | None:
+        """What rank 0 says about where the run starts (None: nothing)."""
+        return None
 
     ended = False
 
@@ -128,8 +236,31 @@ class FixedWorld:
 
 class ElasticWorld(FixedWorld):
     """The membership of torchrun's elastic world (``--elastic``): a fixed world between torchrun's restarts.
-    What differs is where a start resumes from (:func:`~quietsync.train.loop.resume_point`: the newest complete
-    checkpoint every worker agrees on, at any world size), settled before the loop."""
+    What differs is where each start resumes from: the newest complete checkpoint every worker agrees on, at any
+    world size, passing over one with a bad file."""
+
+    @classmethod
+    def resume_point(cls, cfg: TrainConfig, strategy_config: StrategyConfig | None, topology: Topology,
+                     transport: Transport) -> Resume | None:
+        """Every start takes the newest complete checkpoint under ``--out`` (one with a bad file passed over), else
+        ``--resume DIR``, else none; a checkpoint that already reached ``--max-steps`` is ``finished``."""
+        _remove_partial_writes(cfg)
+        folder = agreed_checkpoint(cfg, topology, transport, required=False, pass_over=True)
+        if folder is None and cfg.resume not in (None, "latest"):
+            folder = resolve_resume(str(cfg.resume), cfg.out, local_ranks(topology))
+        return load_resume(folder, cfg, strategy_config, topology, finished_at_max=True)
+
+    @classmethod
+    def start_note(cls, cfg: TrainConfig, resume: Resume | None, world: int, run_config: Any,
+                   clock: TokenSchedule) -> str | None:
+        if resume is None:
+            return (f"--elastic: no complete checkpoint under {checkpoint_root(cfg.out)}: the run starts on {world} "
+                    "worker(s)")
+        field = accumulation_field(run_config)
+        per = f", {getattr(run_config, field)} micro-batch(es) per worker per step" if field else ""
+        return (f"--elastic: resuming {resume.folder.name} (written by {resume.state.get('world_size')} worker(s)) "
+                f"on {world} worker(s){per}; a step holds {clock.ratio:g} x the run's first tokens per step; "
+                f"learning-rate schedule at step {clock.anchor_position:g} of {cfg.max_steps}")
 
 
 def checkpoint_note(cfg: TrainConfig, topology: Topology) -> str:
@@ -159,4 +290,24 @@ def save(world: FixedWorld, strategy: Any, tokens_total: int) -> None:
     })
 
 
-__all__ = ["ElasticWorld", "FixedWorld", "checkpoint_note", "local_ranks", "save"]
+def gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
+    """The run's counters summed over the workers with one all-reduce (after the strategy is closed): the totals
+    of the summary."""
+    snap = transport.meter.snapshot()
+    keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
+    values = [float(result["tokens_total"]), float(result["micro_batches"]), *(float(result[k]) for k in STEP_SUMS)]
+    values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
+    t = torch.tensor(values, dtype=torch.float64, device=transport.device)
+    transport.all_reduce(t, group="world", op="sum", name="summary")
+    v = t.tolist()
+    by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}
+    for (g, d), x in zip(keys, v[2 + len(STEP_SUMS):]):
+        by_group[g][d] = int(x)
+    return {
+        "tokens": int(v[0]), "micro_batches": int(v[1]), **dict(zip(STEP_SUMS, v[2:2 + len(STEP_SUMS)])),
+        "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]},
+    }
+
+
+__all__ = ["ElasticWorld", "FixedWorld", "Resume", "agreed_checkpoint", "checkpoint_note", "gather_totals",
+           "load_resume", "local_ranks", "save"]
