@@ -6,7 +6,9 @@ the strategy until it commits. ``--on-nonfinite`` is agreed before a round commi
 the run's end (:func:`save`), and a failed run names the newest checkpoint to resume from.
 
 Under ``--elastic`` torchrun restarts the whole world at a new size; between restarts the world is fixed, so
-:class:`ElasticWorld` steps as :class:`FixedWorld` does.
+:class:`ElasticWorld` steps as :class:`FixedWorld` does. The two differ in where a start resumes from
+(``resume_point``, before the loop): ``--resume`` for a fixed world; for an elastic one, every start takes the
+newest complete checkpoint every worker agrees on (:func:`agreed_checkpoint`), at any world size.
 """
 
 from __future__ import annotations
