@@ -220,13 +220,23 @@ def noise_critical_batch(model_dir: Path, job: object, curve: PilotCurve) -> tup
 
 def pilot_speed(curve: PilotCurve) -> tuple[float, float] | None:
     """Seconds per step and tokens per step over the second half of a pilot's training (its evaluations' time
-    taken out), or None when it made too few evaluations."""
+    taken out), or None when it made too few evaluations.
+
+    The training time is the pilot's longest worker clock (:attr:`~quietsync.plan.pilots.PilotCurve.train_s`), not
+    rank 0's: with one worker slower, a faster rank 0 waits for it inside each evaluation (for the update in
+    flight), and that wait, taken out as evaluation time, made its steps look ~2× faster than the run went. So the
+    speed is the slowest worker's pace where a synchronous method runs at it, ACCO's where it accumulates by its own
+    rule, and adaptive inner steps' — every worker's tokens over the round's wall time — where each worker takes its
+    own share (the tokens per step are all workers' in every case)."""
     n = len(curve.steps)
     if n < 3 or curve.wall_s == 0.0:
         return None
     i = n // 2
     steps = curve.steps[-1] - curve.steps[i]
-    train_s = curve.time_s[-1] - curve.time_s[i] - sum(curve.eval_s[i + 1:])
+    if len(curve.train_s) == n:
+        train_s = curve.train_s[-1] - curve.train_s[i]
+    else:  # a record from before the workers' clocks were kept: rank 0's
+        train_s = curve.time_s[-1] - curve.time_s[i] - sum(curve.eval_s[i + 1:])
     if steps <= 0 or train_s <= 0:
         return None
     return train_s / steps, (curve.tokens[-1] - curve.tokens[i]) / steps
