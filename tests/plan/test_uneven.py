@@ -114,3 +114,14 @@ def test_a_varying_link_ranks_adapt_and_the_advice_names_it():
     adapt = next(s for s in varying.scored if s.row.spec == "diloco:adapt=true,sync_every=16")
     fixed = next(s for s in varying.scored if s.row.spec == FIXED)
     assert math.isfinite(adapt.objective) and adapt.objective < fixed.objective  # H grows when the link drops
+
+
+def test_a_pilot_of_adaptive_inner_steps_evaluates_only_at_round_ends():
+    from quietsync.plan.candidates import parse_candidate
+    from quietsync.plan.pilots import eval_every
+
+    # the trainer refuses --eval-every off a round's end under adaptive inner steps (the workers meet only there)
+    assert eval_every(parse_candidate(ADAPTIVE), 32) == 16 and eval_every(parse_candidate(FIXED), 32) == 2
+    assert eval_every(parse_candidate(ADAPTIVE), 16 * 40) == 32
+    streaming = parse_candidate("diloco:inner_steps=adaptive,sync_every=16,fragments=4,overlap_delay=4")
+    assert eval_every(streaming, 32) == 4  # a round is H / F = 4 steps

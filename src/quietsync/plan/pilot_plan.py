@@ -360,6 +360,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         without a pilot); one through the link measures its whole step."""
         overhead: dict[str, float] = {}
         measured: dict[str, tuple[float, float]] = {}
+        batch: dict[str, float] = {}
         per_mb = 0.0
         for spec, curve in done.items():
             speed = pilot_speed(curve)
@@ -374,8 +375,17 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
                 overhead[spec] = off if abs(off) > SPEED_TOLERANCE * predicted else 0.0
                 if spec == base_spec:
                     per_mb = overhead[spec] / max(row.micro_batches, 1e-9)
+                if abs(speed[1] - row.tokens_per_step) > SPEED_TOLERANCE * row.tokens_per_step:
+                    # a batch that follows the workers' speeds (adaptive inner steps: each worker's share of a
+                    # round), which the link's delay does not change: the pilot's, not the calibration's
+                    batch[spec] = speed[1]
 
         def adjust(row: Row) -> Row:
+            if row.spec in batch:
+                tokens = batch[row.spec]
+                return dataclasses.replace(row, tokens_per_step=tokens, tokens_per_s=tokens / row.step_s,
+                                           micro_batches=tokens / result.workload.tokens_per_micro_batch,
+                                           notes=[*row.notes, "tokens per step measured by its pilot"])
             if row.spec not in measured:
                 return row
             step_s, tokens = measured[row.spec]

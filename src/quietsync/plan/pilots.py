@@ -350,12 +350,19 @@ def eval_every(cand: Candidate, steps: float) -> int:
     :data:`OVERLAP_EVAL_STEPS` apart for ACCO/DPU/WP (an evaluation waits for the update in flight, which would keep
     their stages from growing as they do in the planned run); for Local SGD and DiLoCo right after syncs (a multiple
     of the period, or a divisor of it: the evaluated model changes at syncs) — as each strategy declares (its
-    ``PlanFacts.stages`` and ``sync_period``)."""
+    ``PlanFacts.stages`` and ``sync_period``); with adaptive inner steps a multiple of the round (the trainer
+    refuses any other)."""
+    from ..train.adaptive_rounds import round_length
+
     every = max(1, int(steps // EVALS_PER_PILOT))
     facts = declaration(cand.strategy).plan
     if facts.stages:
         return max(every, OVERLAP_EVAL_STEPS)
-    period = facts.sync_period(strategy_config(cand.strategy, cand.knob_dict)) if facts.sync_period else 1
+    cfg = strategy_config(cand.strategy, cand.knob_dict)
+    rounds = round_length(cfg)
+    if rounds is not None:  # adaptive inner steps: the workers meet (and may evaluate) only at a round's end
+        return max(rounds, every - every % rounds)
+    period = facts.sync_period(cfg) if facts.sync_period else 1
     if period > 1:
         if every >= period:
             return every - every % period
