@@ -125,3 +125,32 @@ def test_a_pilot_of_adaptive_inner_steps_evaluates_only_at_round_ends():
     assert eval_every(parse_candidate(ADAPTIVE), 16 * 40) == 32
     streaming = parse_candidate("diloco:inner_steps=adaptive,sync_every=16,fragments=4,overlap_delay=4")
     assert eval_every(streaming, 32) == 4  # a round is H / F = 4 steps
+
+
+def test_a_delay_free_pilot_of_adaptive_inner_steps_gives_its_row_the_tokens_per_step_it_measured(tmp_path):
+    """How many inner steps the slow worker takes per round follows the speeds the workers really had in the pilot,
+    not the calibration's: the pilot's tokens per step replace the row's, its step time corrects the row's as for
+    every delay-free pilot."""
+    import copy
+
+    pytest.importorskip("optuna")
+    from quietsync.plan.pilot_plan import _delay_free, run_pilots
+    from quietsync.plan.planner import predict
+    from tests.plan.test_pilots import power_law_runner
+
+    result = quietsync.plan.plan(**TINY, link=["inter=100mbit,5ms"], only=True, slow_worker=["1:3"],
+                                 strategies=["zero1", ADAPTIVE], target_loss=4.5)
+    cfg = copy.copy(result.config)
+    cfg.pilot_tokens, cfg.pilot_out, cfg.pilot_args = 160_000, str(tmp_path), ["--warmup-steps", "1"]
+    result.config = cfg
+    model = next(r for r in result.rows if r.spec == ADAPTIVE)
+    free = result.predict("diloco", {"sync_every": 16, "inner_steps": "adaptive"}, _delay_free(result)).step_s
+    batch = 1.5 * model.tokens_per_step  # the slow worker kept up better than the calibration said
+    runner = power_law_runner({"zero1": 4.0, ADAPTIVE: 4.0}, step_s={"zero1": 1.0, ADAPTIVE: 2 * free},
+                              batch={"zero1": 2048.0, ADAPTIVE: batch})
+    new = run_pilots(result, predict, runner)
+    scored = next(s for s in new.scored if s.row.spec == ADAPTIVE)
+    assert not new.pilots[ADAPTIVE].through_link
+    assert scored.row.tokens_per_step == pytest.approx(batch)
+    # its step: the model's, corrected by what the pilot spent beyond the delay-free prediction
+    assert batch / scored.time.tokens_per_s == pytest.approx(model.step_s + free, rel=0.02)
