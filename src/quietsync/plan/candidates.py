@@ -88,16 +88,19 @@ def parse_candidate(spec: str) -> Candidate:
     return candidate(name, knobs)
 
 
-def grid(wide: bool = False) -> tuple[str, ...]:
+def grid(wide: bool = False, uneven: bool = False, varying: bool = False) -> tuple[str, ...]:
     """The canonical candidate grid (spec strings as ``quietsync compare --strategies`` takes them): every
-    registered strategy's declared settings; ``wide``: and its settings for large clusters on slow links."""
+    registered strategy's declared settings; ``wide``: and its settings for large clusters on slow links; ``uneven``:
+    and those for workers of different speeds (``PlanFacts.uneven``); ``varying``: and those for a link that varies
+    during the run (``PlanFacts.varying``)."""
     out = []
     for name in ordered():
         facts = declaration(name).plan
         out += [spec_string(name, dict(knobs)) for knobs in facts.grid]
-    if wide:
-        for name in ordered():
-            out += [spec_string(name, dict(knobs)) for knobs in declaration(name).plan.wide]
+    for extra, field in ((wide, "wide"), (uneven, "uneven"), (varying, "varying")):
+        if extra:
+            for name in ordered():
+                out += [spec_string(name, dict(knobs)) for knobs in getattr(declaration(name).plan, field)]
     return tuple(out)
 
 
@@ -110,13 +113,14 @@ def applies(strategy: str, topo: Topology, stage_counts: tuple[int, ...] = ()) -
     return facts.applies(topo, stage_counts) if facts.applies is not None else None
 
 
-def canonical_grid(topo: Topology, stage_counts: tuple[int, ...] = (), wide: bool = False
-                   ) -> tuple[list[Candidate], list[LeftOut]]:
-    """The grid's candidates that apply to ``topo`` (``wide``: with the wide settings), and the ones left out with why.
-    ``stage_counts``: the stage counts the model can be cut into (CDP); empty = not checked."""
+def canonical_grid(topo: Topology, stage_counts: tuple[int, ...] = (), wide: bool = False, uneven: bool = False,
+                   varying: bool = False) -> tuple[list[Candidate], list[LeftOut]]:
+    """The grid's candidates that apply to ``topo`` (``wide``, ``uneven``, ``varying``: with those settings, as
+    :func:`grid`), and the ones left out with why. ``stage_counts``: the stage counts the model can be cut into
+    (CDP); empty = not checked."""
     out: list[Candidate] = []
     left: list[LeftOut] = []
-    for spec in grid(wide):
+    for spec in grid(wide, uneven, varying):
         c = parse_candidate(spec)
         why = applies(c.strategy, topo, stage_counts)
         if why is not None:

@@ -41,7 +41,8 @@ class PlanConfig:
     """Nodes; must divide nproc (default: one node per worker, as quietsync train's local workers)."""
     link: list[str] = field(default_factory=list, metadata={"flag": {"metavar": "NAME=BANDWIDTH[,LATENCY]"}})
     """Links NAME=BANDWIDTH[,LATENCY], NAME in inter, intra (e.g. inter=1gbit,20ms); measured by the probe where
-    not given."""
+    not given. A link that varies during the run is a schedule (inter=100mbit,5ms@0s,10mbit@60s): each stretch is
+    costed, and --adapt settings are ranked too."""
     micro_batch_size: int = 8
     """Sequences per micro-batch per worker."""
     seq_len: int = 128
@@ -93,7 +94,8 @@ class PlanConfig:
     probe: bool = True
     """Measure the real links between the workers (the floor under emulated links; the link where none is given)."""
     slow_worker: list[str] = field(default_factory=list, metadata={"flag": {"metavar": "RANK:FACTOR"}})
-    """RANK:FACTOR: predict as if worker RANK computed FACTOR times slower (as quietsync train --slow-worker)."""
+    """RANK:FACTOR: predict as if worker RANK computed FACTOR times slower (as quietsync train --slow-worker; the
+    pilots run with it); an uneven cluster ranks adaptive inner steps too."""
     threads: int = 0
     """torch threads per worker (0: CPU cores / workers on this machine)."""
     repeats: int = 5

@@ -18,8 +18,10 @@ from .config import PlanConfig
 from .curve_fit import Interval
 from .loss_model import (
     CHINCHILLA_TOKENS_PER_PARAM,
+    SPEED_ERROR,
     BaselineCurve,
     LossEstimate,
+    TimeToTarget,
     chinchilla_curve,
     from_prior,
     loss_at,
@@ -63,6 +65,10 @@ class Objective:
     """Seconds per micro-batch the baseline's pilot spent beyond (negative: short of) the cost model's prediction (the
     trainer's work the model leaves out: data, control plane; a compute profile measured slow or fast), added to
     every setting without a pilot of its own."""
+    link_phases: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """Spec → ``(start seconds, tokens/s)`` of each steady stretch of a link that varies during the run (given as a
+    schedule), the cost model's; empty for steady links. Time to target then integrates the speed over the
+    stretches (the last one lasting to the end), each scaled as the pilots corrected the row's first stretch."""
 
     @property
     def description(self) -> str:
@@ -117,7 +123,11 @@ class Objective:
                              f"--max-steps {self.max_steps}")
             inf = math.inf
             est.tokens = Interval(inf, est.tokens.low, inf)
-        t = time_to_target(est, tps)
+        phases = self.link_phases.get(row.spec)
+        if phases and phases[0][1] > 0:  # the first stretch is what the row (and a pilot's correction) speak of
+            t = _phased_time(est, phases, tps / phases[0][1])
+        else:
+            t = time_to_target(est, tps)
         extra = self._eval_seconds(row, est.tokens.value)
         if extra:
             s = t.seconds
@@ -133,6 +143,34 @@ class Objective:
                 "notes": self.notes, "eval_every": self.eval_every, "eval_s": self.eval_s,
                 "step_overhead_s": self.step_overhead_s,
                 "overhead_per_micro_batch_s": self.overhead_per_micro_batch_s}
+
+
+def phased_seconds(tokens: float, phases: tuple[tuple[float, float], ...], factor: float = 1.0) -> float:
+    """Seconds to train ``tokens`` on a link whose steady stretches start at ``phases[k][0]`` seconds and run at
+    ``factor · phases[k][1]`` tokens/s (the last one to the end)."""
+    if not math.isfinite(tokens):
+        return math.inf
+    left, clock = tokens, 0.0
+    for k, (start, tps) in enumerate(phases):
+        end = phases[k + 1][0] if k + 1 < len(phases) else math.inf
+        rate = factor * tps
+        if rate > 0 and left <= rate * (end - start):
+            return start + left / rate
+        if rate > 0:
+            left -= rate * (end - start)
+        clock = end
+    return math.inf if left > 0 else clock
+
+
+def _phased_time(est: LossEstimate, phases: tuple[tuple[float, float], ...], factor: float) -> TimeToTarget:
+    """Time to target over a varying link, its interval as :func:`~quietsync.plan.loss_model.time_to_target`'s (the
+    speed within ``SPEED_ERROR`` either way); ``tokens_per_s``: the mean over the run."""
+    tk = est.tokens
+    value = phased_seconds(tk.value, phases, factor)
+    low = phased_seconds(tk.low, phases, factor * (1 + SPEED_ERROR))
+    high = phased_seconds(tk.high, phases, factor * (1 - SPEED_ERROR))
+    mean = tk.value / value if 0 < value < math.inf else factor * phases[0][1]
+    return TimeToTarget(Interval(value, low, high), mean)
 
 
 def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, baseline_tokens_per_step: float

@@ -220,13 +220,23 @@ def noise_critical_batch(model_dir: Path, job: object, curve: PilotCurve) -> tup
 
 def pilot_speed(curve: PilotCurve) -> tuple[float, float] | None:
     """Seconds per step and tokens per step over the second half of a pilot's training (its evaluations' time
-    taken out), or None when it made too few evaluations."""
+    taken out), or None when it made too few evaluations.
+
+    The training time is the pilot's longest worker clock (:attr:`~quietsync.plan.pilots.PilotCurve.train_s`), not
+    rank 0's: with one worker slower, a faster rank 0 waits for it inside each evaluation (for the update in
+    flight), and that wait, taken out as evaluation time, made its steps look ~2× faster than the run went. So the
+    speed is the slowest worker's pace where a synchronous method runs at it, ACCO's where it accumulates by its own
+    rule, and adaptive inner steps' — every worker's tokens over the round's wall time — where each worker takes its
+    own share (the tokens per step are all workers' in every case)."""
     n = len(curve.steps)
     if n < 3 or curve.wall_s == 0.0:
         return None
     i = n // 2
     steps = curve.steps[-1] - curve.steps[i]
-    train_s = curve.time_s[-1] - curve.time_s[i] - sum(curve.eval_s[i + 1:])
+    if len(curve.train_s) == n:
+        train_s = curve.train_s[-1] - curve.train_s[i]
+    else:  # a record from before the workers' clocks were kept: rank 0's
+        train_s = curve.time_s[-1] - curve.time_s[i] - sum(curve.eval_s[i + 1:])
     if steps <= 0 or train_s <= 0:
         return None
     return train_s / steps, (curve.tokens[-1] - curve.tokens[i]) / steps
@@ -350,6 +360,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         without a pilot); one through the link measures its whole step."""
         overhead: dict[str, float] = {}
         measured: dict[str, tuple[float, float]] = {}
+        batch: dict[str, float] = {}
         per_mb = 0.0
         for spec, curve in done.items():
             speed = pilot_speed(curve)
@@ -364,8 +375,17 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
                 overhead[spec] = off if abs(off) > SPEED_TOLERANCE * predicted else 0.0
                 if spec == base_spec:
                     per_mb = overhead[spec] / max(row.micro_batches, 1e-9)
+                if abs(speed[1] - row.tokens_per_step) > SPEED_TOLERANCE * row.tokens_per_step:
+                    # a batch that follows the workers' speeds (adaptive inner steps: each worker's share of a
+                    # round), which the link's delay does not change: the pilot's, not the calibration's
+                    batch[spec] = speed[1]
 
         def adjust(row: Row) -> Row:
+            if row.spec in batch:
+                tokens = batch[row.spec]
+                return dataclasses.replace(row, tokens_per_step=tokens, tokens_per_s=tokens / row.step_s,
+                                           micro_batches=tokens / result.workload.tokens_per_micro_batch,
+                                           notes=[*row.notes, "tokens per step measured by its pilot"])
             if row.spec not in measured:
                 return row
             step_s, tokens = measured[row.spec]

@@ -77,6 +77,12 @@ class PilotCurve:
     """``budget``, ``target`` (reached the target loss), ``pruned``, ``shared prefix`` or ``failed: ...``."""
     through_link: bool = True
     shared_from: str | None = None
+    train_s: list[float] = field(default_factory=list)
+    """Seconds of training at each evaluation: over the workers, the longest training clock (a worker's time since
+    the start minus its own evaluations). The longest, because a worker that reached an evaluation before a slower
+    one waits there for the update in flight, and that wait — the slower worker still computing — is training, not
+    evaluation: subtracted with rank 0's evaluations, a pilot whose rank 0 is the fast worker reports its steps up
+    to ~2× too fast (Streaming DiLoCo with a 3× slower worker). Empty for a record written before it was kept."""
 
     @property
     def reached(self) -> float | None:
@@ -87,7 +93,7 @@ class PilotCurve:
         """Its evaluations up to ``tokens``."""
         n = sum(1 for t in self.tokens if t <= tokens)
         return PilotCurve(self.spec, self.tokens[:n], self.losses[:n], self.steps[:n], self.time_s[:n],
-                          self.eval_s[:n], 0.0, "shared prefix", self.through_link, self.spec)
+                          self.eval_s[:n], 0.0, "shared prefix", self.through_link, self.spec, self.train_s[:n])
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -151,12 +157,13 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
             pruned = False
             for i in range(1, len(prefix.tokens) + 1):
                 if on_eval(PilotCurve(cand.spec, prefix.tokens[:i], prefix.losses[:i], prefix.steps[:i],
-                                      prefix.time_s[:i], prefix.eval_s[:i])):
+                                      prefix.time_s[:i], prefix.eval_s[:i], train_s=prefix.train_s[:i])):
                     pruned = True
                     break
             if pruned:
                 curve = PilotCurve(cand.spec, prefix.tokens[:i], prefix.losses[:i], prefix.steps[:i],
-                                   prefix.time_s[:i], prefix.eval_s[:i], 0.0, "pruned", prefix.through_link, source)
+                                   prefix.time_s[:i], prefix.eval_s[:i], 0.0, "pruned", prefix.through_link, source,
+                                   prefix.train_s[:i])
         if curve is None:
             curve = runner(cand, budget, on_eval)
         out[cand.spec] = curve
@@ -263,8 +270,9 @@ class ProcessRunner:
         self.log(f"   pilot {cand.spec}: replayed from {self.folder(cand) / RECORD} (ran {rec['wall_s']:.1f} s)")
         curve = PilotCurve(cand.spec, through_link=bool(rec["through_link"]), wall_s=float(rec["wall_s"]),
                            stopped=str(rec["stopped"]))
+        kept = len(rec.get("train_s") or ()) == len(rec["tokens"])  # a record from before train_s was kept: none
         for i in range(len(rec["tokens"])):
-            for key in ("tokens", "losses", "steps", "time_s", "eval_s"):
+            for key in ("tokens", "losses", "steps", "time_s", "eval_s", *(("train_s",) if kept else ())):
                 getattr(curve, key).append(rec[key][i])
             if on_eval(curve):
                 curve.stopped = "pruned"
@@ -286,6 +294,8 @@ class ProcessRunner:
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         readers: dict[int, _Tail] = {}
         evals: dict[int, dict[int, dict[str, Any]]] = {}
+        eval_sum: dict[int, float] = {}  # each worker's evaluation seconds so far (the first, at step 0, included)
+        last = -1
         pruned = False
         try:
             while True:
@@ -296,9 +306,11 @@ class ProcessRunner:
                         if rec.get("event") == "eval":
                             evals.setdefault(rec["step"], {})[rank] = rec
                 ranks = len(readers)
-                for step in sorted(s for s, by in evals.items() if len(by) == ranks and ranks and
-                                   (not curve.steps or s > curve.steps[-1])):
+                for step in sorted(s for s, by in evals.items() if len(by) == ranks and ranks and s > last):
                     by = evals[step]
+                    last = step
+                    for r, rec in by.items():
+                        eval_sum[r] = eval_sum.get(r, 0.0) + float(rec["eval_s"])
                     if step == 0:
                         continue
                     r0 = by.get(0) or next(iter(by.values()))
@@ -307,6 +319,7 @@ class ProcessRunner:
                     curve.losses.append(float(r0["loss"]))
                     curve.time_s.append(float(r0["time_s"]))
                     curve.eval_s.append(float(r0["eval_s"]))
+                    curve.train_s.append(max(float(rec["time_s"]) - eval_sum[r] for r, rec in by.items()))
                     if on_eval(curve):
                         pruned = True
                         break
@@ -337,12 +350,19 @@ def eval_every(cand: Candidate, steps: float) -> int:
     :data:`OVERLAP_EVAL_STEPS` apart for ACCO/DPU/WP (an evaluation waits for the update in flight, which would keep
     their stages from growing as they do in the planned run); for Local SGD and DiLoCo right after syncs (a multiple
     of the period, or a divisor of it: the evaluated model changes at syncs) — as each strategy declares (its
-    ``PlanFacts.stages`` and ``sync_period``)."""
+    ``PlanFacts.stages`` and ``sync_period``); with adaptive inner steps a multiple of the round (the trainer
+    refuses any other)."""
+    from ..train.adaptive_rounds import round_length
+
     every = max(1, int(steps // EVALS_PER_PILOT))
     facts = declaration(cand.strategy).plan
     if facts.stages:
         return max(every, OVERLAP_EVAL_STEPS)
-    period = facts.sync_period(strategy_config(cand.strategy, cand.knob_dict)) if facts.sync_period else 1
+    cfg = strategy_config(cand.strategy, cand.knob_dict)
+    rounds = round_length(cfg)
+    if rounds is not None:  # adaptive inner steps: the workers meet (and may evaluate) only at a round's end
+        return max(rounds, every - every % rounds)
+    period = facts.sync_period(cfg) if facts.sync_period else 1
     if period > 1:
         if every >= period:
             return every - every % period

@@ -101,11 +101,40 @@ def _activation_estimate(w: Workload, cfg: PlanConfig) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- candidates
-def candidates(cfg: PlanConfig, w: Workload, topo: Topology) -> tuple[list[Candidate], list[LeftOut]]:
-    """The settings to evaluate — the canonical grid (with its wide settings for ``what_if``) unless ``only``, and the
-    ``strategies`` given — one per setting, and the grid's settings left out with why."""
+def uneven(compute: ComputeProfile, world: int) -> bool:
+    """Whether the workers compute at different speeds: the slowest beyond :data:`HETEROGENEOUS` times the fastest
+    (the calibration's noise; a ``slow_worker`` factor counts)."""
+    scales = compute.scales(world)
+    return max(scales) / min(scales) > HETEROGENEOUS
+
+
+def varying(cluster_links: Links) -> bool:
+    """Whether a link of the plan varies during the run (given as a schedule)."""
+    return any(link.scheduled for link in cluster_links.model.values())
+
+
+def link_phases(links: Links) -> list[tuple[float, Links]]:
+    """The steady stretches of links that vary (given as schedules): ``(start seconds, the links then)``, one per
+    change of any of them; one stretch from 0 s for steady links."""
+    starts = sorted({r.at_s for link in links.model.values() for r in link.rates()})
+    out = []
+    for t in starts:
+        model = {k: LinkModel(link.rate_at(t).bandwidth, link.rate_at(t).latency) if link.scheduled else link
+                 for k, link in links.model.items()}
+        out.append((t, dataclasses.replace(links, model=model)))
+    return out
+
+
+def candidates(cfg: PlanConfig, w: Workload, topo: Topology, uneven: bool | None = None, varying: bool = False
+               ) -> tuple[list[Candidate], list[LeftOut]]:
+    """The settings to evaluate — the canonical grid (with its wide settings for ``what_if``, its uneven ones for
+    workers of different speeds, its varying ones for a link that changes) unless ``only``, and the ``strategies``
+    given — one per setting, and the grid's settings left out with why. ``uneven`` None: as the slow workers given
+    say (before the calibration has measured them)."""
     stages = tuple(sorted(w.stage_numels)) if w.stage_numels else ()
-    grid, left = ([], []) if cfg.only else canonical_grid(topo, stages, wide=cfg.what_if)
+    uneven = bool(cfg.slow) if uneven is None else uneven
+    grid, left = ([], []) if cfg.only else canonical_grid(topo, stages, wide=cfg.what_if, uneven=uneven,
+                                                          varying=varying)
     return unique(grid + [candidate(n, k) for n, k in cfg.extra]), left
 
 
@@ -236,11 +265,17 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
     topo = Topology(0, cluster.world, cluster.nodes)
     rows: list[Row] = []
     assumptions = list(assumptions or [])
-    cands, left = candidates(cfg, w, topo)
+    changing = varying(cluster.links)
+    cands, left = candidates(cfg, w, topo, uneven(compute, cluster.world), changing)
     memory = cluster.device.memory_bytes if cluster.device is not None else None
+    phases = link_phases(cluster.links) if changing else []
+    speeds: dict[str, tuple[tuple[float, float], ...]] = {}
     for c in cands:
         try:
-            row = evaluate(c.strategy, c.knob_dict, w, topo, compute, cluster.links)
+            row = evaluate(c.strategy, c.knob_dict, w, topo, compute, phases[0][1] if phases else cluster.links)
+            if phases:  # each steady stretch of the link at its own speed (time to target integrates them)
+                speeds[row.spec] = tuple((t, evaluate(c.strategy, c.knob_dict, w, topo, compute, links).tokens_per_s)
+                                         for t, links in phases)
         except ValueError as e:  # a setting this model or topology cannot take (e.g. too few CDP stages)
             left.append(LeftOut(c.spec, c.strategy, str(e)))
             continue
@@ -255,11 +290,13 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
         exact = [r for r in rows if is_baseline(r)] or rows
         objective = initial_objective(cfg, w.params, cluster.world, cluster.nodes,
                                       exact[0].tokens_per_step if exact else w.tokens_per_micro_batch)
+    if phases:
+        objective = dataclasses.replace(objective, link_phases=speeds)
     scored = [objective.score(r) for r in rows]
     ranked = {r.strategy for r in rows}
     out = [(x.strategy, x.reason) for x in left if x.strategy not in ranked]
     out += [(f"`{x.spec}`", x.reason) for x in left if x.strategy in ranked]
-    advice = advise(scored, compute, cluster.world, objective.description, out)
+    advice = advise(scored, compute, cluster.world, objective.description, out, varying=changing)
     return PlanResult(cfg, w, cluster, compute, rows, objective, scored, advice, left, probe, assumptions)
 
 

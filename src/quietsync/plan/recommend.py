@@ -212,8 +212,9 @@ def best_per_strategy(scored: list[Scored]) -> list[Scored]:
 
 
 def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective: str,
-           left_out: list[tuple[str, str]], top: int = TRY_FIRST) -> Advice:
-    """Rank ``scored`` (see the module docstring). ``left_out``: ``(strategy or setting, why)``."""
+           left_out: list[tuple[str, str]], top: int = TRY_FIRST, varying: bool = False) -> Advice:
+    """Rank ``scored`` (see the module docstring). ``left_out``: ``(strategy or setting, why)``; ``varying``: a link
+    varies during the run (its settings that re-pick their knobs are named)."""
     exact = [s for s in scored if is_baseline(s.row)] or \
         [s for s in scored if declaration(s.row.strategy).plan.exact] or scored
     base = min(exact, key=lambda s: (s.objective, -s.row.tokens_per_s))
@@ -235,7 +236,15 @@ def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective:
     notes = []
     if spread > HETEROGENEOUS:
         notes.append(f"heterogeneous workers (slowest {spread:.2f}× the fastest): synchronous strategies run at the "
-                     "slowest worker's pace; ACCO's fast workers compute more micro-batches instead of waiting")
+                     "slowest worker's pace; ACCO's fast workers compute more micro-batches instead of waiting"
+                     + _best_of(scored, lambda c: getattr(c, "inner_steps", "fixed") == "adaptive",
+                                "; with adaptive inner steps (`--inner-steps adaptive`, Local SGD and DiLoCo) a slow "
+                                "worker takes fewer inner steps per round instead of every worker waiting for it"))
+    if varying:
+        notes.append("the link varies during the run (a schedule): each setting's time to the target follows its "
+                     "speed on every stretch of it"
+                     + _best_of(scored, lambda c: bool(getattr(c, "adapt", False)),
+                                "; `--adapt` re-picks DiLoCo's H from the measured link as it changes"))
     tuned = []
     for s in ranked:
         same = sorted((x for x in scored if x.row.strategy == s.row.strategy), key=lambda x: x.objective)
@@ -251,6 +260,24 @@ def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective:
             out.append(line)
     out += [f"{s.row.strategy}: no setting is predicted to reach the target" for s in missing]
     return Advice(diagnosis(base.row), base.row.label, objective, recs[:top], recs, tuned, out, unreachable, notes)
+
+
+def _best_of(scored: list[Scored], which: Any, what: str) -> str:
+    """``what``, then the best of the settings whose config ``which`` accepts, against the best of the rest
+    (empty when none is ranked)."""
+    mine = [s for s in scored if which(strategy_config(s.row.strategy, s.row.knobs))]
+    rest = [s for s in scored if s not in mine]
+    if not mine:
+        return ""
+    best = min(mine, key=lambda s: (s.objective, -s.row.tokens_per_s))
+    other = min(rest, key=lambda s: (s.objective, -s.row.tokens_per_s)) if rest else None
+    if other is None or (best.objective, -best.row.tokens_per_s) <= (other.objective, -other.row.tokens_per_s):
+        line = f"{what}: recommended, `{best.row.spec}` {_short(best)}"
+        if other is not None and best.reaches and other.reaches and best.objective > 0:
+            line += f", {other.objective / best.objective:.2f}× sooner than the best other setting, `{other.row.spec}`"
+        return line
+    return (f"{what}; its best here, `{best.row.spec}` {_short(best)}, is not predicted the fastest "
+            f"(`{other.row.spec}` {_short(other)})")
 
 
 def _short(s: Scored) -> str:

@@ -97,6 +97,12 @@ class PlanFacts:
     """The knob settings it is tuned over in the canonical grid (``{}``: its defaults)."""
     wide: tuple[Mapping[str, Any], ...] = ()
     """Settings added for large clusters on slow links (``what_if`` plans)."""
+    uneven: tuple[Mapping[str, Any], ...] = ()
+    """Settings added when the workers compute at different speeds (a slow worker given, or measured beyond the
+    calibration's noise): those that let a slow worker do less instead of everyone waiting for it."""
+    varying: tuple[Mapping[str, Any], ...] = ()
+    """Settings added when the link varies during the run (``--link`` given as a schedule): those that re-pick
+    their knobs as the link changes."""
     stages: int = 0
     """Stages per step whose micro-batch count adapts to the network (ACCO 2, DPU/WP 1; 0: none): its pilots run
     through the emulated link and evaluate seldom (an evaluation waits for the update in flight)."""

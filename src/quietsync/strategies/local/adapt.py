@@ -149,7 +149,8 @@ def predicted_share(workload: Workload, topo: Topology, cfg: Any, sync_every: in
                     link: LinkModel, group: str) -> float:
     """Exposed communication / compute per inner step that the cost model predicts for ``cfg`` at H =
     ``sync_every``, with inner steps of ``step_s`` compute seconds and the sync group's link ``link``."""
-    schedule = cost.diloco(workload, topo, dataclasses.replace(cfg, sync_every=sync_every))
+    # at this H as a fixed run (the schedule of an adapt config would pick its own H: cost.AdaptedH)
+    schedule = cost.diloco(workload, topo, dataclasses.replace(cfg, sync_every=sync_every, adapt=False))
     accumulation = max(1, int(getattr(cfg, "accumulation", 1)))
     # the measured step already holds the optimizer and the copies: the profile gives them no extra time
     compute = ComputeProfile(forward_s=step_s / accumulation, backward_s=0.0, optimizer_s_per_element=0.0,

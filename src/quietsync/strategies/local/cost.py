@@ -9,9 +9,11 @@ exchange runs on the communication worker while τ inner steps go on. Fragments:
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
-from ...cost.costmodel import Comm, numel
+from ...cost.costmodel import Comm, Cost, Ctx, numel
 from ...cost.schedule import Schedule
 from ...cost.terms import Every, Exposed, MicroBatches, Seq, Term, Wire, copy, optimizer
 from ...cost.workload import Workload
@@ -19,7 +21,75 @@ from ...topology import Topology
 from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES, packed_chain
 from ..parts.cost import ADAMW, OptimizerState, group_of, replicator, replicator_comm
 from ..registry import schedule_of, strategy_config
+from .adaptive import plan_from_speeds
 from .fragments import split_fragments, strided_fragments
+
+
+@dataclass(frozen=True)
+class SpeedShares(Term):
+    """Adaptive inner steps (``inner_steps=adaptive``, :mod:`~quietsync.strategies.local.adaptive`): in a round of
+    ``period`` (L) nominal steps worker i takes ``H_i = max(1, round(L·v_i / max v))`` inner steps at its own pace
+    (the strategy's own :func:`~quietsync.strategies.local.adaptive.plan_from_speeds`; ``v_i`` its inner steps per
+    second, or ``speeds`` where the run fixes them), so the round lasts the longest ``H_i·t_i`` — about the fastest
+    worker's L steps — instead of L steps at the slowest worker's pace, and holds every worker's own micro-batches:
+    the round's tokens are the sum over workers of speed × round time. A nominal step costs the round over L. With
+    equal workers every ``H_i = L``: the ``inner`` step itself."""
+
+    inner: Term
+    period: int
+    speeds: tuple[float, ...] | None = None
+
+    def cost(self, ctx: Ctx) -> Cost:
+        scales = ctx.compute.scales(ctx.topo.world_size)
+        # each worker's inner step alone, at its own speed (the inner term costs the slowest of the profile's scales)
+        each = [self.inner.cost(Ctx(dataclasses.replace(ctx.compute, worker_scale=(s,) * len(scales)), ctx.links,
+                                    ctx.topo)) for s in scales]
+        speeds = list(self.speeds) if self.speeds else [1.0 / c.time if c.time > 0 else 1.0 for c in each]
+        plan = plan_from_speeds(speeds, self.period)
+        ends = [h * c.time for h, c in zip(plan, each)]
+        last = max(range(len(ends)), key=ends.__getitem__)  # the worker that arrives at the sync last sets the round
+        n = len(plan)
+        return Cost(ends[last] / self.period, plan[last] * each[last].compute / self.period,
+                    plan[last] * each[last].comm / self.period,
+                    sum(h * c.micro_batches for h, c in zip(plan, each)) / n / self.period,
+                    sum(h * c.micro_batches for h, c in zip(plan, each)) / self.period)
+
+    def describe(self) -> str:
+        return f"[{self.inner.describe()}] at each worker's own pace, its share of {self.period} by its speed"
+
+
+@dataclass(frozen=True)
+class AdaptedH(Term):
+    """``--adapt``: the step at the H the run's controller picks on this link (:mod:`~quietsync.strategies.local.adapt`,
+    ``pick_sync_every``'s rule) — the smallest candidate whose exposed communication is at most ``overhead`` of its
+    compute, else the largest. ``steps``: ``(H, the step at that H)``, smallest first. On a link that changes, each
+    steady stretch of it is costed with the H picked for it."""
+
+    steps: tuple[tuple[int, Term], ...]
+    overhead: float
+
+    def pick(self, ctx: Ctx) -> tuple[int, Cost]:
+        """The H picked on ``ctx``'s link, and the step's cost at it."""
+        costs = [(h, t.cost(ctx)) for h, t in self.steps]
+        for h, c in costs:
+            if c.compute > 0 and c.exposed_comm <= self.overhead * c.compute:
+                return h, c
+        return costs[-1]
+
+    def cost(self, ctx: Ctx) -> Cost:
+        return self.pick(ctx)[1]
+
+    def describe(self) -> str:
+        return (f"H picked from {', '.join(str(h) for h, _ in self.steps)} (exposed communication <= "
+                f"{self.overhead:.0%} of compute): {self.steps[0][1].describe()}")
+
+
+def _shares(inner: Term, cfg: Any, period: int) -> Term:
+    """``inner`` as the step of ``cfg``'s inner-step mode: fixed (every worker waits for the slowest at the sync), or
+    adaptive (:class:`SpeedShares`)."""
+    if getattr(cfg, "inner_steps", "fixed") != "adaptive":
+        return inner
+    return SpeedShares(inner, period, cfg.worker_speeds)
 
 
 def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
@@ -33,10 +103,13 @@ def localsgd(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW)
     if n > 1:
         comms = [Comm("all_reduce", "world", elements * w.dtype_bytes, "localsgd: all-reduce parameters",
                       steps=(k,))]
-    step = Seq(MicroBatches(cfg.accumulation), optimizer(w.params), Every(Wire(comms), k))
+    step = Seq(_shares(Seq(MicroBatches(cfg.accumulation), optimizer(w.params)), cfg, cfg.round_length()),
+               Every(Wire(comms), k))
     memory = {"params": w.param_bytes, "grads": w.param_bytes, "optimizer_state": opt.bytes(w.numels),
               "synced_params": w.param_bytes}
     label = f"localsgd K={k}" + (" +state" if cfg.average_optimizer_state else "")
+    if cfg.inner_steps == "adaptive":
+        label += " adaptive"
     return Schedule("localsgd", label, tuple(comms), step, memory, period=k, config=cfg)
 
 
@@ -106,6 +179,7 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
     H, F, tau = cfg.sync_every, cfg.fragments, cfg.overlap_delay
     group = "world" if cfg.inner == "local" else "replicate"
     inner_comms, inner, memory = _inner(w, topo, cfg, opt)
+    inner = _shares(inner, cfg, cfg.round_length())  # a round of adaptive inner steps: the steps between two syncs
     outer = _outer_comms(w, topo, cfg, group)
     frags = fragments(w, F, cfg.fragment_pattern)
     frag_sizes = [sum(w.numels[i] for i in idx) for idx in frags]
@@ -143,6 +217,8 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
     label = f"diloco H={H}" + (f" F={F}" if F > 1 else "") + (f" τ={tau}" if tau else "")
     if cfg.inner != "local":
         label += f" inner={cfg.inner}"
+    if cfg.inner_steps == "adaptive":
+        label += " adaptive"
     if cfg.fragment_pattern == "strided":
         label += " strided"
     if sparseloco:
@@ -151,4 +227,9 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
         label += f" {cfg.pseudo_grad_replicator} 1/{1 / cfg.compression:.4g}"
     elif cfg.pseudo_grad_dtype != "fp32":
         label += f" {cfg.pseudo_grad_dtype}"
+    if cfg.adapt:  # the controller's candidates, each costed as a fixed-H run
+        candidates = cfg.adapt_candidates(H, F, tau)
+        step = AdaptedH(tuple((h, step if h == H else diloco(w, topo, dataclasses.replace(
+            cfg, sync_every=h, adapt=False), opt).step) for h in candidates), cfg.adapt_overhead)
+        label += " adapt"
     return Schedule("diloco", label, (*inner_comms, *outer), step, memory, period=H, config=cfg)

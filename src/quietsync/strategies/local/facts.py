@@ -87,6 +87,19 @@ def diloco_like(cfg: Any, ctx: Scale, replicas: int, local_sgd: bool) -> Prior:
     else:
         lo, hi = delta - half, delta + half
     prior = penalty(lo, delta, hi, "; ".join(notes), "charles2025")
+    if getattr(cfg, "inner_steps", "fixed") == "adaptive":
+        # no published loss comparison at equal tokens; this project's own runs show none (docs/local.md)
+        prior = prior.combine(penalty(0.0, 0.0, 0.0, "adaptive inner steps: each worker's share of the round by its "
+                                       "speed, the average weighted by tokens (Async Local-SGD, DyLU) — the prior of "
+                                       "the same setting with fixed inner steps at the fastest worker's H "
+                                       "(assumption; measured here with one 3× slower worker: 0.68–0.98× the "
+                                       "synchronous run's tokens to the same loss, benchmarks/results/uneven.md)"))
+    if getattr(cfg, "adapt", False):
+        widen = H_WIDENING * math.log2(16)
+        prior = prior.combine(penalty(0.0, 0.0, widen, f"--adapt: H re-picked from the measured link, from H up to "
+                                       f"16·H when the link cannot carry it; the prior is at the H chosen, the "
+                                       f"interval widened by {widen:.1%} for the largest (assumption: "
+                                       f"{H_WIDENING:.1%} per doubling) [charles2025]", "charles2025"))
     if local_sgd:
         prior = prior.combine(penalty(
             0.0, 0.0, 0.02, "Local SGD is DiLoCo with outer SGD lr 1 and no momentum; the DiLoCo fits use Nesterov "
@@ -167,6 +180,7 @@ STREAMING = {"sync_every": 16, "fragments": 4, "overlap_delay": 4}
 LOCALSGD = Declaration(
     schedule=cost.localsgd,
     plan=PlanFacts(prior=localsgd_prior, sources=SOURCES, grid=({"sync_every": 16},), sync_period=sync_every,
+                   uneven=({"sync_every": 16, "inner_steps": "adaptive"},),
                    first_sync=localsgd_first_sync, advice="averages parameters every {config.sync_every} steps"),
     faults=ReplicaPolicy(
         missing="its local steps since the last average are lost (its parameters never reach the average); the "
@@ -187,6 +201,9 @@ DILOCO = Declaration(
         wide=({"sync_every": 128, "fragments": 4, "overlap_delay": 32}, {"sync_every": 512},
               {"sync_every": 512, "fragments": 4, "overlap_delay": 128, "pseudo_grad_dtype": "fp4"},
               {"sync_every": 128, "outer": "sparseloco", "outer_lr": 1.0}),
+        uneven=({"sync_every": 16, "inner_steps": "adaptive"},
+                {**STREAMING, "pseudo_grad_dtype": "fp4", "inner_steps": "adaptive"}),
+        varying=({"sync_every": 16, "adapt": True}, {"sync_every": 16, "pseudo_grad_dtype": "fp4", "adapt": True}),
         sync_period=sync_every, first_sync=diloco_first_sync, advice="{setting}: outer sync every H inner steps"),
     faults=ReplicaPolicy(
         missing="its inner steps since its last sync are lost (its pseudo-gradient never reaches the average); "
