@@ -75,24 +75,28 @@ PHASES = ("momentum", "extract", "exchange", "apply")
 """DeMo's update, one optimizer method each (``strategies/decoupled/demo.py`` calls them in this order)."""
 
 
-def _timed(fn: Any, into: list[float]) -> Any:
+def _timed(fn: Any, into: list[float], cpu: list[float]) -> Any:
     def timed(*args: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn(*args)
         into.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         return out
     return timed
 
 
-def _quietsync_variant(model_name: str, replicator: str, phases: dict[str, list[float]] | None = None) -> _Variant:
+def _quietsync_variant(model_name: str, replicator: str,
+                       phases: dict[str, dict[str, list[float]]] | None = None) -> _Variant:
     import quietsync
     from quietsync.models import build_model
 
     strategy = quietsync.make_strategy("demo", build_model(model_name, VOCAB, seed=0), torch.optim.SGD, lr=LR,
                                        config={"replicator": replicator, "chunk": 64, "compression": 1 / 32})
-    if phases is not None:  # each phase's time, appended step by step (the optimizer's own methods, wrapped)
+    if phases is not None:  # each phase's wall and CPU time, step by step (the optimizer's own methods, wrapped)
         for name in PHASES:
-            setattr(strategy.optimizer, name, _timed(getattr(strategy.optimizer, name), phases.setdefault(name, [])))
+            wall, cpu = phases.setdefault("wall", {}), phases.setdefault("cpu", {})
+            setattr(strategy.optimizer, name, _timed(getattr(strategy.optimizer, name), wall.setdefault(name, []),
+                                                     cpu.setdefault(name, [])))
 
     def fwd_bwd(batch: torch.Tensor) -> None:
         strategy.forward_backward(batch, _loss)
@@ -139,26 +143,31 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                 variants[name].step()
         fb: dict[str, list[float]] = {n: [] for n in names}
         st: dict[str, list[float]] = {n: [] for n in names}
+        fb_cpu: dict[str, list[float]] = {n: [] for n in names}
+        st_cpu: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 v = variants[name]
                 for _ in range(args.steps_per_round):
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     v.fwd_bwd(batch)
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.process_time()
+                    fb[name].append(t1 - t0)
+                    fb_cpu[name].append(c1 - c0)
                     if args.step_barrier:  # the step starts together: its collective does not wait out a slow peer
                         dist.barrier()
-                        t1 = time.perf_counter()
+                        t1, c1 = time.perf_counter(), time.process_time()
                     v.step()
-                    t2 = time.perf_counter()
-                    fb[name].append(t1 - t0)
-                    st[name].append(t2 - t1)
+                    st[name].append(time.perf_counter() - t1)
+                    st_cpu[name].append(time.process_time() - c1)
         n_params = sum(p.numel() for p in _param_count_model(model_name).parameters())
         timed = slice(2, 2 + args.rounds * args.steps_per_round)  # after the two warm-up steps
-        kept = {v: {k: t[timed] for k, t in ph.items()} for v, ph in phases.items() if ph}
-        result[model_name] = {"params": n_params, "fwd_bwd_s": fb, "step_s": st, "phases_s": kept}
+        kept = {v: {clock: {k: t[timed] for k, t in by.items()} for clock, by in ph.items()}
+                for v, ph in phases.items() if ph}
+        result[model_name] = {"params": n_params, "fwd_bwd_s": fb, "step_s": st, "fwd_bwd_cpu_s": fb_cpu,
+                              "step_cpu_s": st_cpu, "phases_s": kept}
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -220,13 +229,19 @@ def main() -> None:
         for name in res["fwd_bwd_s"]:
             fb = statistics.median(res["fwd_bwd_s"][name])
             st = statistics.median(res["step_s"][name])
-            summary[model_name][name] = {"fwd_bwd_ms": fb * 1e3, "step_ms": st * 1e3, "step_over_fwd_bwd": st / fb}
-            rows.append([model_name, f"{res['params']:,}", name, fb * 1e3, st * 1e3, st / fb])
+            fbc = statistics.median(res["fwd_bwd_cpu_s"][name])
+            stc = statistics.median(res["step_cpu_s"][name])
+            summary[model_name][name] = {"fwd_bwd_ms": fb * 1e3, "step_ms": st * 1e3, "step_over_fwd_bwd": st / fb,
+                                         "fwd_bwd_cpu_ms": fbc * 1e3, "step_cpu_ms": stc * 1e3,
+                                         "step_over_fwd_bwd_cpu": stc / fbc}
+            rows.append([model_name, f"{res['params']:,}", name, fb * 1e3, st * 1e3, st / fb, stc / fbc])
             ph = res.get("phases_s", {}).get(name)
             if ph:
-                over = {k: statistics.median(t) / fb for k, t in ph.items()}
+                over = {clock: {k: statistics.median(t) / (fb if clock == "wall" else fbc) for k, t in by.items()}
+                        for clock, by in ph.items()}
                 summary[model_name][name]["phases_over_fwd_bwd"] = over
-                phase_lines.append(f"{model_name} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in over.items()))
+                phase_lines += [f"{model_name} {name}, {clock}: " + ", ".join(f"{k} {v:.3f}" for k, v in by.items())
+                                for clock, by in over.items()]
     cmd = (f"python benchmarks/bench_demo_codec.py --models {' '.join(args.models)} --rounds {args.rounds} "
            f"--steps-per-round {args.steps_per_round} --threads {args.threads} --variants {' '.join(args.variants)}"
            + (" --phases" if args.phases else "") + (" --profile" if args.profile else "")
@@ -239,11 +254,14 @@ def main() -> None:
              f"{args.rounds} interleaved rounds × {args.steps_per_round} steps of each variant; forward+backward "
              "and step timed separately in the same loop, the step includes the real gloo collective"
              + (" (workers meet at a barrier before it). " if args.step_barrier else ". ")
-             + f"{ref} Shared 2-core machine: compare ratios within this table only.\n\n"
+             + f"{ref} CPU: the worker process's CPU time (all its threads, gloo's included), which a loaded "
+             "machine inflates far less than the wall time of a worker waiting for a core. Shared 2-core machine: "
+             "compare ratios within this table only.\n\n"
              + ("".join(f"Phases (median ÷ median forward+backward) {line}.\n\n" for line in phase_lines))
              + f"Reproduce: `{cmd}`")
     path = write_markdown(args.name, "DeMo replicator step ÷ forward+backward (2 gloo workers, one run)",
-                          ["model", "params", "variant", "fwd+bwd ms", "step ms", "step ÷ fwd+bwd"], rows, notes)
+                          ["model", "params", "variant", "fwd+bwd ms", "step ms", "step ÷ fwd+bwd",
+                           "CPU step ÷ CPU fwd+bwd"], rows, notes)
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "command": cmd, "summary": summary,
                                                            "raw": raw}, indent=1))
     print(path.read_text())
