@@ -9,7 +9,9 @@ update out: :meth:`DecoupledOptimizer.begin_step`, then):
    (``delta <- delta - decode(q)``),
 3. :meth:`~DecoupledOptimizer.exchange`: ``q`` crosses the replicate group in one collective; the average ``Q``
    comes back,
-4. :meth:`~DecoupledOptimizer.apply`: the base rule applies ``Q`` (optionally its sign) to the parameters.
+4. :meth:`~DecoupledOptimizer.apply`: the base rule applies ``Q`` (optionally its sign) to the parameters; where
+   every group applies the sign, step 3 returns ``sign(Q)`` already (the replicator takes it while the update is in
+   cache) and ``DecoupledStep.signed`` says so.
 
 Periodic replication: step ``t`` (1-based) replicates iff ``t % replicate_every == 0`` and not
 ``t % skip_every == 0``; on other steps the momentum is left alone and the local gradient

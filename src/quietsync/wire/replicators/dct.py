@@ -16,10 +16,12 @@ coefficients of every block, stacked per block shape, see :class:`~quietsync.wir
 was sent (keeping what the transfer cast lost) and projects the edge blocks of padded tensors back onto blocks
 that are zero in their padding (so the residual is exactly the one a spatial momentum keeps), and
 :meth:`DCTReplicator.exchange_momentum` all-gathers, sums and counts the received coefficients and decodes their
-mean with one inverse transform: two transforms a step where a spatial momentum needs three (encode, decode what
-was sent, decode the mean). Each works through the stacked coefficients in tiles of :data:`_TILE_ELEMENTS`
-(:meth:`~quietsync.wire.codecs.BlockLayout.tiles`), so a tile's blocks, magnitudes, sums and counts stay in
-cache and nothing model-sized is written besides the momentum and the update. :meth:`DCTReplicator.replicate`
+mean with one inverse transform (an unpadded matrix's sums lie in its own layout, so the decode writes the update
+where it lies; ``sign=True``: the mean's sign, taken while a tile is in cache): two transforms a step where a
+spatial momentum needs three (encode, decode what was sent, decode the mean). Each works through the stacked
+coefficients in tiles of :data:`_TILE_ELEMENTS` (:meth:`~quietsync.wire.codecs.BlockLayout.tiles`), so a tile's
+blocks, magnitudes, sums and counts stay in cache and nothing model-sized is written besides the momentum and the
+update. :meth:`DCTReplicator.replicate`
 is the spatial entry point (DiLoCo's pseudo-gradients): it converts, steps and converts back. The fp64 oracle
 written from paper 001 (``tests/strategies/helpers/reference_demo.py``) agrees up to fp32 rounding; the top-k may
 pick other positions only among coefficients of equal magnitude (:func:`~quietsync.wire.codecs.topk_positions`).
