@@ -16,11 +16,14 @@ implementation's ``DeToSGD`` + ``DeMoReplicator`` (chunk 64, ``--detonation-topk
 per rank, replication over both workers, no FSDP: the plain module's gradients are what it reads). It is
 measured, never a dependency of quietsync.
 
+``--phases`` also times DeMo's four phases inside every quietsync step (momentum, extract, exchange -- the
+all-gather included --, apply) and reports each one's median ÷ the median forward+backward.
+
 ``--profile`` additionally records a ``torch.profiler`` table of a few quietsync ``dct`` steps on rank 0
 (after the timed rounds) into ``results/demo_codec_profile_<model>.txt``.
 
     python benchmarks/bench_demo_codec.py [--models tiny 10m] [--rounds 8] [--steps-per-round 2] [--variants dct]
-                                          [--profile]
+                                          [--phases] [--profile]
 """
 
 from __future__ import annotations
@@ -68,12 +71,32 @@ class _Variant:
         self.fwd_bwd, self.step = fwd_bwd, step
 
 
-def _quietsync_variant(model_name: str, replicator: str) -> _Variant:
+PHASES = ("momentum", "extract", "exchange", "apply")
+"""DeMo's update, one optimizer method each (``strategies/decoupled/demo.py`` calls them in this order)."""
+
+
+def _timed(fn: Any, into: list[float], cpu: list[float]) -> Any:
+    def timed(*args: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = fn(*args)
+        into.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        return out
+    return timed
+
+
+def _quietsync_variant(model_name: str, replicator: str,
+                       phases: dict[str, dict[str, list[float]]] | None = None) -> _Variant:
     import quietsync
     from quietsync.models import build_model
 
     strategy = quietsync.make_strategy("demo", build_model(model_name, VOCAB, seed=0), torch.optim.SGD, lr=LR,
                                        config={"replicator": replicator, "chunk": 64, "compression": 1 / 32})
+    if phases is not None:  # each phase's wall and CPU time, step by step (the optimizer's own methods, wrapped)
+        for name in PHASES:
+            wall, cpu = phases.setdefault("wall", {}), phases.setdefault("cpu", {})
+            setattr(strategy.optimizer, name, _timed(getattr(strategy.optimizer, name), wall.setdefault(name, []),
+                                                     cpu.setdefault(name, [])))
 
     def fwd_bwd(batch: torch.Tensor) -> None:
         strategy.forward_backward(batch, _loss)
@@ -108,7 +131,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     batch = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
     result: dict[str, Any] = {}
     for model_name in args.models:
-        variants = {f"quietsync {r}": _quietsync_variant(model_name, r) for r in args.variants}
+        phases: dict[str, dict[str, list[float]]] = {f"quietsync {r}": {} for r in args.variants}
+        variants = {name: _quietsync_variant(model_name, name.split()[1], ph if args.phases else None)
+                    for name, ph in phases.items()}
         if args.detonation:
             variants["detonation dct"] = _detonation_variant(model_name, args.detonation_topk, solos[rank])
         names = list(variants)
@@ -118,24 +143,31 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
                 variants[name].step()
         fb: dict[str, list[float]] = {n: [] for n in names}
         st: dict[str, list[float]] = {n: [] for n in names}
+        fb_cpu: dict[str, list[float]] = {n: [] for n in names}
+        st_cpu: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 v = variants[name]
                 for _ in range(args.steps_per_round):
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     v.fwd_bwd(batch)
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.process_time()
+                    fb[name].append(t1 - t0)
+                    fb_cpu[name].append(c1 - c0)
                     if args.step_barrier:  # the step starts together: its collective does not wait out a slow peer
                         dist.barrier()
-                        t1 = time.perf_counter()
+                        t1, c1 = time.perf_counter(), time.process_time()
                     v.step()
-                    t2 = time.perf_counter()
-                    fb[name].append(t1 - t0)
-                    st[name].append(t2 - t1)
+                    st[name].append(time.perf_counter() - t1)
+                    st_cpu[name].append(time.process_time() - c1)
         n_params = sum(p.numel() for p in _param_count_model(model_name).parameters())
-        result[model_name] = {"params": n_params, "fwd_bwd_s": fb, "step_s": st}
+        timed = slice(2, 2 + args.rounds * args.steps_per_round)  # after the two warm-up steps
+        kept = {v: {clock: {k: t[timed] for k, t in by.items()} for clock, by in ph.items()}
+                for v, ph in phases.items() if ph}
+        result[model_name] = {"params": n_params, "fwd_bwd_s": fb, "step_s": st, "fwd_bwd_cpu_s": fb_cpu,
+                              "step_cpu_s": st_cpu, "phases_s": kept}
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -176,6 +208,7 @@ def main() -> None:
                     choices=["dct", "random", "striding"], help="quietsync replicators to time")
     ap.add_argument("--detonation-topk", type=int, default=32, help="DeMo reference's compression_topk")
     ap.add_argument("--no-detonation", action="store_true", help="skip the reference even when installed")
+    ap.add_argument("--phases", action="store_true", help="time DeMo's four phases inside each quietsync step")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of quietsync dct steps (rank 0)")
     ap.add_argument("--name", default="demo_codec", help="results file stem")
     ap.add_argument("--no-step-barrier", dest="step_barrier", action="store_false",
@@ -190,17 +223,29 @@ def main() -> None:
     mp.start_processes(_worker, args=(2, port, args, str(out)), nprocs=2, start_method="spawn")
     raw = json.loads(out.read_text())
     out.unlink()
-    rows, summary = [], {}
+    rows, summary, phase_lines = [], {}, []
     for model_name, res in raw.items():
         summary[model_name] = {}
         for name in res["fwd_bwd_s"]:
             fb = statistics.median(res["fwd_bwd_s"][name])
             st = statistics.median(res["step_s"][name])
-            summary[model_name][name] = {"fwd_bwd_ms": fb * 1e3, "step_ms": st * 1e3, "step_over_fwd_bwd": st / fb}
-            rows.append([model_name, f"{res['params']:,}", name, fb * 1e3, st * 1e3, st / fb])
+            fbc = statistics.median(res["fwd_bwd_cpu_s"][name])
+            stc = statistics.median(res["step_cpu_s"][name])
+            summary[model_name][name] = {"fwd_bwd_ms": fb * 1e3, "step_ms": st * 1e3, "step_over_fwd_bwd": st / fb,
+                                         "fwd_bwd_cpu_ms": fbc * 1e3, "step_cpu_ms": stc * 1e3,
+                                         "step_over_fwd_bwd_cpu": stc / fbc}
+            rows.append([model_name, f"{res['params']:,}", name, fb * 1e3, st * 1e3, st / fb, stc / fbc])
+            ph = res.get("phases_s", {}).get(name)
+            if ph:
+                over = {clock: {k: statistics.median(t) / (fb if clock == "wall" else fbc) for k, t in by.items()}
+                        for clock, by in ph.items()}
+                summary[model_name][name]["phases_over_fwd_bwd"] = over
+                phase_lines += [f"{model_name} {name}, {clock}: " + ", ".join(f"{k} {v:.3f}" for k, v in by.items())
+                                for clock, by in over.items()]
     cmd = (f"python benchmarks/bench_demo_codec.py --models {' '.join(args.models)} --rounds {args.rounds} "
            f"--steps-per-round {args.steps_per_round} --threads {args.threads} --variants {' '.join(args.variants)}"
-           + (" --profile" if args.profile else "") + (" --no-detonation" if args.no_detonation else "")
+           + (" --phases" if args.phases else "") + (" --profile" if args.profile else "")
+           + (" --no-detonation" if args.no_detonation else "")
            + ("" if args.step_barrier else " --no-step-barrier"))
     ref = (f"`detonation dct` is the reference implementation (PyPI detonation 0.5.2, topk {args.detonation_topk} "
            "per 64×64 chunk, measured only)." if args.detonation else "detonation not installed: not measured.")
@@ -209,9 +254,14 @@ def main() -> None:
              f"{args.rounds} interleaved rounds × {args.steps_per_round} steps of each variant; forward+backward "
              "and step timed separately in the same loop, the step includes the real gloo collective"
              + (" (workers meet at a barrier before it). " if args.step_barrier else ". ")
-             + f"{ref} Shared 2-core machine: compare ratios within this table only.\n\nReproduce: `{cmd}`")
+             + f"{ref} CPU: the worker process's CPU time (all its threads, gloo's included), which a loaded "
+             "machine inflates far less than the wall time of a worker waiting for a core. Shared 2-core machine: "
+             "compare ratios within this table only.\n\n"
+             + ("".join(f"Phases (median ÷ median forward+backward) {line}.\n\n" for line in phase_lines))
+             + f"Reproduce: `{cmd}`")
     path = write_markdown(args.name, "DeMo replicator step ÷ forward+backward (2 gloo workers, one run)",
-                          ["model", "params", "variant", "fwd+bwd ms", "step ms", "step ÷ fwd+bwd"], rows, notes)
+                          ["model", "params", "variant", "fwd+bwd ms", "step ms", "step ÷ fwd+bwd",
+                           "CPU step ÷ CPU fwd+bwd"], rows, notes)
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "command": cmd, "summary": summary,
                                                            "raw": raw}, indent=1))
     print(path.read_text())

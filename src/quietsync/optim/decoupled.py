@@ -9,7 +9,9 @@ update out: :meth:`DecoupledOptimizer.begin_step`, then):
    (``delta <- delta - decode(q)``),
 3. :meth:`~DecoupledOptimizer.exchange`: ``q`` crosses the replicate group in one collective; the average ``Q``
    comes back,
-4. :meth:`~DecoupledOptimizer.apply`: the base rule applies ``Q`` (optionally its sign) to the parameters.
+4. :meth:`~DecoupledOptimizer.apply`: the base rule applies ``Q`` (optionally its sign) to the parameters; where
+   every group applies the sign, step 3 returns ``sign(Q)`` already (the replicator takes it while the update is in
+   cache) and ``DecoupledStep.signed`` says so.
 
 Periodic replication: step ``t`` (1-based) replicates iff ``t % replicate_every == 0`` and not
 ``t % skip_every == 0``; on other steps the momentum is left alone and the local gradient
@@ -60,6 +62,8 @@ class DecoupledStep:
     """The flat decoupled momentum of ``params``, in the replicator's domain."""
     replicates: bool
     """Whether this step replicates (else it applies the local gradient)."""
+    signed: bool = False
+    """Whether the exchange already took the update's sign (every group applies ``sign(Q)``)."""
 
 
 def check_replication_schedule(replicate_every: int, skip_every: int) -> None:
@@ -180,8 +184,10 @@ class DecoupledOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def exchange(self, step: DecoupledStep, q: Message) -> torch.Tensor | SparseUpdate:
-        """``Q``: every worker's ``q`` exchanged in one collective, averaged and decoded (spatial, flat)."""
-        return self.replicator.exchange_momentum(q, step.segments)
+        """``Q``: every worker's ``q`` exchanged in one collective, averaged and decoded (spatial, flat) -- its sign
+        where every group applies ``sign(Q)``: the replicator takes it while decoding (``step.signed``)."""
+        step.signed = all(g["sign"] for g, ps in step.groups if ps)
+        return self.replicator.exchange_momentum(q, step.segments, sign=step.signed)
 
     @torch.no_grad()
     def local_update(self, step: DecoupledStep) -> torch.Tensor:
@@ -198,7 +204,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
             for g, ps in step.groups:
                 mine = pieces[done : done + len(ps)]
                 done += len(ps)
-                if g["sign"]:
+                if g["sign"] and not step.signed:
                     mine = [(i, v.sign()) for i, v in mine]
                 if ps and not self._apply_sparse(g, ps, mine):
                     dense = []
@@ -216,7 +222,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
             for p in ps:
                 ups.append(update[at : at + p.numel()].view(p.shape))
                 at += p.numel()
-            if g["sign"]:
+            if g["sign"] and not step.signed:
                 torch._foreach_sign_(ups)
             self._apply(g, ps, ups)
 
@@ -231,7 +237,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
             return loss
         if step.replicates:
             self.momentum(step)
-            update = self.replicator.replicate_momentum(step.delta, step.segments)  # extract, then exchange
+            update = self.exchange(step, self.extract(step))
         else:
             update = self.local_update(step)
         self.apply(step, update)

@@ -13,7 +13,8 @@ round on all, one flag all-reduce), then runs DeMo's update, spelled out in :met
    ``dct``, all-reduce for the others) and comes back as ``Q``, each coefficient averaged over the workers that
    sent it, decoded;
 4. **apply**: the base optimizer applies ``Q`` (its sign by default): DeMo-SGD (``base="sgd"``, the paper's
-   default: ``theta <- theta - lr * sign(Q)``) or decoupled AdamW (``base="adamw"``).
+   default: ``theta <- theta - lr * sign(Q)``) or decoupled AdamW (``base="adamw"``). Where every parameter group
+   applies the sign, step 3 hands ``sign(Q)`` over already (``dct`` takes it tile by tile while it decodes).
 
 The codec behind steps 1-3 (blocks, transforms, top-k, packing) is :mod:`quietsync.wire`'s
 (:class:`~quietsync.wire.replicators.DCTReplicator` for ``dct``); for ``dct`` the momentum lives in the DCT domain,

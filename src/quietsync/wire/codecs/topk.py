@@ -78,13 +78,18 @@ def _k_largest(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     ``k``-th largest and a comparison, and whether that choice was the only one (False: ties at the ``k``-th
     value, or NaN; such a row's indices are ``0 .. k - 1``, to be replaced)."""
     rows, n = values.shape
-    kth = np.partition(values, n - k, axis=1)[:, n - k : n - k + 1]
+    part = np.partition(values, n - k, axis=1)
+    kth = part[:, n - k : n - k + 1]
     mask = values >= kth
-    sure = np.count_nonzero(mask, axis=1) == k
-    if not sure.all():
+    # without NaN (which sorts largest, so it would sit among the k kept) every row holds at least k entries >= its
+    # k-th: then k per row in all is exactly k in each (one count, no per-row reduction)
+    if np.count_nonzero(mask) == rows * k and not np.isnan(part[:, n - k :]).any():
+        sure = np.ones(rows, dtype=bool)
+    else:
+        sure = np.count_nonzero(mask, axis=1) == k
         mask[~sure] = False
         mask[~sure, :k] = True
-    return (np.flatnonzero(mask) % n).reshape(rows, k), sure
+    return (np.flatnonzero(mask).reshape(rows, k) - np.arange(0, rows * n, n)[:, None]), sure  # row starts off
 
 
 def _topk_by_groups(arr: np.ndarray, k: int) -> torch.Tensor | None:
@@ -108,7 +113,8 @@ def _topk_by_groups(arr: np.ndarray, k: int) -> torch.Tensor | None:
     top, sure = _k_largest(grid.amax(1).numpy(), k)  # (rows, k) groups: maxima over contiguous reads
     cand = torch.gather(grid, 2, torch.from_numpy(top)[:, None, :].expand(rows, s, k)).view(rows, s * k)
     sel, sure_too = _k_largest(cand.numpy(), k)  # (rows, k) into the (s, k) candidate grid
-    pos = torch.from_numpy(np.take_along_axis(top, sel % k, 1) + (sel // k) * groups)
+    member, group = np.divmod(sel, k)
+    pos = torch.from_numpy(np.take_along_axis(top, group, 1) + member * groups)
     unsure = ~(sure & sure_too)
     if unsure.any():
         _argpartition_rows(arr, k, np.flatnonzero(unsure), pos)

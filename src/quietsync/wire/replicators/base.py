@@ -44,7 +44,7 @@ from ..codecs import TRANSFER_DTYPES
 from ..codecs import transfer_dtype as _transfer_dtype
 from ..codecs.lowbit import LOWBIT_FORMATS, BlockQuantizer
 
-__all__ = ["Segments", "Message", "Replicator", "SparseUpdate"]
+__all__ = ["Segments", "Message", "Replicator", "SparseUpdate", "signed"]
 
 
 class Segments:
@@ -109,6 +109,15 @@ class SparseUpdate:
         bounds = torch.searchsorted(self.indices, starts).tolist()
         return [(self.indices[a:b] - int(starts[i]), self.values[a:b])
                 for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
+def signed(update: torch.Tensor | SparseUpdate, sign: bool) -> torch.Tensor | SparseUpdate:
+    """``update``'s sign where ``sign`` (a dense update, the caller's own, in place), else ``update``."""
+    if not sign:
+        return update
+    if isinstance(update, SparseUpdate):
+        return SparseUpdate(update.indices, update.values.sign(), update.numel)
+    return update.sign_()
 
 
 def _equal_runs(betas: Sequence[float], scales: Sequence[float]) -> list[tuple[int, int]]:
@@ -274,10 +283,11 @@ class Replicator(ABC):
         momentum.sub_(msg.sent)
         return msg
 
-    def exchange_momentum(self, msg: Message, segments: Segments) -> torch.Tensor | SparseUpdate:
+    def exchange_momentum(self, msg: Message, segments: Segments, sign: bool = False) -> torch.Tensor | SparseUpdate:
         """DeMo's *exchange*: the collective, and the decoded average of every worker's ``msg`` -- the update,
-        spatial and flat (or a :class:`SparseUpdate`)."""
-        return msg.payload if msg.local else self.exchange(msg, segments)
+        spatial and flat (or a :class:`SparseUpdate`); with ``sign``, its sign (a base rule that applies
+        ``sign(Q)`` asks for it here, so a replicator may take it while the update is still in cache)."""
+        return signed(msg.payload if msg.local else self.exchange(msg, segments), sign)
 
     def replicate_momentum(self, momentum: torch.Tensor, segments: Segments) -> torch.Tensor | SparseUpdate:
         """:meth:`extract_momentum` then :meth:`exchange_momentum`: one step on the momentum in this replicator's

@@ -16,10 +16,12 @@ coefficients of every block, stacked per block shape, see :class:`~quietsync.wir
 was sent (keeping what the transfer cast lost) and projects the edge blocks of padded tensors back onto blocks
 that are zero in their padding (so the residual is exactly the one a spatial momentum keeps), and
 :meth:`DCTReplicator.exchange_momentum` all-gathers, sums and counts the received coefficients and decodes their
-mean with one inverse transform: two transforms a step where a spatial momentum needs three (encode, decode what
-was sent, decode the mean). Each works through the stacked coefficients in tiles of :data:`_TILE_ELEMENTS`
-(:meth:`~quietsync.wire.codecs.BlockLayout.tiles`), so a tile's blocks, magnitudes, sums and counts stay in
-cache and nothing model-sized is written besides the momentum and the update. :meth:`DCTReplicator.replicate`
+mean with one inverse transform (an unpadded matrix's sums lie in its own layout, so the decode writes the update
+where it lies; ``sign=True``: the mean's sign, taken while a tile is in cache): two transforms a step where a
+spatial momentum needs three (encode, decode what was sent, decode the mean). Each works through the stacked
+coefficients in tiles of :data:`_TILE_ELEMENTS` (:meth:`~quietsync.wire.codecs.BlockLayout.tiles`), so a tile's
+blocks, magnitudes, sums and counts stay in cache and nothing model-sized is written besides the momentum and the
+update. :meth:`DCTReplicator.replicate`
 is the spatial entry point (DiLoCo's pseudo-gradients): it converts, steps and converts back. The fp64 oracle
 written from paper 001 (``tests/strategies/helpers/reference_demo.py``) agrees up to fp32 rounding; the top-k may
 pick other positions only among coefficients of equal magnitude (:func:`~quietsync.wire.codecs.topk_positions`).
@@ -53,7 +55,7 @@ from ..codecs import (
     unpack,
 )
 from ..codecs.dct import Tile
-from .base import Message, Replicator, Segments
+from .base import Message, Replicator, Segments, signed
 
 
 class DCTReplicator(Replicator):
@@ -236,14 +238,17 @@ class DCTReplicator(Replicator):
         _project_padding(layout, stacked)
         return Message(pack(parts), meta=(self._specs(segments, momentum.dtype), momentum.dtype))
 
-    def exchange_momentum(self, msg: Message, segments: Segments) -> torch.Tensor:
+    def exchange_momentum(self, msg: Message, segments: Segments, sign: bool = False) -> torch.Tensor:
         """All-gather every worker's payload, average each coefficient over the workers that sent it and decode
-        the mean with one inverse transform, tile by tile (sums and counts in cache, zeroed per tile).
+        the mean with one inverse transform, tile by tile (sums and counts in cache, zeroed per tile). A tile of
+        unpadded matrices keeps its sums in the matrices' own layout, so the inverse transform writes the update
+        where it lies (no copy out of the stacked blocks), as :meth:`accumulate` reads the gradient.
 
-        The update is a buffer of the replicator's, valid until its next step (a fresh 40 MB tensor per step
+        With ``sign`` the update is the mean's sign, taken tile by tile while it is in cache. The update is a buffer
+        of the replicator's, valid until its next step (a fresh 40 MB tensor per step
         costs more in page faults than the transform that fills it)."""
         if msg.local:
-            return msg.payload
+            return signed(msg.payload, sign)
         specs, dtype = msg.meta
         payload = msg.payload
         layout = self.layout(segments, payload.device)
@@ -259,19 +264,25 @@ class DCTReplicator(Replicator):
             for i, (g, k) in enumerate(zip(layout.groups, ks)):
                 vals = self._values_of(tensors[2 * i], g, k).permute(1, 0, 2).reshape(g.num_blocks, n * k)
                 pos = tensors[2 * i + 1].permute(1, 0, 2).reshape(g.num_blocks, n * k).long()
-                received.append((vals.to(dtype), pos))
+                received.append((vals.to(dtype), ws.sum_positions(i, pos)))
             update = ws.update(segments.numel)
-            for tile in ws.tiles:
+            for tile, own in zip(ws.tiles, ws.own_layout):
                 g = layout.groups[tile.group]
-                vals, pos = (x[tile.first : tile.first + tile.count] for x in received[tile.group])
+                vals, at = (x[tile.first : tile.first + tile.count].reshape(-1) for x in received[tile.group])
                 total, count, tmp, spatial = ws.scratch(tile, "coeffs", "count", "tmp", "spatial")
-                total, count = total.view(tile.count, -1).zero_(), count.view(tile.count, -1).zero_()
-                total.scatter_add_(1, pos, vals)  # worker by worker, as the reference's index_add_
-                count.scatter_add_(1, pos, ws.ones(vals))
+                total.zero_().view(-1).scatter_add_(0, at, vals)  # worker by worker, as the reference's index_add_
+                count.zero_().view(-1).scatter_add_(0, at, ws.ones(vals))
                 total.div_(count.clamp_min_(1))  # mean over who sent it (0 / 1 where nobody did), in cache
+                if own:  # decoded straight into the update, in each matrix's own layout
+                    for (p, r0, r1), (a, b, _) in zip(tile.pieces, _piece_runs(tile)):
+                        rows = r0 * p.block[0] * p.cols, r1 * p.block[0] * p.cols
+                        out = _inverse_rows(total[a:b], p, tmp[a:b], update[p.offset + rows[0] : p.offset + rows[1]])
+                        if sign:  # while it is in cache
+                            out.sign_()
+                    continue
                 BlockLayout.transform(total.view(tile.count, *g.block_shape), g.block_shape, inverse=True,
                                       out=spatial, tmp=tmp)
-                layout.tile_scatter(tile, spatial, update)
+                layout.tile_scatter(tile, spatial.sign_() if sign else spatial, update)
             return update
 
         return across_replicas(self.transport, gather_and_average)
@@ -345,6 +356,17 @@ def _transform_rows(grad: torch.Tensor, p: Any, r0: int, r1: int, tmp: torch.Ten
     return out.view(n, br, p.nc, bc).permute(0, 2, 1, 3)
 
 
+def _inverse_rows(coeffs: torch.Tensor, p: Any, tmp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Inverse DCT-II, ``D_r^T X D_c``, of block rows of an unpadded matrix whose coefficients ``coeffs`` lie in the
+    matrix's own layout (``(rows, br, cols)`` with block ``(r, c)`` at columns ``c * bc ..``), into ``out`` (the
+    same rows of the matrix, flat); ``tmp``: scratch of ``coeffs``' size. The same two products as
+    :meth:`~quietsync.wire.codecs.BlockLayout.transform` on the stacked blocks, row by row of blocks."""
+    br, bc = p.block
+    cols = p.cols
+    torch.matmul(coeffs.reshape(-1, bc), dct_basis(bc, out.dtype, out.device), out=tmp.view(-1, bc))  # X D_c
+    return torch.matmul(dct_basis(br, out.dtype, out.device).T, tmp.view(-1, br, cols), out=out.view(-1, br, cols))
+
+
 class _Workspace:
     """What :class:`DCTReplicator` keeps across steps for one layout (dtype, device): the layout's tiles, cache-sized
     scratch buffers per block group (``spatial``, ``tmp``, ``coeffs``, ``count``: a tile's blocks), each group's
@@ -364,6 +386,32 @@ class _Workspace:
                           for g, k in zip(layout.groups, ks)]
         self._ones = torch.empty(0, dtype=dtype, device=device)
         self._update = torch.empty(0, dtype=dtype, device=device)
+        self.own_layout = [len(layout.groups[t.group].block_shape) == 2 and all(not p.padded for p, *_ in t.pieces)
+                           for t in self.tiles]
+        """Per tile: whether the exchange sums its coefficients in its matrices' own layout (unpadded matrices)."""
+        self._base = [torch.empty(g.num_blocks, 1, dtype=torch.long, device=device) for g in layout.groups]
+        self._stride = [torch.zeros(g.num_blocks, 1, dtype=torch.long, device=device) for g in layout.groups]
+        for tile, own in zip(self.tiles, self.own_layout):
+            bn = layout.groups[tile.group].block_numel
+            for (p, *_rows), (a, b, _) in zip(tile.pieces, _piece_runs(tile)):
+                blocks = torch.arange(b - a, device=device)
+                where = slice(tile.first + a, tile.first + b)
+                if own:  # block (r, c) of the piece starts at row r * br, column c * bc of the piece's rows
+                    br, bc = p.block
+                    self._base[tile.group][where, 0] = a * bn + blocks // p.nc * br * p.cols + blocks % p.nc * bc
+                    self._stride[tile.group][where] = p.cols - bc
+                else:
+                    self._base[tile.group][where, 0] = (a + blocks) * bn
+
+    def sum_positions(self, group: int, pos: torch.Tensor) -> torch.Tensor:
+        """Where each received coefficient of ``group`` is summed in its tile's ``coeffs`` / ``count`` buffers: its
+        block's place plus its position (``(num_blocks, m)`` positions inside the blocks, int64; consumed)."""
+        width = self.layout.groups[group].block_shape[-1]
+        if width & (width - 1) == 0:  # a power of two (the usual chunk): a shift, a third of a division's time
+            rows = torch.bitwise_right_shift(pos, width.bit_length() - 1)
+        else:
+            rows = torch.div(pos, width, rounding_mode="floor")
+        return pos.add_(self._base[group]).add_(rows.mul_(self._stride[group]))  # rows: the matrix's longer rows
 
     def scratch(self, tile: Tile, *names: str) -> list[torch.Tensor]:
         """The named scratch buffers, each ``(tile.count, *block_shape)``."""

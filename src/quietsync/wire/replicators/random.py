@@ -19,7 +19,7 @@ import torch
 
 from ...transport import Collectives
 from ...validate import check_int
-from .base import Message, Replicator, Segments, SparseUpdate
+from .base import Message, Replicator, Segments, SparseUpdate, signed
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -98,17 +98,17 @@ class RandomReplicator(Replicator):
         momentum.index_copy_(0, idx, vals - sent)
         return Message(payload, meta=(idx, momentum.dtype, momentum.numel()))
 
-    def exchange_momentum(self, msg: Message, segments: Segments) -> torch.Tensor | SparseUpdate:
-        """The average of every worker's values at the shared positions, as a :class:`SparseUpdate` (low-bit
-        payloads all-gathered, decoded and averaged; others all-reduced)."""
+    def exchange_momentum(self, msg: Message, segments: Segments, sign: bool = False) -> torch.Tensor | SparseUpdate:
+        """The average of every worker's values at the shared positions (its sign with ``sign``), as a
+        :class:`SparseUpdate` (low-bit payloads all-gathered, decoded and averaged; others all-reduced)."""
         if msg.local or msg.sent is not None:
-            return super().exchange_momentum(msg, segments)
+            return super().exchange_momentum(msg, segments, sign)
         idx, dtype, numel = msg.meta
         if self.lowbit is not None:  # packed codes: all-gathered, decoded, averaged
             mean = self.average_lowbit(msg.payload, idx.numel(), dtype, f"replicate/{self.name}")
-            return SparseUpdate(idx, mean, numel)
+            return signed(SparseUpdate(idx, mean, numel), sign)
         self.transport.all_reduce(msg.payload, self.group, op="avg", name=f"replicate/{self.name}")
-        return SparseUpdate(idx, msg.payload.to(dtype), numel)
+        return signed(SparseUpdate(idx, msg.payload.to(dtype), numel), sign)
 
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
         idx = self.indices(segments, self.counter, delta.device)
