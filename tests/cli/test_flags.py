@@ -322,7 +322,7 @@ def test_a_link_schedule_is_a_link():
 @pytest.mark.parametrize("argv,expect", [
     (["--strategy", "zero1", "--adapt"], "--adapt is not a flag of strategy zero1 (it belongs to diloco)"),
     (["--strategy", "diloco", "--adapt", "--sync-every", "8", "--fragments", "2"],
-     "adapt changes H only with fragments 1"),
+     "adapt changes its knobs only with fragments 1"),
     (["--strategy", "diloco", "--adapt", "--adapt-sync-every", "8,12"], "--adapt-sync-every must be whole numbers"),
     (["--strategy", "diloco", "--adapt", "--fault-tolerance", "torchft"],
      "--adapt cannot be combined with --fault-tolerance torchft"),
