@@ -34,6 +34,10 @@ DEFAULT_LOWER = ("fp4", "int2")
 def parse_knobs(text: str) -> tuple[str, ...]:
     """The knobs of ``adapt_knobs`` (comma-separated), checked (raises ValueError naming the allowed values)."""
     knobs = tuple(k.strip() for k in text.split(",") if k.strip())
+    if "tau" in knobs or "fragments" in knobs:
+        raise ValueError("adapt_knobs must be H and/or bits: tau and fragments are not adapted (a change of either "
+                         "would move the merge of the fragment in flight or the staggered launches, which have no step "
+                         f"where every fragment just synced), got {text!r}")
     bad = [k for k in knobs if k not in ADAPT_KNOBS]
     if not knobs or bad or len(set(knobs)) != len(knobs):
         raise ValueError(f"adapt_knobs must be a comma-separated list of {', '.join(ADAPT_KNOBS)} (each once), "
