@@ -264,3 +264,21 @@ def test_a_change_of_bits_is_drawn_as_a_knob_change(tmp_path):
 def test_bad_bits_knobs(knobs, match):
     with pytest.raises(ValueError, match=match):
         DiLoCoConfig(sync_every=8, adapt=True, **knobs)
+
+
+@pytest.mark.timeout(240)
+def test_a_change_of_bits_with_a_fragment_in_flight_waits_for_it_and_resumes_exactly():
+    """τ = 1: the change right after a launch waits for that exchange (it ends in the old dtype); the next sync is
+    in the new one; checkpointed right after the change, the run goes on as the unbroken one."""
+    forced = {"sync_every": 2, "overlap_delay": 1, "pseudo_grad_dtype": "fp4", "pseudo_grad_error_feedback": True,
+              "adapt": True, "adapt_knobs": "bits", "adapt_pseudo_grad_dtype": "fp4,int2", "adapt_every": 1000}
+    static = {k: v for k, v in forced.items() if not k.startswith("adapt")}
+    jobs = [{"config": static, "steps": 8}, {"config": forced, "steps": 8, "change": (4, "int2")},
+            {"config": forced, "steps": 8, "change": (4, "int2"), "resume_at": 4}]
+    for fp4, changed, resumed in run_ranks(_jobs, 2, jobs, timeout=220):
+        assert [x["bytes"] for x in changed["trace"][:4]] == [x["bytes"] for x in fp4["trace"][:4]]
+        for a, b in zip(fp4["trace"][:4], changed["trace"][:4]):  # up to the change: the static run
+            assert torch.equal(a["params"], b["params"])
+        assert 0 < changed["trace"][5]["bytes"] < fp4["trace"][5]["bytes"]
+        for a, b in zip(changed["trace"], resumed["trace"]):
+            assert a["bytes"] == b["bytes"] and torch.equal(a["params"], b["params"])
