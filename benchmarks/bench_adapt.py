@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--real-link", action="store_true", help="the drop arms on a tc-shaped veth link (root)")
     ap.add_argument("--static-sync-every", type=int, default=None,
                     help="skip the steady arms and use this static H (e.g. an earlier run's)")
+    ap.add_argument("--adapt-knobs", default="H", help="what the adapt arms re-pick: H, bits or H,bits")
     ap.add_argument("--work", default=None)
     ap.add_argument("--repeats", type=int, default=1, help="drop (and steady) pairs, each other one in reverse order")
     ap.add_argument("--reuse", action="store_true",
@@ -132,7 +133,7 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_adapt_"))
     T = args.seconds
     base = job_flags(args, T)
-    adapt = ["--adapt", "--sync-every", str(args.sync_every)]
+    adapt = ["--adapt", "--sync-every", str(args.sync_every), "--adapt-knobs", args.adapt_knobs]
     uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
     print(f"work {work}; {uptime[0]}", flush=True)
 
@@ -143,8 +144,13 @@ def main() -> None:
     if args.static_sync_every is None:
         first = arm(work, "adapt steady", [*base, *adapt, "--link", "inter=100mbit"], reuse=args.reuse)
         picks = changes(first)
-        h_static = picks[0]["new"] if picks else args.sync_every
-        static = ["--sync-every", str(h_static)]
+        h_static, static = args.sync_every, ["--sync-every", str(args.sync_every)]
+        if picks:  # the first pick: H, a dtype, or "H/dtype" (adapt_knobs H,bits)
+            knob, new = picks[0]["knob"], str(picks[0]["new"])
+            h_part, _, dtype = new.partition("/") if "/" in new else (
+                (str(args.sync_every), "", new) if knob == "pseudo_grad_dtype" else (new, "", ""))
+            h_static = int(h_part)
+            static = ["--sync-every", h_part] + (["--pseudo-grad-dtype", dtype] if dtype else [])
         steadies.append((first, arm(work, "static steady", [*base, *static, "--link", "inter=100mbit"],
                                     reuse=args.reuse)))
     else:  # the steady pair of an earlier run stands: only the drop arms
@@ -168,7 +174,9 @@ def main() -> None:
             drops.append((got["static drop"], got["adapt drop"]))
             if i == 0:
                 adapt_drop = got["adapt drop"]
-                h_large = max([c["new"] for c in changes(adapt_drop)] or [h_static])
+                # a change of H and bits logs "H/dtype": the H part (the largest-H arm keeps the static dtype)
+                h_large = max([int(str(c["new"]).split("/")[0]) for c in changes(adapt_drop)
+                               if c["knob"] != "pseudo_grad_dtype"] or [h_static])
                 large_drop = arm(work, "static drop, adapt's largest H",
                                  [*base, "--sync-every", str(h_large), *drop], real, reuse=args.reuse)
             if i > 0 and args.static_sync_every is None:
@@ -190,10 +198,12 @@ def main() -> None:
         ratios = [p["ratio"] for p in pairs if p["ratio"] is not None]
         return statistics.median(ratios) if ratios else None
 
-    name = "adapt_tc" if args.real_link else "adapt"
+    name = ("adapt_tc" if args.real_link else "adapt") + ("" if args.adapt_knobs == "H" else "_"
+                                                          + args.adapt_knobs.replace(",", "_"))
     link = "tc tbf on a veth pair, 100 -> 10 -> 100 Mbit/s" if args.real_link else drop_link(T)
     result = {
         "goal": "static/adapt time to target >= 1.3 on the drop; adapt/static <= 1.05 on the steady link",
+        "adapt_knobs": args.adapt_knobs,
         "seconds": T, "seed": args.seed, "repeats": args.repeats, "static_sync_every": h_static,
         "largest_adapted_sync_every": h_large, "drop_link": link, "uptime": uptime,
         "drop": drop_pairs, "drop_median_ratio": median_ratio(drop_pairs),

@@ -322,10 +322,16 @@ def test_a_link_schedule_is_a_link():
 @pytest.mark.parametrize("argv,expect", [
     (["--strategy", "zero1", "--adapt"], "--adapt is not a flag of strategy zero1 (it belongs to diloco)"),
     (["--strategy", "diloco", "--adapt", "--sync-every", "8", "--fragments", "2"],
-     "adapt changes H only with fragments 1"),
+     "adapt changes its knobs only with fragments 1"),
     (["--strategy", "diloco", "--adapt", "--adapt-sync-every", "8,12"], "--adapt-sync-every must be whole numbers"),
     (["--strategy", "diloco", "--adapt", "--fault-tolerance", "torchft"],
      "--adapt cannot be combined with --fault-tolerance torchft"),
+    (["--strategy", "diloco", "--adapt", "--adapt-knobs", "H,k"],
+     "--adapt-knobs must be a comma-separated list of H, bits"),
+    (["--strategy", "diloco", "--adapt", "--adapt-knobs", "tau"],
+     "--adapt-knobs must be H and/or bits: tau and fragments"),
+    (["--strategy", "diloco", "--adapt", "--adapt-knobs", "bits", "--outer", "sparseloco"],
+     "--adapt-knobs bits needs outer sgd"),
 ])
 def test_adapt_is_refused_where_it_cannot_work(argv, expect, capsys):
     with pytest.raises(SystemExit) as e:

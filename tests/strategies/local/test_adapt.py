@@ -134,7 +134,7 @@ def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
 
 
 @pytest.mark.parametrize("knobs,match", [
-    ({"sync_every": 8, "adapt": True, "fragments": 2}, "adapt changes H only with fragments 1"),
+    ({"sync_every": 8, "adapt": True, "fragments": 2}, "adapt changes its knobs only with fragments 1"),
     ({"sync_every": 8, "adapt": True, "adapt_sync_every": "8,12"}, "each dividing the next"),
     ({"sync_every": 8, "adapt": True, "adapt_sync_every": "4,x"}, "adapt_sync_every must be whole numbers"),
     ({"sync_every": 8, "adapt": True, "adapt_sync_every": "16,32"}, "must include sync_every"),

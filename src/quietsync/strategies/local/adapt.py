@@ -1,4 +1,5 @@
-"""``--adapt`` for DiLoCo: re-pick the sync period H during the run from the measured link and inner step time.
+"""``--adapt`` for DiLoCo: re-pick the sync period H and/or the pseudo-gradient bits during the run from the
+measured link and inner step time (``adapt_knobs``: H, bits, or H,bits).
 
 **What is measured** (every ``adapt_every`` outer syncs, at the step right after a sync launched): the link, as
 bytes/s of the outer syncs completed since the last decision -- bytes this worker sent on the sync group over the
@@ -21,6 +22,17 @@ sync fits the budget again; when it recovers, H comes back down. The controller 
 ratio of sync to step time moved by more than ``adapt_threshold`` since its last pick (the first decision always
 picks), so a shared machine's noise in the step time does not flip H back and forth.
 
+**The bits** (``adapt_knobs`` with ``bits``; candidates ``adapt_pseudo_grad_dtype``, most bits first): the same cost
+model prices each (H, dtype) pair by the bytes of its sync (fp32 4 B, bf16 2 B, int8 1 B per value, packed
+low-bit codes with their block scales); the pick is the smallest H, and at it the dtype with the most bits, whose
+exposed communication is at most ``adapt_overhead`` of the compute -- fewer bits before a longer round, since
+Streaming DiLoCo reports 4-bit outer gradients at no loss (Douillard et al. 2025, §3.3), while a larger H costs
+loss (above). Nothing fits: the largest H with the fewest bits. A change of bits is taken right after a sync
+launched, like H's; with τ > 0 it first waits for the fragment in flight (its exchange ends in the old dtype), and
+the next launch uses the new one. What it does to the error-feedback residual: :mod:`.adapt_bits` (one residual
+per fragment, carried across every change; a dtype without error feedback sends it and leaves it empty).
+θ_global, the outer momentum, the inner optimizer and a fragment's schedule are untouched by a change of bits.
+
 **What a change does to the state** (H changes only right after a sync launched, at a step ``s`` that is a
 multiple of both the old and the new H: the candidates form a chain where each divides the next, and the
 change is taken at a sync step ``s``, a multiple of the old H; a larger new H whose multiple ``s`` is not ends
@@ -37,10 +49,11 @@ step that is a multiple of H" and the budgets' meeting points stay on syncs):
 * a fragment in flight (τ > 0): the change is taken right after its launch; it is merged τ steps later as
   scheduled, and every candidate H is at least τ, so the next launch comes after that merge.
 
-Only ``fragments = 1`` (the staggered schedule of several fragments would need a change point per fragment).
+Only ``fragments = 1`` (the staggered schedule of several fragments would need a change point per fragment), and
+τ is not adapted (a change of τ would move the merge of the fragment in flight: refused with the other knobs).
 
-Checkpoints hold the current H and the step of the last change (:class:`SyncPeriod`), so a run resumed after a
-change goes on with the adapted H, exactly as if it had not stopped.
+Checkpoints hold the current H, dtype and the step of the last change (:class:`SyncPeriod`), so a run resumed
+after a change goes on with the adapted knobs, exactly as if it had not stopped.
 """
 
 from __future__ import annotations
@@ -62,8 +75,10 @@ from ...link import LinkModel
 from ...topology import Topology
 from ...transport import Transport
 from ...validate import check_float, check_int
+from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES
 from ..parts.part import Part
 from . import cost
+from .adapt_bits import bits_candidates, parse_knobs
 from .fragments import FragmentSchedule
 
 
@@ -88,6 +103,15 @@ class AdaptConfig:
     """With adapt: the candidate H values, comma-separated, each dividing the next and including sync_every
     (e.g. 8,16,32,64,128); default: sync_every times 1, 2, 4, 8, 16 (H grows from the chosen one when the link
     cannot carry it, and comes back down to it)."""
+    adapt_knobs: str = "H"
+    """With adapt: the knobs re-picked, comma-separated: H (sync_every), bits (pseudo_grad_dtype), or H,bits."""
+    adapt_pseudo_grad_dtype: str = ""
+    """With adapt bits: the candidate pseudo-gradient dtypes, most bits first, including pseudo_grad_dtype (e.g.
+    fp32,bf16,fp4,int2); default: pseudo_grad_dtype, then fp4 and int2 where they have fewer bits."""
+
+    def adapted_knobs(self) -> tuple[str, ...]:
+        """The knobs ``adapt`` re-picks (checked; none without ``adapt``)."""
+        return parse_knobs(self.adapt_knobs) if self.adapt else ()
 
     def check_adapt_knobs(self) -> None:
         """Check the knobs that need no other config (with or without ``adapt``)."""
@@ -95,10 +119,17 @@ class AdaptConfig:
         check_float("adapt_overhead", self.adapt_overhead, 0, low_open=True)
         check_float("adapt_threshold", self.adapt_threshold, 0)
         check_int("adapt_window", self.adapt_window, 1)
+        parse_knobs(self.adapt_knobs)
 
     def adapt_candidates(self, sync_every: int, fragments: int, overlap_delay: int) -> tuple[int, ...]:
         """The candidate H values, checked (raises ValueError naming the knob and the allowed form)."""
         self.check_adapt_knobs()
+        if self.adapt and fragments != 1:
+            raise ValueError(f"adapt changes its knobs only with fragments 1 (a staggered schedule of {fragments} "
+                             "fragments has no step where every fragment just synced), got fragments "
+                             f"{fragments}")
+        if self.adapt and "H" not in self.adapted_knobs():
+            return (sync_every,)  # H stays as configured
         if self.adapt_sync_every.strip():
             try:
                 values = tuple(int(v) for v in self.adapt_sync_every.split(","))
@@ -114,10 +145,6 @@ class AdaptConfig:
         if sync_every not in values:
             raise ValueError(f"adapt_sync_every must include sync_every ({sync_every}), got "
                              f"{','.join(map(str, values))}")
-        if self.adapt and fragments != 1:
-            raise ValueError(f"adapt changes H only with fragments 1 (a staggered schedule of {fragments} fragments "
-                             "has no step where every fragment just synced), got fragments "
-                             f"{fragments}")
         too_short = [v for v in values if v < overlap_delay]
         if too_short:
             raise ValueError(f"adapt_sync_every values must be >= overlap_delay ({overlap_delay}: a fragment in "
@@ -131,6 +158,8 @@ class Decision:
 
     old: int
     new: int
+    old_dtype: str
+    new_dtype: str
     bandwidth: float
     """Measured link, bytes/s (agreed over the workers)."""
     step_s: float
@@ -138,19 +167,29 @@ class Decision:
     share: float
     """Predicted exposed communication / compute at the new H."""
     why: str
+    knob: str = "sync_every"
+    """What was re-picked: sync_every, pseudo_grad_dtype, or sync_every/pseudo_grad_dtype (both)."""
 
     def record(self, step: int) -> dict[str, Any]:
-        return {"step": step, "knob": "sync_every", "old": self.old, "new": self.new,
+        """The log entry: ``knob`` sync_every, pseudo_grad_dtype, or both (``old``/``new`` then "H/dtype")."""
+        old, new = {"sync_every": (self.old, self.new), "pseudo_grad_dtype": (self.old_dtype, self.new_dtype)}.get(
+            self.knob, (f"{self.old}/{self.old_dtype}", f"{self.new}/{self.new_dtype}"))
+        return {"step": step, "knob": self.knob, "old": old, "new": new,
                 "bandwidth_mbit": round(self.bandwidth * 8 / 1e6, 3), "step_s": round(self.step_s, 6),
                 "share": round(self.share, 4), "why": self.why}
 
 
 def predicted_share(workload: Workload, topo: Topology, cfg: Any, sync_every: int, step_s: float,
-                    link: LinkModel, group: str) -> float:
+                    link: LinkModel, group: str, dtype: str | None = None) -> float:
     """Exposed communication / compute per inner step that the cost model predicts for ``cfg`` at H =
-    ``sync_every``, with inner steps of ``step_s`` compute seconds and the sync group's link ``link``."""
-    # at this H as a fixed run (the schedule of an adapt config would pick its own H: cost.AdaptedH)
-    schedule = cost.diloco(workload, topo, dataclasses.replace(cfg, sync_every=sync_every, adapt=False))
+    ``sync_every`` (and pseudo-gradient ``dtype``, default cfg's), with inner steps of ``step_s`` compute seconds
+    and the sync group's link ``link``."""
+    dtype = dtype or cfg.pseudo_grad_dtype
+    # at this H and dtype as a fixed run (the schedule of an adapt config would pick its own H: cost.AdaptedH)
+    fixed = dataclasses.replace(cfg, sync_every=sync_every, adapt=False, pseudo_grad_dtype=dtype,
+                                pseudo_grad_error_feedback=bool(cfg.pseudo_grad_error_feedback
+                                                                and dtype in LOWBIT_PSEUDO_GRAD_DTYPES))
+    schedule = cost.diloco(workload, topo, fixed)
     accumulation = max(1, int(getattr(cfg, "accumulation", 1)))
     # the measured step already holds the optimizer and the copies: the profile gives them no extra time
     compute = ComputeProfile(forward_s=step_s / accumulation, backward_s=0.0, optimizer_s_per_element=0.0,
@@ -161,19 +200,29 @@ def predicted_share(workload: Workload, topo: Topology, cfg: Any, sync_every: in
 
 
 def pick_sync_every(workload: Workload, topo: Topology, cfg: Any, candidates: tuple[int, ...], current: int,
-                    step_s: float, bandwidth: float, overhead: float, group: str) -> Decision:
-    """The smallest candidate H whose predicted exposed communication is at most ``overhead`` of the compute
-    (the largest candidate when none is); see the module docstring."""
+                    step_s: float, bandwidth: float, overhead: float, group: str,
+                    dtypes: tuple[str, ...] | None = None, current_dtype: str | None = None) -> Decision:
+    """The smallest candidate H, and at it the candidate dtype with the most bits (``dtypes``, most bits first;
+    default: cfg's only), whose predicted exposed communication is at most ``overhead`` of the compute (the largest
+    H with the fewest bits when none is); see the module docstring."""
     link = LinkModel(bandwidth, 0.0)
-    shares = {h: predicted_share(workload, topo, cfg, h, step_s, link, group) for h in candidates}
-    fits = [h for h in candidates if shares[h] <= overhead]
-    new = fits[0] if fits else candidates[-1]
+    dtypes = dtypes or (cfg.pseudo_grad_dtype,)
+    current_dtype = current_dtype or cfg.pseudo_grad_dtype
+    pairs = [(h, d) for h in candidates for d in dtypes]
+    shares = {(h, d): predicted_share(workload, topo, cfg, h, step_s, link, group, d) for h, d in pairs}
+    fits = [p for p in pairs if shares[p] <= overhead]
+    new = fits[0] if fits else pairs[-1]
     rate = f"{bandwidth * 8 / 1e6:.3g} Mbit/s, inner step {step_s * 1e3:.3g} ms"
+    what = "H" if len(dtypes) == 1 else ("dtype" if len(candidates) == 1 else "H, then the most bits,")
     if fits:
-        why = f"{rate}: smallest H whose sync adds <= {overhead:.0%} (predicted {shares[new]:.1%})"
+        why = f"{rate}: smallest {what} whose sync adds <= {overhead:.0%} (predicted {shares[new]:.1%})"
     else:
-        why = f"{rate}: no H keeps the sync under {overhead:.0%}; the largest ({shares[new]:.1%})"
-    return Decision(current, new, bandwidth, step_s, shares[new], why)
+        why = f"{rate}: nothing keeps the sync under {overhead:.0%}; the cheapest ({shares[new]:.1%})"
+        if len(dtypes) == 1:
+            why = f"{rate}: no H keeps the sync under {overhead:.0%}; the largest ({shares[new]:.1%})"
+    knob = "sync_every" if len(dtypes) == 1 else ("pseudo_grad_dtype" if len(candidates) == 1
+                                                  else "sync_every/pseudo_grad_dtype")
+    return Decision(current, new[0], current_dtype, new[1], bandwidth, step_s, shares[new], why, knob)
 
 
 class AdaptiveSchedule(FragmentSchedule):
@@ -204,6 +253,11 @@ class SyncPeriod(Part):
                  param_groups: list[dict[str, Any]]) -> None:
         self.transport, self.group, self.config = transport, group, config
         self.candidates = config.adapt_candidates(config.sync_every, config.fragments, config.overlap_delay)
+        self.dtypes = bits_candidates(config) if "bits" in config.adapted_knobs() else (config.pseudo_grad_dtype,)
+        """The candidate pseudo-gradient dtypes, most bits first (the configured one only without bits)."""
+        self.exchanges: list[Any] = []
+        """The fragments' exchanges whose dtype a change of bits sets (:meth:`bind`)."""
+        self._quiesce: Any = None
         self.workload = Workload.from_model(model, tokens_per_micro_batch=1, param_groups=param_groups)
         self.schedule = AdaptiveSchedule(config.sync_every)
         """The outer sync's schedule (the strategy's outer machinery runs on it)."""
@@ -214,9 +268,18 @@ class SyncPeriod(Part):
         self._ratio: float | None = None  # the measured sync-to-step ratio of the last pick
         self._mark = self._meter()
 
+    def bind(self, exchanges: list[Any], quiesce: Any) -> None:
+        """The outer sync's exchanges (a :class:`~.adapt_bits.SwitchedExchange` each under bits) and how to wait
+        for the fragment in flight (before a change of bits)."""
+        self.exchanges, self._quiesce = exchanges, quiesce
+
     @property
     def sync_every(self) -> int:
         return int(self.config.sync_every)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.config.pseudo_grad_dtype)
 
     def _meter(self) -> tuple[float, float]:
         v = self.transport.meter.snapshot().get(self.group, {})
@@ -258,13 +321,34 @@ class SyncPeriod(Part):
                 1 + self.config.adapt_threshold):
             return None  # the link and the step moved too little since the last pick to re-pick
         decision = pick_sync_every(self.workload, self.transport.topology, self.config, self.candidates,
-                                   self.sync_every, step_s, bandwidth, self.config.adapt_overhead, self.group)
+                                   self.sync_every, step_s, bandwidth, self.config.adapt_overhead, self.group,
+                                   self.dtypes, self.dtype)
         self._ratio = ratio
         self.decisions.append({**decision.record(step), "t": time.perf_counter()})
-        if decision.new == decision.old:
+        if decision.new == decision.old and decision.new_dtype == decision.old_dtype:
             return None
-        self.set_sync_every(decision.new, step)
+        if decision.new_dtype != decision.old_dtype:
+            self.set_dtype(decision.new_dtype, step)
+        if decision.new != decision.old:
+            self.set_sync_every(decision.new, step)
         return decision
+
+    def set_dtype(self, new: str, step: int) -> None:
+        """Send the next syncs' pseudo-gradients in ``new``, right after the sync launched after ``step`` (the
+        fragment in flight is waited for first; :mod:`.adapt_bits`: what happens to the residual)."""
+        if new not in self.dtypes:
+            raise ValueError(f"pseudo_grad_dtype must be one of the candidates {self.dtypes}, got {new!r}")
+        if step % self.sync_every:
+            raise ValueError(f"the bits change only right after a sync (a multiple of H = {self.sync_every}), got "
+                             f"step {step}")
+        self._take_dtype(new)
+
+    def _take_dtype(self, new: str) -> None:
+        if self._quiesce is not None:
+            self._quiesce()  # the exchange in flight ends in the dtype it started with
+        self.config.pseudo_grad_dtype = new
+        for e in self.exchanges:
+            e.current = new
 
     def set_sync_every(self, new: int, step: int) -> None:
         """Take H = ``new`` right after the sync launched after ``step`` (module docstring: what happens to the
@@ -278,21 +362,29 @@ class SyncPeriod(Part):
 
     # ------------------------------------------------------------------ part protocol
     def state_dict(self) -> dict[str, Any]:
-        return {"sync_every": self.sync_every, "changed_at": self.changed_at}
+        return {"sync_every": self.sync_every, "changed_at": self.changed_at, "pseudo_grad_dtype": self.dtype}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._take(state["sync_every"], state["changed_at"])
+        if len(self.dtypes) > 1 and state.get("pseudo_grad_dtype") in self.dtypes:
+            self._take_dtype(state["pseudo_grad_dtype"])
 
     def logical_state(self) -> dict[str, torch.Tensor]:
-        return {"adapt.sync_every": torch.tensor(self.sync_every, dtype=torch.int64),
-                "adapt.changed_at": torch.tensor(self.changed_at, dtype=torch.int64)}
+        out = {"adapt.sync_every": torch.tensor(self.sync_every, dtype=torch.int64),
+               "adapt.changed_at": torch.tensor(self.changed_at, dtype=torch.int64)}
+        if len(self.dtypes) > 1:  # the current dtype, as its index among the candidates
+            out["adapt.dtype"] = torch.tensor(self.dtypes.index(self.dtype), dtype=torch.int64)
+        return out
 
     def logical_targets(self, saved: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {k: torch.zeros((), dtype=torch.int64) for k in ("adapt.sync_every", "adapt.changed_at") if k in saved}
+        keys = ("adapt.sync_every", "adapt.changed_at", "adapt.dtype")
+        return {k: torch.zeros((), dtype=torch.int64) for k in keys if k in saved}
 
     def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         if "adapt.sync_every" in filled:  # a checkpoint of a run without --adapt has none: H stays as configured
             self._take(int(filled["adapt.sync_every"]), int(filled["adapt.changed_at"]))
+        if "adapt.dtype" in filled and len(self.dtypes) > 1:
+            self._take_dtype(self.dtypes[int(filled["adapt.dtype"])])
 
 
 __all__ = ["AdaptConfig", "AdaptiveSchedule", "Decision", "SyncPeriod", "pick_sync_every", "predicted_share"]

@@ -89,6 +89,7 @@ from ..registry import get, register
 from ..substrates.sharded_optimizer import build_optimizer
 from . import facts
 from .adapt import AdaptConfig, SyncPeriod
+from .adapt_bits import bits_candidates
 from .adaptive import AdaptivePlan
 from .outer import OuterSync
 from .outer_config import OuterConfig
@@ -114,6 +115,8 @@ class DiLoCoConfig(OuterConfig, AdaptConfig):
         self.check_adapt_knobs()
         if self.adapt:
             self.adapt_candidates(self.sync_every, self.fragments, self.overlap_delay)
+            if "bits" in self.adapted_knobs():
+                bits_candidates(self)
         if self.adapt and self.inner_steps == "adaptive":
             raise ValueError("adapt re-picks H for every worker while inner_steps adaptive gives each worker its own "
                              "share of H: use one of them (adapt=False or inner_steps='fixed')")
@@ -179,6 +182,7 @@ class DiLoCo(Strategy):
             self.adapter = self.hold("adapt", SyncPeriod(self.transport, self.sync_group, cfg, model,
                                                          self.param_groups))
             self.outer.schedule = self.adapter.schedule
+            self.adapter.bind(self.outer.exchanges, self.outer.quiesce)
 
     @property
     def window_plan(self) -> tuple[int, list[int]] | None:

@@ -10,12 +10,22 @@ from ...transport import Transport
 from ...wire.exchange import Dense, Exchange, Int8, Replicated
 from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES, packed_exchange
 from ...wire.replicators import Segments, make_replicator
+from .adapt_bits import parse_knobs, switched_exchange
 from .outer_config import OuterConfig
 
 
 def fragment_exchange(config: OuterConfig, f: int, segments: Segments, transport: Transport, group: str,
                       device: torch.device) -> Exchange:
-    """The exchange of fragment ``f`` (its tensors' ``segments``) over ``group``."""
+    """The exchange of fragment ``f`` (its tensors' ``segments``) over ``group`` (``--adapt`` of the bits: one per
+    candidate dtype, :mod:`.adapt_bits`)."""
+    if getattr(config, "adapt", False) and "bits" in parse_knobs(config.adapt_knobs):
+        return switched_exchange(config, lambda c: _static_exchange(c, f, segments, transport, group, device),
+                                 segments.numel, device)
+    return _static_exchange(config, f, segments, transport, group, device)
+
+
+def _static_exchange(config: OuterConfig, f: int, segments: Segments, transport: Transport, group: str,
+                     device: torch.device) -> Exchange:
     name = f"outer/fragment{f}"
     dtype = config.pseudo_grad_dtype
     if config.pseudo_grad_replicator != "none":

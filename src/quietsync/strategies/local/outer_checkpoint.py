@@ -70,7 +70,8 @@ def worker_slots(sync: OuterState) -> dict[str, tuple[torch.Tensor, JoinRule]]:
     slots: dict[str, tuple[torch.Tensor, JoinRule]] = {}
     for f, e in enumerate(sync.exchanges):
         if e.residual is not None:  # error feedback (a replicator's, low-bit, SparseLoCo's): a joiner owes nothing
-            kind = "packed_residual" if isinstance(e, PackedExchange) else "residual"
+            kind = "packed_residual" if isinstance(e, PackedExchange) or getattr(e, "packed_residual", False) \
+                else "residual"
             slots[f"outer.{kind}.{f}"] = (e.residual, "zero")
     return slots
 
