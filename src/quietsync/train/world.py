@@ -273,7 +273,8 @@ def checkpoint_note(cfg: TrainConfig, topology: Topology) -> str:
 
 def save(world: FixedWorld, strategy: Any, tokens_total: int) -> None:
     """Write this worker's checkpoint file, unless any worker's state is not finite (then all raise); first,
-    for a strategy that can reshard, the world-size-independent part (every worker takes part)."""
+    for a strategy that can reshard, the world-size-independent part (every worker takes part). Returns once every
+    worker's file is written, so the checkpoint is complete when any worker goes on."""
     cfg, stream = world.cfg, world.stream
     state = strategy.state_dict()
     world.guard.check_state(state, strategy.steps)
@@ -290,6 +291,9 @@ def save(world: FixedWorld, strategy: Any, tokens_total: int) -> None:
         "schedule_position": world.clock.position(strategy.steps),
         "world_size": strategy.world_size, "nodes": strategy.transport.topology.nodes,
     })
+    # every worker's file is on disk before any worker trains on: a worker that fails later names this checkpoint
+    # (checkpoint_note) whichever worker wrote last, rather than a race deciding between it and "none"
+    world.guard.agree(0)
 
 
 def gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
