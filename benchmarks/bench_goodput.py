@@ -254,7 +254,7 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
     address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
     base = [sys.executable, "-c", (HEAVY_IMPORTS if heavy else "") + PY_MAIN, "train",
             *job_flags(root, out, strategy, steps, seed), "--fault-tolerance", "torchft", "--lighthouse", address,
-            "--nodes", str(replicas), "--nproc", "1"]
+            "--nodes", str(replicas), "--nproc", "1", *([] if ASYNC_JOIN else ["--no-async-join"])]
     env = {**os.environ, **OFFLINE, "GLOO_SOCKET_IFNAME": "lo"}
     procs: dict[int, subprocess.Popen] = {}
     codes: list[tuple[int, int]] = []
@@ -475,6 +475,7 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "events": [(k, at - t0) for k, at in result["events"]],
            "returns": returns(rows, result["events"], mode, replicas, 10.0 * dilation), "timeline": timeline,
            "dilation": dilation, "heavy_env": heavy, "standby": standby, "standby_core": STANDBY_CORE,
+           **({"async_join": ASYNC_JOIN} if mode == "torchft" else {}),
            "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
            "load_average": os.getloadavg(), "cpus": os.cpu_count(), "cores": CORES, "cpu_model": cpu_model(),
@@ -484,7 +485,8 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "command": " ".join(["python", *sys.argv])}
     suffix = ("" if replicas == 2 else f"-replicas{replicas}") + \
         ("" if steps == DEFAULT_STEPS[strategy] else f"-steps{steps}") + ("" if dilation == 1 else f"-x{dilation}") + \
-        ("-heavy" if heavy else "") + ("-standby" if standby else "")
+        ("-heavy" if heavy else "") + ("-standby" if standby else "") + \
+        ("-syncjoin" if mode == "torchft" and not ASYNC_JOIN else "")
     (RUNS / f"{strategy}-{mode}-seed{seed}{suffix}.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"{strategy} {mode}: {run['tokens']} tokens in {wall:.1f}s, final loss {run['final_loss']:.4f}, "
           f"{len(run['events'])} events, returns {run['returns']}", flush=True)
@@ -505,6 +507,10 @@ MACHINE = ""
 
 STANDBY_CORE: int | None = None
 """``--standby-core``: the CPU replica 1's standbys start on (None: replica 1's own core)."""
+
+ASYNC_JOIN = True
+"""torchft: a returning replica joins asynchronously (``quietsync train``'s default; ``--no-async-join`` here passes
+``--no-async-join`` to every replica: it computes its first step while the others wait)."""
 
 
 def report(name: str = "goodput") -> None:
@@ -671,7 +677,7 @@ def plot(runs: list[dict[str, Any]], name: str = "goodput") -> None:
 
 
 def main() -> None:
-    global RUNS, CORES, MACHINE, STANDBY_CORE
+    global RUNS, CORES, MACHINE, STANDBY_CORE, ASYNC_JOIN
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", nargs=2, metavar=("STRATEGY", "MODE"), help=f"one run: {list(STRATEGIES)} x {MODES}")
     p.add_argument("--report", action="store_true", help="write benchmarks/results/goodput.{md,json,png}")
@@ -709,8 +715,11 @@ def main() -> None:
     p.add_argument("--standby", action="store_true",
                    help="torchft: replica 1 returns as a prepared standby (quietsync train --standby), activated at "
                         "each return")
+    p.add_argument("--no-async-join", dest="async_join", action="store_false",
+                   help="torchft: every replica runs with --no-async-join (a returning replica computes its first "
+                        "step while the others wait in its average), to compare with the default")
     args = p.parse_args()
-    RUNS, MACHINE = args.runs, args.machine
+    RUNS, MACHINE, ASYNC_JOIN = args.runs, args.machine, args.async_join
     if args.cores is not None:
         try:
             CORES = parse_cores(args.cores)

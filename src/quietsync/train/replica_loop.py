@@ -42,6 +42,7 @@ import torch
 
 from ..cli.launch import note_failure
 from ..data.sequences import ShardedSequences, eval_batches
+from ..faults.async_join import abstain_micro_batch, async_join_problem
 from ..faults.heal import heal_state, load_heal_state
 from ..faults.inject import hold, poison, reached, ready
 from ..faults.quorum import ReplicaQuorum
@@ -184,6 +185,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         quorum.register("dealer", dealer.state_dict, dealer.load_state_dict)
         quorum.register("run", lambda: dict(state), state.update)
         quorum.on_commit(dealer.commit)
+        quorum.async_join = cfg.async_join and async_join_problem(strategy) is None
         metrics = MetricsWriter(cfg.out, transport.topology.rank, append=True)
         marks["ready"] = time.time()
         hold(0)
@@ -341,14 +343,20 @@ def _train(run: _Run, strategy: Any) -> dict[str, Any] | None:
                     break
             commits, retries = quorum.commits, quorum.retries
             windows = dealer.deal(quorum.members, transport.replica, strategy.steps)[me::w]
+            absent = quorum.abstains  # just healed: no data of its own this step (faults/async_join.py)
+            if absent:
+                windows = []
             losses: list[torch.Tensor] = []
             committed = dropped = False
             for a in range(accumulation):
-                batch = dealer.batch(windows[a * mb:(a + 1) * mb]).to(device, non_blocking=True)
-                timer.start()
-                loss = strategy.forward_backward(batch, lm_loss)
-                timer.stop()
-                if a == 0:
+                if absent:
+                    loss = abstain_micro_batch(strategy)
+                else:
+                    batch = dealer.batch(windows[a * mb:(a + 1) * mb]).to(device, non_blocking=True)
+                    timer.start()
+                    loss = strategy.forward_backward(batch, lm_loss)
+                    timer.stop()
+                if a == 0 and not absent:
                     loss = poison(strategy.steps + 1, loss, strategy.module)
                 guard.see(loss)
                 if loss is not None:
