@@ -56,6 +56,9 @@ such a host. ``--standby`` (torchft) runs replica 1's returns as standbys (``qui
 standby is started beside the job, imports, opens the data, builds and warms the model, then waits; at each return
 the benchmark creates its file (it joins and heals at once) and starts the next standby beside it (its start-up
 shares replica 1's core for a few seconds: the standby's cost). A return is then timed from that moment.
+``--no-async-join`` (torchft) runs every replica with ``--no-async-join`` (a returning replica computes its first
+step while the others wait in its average; the run's file ends in ``-syncjoin``); ``--joins RUNS...`` prints the
+survivor's join steps of the runs recorded there, per join mode.
 
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
 
@@ -715,6 +718,9 @@ def main() -> None:
     p.add_argument("--standby", action="store_true",
                    help="torchft: replica 1 returns as a prepared standby (quietsync train --standby), activated at "
                         "each return")
+    p.add_argument("--joins", type=Path, nargs="+", default=None, metavar="RUNS",
+                   help="print the survivor's join steps of the torchft runs recorded under these --runs folders, "
+                        "per join mode (--no-async-join or the default)")
     p.add_argument("--no-async-join", dest="async_join", action="store_false",
                    help="torchft: every replica runs with --no-async-join (a returning replica computes its first "
                         "step while the others wait in its average), to compare with the default")
@@ -768,6 +774,38 @@ def main() -> None:
                 args.keep, args.heartbeat_timeout_ms, dilation, args.heavy_env, args.standby)
     if args.report:
         report(args.report_name)
+    if args.joins:
+        print(join_table(args.joins))
+
+
+def join_table(folders: list[Path]) -> str:
+    """The survivor's step that holds each join, per join mode, from the torchft runs recorded under ``folders``
+    (``--runs``): its length against the survivor's median step around the return, and the time it waited in that
+    step's collective (``comm_s``: under ddp, the gradient average the joiner takes part in). Markdown."""
+    rows: dict[str, list[tuple[float, float, float, float]]] = {"--no-async-join": [], "asynchronous (default)": []}
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*-torchft-*.json")):
+            run = json.loads(path.read_text())
+            seen = set()
+            for r in run["returns"]:
+                surv, joiner = r.get("phases", {}).get("survivor", {}), r.get("phases", {}).get("joiner", {})
+                if not surv or surv["step"] in seen or "round_applied" not in joiner:
+                    continue  # a return that never trained reports the next one's join again
+                seen.add(surv["step"])
+                mode = "asynchronous (default)" if run.get("async_join", True) else "--no-async-join"
+                rows[mode].append((surv["step_s"], r["survivor_median_step_s"], surv["comm_s"],
+                                   surv["round_returned"] - surv["round_asked"]))
+    lines = ["| join | returns | survivor's join step | over its median step: median (range) | waited in the step's "
+             "collective: median (range) | its round (median) |", "|---|---|---|---|---|---|"]
+    for mode, got in rows.items():
+        if not got:
+            continue
+        ratio, wait = [a / b for a, b, _, _ in got], [c for _, _, c, _ in got]
+        lines.append(f"| {mode} | {len(got)} | {min(a for a, *_ in got):.2f}–{max(a for a, *_ in got):.2f} s | "
+                     f"{statistics.median(ratio):.2f} ({min(ratio):.2f}–{max(ratio):.2f}) | "
+                     f"{statistics.median(wait):.3f} s ({min(wait):.3f}–{max(wait):.3f}) | "
+                     f"{statistics.median(d for *_, d in got):.3f} s |")
+    return "\n".join(lines)
 
 
 DEFAULT_STEPS = {"ddp": 1500, "diloco": 1500}
