@@ -19,6 +19,10 @@ from that one step:
   its slot's windows of the step go back and are dealt again first, so none is lost or read twice), and its
   record lists no windows for that step.
 
+Should every replica it joined die during that step, it commits the step alone with no contributor: a zero
+gradient (the optimizer's step on it alone: decay and momentum), every window of the step given back -- the run
+stays consistent and audited, one step without data (not exercised by the tests).
+
 Where the others' step computes longer than the joiner takes to unpack and load the state (tens of milliseconds
 for the benchmarks' models), they no longer wait for it at all. It applies to ``ddp`` (the step's only exchange
 across the replicas is its gradient average). Not to the local methods (``localsgd``, ``diloco``): their replicas
