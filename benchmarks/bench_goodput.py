@@ -56,6 +56,9 @@ such a host. ``--standby`` (torchft) runs replica 1's returns as standbys (``qui
 standby is started beside the job, imports, opens the data, builds and warms the model, then waits; at each return
 the benchmark creates its file (it joins and heals at once) and starts the next standby beside it (its start-up
 shares replica 1's core for a few seconds: the standby's cost). A return is then timed from that moment.
+``--no-async-join`` (torchft) runs every replica with ``--no-async-join`` (a returning replica computes its first
+step while the others wait in its average; the run's file ends in ``-syncjoin``); ``--joins RUNS...`` prints the
+survivor's join steps of the runs recorded there, per join mode.
 
 Each run is one invocation (``--run STRATEGY MODE``), so each takes the CPU lock on its own::
 
@@ -254,7 +257,7 @@ def run_torchft(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
     address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
     base = [sys.executable, "-c", (HEAVY_IMPORTS if heavy else "") + PY_MAIN, "train",
             *job_flags(root, out, strategy, steps, seed), "--fault-tolerance", "torchft", "--lighthouse", address,
-            "--nodes", str(replicas), "--nproc", "1"]
+            "--nodes", str(replicas), "--nproc", "1", *([] if ASYNC_JOIN else ["--no-async-join"])]
     env = {**os.environ, **OFFLINE, "GLOO_SOCKET_IFNAME": "lo"}
     procs: dict[int, subprocess.Popen] = {}
     codes: list[tuple[int, int]] = []
@@ -475,6 +478,7 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "events": [(k, at - t0) for k, at in result["events"]],
            "returns": returns(rows, result["events"], mode, replicas, 10.0 * dilation), "timeline": timeline,
            "dilation": dilation, "heavy_env": heavy, "standby": standby, "standby_core": STANDBY_CORE,
+           **({"async_join": ASYNC_JOIN} if mode == "torchft" else {}),
            "fault_tolerance": {k: v for k, v in summary.get("fault_tolerance", {}).items()
                                if k in ("commits", "windows_dealt", "windows_committed", "final_members")},
            "load_average": os.getloadavg(), "cpus": os.cpu_count(), "cores": CORES, "cpu_model": cpu_model(),
@@ -484,7 +488,8 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
            "command": " ".join(["python", *sys.argv])}
     suffix = ("" if replicas == 2 else f"-replicas{replicas}") + \
         ("" if steps == DEFAULT_STEPS[strategy] else f"-steps{steps}") + ("" if dilation == 1 else f"-x{dilation}") + \
-        ("-heavy" if heavy else "") + ("-standby" if standby else "")
+        ("-heavy" if heavy else "") + ("-standby" if standby else "") + \
+        ("-syncjoin" if mode == "torchft" and not ASYNC_JOIN else "")
     (RUNS / f"{strategy}-{mode}-seed{seed}{suffix}.json").write_text(json.dumps(run, indent=1) + "\n")
     print(f"{strategy} {mode}: {run['tokens']} tokens in {wall:.1f}s, final loss {run['final_loss']:.4f}, "
           f"{len(run['events'])} events, returns {run['returns']}", flush=True)
@@ -505,6 +510,10 @@ MACHINE = ""
 
 STANDBY_CORE: int | None = None
 """``--standby-core``: the CPU replica 1's standbys start on (None: replica 1's own core)."""
+
+ASYNC_JOIN = True
+"""torchft: a returning replica joins asynchronously (``quietsync train``'s default; ``--no-async-join`` here passes
+``--no-async-join`` to every replica: it computes its first step while the others wait)."""
 
 
 def report(name: str = "goodput") -> None:
@@ -671,7 +680,7 @@ def plot(runs: list[dict[str, Any]], name: str = "goodput") -> None:
 
 
 def main() -> None:
-    global RUNS, CORES, MACHINE, STANDBY_CORE
+    global RUNS, CORES, MACHINE, STANDBY_CORE, ASYNC_JOIN
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", nargs=2, metavar=("STRATEGY", "MODE"), help=f"one run: {list(STRATEGIES)} x {MODES}")
     p.add_argument("--report", action="store_true", help="write benchmarks/results/goodput.{md,json,png}")
@@ -709,8 +718,14 @@ def main() -> None:
     p.add_argument("--standby", action="store_true",
                    help="torchft: replica 1 returns as a prepared standby (quietsync train --standby), activated at "
                         "each return")
+    p.add_argument("--joins", type=Path, nargs="+", default=None, metavar="RUNS",
+                   help="print the survivor's join steps of the torchft runs recorded under these --runs folders, "
+                        "per join mode (--no-async-join or the default)")
+    p.add_argument("--no-async-join", dest="async_join", action="store_false",
+                   help="torchft: every replica runs with --no-async-join (a returning replica computes its first "
+                        "step while the others wait in its average), to compare with the default")
     args = p.parse_args()
-    RUNS, MACHINE = args.runs, args.machine
+    RUNS, MACHINE, ASYNC_JOIN = args.runs, args.machine, args.async_join
     if args.cores is not None:
         try:
             CORES = parse_cores(args.cores)
@@ -759,6 +774,38 @@ def main() -> None:
                 args.keep, args.heartbeat_timeout_ms, dilation, args.heavy_env, args.standby)
     if args.report:
         report(args.report_name)
+    if args.joins:
+        print(join_table(args.joins))
+
+
+def join_table(folders: list[Path]) -> str:
+    """The survivor's step that holds each join, per join mode, from the torchft runs recorded under ``folders``
+    (``--runs``): its length against the survivor's median step around the return, and the time it waited in that
+    step's collective (``comm_s``: under ddp, the gradient average the joiner takes part in). Markdown."""
+    rows: dict[str, list[tuple[float, float, float, float]]] = {"--no-async-join": [], "asynchronous (default)": []}
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*-torchft-*.json")):
+            run = json.loads(path.read_text())
+            seen = set()
+            for r in run["returns"]:
+                surv, joiner = r.get("phases", {}).get("survivor", {}), r.get("phases", {}).get("joiner", {})
+                if not surv or surv["step"] in seen or "round_applied" not in joiner:
+                    continue  # a return that never trained reports the next one's join again
+                seen.add(surv["step"])
+                mode = "asynchronous (default)" if run.get("async_join", True) else "--no-async-join"
+                rows[mode].append((surv["step_s"], r["survivor_median_step_s"], surv["comm_s"],
+                                   surv["round_returned"] - surv["round_asked"]))
+    lines = ["| join | returns | survivor's join step | over its median step: median (range) | waited in the step's "
+             "collective: median (range) | its round (median) |", "|---|---|---|---|---|---|"]
+    for mode, got in rows.items():
+        if not got:
+            continue
+        ratio, wait = [a / b for a, b, _, _ in got], [c for _, _, c, _ in got]
+        lines.append(f"| {mode} | {len(got)} | {min(a for a, *_ in got):.2f}–{max(a for a, *_ in got):.2f} s | "
+                     f"{statistics.median(ratio):.2f} ({min(ratio):.2f}–{max(ratio):.2f}) | "
+                     f"{statistics.median(wait):.3f} s ({min(wait):.3f}–{max(wait):.3f}) | "
+                     f"{statistics.median(d for *_, d in got):.3f} s |")
+    return "\n".join(lines)
 
 
 DEFAULT_STEPS = {"ddp": 1500, "diloco": 1500}

@@ -26,7 +26,10 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   does not advance), and :class:`RoundDropped` tells the caller who saw what, the same on every replica. torchft's
   own vote only agrees inside a replica group ("different replica groups may return different values"); the
   all-reduce is what makes the verdict the same across them. A replica whose round is not finite does not step:
-  it runs :meth:`vote` at once, which meets the others' next unit.
+  it runs :meth:`vote` at once, which meets the others' next unit. The same all-reduce says which replica groups
+  contribute to the unit (all of them, but for one abstaining from its first step after a heal:
+  :mod:`~quietsync.faults.async_join`): the unit's averages divide by their number (:attr:`contributing`), and the
+  commit holds their data only.
 
 * **a lost Lighthouse** — the replicas go on: a quorum request the Lighthouse does not answer within
   :data:`LIGHTHOUSE_ATTEMPT_S` is asked again (torchft 0.2.0's manager never answers a request whose Lighthouse
@@ -168,6 +171,16 @@ class ReplicaQuorum:
         round is finite; set by :class:`~quietsync.train.replica_nonfinite.ReplicaNonFinite`)."""
         self.retries = 0
         """Attempts of a collective that failed and were run again among the survivors."""
+        self.async_join = False
+        """Whether a heal makes this replica abstain from its first step (:mod:`~quietsync.faults.async_join`; set
+        by the loop where the strategy allows it)."""
+        self.abstains = False
+        """Whether this replica's next commit carries no contribution of its own (an asynchronous join's first
+        step: set by a heal under :attr:`async_join`, cleared by the commit)."""
+        self.contributing: int | None = None
+        """Inside a unit: how many replica groups contribute to it (its vote counts them; an abstaining one does
+        not), the divisor of its averages; None outside a unit."""
+        self._contributors: list[int] = []
         self.rounds: list[dict[str, Any]] = []
         """Phases of the round starts that changed the quorum or moved state since :meth:`take_rounds` (see
         :meth:`_phases`)."""
@@ -196,8 +209,9 @@ class ReplicaQuorum:
         self._saves[key], self._loads[key] = save, load
 
     def on_commit(self, listener: Callable[[list[int], int], None]) -> None:
-        """Call ``listener(members, number)`` after every commit (``members``: the replica groups that took part;
-        ``number``: torchft's step after the commit, the same on every replica that made it)."""
+        """Call ``listener(members, number)`` after every commit (``members``: the replica groups whose contribution
+        it holds -- those that took part, less one abstaining in an asynchronous join; ``number``: torchft's step
+        after the commit, the same on every replica that made it)."""
         self._listeners.append(listener)
 
     def _save(self) -> dict[str, Any]:
@@ -208,6 +222,7 @@ class ReplicaQuorum:
         for key, load in self._loads.items():
             load(state[key])
         self.healed += 1
+        self.abstains = self.async_join
         self._marks["applied"] = time.time()
 
     # ------------------------------------------------------------------ rounds
@@ -334,7 +349,9 @@ class ReplicaQuorum:
             dropped = None
             try:
                 self._running = True
+                self.contributing = None
                 dropped = self._vote()
+                self.contributing = len(self._contributors)
                 out = op() if dropped is None else None
             except ReplicaLost as e:
                 out = None
@@ -345,6 +362,7 @@ class ReplicaQuorum:
                 self.manager.report_error(e)
             finally:
                 self._running = False
+                self.contributing = None
             if dropped is not None:  # the same verdicts on every replica: none commits, every one raises
                 self.manager.report_error(dropped)
                 self.manager.should_commit(timeout=timedelta(seconds=self.timeout_s))
@@ -361,13 +379,18 @@ class ReplicaQuorum:
             self._regroup()
 
     def _vote(self) -> RoundDropped | None:
-        """The unit's first collective: every present replica group's verdict (module docstring)."""
+        """The unit's first collective: every present replica group's verdict (module docstring), and whether it
+        contributes to the unit (:attr:`abstains`; the contributors are kept for the unit's averages and commit)."""
+        me = self.transport.replica
         if self.transport.group_size("replicate") == 1 and not self.verdict[0]:
+            self._contributors = [] if self.abstains else [me]
             return None  # alone and finite: nothing to agree on
         n = self.transport.replicas
-        flags = torch.zeros(2 * n, dtype=torch.int64, device=self.transport.device)
-        flags[self.transport.replica], flags[n + self.transport.replica] = self.verdict
+        flags = torch.zeros(3 * n, dtype=torch.int64, device=self.transport.device)
+        flags[me], flags[n + me] = self.verdict
+        flags[2 * n + me] = 0 if self.abstains else 1
         self.transport.vote(flags)
+        self._contributors = [k for k in range(n) if int(flags[2 * n + k])]
         verdicts = {k: (int(flags[k]), int(flags[n + k])) for k in range(n) if int(flags[k])}
         return RoundDropped(verdicts) if verdicts else None
 
@@ -379,7 +402,9 @@ class ReplicaQuorum:
     def _committed(self) -> None:
         self.commits += 1
         self.round_due = True
-        members = list(self.transport.replica_group.members)
+        self.abstains = False
+        # the replica groups whose contribution the commit holds (an abstaining one's windows go back)
+        members = [k for k in self.transport.replica_group.members if k in self._contributors]
         number = self.manager.current_step()
         for listener in self._listeners:
             listener(members, number)

@@ -40,6 +40,9 @@ class Commits(Protocol):
     def run(self, op: Callable[[], Any], restore: Sequence[torch.Tensor]) -> Any:
         """``op()`` committed by the quorum (retried among the survivors); ``restore`` put back before a retry."""
 
+    contributing: int | None
+    """Inside a unit: the replica groups contributing to it (the divisor of its averages); None outside one."""
+
 
 class ReplicaLost(RuntimeError):
     """A collective over the replicas failed: one of them died, or left the quorum, while it ran."""
@@ -196,7 +199,24 @@ class FaultTolerantTransport(Transport):
         if not self._managed(group):
             return super().all_reduce(tensor, group, op, async_op, name)
         base = super().all_reduce
+        if op == "avg":
+            def averaged() -> Work:
+                # the sum over the replicas present, divided by those contributing to the unit (counted by its vote:
+                # a replica abstaining from its first step after a heal adds zeros and is not counted). With every
+                # replica contributing it is the base class's average exactly (its sum, then the same division).
+                work = base(tensor, group, "sum", False, name)
+                n = self._contributing(group)
+                if n > 1:
+                    tensor.div_(n)
+                return work
+            return self._replicated(averaged, [tensor])
         return self._replicated(lambda: base(tensor, group, op, False, name), [tensor])
+
+    def _contributing(self, group: str) -> int:
+        """The replica groups contributing to the unit running now (:data:`Commits.contributing`); outside a unit,
+        every member of ``group``."""
+        n = getattr(self.quorum, "contributing", None) if self.quorum is not None else None
+        return self.group_size(group) if n is None or self._solo else n
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group: str = "world", op: str = "sum",
                        async_op: bool = False, name: str = "reduce_scatter") -> Work:

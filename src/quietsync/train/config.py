@@ -127,6 +127,10 @@ class TrainConfig:
     """With --fault-tolerance torchft and --replica-group K (one worker): a standby for replica group K -- it imports,
     opens the data, builds and warms the model and the strategy, then waits until the file PATH exists (whoever saw
     K's replica die creates it) and only then joins the Lighthouse and heals (docs/faults.md)."""
+    async_join: bool = True
+    """With --fault-tolerance torchft and ddp: a replica that heals takes its first step without data of its own
+    (counted out of that step's gradient average, its windows dealt again), so the others do not wait for its first
+    forward and backward (docs/faults.md); --no-async-join: it computes its first step like the others."""
     replica_restarts: int = 3
     """With --fault-tolerance torchft and the local launcher: how many times a replica group that died is started
     again (it heals from a live peer and rejoins; the others never restart)."""

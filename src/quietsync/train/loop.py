@@ -63,7 +63,7 @@ from .elastic import Nominal, TokenSchedule, rescaled
 from .export import MODEL_DIR, export_model
 from .job_data import open_job_data
 from .job_model import job_model
-from .membership import COMMITTED, DROPPED, OPEN, STEP_SUMS, Membership
+from .membership import ABSTAIN, COMMITTED, DROPPED, OPEN, STEP_SUMS, Membership
 from .metrics import MetricsWriter, format_summary, write_summary
 from .preflight import data_problem
 from .profile import StepProfiler
@@ -374,13 +374,16 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
                 if batch is None:
                     break
                 index += 1
-                batch = batch.to(device, non_blocking=True)
-                timer.start()
-                loss = strategy.forward_backward(batch, lm_loss)
-                timer.stop()
-                step_tokens += batch.numel()
-                tokens_fed += batch.numel()
-                loss = membership.fed(strategy, index, loss)
+                if batch is ABSTAIN:
+                    loss = membership.abstain(strategy)
+                else:
+                    batch = batch.to(device, non_blocking=True)
+                    timer.start()
+                    loss = strategy.forward_backward(batch, lm_loss)
+                    timer.stop()
+                    step_tokens += batch.numel()
+                    tokens_fed += batch.numel()
+                    loss = membership.fed(strategy, index, loss)
                 guard.see(loss)
                 if loss is not None:
                     losses.append(loss)

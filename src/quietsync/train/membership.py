@@ -40,6 +40,10 @@ COMMITTED, OPEN, DROPPED = "committed", "open", "dropped"
 micro-batch), or its round was dropped on every worker (``--on-nonfinite skip``: start the step again)."""
 
 
+"""Placed in :meth:`Membership.micro_batches` for a micro-batch that holds no data of this worker: the loop calls
+:meth:`Membership.abstain` instead of a forward/backward (a torchft replica's first step after it healed)."""
+ABSTAIN = object()
+
 STEP_SUMS = ("compute_s", "comm_s", "idle_s", "bytes_sent", "bytes_recv")
 """Per-step record keys the loop sums over steps, and every membership over workers, for the summary."""
 
@@ -73,6 +77,10 @@ class Membership(Protocol):
     def micro_batches(self, strategy: Any) -> Iterator[torch.Tensor]:
         """The micro-batches of the next step, on the host; the loop stops reading when :meth:`commit` answers
         anything but :data:`OPEN`."""
+        ...
+
+    def abstain(self, strategy: Any) -> torch.Tensor | None:
+        """A micro-batch of :data:`ABSTAIN`: counted in the strategy's open step with nothing computed; its loss."""
         ...
 
     def fed(self, strategy: Any, index: int, loss: torch.Tensor | None) -> torch.Tensor | None:
@@ -118,4 +126,4 @@ class Membership(Protocol):
         ...
 
 
-__all__ = ["COMMITTED", "DROPPED", "OPEN", "STEP_SUMS", "Membership"]
+__all__ = ["ABSTAIN", "COMMITTED", "DROPPED", "OPEN", "STEP_SUMS", "Membership"]

@@ -42,6 +42,7 @@ import torch
 
 from ..cli.launch import note_failure
 from ..data.sequences import ShardedSequences, eval_batches
+from ..faults.async_join import abstain_micro_batch, async_join_problem
 from ..faults.heal import heal_state, load_heal_state
 from ..faults.inject import hold, poison, reached, ready
 from ..faults.quorum import ReplicaQuorum
@@ -58,7 +59,7 @@ from .export import MODEL_DIR, export_model
 from .job_data import open_job_data
 from .job_model import job_model
 from .loop import ADAMW_BETAS, AUDIT_ENV, job_summary, lm_loss, train_steps
-from .membership import COMMITTED, DROPPED, OPEN, STEP_SUMS
+from .membership import ABSTAIN, COMMITTED, DROPPED, OPEN, STEP_SUMS
 from .metrics import MetricsWriter, write_summary
 from .nonfinite import NonFiniteError
 from .preflight import data_problem
@@ -148,7 +149,14 @@ class TorchftQuorum:
         mb, w = self.cfg.micro_batch_size, self.transport.workers
         self.windows = self.dealer.deal(self.quorum.members, self.transport.replica, strategy.steps)[
             self.transport.local_rank::w]
+        if self.quorum.abstains:  # just healed: no data of its own this step (faults/async_join.py)
+            self.windows = []
+            return iter([ABSTAIN] * self.accumulation)
         return (self.dealer.batch(self.windows[a * mb:(a + 1) * mb]) for a in range(self.accumulation))
+
+    def abstain(self, strategy: Any) -> torch.Tensor | None:
+        abstain_micro_batch(strategy)
+        return None
 
     def fed(self, strategy: Any, index: int, loss: torch.Tensor | None) -> torch.Tensor | None:
         return poison(strategy.steps + 1, loss, strategy.module) if index == 0 else loss
@@ -288,6 +296,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         quorum.register("dealer", dealer.state_dict, dealer.load_state_dict)
         quorum.register("run", lambda: dict(state), state.update)
         quorum.on_commit(dealer.commit)
+        quorum.async_join = cfg.async_join and async_join_problem(strategy) is None
         metrics = MetricsWriter(cfg.out, transport.topology.rank, append=True)
         marks["ready"] = time.time()
         hold(0)

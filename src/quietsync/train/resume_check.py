@@ -80,7 +80,7 @@ SAFE = frozenset({
     "elastic",  # how restarts find the checkpoint, not what it holds
     "activation_checkpointing", "compile",  # the same computation, other memory and speed
     "fault_tolerance", "lighthouse", "replica_group", "replica_restarts",  # torchft runs do not resume (refused)
-    "standby",
+    "standby", "async_join",
     "strategy_module",  # where the strategy's code is imported from; the strategy and its config are compared
 })
 """Job fields a resumed run may change without a word."""

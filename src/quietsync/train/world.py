@@ -192,6 +192,9 @@ class FixedWorld:
                 self.windows += [[epoch, int(x)] for x in starts]
             yield batch
 
+    def abstain(self, strategy: Any) -> torch.Tensor | None:
+        raise RuntimeError("a fixed or elastic world has no step without data (only a torchft replica that healed)")
+
     def fed(self, strategy: Any, index: int, loss: torch.Tensor | None) -> torch.Tensor | None:
         return loss
 
