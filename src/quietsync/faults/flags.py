@@ -44,8 +44,8 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
             if getattr(cfg, name) is not None:
                 flag = "--" + name.replace("_", "-")
                 return f"{flag} needs --fault-tolerance torchft"
-        if "async_join" in given:
-            return f"--{'' if cfg.async_join else 'no-'}async-join needs --fault-tolerance torchft"
+        if "async_join" in given and not cfg.async_join:  # the default (True) is what a replay's config file holds
+            return "--no-async-join needs --fault-tolerance torchft"
         return None
     if importlib.util.find_spec("torchft") is None:
         return "--fault-tolerance torchft needs the torchft package: pip install 'quietsync[ft]'"
