@@ -14,15 +14,13 @@ step's commit holds its windows; the replay agrees as well.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 import quietsync.faults  # noqa: F401  (before torchft: its Rust log level is read at import)
 
-from .test_torchft import _window_starts
-from .torchft_replicas import KILLED, Replicas, audit, job_flags, merged, records, wait_exit
+from .ddp_replay import replay
+from .torchft_replicas import KILLED, Replicas, audit, job_flags, records, wait_exit
 
 torchft = pytest.importorskip("torchft")
 
@@ -30,42 +28,6 @@ pytestmark = pytest.mark.timeout(300)
 
 PER_REPLICA = 2
 """Windows per replica group per step (--micro-batch-size 2, one worker)."""
-
-
-def _replay(root: Path, steps: list[dict], counted_in: int | None = None, seq_len: int = 32) -> torch.nn.Module:
-    """One process, one model: every committed step is AdamW on the mean of the committing replicas' gradients,
-    each the gradient of the mean loss of its slot's windows. ``counted_in``: the commit whose mean also counts one
-    replica that contributed nothing (its sum divided by one more) -- the wrong average of an asynchronous join."""
-    from quietsync.data.shards import open_prepared
-    from quietsync.models.causal_lm import build_model
-
-    (folder,) = [p for p in (root / "cache").glob("prepared-*") if p.is_dir()]
-    prepared = open_prepared(folder)
-    tokens, eos = prepared.train.to_tensor(), prepared.eos
-    model = build_model("tiny", prepared.tokenizer().get_vocab_size(), eos, seed=0)
-    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in embeddings]
-    rest = [p for p in model.parameters() if p.ndim < 2 or id(p) in embeddings]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=2e-3, betas=(0.9, 0.95))
-    params = list(model.parameters())
-    for record in steps:
-        windows = merged(record)["committed"]
-        slots = [windows[i:i + PER_REPLICA] for i in range(0, len(windows), PER_REPLICA)]
-        total = [torch.zeros_like(p) for p in params]
-        for slot in slots:
-            starts = _window_starts(tokens, seq_len, 0, slot)
-            batch = tokens[starts[:, None] + torch.arange(seq_len)[None, :]]
-            grads = torch.autograd.grad(model(input_ids=batch, labels=batch).loss, params)
-            torch._foreach_add_(total, grads)
-        ids = [c["id"] for c in record["commits"]]
-        count = len(slots) + (1 if counted_in in ids else 0)
-        for p, g in zip(params, total):
-            p.grad = g / count
-        for group in opt.param_groups:
-            group["lr"] = record["lr"]
-        opt.step()
-    return model
 
 
 def _max_diff(reference: torch.nn.Module, trained: dict[str, torch.Tensor]) -> float:
@@ -124,8 +86,8 @@ def test_a_returning_replica_first_applies_the_survivors_average_then_trains(tmp
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is faster, and spares the other core
     try:
-        diff = _max_diff(_replay(tmp_path, steps), trained)
-        wrong = _max_diff(_replay(tmp_path, steps, counted_in=commit["id"]), trained) if async_join else None
+        diff = _max_diff(replay(tmp_path, steps), trained)
+        wrong = _max_diff(replay(tmp_path, steps, counted_in=commit["id"]), trained) if async_join else None
     finally:
         torch.set_num_threads(threads)
     # float summation order (gloo's reduction, the replay's sum) leaves up to ~5e-5 (tests/faults/test_torchft.py;

@@ -18,65 +18,19 @@ Each test ends with every process it started gone, and states every exit status.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 import quietsync.faults  # noqa: E402,F401  (before torchft: its Rust log level is read at import)
 
+from .ddp_replay import replay
 from .torchft_replicas import KILLED, Replicas, audit, job_flags, merged, records, wait_exit
 
 torchft = pytest.importorskip("torchft")
 
 pytestmark = pytest.mark.timeout(240)
 
-
-
-def _window_starts(tokens: torch.Tensor, seq_len: int, seed: int, windows: list[int]) -> torch.Tensor:
-    """Token offsets of windows of the training sequence, from its definition (each epoch a seeded random offset
-    and permutation of the non-overlapping windows; window g is window g mod N of epoch g div N)."""
-    n = (tokens.numel() - seq_len) // seq_len
-    starts = []
-    for w in windows:
-        g = torch.Generator().manual_seed(seed * 1_000_003 + w // n)
-        offset = int(torch.randint(0, seq_len, (1,), generator=g))
-        starts.append(offset + int(torch.randperm(n, generator=g)[w % n]) * seq_len)
-    return torch.tensor(starts)
-
-
-def _replay(root: Path, steps: list[dict], per_replica: int = 2, seq_len: int = 32) -> torch.nn.Module:
-    """One process, one model: every committed step is AdamW on the mean of the present replicas' gradients, each
-    the gradient of the mean loss of its slot's windows (``per_replica`` of them, in slot order)."""
-    from quietsync.data.shards import open_prepared
-    from quietsync.models.causal_lm import build_model
-
-    (folder,) = [p for p in (root / "cache").glob("prepared-*") if p.is_dir()]  # prepared once by the run
-    prepared = open_prepared(folder)
-    tokens, eos = prepared.train.to_tensor(), prepared.eos
-    vocab = prepared.tokenizer().get_vocab_size()
-    model = build_model("tiny", vocab, eos, seed=0)
-    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    decay = [p for p in model.parameters() if p.ndim >= 2 and id(p) not in embeddings]
-    rest = [p for p in model.parameters() if p.ndim < 2 or id(p) in embeddings]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=2e-3, betas=(0.9, 0.95))
-    params = list(model.parameters())
-    for record in steps:
-        windows = merged(record)["committed"]
-        slots = [windows[i:i + per_replica] for i in range(0, len(windows), per_replica)]
-        total = [torch.zeros_like(p) for p in params]
-        for slot in slots:
-            starts = _window_starts(tokens, seq_len, 0, slot)
-            batch = tokens[starts[:, None] + torch.arange(seq_len)[None, :]]
-            grads = torch.autograd.grad(model(input_ids=batch, labels=batch).loss, params)
-            torch._foreach_add_(total, grads)
-        for p, g in zip(params, total):
-            p.grad = g / len(slots)
-        for group in opt.param_groups:
-            group["lr"] = record["lr"]
-        opt.step()
-    return model
 
 
 def test_ddp_survivors_go_on_and_returning_replicas_heal_even_when_their_source_dies(tmp_path):
@@ -121,7 +75,7 @@ def test_ddp_survivors_go_on_and_returning_replicas_heal_even_when_their_source_
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is faster, and spares the other core
     try:
-        reference = _replay(tmp_path, [r for r in survivor if "commits" in r]).state_dict()
+        reference = replay(tmp_path, [r for r in survivor if "commits" in r]).state_dict()
     finally:
         torch.set_num_threads(threads)
     trained = load_file(str(out / "model" / "model.safetensors"))
