@@ -332,6 +332,8 @@ def test_a_link_schedule_is_a_link():
      "--adapt-knobs must be H and/or bits: tau and fragments"),
     (["--strategy", "diloco", "--adapt", "--adapt-knobs", "bits", "--outer", "sparseloco"],
      "--adapt-knobs bits needs outer sgd"),
+    (["--strategy", "diloco", "--adapt-knobs", "bits"], "--adapt-knobs needs --adapt"),
+    (["--strategy", "diloco", "--adapt-every", "3"], "--adapt-every needs --adapt"),
 ])
 def test_adapt_is_refused_where_it_cannot_work(argv, expect, capsys):
     with pytest.raises(SystemExit) as e:

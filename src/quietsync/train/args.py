@@ -12,6 +12,7 @@ This module only parses; :mod:`quietsync.train.run_job` runs a parsed job.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 from typing import Any
@@ -204,6 +205,11 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     problem = adaptive_problem(cfg, strategy_config, int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc)
     if problem:
         parser.error(problem)
+    if hasattr(strategy_config, "adapt") and not strategy_config.adapt:  # else an --adapt-* flag would be ignored
+        unused = [f.name for f in dataclasses.fields(strategy_config) if f.name.startswith("adapt_")
+                  and f.name in strategy_values and getattr(strategy_config, f.name) != f.default]
+        if unused:
+            parser.error(f"{flag_name(unused[0])} needs --adapt (without it no knob is re-picked during the run)")
     if getattr(strategy_config, "adapt", False) and cfg.fault_tolerance == "torchft":
         parser.error("--adapt cannot be combined with --fault-tolerance torchft: every worker must take each "
                      "decision together, and torchft's replicas agree only inside their group; use a fixed knob")
