@@ -266,23 +266,30 @@ class DCTReplicator(Replicator):
                 pos = tensors[2 * i + 1].permute(1, 0, 2).reshape(g.num_blocks, n * k).long()
                 received.append((vals.to(dtype), ws.sum_positions(i, pos)))
             update = ws.update(segments.numel)
+            ws.zero_sums()  # the sums and counts are zero between tiles (left so only by a step that finished)
             for tile, own in zip(ws.tiles, ws.own_layout):
                 g = layout.groups[tile.group]
                 vals, at = (x[tile.first : tile.first + tile.count].reshape(-1) for x in received[tile.group])
-                total, count, tmp, spatial = ws.scratch(tile, "coeffs", "count", "tmp", "spatial")
-                total.zero_().view(-1).scatter_add_(0, at, vals)  # worker by worker, as the reference's index_add_
-                count.zero_().view(-1).scatter_add_(0, at, ws.ones(vals))
-                total.div_(count.clamp_min_(1))  # mean over who sent it (0 / 1 where nobody did), in cache
+                total, count, tmp, spatial = ws.scratch(tile, "sums", "count", "tmp", "spatial")
+                sums, counts = total.view(-1), count.view(-1)
+                sums.scatter_add_(0, at, vals)  # worker by worker, as the reference's index_add_
+                counts.scatter_add_(0, at, ws.ones(vals))
+                # the mean over who sent it, only where something arrived (elsewhere the sum stays 0): a few
+                # percent of the tile, where dividing every sum by its count clamped to 1 is three passes over it
+                sums.scatter_(0, at, sums.index_select(0, at).div_(counts.index_select(0, at)))
                 if own:  # decoded straight into the update, in each matrix's own layout
                     for (p, r0, r1), (a, b, _) in zip(tile.pieces, _piece_runs(tile)):
                         rows = r0 * p.block[0] * p.cols, r1 * p.block[0] * p.cols
                         out = _inverse_rows(total[a:b], p, tmp[a:b], update[p.offset + rows[0] : p.offset + rows[1]])
                         if sign:  # while it is in cache
                             out.sign_()
-                    continue
-                BlockLayout.transform(total.view(tile.count, *g.block_shape), g.block_shape, inverse=True,
-                                      out=spatial, tmp=tmp)
-                layout.tile_scatter(tile, spatial.sign_() if sign else spatial, update)
+                else:
+                    BlockLayout.transform(total.view(tile.count, *g.block_shape), g.block_shape, inverse=True,
+                                          out=spatial, tmp=tmp)
+                    layout.tile_scatter(tile, spatial.sign_() if sign else spatial, update)
+                sums.index_fill_(0, at, 0.0)  # zero again where written, for the next tile
+                counts.index_fill_(0, at, 0.0)
+            ws.sums_zero = True
             return update
 
         return across_replicas(self.transport, gather_and_average)
@@ -369,7 +376,8 @@ def _inverse_rows(coeffs: torch.Tensor, p: Any, tmp: torch.Tensor, out: torch.Te
 
 class _Workspace:
     """What :class:`DCTReplicator` keeps across steps for one layout (dtype, device): the layout's tiles, cache-sized
-    scratch buffers per block group (``spatial``, ``tmp``, ``coeffs``, ``count``: a tile's blocks), each group's
+    scratch buffers per block group (``spatial``, ``tmp``, ``coeffs``, and ``sums``, ``count``, which the exchange keeps
+    zero between tiles: a tile's blocks), each group's
     picked ``values`` and ``positions`` (``(num_blocks, k)``), a buffer of ones for counting, and the flat
     update."""
 
@@ -380,7 +388,9 @@ class _Workspace:
         most = [max((t.count for t in self.tiles if t.group == i), default=0) for i in range(len(layout.groups))]
         self._scratch = {name: [torch.empty(m, *g.block_shape, dtype=dtype, device=device)
                                 for g, m in zip(layout.groups, most)]
-                         for name in ("spatial", "tmp", "coeffs", "count")}
+                         for name in ("spatial", "tmp", "coeffs", "sums", "count")}
+        self.sums_zero = False
+        """Whether ``sums`` and ``count`` are all zero (the exchange leaves them so, zeroing only what it wrote)."""
         self.values = [torch.empty(g.num_blocks, k, dtype=transfer, device=device) for g, k in zip(layout.groups, ks)]
         self.positions = [torch.empty(g.num_blocks, k, dtype=index_dtype(g.block_numel), device=device)
                           for g, k in zip(layout.groups, ks)]
@@ -412,6 +422,14 @@ class _Workspace:
         else:
             rows = torch.div(pos, width, rounding_mode="floor")
         return pos.add_(self._base[group]).add_(rows.mul_(self._stride[group]))  # rows: the matrix's longer rows
+
+    def zero_sums(self) -> None:
+        """Make ``sums`` and ``count`` zero (at once, unless the last exchange left them so) and mark them in use."""
+        if not self.sums_zero:
+            for name in ("sums", "count"):
+                for buffer in self._scratch[name]:
+                    buffer.zero_()
+        self.sums_zero = False  # until the exchange has zeroed what it wrote (an error on the way leaves it False)
 
     def scratch(self, tile: Tile, *names: str) -> list[torch.Tensor]:
         """The named scratch buffers, each ``(tile.count, *block_shape)``."""
