@@ -158,24 +158,19 @@ class DCTReplicator(Replicator):
         once) and its blocks are read out of that layout by the addition itself."""
         ws = self._workspace(segments, momentum)
         layout = ws.layout
-        stacked = layout.stacked_views(momentum)
-        for tile in ws.tiles:
+        for tile, plan, mine in zip(ws.tiles, ws.plans, ws.momentum_views(momentum)):
             shape = layout.groups[tile.group].block_shape
-            mine = stacked[tile.group][tile.first : tile.first + tile.count]
-            spatial, tmp, coeffs = ws.scratch(tile, "spatial", "tmp", "coeffs")
-            pieces = _piece_runs(tile)
-            if len(shape) == 1 or not all(_in_place(p, grads[p.index], momentum.dtype) for p, *_ in tile.pieces):
-                layout.tile_gather(tile, grads, spatial)  # through the blocks' own layout
-                BlockLayout.transform(spatial, shape, inverse=False, out=coeffs, tmp=tmp)
-                new = [coeffs[a:b] for a, b, _ in pieces]
-            else:
-                new = [_transform_rows(grads[p.index], p, r0, r1, tmp[a:b], coeffs[a:b])
-                       for (p, r0, r1), (a, b, _) in zip(tile.pieces, pieces)]
-            for (a, b, i), c in zip(pieces, new):
-                target = mine[a:b].view(c.shape)
-                if betas[i] != 1.0:
-                    target.mul_(betas[i])
-                target.add_(c, alpha=scales[i])
+            if plan.in_place and all(_in_place(grads[piece.index], momentum.dtype) for piece in plan.pieces):
+                new = [_transform_rows(piece.rows_of(grads[piece.index]), piece) for piece in plan.pieces]
+            else:  # through the blocks' own layout
+                layout.tile_gather(tile, grads, plan.spatial)
+                BlockLayout.transform(plan.spatial, shape, inverse=False, out=plan.coeffs, tmp=plan.tmp)
+                new = [plan.coeffs[piece.a : piece.b].view(target.shape)
+                       for piece, target in zip(plan.pieces, mine.targets)]
+            for piece, target, c in zip(plan.pieces, mine.targets, new):
+                if betas[piece.index] != 1.0:
+                    target.mul_(betas[piece.index])
+                target.add_(c, alpha=scales[piece.index])
 
     def momentum_from_spatial(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
         coeffs = self.layout(segments, delta.device).encode(delta)
@@ -212,19 +207,17 @@ class DCTReplicator(Replicator):
         ws = self._workspace(segments, momentum)
         ks = self.ks(segments, momentum.dtype)
         stacked = layout.stacked_views(momentum)
-        for tile in ws.tiles:
-            g, k = layout.groups[tile.group], ks[tile.group]
-            rows = slice(tile.first, tile.first + tile.count)
-            c2 = stacked[tile.group][rows].view(tile.count, g.block_numel)
-            pos = topk_positions(c2, k, scratch=ws.scratch(tile, "spatial")[0].view(tile.count, -1))
+        for tile, plan, mine in zip(ws.tiles, ws.plans, ws.momentum_views(momentum)):
+            c2 = mine.blocks
+            pos = topk_positions(c2, ks[tile.group], scratch=plan.magnitudes)
             vals = torch.gather(c2, 1, pos)
-            ws.positions[tile.group][rows] = pos
+            plan.positions.copy_(pos)
             if self.lowbit is not None:  # quantized below, a whole group at once
-                ws.values[tile.group][rows] = vals
+                plan.values.copy_(vals)
                 continue
             sent = vals.to(self.transfer_dtype)
             c2.scatter_(1, pos, vals - sent.to(vals.dtype))  # error feedback: 0 in fp32, the cast's loss
-            ws.values[tile.group][rows] = sent
+            plan.values.copy_(sent)
         parts = []
         for i, (g, k) in enumerate(zip(layout.groups, ks)):
             vals = ws.values[i]
@@ -267,26 +260,23 @@ class DCTReplicator(Replicator):
                 received.append((vals.to(dtype), ws.sum_positions(i, pos)))
             update = ws.update(segments.numel)
             ws.zero_sums()  # the sums and counts are zero between tiles (left so only by a step that finished)
-            for tile, own in zip(ws.tiles, ws.own_layout):
+            for tile, plan, out in zip(ws.tiles, ws.plans, ws.update_views(update)):
                 g = layout.groups[tile.group]
                 vals, at = (x[tile.first : tile.first + tile.count].reshape(-1) for x in received[tile.group])
-                total, count, tmp, spatial = ws.scratch(tile, "sums", "count", "tmp", "spatial")
-                sums, counts = total.view(-1), count.view(-1)
+                sums, counts = plan.flat_sums, plan.flat_count
                 sums.scatter_add_(0, at, vals)  # worker by worker, as the reference's index_add_
                 counts.scatter_add_(0, at, ws.ones(vals))
                 # the mean over who sent it, only where something arrived (elsewhere the sum stays 0): a few
                 # percent of the tile, where dividing every sum by its count clamped to 1 is three passes over it
                 sums.scatter_(0, at, sums.index_select(0, at).div_(counts.index_select(0, at)))
-                if own:  # decoded straight into the update, in each matrix's own layout
-                    for (p, r0, r1), (a, b, _) in zip(tile.pieces, _piece_runs(tile)):
-                        rows = r0 * p.block[0] * p.cols, r1 * p.block[0] * p.cols
-                        out = _inverse_rows(total[a:b], p, tmp[a:b], update[p.offset + rows[0] : p.offset + rows[1]])
+                if plan.own_layout:  # decoded straight into the update, in each matrix's own layout
+                    for piece, rows in zip(plan.pieces, out):
+                        _inverse_rows(piece, rows)
                         if sign:  # while it is in cache
-                            out.sign_()
+                            rows.sign_()
                 else:
-                    BlockLayout.transform(total.view(tile.count, *g.block_shape), g.block_shape, inverse=True,
-                                          out=spatial, tmp=tmp)
-                    layout.tile_scatter(tile, spatial.sign_() if sign else spatial, update)
+                    BlockLayout.transform(plan.sums, g.block_shape, inverse=True, out=plan.spatial, tmp=plan.tmp)
+                    layout.tile_scatter(tile, plan.spatial.sign_() if sign else plan.spatial, update)
                 sums.index_fill_(0, at, 0.0)  # zero again where written, for the next tile
                 counts.index_fill_(0, at, 0.0)
             ws.sums_zero = True
@@ -345,33 +335,98 @@ def _piece_runs(tile: Tile) -> list[tuple[int, int, int]]:
     return out
 
 
-def _in_place(p: Any, grad: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`_transform_rows` takes segment ``p``'s gradient where it lies."""
-    return len(p.block) == 2 and not p.padded and grad.dtype == dtype and grad.is_contiguous()
+def _in_place(grad: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`_transform_rows` takes an unpadded matrix's gradient where it lies."""
+    return grad.dtype == dtype and grad.is_contiguous()
 
 
-def _transform_rows(grad: torch.Tensor, p: Any, r0: int, r1: int, tmp: torch.Tensor,
-                    out: torch.Tensor) -> torch.Tensor:
-    """DCT-II of the blocks in block rows ``r0 .. r1`` of an unpadded matrix's gradient, ``D_r B D_c^T``, in the
-    matrix's own layout (``tmp``, ``out``: scratch of those blocks' size); returned as the stacked
-    ``(blocks, br, bc)`` view of ``out``."""
-    br, bc = p.block
-    n = r1 - r0
-    rows = grad.reshape(p.nr, br, p.cols)[r0:r1]
-    torch.matmul(rows.reshape(-1, bc), dct_basis(bc, out.dtype, out.device).T, out=tmp.view(-1, bc))  # B D_c^T
-    torch.matmul(dct_basis(br, out.dtype, out.device), tmp.view(n, br, p.cols), out=out.view(n, br, p.cols))
-    return out.view(n, br, p.nc, bc).permute(0, 2, 1, 3)
+def _transform_rows(rows: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """DCT-II of the blocks of ``piece`` (block rows of an unpadded matrix), ``D_r B D_c^T``, from the gradient's rows
+    ``rows`` (viewed ``(-1, bc)``) in the matrix's own layout, into the piece's ``coeffs`` scratch; returned as the
+    stacked ``(blocks, br, bc)`` view of it."""
+    d_cols_t, d_rows = piece.bases[1], piece.bases[2]
+    torch.matmul(rows, d_cols_t, out=piece.tmp_rows)  # B D_c^T
+    torch.matmul(d_rows, piece.tmp_mats, out=piece.coeff_mats)
+    return piece.coeffs
 
 
-def _inverse_rows(coeffs: torch.Tensor, p: Any, tmp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Inverse DCT-II, ``D_r^T X D_c``, of block rows of an unpadded matrix whose coefficients ``coeffs`` lie in the
-    matrix's own layout (``(rows, br, cols)`` with block ``(r, c)`` at columns ``c * bc ..``), into ``out`` (the
-    same rows of the matrix, flat); ``tmp``: scratch of ``coeffs``' size. The same two products as
-    :meth:`~quietsync.wire.codecs.BlockLayout.transform` on the stacked blocks, row by row of blocks."""
-    br, bc = p.block
-    cols = p.cols
-    torch.matmul(coeffs.reshape(-1, bc), dct_basis(bc, out.dtype, out.device), out=tmp.view(-1, bc))  # X D_c
-    return torch.matmul(dct_basis(br, out.dtype, out.device).T, tmp.view(-1, br, cols), out=out.view(-1, br, cols))
+def _inverse_rows(piece: _Piece, out: torch.Tensor) -> torch.Tensor:
+    """Inverse DCT-II, ``D_r^T X D_c``, of the piece's summed coefficients (its ``sums`` scratch, in the matrix's own
+    layout: ``(rows, br, cols)`` with block ``(r, c)`` at columns ``c * bc ..``) into ``out`` (the same rows of the
+    matrix, viewed ``(-1, br, cols)``). The same two products as :meth:`~quietsync.wire.codecs.BlockLayout.transform`
+    on the stacked blocks, row by row of blocks."""
+    d_cols, d_rows_t = piece.bases[0], piece.bases[3]
+    torch.matmul(piece.sum_rows, d_cols, out=piece.tmp_rows)  # X D_c
+    return torch.matmul(d_rows_t, piece.tmp_mats, out=out)
+
+
+class _Piece:
+    """Block rows ``r0 .. r1`` of one segment in a tile -- the tile's blocks ``a .. b`` -- with the views of the
+    workspace's scratch that the step's loops use, made once: a view costs microseconds of dispatch, and a step
+    over every tile would otherwise make thousands.
+
+    ``coeffs`` are the piece's blocks in the ``coeffs`` scratch, stacked ``(blocks, *block)`` (for an unpadded matrix,
+    a view of its own layout, where :func:`_transform_rows` writes them). For an unpadded matrix also: ``grad_rows``
+    (its rows of the gradient viewed ``(-1, bc)``), ``span`` (its elements in the flat update), the ``tmp`` scratch as
+    rows ``(-1, bc)`` and as matrices ``(n, br, cols)``, the ``coeffs`` and ``sums`` scratch in the matrix's layout,
+    and the DCT bases ``(D_c, D_c^T, D_r, D_r^T)``.
+    """
+
+    __slots__ = ("index", "a", "b", "coeffs", "grad_rows", "span", "shape", "tmp_rows", "tmp_mats", "coeff_mats",
+                 "sum_rows", "bases")
+
+    def __init__(self, p: Any, r0: int, r1: int, a: int, b: int, scratch: dict[str, torch.Tensor],
+                 in_place: bool) -> None:
+        self.index, self.a, self.b = p.index, a, b
+        if not in_place:
+            self.coeffs = scratch["coeffs"][a:b]
+            return
+        br, bc = p.block
+        n = r1 - r0
+        tmp, coeffs, sums = (scratch[name][a:b] for name in ("tmp", "coeffs", "sums"))
+        self.grad_rows = slice(r0 * br * p.nc, r1 * br * p.nc)
+        self.span = slice(p.offset + r0 * br * p.cols, p.offset + r1 * br * p.cols)
+        self.shape = (n, br, p.cols)
+        self.tmp_rows = tmp.view(-1, bc)
+        self.tmp_mats = tmp.view(n, br, p.cols)
+        self.coeff_mats = coeffs.view(n, br, p.cols)
+        self.coeffs = coeffs.view(n, br, p.nc, bc).permute(0, 2, 1, 3)
+        self.sum_rows = sums.reshape(-1, bc)
+        d_cols, d_rows = dct_basis(bc, tmp.dtype, tmp.device), dct_basis(br, tmp.dtype, tmp.device)
+        self.bases = (d_cols, d_cols.T, d_rows, d_rows.T)
+
+    def rows_of(self, grad: torch.Tensor) -> torch.Tensor:
+        """The piece's rows of its (contiguous) matrix ``grad``, viewed ``(-1, bc)``."""
+        return grad.view(-1, self.tmp_rows.shape[1])[self.grad_rows]
+
+
+class _TilePlan:
+    """One tile's views of the workspace's buffers, made once (see :class:`_Piece`): its scratch (``spatial``, ``tmp``,
+    ``coeffs``, ``sums``, ``count``: ``(count, *block_shape)``; ``flat_sums``, ``flat_count`` flat; ``magnitudes``:
+    ``spatial`` as ``(count, block_numel)``), its rows of the group's picked ``values`` and ``positions``, its pieces,
+    whether its pieces are all unpadded matrices (``in_place``: transformed where they lie) and whether the exchange
+    sums its coefficients in its matrices' own layout (``own_layout``)."""
+
+    def __init__(self, tile: Tile, scratch: dict[str, torch.Tensor], values: torch.Tensor, positions: torch.Tensor,
+                 own_layout: bool) -> None:
+        self.spatial, self.tmp, self.coeffs, self.sums, self.count = (
+            scratch[name] for name in ("spatial", "tmp", "coeffs", "sums", "count"))
+        self.flat_sums, self.flat_count = self.sums.view(-1), self.count.view(-1)
+        self.magnitudes = self.spatial.view(tile.count, -1)
+        rows = slice(tile.first, tile.first + tile.count)
+        self.values, self.positions = values[rows], positions[rows]
+        self.own_layout = self.in_place = own_layout
+        self.pieces = [_Piece(p, r0, r1, a, b, scratch, own_layout)
+                       for (p, r0, r1), (a, b, _) in zip(tile.pieces, _piece_runs(tile))]
+
+
+class _MomentumViews:
+    """One tile's views of the momentum: its blocks ``(count, block_numel)`` and, per piece, its blocks shaped as the
+    piece's ``coeffs``."""
+
+    def __init__(self, blocks: torch.Tensor, plan: _TilePlan) -> None:
+        self.blocks = blocks.view(blocks.shape[0], -1)
+        self.targets = [blocks[piece.a : piece.b].view(piece.coeffs.shape) for piece in plan.pieces]
 
 
 class _Workspace:
@@ -399,6 +454,11 @@ class _Workspace:
         self.own_layout = [len(layout.groups[t.group].block_shape) == 2 and all(not p.padded for p, *_ in t.pieces)
                            for t in self.tiles]
         """Per tile: whether the exchange sums its coefficients in its matrices' own layout (unpadded matrices)."""
+        self.plans = [_TilePlan(t, {name: bufs[t.group][: t.count] for name, bufs in self._scratch.items()},
+                                self.values[t.group], self.positions[t.group], own)
+                      for t, own in zip(self.tiles, self.own_layout)]
+        self._momentum: tuple[torch.Tensor | None, list[_MomentumViews]] = (None, [])
+        self._update_views: tuple[torch.Tensor | None, list[list[torch.Tensor]]] = (None, [])
         self._base = [torch.empty(g.num_blocks, 1, dtype=torch.long, device=device) for g in layout.groups]
         self._stride = [torch.zeros(g.num_blocks, 1, dtype=torch.long, device=device) for g in layout.groups]
         for tile, own in zip(self.tiles, self.own_layout):
@@ -431,9 +491,26 @@ class _Workspace:
                     buffer.zero_()
         self.sums_zero = False  # until the exchange has zeroed what it wrote (an error on the way leaves it False)
 
-    def scratch(self, tile: Tile, *names: str) -> list[torch.Tensor]:
-        """The named scratch buffers, each ``(tile.count, *block_shape)``."""
-        return [self._scratch[name][tile.group][: tile.count] for name in names]
+    def momentum_views(self, momentum: torch.Tensor) -> list[_MomentumViews]:
+        """Each tile's views of the flat ``momentum`` (made again only for another buffer than the last one's; the
+        views hold that buffer, so its address cannot come back as another's)."""
+        kept, views = self._momentum
+        if kept is None or kept.data_ptr() != momentum.data_ptr() or kept.numel() != momentum.numel():
+            stacked = self.layout.stacked_views(momentum)
+            views = [_MomentumViews(stacked[t.group][t.first : t.first + t.count], plan)
+                     for t, plan in zip(self.tiles, self.plans)]
+            self._momentum = (momentum, views)
+        return views
+
+    def update_views(self, update: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Per tile, per piece of an unpadded matrix, its rows of the flat ``update`` viewed ``(n, br, cols)`` (made
+        again only for another buffer)."""
+        kept, views = self._update_views
+        if kept is None or kept.data_ptr() != update.data_ptr() or kept.numel() != update.numel():
+            views = [[update[piece.span].view(piece.shape) for piece in plan.pieces] if plan.own_layout else []
+                     for plan in self.plans]
+            self._update_views = (update, views)
+        return views
 
     def ones(self, like: torch.Tensor) -> torch.Tensor:
         """Ones of ``like``'s shape (a view of a kept buffer)."""
