@@ -21,7 +21,8 @@ where it lies; ``sign=True``: the mean's sign, taken while a tile is in cache): 
 spatial momentum needs three (encode, decode what was sent, decode the mean). Each works through the stacked
 coefficients in tiles of :data:`_TILE_ELEMENTS` (:meth:`~quietsync.wire.codecs.BlockLayout.tiles`), so a tile's
 blocks, magnitudes, sums and counts stay in cache and nothing model-sized is written besides the momentum and the
-update. :meth:`DCTReplicator.replicate`
+update; each tile's views of the buffers it works on are made once per layout (:class:`_TilePlan`), not per step.
+:meth:`DCTReplicator.replicate`
 is the spatial entry point (DiLoCo's pseudo-gradients): it converts, steps and converts back. The fp64 oracle
 written from paper 001 (``tests/strategies/helpers/reference_demo.py``) agrees up to fp32 rounding; the top-k may
 pick other positions only among coefficients of equal magnitude (:func:`~quietsync.wire.codecs.topk_positions`).
@@ -191,6 +192,8 @@ class DCTReplicator(Replicator):
         momentum = self.momentum_from_spatial(delta, segments)
         update = self.replicate_momentum(momentum, segments).clone()
         delta.copy_(self.momentum_to_spatial(momentum, segments))
+        for ws in self._workspaces.values():  # this momentum was for one step only: its views need not keep it
+            ws.forget_momentum()
         return update
 
     def extract_momentum(self, momentum: torch.Tensor, segments: Segments) -> Message:
@@ -207,17 +210,16 @@ class DCTReplicator(Replicator):
         ws = self._workspace(segments, momentum)
         ks = self.ks(segments, momentum.dtype)
         stacked = layout.stacked_views(momentum)
-        for tile, plan, mine in zip(ws.tiles, ws.plans, ws.momentum_views(momentum)):
-            c2 = mine.blocks
-            pos = topk_positions(c2, ks[tile.group], scratch=plan.magnitudes)
+        for run, c2 in zip(ws.runs, ws.run_blocks(momentum)):
+            pos = topk_positions(c2, ks[run.group], scratch=run.magnitudes)
             vals = torch.gather(c2, 1, pos)
-            plan.positions.copy_(pos)
+            run.positions.copy_(pos)
             if self.lowbit is not None:  # quantized below, a whole group at once
-                plan.values.copy_(vals)
+                run.values.copy_(vals)
                 continue
             sent = vals.to(self.transfer_dtype)
             c2.scatter_(1, pos, vals - sent.to(vals.dtype))  # error feedback: 0 in fp32, the cast's loss
-            plan.values.copy_(sent)
+            run.values.copy_(sent)
         parts = []
         for i, (g, k) in enumerate(zip(layout.groups, ks)):
             vals = ws.values[i]
@@ -233,7 +235,8 @@ class DCTReplicator(Replicator):
 
     def exchange_momentum(self, msg: Message, segments: Segments, sign: bool = False) -> torch.Tensor:
         """All-gather every worker's payload, average each coefficient over the workers that sent it and decode
-        the mean with one inverse transform, tile by tile (sums and counts in cache, zeroed per tile). A tile of
+        the mean with one inverse transform, tile by tile (sums and counts in cache, divided and zeroed again only
+        where something arrived: a few percent of a tile). A tile of
         unpadded matrices keeps its sums in the matrices' own layout, so the inverse transform writes the update
         where it lies (no copy out of the stacked blocks), as :meth:`accumulate` reads the gradient.
 
@@ -325,6 +328,11 @@ _TILE_ELEMENTS = 2**18
 2**17 and 2**20 on the 10m model: 2**17 pays more per-call overhead, 2**20 spills)."""
 
 
+_RUN_ELEMENTS = 2**20
+"""Elements of the momentum whose top-k the extract picks in one call (a few tiles: measured on the 10m model,
+2**20 against one tile of 2**18, about 2 ms a step less NumPy overhead)."""
+
+
 def _piece_runs(tile: Tile) -> list[tuple[int, int, int]]:
     """``(start, stop, segment)``: the tile's blocks of each piece, with the segment they belong to."""
     out, at = [], 0
@@ -402,22 +410,43 @@ class _Piece:
 
 class _TilePlan:
     """One tile's views of the workspace's buffers, made once (see :class:`_Piece`): its scratch (``spatial``, ``tmp``,
-    ``coeffs``, ``sums``, ``count``: ``(count, *block_shape)``; ``flat_sums``, ``flat_count`` flat; ``magnitudes``:
-    ``spatial`` as ``(count, block_numel)``), its rows of the group's picked ``values`` and ``positions``, its pieces,
+    ``coeffs``, ``sums``, ``count``: ``(count, *block_shape)``; ``flat_sums``, ``flat_count`` flat), its pieces,
     whether its pieces are all unpadded matrices (``in_place``: transformed where they lie) and whether the exchange
     sums its coefficients in its matrices' own layout (``own_layout``)."""
 
-    def __init__(self, tile: Tile, scratch: dict[str, torch.Tensor], values: torch.Tensor, positions: torch.Tensor,
-                 own_layout: bool) -> None:
+    def __init__(self, tile: Tile, scratch: dict[str, torch.Tensor], own_layout: bool) -> None:
         self.spatial, self.tmp, self.coeffs, self.sums, self.count = (
             scratch[name] for name in ("spatial", "tmp", "coeffs", "sums", "count"))
         self.flat_sums, self.flat_count = self.sums.view(-1), self.count.view(-1)
-        self.magnitudes = self.spatial.view(tile.count, -1)
-        rows = slice(tile.first, tile.first + tile.count)
-        self.values, self.positions = values[rows], positions[rows]
         self.own_layout = self.in_place = own_layout
         self.pieces = [_Piece(p, r0, r1, a, b, scratch, own_layout)
                        for (p, r0, r1), (a, b, _) in zip(tile.pieces, _piece_runs(tile))]
+
+
+class _Run:
+    """Consecutive blocks ``first .. first + count`` of group ``group`` -- a few tiles -- whose top-k the extract
+    picks in one go (the selection is row by row, so a run gives each row what its tile would; fewer, larger calls
+    cost less NumPy overhead), with its rows of the group's ``values`` and ``positions`` and a scratch for the
+    magnitudes."""
+
+    def __init__(self, group: int, first: int, count: int, values: torch.Tensor, positions: torch.Tensor,
+                 magnitudes: torch.Tensor) -> None:
+        self.group, self.first, self.count = group, first, count
+        rows = slice(first, first + count)
+        self.values, self.positions = values[rows], positions[rows]
+        self.magnitudes = magnitudes[:count].view(count, -1)
+
+
+def _runs(tiles: Sequence[Tile], block_numels: Sequence[int], max_elements: int) -> list[tuple[int, int, int]]:
+    """``(group, first, count)``: consecutive tiles of one group merged while they hold at most ``max_elements``."""
+    out: list[tuple[int, int, int]] = []
+    for t in tiles:
+        if out and out[-1][0] == t.group and (out[-1][2] + t.count) * block_numels[t.group] <= max_elements:
+            group, first, count = out[-1]
+            out[-1] = (group, first, count + t.count)
+        else:
+            out.append((t.group, t.first, t.count))
+    return out
 
 
 class _MomentumViews:
@@ -454,10 +483,15 @@ class _Workspace:
         self.own_layout = [len(layout.groups[t.group].block_shape) == 2 and all(not p.padded for p, *_ in t.pieces)
                            for t in self.tiles]
         """Per tile: whether the exchange sums its coefficients in its matrices' own layout (unpadded matrices)."""
-        self.plans = [_TilePlan(t, {name: bufs[t.group][: t.count] for name, bufs in self._scratch.items()},
-                                self.values[t.group], self.positions[t.group], own)
+        self.plans = [_TilePlan(t, {name: bufs[t.group][: t.count] for name, bufs in self._scratch.items()}, own)
                       for t, own in zip(self.tiles, self.own_layout)]
+        runs = _runs(self.tiles, [g.block_numel for g in layout.groups], _RUN_ELEMENTS)
+        widest = [max((c for g, _, c in runs if g == i), default=0) for i in range(len(layout.groups))]
+        magnitudes = [torch.empty(m, g.block_numel, dtype=dtype, device=device) for g, m in zip(layout.groups, widest)]
+        self.runs = [_Run(g, first, count, self.values[g], self.positions[g], magnitudes[g])
+                     for g, first, count in runs]
         self._momentum: tuple[torch.Tensor | None, list[_MomentumViews]] = (None, [])
+        self._run_views: list[torch.Tensor] = []
         self._update_views: tuple[torch.Tensor | None, list[list[torch.Tensor]]] = (None, [])
         self._base = [torch.empty(g.num_blocks, 1, dtype=torch.long, device=device) for g in layout.groups]
         self._stride = [torch.zeros(g.num_blocks, 1, dtype=torch.long, device=device) for g in layout.groups]
@@ -492,21 +526,32 @@ class _Workspace:
         self.sums_zero = False  # until the exchange has zeroed what it wrote (an error on the way leaves it False)
 
     def momentum_views(self, momentum: torch.Tensor) -> list[_MomentumViews]:
-        """Each tile's views of the flat ``momentum`` (made again only for another buffer than the last one's; the
-        views hold that buffer, so its address cannot come back as another's)."""
+        """Each tile's views of the flat ``momentum``, made again only for another tensor than the last one (a
+        decoupled optimizer passes its own buffer every step; :meth:`forget_momentum` lets a passing one go)."""
         kept, views = self._momentum
-        if kept is None or kept.data_ptr() != momentum.data_ptr() or kept.numel() != momentum.numel():
+        if kept is not momentum:
             stacked = self.layout.stacked_views(momentum)
             views = [_MomentumViews(stacked[t.group][t.first : t.first + t.count], plan)
                      for t, plan in zip(self.tiles, self.plans)]
             self._momentum = (momentum, views)
+            self._run_views = [stacked[r.group][r.first : r.first + r.count].view(r.count, -1) for r in self.runs]
         return views
+
+    def run_blocks(self, momentum: torch.Tensor) -> list[torch.Tensor]:
+        """Each :class:`_Run`'s blocks of the flat ``momentum``, ``(count, block_numel)`` (kept as
+        :meth:`momentum_views` keeps its views)."""
+        self.momentum_views(momentum)
+        return self._run_views
+
+    def forget_momentum(self) -> None:
+        """Drop the views of the last momentum (and with them that buffer)."""
+        self._momentum, self._run_views = (None, []), []
 
     def update_views(self, update: torch.Tensor) -> list[list[torch.Tensor]]:
         """Per tile, per piece of an unpadded matrix, its rows of the flat ``update`` viewed ``(n, br, cols)`` (made
         again only for another buffer)."""
         kept, views = self._update_views
-        if kept is None or kept.data_ptr() != update.data_ptr() or kept.numel() != update.numel():
+        if kept is not update:
             views = [[update[piece.span].view(piece.shape) for piece in plan.pieces] if plan.own_layout else []
                      for plan in self.plans]
             self._update_views = (update, views)
