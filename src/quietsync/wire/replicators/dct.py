@@ -271,7 +271,7 @@ class DCTReplicator(Replicator):
                 counts.scatter_add_(0, at, ws.ones(vals))
                 # the mean over who sent it, only where something arrived (elsewhere the sum stays 0): a few
                 # percent of the tile, where dividing every sum by its count clamped to 1 is three passes over it
-                sums.scatter_(0, at, sums.index_select(0, at).div_(counts.index_select(0, at)))
+                sums.put_(at, sums.index_select(0, at).div_(counts.index_select(0, at)))
                 if plan.own_layout:  # decoded straight into the update, in each matrix's own layout
                     for piece, rows in zip(plan.pieces, out):
                         _inverse_rows(piece, rows)
@@ -281,7 +281,7 @@ class DCTReplicator(Replicator):
                     BlockLayout.transform(plan.sums, g.block_shape, inverse=True, out=plan.spatial, tmp=plan.tmp)
                     layout.tile_scatter(tile, plan.spatial.sign_() if sign else plan.spatial, update)
                 sums.index_fill_(0, at, 0.0)  # zero again where written, for the next tile
-                counts.index_fill_(0, at, 0.0)
+                counts.scatter_add_(0, at, ws.ones(vals, -1.0))  # (whole counts: exactly 0; faster than a fill)
             ws.sums_zero = True
             return update
 
@@ -478,7 +478,7 @@ class _Workspace:
         self.values = [torch.empty(g.num_blocks, k, dtype=transfer, device=device) for g, k in zip(layout.groups, ks)]
         self.positions = [torch.empty(g.num_blocks, k, dtype=index_dtype(g.block_numel), device=device)
                           for g, k in zip(layout.groups, ks)]
-        self._ones = torch.empty(0, dtype=dtype, device=device)
+        self._ones = self._minus_ones = torch.empty(0, dtype=dtype, device=device)
         self._update = torch.empty(0, dtype=dtype, device=device)
         self.own_layout = [len(layout.groups[t.group].block_shape) == 2 and all(not p.padded for p, *_ in t.pieces)
                            for t in self.tiles]
@@ -557,11 +557,12 @@ class _Workspace:
             self._update_views = (update, views)
         return views
 
-    def ones(self, like: torch.Tensor) -> torch.Tensor:
-        """Ones of ``like``'s shape (a view of a kept buffer)."""
+    def ones(self, like: torch.Tensor, value: float = 1.0) -> torch.Tensor:
+        """``value`` (1 or -1) in ``like``'s shape (a view of a kept buffer)."""
         if self._ones.numel() < like.numel():
             self._ones = torch.ones(like.numel(), dtype=self._ones.dtype, device=self._ones.device)
-        return self._ones[: like.numel()].view_as(like)
+            self._minus_ones = -self._ones
+        return (self._ones if value == 1.0 else self._minus_ones)[: like.numel()].view_as(like)
 
     def update(self, numel: int) -> torch.Tensor:
         """The flat update buffer (reused across steps)."""
