@@ -352,9 +352,8 @@ def _transform_rows(rows: torch.Tensor, piece: _Piece) -> torch.Tensor:
     """DCT-II of the blocks of ``piece`` (block rows of an unpadded matrix), ``D_r B D_c^T``, from the gradient's rows
     ``rows`` (viewed ``(-1, bc)``) in the matrix's own layout, into the piece's ``coeffs`` scratch; returned as the
     stacked ``(blocks, br, bc)`` view of it."""
-    d_cols_t, d_rows = piece.bases[1], piece.bases[2]
-    torch.matmul(rows, d_cols_t, out=piece.tmp_rows)  # B D_c^T
-    torch.matmul(d_rows, piece.tmp_mats, out=piece.coeff_mats)
+    torch.matmul(rows, piece.d_cols_t, out=piece.tmp_rows)  # B D_c^T
+    torch.matmul(piece.d_rows, piece.tmp_mats, out=piece.coeff_mats)
     return piece.coeffs
 
 
@@ -363,9 +362,8 @@ def _inverse_rows(piece: _Piece, out: torch.Tensor) -> torch.Tensor:
     layout: ``(rows, br, cols)`` with block ``(r, c)`` at columns ``c * bc ..``) into ``out`` (the same rows of the
     matrix, viewed ``(-1, br, cols)``). The same two products as :meth:`~quietsync.wire.codecs.BlockLayout.transform`
     on the stacked blocks, row by row of blocks."""
-    d_cols, d_rows_t = piece.bases[0], piece.bases[3]
-    torch.matmul(piece.sum_rows, d_cols, out=piece.tmp_rows)  # X D_c
-    return torch.matmul(d_rows_t, piece.tmp_mats, out=out)
+    torch.matmul(piece.sum_rows, piece.d_cols, out=piece.tmp_rows)  # X D_c
+    return torch.matmul(piece.d_rows_t, piece.tmp_mats, out=out)
 
 
 class _Piece:
@@ -377,11 +375,11 @@ class _Piece:
     a view of its own layout, where :func:`_transform_rows` writes them). For an unpadded matrix also: ``grad_rows``
     (its rows of the gradient viewed ``(-1, bc)``), ``span`` (its elements in the flat update), the ``tmp`` scratch as
     rows ``(-1, bc)`` and as matrices ``(n, br, cols)``, the ``coeffs`` and ``sums`` scratch in the matrix's layout,
-    and the DCT bases ``(D_c, D_c^T, D_r, D_r^T)``.
+    and the DCT bases ``D_c``, ``D_c^T``, ``D_r``, ``D_r^T`` (``d_cols``, ``d_cols_t``, ``d_rows``, ``d_rows_t``).
     """
 
     __slots__ = ("index", "a", "b", "coeffs", "grad_rows", "span", "shape", "tmp_rows", "tmp_mats", "coeff_mats",
-                 "sum_rows", "bases")
+                 "sum_rows", "d_cols", "d_cols_t", "d_rows", "d_rows_t")
 
     def __init__(self, p: Any, r0: int, r1: int, a: int, b: int, scratch: dict[str, torch.Tensor],
                  in_place: bool) -> None:
@@ -400,8 +398,8 @@ class _Piece:
         self.coeff_mats = coeffs.view(n, br, p.cols)
         self.coeffs = coeffs.view(n, br, p.nc, bc).permute(0, 2, 1, 3)
         self.sum_rows = sums.reshape(-1, bc)
-        d_cols, d_rows = dct_basis(bc, tmp.dtype, tmp.device), dct_basis(br, tmp.dtype, tmp.device)
-        self.bases = (d_cols, d_cols.T, d_rows, d_rows.T)
+        self.d_cols, self.d_rows = dct_basis(bc, tmp.dtype, tmp.device), dct_basis(br, tmp.dtype, tmp.device)
+        self.d_cols_t, self.d_rows_t = self.d_cols.T, self.d_rows.T  # transposed views, as the products always took
 
     def rows_of(self, grad: torch.Tensor) -> torch.Tensor:
         """The piece's rows of its (contiguous) matrix ``grad``, viewed ``(-1, bc)``."""
@@ -461,9 +459,9 @@ class _MomentumViews:
 class _Workspace:
     """What :class:`DCTReplicator` keeps across steps for one layout (dtype, device): the layout's tiles, cache-sized
     scratch buffers per block group (``spatial``, ``tmp``, ``coeffs``, and ``sums``, ``count``, which the exchange keeps
-    zero between tiles: a tile's blocks), each group's
-    picked ``values`` and ``positions`` (``(num_blocks, k)``), a buffer of ones for counting, and the flat
-    update."""
+    zero between tiles: a tile's blocks), each group's picked ``values`` and ``positions`` (``(num_blocks, k)``),
+    buffers of ones and minus ones for counting, the flat update, each tile's views (``plans``, :class:`_TilePlan`),
+    the extract's ``runs`` (:class:`_Run`) and the views of the last momentum and update it was given."""
 
     def __init__(self, layout: BlockLayout, ks: Sequence[int], transfer: torch.dtype, dtype: torch.dtype,
                  device: torch.device | str) -> None:
