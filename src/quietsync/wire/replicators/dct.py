@@ -21,7 +21,8 @@ where it lies; ``sign=True``: the mean's sign, taken while a tile is in cache): 
 spatial momentum needs three (encode, decode what was sent, decode the mean). Each works through the stacked
 coefficients in tiles of :data:`_TILE_ELEMENTS` (:meth:`~quietsync.wire.codecs.BlockLayout.tiles`), so a tile's
 blocks, magnitudes, sums and counts stay in cache and nothing model-sized is written besides the momentum and the
-update. :meth:`DCTReplicator.replicate`
+update; each tile's views of the buffers it works on are made once per layout (:class:`_TilePlan`), not per step.
+:meth:`DCTReplicator.replicate`
 is the spatial entry point (DiLoCo's pseudo-gradients): it converts, steps and converts back. The fp64 oracle
 written from paper 001 (``tests/strategies/helpers/reference_demo.py``) agrees up to fp32 rounding; the top-k may
 pick other positions only among coefficients of equal magnitude (:func:`~quietsync.wire.codecs.topk_positions`).
@@ -158,24 +159,19 @@ class DCTReplicator(Replicator):
         once) and its blocks are read out of that layout by the addition itself."""
         ws = self._workspace(segments, momentum)
         layout = ws.layout
-        stacked = layout.stacked_views(momentum)
-        for tile in ws.tiles:
+        for tile, plan, mine in zip(ws.tiles, ws.plans, ws.momentum_views(momentum)):
             shape = layout.groups[tile.group].block_shape
-            mine = stacked[tile.group][tile.first : tile.first + tile.count]
-            spatial, tmp, coeffs = ws.scratch(tile, "spatial", "tmp", "coeffs")
-            pieces = _piece_runs(tile)
-            if len(shape) == 1 or not all(_in_place(p, grads[p.index], momentum.dtype) for p, *_ in tile.pieces):
-                layout.tile_gather(tile, grads, spatial)  # through the blocks' own layout
-                BlockLayout.transform(spatial, shape, inverse=False, out=coeffs, tmp=tmp)
-                new = [coeffs[a:b] for a, b, _ in pieces]
-            else:
-                new = [_transform_rows(grads[p.index], p, r0, r1, tmp[a:b], coeffs[a:b])
-                       for (p, r0, r1), (a, b, _) in zip(tile.pieces, pieces)]
-            for (a, b, i), c in zip(pieces, new):
-                target = mine[a:b].view(c.shape)
-                if betas[i] != 1.0:
-                    target.mul_(betas[i])
-                target.add_(c, alpha=scales[i])
+            if plan.in_place and all(_in_place(grads[piece.index], momentum.dtype) for piece in plan.pieces):
+                new = [_transform_rows(piece.rows_of(grads[piece.index]), piece) for piece in plan.pieces]
+            else:  # through the blocks' own layout
+                layout.tile_gather(tile, grads, plan.spatial)
+                BlockLayout.transform(plan.spatial, shape, inverse=False, out=plan.coeffs, tmp=plan.tmp)
+                new = [plan.coeffs[piece.a : piece.b].view(target.shape)
+                       for piece, target in zip(plan.pieces, mine.targets)]
+            for piece, target, c in zip(plan.pieces, mine.targets, new):
+                if betas[piece.index] != 1.0:
+                    target.mul_(betas[piece.index])
+                target.add_(c, alpha=scales[piece.index])
 
     def momentum_from_spatial(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
         coeffs = self.layout(segments, delta.device).encode(delta)
@@ -196,6 +192,8 @@ class DCTReplicator(Replicator):
         momentum = self.momentum_from_spatial(delta, segments)
         update = self.replicate_momentum(momentum, segments).clone()
         delta.copy_(self.momentum_to_spatial(momentum, segments))
+        for ws in self._workspaces.values():  # this momentum was for one step only: its views need not keep it
+            ws.forget_momentum()
         return update
 
     def extract_momentum(self, momentum: torch.Tensor, segments: Segments) -> Message:
@@ -212,19 +210,16 @@ class DCTReplicator(Replicator):
         ws = self._workspace(segments, momentum)
         ks = self.ks(segments, momentum.dtype)
         stacked = layout.stacked_views(momentum)
-        for tile in ws.tiles:
-            g, k = layout.groups[tile.group], ks[tile.group]
-            rows = slice(tile.first, tile.first + tile.count)
-            c2 = stacked[tile.group][rows].view(tile.count, g.block_numel)
-            pos = topk_positions(c2, k, scratch=ws.scratch(tile, "spatial")[0].view(tile.count, -1))
+        for run, c2 in zip(ws.runs, ws.run_blocks(momentum)):
+            pos = topk_positions(c2, ks[run.group], scratch=run.magnitudes)
             vals = torch.gather(c2, 1, pos)
-            ws.positions[tile.group][rows] = pos
+            run.positions.copy_(pos)
             if self.lowbit is not None:  # quantized below, a whole group at once
-                ws.values[tile.group][rows] = vals
+                run.values.copy_(vals)
                 continue
             sent = vals.to(self.transfer_dtype)
             c2.scatter_(1, pos, vals - sent.to(vals.dtype))  # error feedback: 0 in fp32, the cast's loss
-            ws.values[tile.group][rows] = sent
+            run.values.copy_(sent)
         parts = []
         for i, (g, k) in enumerate(zip(layout.groups, ks)):
             vals = ws.values[i]
@@ -240,7 +235,8 @@ class DCTReplicator(Replicator):
 
     def exchange_momentum(self, msg: Message, segments: Segments, sign: bool = False) -> torch.Tensor:
         """All-gather every worker's payload, average each coefficient over the workers that sent it and decode
-        the mean with one inverse transform, tile by tile (sums and counts in cache, zeroed per tile). A tile of
+        the mean with one inverse transform, tile by tile (sums and counts in cache, divided and zeroed again only
+        where something arrived: a few percent of a tile). A tile of
         unpadded matrices keeps its sums in the matrices' own layout, so the inverse transform writes the update
         where it lies (no copy out of the stacked blocks), as :meth:`accumulate` reads the gradient.
 
@@ -266,23 +262,27 @@ class DCTReplicator(Replicator):
                 pos = tensors[2 * i + 1].permute(1, 0, 2).reshape(g.num_blocks, n * k).long()
                 received.append((vals.to(dtype), ws.sum_positions(i, pos)))
             update = ws.update(segments.numel)
-            for tile, own in zip(ws.tiles, ws.own_layout):
+            ws.zero_sums()  # the sums and counts are zero between tiles (left so only by a step that finished)
+            for tile, plan, out in zip(ws.tiles, ws.plans, ws.update_views(update)):
                 g = layout.groups[tile.group]
                 vals, at = (x[tile.first : tile.first + tile.count].reshape(-1) for x in received[tile.group])
-                total, count, tmp, spatial = ws.scratch(tile, "coeffs", "count", "tmp", "spatial")
-                total.zero_().view(-1).scatter_add_(0, at, vals)  # worker by worker, as the reference's index_add_
-                count.zero_().view(-1).scatter_add_(0, at, ws.ones(vals))
-                total.div_(count.clamp_min_(1))  # mean over who sent it (0 / 1 where nobody did), in cache
-                if own:  # decoded straight into the update, in each matrix's own layout
-                    for (p, r0, r1), (a, b, _) in zip(tile.pieces, _piece_runs(tile)):
-                        rows = r0 * p.block[0] * p.cols, r1 * p.block[0] * p.cols
-                        out = _inverse_rows(total[a:b], p, tmp[a:b], update[p.offset + rows[0] : p.offset + rows[1]])
+                sums, counts = plan.flat_sums, plan.flat_count
+                sums.scatter_add_(0, at, vals)  # worker by worker, as the reference's index_add_
+                counts.scatter_add_(0, at, ws.ones(vals))
+                # the mean over who sent it, only where something arrived (elsewhere the sum stays 0): a few
+                # percent of the tile, where dividing every sum by its count clamped to 1 is three passes over it
+                sums.put_(at, sums.index_select(0, at).div_(counts.index_select(0, at)))
+                if plan.own_layout:  # decoded straight into the update, in each matrix's own layout
+                    for piece, rows in zip(plan.pieces, out):
+                        _inverse_rows(piece, rows)
                         if sign:  # while it is in cache
-                            out.sign_()
-                    continue
-                BlockLayout.transform(total.view(tile.count, *g.block_shape), g.block_shape, inverse=True,
-                                      out=spatial, tmp=tmp)
-                layout.tile_scatter(tile, spatial.sign_() if sign else spatial, update)
+                            rows.sign_()
+                else:
+                    BlockLayout.transform(plan.sums, g.block_shape, inverse=True, out=plan.spatial, tmp=plan.tmp)
+                    layout.tile_scatter(tile, plan.spatial.sign_() if sign else plan.spatial, update)
+                sums.index_fill_(0, at, 0.0)  # zero again where written, for the next tile
+                counts.scatter_add_(0, at, ws.ones(vals, -1.0))  # (whole counts: exactly 0; faster than a fill)
+            ws.sums_zero = True
             return update
 
         return across_replicas(self.transport, gather_and_average)
@@ -328,6 +328,11 @@ _TILE_ELEMENTS = 2**18
 2**17 and 2**20 on the 10m model: 2**17 pays more per-call overhead, 2**20 spills)."""
 
 
+_RUN_ELEMENTS = 2**20
+"""Elements of the momentum whose top-k the extract picks in one call (a few tiles: measured on the 10m model,
+2**20 against one tile of 2**18, about 2 ms a step less NumPy overhead)."""
+
+
 def _piece_runs(tile: Tile) -> list[tuple[int, int, int]]:
     """``(start, stop, segment)``: the tile's blocks of each piece, with the segment they belong to."""
     out, at = [], 0
@@ -338,40 +343,125 @@ def _piece_runs(tile: Tile) -> list[tuple[int, int, int]]:
     return out
 
 
-def _in_place(p: Any, grad: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`_transform_rows` takes segment ``p``'s gradient where it lies."""
-    return len(p.block) == 2 and not p.padded and grad.dtype == dtype and grad.is_contiguous()
+def _in_place(grad: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`_transform_rows` takes an unpadded matrix's gradient where it lies."""
+    return grad.dtype == dtype and grad.is_contiguous()
 
 
-def _transform_rows(grad: torch.Tensor, p: Any, r0: int, r1: int, tmp: torch.Tensor,
-                    out: torch.Tensor) -> torch.Tensor:
-    """DCT-II of the blocks in block rows ``r0 .. r1`` of an unpadded matrix's gradient, ``D_r B D_c^T``, in the
-    matrix's own layout (``tmp``, ``out``: scratch of those blocks' size); returned as the stacked
-    ``(blocks, br, bc)`` view of ``out``."""
-    br, bc = p.block
-    n = r1 - r0
-    rows = grad.reshape(p.nr, br, p.cols)[r0:r1]
-    torch.matmul(rows.reshape(-1, bc), dct_basis(bc, out.dtype, out.device).T, out=tmp.view(-1, bc))  # B D_c^T
-    torch.matmul(dct_basis(br, out.dtype, out.device), tmp.view(n, br, p.cols), out=out.view(n, br, p.cols))
-    return out.view(n, br, p.nc, bc).permute(0, 2, 1, 3)
+def _transform_rows(rows: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """DCT-II of the blocks of ``piece`` (block rows of an unpadded matrix), ``D_r B D_c^T``, from the gradient's rows
+    ``rows`` (viewed ``(-1, bc)``) in the matrix's own layout, into the piece's ``coeffs`` scratch; returned as the
+    stacked ``(blocks, br, bc)`` view of it."""
+    torch.matmul(rows, piece.d_cols_t, out=piece.tmp_rows)  # B D_c^T
+    torch.matmul(piece.d_rows, piece.tmp_mats, out=piece.coeff_mats)
+    return piece.coeffs
 
 
-def _inverse_rows(coeffs: torch.Tensor, p: Any, tmp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Inverse DCT-II, ``D_r^T X D_c``, of block rows of an unpadded matrix whose coefficients ``coeffs`` lie in the
-    matrix's own layout (``(rows, br, cols)`` with block ``(r, c)`` at columns ``c * bc ..``), into ``out`` (the
-    same rows of the matrix, flat); ``tmp``: scratch of ``coeffs``' size. The same two products as
-    :meth:`~quietsync.wire.codecs.BlockLayout.transform` on the stacked blocks, row by row of blocks."""
-    br, bc = p.block
-    cols = p.cols
-    torch.matmul(coeffs.reshape(-1, bc), dct_basis(bc, out.dtype, out.device), out=tmp.view(-1, bc))  # X D_c
-    return torch.matmul(dct_basis(br, out.dtype, out.device).T, tmp.view(-1, br, cols), out=out.view(-1, br, cols))
+def _inverse_rows(piece: _Piece, out: torch.Tensor) -> torch.Tensor:
+    """Inverse DCT-II, ``D_r^T X D_c``, of the piece's summed coefficients (its ``sums`` scratch, in the matrix's own
+    layout: ``(rows, br, cols)`` with block ``(r, c)`` at columns ``c * bc ..``) into ``out`` (the same rows of the
+    matrix, viewed ``(-1, br, cols)``). The same two products as :meth:`~quietsync.wire.codecs.BlockLayout.transform`
+    on the stacked blocks, row by row of blocks."""
+    torch.matmul(piece.sum_rows, piece.d_cols, out=piece.tmp_rows)  # X D_c
+    return torch.matmul(piece.d_rows_t, piece.tmp_mats, out=out)
+
+
+class _Piece:
+    """Block rows ``r0 .. r1`` of one segment in a tile -- the tile's blocks ``a .. b`` -- with the views of the
+    workspace's scratch that the step's loops use, made once: a view costs microseconds of dispatch, and a step
+    over every tile would otherwise make thousands.
+
+    ``coeffs`` are the piece's blocks in the ``coeffs`` scratch, stacked ``(blocks, *block)`` (for an unpadded matrix,
+    a view of its own layout, where :func:`_transform_rows` writes them). For an unpadded matrix also: ``grad_rows``
+    (its rows of the gradient viewed ``(-1, bc)``), ``span`` (its elements in the flat update), the ``tmp`` scratch as
+    rows ``(-1, bc)`` and as matrices ``(n, br, cols)``, the ``coeffs`` and ``sums`` scratch in the matrix's layout,
+    and the DCT bases ``D_c``, ``D_c^T``, ``D_r``, ``D_r^T`` (``d_cols``, ``d_cols_t``, ``d_rows``, ``d_rows_t``).
+    """
+
+    __slots__ = ("index", "a", "b", "coeffs", "grad_rows", "span", "shape", "tmp_rows", "tmp_mats", "coeff_mats",
+                 "sum_rows", "d_cols", "d_cols_t", "d_rows", "d_rows_t")
+
+    def __init__(self, p: Any, r0: int, r1: int, a: int, b: int, scratch: dict[str, torch.Tensor],
+                 in_place: bool) -> None:
+        self.index, self.a, self.b = p.index, a, b
+        if not in_place:
+            self.coeffs = scratch["coeffs"][a:b]
+            return
+        br, bc = p.block
+        n = r1 - r0
+        tmp, coeffs, sums = (scratch[name][a:b] for name in ("tmp", "coeffs", "sums"))
+        self.grad_rows = slice(r0 * br * p.nc, r1 * br * p.nc)
+        self.span = slice(p.offset + r0 * br * p.cols, p.offset + r1 * br * p.cols)
+        self.shape = (n, br, p.cols)
+        self.tmp_rows = tmp.view(-1, bc)
+        self.tmp_mats = tmp.view(n, br, p.cols)
+        self.coeff_mats = coeffs.view(n, br, p.cols)
+        self.coeffs = coeffs.view(n, br, p.nc, bc).permute(0, 2, 1, 3)
+        self.sum_rows = sums.reshape(-1, bc)
+        self.d_cols, self.d_rows = dct_basis(bc, tmp.dtype, tmp.device), dct_basis(br, tmp.dtype, tmp.device)
+        self.d_cols_t, self.d_rows_t = self.d_cols.T, self.d_rows.T  # transposed views, as the products always took
+
+    def rows_of(self, grad: torch.Tensor) -> torch.Tensor:
+        """The piece's rows of its (contiguous) matrix ``grad``, viewed ``(-1, bc)``."""
+        return grad.view(-1, self.tmp_rows.shape[1])[self.grad_rows]
+
+
+class _TilePlan:
+    """One tile's views of the workspace's buffers, made once (see :class:`_Piece`): its scratch (``spatial``, ``tmp``,
+    ``coeffs``, ``sums``, ``count``: ``(count, *block_shape)``; ``flat_sums``, ``flat_count`` flat), its pieces,
+    whether its pieces are all unpadded matrices (``in_place``: transformed where they lie) and whether the exchange
+    sums its coefficients in its matrices' own layout (``own_layout``)."""
+
+    def __init__(self, tile: Tile, scratch: dict[str, torch.Tensor], own_layout: bool) -> None:
+        self.spatial, self.tmp, self.coeffs, self.sums, self.count = (
+            scratch[name] for name in ("spatial", "tmp", "coeffs", "sums", "count"))
+        self.flat_sums, self.flat_count = self.sums.view(-1), self.count.view(-1)
+        self.own_layout = self.in_place = own_layout
+        self.pieces = [_Piece(p, r0, r1, a, b, scratch, own_layout)
+                       for (p, r0, r1), (a, b, _) in zip(tile.pieces, _piece_runs(tile))]
+
+
+class _Run:
+    """Consecutive blocks ``first .. first + count`` of group ``group`` -- a few tiles -- whose top-k the extract
+    picks in one go (the selection is row by row, so a run gives each row what its tile would; fewer, larger calls
+    cost less NumPy overhead), with its rows of the group's ``values`` and ``positions`` and a scratch for the
+    magnitudes."""
+
+    def __init__(self, group: int, first: int, count: int, values: torch.Tensor, positions: torch.Tensor,
+                 magnitudes: torch.Tensor) -> None:
+        self.group, self.first, self.count = group, first, count
+        rows = slice(first, first + count)
+        self.values, self.positions = values[rows], positions[rows]
+        self.magnitudes = magnitudes[:count].view(count, -1)
+
+
+def _runs(tiles: Sequence[Tile], block_numels: Sequence[int], max_elements: int) -> list[tuple[int, int, int]]:
+    """``(group, first, count)``: consecutive tiles of one group merged while they hold at most ``max_elements``."""
+    out: list[tuple[int, int, int]] = []
+    for t in tiles:
+        if out and out[-1][0] == t.group and (out[-1][2] + t.count) * block_numels[t.group] <= max_elements:
+            group, first, count = out[-1]
+            out[-1] = (group, first, count + t.count)
+        else:
+            out.append((t.group, t.first, t.count))
+    return out
+
+
+class _MomentumViews:
+    """One tile's views of the momentum: its blocks ``(count, block_numel)`` and, per piece, its blocks shaped as the
+    piece's ``coeffs``."""
+
+    def __init__(self, blocks: torch.Tensor, plan: _TilePlan) -> None:
+        self.blocks = blocks.view(blocks.shape[0], -1)
+        self.targets = [blocks[piece.a : piece.b].view(piece.coeffs.shape) for piece in plan.pieces]
 
 
 class _Workspace:
     """What :class:`DCTReplicator` keeps across steps for one layout (dtype, device): the layout's tiles, cache-sized
-    scratch buffers per block group (``spatial``, ``tmp``, ``coeffs``, ``count``: a tile's blocks), each group's
-    picked ``values`` and ``positions`` (``(num_blocks, k)``), a buffer of ones for counting, and the flat
-    update."""
+    scratch buffers per block group (``spatial``, ``tmp``, ``coeffs``, and ``sums``, ``count``, which the exchange keeps
+    zero between tiles: a tile's blocks), each group's picked ``values`` and ``positions`` (``(num_blocks, k)``),
+    buffers of ones and minus ones for counting, the flat update, each tile's views (``plans``, :class:`_TilePlan`),
+    the extract's ``runs`` (:class:`_Run`) and the views of the last momentum and update it was given."""
 
     def __init__(self, layout: BlockLayout, ks: Sequence[int], transfer: torch.dtype, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -380,15 +470,27 @@ class _Workspace:
         most = [max((t.count for t in self.tiles if t.group == i), default=0) for i in range(len(layout.groups))]
         self._scratch = {name: [torch.empty(m, *g.block_shape, dtype=dtype, device=device)
                                 for g, m in zip(layout.groups, most)]
-                         for name in ("spatial", "tmp", "coeffs", "count")}
+                         for name in ("spatial", "tmp", "coeffs", "sums", "count")}
+        self.sums_zero = False
+        """Whether ``sums`` and ``count`` are all zero (the exchange leaves them so, zeroing only what it wrote)."""
         self.values = [torch.empty(g.num_blocks, k, dtype=transfer, device=device) for g, k in zip(layout.groups, ks)]
         self.positions = [torch.empty(g.num_blocks, k, dtype=index_dtype(g.block_numel), device=device)
                           for g, k in zip(layout.groups, ks)]
-        self._ones = torch.empty(0, dtype=dtype, device=device)
+        self._ones = self._minus_ones = torch.empty(0, dtype=dtype, device=device)
         self._update = torch.empty(0, dtype=dtype, device=device)
         self.own_layout = [len(layout.groups[t.group].block_shape) == 2 and all(not p.padded for p, *_ in t.pieces)
                            for t in self.tiles]
         """Per tile: whether the exchange sums its coefficients in its matrices' own layout (unpadded matrices)."""
+        self.plans = [_TilePlan(t, {name: bufs[t.group][: t.count] for name, bufs in self._scratch.items()}, own)
+                      for t, own in zip(self.tiles, self.own_layout)]
+        runs = _runs(self.tiles, [g.block_numel for g in layout.groups], _RUN_ELEMENTS)
+        widest = [max((c for g, _, c in runs if g == i), default=0) for i in range(len(layout.groups))]
+        magnitudes = [torch.empty(m, g.block_numel, dtype=dtype, device=device) for g, m in zip(layout.groups, widest)]
+        self.runs = [_Run(g, first, count, self.values[g], self.positions[g], magnitudes[g])
+                     for g, first, count in runs]
+        self._momentum: tuple[torch.Tensor | None, list[_MomentumViews]] = (None, [])
+        self._run_views: list[torch.Tensor] = []
+        self._update_views: tuple[torch.Tensor | None, list[list[torch.Tensor]]] = (None, [])
         self._base = [torch.empty(g.num_blocks, 1, dtype=torch.long, device=device) for g in layout.groups]
         self._stride = [torch.zeros(g.num_blocks, 1, dtype=torch.long, device=device) for g in layout.groups]
         for tile, own in zip(self.tiles, self.own_layout):
@@ -413,15 +515,52 @@ class _Workspace:
             rows = torch.div(pos, width, rounding_mode="floor")
         return pos.add_(self._base[group]).add_(rows.mul_(self._stride[group]))  # rows: the matrix's longer rows
 
-    def scratch(self, tile: Tile, *names: str) -> list[torch.Tensor]:
-        """The named scratch buffers, each ``(tile.count, *block_shape)``."""
-        return [self._scratch[name][tile.group][: tile.count] for name in names]
+    def zero_sums(self) -> None:
+        """Make ``sums`` and ``count`` zero (at once, unless the last exchange left them so) and mark them in use."""
+        if not self.sums_zero:
+            for name in ("sums", "count"):
+                for buffer in self._scratch[name]:
+                    buffer.zero_()
+        self.sums_zero = False  # until the exchange has zeroed what it wrote (an error on the way leaves it False)
 
-    def ones(self, like: torch.Tensor) -> torch.Tensor:
-        """Ones of ``like``'s shape (a view of a kept buffer)."""
+    def momentum_views(self, momentum: torch.Tensor) -> list[_MomentumViews]:
+        """Each tile's views of the flat ``momentum``, made again only for another tensor than the last one (a
+        decoupled optimizer passes its own buffer every step; :meth:`forget_momentum` lets a passing one go)."""
+        kept, views = self._momentum
+        if kept is not momentum:
+            stacked = self.layout.stacked_views(momentum)
+            views = [_MomentumViews(stacked[t.group][t.first : t.first + t.count], plan)
+                     for t, plan in zip(self.tiles, self.plans)]
+            self._momentum = (momentum, views)
+            self._run_views = [stacked[r.group][r.first : r.first + r.count].view(r.count, -1) for r in self.runs]
+        return views
+
+    def run_blocks(self, momentum: torch.Tensor) -> list[torch.Tensor]:
+        """Each :class:`_Run`'s blocks of the flat ``momentum``, ``(count, block_numel)`` (kept as
+        :meth:`momentum_views` keeps its views)."""
+        self.momentum_views(momentum)
+        return self._run_views
+
+    def forget_momentum(self) -> None:
+        """Drop the views of the last momentum (and with them that buffer)."""
+        self._momentum, self._run_views = (None, []), []
+
+    def update_views(self, update: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Per tile, per piece of an unpadded matrix, its rows of the flat ``update`` viewed ``(n, br, cols)`` (made
+        again only for another buffer)."""
+        kept, views = self._update_views
+        if kept is not update:
+            views = [[update[piece.span].view(piece.shape) for piece in plan.pieces] if plan.own_layout else []
+                     for plan in self.plans]
+            self._update_views = (update, views)
+        return views
+
+    def ones(self, like: torch.Tensor, value: float = 1.0) -> torch.Tensor:
+        """``value`` (1 or -1) in ``like``'s shape (a view of a kept buffer)."""
         if self._ones.numel() < like.numel():
             self._ones = torch.ones(like.numel(), dtype=self._ones.dtype, device=self._ones.device)
-        return self._ones[: like.numel()].view_as(like)
+            self._minus_ones = -self._ones
+        return (self._ones if value == 1.0 else self._minus_ones)[: like.numel()].view_as(like)
 
     def update(self, numel: int) -> torch.Tensor:
         """The flat update buffer (reused across steps)."""
