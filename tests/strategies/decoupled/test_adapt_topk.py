@@ -298,3 +298,16 @@ def test_a_change_of_k_follows_demo_keeps_the_momentum_and_resumes_exactly(tmp_p
         assert set(logged[0]) == {"step", "knob", "old", "new", "bandwidth_mbit", "step_s", "share", "why"}
         assert "no k keeps the exchange under" in logged[0]["why"]
         assert _theta_gap(tight_run["trace"], thetas) < THETA_ATOL  # the same run as the forced change at step 2
+
+
+def test_the_planner_prior_widens_for_the_smallest_k_adapt_may_take():
+    """The loss prior of demo --adapt is the chosen k's, its upper end widened by the assumed +3% per halving down
+    to the smallest candidate (k/16 by default: 4 halvings)."""
+    from quietsync.strategies.decoupled.facts import decoupled_prior
+
+    static = decoupled_prior(DeMoConfig(topk=32), None)
+    adapted = decoupled_prior(DeMoConfig(topk=32, adapt=True), None)
+    assert adapted.penalty[:2] == static.penalty[:2]
+    assert adapted.penalty[2] == pytest.approx(static.penalty[2] + 4 * 0.03)
+    short = decoupled_prior(DeMoConfig(topk=32, adapt=True, adapt_topk="32,16"), None)
+    assert short.penalty[2] == pytest.approx(static.penalty[2] + 0.03)
