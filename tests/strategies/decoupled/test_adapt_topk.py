@@ -311,3 +311,32 @@ def test_the_planner_prior_widens_for_the_smallest_k_adapt_may_take():
     assert adapted.penalty[2] == pytest.approx(static.penalty[2] + 4 * 0.03)
     short = decoupled_prior(DeMoConfig(topk=32, adapt=True, adapt_topk="32,16"), None)
     assert short.penalty[2] == pytest.approx(static.penalty[2] + 0.03)
+
+
+def test_the_planner_costs_adapt_at_the_k_its_controller_picks_on_each_link():
+    """``cost.demo`` of an adapt config is the step at the k the controller's rule picks on that link (the hand
+    rule above), so a varying link's stretches are each costed at their own k."""
+    from quietsync.cost.compute import ComputeProfile
+    from quietsync.cost.costmodel import Ctx, Links
+    from quietsync.link import LinkModel
+    from quietsync.strategies.decoupled import cost
+
+    model = tiny_model()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    workload = Workload.from_model(model, tokens_per_micro_batch=1, param_groups=param_groups(model))
+    topo = Topology(0, 2, 2)
+    step_s = 2e-3
+    compute = ComputeProfile(forward_s=step_s, backward_s=0.0, optimizer_s_per_element=0.0, elements=174)
+    cfg = DeMoConfig(chunk=4, topk=16, adapt=True)
+    schedule = cost.demo(workload, topo, cfg)
+    assert schedule.label.endswith(" adapt")
+    picked = set()
+    for mbit in (1000, 30, 10, 0.01):
+        bw = mbit * 1e6 / 8
+        ctx = Ctx(compute, Links(model={"inter": LinkModel(bw, 0.0)}), topo)
+        k = _expected_k(cfg.topk_candidates(), shapes, bw, step_s, 0.1)
+        fixed = cost.demo(workload, topo, DeMoConfig(chunk=4, topk=k)).step.cost(ctx)
+        got = schedule.step.cost(ctx)
+        assert got.exposed_comm == pytest.approx(fixed.exposed_comm) and got.compute == pytest.approx(fixed.compute)
+        picked.add(k)
+    assert len(picked) == 4  # four links, four different picks
