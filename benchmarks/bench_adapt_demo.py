@@ -11,10 +11,11 @@ training seconds ``T`` and evaluates the committed model every ``--eval-every`` 
 The target is the lowest eval loss both arms reach (the pair's equal-loss target); time to target is the training
 seconds at which the eval curve crosses it, interpolated linearly between the two evaluations around it (the loss
 still falls steeply at the end of a short run: the first evaluation at or under it would round both arms to their
-last evaluation). Each repeat runs the pair in the other order than the one before
-(a load that drifts falls on both); absolute seconds move with the machine's load (``uptime`` is recorded).
+last evaluation). Each repeat runs the pair in the other order than the one before (a load that drifts falls on
+both), or with ``--together`` both arms at once (the same load on both, each slower); absolute seconds move with
+the machine's load (``uptime`` is recorded).
 
-    python benchmarks/bench_adapt_demo.py --seconds 90 --topk 128      # writes results/adapt_demo.{md,json}
+    python benchmarks/bench_adapt_demo.py --seconds 120 --topk 256 --repeats 2   # results/adapt_demo.{md,json}
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,6 +58,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=2000, help="the lr schedule's length (runs stop by time)")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--together", action="store_true", help="run the two arms of a pair at the same time")
     ap.add_argument("--work", default=None)
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_adapt_demo_"))
@@ -69,7 +72,13 @@ def main() -> None:
     pairs, runs = [], []
     for i in range(args.repeats):
         order = [("static drop", []), ("adapt drop", ["--adapt"])][:: 1 if i % 2 == 0 else -1]
-        got = {what: arm(work, what if i == 0 else f"{what} #{i + 1}", [*base, *knobs]) for what, knobs in order}
+        names = {what: what if i == 0 else f"{what} #{i + 1}" for what, _ in order}
+        if args.together:  # both arms under the same load at once (each is a subprocess: threads suffice)
+            with ThreadPoolExecutor(2) as pool:
+                futures = {what: pool.submit(arm, work, names[what], [*base, *knobs]) for what, knobs in order}
+                got = {what: f.result() for what, f in futures.items()}
+        else:
+            got = {what: arm(work, names[what], [*base, *knobs]) for what, knobs in order}
         runs += [got["static drop"], got["adapt drop"]]
         pairs.append(pair(got["static drop"], got["adapt drop"]))  # ratio: static's time / adapt's
     uptime.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
@@ -79,7 +88,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "adapt_demo.json").write_text(json.dumps(result, indent=1))
     lines = ["# demo --adapt on a link that drops (benchmarks/bench_adapt_demo.py)", "",
-             f"`python benchmarks/bench_adapt_demo.py --seconds {T:g} --topk {args.topk} --repeats {args.repeats}`; "
+             f"`python benchmarks/bench_adapt_demo.py --seconds {T:g} --topk {args.topk} --repeats {args.repeats}"
+             f"{' --together' if args.together else ''}`; "
              f"load: {uptime[0]} / {uptime[1]}", "",
              "| arm | steps | idle s (middle third) | last eval | k changes (step, old, new) |",
              "|---|---|---|---|---|"]
