@@ -340,3 +340,18 @@ def test_the_planner_costs_adapt_at_the_k_its_controller_picks_on_each_link():
         assert got.exposed_comm == pytest.approx(fixed.exposed_comm) and got.compute == pytest.approx(fixed.compute)
         picked.add(k)
     assert len(picked) == 4  # four links, four different picks
+
+
+def test_a_decision_is_logged_as_diloco_logs_its_own_and_a_bad_k_is_refused():
+    """The log entry has DiLoCo's keys (the run's plot and reports read both the same way); the replicator refuses a
+    k outside 1..chunk**2 in one line."""
+    from quietsync.strategies.decoupled.adapt_topk import TopkDecision
+    from quietsync.strategies.local.adapt import Decision
+
+    ours = TopkDecision(16, 4, 1.25e6, 2e-3, 0.05, "why").record(7)
+    theirs = Decision(16, 32, "fp32", "fp32", 1.25e6, 2e-3, 0.05, "why").record(7)
+    assert set(ours) == set(theirs) and ours["knob"] == "topk" and (ours["old"], ours["new"]) == (16, 4)
+    assert ours["bandwidth_mbit"] == theirs["bandwidth_mbit"] == 10.0
+    with pytest.raises(ValueError, match=r"topk must be an integer in \[1, ") as info:
+        DCTReplicator(chunk=4, topk=8).set_topk(17)
+    assert "\n" not in str(info.value)
