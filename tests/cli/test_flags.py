@@ -262,7 +262,7 @@ FLOAT_FIELDS = {
     None: {"max_time_s", "target_loss", "lr", "weight_decay", "min_lr_ratio", "eval_fraction", "timeout_s",
            "max_grad_norm"},
     "ddp": {"bucket_cap_mb"},
-    "demo": {"compression", "beta"},
+    "demo": {"compression", "beta", "adapt_overhead", "adapt_threshold"},
     "flexdemo": {"compression", "beta"},
     "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density", "worker_speeds",
                "adapt_overhead", "adapt_threshold"},
@@ -320,7 +320,16 @@ def test_a_link_schedule_is_a_link():
 
 
 @pytest.mark.parametrize("argv,expect", [
-    (["--strategy", "zero1", "--adapt"], "--adapt is not a flag of strategy zero1 (it belongs to diloco)"),
+    (["--strategy", "zero1", "--adapt"], "--adapt is not a flag of strategy zero1 (it belongs to demo, diloco)"),
+    (["--strategy", "flexdemo", "--adapt"], "--adapt is not a flag of strategy flexdemo (it belongs to demo, diloco)"),
+    (["--strategy", "demo", "--adapt"], "--topk must be given with adapt"),
+    (["--strategy", "demo", "--adapt", "--topk", "8", "--replicator", "random"], "--replicator must be dct with"),
+    (["--strategy", "demo", "--adapt", "--topk", "8", "--adapt-topk", "4,8"],
+     "--adapt-topk must be whole numbers from 1 to chunk**2 (4096), each once, largest first"),
+    (["--strategy", "demo", "--adapt", "--topk", "8", "--adapt-knobs", "H"], "--adapt-knobs must be topk"),
+    (["--strategy", "demo", "--adapt", "--topk", "8", "--fault-tolerance", "torchft"],
+     "--adapt cannot be combined with --fault-tolerance torchft"),
+    (["--strategy", "demo", "--adapt-topk", "8,4"], "--adapt-topk needs --adapt"),
     (["--strategy", "diloco", "--adapt", "--sync-every", "8", "--fragments", "2"],
      "adapt changes its knobs only with fragments 1"),
     (["--strategy", "diloco", "--adapt", "--adapt-sync-every", "8,12"], "--adapt-sync-every must be whole numbers"),

@@ -11,6 +11,7 @@ replicates only this worker's shard across nodes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ...cost.compute import codec_key
@@ -19,7 +20,7 @@ from ...cost.schedule import Schedule
 from ...cost.terms import Every, MicroBatches, Seq, Wire, Work
 from ...cost.workload import Shape, Workload
 from ...topology import Topology
-from ..parts.cost import ADAMW, OptimizerState, group_of, momentum_numel, replicator, replicator_comm
+from ..parts.cost import ADAMW, FirstThatFits, OptimizerState, group_of, momentum_numel, replicator, replicator_comm
 from ..substrates.cost import fsdp_per_micro_batch, local_shapes
 
 
@@ -71,7 +72,8 @@ def _state_bytes(shapes: list[Shape], cfg: Any, rep: Any, scalars: bool) -> int:
 
 def demo(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
     """DeMo over plain data parallelism: one collective of the replicator's payload over ``world`` per
-    replicating step."""
+    replicating step; with ``adapt``, the step at the top-k its controller picks on the link
+    (:class:`~quietsync.strategies.parts.cost.FirstThatFits` over the candidates, largest first)."""
     n = group_of(topo, "world")
     rep = replicator(cfg.replicator, cfg.compression, cfg.transfer_dtype, cfg.chunk, cfg.topk, cfg.seed,
                      cfg.transfer_block)
@@ -79,7 +81,13 @@ def demo(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> 
     comms = replicator_comm(rep, w.shapes, "world", n, "demo", on)
     step = Seq(MicroBatches(cfg.accumulation), _decoupled_step(list(w.shapes), cfg, rep, period, on, comms))
     memory = {"params": w.param_bytes, "grads": 0, "optimizer_state": _state_bytes(list(w.shapes), cfg, rep, True)}
-    return Schedule("demo", _label("demo", cfg), tuple(comms), step, memory, period=period, config=cfg)
+    label = _label("demo", cfg)
+    if getattr(cfg, "adapt", False):  # the controller's candidates, each costed as a fixed-k run
+        step = FirstThatFits("topk", tuple((k, step if k == cfg.topk else demo(
+            w, topo, dataclasses.replace(cfg, topk=k, adapt=False), opt).step) for k in cfg.topk_candidates()),
+            cfg.adapt_overhead)
+        label += " adapt"
+    return Schedule("demo", label, tuple(comms), step, memory, period=period, config=cfg)
 
 
 def flexdemo(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:

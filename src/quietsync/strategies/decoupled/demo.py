@@ -22,7 +22,8 @@ so step 1 transforms the gradient and step 3 inverts the mean, two transforms a 
 
 Workers' parameters stay identical (they all apply the same averaged update). The knobs of
 :class:`~quietsync.strategies.decoupled.round.DecoupledConfig` become the CLI flags ``--replicator
---compression --chunk --topk --sign/--no-sign --transfer-dtype --beta --replicate-every --skip-every``.
+--compression --chunk --topk --sign/--no-sign --transfer-dtype --beta --replicate-every --skip-every``; ``--adapt``
+re-picks ``topk`` during the run from the measured link (:mod:`~quietsync.strategies.decoupled.adapt_topk`).
 
 Checkpoints that reshard: the parameters (identical on every worker), the base lrs and the decoupled step and
 replicator counters once; each worker's decoupled momentum δ (in its replicator's domain, which does not
@@ -55,10 +56,13 @@ from ..checkpoint.logical import (
 from ..parts.broadcast import broadcast_parameters
 from ..registry import register
 from . import facts
+from .adapt_topk import DeMoConfig, TopkController
 from .round import DecoupledConfig, DecoupledRound, build_decoupled_optimizer
 
+__all__ = ["DeMo", "DeMoConfig", "DecoupledConfig"]
 
-@register("demo", DecoupledConfig, facts=facts.DEMO)
+
+@register("demo", DeMoConfig, facts=facts.DEMO)
 class DeMo(Strategy):
     """DeMo over plain data parallelism; see the module docstring."""
 
@@ -68,7 +72,7 @@ class DeMo(Strategy):
 
     discards_rounds = True
 
-    config: DecoupledConfig
+    config: DeMoConfig
 
     def __init__(self, model: torch.nn.Module, optimizer: Any = torch.optim.AdamW, **kwargs: Any) -> None:
         super().__init__(model, optimizer, **kwargs)
@@ -84,6 +88,13 @@ class DeMo(Strategy):
             "round", DecoupledRound(self.optimizer, self.config.accumulation, list(model.parameters()))
         )
         broadcast_parameters(self.transport, list(model.parameters()), "world")
+        self.adapter: TopkController | None = None
+        if self.config.adapt:  # k re-picked during the run (adapt_topk.py)
+            if self.transport.fault_tolerant:
+                raise ValueError("adapt needs every worker to take each decision together, which --fault-tolerance "
+                                 "torchft's replicas (agreeing only inside their group) cannot; use a fixed topk")
+            self.adapter = self.hold("adapt", TopkController(self.transport, "world", self.config,
+                                                             self.optimizer.replicator, model, self.param_groups))
 
     def _step(self) -> bool:
         if not self.round.full:
@@ -95,6 +106,10 @@ class DeMo(Strategy):
             return False
         extra = self.round.step(self._lr_scale(self.steps), self.accounting, self._update)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.adapter is not None:  # after the exchange: a new k takes effect at the next extraction
+            decision = self.adapter.after_step(self.steps + 1, extra["replicated"], self.accounting.compute_s)
+            if decision is not None:
+                extra["adapt"] = decision.record(self.steps + 1)
         self._commit(extra={**extra, **check})
         return True
 
@@ -140,6 +155,8 @@ class DeMo(Strategy):
                "optim.decoupled.step": torch.tensor(opt.decoupled_step, dtype=torch.int64)}
         for key, value in opt.replicator.state_dict().items():
             out[f"optim.replicator.{key}"] = torch.tensor(int(value), dtype=torch.int64)
+        if self.adapter is not None:
+            out.update(self.adapter.logical_state())
         return {**out, **replicas.own(self.rank, optimizer_state(opt, parameter_names(self.module)))}
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
@@ -150,6 +167,7 @@ class DeMo(Strategy):
                     if k == "optim.decoupled.step" or k.startswith("optim.replicator.")}
         return {**module_targets(self.module), **base_lrs_target(self.round.lr.base_lrs, saved),
                 "optim.decoupled.step": torch.zeros((), dtype=torch.int64), **counters,
+                **(self.adapter.logical_targets(saved) if self.adapter is not None else {}),
                 **self._replica_load.targets}
 
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
@@ -169,3 +187,5 @@ class DeMo(Strategy):
             "decoupled": {"step": int(filled["optim.decoupled.step"]), "replicator": replicator,
                           "momentum_domain": self.optimizer.replicator.momentum_domain}})
         self.round.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]
+        if self.adapter is not None:
+            self.adapter.load_logical(filled)

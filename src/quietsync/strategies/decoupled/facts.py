@@ -51,6 +51,12 @@ def decoupled_prior(cfg: Any, scale: Scale) -> Prior:
     if not cfg.sign:
         prior = prior.combine(penalty(0.0, 0.02, 0.1, "without sign: the signed update was clearly better "
                                       "[from2025] (assumption: +2%, up to +10%)", "from2025"))
+    if getattr(cfg, "adapt", False):  # demo --adapt: k may shrink to the smallest candidate while the link is slow
+        halvings = math.log2(cfg.topk / cfg.topk_candidates()[-1])
+        prior = prior.combine(penalty(0.0, 0.0, 0.03 * halvings, f"--adapt: top-k re-picked from the measured link, "
+                                      f"down to {halvings:g} halvings of k when the link cannot carry it; the prior "
+                                      "is at the k chosen, the interval widened for the smallest (assumption: up to "
+                                      "+3% per halving, as below 1/85) [peng2024]", "peng2024"))
     return prior
 
 

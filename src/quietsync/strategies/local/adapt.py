@@ -58,10 +58,8 @@ after a change goes on with the adapted knobs, exactly as if it had not stopped.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +74,7 @@ from ...topology import Topology
 from ...transport import Transport
 from ...validate import check_float, check_int
 from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES
+from ..parts.link_probe import LinkProbe, moved
 from ..parts.part import Part
 from . import cost
 from .adapt_bits import bits_candidates, parse_knobs
@@ -264,9 +263,8 @@ class SyncPeriod(Part):
         self.decisions: list[dict[str, Any]] = []
         """Every decision taken (changes and keeps), as :meth:`Decision.record` (rank-local, for reports)."""
         self._syncs = 0
-        self._recent: collections.deque[float] = collections.deque(maxlen=config.adapt_window)
+        self._probe = LinkProbe(transport, group, config.adapt_window)
         self._ratio: float | None = None  # the measured sync-to-step ratio of the last pick
-        self._mark = self._meter()
 
     def bind(self, exchanges: list[Any], quiesce: Any) -> None:
         """The outer sync's exchanges (a :class:`~.adapt_bits.SwitchedExchange` each under bits) and how to wait
@@ -281,10 +279,6 @@ class SyncPeriod(Part):
     def dtype(self) -> str:
         return str(self.config.pseudo_grad_dtype)
 
-    def _meter(self) -> tuple[float, float]:
-        v = self.transport.meter.snapshot().get(self.group, {})
-        return float(v.get("sent", 0.0)), float(v.get("seconds", 0.0))
-
     @property
     def changed_at(self) -> int:
         """The step of the last change of H (0: none)."""
@@ -298,27 +292,18 @@ class SyncPeriod(Part):
         """Count inner step ``step`` (``compute_s`` of main-thread compute); right after a sync launched, every
         ``adapt_every`` syncs, decide (a collective on the control group: every worker calls it at the same
         steps). Returns the decision when H changed."""
-        self._recent.append(compute_s)
+        self._probe.step_done(compute_s)
         if not synced:
             return None
         self._syncs += 1
         if self._syncs < self.config.adapt_every:
             return None
-        sent, seconds = self._meter()
-        d_sent, d_seconds = sent - self._mark[0], seconds - self._mark[1]
-        local_bw = d_sent / d_seconds if d_seconds > 0 and d_sent > 0 else 0.0
-        # the median: one step slowed by a neighbour on a shared machine (or the first step's warm-up) moves it
-        # little, a worker that is slower throughout moves it all
-        local_step = statistics.median(self._recent)
-        bandwidth = self.transport.agree(local_bw, "max")
-        step_s = self.transport.agree(local_step, "max")
+        bandwidth, step_s = self._probe.measure()  # agreed over the workers (parts/link_probe.py)
         self._syncs = 0
-        self._mark = (sent, seconds)
         if bandwidth <= 0 or step_s <= 0:  # no completed sync to measure yet (τ > 0: the first is in flight)
             return None
         ratio = 1.0 / (bandwidth * step_s)  # what the pick depends on: the sync's seconds per inner step's
-        if self._ratio is not None and 1 / (1 + self.config.adapt_threshold) <= ratio / self._ratio <= (
-                1 + self.config.adapt_threshold):
+        if not moved(ratio, self._ratio, self.config.adapt_threshold):
             return None  # the link and the step moved too little since the last pick to re-pick
         decision = pick_sync_every(self.workload, self.transport.topology, self.config, self.candidates,
                                    self.sync_every, step_s, bandwidth, self.config.adapt_overhead, self.group,

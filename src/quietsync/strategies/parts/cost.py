@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ...cost.costmodel import Comm, numel
+from ...cost.costmodel import Comm, Cost, Ctx, numel
+from ...cost.terms import Term
 from ...cost.workload import Shape
 from ...topology import Topology
 
@@ -78,3 +80,30 @@ def momentum_numel(rep, shapes: Sequence[Shape]) -> int:
     from ...wire.replicators import Segments
 
     return rep.momentum_numel(Segments([s for s in shapes if numel(s) > 0]))
+
+
+@dataclass(frozen=True)
+class FirstThatFits(Term):
+    """``--adapt``: the step at the knob the run's controller picks on this link -- the first of ``steps`` (``(knob
+    value, the step at it)``, in the controller's order of preference) whose exposed communication is at most
+    ``overhead`` of its compute, else the last. On a link that changes, each steady stretch of it is costed with the
+    value picked for it (demo's top-k, :mod:`~quietsync.strategies.decoupled.adapt_topk`)."""
+
+    knob: str
+    steps: tuple[tuple[Any, Term], ...]
+    overhead: float
+
+    def pick(self, ctx: Ctx) -> tuple[Any, Cost]:
+        """The value picked on ``ctx``'s link, and the step's cost at it."""
+        costs = [(v, t.cost(ctx)) for v, t in self.steps]
+        for v, c in costs:
+            if c.compute > 0 and c.exposed_comm <= self.overhead * c.compute:
+                return v, c
+        return costs[-1]
+
+    def cost(self, ctx: Ctx) -> Cost:
+        return self.pick(ctx)[1]
+
+    def describe(self) -> str:
+        return (f"{self.knob} picked from {', '.join(str(v) for v, _ in self.steps)} (exposed communication <= "
+                f"{self.overhead:.0%} of compute): {self.steps[0][1].describe()}")

@@ -84,6 +84,14 @@ class DCTReplicator(Replicator):
         self._any_layout: dict[Segments, BlockLayout] = {}
         self._workspaces: dict[tuple[Segments, str, torch.dtype], _Workspace] = {}
 
+    def set_topk(self, topk: int) -> None:
+        """Send ``topk`` coefficients per block from the next extraction on (DeMo's ``--adapt``): the momentum (the
+        DCT coefficients) does not depend on k, only the buffers of the picked values and positions, rebuilt."""
+        check_int("topk", topk, 1, self.chunk * self.chunk)
+        if topk != self.topk:
+            self.topk = topk
+            self._workspaces.clear()
+
     def layout(self, segments: Segments, device: torch.device | str | None = None) -> BlockLayout:
         """Block layout of ``segments`` on ``device`` (cached); ``None``: any device already built (for
         metadata only), else CPU."""

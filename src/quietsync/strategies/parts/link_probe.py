@@ -1,0 +1,66 @@
+"""What ``--adapt`` decides from, measured during the run and agreed over the workers (a piece every adapting
+strategy holds: DiLoCo's H and bits, DeMo's top-k).
+
+* **The link**: bytes/s of the exchanges completed on the strategy's group since the last decision -- bytes this
+  worker sent there over the seconds those transfers took, from the transport's meter (on an emulated link the
+  emulation's time, on a real one the wire's).
+* **The step**: the median main-thread compute seconds of this worker's last ``window`` steps (one step slowed by
+  a neighbour on a shared machine, or the first step's warm-up, moves it little; a worker slower throughout moves
+  it all).
+
+The workers agree on both on the transport's control group (the fastest link any worker saw -- a worker that
+reached the exchange first also waited for the others, which the slowest-arriving one did not -- and the slowest
+worker's step, which a synchronous exchange waits for), so every worker takes the same decision.
+:func:`moved` is the hysteresis shared by the controllers: re-pick only when the measured ratio of exchange to
+step time moved by more than a threshold since the last pick.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from typing import Any
+
+__all__ = ["LinkProbe", "moved"]
+
+
+class LinkProbe:
+    """The link and step measurements of one adapting strategy (module docstring).
+
+    Args:
+        transport: the transport (its meter, and its control group for the agreement).
+        group: the group whose exchanges measure the link.
+        window: steps whose median compute is the step time.
+    """
+
+    def __init__(self, transport: Any, group: str, window: int) -> None:
+        self.transport, self.group = transport, group
+        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+        self._mark = self._meter()
+
+    def _meter(self) -> tuple[float, float]:
+        v = self.transport.meter.snapshot().get(self.group, {})
+        return float(v.get("sent", 0.0)), float(v.get("seconds", 0.0))
+
+    def step_done(self, compute_s: float) -> None:
+        """Count one step of ``compute_s`` main-thread compute seconds."""
+        self._recent.append(compute_s)
+
+    def measure(self) -> tuple[float, float]:
+        """``(bandwidth bytes/s, step seconds)`` agreed over the workers (a collective on the control group: every
+        worker calls it at the same steps), the link over the exchanges since the last call (0 when none
+        completed)."""
+        sent, seconds = self._meter()
+        d_sent, d_seconds = sent - self._mark[0], seconds - self._mark[1]
+        local_bw = d_sent / d_seconds if d_seconds > 0 and d_sent > 0 else 0.0
+        local_step = statistics.median(self._recent) if self._recent else 0.0
+        bandwidth = self.transport.agree(local_bw, "max")
+        step_s = self.transport.agree(local_step, "max")
+        self._mark = (sent, seconds)
+        return bandwidth, step_s
+
+
+def moved(ratio: float, last: float | None, threshold: float) -> bool:
+    """Whether ``ratio`` moved by more than the factor ``1 + threshold`` from ``last`` (None: no pick yet, so
+    yes)."""
+    return last is None or not 1 / (1 + threshold) <= ratio / last <= 1 + threshold
