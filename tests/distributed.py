@@ -23,8 +23,13 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from quietsync.cli import launch as _launch
+
+_PRELOAD = ["torch", "quietsync", "tests.worker_preload"]
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "quietsync", "tests.worker_preload"])  # what workers import, imported once
+_CTX.set_forkserver_preload(_PRELOAD)  # what workers import, imported once
+# quietsync's own launcher, called in this process, starts the same (one per process) forkserver: the same modules
+_launch.FORKSERVER_PRELOAD[:] = list(dict.fromkeys([*_launch.FORKSERVER_PRELOAD, *_PRELOAD]))
 
 
 def interruptible() -> None:
