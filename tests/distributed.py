@@ -13,7 +13,9 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_mod
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -21,8 +23,13 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from quietsync.cli import launch as _launch
+
+_PRELOAD = ["torch", "quietsync", "tests.worker_preload"]
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "quietsync", "tests.worker_preload"])  # what workers import, imported once
+_CTX.set_forkserver_preload(_PRELOAD)  # what workers import, imported once
+# quietsync's own launcher, called in this process, starts the same (one per process) forkserver: the same modules
+_launch.FORKSERVER_PRELOAD[:] = list(dict.fromkeys([*_launch.FORKSERVER_PRELOAD, *_PRELOAD]))
 
 
 def interruptible() -> None:
@@ -85,8 +92,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     nodes = world_size if nodes is None else nodes
     results = _CTX.Queue()
     port = free_port()
+    # the workers meet through a file, not on that port: another process may take a free port before rank 0
+    # listens on it (EADDRINUSE), which a file cannot suffer (a test's own rendezvous in env wins)
+    meeting = tempfile.mkdtemp(prefix="quietsync-ranks-")
+    env = {"QUIETSYNC_RENDEZVOUS": f"file://{meeting}/rendezvous", **(env or {})}
     procs = [
-        _CTX.Process(target=_worker, args=(r, world_size, nodes, port, fn, args, results, dict(env or {})),
+        _CTX.Process(target=_worker, args=(r, world_size, nodes, port, fn, args, results, env),
                      daemon=True)
         for r in range(world_size)
     ]
@@ -116,6 +127,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        shutil.rmtree(meeting, ignore_errors=True)
     if expect_failure:
         out = {}
         for r in range(world_size):

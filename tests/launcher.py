@@ -1,7 +1,7 @@
 """The local launcher of quietsync with forked workers, for tests whose claim is not about the launcher itself.
 
-:func:`quietsync.cli.launch.launch` spawns each local worker as a fresh interpreter, which imports torch,
-transformers and the training loop (seconds of CPU per worker). :func:`launch_forked` does what it does —
+:func:`quietsync.cli.launch.launch` forks its local workers from a forkserver of its own, which imports torch
+and the training loop once per launching process (seconds of CPU). :func:`launch_forked` does what it does —
 ``fn(*args)`` on ``nproc`` workers, each running :func:`quietsync.cli.launch.run_local_worker` (torchrun's
 environment, loopback gloo, the file rendezvous, the failure note), the launcher's
 :class:`~quietsync.cli.launch.WorkerFailed` for the worker that failed first, a world of one in this process
@@ -10,9 +10,9 @@ worker's standard output and error are copied to this process's, by rank, when t
 
 ``with forked_launcher(): ...`` makes every ``quietsync`` entry point that launches workers (``quietsync
 train``, ``compare``, ``plan``) use it; the ``forked_launch`` fixture (tests/conftest.py) does the same for one
-test. What it does not exercise — spawning, signals, a killed launcher, the death signal — is tested through real
-subprocesses (tests/cli/test_launch.py, tests/faults, tests/train/test_cli_smoke.py, which also checks that a
-forked run equals a spawned one step for step).
+test. What it does not exercise — the launcher's forkserver, signals, a killed launcher, the death signal — is
+tested through real subprocesses (tests/cli/test_launch.py, tests/faults, tests/train/test_cli_smoke.py, which
+also checks that a run through the tests' forkserver equals the launcher's own step for step).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 
 @pytest.mark.timeout(300)
 def test_cli_two_workers_smoke(tmp_path):
-    """The command as a user runs it (spawned workers), end to end; then the same job through the tests' forked
-    harness (tests/train/_run.train, used by the other whole-run tests) gives the same run, step for step."""
+    """The command as a user runs it (the launcher's own workers), end to end; then the same job through the
+    tests' forked harness (tests/train/_run.train, used by the other whole-run tests) gives the same run, step for
+    step."""
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     env.update(OFFLINE)

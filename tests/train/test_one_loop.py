@@ -7,6 +7,7 @@ the same steps in a plain run and in a torchft run, and their step records share
 from __future__ import annotations
 
 import ast
+import csv
 import inspect
 import json
 from pathlib import Path
@@ -89,7 +90,8 @@ def _run(tmp_path: Path, name: str, *mode: str) -> tuple[list[dict], list[dict],
     flags = small_job(tmp_path, nproc=2)
     flags[flags.index("--eval-every") + 1] = "2"
     proc = train_subprocess(*flags, "--strategy", "ddp", "--max-steps", "5", "--profile-steps", "2:3",
-                            "--timeout-s", "60", "--threads", "1", "--out", str(out), *mode, timeout=200)
+                            "--log-with", "csv", "--timeout-s", "60", "--threads", "1", "--out", str(out), *mode,
+                            timeout=200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     lines = [json.loads(x) for x in (out / "metrics-rank0.jsonl").read_text().splitlines()]
     return [r for r in lines if r.get("event") == "eval"], [r for r in lines if "event" not in r], out
@@ -107,6 +109,12 @@ def test_a_loop_feature_fires_alike_in_a_fixed_world_and_under_a_torchft_quorum(
     for out in (plain, ft):
         trace = json.loads((out / "profile-rank0.json").read_text())
         assert trace.get("traceEvents"), out
+    # the --log-with sink: every record of rank 0 as a CSV row, in both
+    for out, steps, evals in ((plain, plain_steps, plain_evals), (ft, ft_steps, ft_evals)):
+        with open(out / "metrics-rank0.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert [int(r["step"]) for r in rows if r.get("eval/loss")] == [e["step"] for e in evals], out
+        assert [int(r["step"]) for r in rows if r.get("loss")] == [r["step"] for r in steps], out
     # the loop's own record fields, in both; the torchft quorum adds its own
     loop_fields = set(plain_steps[0])
     assert loop_fields <= set(ft_steps[0])

@@ -148,3 +148,24 @@ def test_tensorboard_on_resume_hides_the_earlier_writers_events(tmp_path):
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 10.0), (2, 20.0)]
+
+
+def test_csv_sink_appends_under_its_header_and_keeps_earlier_rows_when_it_grows(tmp_path):
+    """A restarted torchft replica continues its CSV: the earlier rows stay, new ones follow under the same header,
+    and a key new to the file rewrites it with every row so far (a row cut short by a kill stays, alone)."""
+    path = tmp_path / "m.csv"
+    first = CSVSink(path)
+    first.log({"step": 1, "loss": 5.0}, 1)
+    first.log({"step": 2, "loss": 4.5}, 2)
+    first.close()
+    with open(path, "a") as f:
+        f.write("3,4.")  # killed mid-row
+    again = CSVSink(path, append=True)
+    again.log({"step": 4, "loss": 4.0}, 4)
+    assert path.read_text().splitlines() == ["step,loss", "1,5.0", "2,4.5", "3,4.", "4,4.0"]
+    again.log({"step": 5, "loss": 3.9, "members": 2}, 5)
+    again.close()
+    assert path.read_text().splitlines() == ["step,loss,members", "1,5.0,", "2,4.5,", "3,4.,", "4,4.0,", "5,3.9,2"]
+    fresh = CSVSink(path)  # without append: a new file
+    fresh.close()
+    assert path.read_text() == ""

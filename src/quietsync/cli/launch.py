@@ -4,8 +4,10 @@
   unchanged, across as many nodes as torchrun spans; ``--nproc`` is ignored. A worker started by torchrun's
   agent dies with it (the same parent-death signal as below): a node whose agent is killed leaves no worker
   behind, which matters to elastic runs (a stray worker could still be writing a checkpoint).
-* Otherwise, with ``nproc > 1``, :func:`launch` spawns ``nproc`` local workers (``torch.multiprocessing``,
-  *spawn* start method) on a free local port, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+* Otherwise, with ``nproc > 1``, :func:`launch` starts ``nproc`` local workers (``torch.multiprocessing``,
+  *forkserver* start method: one fresh interpreter imports torch and the job's module once, and each worker is
+  forked from it, with the launcher's environment and working directory, as *spawn* would give it; *spawn* where
+  the platform has no forkserver) on a free local port, with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun would; gloo on CPU, bound to
   the loopback interface, with a file-based rendezvous (no store listening on the network). If one worker fails, the
   others are terminated and :class:`WorkerFailed` names
@@ -24,10 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -79,23 +83,76 @@ def note_failure() -> None:
             os.replace(part, path)
 
 
+FORKSERVER_PRELOAD: list[str] = ["torch"]
+"""Modules the local workers' forkserver imports once before it forks them (the job function's own module is
+added at each launch): what every worker would otherwise import afresh."""
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of ``pid`` (Linux ``/proc``), None where it cannot be read."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _die_with_launcher(launcher_pid: int) -> None:
-    """Ask the kernel to SIGTERM this worker when its launcher dies (Linux ``PR_SET_PDEATHSIG``), so a
-    ``kill -9`` of ``quietsync train`` leaves no worker training on; exit at once if it is already gone."""
-    if sys.platform.startswith("linux"):
+    """SIGTERM this worker when its launcher dies, so a ``kill -9`` of ``quietsync train`` leaves no worker
+    training on; exit at once if the launcher is already gone.
+
+    A worker whose parent is the launcher (torchrun's agent) asks the kernel (Linux ``PR_SET_PDEATHSIG``). A worker
+    forked from the launcher's forkserver cannot: the forkserver outlives the launcher as long as any of its
+    children lives (each holds the end of the pipe whose closing tells it to exit), so the worker watches the
+    launcher itself (a pidfd, which becomes readable when the process ends)."""
+    parent = os.getppid()
+    if parent == launcher_pid:
+        if not sys.platform.startswith("linux"):
+            return  # no prctl: the peers' timeout still ends the job
         try:
             import ctypes
 
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):  # no libc prctl: the peers' timeout still ends the job
-            pass
-    if os.getppid() != launcher_pid:
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != launcher_pid:  # it died before it was asked: the signal will never come
+            os._exit(1)
+        return
+    try:
+        watched: int | None = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:
         os._exit(1)
+    except (OSError, AttributeError):  # no pidfd (kernel < 5.3, not Linux): look every half second instead
+        watched = None
+    if _parent_of(parent) not in (launcher_pid, None):  # the pid is not (or no longer) our forkserver's launcher
+        os._exit(1)
+
+    def watch() -> None:
+        if watched is not None:
+            select.select([watched], [], [])
+        else:
+            while _alive(launcher_pid):
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="quietsync-launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, errors: str,
-            launcher_pid: int) -> None:
+            launcher_pid: int, environ: dict[str, str] | None = None) -> None:
     _die_with_launcher(launcher_pid)
+    if environ is not None:  # a forkserver's child starts with the forkserver's environment: take the launcher's
+        os.environ.clear()
+        os.environ.update(environ)
     run_local_worker(local_rank, fn, args, nproc, port, errors)
 
 
@@ -130,12 +187,19 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
         _die_with_launcher(os.getppid())  # torchrun's agent: a node whose agent is killed takes its workers along
     if under_torchrun() or nproc <= 1:
         return fn(*args)
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     _quiet_teardown()
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        # set before the server starts (its first use in this process); later launches reuse it as it is
+        multiprocessing.get_context(method).set_forkserver_preload(list(dict.fromkeys(
+            [*FORKSERVER_PRELOAD, *([fn.__module__] if fn.__module__ != "__main__" else [])])))
     with tempfile.TemporaryDirectory(prefix="quietsync-launch-") as errors:
-        worker_args = (fn, args, nproc, free_port(), errors, os.getpid())
-        context = mp.start_processes(_worker, args=worker_args, nprocs=nproc, join=False, start_method="spawn")
+        worker_args = (fn, args, nproc, free_port(), errors, os.getpid(), dict(os.environ))
+        context = mp.start_processes(_worker, args=worker_args, nprocs=nproc, join=False, start_method=method)
         try:
             while not _wait_for_workers(context, errors):
                 pass

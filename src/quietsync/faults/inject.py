@@ -28,6 +28,12 @@ is committed and saved, write its pid to ``DIR/rank{R}.pid`` and wait until ``DI
 :data:`HOLD_LIMIT_S`): a test knows which process is which worker, and signals one at a known point of the run
 while the others wait there, whatever the machine's load.
 
+``QUIETSYNC_KILL_MID_WRITE=RANK:STEP:MARKER`` makes the worker of rank ``RANK`` (a fixed or torchrun world), once it
+has written its rank file of the checkpoint of step ``STEP`` under its temporary name, cut that file to half its
+bytes and die (``SIGKILL``), as a worker killed in the middle of the write leaves it; it first creates the file
+``MARKER``, and does nothing where ``MARKER`` exists, so the worker restarted in its place writes that checkpoint
+whole.
+
 Nothing happens without the variables (one dictionary lookup per point).
 """
 
@@ -43,6 +49,7 @@ HOLD_ENV = "QUIETSYNC_FT_HOLD"
 READY_ENV = "QUIETSYNC_FT_READY"
 NONFINITE_ENV = "QUIETSYNC_FT_NONFINITE"
 PAUSE_ENV = "QUIETSYNC_PAUSE"
+MID_WRITE_ENV = "QUIETSYNC_KILL_MID_WRITE"
 HOLD_LIMIT_S = 300.0
 POINTS = ("exchange", "heal_send", "step")
 HOLD_POINTS = ("step", "heal_send")
@@ -117,6 +124,24 @@ def pause(step: int, rank: int) -> None:
     deadline = time.monotonic() + HOLD_LIMIT_S
     while not os.path.exists(go) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def mid_write(tmp: str | os.PathLike, step: int, rank: int) -> None:
+    """``tmp`` holds this worker's whole rank file of step ``step``: if ``QUIETSYNC_KILL_MID_WRITE`` names this
+    rank and step (and its marker is not there yet), leave the file half-written and die with SIGKILL."""
+    spec = os.environ.get(MID_WRITE_ENV, "")
+    if not spec:
+        return
+    who, _, rest = spec.partition(":")
+    when, _, marker = rest.partition(":")
+    if not who.isdigit() or not when.isdigit() or not marker:
+        raise ValueError(f"{MID_WRITE_ENV} must be RANK:STEP:MARKER, got {spec!r}")
+    if (int(who), int(when)) != (rank, step) or os.path.exists(marker):
+        return
+    with open(marker, "a"):
+        pass
+    os.truncate(tmp, os.path.getsize(tmp) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def ready() -> None:

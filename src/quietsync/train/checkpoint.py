@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..faults.inject import mid_write
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 """Names of step folders under ``OUT/checkpoints``."""
 
@@ -78,6 +80,7 @@ def save_checkpoint(out: str | os.PathLike, step: int, rank: int, payload: dict[
     path = rank_file(folder, rank)
     tmp = path.with_name(f"{path.name}.tmp")
     torch.save(payload, tmp)
+    mid_write(tmp, step, rank)  # a test's fault: nothing without its environment variable
     os.replace(tmp, path)
     return path
 

@@ -32,6 +32,7 @@ The replica group whose rank-0 replica leads the final quorum writes ``summary.j
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -65,6 +66,7 @@ from .nonfinite import NonFiniteError
 from .preflight import data_problem
 from .replica_nonfinite import ReplicaNonFinite, dropped_in, finite_flag
 from .schedule import warmup_cosine
+from .sinks import open_sinks
 from .window_dealer import WindowDealer
 
 HOST_ENV = "QUIETSYNC_FT_HOST"
@@ -297,7 +299,9 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         quorum.register("run", lambda: dict(state), state.update)
         quorum.on_commit(dealer.commit)
         quorum.async_join = cfg.async_join and async_join_problem(strategy) is None
-        metrics = MetricsWriter(cfg.out, transport.topology.rank, append=True)
+        metrics = MetricsWriter(cfg.out, transport.topology.rank, append=True, sinks=open_sinks(
+            cfg.log_with, cfg.out, transport.topology.rank, append=True,
+            config={"config": dataclasses.asdict(cfg), "strategy_config": dataclasses.asdict(strategy.config)}))
         marks["ready"] = time.time()
         hold(0)
         ready()

@@ -14,7 +14,10 @@ Who writes what (under ``--out``):
   config, files under ``wandb/``; ``WANDB_MODE=offline`` logs without a network (``wandb sync`` later).
 
 On ``--resume`` each sink is rebuilt from the records the JSONL keeps (TensorBoard hides its earlier
-events, so a crashed run's steps past the checkpoint do not show twice; W&B starts a new run).
+events, so a crashed run's steps past the checkpoint do not show twice; W&B starts a new run). Under
+``--fault-tolerance torchft`` a replica that restarts continues its sinks (no step is taken back there): its CSV
+rows follow the earlier ones, its TensorBoard events go to a new file beside the earlier ones, and a restarted
+rank 0 starts a new W&B run.
 """
 
 from __future__ import annotations
@@ -129,39 +132,60 @@ def csv_path(out: str | os.PathLike, rank: int) -> Path:
 
 
 class CSVSink:
-    """``metrics-rank{R}.csv``: one row per record, one column per flat key (empty where a row has none)."""
+    """``metrics-rank{R}.csv``: one row per record, one column per flat key (empty where a row has none).
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    Each row is written and flushed as it comes. A record that brings a new key rewrites the file under the
+    grown header (the rows so far read back from it). With ``append`` a file already there is continued under
+    its own header (a replica restarted under ``--fault-tolerance torchft``: its earlier steps stay); otherwise
+    the file starts empty."""
+
+    def __init__(self, path: str | os.PathLike, append: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.columns: list[str] = []
-        self.rows: list[dict[str, Any]] = []
         self._f: io.TextIOWrapper | None = None
-        self._rewrite()
+        if append and self.path.exists() and self.path.stat().st_size:
+            with open(self.path, encoding="utf-8", newline="") as f:
+                self.columns = next(csv.reader(f), [])
+            self._f = open(self.path, "a", encoding="utf-8", newline="")
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            if cut:  # a process killed mid-row: its partial row stays, short, on its own line
+                self._f.write("\n")
+        else:
+            self._rewrite([])
 
     @staticmethod
     def _cell(value: Any) -> Any:
         return "" if value is None else value
 
-    def _rewrite(self) -> None:
+    def _rows(self) -> list[dict[str, Any]]:
+        """The rows written so far (their cells as the text written)."""
+        if self._f is not None:
+            self._f.flush()
+        with open(self.path, encoding="utf-8", newline="") as f:
+            return list(csv.DictReader(f))
+
+    def _rewrite(self, rows: list[dict[str, Any]]) -> None:
         if self._f is not None:
             self._f.close()
         self._f = open(self.path, "w", encoding="utf-8", newline="")
         writer = csv.writer(self._f)
         if self.columns:
             writer.writerow(self.columns)
-            for row in self.rows:
+            for row in rows:
                 writer.writerow([self._cell(row.get(c)) for c in self.columns])
         self._f.flush()
 
     def log(self, record: dict[str, Any], step: int) -> None:
         row = dict(record)
         row.setdefault("step", step)
-        self.rows.append(row)
         new = [k for k in row if k not in self.columns]
         if new:
+            rows = self._rows() if self.columns else []
             self.columns += new
-            self._rewrite()
+            self._rewrite([*rows, row])
             return
         assert self._f is not None
         csv.writer(self._f).writerow([self._cell(row.get(c)) for c in self.columns])
@@ -224,15 +248,17 @@ def open_sinks(
     rank: int,
     *,
     resume: bool = False,
+    append: bool = False,
     config: dict[str, Any] | None = None,
 ) -> list[MetricsSink]:
-    """The sinks of ``--log-with`` for worker ``rank`` (TensorBoard and W&B on rank 0 only)."""
+    """The sinks of ``--log-with`` for worker ``rank`` (TensorBoard and W&B on rank 0 only); ``append``: continue
+    what a previous process of this worker wrote (a CSV file under its header, TensorBoard's events beside it)."""
     chosen = parse_log_with(names if names is None or isinstance(names, str) else list(names))
     sinks: list[MetricsSink] = []
     try:
         for name in chosen:
             if name == "csv":
-                sinks.append(CSVSink(csv_path(out, rank)))
+                sinks.append(CSVSink(csv_path(out, rank), append=append))
             elif name == "tensorboard" and rank == 0:
                 sinks.append(TensorBoardSink(Path(out) / TENSORBOARD_DIR, resume=resume, config=config))
             elif name == "wandb" and rank == 0:
