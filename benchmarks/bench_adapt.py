@@ -155,6 +155,11 @@ def main() -> None:
     ap.add_argument("--pilot-tokens", type=int, default=131072, help="time_to_target: the plan's pilot budget")
     args = ap.parse_args()
     if args.objective == "time_to_target":
+        overhead_only = [f for f, on in (("--real-link", args.real_link), ("--static-sync-every",
+                         args.static_sync_every is not None), ("--adapt-knobs", args.adapt_knobs != "H"),
+                         ("--repeats", args.repeats != 1)) if on]
+        if overhead_only:
+            ap.error(f"{overhead_only[0]} is a flag of --objective overhead (time_to_target: --seeds, the plan's H)")
         return main_plan(args)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_adapt_"))
     T = args.seconds
