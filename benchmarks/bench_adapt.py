@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--plan-seed", type=int, default=0, help="time_to_target: the plan's pilots' seed")
     ap.add_argument("--target-loss", type=float, default=5.4, help="time_to_target: the plan's target")
     ap.add_argument("--pilot-tokens", type=int, default=131072, help="time_to_target: the plan's pilot budget")
+    ap.add_argument("--results", default="adapt_plan", help="time_to_target: results/NAME.{md,json}")
     args = ap.parse_args()
     if args.objective == "time_to_target":
         overhead_only = [f for f, on in (("--real-link", args.real_link), ("--static-sync-every",
@@ -315,7 +316,7 @@ def main_plan(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     T = args.seconds
     uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
-    earlier = RESULTS / "adapt_plan.json"
+    earlier = RESULTS / f"{args.results}.json"
     if args.reuse and earlier.exists():  # the arms read back ran under the load an earlier invocation recorded
         uptime = json.loads(earlier.read_text()).get("uptime", []) + uptime
     print(f"work {work}; {uptime[-1]}", flush=True)
@@ -361,7 +362,7 @@ def main_plan(args: argparse.Namespace) -> None:
               "runs": [{"name": r["name"], "flags": r["flags"], "steps": r["steps"], "wall_s": r["wall_s"],
                         "evals": evals(r), "changes": changes(r), **costs(r, T)} for r in runs]}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "adapt_plan.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / f"{args.results}.json").write_text(json.dumps(result, indent=1) + "\n")
     table = []
     for label, what in (("drop", "drop: static / adapt"), ("steady", "steady: adapt / static")):
         for p in pairs[label]:
@@ -392,7 +393,7 @@ def main_plan(args: argparse.Namespace) -> None:
         c = costs(r, T)
         per_arm.append(f"| {r['name']} | {c['steps']} | {c['idle_s']:.1f} | {c['idle_middle_third_s']:.1f} | "
                        f"{c['median_step_compute_s']:.3f} | {c['mb_sent']:.1f} |")
-    write_markdown("adapt_plan", "diloco --adapt (time to target) against the plan's static pick at the start",
+    write_markdown(args.results, "diloco --adapt (time to target) against the plan's static pick at the start",
                    ["pair", "seed", "target loss", "a s", "b s", "a / b", "f", "ceiling"], table,
                    notes + "\n".join(per_arm))
     print(json.dumps({k: result[k] for k in ("drop_median_ratio", "steady_median_ratio", "drop", "steady")},
