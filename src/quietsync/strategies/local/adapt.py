@@ -30,9 +30,10 @@ same tokens at every H and dtype) and the tokens to the target of each candidate
 plan's tokens-to-target column for the DiLoCo rows at those knobs -- a pilot's measurement or the papers' prior),
 the tokens of a pair (H, dtype) the product of its H's and its dtype's (an assumption: the two effects
 independent). The pick is the pair of least predicted time. So on the link the plan was made for, the controller
-picks what the plan picked (the same objective, the same inputs up to the measurement), and on a link that drops
-it picks what the plan would have picked for that link: a larger H or fewer bits only where the time it saves on
-the wire outweighs the tokens it costs.
+picks what the plan picked where the run's measured step agrees with the plan's prediction (the plan corrects each
+row's speed by what its pilot measured, the controller by what the run measures), and on a link that drops it
+picks what the plan would have picked for that link: a larger H or fewer bits only where the time it saves on the
+wire outweighs the tokens it costs.
 
 **The bits** (``adapt_knobs`` with ``bits``; candidates ``adapt_pseudo_grad_dtype``, most bits first): the same cost
 model prices each (H, dtype) pair by the bytes of its sync (fp32 4 B, bf16 2 B, int8 1 B per value, packed
