@@ -18,7 +18,9 @@ pair, the **ceiling** of any adapt there: the static arm's steps per second outs
 gives ``3 / (2 + 1/f)`` -- the ratio an adapt that kept the fast link's speed and loss per token through the drop
 would reach when the target is the static run's end (the last third runs at the same speed in both).
 
-    python benchmarks/bench_adapt.py --sync-every 4 --seconds 75 --seeds 1,2   # writes results/adapt_plan.{md,json}
+    python benchmarks/bench_adapt.py --sync-every 4 --seconds 75 --seeds 1,2,3,4 --target-loss 5.2  # adapt_plan.*
+    python benchmarks/bench_adapt.py --sync-every 8 --seconds 75 --seeds 1,2 --target-loss 5.2 \
+        --pilot-tokens 262144 --results adapt_plan_h8                                            # adapt_plan_h8.*
 
 **``--objective overhead``** (``results/adapt.{md,json}``, ``adapt_H_bits.*``): the controller's overhead rule
 against the H that same rule picks first on the steady link. Arms (2 workers, one per node, one torch thread each,
