@@ -343,6 +343,12 @@ def test_a_link_schedule_is_a_link():
      "--adapt-knobs bits needs outer sgd"),
     (["--strategy", "diloco", "--adapt-knobs", "bits"], "--adapt-knobs needs --adapt"),
     (["--strategy", "diloco", "--adapt-every", "3"], "--adapt-every needs --adapt"),
+    (["--strategy", "diloco", "--adapt", "--adapt-objective", "time_to_target"],
+     "--adapt-tokens must give the tokens to the target of every candidate"),
+    (["--strategy", "diloco", "--adapt", "--adapt-objective", "time_to_target", "--adapt-tokens", "16:x"],
+     "--adapt-tokens must be KNOB:TOKENS"),
+    (["--strategy", "diloco", "--adapt", "--adapt-objective", "fast"], "--adapt-objective must be one of overhead"),
+    (["--strategy", "diloco", "--adapt-objective", "time_to_target"], "--adapt-objective needs --adapt"),
 ])
 def test_adapt_is_refused_where_it_cannot_work(argv, expect, capsys):
     with pytest.raises(SystemExit) as e:

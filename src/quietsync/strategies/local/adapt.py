@@ -22,6 +22,19 @@ sync fits the budget again; when it recovers, H comes back down. The controller 
 ratio of sync to step time moved by more than ``adapt_threshold`` since its last pick (the first decision always
 picks), so a shared machine's noise in the step time does not flip H back and forth.
 
+**The objective** (``adapt_objective``). ``overhead`` (the default) is the rule above: a fixed budget on the
+sync's share, no model of the loss. ``time_to_target`` is the planner's objective (:mod:`quietsync.plan`): the
+predicted time to the target loss, **tokens to the target × seconds per token**, where the seconds per token are
+``(1 + exposed/compute)`` times the compute's (the same cost model on the measured link and step; a step holds the
+same tokens at every H and dtype) and the tokens to the target of each candidate are given (``adapt_tokens``: the
+plan's tokens-to-target column for the DiLoCo rows at those knobs -- a pilot's measurement or the papers' prior),
+the tokens of a pair (H, dtype) the product of its H's and its dtype's (an assumption: the two effects
+independent). The pick is the pair of least predicted time. So on the link the plan was made for, the controller
+picks what the plan picked where the run's measured step agrees with the plan's prediction (the plan corrects each
+row's speed by what its pilot measured, the controller by what the run measures), and on a link that drops it
+picks what the plan would have picked for that link: a larger H or fewer bits only where the time it saves on the
+wire outweighs the tokens it costs.
+
 **The bits** (``adapt_knobs`` with ``bits``; candidates ``adapt_pseudo_grad_dtype``, most bits first): the same cost
 model prices each (H, dtype) pair by the bytes of its sync (fp32 4 B, bf16 2 B, int8 1 B per value, packed
 low-bit codes with their block scales); the pick is the smallest H, and at it the dtype with the most bits, whose
@@ -72,12 +85,12 @@ from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...transport import Transport
-from ...validate import check_float, check_int
+from ...validate import check_choice, check_float, check_int
 from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES
 from ..parts.link_probe import LinkProbe, moved
 from ..parts.part import Part
 from . import cost
-from .adapt_bits import bits_candidates, parse_knobs
+from .adapt_bits import BITS, bits_candidates, parse_knobs
 from .fragments import FragmentSchedule
 
 
@@ -107,6 +120,15 @@ class AdaptConfig:
     adapt_pseudo_grad_dtype: str = ""
     """With adapt bits: the candidate pseudo-gradient dtypes, most bits first, including pseudo_grad_dtype (e.g.
     fp32,bf16,fp4,int2); default: pseudo_grad_dtype, then fp4 and int2 where they have fewer bits."""
+    adapt_objective: str = "overhead"
+    """With adapt: what a pick minimizes. overhead: the smallest H (then the most bits) whose sync adds at most
+    adapt_overhead of the compute; time_to_target: the predicted time to the target loss, tokens to the target
+    (adapt_tokens) x seconds per token on the measured link and step -- the planner's objective."""
+    adapt_tokens: str = ""
+    """With adapt_objective time_to_target: each candidate's tokens to the target loss (any common scale), as
+    KNOB:TOKENS comma-separated, KNOB an H or a dtype (e.g. 16:1.0,32:1.12,64:1.3,fp4:1.0) -- the plan's tokens
+    to the target of the DiLoCo rows at those knobs; every candidate of an adapted knob listed. A candidate (H,
+    dtype) costs the product of its H's and its dtype's."""
 
     def adapted_knobs(self) -> tuple[str, ...]:
         """The knobs ``adapt`` re-picks (checked; none without ``adapt``)."""
@@ -119,6 +141,25 @@ class AdaptConfig:
         check_float("adapt_threshold", self.adapt_threshold, 0)
         check_int("adapt_window", self.adapt_window, 1)
         parse_knobs(self.adapt_knobs)
+        check_choice("adapt_objective", self.adapt_objective, OBJECTIVES)
+        parse_tokens(self.adapt_tokens)
+
+    def token_factors(self, candidates: tuple[int, ...],
+                      dtypes: tuple[str, ...]) -> dict[tuple[int, str], float] | None:
+        """Tokens to the target of each candidate (H, dtype) under ``adapt_objective`` time_to_target (None under
+        overhead), checked: every candidate of an adapted knob needs its entry in ``adapt_tokens``."""
+        if self.adapt_objective != "time_to_target":
+            return None
+        given = parse_tokens(self.adapt_tokens)
+        needed = ([str(h) for h in candidates] if len(candidates) > 1 else []) + (list(dtypes) if len(dtypes) > 1
+                                                                                 else [])
+        missing = [k for k in needed if k not in given]
+        if not given or missing:
+            raise ValueError(f"adapt_tokens must give the tokens to the target of every candidate "
+                             f"({','.join(needed)}) with adapt_objective time_to_target, e.g. "
+                             f"{','.join(f'{k}:1.0' for k in needed)}; missing {','.join(missing) or 'all'}")
+        return {(h, d): (given[str(h)] if len(candidates) > 1 else 1.0) * (given[d] if len(dtypes) > 1 else 1.0)
+                for h in candidates for d in dtypes}
 
     def adapt_candidates(self, sync_every: int, fragments: int, overlap_delay: int) -> tuple[int, ...]:
         """The candidate H values, checked (raises ValueError naming the knob and the allowed form)."""
@@ -149,6 +190,29 @@ class AdaptConfig:
             raise ValueError(f"adapt_sync_every values must be >= overlap_delay ({overlap_delay}: a fragment in "
                              f"flight is merged before the next launch), got {','.join(map(str, too_short))}")
         return values
+
+
+OBJECTIVES = ("overhead", "time_to_target")
+"""What ``adapt_objective`` may name."""
+
+
+def parse_tokens(text: str) -> dict[str, float]:
+    """``adapt_tokens`` as {knob: tokens} (knob an H as written, or a dtype), checked (raises ValueError naming the
+    form)."""
+    out: dict[str, float] = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        key, _, value = item.partition(":")
+        key = key.strip()
+        try:
+            tokens = float(value)
+        except ValueError:
+            tokens = math.nan
+        is_h = key.isdigit() and int(key) >= 1
+        if not (is_h or key in BITS) or not math.isfinite(tokens) or tokens <= 0 or key in out:
+            raise ValueError(f"adapt_tokens must be KNOB:TOKENS, comma-separated, KNOB an H (>= 1) or a dtype among "
+                             f"{', '.join(BITS)}, each once, TOKENS > 0 (e.g. 16:1.0,32:1.1), got {text!r}")
+        out[str(int(key)) if is_h else key] = tokens
+    return out
 
 
 @dataclass(frozen=True)
@@ -200,18 +264,35 @@ def predicted_share(workload: Workload, topo: Topology, cfg: Any, sync_every: in
 
 def pick_sync_every(workload: Workload, topo: Topology, cfg: Any, candidates: tuple[int, ...], current: int,
                     step_s: float, bandwidth: float, overhead: float, group: str,
-                    dtypes: tuple[str, ...] | None = None, current_dtype: str | None = None) -> Decision:
-    """The smallest candidate H, and at it the candidate dtype with the most bits (``dtypes``, most bits first;
-    default: cfg's only), whose predicted exposed communication is at most ``overhead`` of the compute (the largest
-    H with the fewest bits when none is); see the module docstring."""
+                    dtypes: tuple[str, ...] | None = None, current_dtype: str | None = None,
+                    tokens: dict[tuple[int, str], float] | None = None) -> Decision:
+    """The pick among the candidate (H, dtype) pairs (``dtypes``, most bits first; default: cfg's only).
+
+    Without ``tokens`` (``adapt_objective`` overhead): the smallest H, and at it the dtype with the most bits, whose
+    predicted exposed communication is at most ``overhead`` of the compute (the largest H with the fewest bits when
+    none is). With ``tokens`` (time_to_target: each pair's tokens to the target): the pair of least predicted time
+    to the target, ``tokens × (1 + exposed/compute)`` -- a step's tokens and compute are the same at every H and
+    dtype, so its time per token is ``(1 + share)`` times the compute's; ties go to the earlier pair. See the module
+    docstring."""
     link = LinkModel(bandwidth, 0.0)
     dtypes = dtypes or (cfg.pseudo_grad_dtype,)
     current_dtype = current_dtype or cfg.pseudo_grad_dtype
     pairs = [(h, d) for h in candidates for d in dtypes]
     shares = {(h, d): predicted_share(workload, topo, cfg, h, step_s, link, group, d) for h, d in pairs}
+    rate = f"{bandwidth * 8 / 1e6:.3g} Mbit/s, inner step {step_s * 1e3:.3g} ms"
+    knob = "sync_every" if len(dtypes) == 1 else ("pseudo_grad_dtype" if len(candidates) == 1
+                                                  else "sync_every/pseudo_grad_dtype")
+    if tokens is not None:
+        time = {p: tokens[p] * (1 + shares[p]) for p in pairs}
+        best = min(time.values())
+        # the first pair within rounding of the least: the order of the candidates breaks exact ties
+        new = next(p for p in pairs if time[p] <= best * (1 + 1e-9))
+        kept = time.get((current, current_dtype))  # the current pair is a candidate (the schedule holds no other)
+        why = (f"{rate}: least predicted time to target (tokens x{tokens[new]:.3g}, sync adds {shares[new]:.1%}"
+               + (f"; x{time[new] / kept:.3g} the time of keeping {current}/{current_dtype})" if kept else ")"))
+        return Decision(current, new[0], current_dtype, new[1], bandwidth, step_s, shares[new], why, knob)
     fits = [p for p in pairs if shares[p] <= overhead]
     new = fits[0] if fits else pairs[-1]
-    rate = f"{bandwidth * 8 / 1e6:.3g} Mbit/s, inner step {step_s * 1e3:.3g} ms"
     what = "H" if len(dtypes) == 1 else ("dtype" if len(candidates) == 1 else "H, then the most bits,")
     if fits:
         why = f"{rate}: smallest {what} whose sync adds <= {overhead:.0%} (predicted {shares[new]:.1%})"
@@ -219,8 +300,6 @@ def pick_sync_every(workload: Workload, topo: Topology, cfg: Any, candidates: tu
         why = f"{rate}: nothing keeps the sync under {overhead:.0%}; the cheapest ({shares[new]:.1%})"
         if len(dtypes) == 1:
             why = f"{rate}: no H keeps the sync under {overhead:.0%}; the largest ({shares[new]:.1%})"
-    knob = "sync_every" if len(dtypes) == 1 else ("pseudo_grad_dtype" if len(candidates) == 1
-                                                  else "sync_every/pseudo_grad_dtype")
     return Decision(current, new[0], current_dtype, new[1], bandwidth, step_s, shares[new], why, knob)
 
 
@@ -258,6 +337,8 @@ class SyncPeriod(Part):
         """The fragments' exchanges whose dtype a change of bits sets (:meth:`bind`)."""
         self._quiesce: Any = None
         self.workload = Workload.from_model(model, tokens_per_micro_batch=1, param_groups=param_groups)
+        self.tokens = config.token_factors(self.candidates, self.dtypes)
+        """Tokens to the target of each (H, dtype) under adapt_objective time_to_target (None: overhead)."""
         self.schedule = AdaptiveSchedule(config.sync_every)
         """The outer sync's schedule (the strategy's outer machinery runs on it)."""
         self.decisions: list[dict[str, Any]] = []
@@ -307,7 +388,7 @@ class SyncPeriod(Part):
             return None  # the link and the step moved too little since the last pick to re-pick
         decision = pick_sync_every(self.workload, self.transport.topology, self.config, self.candidates,
                                    self.sync_every, step_s, bandwidth, self.config.adapt_overhead, self.group,
-                                   self.dtypes, self.dtype)
+                                   self.dtypes, self.dtype, self.tokens)
         self._ratio = ratio
         self.decisions.append({**decision.record(step), "t": time.perf_counter()})
         if decision.new == decision.old and decision.new_dtype == decision.old_dtype:

@@ -62,15 +62,20 @@ class SpeedShares(Term):
 class AdaptedH(Term):
     """``--adapt``: the step at the H the run's controller picks on this link (:mod:`~quietsync.strategies.local.adapt`,
     ``pick_sync_every``'s rule) — the smallest candidate whose exposed communication is at most ``overhead`` of its
-    compute, else the largest. ``steps``: ``(H, the step at that H)``, smallest first. On a link that changes, each
-    steady stretch of it is costed with the H picked for it."""
+    compute, else the largest; with ``tokens`` (``adapt_objective`` time_to_target: each H's tokens to the target)
+    the H of least ``tokens × step time``. ``steps``: ``(H, the step at that H)``, smallest first. On a link that
+    changes, each steady stretch of it is costed with the H picked for it."""
 
     steps: tuple[tuple[int, Term], ...]
     overhead: float
+    tokens: tuple[float, ...] | None = None
 
     def pick(self, ctx: Ctx) -> tuple[int, Cost]:
         """The H picked on ``ctx``'s link, and the step's cost at it."""
         costs = [(h, t.cost(ctx)) for h, t in self.steps]
+        if self.tokens is not None:  # every H's step holds the same tokens: time to target ∝ tokens × step time
+            best = min(k * c.time for k, (_, c) in zip(self.tokens, costs))
+            return next((h, c) for k, (h, c) in zip(self.tokens, costs) if k * c.time <= best * (1 + 1e-9))
         for h, c in costs:
             if c.compute > 0 and c.exposed_comm <= self.overhead * c.compute:
                 return h, c
@@ -229,7 +234,9 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
         label += f" {cfg.pseudo_grad_dtype}"
     if cfg.adapt:  # the controller's candidates, each costed as a fixed-H run
         candidates = cfg.adapt_candidates(H, F, tau)
+        tokens = cfg.token_factors(candidates, (cfg.pseudo_grad_dtype,))
         step = AdaptedH(tuple((h, step if h == H else diloco(w, topo, dataclasses.replace(
-            cfg, sync_every=h, adapt=False), opt).step) for h in candidates), cfg.adapt_overhead)
+            cfg, sync_every=h, adapt=False), opt).step) for h in candidates), cfg.adapt_overhead,
+            None if tokens is None else tuple(tokens[(h, cfg.pseudo_grad_dtype)] for h in candidates))
         label += " adapt"
     return Schedule("diloco", label, (*inner_comms, *outer), step, memory, period=H, config=cfg)

@@ -114,9 +114,9 @@ class DiLoCoConfig(OuterConfig, AdaptConfig):
                              f"got {self.inner!r}")
         self.check_adapt_knobs()
         if self.adapt:
-            self.adapt_candidates(self.sync_every, self.fragments, self.overlap_delay)
-            if "bits" in self.adapted_knobs():
-                bits_candidates(self)
+            candidates = self.adapt_candidates(self.sync_every, self.fragments, self.overlap_delay)
+            dtypes = bits_candidates(self) if "bits" in self.adapted_knobs() else (self.pseudo_grad_dtype,)
+            self.token_factors(candidates, dtypes)
         if self.adapt and self.inner_steps == "adaptive":
             raise ValueError("adapt re-picks H for every worker while inner_steps adaptive gives each worker its own "
                              "share of H: use one of them (adapt=False or inner_steps='fixed')")
