@@ -40,20 +40,17 @@ stopped. ``--adapt`` re-picks ``topk`` of the ``dct`` replicator only, and needs
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...cost.compute import ComputeProfile
-from ...cost.costmodel import Ctx, Links
 from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...validate import check_float, check_int
-from ..parts.link_probe import LinkProbe, moved
+from ..parts.link_probe import LinkProbe, exposed_ratio, moved
 from ..parts.part import Part
 from . import cost
 from .round import DecoupledConfig
@@ -150,14 +147,8 @@ def predicted_share(workload: Workload, topo: Topology, cfg: Any, topk: int, ste
     """Exposed communication / compute per step that DeMo's cost schedule predicts for ``cfg`` at ``topk``, with
     steps of ``step_s`` compute seconds and the group's link ``link``."""
     fixed = dataclasses.replace(cfg, topk=topk, adapt=False)  # at this k as a fixed run
-    schedule = cost.demo(workload, topo, fixed)
     accumulation = max(1, int(getattr(cfg, "accumulation", 1)))
-    # the measured step already holds the codec and the base rule: the profile gives them no extra time
-    compute = ComputeProfile(forward_s=step_s / accumulation, backward_s=0.0, optimizer_s_per_element=0.0,
-                             elements=workload.params, source="measured during the run")
-    kind = "inter" if topo.spans_nodes(group) else "intra"
-    c = schedule.step.cost(Ctx(compute, Links(model={kind: link}), topo))
-    return c.exposed_comm / c.compute if c.compute > 0 else math.inf
+    return exposed_ratio(cost.demo(workload, topo, fixed), workload.params, accumulation, step_s, topo, group, link)
 
 
 def pick_topk(workload: Workload, topo: Topology, cfg: Any, candidates: tuple[int, ...], current: int, step_s: float,

@@ -79,15 +79,13 @@ from typing import Any
 
 import torch
 
-from ...cost.compute import ComputeProfile
-from ...cost.costmodel import Ctx, Links
 from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...transport import Transport
 from ...validate import check_choice, check_float, check_int
 from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES
-from ..parts.link_probe import LinkProbe, moved
+from ..parts.link_probe import LinkProbe, exposed_ratio, moved
 from ..parts.part import Part
 from . import cost
 from .adapt_bits import BITS, bits_candidates, parse_knobs
@@ -252,14 +250,8 @@ def predicted_share(workload: Workload, topo: Topology, cfg: Any, sync_every: in
     fixed = dataclasses.replace(cfg, sync_every=sync_every, adapt=False, pseudo_grad_dtype=dtype,
                                 pseudo_grad_error_feedback=bool(cfg.pseudo_grad_error_feedback
                                                                 and dtype in LOWBIT_PSEUDO_GRAD_DTYPES))
-    schedule = cost.diloco(workload, topo, fixed)
     accumulation = max(1, int(getattr(cfg, "accumulation", 1)))
-    # the measured step already holds the optimizer and the copies: the profile gives them no extra time
-    compute = ComputeProfile(forward_s=step_s / accumulation, backward_s=0.0, optimizer_s_per_element=0.0,
-                             elements=workload.params, source="measured during the run")
-    kind = "inter" if topo.spans_nodes(group) else "intra"
-    c = schedule.step.cost(Ctx(compute, Links(model={kind: link}), topo))
-    return c.exposed_comm / c.compute if c.compute > 0 else math.inf
+    return exposed_ratio(cost.diloco(workload, topo, fixed), workload.params, accumulation, step_s, topo, group, link)
 
 
 def pick_sync_every(workload: Workload, topo: Topology, cfg: Any, candidates: tuple[int, ...], current: int,

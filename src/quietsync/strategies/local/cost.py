@@ -19,7 +19,7 @@ from ...cost.terms import Every, Exposed, MicroBatches, Seq, Term, Wire, copy, o
 from ...cost.workload import Workload
 from ...topology import Topology
 from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES, packed_chain
-from ..parts.cost import ADAMW, OptimizerState, group_of, replicator, replicator_comm
+from ..parts.cost import ADAMW, FirstThatFits, OptimizerState, group_of, replicator, replicator_comm
 from ..registry import schedule_of, strategy_config
 from .adaptive import plan_from_speeds
 from .fragments import split_fragments, strided_fragments
@@ -59,34 +59,23 @@ class SpeedShares(Term):
 
 
 @dataclass(frozen=True)
-class AdaptedH(Term):
+class AdaptedH(FirstThatFits):
     """``--adapt``: the step at the H the run's controller picks on this link (:mod:`~quietsync.strategies.local.adapt`,
     ``pick_sync_every``'s rule) — the smallest candidate whose exposed communication is at most ``overhead`` of its
     compute, else the largest; with ``tokens`` (``adapt_objective`` time_to_target: each H's tokens to the target)
     the H of least ``tokens × step time``. ``steps``: ``(H, the step at that H)``, smallest first. On a link that
     changes, each steady stretch of it is costed with the H picked for it."""
 
-    steps: tuple[tuple[int, Term], ...]
-    overhead: float
     tokens: tuple[float, ...] | None = None
 
     def pick(self, ctx: Ctx) -> tuple[int, Cost]:
         """The H picked on ``ctx``'s link, and the step's cost at it."""
+        if self.tokens is None:
+            return super().pick(ctx)
         costs = [(h, t.cost(ctx)) for h, t in self.steps]
-        if self.tokens is not None:  # every H's step holds the same tokens: time to target ∝ tokens × step time
-            best = min(k * c.time for k, (_, c) in zip(self.tokens, costs))
-            return next((h, c) for k, (h, c) in zip(self.tokens, costs) if k * c.time <= best * (1 + 1e-9))
-        for h, c in costs:
-            if c.compute > 0 and c.exposed_comm <= self.overhead * c.compute:
-                return h, c
-        return costs[-1]
-
-    def cost(self, ctx: Ctx) -> Cost:
-        return self.pick(ctx)[1]
-
-    def describe(self) -> str:
-        return (f"H picked from {', '.join(str(h) for h, _ in self.steps)} (exposed communication <= "
-                f"{self.overhead:.0%} of compute): {self.steps[0][1].describe()}")
+        # every H's step holds the same tokens: time to target ∝ tokens × step time
+        best = min(k * c.time for k, (_, c) in zip(self.tokens, costs))
+        return next((h, c) for k, (h, c) in zip(self.tokens, costs) if k * c.time <= best * (1 + 1e-9))
 
 
 def _shares(inner: Term, cfg: Any, period: int) -> Term:
@@ -235,7 +224,7 @@ def diloco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -
     if cfg.adapt:  # the controller's candidates, each costed as a fixed-H run
         candidates = cfg.adapt_candidates(H, F, tau)
         tokens = cfg.token_factors(candidates, (cfg.pseudo_grad_dtype,))
-        step = AdaptedH(tuple((h, step if h == H else diloco(w, topo, dataclasses.replace(
+        step = AdaptedH("H", tuple((h, step if h == H else diloco(w, topo, dataclasses.replace(
             cfg, sync_every=h, adapt=False), opt).step) for h in candidates), cfg.adapt_overhead,
             None if tokens is None else tuple(tokens[(h, cfg.pseudo_grad_dtype)] for h in candidates))
         label += " adapt"

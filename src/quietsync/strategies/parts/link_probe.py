@@ -12,16 +12,36 @@ The workers agree on both on the transport's control group (the fastest link any
 reached the exchange first also waited for the others, which the slowest-arriving one did not -- and the slowest
 worker's step, which a synchronous exchange waits for), so every worker takes the same decision.
 :func:`moved` is the hysteresis shared by the controllers: re-pick only when the measured ratio of exchange to
-step time moved by more than a threshold since the last pick.
+step time moved by more than a threshold since the last pick. :func:`exposed_ratio` prices a fixed setting's cost
+schedule on what was measured, the number each controller compares across its candidates.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from typing import Any
 
-__all__ = ["LinkProbe", "moved"]
+from ...cost.compute import ComputeProfile
+from ...cost.costmodel import Ctx, Links
+from ...cost.schedule import Schedule
+from ...link import LinkModel
+from ...topology import Topology
+
+__all__ = ["LinkProbe", "moved", "exposed_ratio"]
+
+
+def exposed_ratio(schedule: Schedule, params: int, accumulation: int, step_s: float, topo: Topology, group: str,
+                  link: LinkModel) -> float:
+    """Exposed communication / compute per step that ``schedule`` (a fixed setting's, ``params`` parameters)
+    predicts with steps of ``step_s`` compute seconds (``accumulation`` micro-batches) and the group's ``link``."""
+    # the measured step already holds the optimizer, the codec and the copies: the profile gives them no extra time
+    compute = ComputeProfile(forward_s=step_s / max(1, accumulation), backward_s=0.0, optimizer_s_per_element=0.0,
+                             elements=params, source="measured during the run")
+    kind = "inter" if topo.spans_nodes(group) else "intra"
+    c = schedule.step.cost(Ctx(compute, Links(model={kind: link}), topo))
+    return c.exposed_comm / c.compute if c.compute > 0 else math.inf
 
 
 class LinkProbe:
