@@ -31,6 +31,7 @@ from tests.strategies.decoupled.test_demo_oracle import (
     oracle_model,
 )
 from tests.strategies.helpers.common import param_groups, tiny_model
+from tests.strategies.helpers.probe_fakes import FakeTransport
 from tests.strategies.helpers.reference_demo import Base, Blocking, DCTReference, DecoupledGroup
 
 
@@ -75,24 +76,6 @@ def test_a_link_that_drops_picks_a_smaller_k_and_one_that_recovers_the_larger_on
     assert (up.old, up.new) == (picks[10], 16)  # the link back: the k the run was given
 
 
-class _Meter:
-    def __init__(self) -> None:
-        self.sent, self.seconds = 0.0, 0.0
-
-    def snapshot(self) -> dict:
-        return {"world": {"sent": self.sent, "recv": self.sent, "seconds": self.seconds}}
-
-
-class _Transport:
-    """What the controller asks of a transport: the meter, the topology, and agreement (one worker here)."""
-
-    def __init__(self) -> None:
-        self.meter, self.topology = _Meter(), Topology(0, 2, 2)
-
-    def agree(self, value: float, op: str = "max") -> float:
-        return float(value)
-
-
 def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
     """The controller's measurements (bytes/s of the exchanges from the meter, the median step) drive the pick; a
     link that drops 20x makes k shrink at the next decision, its recovery brings k back; step-time noise within
@@ -101,7 +84,7 @@ def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
     shapes = [tuple(p.shape) for p in model.parameters()]
     cfg = DeMoConfig(chunk=4, topk=16, adapt=True, adapt_every=4, adapt_window=8)
     replicator = DCTReplicator(chunk=4, topk=16)
-    transport = _Transport()
+    transport = FakeTransport()
     ctrl = TopkController(transport, "world", cfg, replicator, model, param_groups(model))
     step_s = 2e-3
     step = 0

@@ -18,6 +18,7 @@ from quietsync.topology import Topology
 from tests.distributed import run_ranks
 from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
 from tests.strategies.helpers.local_common import ADAMW
+from tests.strategies.helpers.probe_fakes import FakeTransport
 from tests.strategies.helpers.reference_local import _group_order, _inner_step, _replicas
 
 PSI = 174  # parameters of the tiny model
@@ -71,24 +72,6 @@ def test_overlap_hides_the_sync_so_a_smaller_h_fits():
     assert h1 == next(h for h in (4, 8, 16, 32, 64, 128) if exposed / (h * step_s) <= 0.1) == 16
 
 
-class _Meter:
-    def __init__(self) -> None:
-        self.sent, self.seconds = 0.0, 0.0
-
-    def snapshot(self) -> dict:
-        return {"world": {"sent": self.sent, "recv": self.sent, "seconds": self.seconds}}
-
-
-class _Transport:
-    """What the controller asks of a transport: the meter, the topology, and agreement (one worker here)."""
-
-    def __init__(self) -> None:
-        self.meter, self.topology = _Meter(), Topology(0, 2, 2)
-
-    def agree(self, value: float, op: str = "max") -> float:
-        return float(value)
-
-
 def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
     """The controller's measurements (bytes/s of the syncs from the meter, the median step) drive the pick; a
     link that drops 10x makes H grow at the next decision, its recovery brings H back; step-time noise within the
@@ -97,7 +80,7 @@ def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
 
     model = tiny_model()
     cfg = DiLoCoConfig(sync_every=8, adapt=True, adapt_window=8, adapt_sync_every="2,4,8,16,32,64,128")
-    transport = _Transport()
+    transport = FakeTransport()
     ctrl = SyncPeriod(transport, "world", cfg, model, param_groups(model))
     sync_bytes = 4 * PSI  # what a sync sends on 2 workers (ring all-reduce of the fp32 pseudo-gradient)
     step_s = 1e-3

@@ -19,7 +19,8 @@ from quietsync.topology import Topology
 from quietsync.train.plots import knob_changes
 from tests.distributed import run_ranks
 from tests.strategies.helpers.common import flat_params, loss_fn, micro_batch, param_groups, tiny_model
-from tests.strategies.local.test_adapt import PSI, _build, _Meter, _Stream
+from tests.strategies.helpers.probe_fakes import FakeTransport
+from tests.strategies.local.test_adapt import PSI, _build, _Stream
 
 
 # ---------------------------------------------------------------------------------------------- the decision
@@ -70,14 +71,6 @@ def test_a_link_that_drops_lowers_the_bits_before_it_lengthens_the_round():
     assert d.new_dtype == "int2" and "nothing keeps the sync under 10%" in d.why
 
 
-class _Transport:
-    def __init__(self) -> None:
-        self.meter, self.topology = _Meter(), Topology(0, 2, 2)
-
-    def agree(self, value: float, op: str = "max") -> float:
-        return float(value)
-
-
 class _Switch:
     current = ""
 
@@ -86,7 +79,7 @@ def test_the_controller_logs_each_change_of_bits_with_step_old_new_and_why():
     model = tiny_model()
     cfg = DiLoCoConfig(sync_every=8, adapt=True, adapt_knobs="bits", adapt_window=8,
                        adapt_pseudo_grad_dtype="fp32,fp4,int2")
-    transport = _Transport()
+    transport = FakeTransport()
     ctrl = SyncPeriod(transport, "world", cfg, model, param_groups(model))
     waited = []
     switches = [_Switch(), _Switch()]

@@ -19,7 +19,8 @@ from quietsync.strategies.local.diloco import DiLoCoConfig
 from quietsync.topology import Topology
 from tests.distributed import run_ranks
 from tests.strategies.helpers.common import param_groups, tiny_model
-from tests.strategies.local.test_adapt import PSI, _jobs, _Meter
+from tests.strategies.helpers.probe_fakes import FakeTransport
+from tests.strategies.local.test_adapt import PSI, _jobs
 from tests.strategies.local.test_adapt_bits import _sync_bytes
 
 HS = (4, 8, 16, 32, 64)
@@ -122,21 +123,13 @@ def test_the_controller_picks_what_the_planners_cost_term_picks():
     assert planned[0] == 4 and planned[-1] > planned[0]
 
 
-class _Transport:
-    def __init__(self) -> None:
-        self.meter, self.topology = _Meter(), Topology(0, 2, 2)
-
-    def agree(self, value: float, op: str = "max") -> float:
-        return float(value)
-
-
 def test_on_a_steady_link_the_controller_keeps_the_plans_pick_and_follows_a_drop():
     """Started at the knob of least predicted time on the steady link (the plan's pick), the controller keeps it at
     every decision; a 30x drop moves H up at the next decision, the recovery brings it back."""
     model = tiny_model()
     cfg = DiLoCoConfig(sync_every=4, adapt=True, adapt_window=4, adapt_sync_every="4,8,16,32,64",
                        adapt_objective="time_to_target", adapt_tokens=TOKENS_TEXT, adapt_threshold=0.0)
-    transport = _Transport()
+    transport = FakeTransport()
     ctrl = SyncPeriod(transport, "world", cfg, model, param_groups(model))
     step_s, step = 1e-3, 0
 
