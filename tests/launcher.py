@@ -85,7 +85,8 @@ def forked_launcher(timeout: float = DEFAULT_TIMEOUT_S) -> Iterator[None]:
         os.environ.pop(k, None)
     os.environ.update(OFFLINE)
     real = launch_module.launch
-    launch_module.launch = lambda fn, args=(), nproc=1: launch_forked(fn, args, nproc, timeout)
+    # the harness's forkserver already imports what ``preload`` names (tests/worker_preload.py)
+    launch_module.launch = lambda fn, args=(), nproc=1, preload=(): launch_forked(fn, args, nproc, timeout)
     try:
         yield
     finally:

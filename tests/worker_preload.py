@@ -2,10 +2,11 @@
 
 Each worker ``run_ranks`` starts is a fork of one forkserver process per test process, so every module imported
 here is imported once per test process instead of once per worker: torch and quietsync (all strategies), the
-training loop of ``quietsync train`` with what its workers use (the GPT-Neo classes of transformers, whose
-lazy modules load on first use; tokenizers; torch.distributed.checkpoint for logical checkpoints; the trace
-and the Agg plots). A module that is not installed (the optional ``train`` extra) is left out silently: the
-workers then import what they need themselves, as they would without this module.
+training loop of ``quietsync train`` with what its workers use (the transformers classes
+:mod:`quietsync.models.warm` reads, as the launcher's own forkserver does; tokenizers;
+torch.distributed.checkpoint for logical checkpoints; the trace and the Agg plots). A module that is not
+installed (the optional ``train`` extra) is left out silently: the workers then import what they need
+themselves, as they would without this module.
 
 Nothing here computes: a forked worker must not inherit thread pools (OpenMP, tokenizers' Rust pool) that a
 computation in the forkserver would have started.
@@ -23,6 +24,7 @@ MODULES = (
     "quietsync.train.logical_checkpoint",
     "quietsync.train.trace",
     "quietsync.train.export",
+    "quietsync.models.warm",
     "quietsync.train.plots",
     "numpy",
     "tokenizers",
@@ -30,25 +32,12 @@ MODULES = (
 )
 """Modules imported as they are."""
 
-ATTRIBUTES = (
-    ("transformers", "GPTNeoConfig"),
-    ("transformers", "GPTNeoForCausalLM"),
-    ("transformers", "PreTrainedTokenizerFast"),
-    ("transformers", "AutoModelForCausalLM"),
-)
-"""``(module, name)``: transformers loads a class's module when the name is first read."""
-
 
 def _load() -> None:
     for name in MODULES:
         try:
             importlib.import_module(name)
         except ImportError:
-            pass
-    for module, name in ATTRIBUTES:
-        try:
-            getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
             pass
     try:
         from quietsync.train.plots import pyplot

@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,10 +176,11 @@ def run_local_worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc
         raise
 
 
-def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
+def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1, preload: Sequence[str] = ()) -> Any:
     """Run ``fn(*args)`` in every worker; return its result when it ran in this process (else None).
 
-    ``fn`` and ``args`` must be picklable (module-level function, dataclass arguments). Raises
+    ``fn`` and ``args`` must be picklable (module-level function, dataclass arguments). ``preload``: modules the
+    forkserver imports besides :data:`FORKSERVER_PRELOAD` and ``fn``'s own (what the job loads lazily). Raises
     :class:`WorkerFailed` for the worker that failed first; re-raises ``KeyboardInterrupt`` after stopping
     every worker.
     """
@@ -196,7 +197,7 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1) -> Any:
     if method == "forkserver":
         # set before the server starts (its first use in this process); later launches reuse it as it is
         multiprocessing.get_context(method).set_forkserver_preload(list(dict.fromkeys(
-            [*FORKSERVER_PRELOAD, *([fn.__module__] if fn.__module__ != "__main__" else [])])))
+            [*FORKSERVER_PRELOAD, *([fn.__module__] if fn.__module__ != "__main__" else []), *preload])))
     with tempfile.TemporaryDirectory(prefix="quietsync-launch-") as errors:
         worker_args = (fn, args, nproc, free_port(), errors, os.getpid(), dict(os.environ))
         context = mp.start_processes(_worker, args=worker_args, nprocs=nproc, join=False, start_method=method)

@@ -16,6 +16,10 @@ from ..models.causal_lm import (
     load_pretrained,
 )
 
+WORKER_PRELOAD = ("quietsync.models.warm",)
+"""What a job's local workers load lazily (the model and tokenizer classes of transformers), for the launcher's
+forkserver to import once before it forks them (:func:`quietsync.cli.launch.launch`'s ``preload``)."""
+
 
 def job_model(cfg: Any, vocab_size: int, eos: int, device: torch.device) -> torch.nn.Module:
     """The model of a job on ``device``: ``--model`` (a preset built from ``--seed``, or a pretrained folder), its
@@ -36,4 +40,4 @@ def job_model(cfg: Any, vocab_size: int, eos: int, device: torch.device) -> torc
     return model
 
 
-__all__ = ["job_model"]
+__all__ = ["WORKER_PRELOAD", "job_model"]

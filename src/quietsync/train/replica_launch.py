@@ -48,13 +48,15 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
     """Run replica group ``replica``'s workers here (in place under torchrun); its exit status (0, 1, 130, or
     :data:`NONFINITE_EXIT` when ``--on-nonfinite`` stopped it)."""
     from ..cli.launch import WorkerFailed, launch, under_torchrun
+    from .job_model import WORKER_PRELOAD
 
     if workers > 1 and not under_torchrun():
         host = "127.0.0.1" if lighthouse.rpartition("://")[2].startswith(("127.", "localhost")) else \
             socket.gethostname()
         os.environ.setdefault(STORE_ENV, f"{host}:{_free_port()}")
     try:
-        launch(run_replica, (cfg, strategy_config, replica, replicas, lighthouse), nproc=workers)
+        launch(run_replica, (cfg, strategy_config, replica, replicas, lighthouse), nproc=workers,
+               preload=WORKER_PRELOAD)
     except NonFiniteError as e:  # one worker, in this process
         print(f"{PROG} train: error: replica group {replica}: NonFiniteError: {e}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT
