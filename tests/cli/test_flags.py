@@ -322,8 +322,9 @@ def test_a_link_schedule_is_a_link():
 @pytest.mark.parametrize("argv,expect", [
     (["--strategy", "zero1", "--adapt"], "--adapt is not a flag of strategy zero1 (it belongs to demo, diloco)"),
     (["--strategy", "flexdemo", "--adapt"], "--adapt is not a flag of strategy flexdemo (it belongs to demo, diloco)"),
-    (["--strategy", "demo", "--adapt"], "--topk must be given with adapt"),
-    (["--strategy", "demo", "--adapt", "--topk", "8", "--replicator", "random"], "--replicator must be dct with"),
+    (["--strategy", "demo", "--adapt"], "--topk must be given when adapt is on (--adapt"),
+    (["--strategy", "demo", "--adapt", "--topk", "8", "--replicator", "random"],
+     "--replicator must be dct when adapt is on (--adapt"),
     (["--strategy", "demo", "--adapt", "--topk", "8", "--adapt-topk", "4,8"],
      "--adapt-topk must be whole numbers from 1 to chunk**2 (4096), each once, largest first"),
     (["--strategy", "demo", "--adapt", "--topk", "8", "--adapt-knobs", "H"], "--adapt-knobs must be topk"),

@@ -119,8 +119,8 @@ def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
 
 
 @pytest.mark.parametrize("knobs,match", [
-    ({"adapt": True}, "topk must be given with adapt"),
-    ({"adapt": True, "topk": 8, "replicator": "random"}, "replicator must be dct with adapt"),
+    ({"adapt": True}, "topk must be given when adapt is on"),
+    ({"adapt": True, "topk": 8, "replicator": "random"}, "replicator must be dct when adapt is on"),
     ({"adapt": True, "topk": 8, "chunk": 4, "adapt_topk": "4,8"}, "each once, largest first"),
     ({"adapt": True, "topk": 8, "chunk": 4, "adapt_topk": "32,8"}, r"from 1 to chunk\*\*2 \(16\)"),
     ({"adapt": True, "topk": 8, "chunk": 4, "adapt_topk": "8,x"}, "comma-separated"),

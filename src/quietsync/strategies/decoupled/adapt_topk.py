@@ -99,11 +99,11 @@ class DeMoConfig(DecoupledConfig):
         """The candidate k values, largest first, checked (raises ValueError naming the knob and the allowed
         form)."""
         if self.replicator != "dct":
-            raise ValueError(f"replicator must be dct with adapt (it re-picks the dct replicator's topk), got "
-                             f"{self.replicator!r}")
+            raise ValueError(f"replicator must be dct when adapt is on (--adapt: it re-picks the dct replicator's "
+                             f"topk), got {self.replicator!r}")
         if self.topk is None:
-            raise ValueError("topk must be given with adapt (the k it starts from and comes back to; a k derived "
-                             "from compression differs per block shape)")
+            raise ValueError("topk must be given when adapt is on (--adapt: the k it starts from and comes back to; a "
+                             "k derived from compression differs per block shape)")
         if self.adapt_topk.strip():
             try:
                 values = tuple(int(v) for v in self.adapt_topk.split(","))
