@@ -296,6 +296,19 @@ def test_the_planner_prior_widens_for_the_smallest_k_adapt_may_take():
     assert short.penalty[2] == pytest.approx(static.penalty[2] + 0.03)
 
 
+def test_the_planner_prior_of_a_given_topk_is_its_density_not_compression():
+    """With the dct replicator's topk given, compression is unused: the prior reads topk / chunk**2 (DeMo's 1/85
+    shown comparable to AdamW; each halving below it assumed +1%, up to +3%)."""
+    from quietsync.strategies.decoupled.facts import decoupled_prior
+
+    dense = decoupled_prior(DeMoConfig(topk=64, chunk=64, compression=1 / 1024), None)  # 1/64: above 1/85
+    assert dense.penalty == decoupled_prior(DeMoConfig(compression=1 / 64), None).penalty
+    assert dense.penalty[1] == 0.0
+    sparse = decoupled_prior(DeMoConfig(topk=4, chunk=64, compression=1 / 16), None)  # 1/1024: 3.59 halvings
+    halvings = math.log2(1024 / 85)
+    assert sparse.penalty[1:] == pytest.approx((0.01 * halvings, 0.03 * halvings))
+
+
 def test_the_planner_costs_adapt_at_the_k_its_controller_picks_on_each_link():
     """``cost.demo`` of an adapt config is the step at the k the controller's rule picks on that link (the hand
     rule above), so a varying link's stretches are each costed at their own k."""

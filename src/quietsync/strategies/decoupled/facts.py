@@ -23,8 +23,9 @@ DEMO_COMPRESSION = 1 / 85
 
 def decoupled_prior(cfg: Any, scale: Scale) -> Prior:
     """DeMo (and FlexDeMo on its shard): comparable to AdamW up to 85× less data (Peng et al.)."""
-    c = cfg.compression
     rep = cfg.replicator
+    # dct's topk fixes the coefficients per chunk**2 block and compression is then unused (wire/replicators/dct.py)
+    c = cfg.topk / cfg.chunk ** 2 if rep == "dct" and cfg.topk else cfg.compression
     if rep in ("full",):
         prior = penalty(-0.01, 0.0, 0.01, "full replication: every momentum element sent, decoupled optimizer "
                         "[peng2024]", "peng2024")
