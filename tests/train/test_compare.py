@@ -18,6 +18,22 @@ def test_parse_strategy_spec():
         "ddp", "ddp-accumulation2-bucket-cap-mb1", ["--accumulation", "2", "--bucket-cap-mb", "1"])
     with pytest.raises(ValueError, match="NAME"):
         parse_strategy_spec("ddp:accumulation")
+    with pytest.raises(ValueError, match="NAME"):
+        parse_strategy_spec("ddp:=2")
+
+
+def test_a_spec_value_may_hold_commas():
+    """A list-valued field (``adapt_tokens``, ``adapt_sync_every``) keeps its commas: an item without ``=`` goes on
+    with the value before it."""
+    from quietsync.plan.strategies_spec import parse_spec
+
+    spec = ("diloco:sync_every=16,adapt=true,adapt_objective=time_to_target,adapt_tokens=16:2e6,32:3e6,"
+            "adapt_sync_every=16,32")
+    assert parse_strategy_spec(spec)[2] == [
+        "--sync-every", "16", "--adapt", "--adapt-objective", "time_to_target", "--adapt-tokens", "16:2e6,32:3e6",
+        "--adapt-sync-every", "16,32"]
+    name, values = parse_spec(spec)
+    assert name == "diloco" and values["adapt_tokens"] == "16:2e6,32:3e6" and values["adapt_sync_every"] == "16,32"
 
 
 def test_a_spec_spells_on_off_fields_true_or_false():

@@ -10,16 +10,23 @@ BOOLEAN = {"true": True, "false": False}
 
 def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
     """``"ddp:accumulation=2"`` → ``("ddp", "ddp-accumulation2", ["--accumulation", "2"])``; an on/off field
-    spelled ``true``/``false`` becomes its ``--field``/``--no-field`` flag."""
+    spelled ``true``/``false`` becomes its ``--field``/``--no-field`` flag. A value may hold commas (a list, as
+    ``adapt_sync_every=8,16,32`` or ``adapt_tokens=16:2e6,32:3e6``): an item without ``=`` continues the value
+    before it."""
     name, _, rest = spec.partition(":")
-    flags: list[str] = []
-    label = name
+    items: list[tuple[str, str]] = []
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, sep, value = item.partition("=")
+        if not sep and items:
+            items[-1] = (items[-1][0], f"{items[-1][1]},{item}")
+            continue
         if not sep or not key:
             raise ValueError(f"--strategies items must look like NAME[:FIELD=VALUE,...], got {spec!r}")
-        flag = "--" + key.strip().lstrip("-").replace("_", "-")
-        on = BOOLEAN.get(value.strip().lower())
-        flags += [flag, value.strip()] if on is None else [flag if on else "--no-" + flag[2:]]
-        label += f"-{key.strip().lstrip('-').replace('_', '-')}{value.strip()}"
+        items.append((key.strip().lstrip("-").replace("_", "-"), value.strip()))
+    flags: list[str] = []
+    label = name
+    for key, value in items:
+        on = BOOLEAN.get(value.lower())
+        flags += [f"--{key}", value] if on is None else [f"--{key}" if on else f"--no-{key}"]
+        label += f"-{key}{value}"
     return name, label, flags
