@@ -75,3 +75,17 @@ def test_sparseloco_sends_two_bit_values_by_default():
     assert strategy_config("diloco", {"outer": "sparseloco"}).pseudo_grad_dtype == "int2"
     assert strategy_config("diloco").pseudo_grad_dtype == "fp32"
     assert strategy_config("diloco", {"outer": "sparseloco", "pseudo_grad_dtype": "fp32"}).pseudo_grad_dtype == "fp32"
+
+
+def test_adapt_widens_the_prior_by_the_largest_h_it_may_take():
+    """diloco --adapt: the prior is at the H chosen, its upper end widened by the assumed 0.5% per doubling up to the
+    largest candidate H (16·H by default: 4 doublings; adapt_sync_every=16,32: one)."""
+    def upper(knobs):
+        return prior_for("diloco", strategy_config("diloco", knobs), CTX, 2048).penalty
+
+    static = upper({"sync_every": 16})
+    default = upper({"sync_every": 16, "adapt": True})
+    short = upper({"sync_every": 16, "adapt": True, "adapt_sync_every": "16,32"})
+    assert default[:2] == short[:2] == static[:2]
+    assert default[2] == pytest.approx(static[2] + 4 * 0.005) and short[2] == pytest.approx(static[2] + 0.005)
+    assert upper({"sync_every": 16, "adapt": True, "adapt_knobs": "bits"}) == static  # H stays: nothing widens

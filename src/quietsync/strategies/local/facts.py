@@ -94,10 +94,13 @@ def diloco_like(cfg: Any, ctx: Scale, replicas: int, local_sgd: bool) -> Prior:
                                        "the same setting with fixed inner steps at the fastest worker's H "
                                        "(assumption; measured here with one 3× slower worker: 0.68–0.98× the "
                                        "synchronous run's tokens to the same loss, benchmarks/results/uneven.md)"))
-    if getattr(cfg, "adapt", False):
-        widen = H_WIDENING * math.log2(16)
+    largest = max(cfg.adapt_candidates(cfg.sync_every, getattr(cfg, "fragments", 1),
+                                       getattr(cfg, "overlap_delay", 0))) if getattr(cfg, "adapt", False) else 0
+    if largest > cfg.sync_every:  # --adapt may take H up to its largest candidate (H ... 16H by default)
+        widen = H_WIDENING * math.log2(largest / cfg.sync_every)
         prior = prior.combine(penalty(0.0, 0.0, widen, f"--adapt: H re-picked from the measured link, from H up to "
-                                       f"16·H when the link cannot carry it; the prior is at the H chosen, the "
+                                       f"{largest / cfg.sync_every:g}·H when the link cannot carry it; the prior is "
+                                       f"at the H chosen, the "
                                        f"interval widened by {widen:.1%} for the largest (assumption: "
                                        f"{H_WIDENING:.1%} per doubling) [charles2025]", "charles2025"))
     if local_sgd:
