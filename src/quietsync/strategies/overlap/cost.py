@@ -7,10 +7,13 @@ commit and a second, predicted step), and an all-gather of the resulting paramet
 micro-batches as it takes for the job to finish (:class:`~quietsync.cost.terms.Adaptive`), so computation
 hides the network at any link speed — a slower link means more micro-batches (tokens) per step, not idle
 workers — unless ``max_accumulation`` caps the stage. ACCO has two stages per committed step, DPU and WP one.
+Under ``--adapt`` ACCO's commit job all-reduces two more floats per worker (the measured link and micro-batch), and
+its step is the step at the cap its controller picks on the link (:mod:`.adapt_cap`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ...cost.costmodel import Comm
@@ -18,16 +21,19 @@ from ...cost.schedule import Schedule
 from ...cost.terms import Adaptive, Seq, Term, Wire, copy, optimizer
 from ...cost.workload import Workload
 from ...topology import Topology
-from ..parts.cost import ADAMW, OptimizerState, group_of
+from ..parts.cost import ADAMW, FirstThatFits, OptimizerState, group_of
 from ..substrates.cost import flat_collectives, flat_shard, sharded_state_memory
 
 
-def _job(w: Workload, topo: Topology, cfg: Any, name: str, steps: int) -> tuple[list[Comm], Term]:
-    """One job: counts all-reduce, reduce-scatter, ``steps`` optimizer steps on the shard, all-gather."""
+def _job(w: Workload, topo: Topology, cfg: Any, name: str, steps: int, probe: bool = False
+         ) -> tuple[list[Comm], Term]:
+    """One job: counts all-reduce (``probe``: with the link and micro-batch ``--adapt`` agrees), reduce-scatter,
+    ``steps`` optimizer steps on the shard, all-gather."""
     n = group_of(topo, "world")
     if n == 1:
         return [], Seq(*(optimizer(flat_shard(w, 1)) for _ in range(steps)))
-    counts = Comm("all_reduce", "world", 16 * n, f"{name}: all-reduce micro-batch counts and times")
+    counts = Comm("all_reduce", "world", (32 if probe else 16) * n,
+                  f"{name}: all-reduce micro-batch counts and times" + (", link and micro-batch" if probe else ""))
     rs, ag = flat_collectives(w, topo, "world", cfg.reduce_dtype, name)
     shard = flat_shard(w, n)
     work = [optimizer(shard, f"{name}: optimizer step on the shard") for _ in range(steps)]
@@ -58,12 +64,20 @@ def _memory(w: Workload, topo: Topology, opt: OptimizerState, estimate: bool, sn
 
 def acco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
     """ACCO: two stages per committed step, the estimate job then the commit job, each hidden behind the
-    micro-batches of a stage."""
+    micro-batches of a stage; with ``adapt``, the step at the cap its controller picks on the link
+    (:class:`~quietsync.strategies.parts.cost.FirstThatFits` over the caps, smallest first)."""
+    adapt = bool(getattr(cfg, "adapt", False))
     c1, estimate = _job(w, topo, cfg, "acco estimate", 1)
-    c2, commit = _job(w, topo, cfg, "acco commit", 1)
-    step = Seq(_stage(estimate, cfg, w), _stage(commit, cfg, w))
+    c2, commit = _job(w, topo, cfg, "acco commit", 1, probe=adapt)
+    step: Term = Seq(_stage(estimate, cfg, w), _stage(commit, cfg, w))
     memory = {**_memory(w, topo, opt, True, True), "tilde_grad_shard": flat_shard(w, group_of(topo, "world")) * 4}
-    return Schedule("acco", _label("acco", cfg), tuple(c1 + c2), step, memory, config=cfg)
+    label = _label("acco", cfg)
+    if adapt:  # each cap costed as a fixed run (its 16 bytes per worker fewer on the counts all-reduce: negligible)
+        step = FirstThatFits("max_accumulation", tuple(
+            (c, acco(w, topo, dataclasses.replace(cfg, max_accumulation=c, adapt=False), opt).step)
+            for c in cfg.cap_candidates()), cfg.adapt_overhead)
+        label += " adapt"
+    return Schedule("acco", label, tuple(c1 + c2), step, memory, config=cfg)
 
 
 def dpu(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
