@@ -82,8 +82,9 @@ class CapAdaptConfig(OverlapConfig):
     """Re-pick max_accumulation during the run from the measured link and micro-batch: the smallest cap whose stage
     hides the communication within adapt_overhead (docs/acco.md, 'Adapting the cap to the link'); needs
     max_accumulation (the cap it starts from) and adaptive stages."""
-    adapt_every: int = 4
-    """With adapt: rounds (committed steps) between two decisions."""
+    adapt_every: int = 1
+    """With adapt: rounds (committed steps) between two decisions (1: every round -- a decision costs no
+    collective, and a round lasts two jobs, so on a slow link rounds are few)."""
     adapt_overhead: float = 0.1
     """With adapt: the largest share of the compute the exposed communication may add (0.1 = 10%)."""
     adapt_threshold: float = 0.5
