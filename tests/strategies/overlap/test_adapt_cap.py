@@ -1,8 +1,8 @@
-"""acco --adapt: the cap on micro-batches per stage follows ACCO's cost (the smallest cap whose stage hides the job:
-a link that drops raises it, one that recovers lowers it, bounded by the user's limit); a run that adapts to the cap
-it has is the static run bit for bit; a change takes effect at a stage boundary only, is logged, keeps ACCO's
-recurrence (the run equals the reference replayed with its recorded counts), and a run resumed right after it
-equals the unbroken one; bad knobs are refused in one line naming the flag."""
+"""acco (dpu, wp) --adapt: the cap on micro-batches per stage follows the strategy's own cost (the smallest cap whose
+stage hides the job: a link that drops raises it, one that recovers lowers it, bounded by the user's limit); a run
+that adapts to the cap it has is the static run bit for bit; a change takes effect at a stage boundary only, is
+logged, keeps ACCO's recurrence (the run equals the reference replayed with its recorded counts), and a run resumed
+right after it equals the unbroken one; bad knobs are refused in one line naming the flag."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_the_controller_decides_every_adapt_every_rounds_from_the_agreed_link_an
     ({"adapt": True, "max_accumulation": 4, "adapt_max_accumulation": 2},
      r"adapt_max_accumulation must be >= max_accumulation \(4\), got 2"),
     ({"adapt_max_accumulation": 0}, r"adapt_max_accumulation must be an integer >= 1"),
-    ({"adapt_knobs": "topk"}, r"adapt_knobs must be max_accumulation"),
+    ({"adapt_knobs": "topk"}, r"adapt_knobs must be cap \(acco, dpu and wp"),
     ({"adapt_every": 0}, r"adapt_every must be an integer >= 1"),
     ({"adapt_overhead": 0.0}, r"adapt_overhead must be > 0"),
 ])
@@ -135,7 +135,10 @@ def test_bad_adapt_knobs(knobs, match):
     (["--strategy", "acco", "--adapt", "--max-accumulation", "4", "--adapt-max-accumulation", "2"],
      "--adapt-max-accumulation must be >= --max-accumulation (4), got 2"),
     (["--strategy", "acco", "--adapt-max-accumulation", "8"], "--adapt-max-accumulation needs --adapt"),
-    (["--strategy", "dpu", "--adapt"], "--adapt is not a flag of strategy dpu"),
+    (["--strategy", "wp", "--adapt", "--max-accumulation", "2", "--adapt-knobs", "topk"],
+     "--adapt-knobs must be cap (acco, dpu and wp re-pick their cap on micro-batches per stage, "
+     "--max-accumulation, only), got 'topk'"),
+    (["--strategy", "cdp", "--adapt"], "--adapt is not a flag of strategy cdp (it belongs to acco, demo, diloco, dpu"),
 ])
 def test_the_cli_refuses_bad_adapt_flags_in_one_line(argv, expect, capsys):
     from quietsync.train.args import parse_train_args
@@ -165,16 +168,16 @@ class _Stream:
         pass
 
 
-def _run(rank: int, config: dict, link: tuple[float, float], resume_at: int | None = None, logical: str | None = None
-         ) -> dict:
-    """``STEPS`` committed steps of acco on ``link``; ``resume_at``: checkpoint right after that step and go on in a
+def _run(rank: int, config: dict, link: tuple[float, float], resume_at: int | None = None, logical: str | None = None,
+         name: str = "acco") -> dict:
+    """``STEPS`` committed steps of ``name`` on ``link``; ``resume_at``: checkpoint right after that step and go on in a
     fresh strategy built with the same config (the rank's ``state_dict``, or with ``logical`` the
     world-size-independent checkpoint written there)."""
     from quietsync.train.logical_checkpoint import load_logical, save_logical
     from quietsync.transport import Transport
 
     transport = Transport(Topology.from_env(), links={"inter": LinkModel(*link)})
-    s = make("acco", "adamw", config, transport=transport)
+    s = make(name, "adamw", config, transport=transport)
     index, trace, refused = 0, [], None
     while s.steps < STEPS:
         s.backward(loss_fn(s.model, batch(rank, index)))
@@ -186,6 +189,8 @@ def _run(rank: int, config: dict, link: tuple[float, float], resume_at: int | No
                 refused = str(e)
         if not s.step():
             continue
+        # the model's parameters: θ (acco right after a commit, dpu), wp's prediction (its committed θ is gathered
+        # at the end only: a gather now would wait for the update just submitted and shorten the next stage)
         trace.append({"theta": flat_params(s.module), "cap": s.overlap.cap,
                       "adapt": s.last_step_metrics().extra.get("adapt")})
         if resume_at == s.steps:
@@ -195,13 +200,15 @@ def _run(rank: int, config: dict, link: tuple[float, float], resume_at: int | No
                 buf = io.BytesIO()
                 torch.save(s.state_dict(), buf)
             s.close()
-            s = make("acco", "adamw", config, transport=transport)
+            s = make(name, "adamw", config, transport=transport)
             if logical is not None:
                 load_logical(logical, s, _Stream())
             else:
                 buf.seek(0)
                 s.load_state_dict(torch.load(buf, weights_only=False))
-    out = {"trace": trace, "history": list(s.overlap.stage_history), "refused": refused,
+    with s.committed_params() as model:
+        final = flat_params(model)
+    out = {"trace": trace, "final": final, "history": list(s.overlap.stage_history), "refused": refused,
            "decisions": list(s.adapter.decisions) if s.adapter is not None else []}
     s.close()
     transport.close()
@@ -239,7 +246,7 @@ def test_a_cap_change_is_exact_logged_at_a_stage_boundary_and_resumes_exactly(tm
         # the change: logged on the step it was taken (the keys the plot reads), in force from the next stage
         logged = [t["adapt"] for t in changed["trace"] if t["adapt"] is not None]
         assert len(logged) == 1 and {k: logged[0][k] for k in ("step", "knob", "old", "new")} == {
-            "step": 2, "knob": "max_accumulation", "old": 3, "new": 2}
+            "step": 2, "knob": "cap", "old": 3, "new": 2}
         assert set(logged[0]) == {"step", "knob", "old", "new", "bandwidth_mbit", "step_s", "share", "why"}
         assert [t["cap"] for t in changed["trace"]] == [3, 2, 2, 2]
         # stages handed over: the initial one (min_accumulation), then the 4 up to step 2's commit at cap 3, the
@@ -256,6 +263,43 @@ def test_a_cap_change_is_exact_logged_at_a_stage_boundary_and_resumes_exactly(tm
             assert [t["cap"] for t in again["trace"]] == [3, 2, 2, 2]
             for a, b in zip(changed["trace"], again["trace"], strict=True):
                 assert torch.equal(a["theta"], b["theta"])
+
+
+@pytest.mark.timeout(120)
+def test_dpu_and_wp_adapt_their_cap_the_same_way(tmp_path):
+    """The same machinery under DPU's and WP's one stage per step: the first update job carries no probe (the fill
+    stage's), so the first decision is at step 2; the run equals the DPU/WP recurrence replayed with its counts,
+    and resumed right after the change (logical checkpoint: the drained update job keeps its probe) it equals the
+    unbroken run."""
+    static = {"min_accumulation": 2, "max_accumulation": 2}
+    keep = {**static, "adapt": True, "adapt_max_accumulation": 3, "adapt_overhead": 1e9, "adapt_threshold": 0.0}
+    change = {**static, "max_accumulation": 3, "adapt": True, "adapt_overhead": 1e9}
+    jobs = []
+    for name in ("dpu", "wp"):
+        jobs += [{"config": static, "link": FAST, "name": name}, {"config": keep, "link": FAST, "name": name},
+                 {"config": change, "link": SLOW, "name": name},
+                 {"config": change, "link": SLOW, "name": name, "resume_at": 2,
+                  "logical": str(tmp_path / f"logical_{name}")}]
+    results = run_ranks(_jobs, 2, jobs, timeout=110)
+    for res in results:
+        for name, (st, kept, changed, resumed) in zip(("dpu", "wp"), (res[:4], res[4:])):
+            assert [d["new"] for d in kept["decisions"]] == [2] * (STEPS - 1), name  # every update but the fill's
+            for a, b in zip(st["trace"], kept["trace"], strict=True):
+                assert torch.equal(a["theta"], b["theta"]), name
+            logged = [t["adapt"] for t in changed["trace"] if t["adapt"] is not None]
+            assert [(x["step"], x["knob"], x["old"], x["new"]) for x in logged] == [(2, "cap", 3, 2)]
+            assert [t["cap"] for t in changed["trace"]] == [3, 2, 2, 2], name
+            counts = [c[0] for c in changed["history"]]
+            assert counts[:3] == [2, 3, 3] and set(counts[3:]) == {2}, (name, counts)
+            assert "only at a stage boundary" in changed["refused"]
+            expected = reference(name, 2, "adamw", STEPS, counts=changed["history"]).committed
+            torch.testing.assert_close(changed["final"], flat(expected[-1]), rtol=RTOL, atol=ATOL, msg=name)
+            if name == "dpu":  # its model holds θ after every step (wp's: the prediction)
+                for t, theta in zip(changed["trace"], expected, strict=True):
+                    torch.testing.assert_close(t["theta"], flat(theta), rtol=RTOL, atol=ATOL, msg=name)
+            assert [t["cap"] for t in resumed["trace"]] == [3, 2, 2, 2], name
+            for a, b in zip(changed["trace"], resumed["trace"], strict=True):
+                assert torch.equal(a["theta"], b["theta"]), name
 
 
 def test_the_planner_costs_adapt_at_the_cap_its_controller_picks_on_each_link():

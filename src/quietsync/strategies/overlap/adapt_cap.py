@@ -1,35 +1,36 @@
-"""``--adapt`` for ACCO: re-pick the cap on micro-batches per stage (``max_accumulation``) during the run from the
-measured link and micro-batch.
+"""``--adapt`` for ACCO (and DPU, WP: the same machinery): re-pick the cap on micro-batches per stage
+(``max_accumulation``) during the run from the measured link and micro-batch.
 
-**What is measured** (every round, at the hand-over that submits the commit job): the link, as bytes/s of the
-transfers completed on the strategy's group since the last round, and the micro-batch, as the median wall time of
-this worker's last ``adapt_window`` micro-batches -- :class:`~quietsync.strategies.parts.link_probe.LinkProbe`'s
-measurements, the pieces DiLoCo's and DeMo's controllers use. ACCO's workers are not in lockstep (each ends its
-stages at its own pace), so the two numbers are not agreed by a collective of the main thread (which would stall
-the overlap, and could meet a peer's ``finish()`` agreement instead): they ride on the commit job's all-reduce of
-the micro-batch counts (two more floats per worker, :meth:`Overlap.reduce
-<quietsync.strategies.overlap.machinery.Overlap.reduce>`), which every worker runs once per round in the same
-order. Agreed: the fastest link any worker saw, as the probe agrees it, and the **fastest** worker's micro-batch --
-the cap must let that worker's stage last as long as the job; a slower worker's stage ends when the job does,
-before it reaches the cap.
+**What is measured** (every round, at the hand-over that submits ACCO's commit job, DPU's and WP's update job): the
+link, as bytes/s of the transfers completed on the strategy's group since the last round, and the micro-batch, as
+the median wall time of this worker's last ``adapt_window`` micro-batches --
+:class:`~quietsync.strategies.parts.link_probe.LinkProbe`'s measurements, the pieces DiLoCo's and DeMo's controllers
+use. ACCO's workers are not in lockstep (each ends its stages at its own pace), so the two numbers are not agreed by
+a collective of the main thread (which would stall the overlap, and could meet a peer's ``finish()`` agreement
+instead): they ride on that job's all-reduce of the micro-batch counts (two more floats per worker,
+:meth:`Overlap.reduce <quietsync.strategies.overlap.machinery.Overlap.reduce>`), which every worker runs once per
+round in the same order. Agreed: the fastest link any worker saw, as the probe agrees it, and the **fastest**
+worker's micro-batch -- the cap must let that worker's stage last as long as the job; a slower worker's stage ends
+when the job does, before it reaches the cap.
 
-**The decision** (:func:`pick_cap`), every ``adapt_every`` rounds, when the commit job is collected: for each cap
-c from ``min_accumulation`` to ``adapt_max_accumulation``, ACCO's own cost schedule
-(:func:`~quietsync.strategies.overlap.cost.acco`: per stage an all-reduce of the counts, a reduce-scatter of the
-gradients, the optimizer step on the shard and an all-gather of the parameters, hidden behind at most c
-micro-batches) evaluated on the measured link (α = 0: the measured rate already holds the per-message costs) and
-micro-batch gives the exposed communication per committed step. The pick is the **smallest** c whose exposed
-communication is at most ``adapt_overhead`` of the compute (the largest, the user's bound, when none is). Smallest,
-because micro-batches past the job's end buy no speed -- the stage already lasts as long as the job -- and only add
-tokens to a step whose loss gain per token falls once the batch passes the critical batch (README, 'ACCO the
-paper's way': adaptive ACCO took 1.5-2.7x ZeRO-1's tokens to the same loss); a cap below it leaves the workers idle
-while the job runs. So a link that drops raises the cap until the stage hides the job again (up to the bound), one
-that recovers lowers it. As the other controllers, it re-picks only when the measured ratio of link to micro-batch
-time moved by more than ``adapt_threshold`` since its last pick (the first decision always picks).
+**The decision** (:func:`pick_cap`), every ``adapt_every`` rounds, when that job is collected: for each cap c from
+``min_accumulation`` to ``adapt_max_accumulation``, the strategy's own cost schedule
+(:mod:`~quietsync.strategies.overlap.cost`: per stage an all-reduce of the counts, a reduce-scatter of the
+gradients, the optimizer step(s) on the shard and an all-gather of the parameters, hidden behind at most c
+micro-batches; ACCO has two stages per step, DPU and WP one) evaluated on the measured link (α = 0: the measured
+rate already holds the per-message costs) and micro-batch gives the exposed communication per committed step. The
+pick is the **smallest** c whose exposed communication is at most ``adapt_overhead`` of the compute (the largest,
+the user's bound, when none is). Smallest, because micro-batches past the job's end buy no speed -- the stage
+already lasts as long as the job -- and only add tokens to a step whose loss gain per token falls once the batch
+passes the critical batch (README, 'ACCO the paper's way': adaptive ACCO took 1.5-2.7x ZeRO-1's tokens to the same
+loss); a cap below it leaves the workers idle while the job runs. So a link that drops raises the cap until the
+stage hides the job again (up to the bound), one that recovers lowers it. As the other controllers, it re-picks only
+when the measured ratio of link to micro-batch time moved by more than ``adapt_threshold`` since its last pick (the
+first decision always picks).
 
-**What a change does to the state.** A change takes effect **at a stage boundary only**: it is taken right after
-the commit job of round t was collected and its hand-over made (P ← θ⁽ᵗ⁺¹⁾, B ← the stage-2 gradients g̃⁽ᵗ⁺¹⁾,
-G ← 0), before the next stage computes a micro-batch (:meth:`Overlap.set_cap
+**What a change does to the state.** A change takes effect **at a stage boundary only**: in ACCO it is taken
+right after the commit job of round t was collected and its hand-over made (P ← θ⁽ᵗ⁺¹⁾, B ← the stage-2
+gradients g̃⁽ᵗ⁺¹⁾, G ← 0), before the next stage computes a micro-batch (:meth:`Overlap.set_cap
 <quietsync.strategies.overlap.machinery.Overlap.set_cap>` refuses a stage already open). So:
 
 * the stage that just ended keeps the count it was handed over with; its gradients g̃⁽ᵗ⁺¹⁾ at the estimate θ̃⁽ᵗ⁺¹⁾
@@ -40,6 +41,12 @@ G ← 0), before the next stage computes a micro-batch (:meth:`Overlap.set_cap
   so a stage of another size is the paper's rule with other Nᵢ, Ñᵢ (Algorithm 1 lets them vary per stage);
 * the stages from the next one on hold at most the new cap (at least ``min_accumulation``; the straggler rule and
   ``finish()`` as before).
+
+DPU and WP: the change is taken at the hand-over that collects an update job and submits the next (P ← θ⁽ᵗ⁺¹⁾, or
+WP's prediction, B ← the gradients of the stage just ended, G ← 0): that stage keeps its count, the update job
+submitted there (the delayed gradients in flight) is untouched, and so are θ, the master shard, the moments and WP's
+scratch state -- each update divides by the all-reduced counts. The drained update job of a logical checkpoint keeps
+its agreed pair (``overlap.job_probe``), so the resumed run decides at the same rounds on the same numbers.
 
 Checkpoints (the plain one and the logical one) hold the cap in force, the step of the last change and the rounds
 counted towards the next decision (:class:`CapController`), so a run resumed after a change goes on with the adapted
@@ -67,8 +74,8 @@ from ..parts.link_probe import LinkProbe, exposed_ratio, moved
 from ..parts.part import Part
 from .machinery import Overlap, OverlapConfig
 
-ADAPT_KNOBS = ("max_accumulation",)
-"""The knobs ``adapt_knobs`` may name for ``acco``."""
+ADAPT_KNOBS = ("cap",)
+"""The knobs ``adapt_knobs`` may name for ``acco``, ``dpu`` and ``wp``: ``cap``, the ``max_accumulation`` in force."""
 
 DEFAULT_BOUND = 8
 """Without ``adapt_max_accumulation``: the largest cap adapt may pick, as a multiple of ``max_accumulation``."""
@@ -92,8 +99,8 @@ class CapAdaptConfig(OverlapConfig):
     last pick (0.5: below 1/1.5 or above 1.5 of it); 0: re-pick at every decision."""
     adapt_window: int = 32
     """With adapt: the micro-batch time is the median of this worker's last N micro-batches."""
-    adapt_knobs: str = "max_accumulation"
-    """With adapt: the knobs re-picked; acco has one, max_accumulation."""
+    adapt_knobs: str = "cap"
+    """With adapt: the knobs re-picked; one, cap (max_accumulation)."""
     adapt_max_accumulation: int | None = None
     """With adapt: the largest cap it may pick (the bound on tokens per step); default 8 x max_accumulation. The
     candidates are every cap from min_accumulation to it."""
@@ -107,8 +114,8 @@ class CapAdaptConfig(OverlapConfig):
         check_int("adapt_max_accumulation", self.adapt_max_accumulation, 1, allow_none=True)
         knobs = [k.strip() for k in self.adapt_knobs.split(",") if k.strip()]
         if knobs != list(ADAPT_KNOBS):
-            raise ValueError(f"adapt_knobs must be {', '.join(ADAPT_KNOBS)} (acco re-picks its cap on micro-batches "
-                             f"per stage only), got {self.adapt_knobs!r}")
+            raise ValueError(f"adapt_knobs must be {', '.join(ADAPT_KNOBS)} (acco, dpu and wp re-pick their cap on "
+                             f"micro-batches per stage, max_accumulation, only), got {self.adapt_knobs!r}")
         if self.adapt:
             self.cap_candidates()
 
@@ -146,13 +153,13 @@ class CapDecision:
 
     def record(self, step: int) -> dict[str, Any]:
         """The log entry (the keys of DiLoCo's and DeMo's: the plot draws them all)."""
-        return {"step": step, "knob": "max_accumulation", "old": self.old, "new": self.new,
+        return {"step": step, "knob": "cap", "old": self.old, "new": self.new,
                 "bandwidth_mbit": round(self.bandwidth * 8 / 1e6, 3), "step_s": round(self.step_s, 6),
                 "share": round(self.share, 4), "why": self.why}
 
 
 ScheduleFn = Callable[[Workload, Topology, Any], Schedule]
-"""A strategy's cost schedule (:func:`~quietsync.strategies.overlap.cost.acco`)."""
+"""A strategy's cost schedule (:func:`~quietsync.strategies.overlap.cost.acco`, ``dpu``, ``wp``)."""
 
 
 def predicted_share(schedule: ScheduleFn, workload: Workload, topo: Topology, cfg: Any, cap: int,
@@ -187,14 +194,15 @@ def pick_cap(schedule: ScheduleFn, workload: Workload, topo: Topology, cfg: Any,
 
 
 class CapController(Part):
-    """The controller ACCO holds under ``adapt``: measures, decides, and keeps the cap in force (checkpointed).
+    """The controller ACCO, DPU and WP hold under ``adapt``: measures, decides, and keeps the cap in force
+    (checkpointed).
 
     Args:
         transport: the transport (its meter and topology).
         overlap: the overlap machinery whose stage cap a change sets (:meth:`Overlap.set_cap`).
         config: the strategy's config (its ``max_accumulation`` is the starting cap; it is not changed).
         model, param_groups: what the cost model's workload is read from.
-        schedule: the strategy's cost schedule.
+        schedule: the strategy's cost schedule (:mod:`~quietsync.strategies.overlap.cost`).
     """
 
     KEYS = ("adapt.max_accumulation", "adapt.changed_at", "adapt.rounds")
@@ -230,7 +238,7 @@ class CapController(Part):
         return self._probe.local()
 
     def after_round(self, step: int, agreed: tuple[float, float] | None) -> CapDecision | None:
-        """At the hand-over right after round ``step``'s commit job was collected (a stage boundary), with the pair
+        """At the hand-over right after round ``step``'s job was collected (a stage boundary), with the pair
         that job agreed (None: it carried none, e.g. the drained job of a logical checkpoint): every
         ``adapt_every`` rounds, decide. Every worker calls it at the same rounds with the same pair, so all take
         the same decision, no collective needed. Returns the decision when the cap changed."""

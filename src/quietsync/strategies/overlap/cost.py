@@ -7,8 +7,8 @@ commit and a second, predicted step), and an all-gather of the resulting paramet
 micro-batches as it takes for the job to finish (:class:`~quietsync.cost.terms.Adaptive`), so computation
 hides the network at any link speed — a slower link means more micro-batches (tokens) per step, not idle
 workers — unless ``max_accumulation`` caps the stage. ACCO has two stages per committed step, DPU and WP one.
-Under ``--adapt`` ACCO's commit job all-reduces two more floats per worker (the measured link and micro-batch), and
-its step is the step at the cap its controller picks on the link (:mod:`.adapt_cap`).
+Under ``--adapt`` ACCO's commit job (DPU's and WP's update job) all-reduces two more floats per worker (the measured
+link and micro-batch), and the step is the step at the cap the controller picks on the link (:mod:`.adapt_cap`).
 """
 
 from __future__ import annotations
@@ -69,26 +69,33 @@ def acco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> 
     adapt = bool(getattr(cfg, "adapt", False))
     c1, estimate = _job(w, topo, cfg, "acco estimate", 1)
     c2, commit = _job(w, topo, cfg, "acco commit", 1, probe=adapt)
-    step: Term = Seq(_stage(estimate, cfg, w), _stage(commit, cfg, w))
+    step, mark = _adapted(acco, w, topo, cfg, opt, Seq(_stage(estimate, cfg, w), _stage(commit, cfg, w)))
     memory = {**_memory(w, topo, opt, True, True), "tilde_grad_shard": flat_shard(w, group_of(topo, "world")) * 4}
-    label = _label("acco", cfg)
-    if adapt:  # each cap costed as a fixed run (its 16 bytes per worker fewer on the counts all-reduce: negligible)
-        step = FirstThatFits("max_accumulation", tuple(
-            (c, acco(w, topo, dataclasses.replace(cfg, max_accumulation=c, adapt=False), opt).step)
-            for c in cfg.cap_candidates()), cfg.adapt_overhead)
-        label += " adapt"
-    return Schedule("acco", label, tuple(c1 + c2), step, memory, config=cfg)
+    return Schedule("acco", _label("acco", cfg) + mark, tuple(c1 + c2), step, memory, config=cfg)
+
+
+def _adapted(schedule: Any, w: Workload, topo: Topology, cfg: Any, opt: OptimizerState, step: Term
+             ) -> tuple[Term, str]:
+    """``adapt``: the step at the cap the controller picks on the link (each cap costed as a fixed run, its 16 bytes
+    per worker fewer on the count all-reduce: negligible), and the label's mark."""
+    if not getattr(cfg, "adapt", False):
+        return step, ""
+    return FirstThatFits("cap", tuple(
+        (c, schedule(w, topo, dataclasses.replace(cfg, max_accumulation=c, adapt=False), opt).step)
+        for c in cfg.cap_candidates()), cfg.adapt_overhead), " adapt"
 
 
 def dpu(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
     """DPU: one stage per committed step, hiding the previous round's update job."""
-    comms, job = _job(w, topo, cfg, "dpu update", 1)
-    return Schedule("dpu", _label("dpu", cfg), tuple(comms), _stage(job, cfg, w), _memory(w, topo, opt, False, False),
+    comms, job = _job(w, topo, cfg, "dpu update", 1, probe=bool(getattr(cfg, "adapt", False)))
+    step, mark = _adapted(dpu, w, topo, cfg, opt, _stage(job, cfg, w))
+    return Schedule("dpu", _label("dpu", cfg) + mark, tuple(comms), step, _memory(w, topo, opt, False, False),
                     config=cfg)
 
 
 def wp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
     """WP: like DPU, with a second (predicted) optimizer step in the job."""
-    comms, job = _job(w, topo, cfg, "wp update", 2)
-    return Schedule("wp", _label("wp", cfg), tuple(comms), _stage(job, cfg, w), _memory(w, topo, opt, True, True),
+    comms, job = _job(w, topo, cfg, "wp update", 2, probe=bool(getattr(cfg, "adapt", False)))
+    step, mark = _adapted(wp, w, topo, cfg, opt, _stage(job, cfg, w))
+    return Schedule("wp", _label("wp", cfg) + mark, tuple(comms), step, _memory(w, topo, opt, True, True),
                     config=cfg)

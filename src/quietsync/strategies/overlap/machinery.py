@@ -558,6 +558,8 @@ class Overlap(Part):
         }
         if self.job is not None:
             out["overlap.job_counts"] = torch.tensor(self.job.result["counts"], dtype=torch.int64)
+            if self.job.result.get("probe") is not None:  # --adapt's agreed pair (DPU/WP's drained update job)
+                out["overlap.job_probe"] = torch.tensor(self.job.result["probe"], dtype=torch.float64)
         if self.snapshot is not None:
             out["overlap.snapshot"] = self.sharded.logical_piece(self.snapshot)
         return out
@@ -575,6 +577,8 @@ class Overlap(Part):
         out["overlap.counters"] = torch.zeros(5, dtype=torch.int64)
         if "overlap.job_counts" in saved:
             out["overlap.job_counts"] = torch.zeros(saved["overlap.job_counts"][0], dtype=torch.int64)
+        if "overlap.job_probe" in saved:
+            out["overlap.job_probe"] = torch.zeros(2, dtype=torch.float64)
         if self.snapshot is not None:
             out["overlap.snapshot"] = self.sharded.logical_piece_target(self.snapshot.dtype)
         return out
@@ -598,6 +602,8 @@ class Overlap(Part):
         counts = fold_counts(local_part(filled["overlap.job_counts"]).tolist(), self.n) \
             if "overlap.job_counts" in filled else None
         self.job = None if kind < 0 else _Done({"kind": JOB_KINDS[kind], "counts": counts})
+        if self.job is not None and "overlap.job_probe" in filled:
+            self.job.result["probe"] = tuple(float(x) for x in filled["overlap.job_probe"])
         self.stage_count, self._pending_counts, self._last_job_end = 0, [], None
 
     def close(self) -> None:
