@@ -151,8 +151,8 @@ def test_the_cli_refuses_bad_adapt_flags_in_one_line(argv, expect, capsys):
 
 # ---------------------------------------------------------------------------------------------- real processes
 STEPS = 4
-SLOW = (1e9, 0.03)
-"""The link (bytes/s, seconds per message) of the runs that change the cap: each job waits 4 messages x 30 ms, far
+SLOW = (1e9, 0.05)
+"""The link (bytes/s, seconds per message) of the runs that change the cap: each job waits 4 messages x 50 ms, far
 longer than 3 micro-batches of the tiny model, so a capped stage always reaches its cap (its count is the cap, not
 a race with the job)."""
 FAST = (1e9, 0.001)
