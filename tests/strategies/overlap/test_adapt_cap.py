@@ -109,6 +109,25 @@ def test_the_controller_decides_every_adapt_every_rounds_from_the_agreed_link_an
     d = rounds_at(fast, [m] * 4)  # the link recovers: back down
     assert d is not None and d.new == 1 and overlap.cap == 1
     assert ctrl.after_round(step + 1, None) is None and ctrl.rounds == 0  # no probe carried: not counted
+    # a checkpoint holds the cap, the rounds and the hysteresis' reference: a restored controller decides as this one
+    ctrl.after_round(step + 1, (fast, m))  # one round towards the next decision
+    plain = CapController(transport, _Overlap(2), cfg, model, param_groups(model), cost.acco)
+    plain.load_state_dict(ctrl.state_dict())
+    logical = CapController(transport, _Overlap(2), cfg, model, param_groups(model), cost.acco)
+    saved = ctrl.logical_state()
+    targets = logical.logical_targets({k: (tuple(v.shape), v.dtype) for k, v in saved.items()})
+    logical.load_logical({k: saved[k].clone() for k in targets})
+    assert all((c.cap, c.rounds, c.changed_at) == (1, 1, ctrl.changed_at) for c in (plain, logical))
+    seen: dict[int, list] = {id(c): [] for c in (ctrl, plain, logical)}
+    for i, pair in enumerate([(1.2 * fast, m), (1.2 * fast, m), (slow, m), (slow, m)]):
+        for c in (ctrl, plain, logical):  # a 20% faster link: within the threshold of the last pick; then a drop
+            d = c.after_round(step + 2 + i, pair)
+            seen[id(c)].append(None if d is None else (d.old, d.new))
+    assert seen[id(plain)] == seen[id(logical)] == seen[id(ctrl)]
+    assert [x is None for x in seen[id(ctrl)]] == [True, True, False, True]  # adapt_every 2: decisions at 0 and 2
+    # the decision at 0 was held by the restored reference (moved too little: not even taken); a controller without
+    # it would have taken it (and logged a keep)
+    assert len(plain.decisions) == len(logical.decisions) == 1
 
 
 @pytest.mark.parametrize("knobs,match", [

@@ -48,16 +48,18 @@ submitted there (the delayed gradients in flight) is untouched, and so are θ, t
 scratch state -- each update divides by the all-reduced counts. The drained update job of a logical checkpoint keeps
 its agreed pair (``overlap.job_probe``), so the resumed run decides at the same rounds on the same numbers.
 
-Checkpoints (the plain one and the logical one) hold the cap in force, the step of the last change and the rounds
-counted towards the next decision (:class:`CapController`), so a run resumed after a change goes on with the adapted
-cap and decides at the same rounds, exactly as if it had not stopped (the probe's measurements start afresh). A
-run that adapts to the cap it has is the static run at that cap. ``--adapt`` needs ``max_accumulation`` (the cap it
+Checkpoints (the plain one and the logical one) hold the cap in force, the step of the last change, the rounds
+counted towards the next decision and the measured ratio of the last pick, the hysteresis' reference
+(:class:`CapController`), so a run resumed after a change goes on with the adapted cap and decides at the same rounds
+against the same reference, exactly as if it had not stopped (the probe's measurements start afresh). A run that
+adapts to the cap it has is the static run at that cap. ``--adapt`` needs ``max_accumulation`` (the cap it
 starts from) and adaptive stages (no ``deterministic_accumulation``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -277,24 +279,31 @@ class CapController(Part):
 
     # ------------------------------------------------------------------ part protocol
     def state_dict(self) -> dict[str, Any]:
-        return {"max_accumulation": self.cap, "changed_at": self.changed_at, "rounds": self.rounds}
+        return {"max_accumulation": self.cap, "changed_at": self.changed_at, "rounds": self.rounds,
+                "ratio": self._ratio}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "max_accumulation" in state:  # a checkpoint of a run without --adapt has none: the cap stays configured
             self._take(state["max_accumulation"], state["changed_at"])
-            self.rounds = int(state["rounds"])
+            self.rounds, self._ratio = int(state["rounds"]), state["ratio"]
 
     def logical_state(self) -> dict[str, torch.Tensor]:
-        return {k: torch.tensor(v, dtype=torch.int64) for k, v in zip(self.KEYS, (self.cap, self.changed_at,
-                                                                                 self.rounds))}
+        ints = (self.cap, self.changed_at, self.rounds)
+        return {**{k: torch.tensor(v, dtype=torch.int64) for k, v in zip(self.KEYS, ints)},
+                # the ratio of the last pick (the hysteresis' reference; NaN: no pick yet)
+                "adapt.ratio": torch.tensor(math.nan if self._ratio is None else self._ratio, dtype=torch.float64)}
 
     def logical_targets(self, saved: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {k: torch.zeros((), dtype=torch.int64) for k in self.KEYS if k in saved}
+        out = {k: torch.zeros((), dtype=torch.int64) for k in self.KEYS if k in saved}
+        if "adapt.ratio" in saved:
+            out["adapt.ratio"] = torch.zeros((), dtype=torch.float64)
+        return out
 
     def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         if "adapt.max_accumulation" in filled:
             self._take(int(filled["adapt.max_accumulation"]), int(filled["adapt.changed_at"]))
             self.rounds = int(filled["adapt.rounds"])
-
+            ratio = float(filled["adapt.ratio"])
+            self._ratio = None if math.isnan(ratio) else ratio
 
 __all__ = ["CapAdaptConfig", "CapController", "CapDecision", "pick_cap", "predicted_share"]
