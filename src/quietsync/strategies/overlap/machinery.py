@@ -17,7 +17,8 @@ parameters the job produced), B ← G (the gradients to send), G ← 0, and the 
 The number of micro-batches per stage is
 
 * adaptive (default): at least ``min_accumulation``, then as many as it takes for the job to finish (the
-  main thread never waits on the network), at most ``max_accumulation`` if set;
+  main thread never waits on the network), at most ``max_accumulation`` if set (the cap ``--adapt`` re-picks
+  between stages: :mod:`.adapt_cap`);
 * deterministic: exactly ``deterministic_accumulation`` (the main thread waits for the job if needed).
 
 Stages with no job to overlap (ACCO's first stage, DPU/WP warm-up steps) hold ``deterministic_accumulation``
