@@ -267,7 +267,9 @@ FLOAT_FIELDS = {
     "diloco": {"outer_lr", "outer_momentum", "mixing", "compression", "error_decay", "topk_density", "worker_speeds",
                "adapt_overhead", "adapt_threshold"},
     "localsgd": {"worker_speeds"},
-    "acco": {"straggler_factor"},
+    "acco": {"straggler_factor", "adapt_overhead", "adapt_threshold"},
+    "dpu": {"adapt_overhead", "adapt_threshold"},
+    "wp": {"adapt_overhead", "adapt_threshold"},
 }
 """Every float field of the job's config (None) and of each strategy's config that has one: the float flags the
 next test sends NaN and infinities to."""
@@ -320,8 +322,10 @@ def test_a_link_schedule_is_a_link():
 
 
 @pytest.mark.parametrize("argv,expect", [
-    (["--strategy", "zero1", "--adapt"], "--adapt is not a flag of strategy zero1 (it belongs to demo, diloco)"),
-    (["--strategy", "flexdemo", "--adapt"], "--adapt is not a flag of strategy flexdemo (it belongs to demo, diloco)"),
+    (["--strategy", "zero1", "--adapt"],
+     "--adapt is not a flag of strategy zero1 (it belongs to acco, demo, diloco, dpu, wp)"),
+    (["--strategy", "flexdemo", "--adapt"],
+     "--adapt is not a flag of strategy flexdemo (it belongs to acco, demo, diloco, dpu, wp)"),
     (["--strategy", "demo", "--adapt"], "--topk must be given when adapt is on (--adapt"),
     (["--strategy", "demo", "--adapt", "--topk", "8", "--replicator", "random"],
      "--replicator must be dct when adapt is on (--adapt"),

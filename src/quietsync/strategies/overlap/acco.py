@@ -39,6 +39,10 @@ after a commit that is stage 1's estimate job, whose Σᵢg̃ᵢ (a ``Shard(0)``
 world-size independent, so a job on another number of workers commits
 θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, (Σg_new + Σg̃_old)/(ΣN_new + ΣÑ_old)) — the paper's rule with the old workers' estimate-stage
 micro-batches counted as they were.
+
+``--adapt`` re-picks the cap on micro-batches per stage (``max_accumulation``) during the run from the measured link
+and micro-batch, at a stage boundary only (:mod:`~quietsync.strategies.overlap.adapt_cap`: the decision, and what
+a change does to the state).
 """
 
 from __future__ import annotations
@@ -54,17 +58,19 @@ import torch
 from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
-from . import facts
-from .machinery import Overlap, OverlapConfig
+from . import cost, facts
+from .adapt_cap import CapAdaptConfig, CapController
+from .machinery import Overlap
 from .strategy import collected, stage_scale
 
 STAGES = ("init", "stage1", "stage2")
 
 
 @dataclass
-class ACCOConfig(OverlapConfig):
-    """Knobs of ``acco`` (accumulation per stage; see
-    :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`)."""
+class ACCOConfig(CapAdaptConfig):
+    """Knobs of ``acco`` (accumulation per stage, see
+    :class:`~quietsync.strategies.overlap.machinery.OverlapConfig`; ``--adapt`` of the cap, see
+    :class:`~quietsync.strategies.overlap.adapt_cap.CapAdaptConfig`)."""
 
     straggler_factor: float = 2.0
     """A worker whose micro-batch takes more than this many times the fastest worker's, and longer than the
@@ -105,10 +111,16 @@ class ACCO(Strategy):
         """``init`` (computing g̃⁽⁰⁾ at θ⁽⁰⁾), ``stage1`` (computing g at θ) or ``stage2`` (g̃ at θ̃)."""
         self.tilde_sum = torch.zeros_like(self.shard.grad)  # shard of Σᵢg̃ᵢ⁽ᵗ⁾, kept from stage 1 to stage 2
         self._tilde_count = 0.0  # ΣᵢÑᵢ⁽ᵗ⁾
+        self.adapter: CapController | None = None
+        if self.config.adapt:  # the stage cap re-picked during the run (adapt_cap.py)
+            self.adapter = self.hold("adapt", CapController(self.transport, self.overlap, self.config, model,
+                                                            self.param_groups, cost.acco))
 
     # ------------------------------------------------------------------ main thread
     def _step(self) -> bool:
-        self.overlap.time_micro_batch()
+        micro_batch_s = self.overlap.time_micro_batch()
+        if self.adapter is not None and micro_batch_s is not None:
+            self.adapter.micro_batch(micro_batch_s)
         try:
             return self._advance()
         finally:
@@ -128,7 +140,9 @@ class ACCO(Strategy):
             straggler = self._straggles()
             # P ← θ̃⁽ᵗ⁺¹⁾ (a straggler keeps θ⁽ᵗ⁾: it computes nothing at θ̃), B ← gᵢ⁽ᵗ⁾
             count = o.hand_over(install=None if straggler else "estimate")
-            o.submit(self._commit_job, count, self.steps, scale, self.max_grad_norm)
+            # --adapt: this worker's link and micro-batch ride on the commit job's count all-reduce (adapt_cap.py)
+            probe = None if self.adapter is None else self.adapter.measure()
+            o.submit(self._commit_job, count, self.steps, scale, self.max_grad_norm, probe)
             self.stage = "stage2"
             if not straggler:
                 return False
@@ -138,7 +152,12 @@ class ACCO(Strategy):
             # 1's: the scale changes only when a commit is collected.
         result = o.wait("acco/commit")
         count = o.hand_over(install="committed")  # P ← θ⁽ᵗ⁺¹⁾, B ← g̃ᵢ⁽ᵗ⁺¹⁾
-        committed = collected(self, self.overlap, result)
+        extra = {}
+        if self.adapter is not None:  # a stage boundary (G empty): a new cap holds from the stage beginning now
+            decision = self.adapter.after_round(self.steps + 1, result.get("probe"))
+            if decision is not None:
+                extra["adapt"] = decision.record(self.steps + 1)
+        committed = collected(self, self.overlap, result, extra)
         o.submit(self._estimate_job, count, self.steps, scale, self.max_grad_norm)
         self.stage = "stage1"
         return committed
@@ -178,10 +197,11 @@ class ACCO(Strategy):
         return {"kind": "estimate", "counts": counts}
 
     def _commit_job(self, local_count: int, step: int, scale: float | None = None,
-                    max_norm: float | None = None) -> dict[str, Any]:
+                    max_norm: float | None = None, probe: tuple[float, float] | None = None) -> dict[str, Any]:
         """Stage 2: θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, (Σg + Σg̃)/(ΣN + ΣÑ)), committed, all-gathered into B. That gradient is
-        clipped by its global norm; under fp16 an overflow (agreed) skips the step on every worker."""
-        counts, total = self.overlap.reduce(local_count, "acco_grad")
+        clipped by its global norm; under fp16 an overflow (agreed) skips the step on every worker. ``probe``
+        (``--adapt``): this worker's measured link and micro-batch, agreed with the counts (result ``probe``)."""
+        counts, total = self.overlap.reduce(local_count, "acco_grad", probe)
         if scale is not None:
             self.shard.grad.div_(scale)
         self.shard.grad.add_(self.tilde_sum).div_(total + self._tilde_count)
@@ -190,7 +210,8 @@ class ACCO(Strategy):
         if not skipped:
             self.overlap.commit_shard(self._lr_scale(step))
         self.overlap.gather(self.shard.master, "acco_params")
-        return {"kind": "commit", "counts": counts, "check": check, "scale": scale, "skipped": skipped}
+        return {"kind": "commit", "counts": counts, "check": check, "scale": scale, "skipped": skipped,
+                "probe": None if probe is None else self.overlap.last_probe}
 
     @property
     def steps_in_flight(self) -> int:
@@ -239,18 +260,23 @@ class ACCO(Strategy):
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
         out = self.overlap.logical_state()  # drains the estimate job, which writes Σg̃
+        if self.adapter is not None:
+            out.update(self.adapter.logical_state())
         return {**out, "acco.tilde_sum": self.overlap.sharded.logical_piece(self.tilde_sum),
                 "acco.tilde_count": torch.tensor(self._tilde_count, dtype=torch.float64),
                 "acco.stage": torch.tensor(STAGES.index(self.stage), dtype=torch.int64)}
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
         return {**self.overlap.logical_targets(saved),
+                **(self.adapter.logical_targets(saved) if self.adapter is not None else {}),
                 "acco.tilde_sum": self.overlap.sharded.logical_piece_target(self.tilde_sum.dtype),
                 "acco.tilde_count": torch.zeros((), dtype=torch.float64),
                 "acco.stage": torch.zeros((), dtype=torch.int64)}
 
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         self.overlap.load_logical(filled)
+        if self.adapter is not None:
+            self.adapter.load_logical(filled)
         self.overlap.sharded.load_logical_piece(self.tilde_sum, filled["acco.tilde_sum"])
         self._tilde_count = float(filled["acco.tilde_count"])
         self.stage = STAGES[int(filled["acco.stage"])]

@@ -7,10 +7,13 @@ commit and a second, predicted step), and an all-gather of the resulting paramet
 micro-batches as it takes for the job to finish (:class:`~quietsync.cost.terms.Adaptive`), so computation
 hides the network at any link speed — a slower link means more micro-batches (tokens) per step, not idle
 workers — unless ``max_accumulation`` caps the stage. ACCO has two stages per committed step, DPU and WP one.
+Under ``--adapt`` ACCO's commit job (DPU's and WP's update job) all-reduces two more floats per worker (the measured
+link and micro-batch), and the step is the step at the cap the controller picks on the link (:mod:`.adapt_cap`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ...cost.costmodel import Comm
@@ -18,16 +21,19 @@ from ...cost.schedule import Schedule
 from ...cost.terms import Adaptive, Seq, Term, Wire, copy, optimizer
 from ...cost.workload import Workload
 from ...topology import Topology
-from ..parts.cost import ADAMW, OptimizerState, group_of
+from ..parts.cost import ADAMW, FirstThatFits, OptimizerState, group_of
 from ..substrates.cost import flat_collectives, flat_shard, sharded_state_memory
 
 
-def _job(w: Workload, topo: Topology, cfg: Any, name: str, steps: int) -> tuple[list[Comm], Term]:
-    """One job: counts all-reduce, reduce-scatter, ``steps`` optimizer steps on the shard, all-gather."""
+def _job(w: Workload, topo: Topology, cfg: Any, name: str, steps: int, probe: bool = False
+         ) -> tuple[list[Comm], Term]:
+    """One job: counts all-reduce (``probe``: with the link and micro-batch ``--adapt`` agrees), reduce-scatter,
+    ``steps`` optimizer steps on the shard, all-gather."""
     n = group_of(topo, "world")
     if n == 1:
         return [], Seq(*(optimizer(flat_shard(w, 1)) for _ in range(steps)))
-    counts = Comm("all_reduce", "world", 16 * n, f"{name}: all-reduce micro-batch counts and times")
+    counts = Comm("all_reduce", "world", (32 if probe else 16) * n,
+                  f"{name}: all-reduce micro-batch counts and times" + (", link and micro-batch" if probe else ""))
     rs, ag = flat_collectives(w, topo, "world", cfg.reduce_dtype, name)
     shard = flat_shard(w, n)
     work = [optimizer(shard, f"{name}: optimizer step on the shard") for _ in range(steps)]
@@ -58,23 +64,38 @@ def _memory(w: Workload, topo: Topology, opt: OptimizerState, estimate: bool, sn
 
 def acco(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
     """ACCO: two stages per committed step, the estimate job then the commit job, each hidden behind the
-    micro-batches of a stage."""
+    micro-batches of a stage; with ``adapt``, the step at the cap its controller picks on the link
+    (:class:`~quietsync.strategies.parts.cost.FirstThatFits` over the caps, smallest first)."""
+    adapt = bool(getattr(cfg, "adapt", False))
     c1, estimate = _job(w, topo, cfg, "acco estimate", 1)
-    c2, commit = _job(w, topo, cfg, "acco commit", 1)
-    step = Seq(_stage(estimate, cfg, w), _stage(commit, cfg, w))
+    c2, commit = _job(w, topo, cfg, "acco commit", 1, probe=adapt)
+    step, mark = _adapted(acco, w, topo, cfg, opt, Seq(_stage(estimate, cfg, w), _stage(commit, cfg, w)))
     memory = {**_memory(w, topo, opt, True, True), "tilde_grad_shard": flat_shard(w, group_of(topo, "world")) * 4}
-    return Schedule("acco", _label("acco", cfg), tuple(c1 + c2), step, memory, config=cfg)
+    return Schedule("acco", _label("acco", cfg) + mark, tuple(c1 + c2), step, memory, config=cfg)
+
+
+def _adapted(schedule: Any, w: Workload, topo: Topology, cfg: Any, opt: OptimizerState, step: Term
+             ) -> tuple[Term, str]:
+    """``adapt``: the step at the cap the controller picks on the link (each cap costed as a fixed run, its 16 bytes
+    per worker fewer on the count all-reduce: negligible), and the label's mark."""
+    if not getattr(cfg, "adapt", False):
+        return step, ""
+    return FirstThatFits("cap", tuple(
+        (c, schedule(w, topo, dataclasses.replace(cfg, max_accumulation=c, adapt=False), opt).step)
+        for c in cfg.cap_candidates()), cfg.adapt_overhead), " adapt"
 
 
 def dpu(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
     """DPU: one stage per committed step, hiding the previous round's update job."""
-    comms, job = _job(w, topo, cfg, "dpu update", 1)
-    return Schedule("dpu", _label("dpu", cfg), tuple(comms), _stage(job, cfg, w), _memory(w, topo, opt, False, False),
+    comms, job = _job(w, topo, cfg, "dpu update", 1, probe=bool(getattr(cfg, "adapt", False)))
+    step, mark = _adapted(dpu, w, topo, cfg, opt, _stage(job, cfg, w))
+    return Schedule("dpu", _label("dpu", cfg) + mark, tuple(comms), step, _memory(w, topo, opt, False, False),
                     config=cfg)
 
 
 def wp(w: Workload, topo: Topology, cfg: Any, opt: OptimizerState = ADAMW) -> Schedule:
     """WP: like DPU, with a second (predicted) optimizer step in the job."""
-    comms, job = _job(w, topo, cfg, "wp update", 2)
-    return Schedule("wp", _label("wp", cfg), tuple(comms), _stage(job, cfg, w), _memory(w, topo, opt, True, True),
+    comms, job = _job(w, topo, cfg, "wp update", 2, probe=bool(getattr(cfg, "adapt", False)))
+    step, mark = _adapted(wp, w, topo, cfg, opt, _stage(job, cfg, w))
+    return Schedule("wp", _label("wp", cfg) + mark, tuple(comms), step, _memory(w, topo, opt, True, True),
                     config=cfg)

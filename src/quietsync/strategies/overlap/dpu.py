@@ -26,7 +26,9 @@ all-reduce) and, under fp16, skips the update on every worker when it overflowed
 
 ``step()`` returns True each time an update is collected and the new θ installed; the model always holds
 the committed θ (``committed_params()`` is free). Accumulation per stage: see
-:class:`~quietsync.strategies.overlap.machinery.OverlapConfig`.
+:class:`~quietsync.strategies.overlap.machinery.OverlapConfig`; ``--adapt`` re-picks the cap on micro-batches per
+stage from the measured link as ACCO's does (:mod:`~quietsync.strategies.overlap.adapt_cap`), at the hand-over
+that collects an update (a stage boundary), the probe riding on the update job's count all-reduce.
 
 Checkpoints that reshard drain the update in flight first (:mod:`~quietsync.strategies.overlap.machinery`):
 its gradients are the old workers', already reduced; the new workers install its result at their first
@@ -44,16 +46,18 @@ from ...validate import check_int
 from ..base import Strategy
 from ..checkpoint.logical import SavedTensors
 from ..registry import register
-from . import facts
-from .machinery import Overlap, OverlapConfig
+from . import cost, facts
+from .adapt_cap import CapAdaptConfig, CapController
+from .machinery import Overlap
 from .strategy import collected, stage_scale
 
 PHASES = ("warmup", "fill", "overlap")
 
 
 @dataclass
-class DPUConfig(OverlapConfig):
-    """Knobs of ``dpu`` (and ``wp``): accumulation per stage (see :class:`OverlapConfig`) and the warm-up."""
+class DPUConfig(CapAdaptConfig):
+    """Knobs of ``dpu`` (and ``wp``): accumulation per stage (see :class:`OverlapConfig`), ``--adapt`` of its cap
+    (:class:`~quietsync.strategies.overlap.adapt_cap.CapAdaptConfig`) and the warm-up."""
 
     sync_warmup_steps: int = 0
     """Non-delayed (blocking ZeRO-1) steps before the delayed updates start; 0 = none."""
@@ -90,8 +94,23 @@ class DPU(Strategy):
         self.shard, self.optimizer = self.overlap.sharded.shard, self.overlap.sharded.optimizer
         self.phase = "warmup" if self.config.sync_warmup_steps > 0 else "fill"
         """``warmup``, ``fill`` or ``overlap`` (see the module docstring)."""
+        self.adapter: CapController | None = None
+        if self.config.adapt:  # the stage cap re-picked during the run (adapt_cap.py)
+            self.adapter = self.hold("adapt", CapController(self.transport, self.overlap, self.config, model,
+                                                            self.param_groups, cost.wp if self.predicts else cost.dpu))
 
     def _step(self) -> bool:
+        if self.adapter is None:
+            return self._advance()
+        micro_batch_s = self.overlap.time_micro_batch()  # the probe's micro-batch (adapt_cap.py)
+        if micro_batch_s is not None:
+            self.adapter.micro_batch(micro_batch_s)
+        try:
+            return self._advance()
+        finally:
+            self.overlap.step_returned()
+
+    def _advance(self) -> bool:
         o = self.overlap
         if self.phase == "warmup":
             if not o.start(self._job, self.steps, False, stage_scale(self), self.max_grad_norm):
@@ -112,8 +131,15 @@ class DPU(Strategy):
         result = o.wait("delayed_update")
         # P ← θ⁽ᵗ⁺¹⁾ (WP: θ̃⁽ᵗ⁺¹⁾), B ← gradients computed at the old P
         count = o.hand_over(install="estimate" if self.predicts else "committed")
-        committed = collected(self, self.overlap, result)
-        o.submit(self._job, count, self.steps, True, scale, self.max_grad_norm)
+        extra = {}
+        if self.adapter is not None:  # a stage boundary (G empty): a new cap holds from the stage beginning now
+            decision = self.adapter.after_round(self.steps + 1, result.get("probe"))
+            if decision is not None:
+                extra["adapt"] = decision.record(self.steps + 1)
+        committed = collected(self, self.overlap, result, extra)
+        # --adapt: this worker's link and micro-batch ride on the update job's count all-reduce (adapt_cap.py)
+        probe = None if self.adapter is None else self.adapter.measure()
+        o.submit(self._job, count, self.steps, True, scale, self.max_grad_norm, probe)
         return committed
 
     @property
@@ -137,11 +163,12 @@ class DPU(Strategy):
         if self.phase == "overlap":  # nothing in flight: a run resumed from here refills the pipeline
             self.phase = "fill"
 
-    def _update(self, local_count: int, step: int, scale: float | None,
-                max_norm: float | None) -> tuple[list[int], dict[str, Any]]:
+    def _update(self, local_count: int, step: int, scale: float | None, max_norm: float | None,
+                probe: tuple[float, float] | None = None) -> tuple[list[int], dict[str, Any]]:
         """Job part: reduce, unscale, average, measure and clip; θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ) committed unless fp16
-        found an overflow. Returns the counts and the result fields."""
-        counts, total = self.overlap.reduce(local_count, "grads")
+        found an overflow. Returns the counts and the result fields (``probe``: ``--adapt``'s pair, agreed with
+        the counts)."""
+        counts, total = self.overlap.reduce(local_count, "grads", probe)
         if scale is not None:
             self.shard.grad.div_(scale)
         self.shard.grad.div_(total)
@@ -149,12 +176,13 @@ class DPU(Strategy):
         skipped = check is not None and scale is not None and not check.finite
         if not skipped:
             self.overlap.commit_shard(self._lr_scale(step))
-        return counts, {"kind": "update", "counts": counts, "check": check, "scale": scale, "skipped": skipped}
+        return counts, {"kind": "update", "counts": counts, "check": check, "scale": scale, "skipped": skipped,
+                        "probe": None if probe is None else self.overlap.last_probe}
 
     def _job(self, local_count: int, step: int, overlapped: bool, scale: float | None = None,
-             max_norm: float | None = None) -> dict[str, Any]:
+             max_norm: float | None = None, probe: tuple[float, float] | None = None) -> dict[str, Any]:
         """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, Σg/ΣN), committed and all-gathered into B (the same job, overlapped or not)."""
-        _, result = self._update(local_count, step, scale, max_norm)
+        _, result = self._update(local_count, step, scale, max_norm, probe)
         self.overlap.gather(self.shard.master, "params")
         return result
 
@@ -174,11 +202,15 @@ class DPU(Strategy):
         return {"stage_micro_batches": self.overlap.stage_count}
 
     def _logical_state(self) -> dict[str, torch.Tensor]:
-        return {**self.overlap.logical_state(), "dpu.phase": torch.tensor(PHASES.index(self.phase))}
+        return {**self.overlap.logical_state(), "dpu.phase": torch.tensor(PHASES.index(self.phase)),
+                **(self.adapter.logical_state() if self.adapter is not None else {})}
 
     def _logical_targets(self, saved: SavedTensors) -> dict[str, torch.Tensor]:
-        return {**self.overlap.logical_targets(saved), "dpu.phase": torch.zeros((), dtype=torch.int64)}
+        return {**self.overlap.logical_targets(saved), "dpu.phase": torch.zeros((), dtype=torch.int64),
+                **(self.adapter.logical_targets(saved) if self.adapter is not None else {})}
 
     def _load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         self.overlap.load_logical(filled)
         self.phase = PHASES[int(filled["dpu.phase"])]
+        if self.adapter is not None:
+            self.adapter.load_logical(filled)

@@ -17,7 +17,8 @@ parameters the job produced), B ← G (the gradients to send), G ← 0, and the 
 The number of micro-batches per stage is
 
 * adaptive (default): at least ``min_accumulation``, then as many as it takes for the job to finish (the
-  main thread never waits on the network), at most ``max_accumulation`` if set;
+  main thread never waits on the network), at most ``max_accumulation`` if set (the cap ``--adapt`` re-picks
+  between stages: :mod:`.adapt_cap`);
 * deterministic: exactly ``deterministic_accumulation`` (the main thread waits for the job if needed).
 
 Stages with no job to overlap (ACCO's first stage, DPU/WP warm-up steps) hold ``deterministic_accumulation``
@@ -183,6 +184,9 @@ class Overlap(Part):
         self.job: Job | _Done | None = None
         self.stage_count = 0
         """Micro-batches accumulated into G in the current stage."""
+        self.cap = config.max_accumulation
+        """Cap on micro-batches per stage in force (``max_accumulation``; ``--adapt`` changes it between stages,
+        :meth:`set_cap`)."""
         self.hand_overs = 0
         """Stages ended so far (one job submitted per hand-over): this worker's position in the pipeline."""
         self.holds_committed = True
@@ -206,6 +210,9 @@ class Overlap(Part):
         self.job_s: dict[str, float] = {}
         """Seconds the last collected job of each ``kind`` ran on this worker's communication thread (from
         its start there to its end, waiting for peers included; on CUDA the host side only)."""
+        self.last_probe: tuple[float, float] | None = None
+        """``(bandwidth, micro-batch seconds)`` the last job that carried a link probe agreed (:meth:`reduce`);
+        written by the communication worker."""
 
     @classmethod
     def for_strategy(cls, strategy: Strategy, *, estimate: bool, snapshot: bool) -> Overlap:
@@ -221,13 +228,16 @@ class Overlap(Part):
         return overlap
 
     # ------------------------------------------------------------------ main thread
-    def time_micro_batch(self) -> None:
+    def time_micro_batch(self) -> float | None:
         """At the top of the strategy's ``step()``: the main-thread time since the last ``step()`` returned is
-        one micro-batch (data, forward, backward, and a simulated slow worker's sleep, like a slower device)."""
+        one micro-batch (data, forward, backward, and a simulated slow worker's sleep, like a slower device).
+        Returns it (None when there is none to time)."""
         now = time.perf_counter()
         if self._step_left is not None and not self._end_now:
             self._recent_micro_batch_s.append(now - self._step_left)
             self.micro_batch_s = statistics.median(self._recent_micro_batch_s)
+            return now - self._step_left
+        return None
 
     def step_returned(self) -> None:
         """At the end of the strategy's ``step()`` (see :meth:`time_micro_batch`)."""
@@ -266,7 +276,7 @@ class Overlap(Part):
             return False
         if cfg.deterministic_accumulation is not None:
             return n >= cfg.deterministic_accumulation
-        if cfg.max_accumulation is not None and n >= cfg.max_accumulation:
+        if self.cap is not None and n >= self.cap:
             return True
         assert self.job is not None
         return self.job.done()
@@ -313,6 +323,14 @@ class Overlap(Part):
         count, self.stage_count = self.stage_count, 0
         self.hand_overs += 1
         return count
+
+    def set_cap(self, cap: int) -> None:
+        """Cap the stages from the current one on at ``cap`` micro-batches; only at a stage boundary (no
+        micro-batch of the current stage computed yet), so a stage is never cut or stretched half-way."""
+        if self.stage_count:
+            raise RuntimeError(f"the stage cap changes only at a stage boundary; {self.stage_count} micro-batches "
+                               "of the current stage are already accumulated")
+        self.cap = int(cap)
 
     def install(self) -> None:
         """P ← B without handing gradients over: the committed θ of a blocking step (or of the last job)."""
@@ -386,17 +404,28 @@ class Overlap(Part):
         self._pending_counts = []
 
     # ------------------------------------------------------------------ communication worker
-    def reduce(self, local_count: int, name: str) -> tuple[list[int], float]:
+    def reduce(self, local_count: int, name: str,
+               probe: tuple[float, float] | None = None) -> tuple[list[int], float]:
         """Job part: all-reduce the per-worker counts (and micro-batch times, kept for :attr:`peer_micro_batch_s`),
-        reduce-scatter B: ``shard.grad`` ← Σ over workers (not divided). Returns the counts and their total."""
+        reduce-scatter B: ``shard.grad`` ← Σ over workers (not divided). Returns the counts and their total.
+
+        ``probe`` (``--adapt``: this worker's measured ``(bandwidth, micro-batch seconds)``) rides on the same
+        all-reduce, two more floats per worker, and :attr:`last_probe` becomes the agreed pair: the fastest link
+        any worker saw (as :class:`~quietsync.strategies.parts.link_probe.LinkProbe` agrees it) and the fastest
+        worker's micro-batch (the one a cap must let hide the job; 0 where none measured yet)."""
         n, rank = self.n, self.transport.group_rank(self.group)
-        counts = torch.zeros(2 * n, dtype=torch.float64, device=self.transport.device)
+        counts = torch.zeros((4 if probe is not None else 2) * n, dtype=torch.float64, device=self.transport.device)
         counts[rank] = float(local_count)
         counts[n + rank] = self.micro_batch_s  # a float written by the main thread: read once, either value is fine
+        if probe is not None:
+            counts[2 * n + rank], counts[3 * n + rank] = float(probe[0]), float(probe[1])
         self.transport.all_reduce(counts, self.group, name=f"all_reduce/counts_{name}")
         values = counts.tolist()
         per_worker = [int(round(c)) for c in values[:n]]
-        self._job_speeds = values[n:]
+        self._job_speeds = values[n:2 * n]
+        if probe is not None:
+            steps = [s for s in values[3 * n:] if s > 0]
+            self.last_probe = (max(values[2 * n:3 * n]), min(steps) if steps else 0.0)
         self.sharded.reduce_scatter_grads(self.comm_buf, 1.0, name=name)
         return per_worker, float(sum(per_worker))
 
@@ -530,6 +559,8 @@ class Overlap(Part):
         }
         if self.job is not None:
             out["overlap.job_counts"] = torch.tensor(self.job.result["counts"], dtype=torch.int64)
+            if self.job.result.get("probe") is not None:  # --adapt's agreed pair (DPU/WP's drained update job)
+                out["overlap.job_probe"] = torch.tensor(self.job.result["probe"], dtype=torch.float64)
         if self.snapshot is not None:
             out["overlap.snapshot"] = self.sharded.logical_piece(self.snapshot)
         return out
@@ -547,6 +578,8 @@ class Overlap(Part):
         out["overlap.counters"] = torch.zeros(5, dtype=torch.int64)
         if "overlap.job_counts" in saved:
             out["overlap.job_counts"] = torch.zeros(saved["overlap.job_counts"][0], dtype=torch.int64)
+        if "overlap.job_probe" in saved:
+            out["overlap.job_probe"] = torch.zeros(2, dtype=torch.float64)
         if self.snapshot is not None:
             out["overlap.snapshot"] = self.sharded.logical_piece_target(self.snapshot.dtype)
         return out
@@ -570,6 +603,8 @@ class Overlap(Part):
         counts = fold_counts(local_part(filled["overlap.job_counts"]).tolist(), self.n) \
             if "overlap.job_counts" in filled else None
         self.job = None if kind < 0 else _Done({"kind": JOB_KINDS[kind], "counts": counts})
+        if self.job is not None and "overlap.job_probe" in filled:
+            self.job.result["probe"] = tuple(float(x) for x in filled["overlap.job_probe"])
         self.stage_count, self._pending_counts, self._last_job_end = 0, [], None
 
     def close(self) -> None:

@@ -20,9 +20,11 @@ def stage_scale(strategy: Strategy) -> float | None:
     return None if strategy.scaler is None else strategy.scaler.scale
 
 
-def collected(strategy: Strategy, overlap: Overlap, result: dict[str, Any]) -> bool:
-    """Commit the job's step on ``strategy``, or — an fp16 overflow, skipped by the job on every worker —
-    nothing (the overlap's pending record is dropped). Returns whether a step was committed."""
+def collected(strategy: Strategy, overlap: Overlap, result: dict[str, Any], extra: dict[str, Any] | None = None
+              ) -> bool:
+    """Commit the job's step on ``strategy`` (``extra``: more entries of its metrics' ``extra``, e.g. an ``--adapt``
+    decision), or — an fp16 overflow, skipped by the job on every worker — nothing (the overlap's pending record
+    is dropped). Returns whether a step was committed."""
     check = result.get("check")
     extras: dict[str, Any] | None = {}
     if check is not None:
@@ -30,6 +32,6 @@ def collected(strategy: Strategy, overlap: Overlap, result: dict[str, Any]) -> b
         if extras is None:
             overlap.drop_pending()
             return False
-    extra, local = overlap.step_record()
-    strategy._commit({**extra, **extras}, local)  # noqa: SLF001
+    record, local = overlap.step_record()
+    strategy._commit({**record, **extras, **(extra or {})}, local)  # noqa: SLF001
     return True

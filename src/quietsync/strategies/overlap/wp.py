@@ -43,11 +43,11 @@ class WP(DPU):
     config: WPConfig
 
     def _job(self, local_count: int, step: int, overlapped: bool, scale: float | None = None,
-             max_norm: float | None = None) -> dict[str, Any]:
+             max_norm: float | None = None, probe: tuple[float, float] | None = None) -> dict[str, Any]:
         """θ⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁾, ḡ⁽ᵗ⁾) committed; B ← the prediction θ̃⁽ᵗ⁺¹⁾ = Opt(θ⁽ᵗ⁺¹⁾, ḡ⁽ᵗ⁾), a second step
         with the same (clipped) gradient on the scratch state (uncommitted) — or θ⁽ᵗ⁺¹⁾ itself in a blocking
         warm-up step, or θ⁽ᵗ⁾ when fp16 skipped the update."""
-        _, result = self._update(local_count, step, scale, max_norm)
+        _, result = self._update(local_count, step, scale, max_norm, probe)
         if overlapped and not result["skipped"]:
             self.overlap.gather(self.overlap.estimator.estimate(self._lr_scale(step + 1)), "wp_prediction")
         else:

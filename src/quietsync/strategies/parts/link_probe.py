@@ -66,18 +66,22 @@ class LinkProbe:
         """Count one step of ``compute_s`` main-thread compute seconds."""
         self._recent.append(compute_s)
 
+    def local(self) -> tuple[float, float]:
+        """``(bandwidth bytes/s, step seconds)`` as this worker measured them, not agreed: the link over the
+        exchanges since the last call (0 when none completed). For a strategy whose workers are not in lockstep
+        (ACCO), which agrees on them inside a collective of its own."""
+        sent, seconds = self._meter()
+        d_sent, d_seconds = sent - self._mark[0], seconds - self._mark[1]
+        self._mark = (sent, seconds)
+        local_bw = d_sent / d_seconds if d_seconds > 0 and d_sent > 0 else 0.0
+        return local_bw, statistics.median(self._recent) if self._recent else 0.0
+
     def measure(self) -> tuple[float, float]:
         """``(bandwidth bytes/s, step seconds)`` agreed over the workers (a collective on the control group: every
         worker calls it at the same steps), the link over the exchanges since the last call (0 when none
         completed)."""
-        sent, seconds = self._meter()
-        d_sent, d_seconds = sent - self._mark[0], seconds - self._mark[1]
-        local_bw = d_sent / d_seconds if d_seconds > 0 and d_sent > 0 else 0.0
-        local_step = statistics.median(self._recent) if self._recent else 0.0
-        bandwidth = self.transport.agree(local_bw, "max")
-        step_s = self.transport.agree(local_step, "max")
-        self._mark = (sent, seconds)
-        return bandwidth, step_s
+        local_bw, local_step = self.local()
+        return self.transport.agree(local_bw, "max"), self.transport.agree(local_step, "max")
 
 
 def moved(ratio: float, last: float | None, threshold: float) -> bool:
