@@ -8,7 +8,7 @@ bytes of ``int64``. :func:`topk_positions` picks them: on CPU (fp32/fp64) with N
 into a vector of (value, index) pairs first), elsewhere with ``torch.topk``. Both return a set of ``k``
 largest magnitudes; only among entries of *equal* magnitude at the k-th place may the two pick different
 positions (e.g. a block of zeros). :func:`topk_picks` gives the same positions with the values there (what
-DeMo's extract sends), reading the rows once. :func:`scatter_mean` is the receiving side: it averages each
+DeMo's extract sends), writing no ``|x|``. :func:`scatter_mean` is the receiving side: it averages each
 coefficient over the workers that actually sent it (a coefficient only one worker picked is not diluted by the
 others' implicit zeros), exactly as the DeMo reference's ``batch_decompress`` does.
 """
@@ -136,7 +136,7 @@ def topk_picks(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions, values)``, both ``(blocks, k)``: :func:`topk_positions`' positions (the same, in the same order)
     and ``x``'s entries there -- what DeMo's extract sends.
 
-    On CPU (fp32/fp64, contiguous rows) the selection reads ``x`` once and writes no ``|x|``: a group's largest
+    On CPU (fp32/fp64, contiguous rows) the selection writes no ``|x|``: a group's largest
     magnitude is ``max(amax, -amin)`` of its signed entries, and the values come from the candidates already
     gathered, not from a second gather out of the rows (about 12% of the selection's time on the 10m model).
     """

@@ -208,8 +208,8 @@ class DCTReplicator(Replicator):
         """Top-k per block of the coefficients ``momentum``, removed from it (error feedback: the sent coefficients
         are zeroed -- minus what the transfer cast or quantization loses -- and padded blocks projected back onto
         tensors that are zero in their padding); the message holds the packed payload (values and positions of
-        every block group) and its specs. Run by run (a few tiles); the selection reads the momentum once and writes
-        no magnitudes (:func:`~quietsync.wire.codecs.topk_picks`)."""
+        every block group) and its specs. Run by run (a few tiles); the selection writes no magnitudes
+        (:func:`~quietsync.wire.codecs.topk_picks`)."""
         layout = self.layout(segments, momentum.device)
         if momentum.dim() != 1 or momentum.numel() != layout.stacked_numel:
             raise ValueError(f"momentum must be flat with {layout.stacked_numel} elements, got shape "
