@@ -66,7 +66,7 @@ def main() -> None:
     from quietsync.wire.codecs import BlockLayout
 
     parts: dict[str, float] = collections.defaultdict(float)
-    _timed(dct, "topk_positions", "top-k", parts)
+    _timed(dct, "topk_picks", "top-k", parts)
     _timed(dct, "_transform_rows", "transforms", parts)
     _timed(dct, "_inverse_rows", "transforms", parts)
     _timed(BlockLayout, "transform", "transforms", parts, static=True)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from quietsync.wire.codecs import topk_positions
+from quietsync.wire.codecs import topk_picks, topk_positions
 
 
 def _largest(row: np.ndarray, k: int) -> set[int]:
@@ -46,3 +46,25 @@ def test_scratch_receives_the_magnitudes():
     a = topk_positions(x, 85, scratch=scratch)
     assert torch.equal(scratch, x.abs())
     assert [set(r) for r in a.tolist()] == [set(r) for r in topk_positions(x, 85).tolist()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("blocks,n,k", [(300, 4096, 85), (200, 4096, 1), (40, 1024, 30), (9, 16, 3), (5, 64, 64)])
+def test_picks_are_the_positions_and_the_values_there(blocks, n, k, dtype):
+    # what the extract sends: topk_positions' positions, in the same order, and the signed entries there, bit for
+    # bit -- also on rows of ties, NaN, -0.0 and -inf, which fall back to the row's introselect
+    gen = torch.Generator().manual_seed(blocks + n + k)
+    x = (torch.randn(blocks, n, generator=gen) * torch.rand(blocks, 1, generator=gen)).to(dtype)
+    if blocks >= 9:
+        x[0] = 0.0
+        x[1, : n // 2] = 7.0
+        x[2, 5] = float("nan")
+        x[3] = x[3].round()
+        x[4] = -0.0
+        x[5, 3] = -float("inf")
+    pos, values = topk_picks(x, k)
+    expected = topk_positions(x, k)
+    assert pos.dtype == torch.long and values.dtype == dtype
+    assert torch.equal(pos, expected)
+    assert torch.equal(values.nan_to_num(), torch.gather(x, 1, expected).nan_to_num())
+    assert torch.equal(values.isnan(), torch.gather(x, 1, expected).isnan())

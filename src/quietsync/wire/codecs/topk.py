@@ -7,8 +7,9 @@ bytes of ``int64``. :func:`topk_positions` picks them: on CPU (fp32/fp64) with N
 (``np.argpartition``), about twice as fast as ``torch.topk`` on 64x64 blocks here (which copies every row
 into a vector of (value, index) pairs first), elsewhere with ``torch.topk``. Both return a set of ``k``
 largest magnitudes; only among entries of *equal* magnitude at the k-th place may the two pick different
-positions (e.g. a block of zeros). :func:`scatter_mean` is the receiving side: it averages each coefficient over
-the workers that actually sent it (a coefficient only one worker picked is not diluted by the
+positions (e.g. a block of zeros). :func:`topk_picks` gives the same positions with the values there (what
+DeMo's extract sends), writing no ``|x|``. :func:`scatter_mean` is the receiving side: it averages each
+coefficient over the workers that actually sent it (a coefficient only one worker picked is not diluted by the
 others' implicit zeros), exactly as the DeMo reference's ``batch_decompress`` does.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from ...validate import check_int
 
-__all__ = ["index_dtype", "topk_positions", "topk_per_block", "scatter_mean", "densify"]
+__all__ = ["index_dtype", "topk_positions", "topk_picks", "topk_per_block", "scatter_mean", "densify"]
 
 _ROWS_ELEMENTS = 2**20
 """Elements of ``x`` per NumPy call: its int64 index array (8 MiB) stays below the size glibc maps afresh
@@ -58,18 +59,21 @@ def topk_positions(x: torch.Tensor, k: int, scratch: torch.Tensor | None = None)
     return mag.topk(k, dim=1, sorted=False).indices
 
 
-def _argpartition_rows(arr: np.ndarray, k: int, rows: np.ndarray, pos: torch.Tensor | None = None) -> torch.Tensor:
+def _argpartition_rows(arr: np.ndarray, k: int, rows: np.ndarray, pos: torch.Tensor | None = None,
+                       into: np.ndarray | None = None) -> torch.Tensor:
     """Positions of the ``k`` largest entries of rows ``rows`` of ``arr`` by NumPy's introselect, written into
-    those rows of ``pos`` (a new ``(len(arr), k)`` tensor when None)."""
+    rows ``into`` (default: the same rows) of ``pos`` (a new ``(len(arr), k)`` tensor when None)."""
     n = arr.shape[1]
     if pos is None:
         pos = torch.empty(arr.shape[0], k, dtype=torch.long)
+    if into is None:
+        into = rows
     out = pos.numpy()
     step = max(1, _ROWS_ELEMENTS // n)  # argpartition returns a full index array: keep it small and reused
     for start in range(0, len(rows), step):
         mine = rows[start : start + step]
         picked = arr[mine] if len(mine) != arr.shape[0] else arr
-        out[mine] = np.argpartition(picked, n - k, axis=1)[:, n - k:]
+        out[into[start : start + step]] = np.argpartition(picked, n - k, axis=1)[:, n - k:]
     return pos
 
 
@@ -92,6 +96,13 @@ def _k_largest(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return (np.flatnonzero(mask).reshape(rows, k) - np.arange(0, rows * n, n)[:, None]), sure  # row starts off
 
 
+def _group_size(n: int, k: int) -> int | None:
+    """Entries per group of :func:`_topk_by_groups` for rows of ``n``: ``k * s`` candidates, about a quarter of
+    ``n``; None where grouping does not pay (short rows)."""
+    s = 1 << max(0, (n // (4 * k)).bit_length() - 1)
+    return None if s < 4 or n % s else s
+
+
 def _topk_by_groups(arr: np.ndarray, k: int) -> torch.Tensor | None:
     """The top-k positions of every row of ``arr`` (magnitudes), looked for among few candidates.
 
@@ -105,8 +116,8 @@ def _topk_by_groups(arr: np.ndarray, k: int) -> torch.Tensor | None:
     grouping does not pay (short rows).
     """
     rows, n = arr.shape
-    s = 1 << max(0, (n // (4 * k)).bit_length() - 1)  # group size: k * s candidates, about a quarter of n
-    if s < 4 or n % s:
+    s = _group_size(n, k)
+    if s is None:
         return None
     groups = n // s
     grid = torch.from_numpy(arr).view(rows, s, groups)
@@ -119,6 +130,39 @@ def _topk_by_groups(arr: np.ndarray, k: int) -> torch.Tensor | None:
     if unsure.any():
         _argpartition_rows(arr, k, np.flatnonzero(unsure), pos)
     return pos
+
+
+def topk_picks(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions, values)``, both ``(blocks, k)``: :func:`topk_positions`' positions (the same, in the same order)
+    and ``x``'s entries there -- what DeMo's extract sends.
+
+    On CPU (fp32/fp64, contiguous rows) the selection writes no ``|x|``: a group's largest
+    magnitude is ``max(amax, -amin)`` of its signed entries, and the values come from the candidates already
+    gathered, not from a second gather out of the rows (about 12% of the selection's time on the 10m model).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be (blocks, block_numel), got shape {tuple(x.shape)}")
+    rows, n = x.shape
+    check_int("k", k, 1, n)  # at most the block size
+    s = _group_size(n, k)
+    if (s is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or rows == 0
+            or not x.is_contiguous() or x.requires_grad):
+        pos = topk_positions(x, k)
+        return pos, torch.gather(x, 1, pos)
+    groups = n // s
+    grid = x.view(rows, s, groups)
+    peaks = torch.maximum(grid.amax(1), grid.amin(1).neg_())  # each group's largest |x|; NaN stays NaN
+    top, sure = _k_largest(peaks.numpy(), k)
+    cand = torch.gather(grid, 2, torch.from_numpy(top)[:, None, :].expand(rows, s, k)).view(rows, s * k).numpy()
+    sel, sure_too = _k_largest(np.abs(cand), k)
+    member, group = np.divmod(sel, k)
+    pos = torch.from_numpy(np.take_along_axis(top, group, 1) + member * groups)
+    values = torch.from_numpy(np.take_along_axis(cand, sel, 1))
+    unsure = np.flatnonzero(~(sure & sure_too))
+    if len(unsure):  # ties or NaN: the plain introselect's positions, as topk_positions gives them
+        _argpartition_rows(np.abs(x.numpy()[unsure]), k, np.arange(len(unsure)), pos, unsure)
+        values[unsure] = torch.gather(x[unsure], 1, pos[unsure])
+    return pos, values
 
 
 def topk_per_block(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

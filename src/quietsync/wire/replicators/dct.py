@@ -25,7 +25,7 @@ update; each tile's views of the buffers it works on are made once per layout (:
 :meth:`DCTReplicator.replicate`
 is the spatial entry point (DiLoCo's pseudo-gradients): it converts, steps and converts back. The fp64 oracle
 written from paper 001 (``tests/strategies/helpers/reference_demo.py``) agrees up to fp32 rounding; the top-k may
-pick other positions only among coefficients of equal magnitude (:func:`~quietsync.wire.codecs.topk_positions`).
+pick other positions only among coefficients of equal magnitude (:func:`~quietsync.wire.codecs.topk_picks`).
 
 ``k`` per block follows from ``compression`` (bytes per coefficient = value + position bytes), or
 is fixed by ``topk`` (DeMo's own knob; then ``compression`` is not used). With a low-bit ``transfer_dtype``
@@ -52,7 +52,7 @@ from ..codecs import (
     pack,
     scatter_mean,
     topk_per_block,
-    topk_positions,
+    topk_picks,
     unpack,
 )
 from ..codecs.dct import Tile
@@ -208,7 +208,8 @@ class DCTReplicator(Replicator):
         """Top-k per block of the coefficients ``momentum``, removed from it (error feedback: the sent coefficients
         are zeroed -- minus what the transfer cast or quantization loses -- and padded blocks projected back onto
         tensors that are zero in their padding); the message holds the packed payload (values and positions of
-        every block group) and its specs. Tile by tile, so the magnitudes never leave the cache."""
+        every block group) and its specs. Run by run (a few tiles); the selection writes no magnitudes
+        (:func:`~quietsync.wire.codecs.topk_picks`)."""
         layout = self.layout(segments, momentum.device)
         if momentum.dim() != 1 or momentum.numel() != layout.stacked_numel:
             raise ValueError(f"momentum must be flat with {layout.stacked_numel} elements, got shape "
@@ -219,8 +220,7 @@ class DCTReplicator(Replicator):
         ks = self.ks(segments, momentum.dtype)
         stacked = layout.stacked_views(momentum)
         for run, c2 in zip(ws.runs, ws.run_blocks(momentum)):
-            pos = topk_positions(c2, ks[run.group], scratch=run.magnitudes)
-            vals = torch.gather(c2, 1, pos)
+            pos, vals = topk_picks(c2, ks[run.group])
             run.positions.copy_(pos)
             if self.lowbit is not None:  # quantized below, a whole group at once
                 run.values.copy_(vals)
@@ -432,15 +432,12 @@ class _TilePlan:
 class _Run:
     """Consecutive blocks ``first .. first + count`` of group ``group`` -- a few tiles -- whose top-k the extract
     picks in one go (the selection is row by row, so a run gives each row what its tile would; fewer, larger calls
-    cost less NumPy overhead), with its rows of the group's ``values`` and ``positions`` and a scratch for the
-    magnitudes."""
+    cost less NumPy overhead), with its rows of the group's ``values`` and ``positions``."""
 
-    def __init__(self, group: int, first: int, count: int, values: torch.Tensor, positions: torch.Tensor,
-                 magnitudes: torch.Tensor) -> None:
+    def __init__(self, group: int, first: int, count: int, values: torch.Tensor, positions: torch.Tensor) -> None:
         self.group, self.first, self.count = group, first, count
         rows = slice(first, first + count)
         self.values, self.positions = values[rows], positions[rows]
-        self.magnitudes = magnitudes[:count].view(count, -1)
 
 
 def _runs(tiles: Sequence[Tile], block_numels: Sequence[int], max_elements: int) -> list[tuple[int, int, int]]:
@@ -492,10 +489,7 @@ class _Workspace:
         self.plans = [_TilePlan(t, {name: bufs[t.group][: t.count] for name, bufs in self._scratch.items()}, own)
                       for t, own in zip(self.tiles, self.own_layout)]
         runs = _runs(self.tiles, [g.block_numel for g in layout.groups], _RUN_ELEMENTS)
-        widest = [max((c for g, _, c in runs if g == i), default=0) for i in range(len(layout.groups))]
-        magnitudes = [torch.empty(m, g.block_numel, dtype=dtype, device=device) for g, m in zip(layout.groups, widest)]
-        self.runs = [_Run(g, first, count, self.values[g], self.positions[g], magnitudes[g])
-                     for g, first, count in runs]
+        self.runs = [_Run(g, first, count, self.values[g], self.positions[g]) for g, first, count in runs]
         self._momentum: tuple[torch.Tensor | None, list[_MomentumViews]] = (None, [])
         self._run_views: list[torch.Tensor] = []
         self._update_views: tuple[torch.Tensor | None, list[list[torch.Tensor]]] = (None, [])
