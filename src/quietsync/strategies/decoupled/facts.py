@@ -82,6 +82,7 @@ DEMO = Declaration(
     plan=PlanFacts(prior=decoupled_prior, sources=SOURCES,
                    grid=({}, {"compression": 0.00390625}, {"replicator": "random"}),
                    wide=({"compression": 0.0009765625},), advice=SENDS, codec=codec,
+                   varying=({"adapt": True, "topk": 128},),  # 128 of a 64x64 chunk: the default 1/32, re-picked
                    calibrate=({"replicator": "dct"}, {"replicator": "random"})),
     faults=ReplicaPolicy(
         missing="its decoupled momentum -- the part of its gradients it had not yet sent -- is lost with it; the "

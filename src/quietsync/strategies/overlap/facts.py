@@ -17,6 +17,9 @@ totally catching it" (Nabli et al., §4.3): more than 2× the tokens; 4× is thi
 
 CAPPED = ({}, {"max_accumulation": 4})
 """The grid of each: adaptive, and capped at 4 micro-batches per stage."""
+ADAPTED = ({"adapt": True, "max_accumulation": 4},)
+"""ACCO's setting for a link that varies during the run: the cap re-picked from the measured link (``--adapt``,
+adapt_cap.py), from the grid's 4."""
 
 
 def acco_prior(cfg: Any, scale: Scale) -> Prior:
@@ -43,7 +46,8 @@ FIXED = ["--deterministic-accumulation", "1"]  # fixed stages: the CPU and CUDA 
 
 ACCO = Declaration(
     schedule=cost.acco,
-    plan=PlanFacts(prior=acco_prior, sources=SOURCES, grid=CAPPED, stages=2, advice=HIDES.replace("{what}", "network")),
+    plan=PlanFacts(prior=acco_prior, sources=SOURCES, grid=CAPPED, stages=2, advice=HIDES.replace("{what}", "network"),
+                   varying=ADAPTED),
     faults="its update of one step is computed while the next step's gradients accumulate (the overlap that hides "
            f"the network), {IN_FLIGHT}",
     gpu_flags=tuple(FIXED), order=3)
