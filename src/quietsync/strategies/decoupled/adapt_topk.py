@@ -50,7 +50,7 @@ from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...validate import check_float, check_int
-from ..parts.link_probe import LinkProbe, exposed_ratio, moved
+from ..parts.link_probe import KnobDecision, LinkProbe, exposed_ratio, moved
 from ..parts.part import Part
 from . import cost
 from .round import DecoupledConfig
@@ -121,25 +121,10 @@ class DeMoConfig(DecoupledConfig):
         return values
 
 
-@dataclass(frozen=True)
-class TopkDecision:
-    """One decision of the controller (logged in the step's metrics as ``adapt``, as DiLoCo's are)."""
+class TopkDecision(KnobDecision):
+    """One decision of DeMo's controller (``step_s``: the slowest worker's step, compute seconds)."""
 
-    old: int
-    new: int
-    bandwidth: float
-    """Measured link, bytes/s (agreed over the workers)."""
-    step_s: float
-    """Measured step, compute seconds (the slowest worker's)."""
-    share: float
-    """Predicted exposed communication / compute at the new k."""
-    why: str
-
-    def record(self, step: int) -> dict[str, Any]:
-        """The log entry (the keys of DiLoCo's: the plot draws both)."""
-        return {"step": step, "knob": "topk", "old": self.old, "new": self.new,
-                "bandwidth_mbit": round(self.bandwidth * 8 / 1e6, 3), "step_s": round(self.step_s, 6),
-                "share": round(self.share, 4), "why": self.why}
+    knob = "topk"
 
 
 def predicted_share(workload: Workload, topo: Topology, cfg: Any, topk: int, step_s: float, link: LinkModel,

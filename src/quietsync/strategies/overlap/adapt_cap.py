@@ -72,7 +72,7 @@ from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...validate import check_float, check_int
-from ..parts.link_probe import LinkProbe, exposed_ratio, moved
+from ..parts.link_probe import KnobDecision, LinkProbe, exposed_ratio, moved
 from ..parts.part import Part
 from .machinery import Overlap, OverlapConfig
 
@@ -139,25 +139,10 @@ class CapAdaptConfig(OverlapConfig):
         return tuple(range(self.min_accumulation, bound + 1))
 
 
-@dataclass(frozen=True)
-class CapDecision:
-    """One decision of the controller (logged in the step's metrics as ``adapt``, as DiLoCo's and DeMo's are)."""
+class CapDecision(KnobDecision):
+    """One decision of ACCO's, DPU's and WP's controller (``step_s``: the fastest worker's micro-batch, seconds)."""
 
-    old: int
-    new: int
-    bandwidth: float
-    """Measured link, bytes/s (agreed over the workers)."""
-    step_s: float
-    """Measured micro-batch, seconds (the fastest worker's)."""
-    share: float
-    """Predicted exposed communication / compute at the new cap."""
-    why: str
-
-    def record(self, step: int) -> dict[str, Any]:
-        """The log entry (the keys of DiLoCo's and DeMo's: the plot draws them all)."""
-        return {"step": step, "knob": "cap", "old": self.old, "new": self.new,
-                "bandwidth_mbit": round(self.bandwidth * 8 / 1e6, 3), "step_s": round(self.step_s, 6),
-                "share": round(self.share, 4), "why": self.why}
+    knob = "cap"
 
 
 ScheduleFn = Callable[[Workload, Topology, Any], Schedule]

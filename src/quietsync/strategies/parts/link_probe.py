@@ -21,7 +21,8 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ...cost.compute import ComputeProfile
 from ...cost.costmodel import Ctx, Links
@@ -29,7 +30,7 @@ from ...cost.schedule import Schedule
 from ...link import LinkModel
 from ...topology import Topology
 
-__all__ = ["LinkProbe", "moved", "exposed_ratio"]
+__all__ = ["KnobDecision", "LinkProbe", "moved", "exposed_ratio"]
 
 
 def exposed_ratio(schedule: Schedule, params: int, accumulation: int, step_s: float, topo: Topology, group: str,
@@ -88,3 +89,27 @@ def moved(ratio: float, last: float | None, threshold: float) -> bool:
     """Whether ``ratio`` moved by more than the factor ``1 + threshold`` from ``last`` (None: no pick yet, so
     yes)."""
     return last is None or not 1 / (1 + threshold) <= ratio / last <= 1 + threshold
+
+
+@dataclass(frozen=True)
+class KnobDecision:
+    """One decision of a controller that re-picks one whole-number knob (DeMo's top-k, ACCO's cap): logged in the
+    step's metrics as ``adapt`` with the keys of DiLoCo's, so the run's plot and reports read them all alike."""
+
+    old: int
+    new: int
+    bandwidth: float
+    """Measured link, bytes/s (agreed over the workers)."""
+    step_s: float
+    """The measured compute seconds the decision priced (the controller's: a step, or a micro-batch)."""
+    share: float
+    """Predicted exposed communication / compute at the new value."""
+    why: str
+    knob: ClassVar[str] = ""
+    """The knob's name in the log (each controller's subclass names it)."""
+
+    def record(self, step: int) -> dict[str, Any]:
+        """The log entry at ``step``."""
+        return {"step": step, "knob": self.knob, "old": self.old, "new": self.new,
+                "bandwidth_mbit": round(self.bandwidth * 8 / 1e6, 3), "step_s": round(self.step_s, 6),
+                "share": round(self.share, 4), "why": self.why}
