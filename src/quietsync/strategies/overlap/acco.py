@@ -152,11 +152,8 @@ class ACCO(Strategy):
             # 1's: the scale changes only when a commit is collected.
         result = o.wait("acco/commit")
         count = o.hand_over(install="committed")  # P ← θ⁽ᵗ⁺¹⁾, B ← g̃ᵢ⁽ᵗ⁺¹⁾
-        extra = {}
-        if self.adapter is not None:  # a stage boundary (G empty): a new cap holds from the stage beginning now
-            decision = self.adapter.after_round(self.steps + 1, result.get("probe"))
-            if decision is not None:
-                extra["adapt"] = decision.record(self.steps + 1)
+        # a stage boundary (G empty): a new cap holds from the stage beginning now
+        extra = {} if self.adapter is None else self.adapter.metrics(self.steps + 1, result)
         committed = collected(self, self.overlap, result, extra)
         o.submit(self._estimate_job, count, self.steps, scale, self.max_grad_norm)
         self.stage = "stage1"

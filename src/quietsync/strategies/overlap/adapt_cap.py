@@ -250,6 +250,12 @@ class CapController(Part):
         self.set_cap(decision.new, step)
         return decision
 
+    def metrics(self, step: int, collected: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`after_round` on the pair the job ``collected`` carried: the step's extra metrics, ``{"adapt":
+        the change}`` when the cap changed, else empty."""
+        decision = self.after_round(step, collected.get("probe"))
+        return {} if decision is None else {"adapt": decision.record(step)}
+
     def set_cap(self, new: int, step: int) -> None:
         """Cap the stages at ``new`` micro-batches from the stage beginning now on (after step ``step``; module
         docstring: what happens to the state)."""

@@ -131,11 +131,8 @@ class DPU(Strategy):
         result = o.wait("delayed_update")
         # P ← θ⁽ᵗ⁺¹⁾ (WP: θ̃⁽ᵗ⁺¹⁾), B ← gradients computed at the old P
         count = o.hand_over(install="estimate" if self.predicts else "committed")
-        extra = {}
-        if self.adapter is not None:  # a stage boundary (G empty): a new cap holds from the stage beginning now
-            decision = self.adapter.after_round(self.steps + 1, result.get("probe"))
-            if decision is not None:
-                extra["adapt"] = decision.record(self.steps + 1)
+        # a stage boundary (G empty): a new cap holds from the stage beginning now
+        extra = {} if self.adapter is None else self.adapter.metrics(self.steps + 1, result)
         committed = collected(self, self.overlap, result, extra)
         # --adapt: this worker's link and micro-batch ride on the update job's count all-reduce (adapt_cap.py)
         probe = None if self.adapter is None else self.adapter.measure()
