@@ -247,24 +247,25 @@ def test_a_drawing_that_drifts_is_caught():
     assert moved != text and drawn_floors(moved)["quietsync.comm_worker"] == 1 != FLOORS["quietsync.comm_worker"]
 
 
-def _loaded_by(statement: str) -> list[str]:
-    """The quietsync modules a fresh interpreter has loaded after ``statement``."""
-    code = f"import sys; {statement}; print(' '.join(m for m in sys.modules if m.split('.')[0] == 'quietsync'))"
+def _loaded_by(*statements: str) -> list[list[str]]:
+    """The quietsync modules a fresh interpreter has loaded after each of ``statements``, run one after the other
+    in it (one interpreter: each import of torch costs seconds)."""
+    show = "print(' '.join(m for m in sys.modules if m.split('.')[0] == 'quietsync'))"
+    code = "import sys\n" + "".join(f"{statement}\n{show}\n" for statement in statements)
     src = str(Path(__file__).resolve().parents[1] / "src")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": src, "PATH": ""}, check=True)
-    return out.stdout.split()
+    return [line.split() for line in out.stdout.splitlines()]
 
 
 @pytest.mark.timeout(300)
 def test_import_quietsync_loads_no_floor_it_does_not_use():
-    face = _loaded_by("import quietsync")
+    face, used, planner = _loaded_by("import quietsync", "quietsync.make_strategy", "quietsync.plan")
     assert "quietsync.plan" not in face and "quietsync.strategies" not in face, face
-    topology = _loaded_by("import quietsync.topology")
+    assert "quietsync.strategies" in used and "quietsync.plan" not in used  # a name loads its own floor only
+    assert "quietsync.plan" in planner  # still there, on first use
+    [topology] = _loaded_by("import quietsync.topology")
     assert sorted(topology) == ["quietsync", "quietsync._versions", "quietsync.topology"], topology
-    used = _loaded_by("import quietsync; quietsync.make_strategy")  # a name loads its own floor, not the planner
-    assert "quietsync.strategies" in used and "quietsync.plan" not in used
-    assert "quietsync.plan" in _loaded_by("import quietsync; quietsync.plan")  # still there, on first use
 
 
 def test_the_checks_can_fail():
