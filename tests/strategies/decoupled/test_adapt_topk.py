@@ -116,6 +116,25 @@ def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
     assert [x["new"] for x in ctrl.decisions] == [16, 2, 16]
     # steps that do not replicate (--replicate-every) do not count towards a decision
     assert all(ctrl.after_step(step + i, False, step_s) is None for i in range(1, 9))
+    # a checkpoint holds k, the exchanges counted and the last pick's ratio: a restored controller decides as this one
+    steps_at(fast, [step_s] * 2)  # two exchanges towards the next decision
+    plain = TopkController(transport, "world", cfg, DCTReplicator(chunk=4, topk=16), model, param_groups(model))
+    plain.load_state_dict(ctrl.state_dict())
+    logical = TopkController(transport, "world", cfg, DCTReplicator(chunk=4, topk=16), model, param_groups(model))
+    saved = ctrl.logical_state()
+    logical.load_logical({k: saved[k].clone() for k in logical.logical_targets({k: None for k in saved})})
+    both = (ctrl, plain, logical)
+    assert all((c.topk, c.cadence.count, c.cadence.ratio) == (16, 2, ctrl.cadence.ratio) for c in both)
+    before = [len(c.decisions) for c in both]
+    for bandwidth in [1.2 * fast] * 6 + [slow] * 4:  # within the threshold of the last pick, then a drop
+        payload = _payload(16, shapes)
+        transport.meter.sent += payload
+        transport.meter.seconds += payload / bandwidth
+        step += 1
+        for c in both:
+            c.after_step(step, True, step_s)
+    assert [len(c.decisions) - b for c, b in zip(both, before)] == [1, 1, 1]  # the drop's decision only
+    assert plain.decisions[-1]["new"] == logical.decisions[-1]["new"] == ctrl.decisions[-1]["new"] < 16
 
 
 @pytest.mark.parametrize("knobs,match", [

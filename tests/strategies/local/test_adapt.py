@@ -5,6 +5,7 @@ sync; bad knobs are refused in one line."""
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -114,6 +115,26 @@ def test_the_controller_measures_the_link_and_the_step_and_follows_a_drop():
     d = round_at(fast, [step_s] * 8)
     assert d is not None and (d.old, d.new) == (8, 2)
     assert [x["new"] for x in ctrl.decisions] == [2, 8, 2]
+    # a checkpoint holds H and the last pick's ratio (the hysteresis' reference): a restored controller decides as
+    # this one
+    plain = SyncPeriod(transport, "world", copy.deepcopy(cfg), model, param_groups(model))
+    plain.load_state_dict(ctrl.state_dict())
+    logical = SyncPeriod(transport, "world", copy.deepcopy(cfg), model, param_groups(model))
+    saved = ctrl.logical_state()
+    logical.load_logical({k: saved[k].clone() for k in logical.logical_targets({k: None for k in saved})})
+    three = (ctrl, plain, logical)
+    assert all((c.sync_every, c.cadence.ratio) == (2, ctrl.cadence.ratio) for c in three)
+    before = [len(c.decisions) for c in three]
+    for bandwidth in [1.2 * fast] * 2 + [slow]:  # within the threshold of the last pick, then a drop
+        for _ in range(2):
+            step += 1
+            if step % 2 == 0:
+                transport.meter.sent += sync_bytes
+                transport.meter.seconds += sync_bytes / bandwidth
+            for c in three:
+                c.after_inner_step(step, step % 2 == 0, step_s)
+    assert [len(c.decisions) - b for c, b in zip(three, before)] == [1, 1, 1]  # the drop's decision only
+    assert plain.sync_every == logical.sync_every == ctrl.sync_every == 8
 
 
 @pytest.mark.parametrize("knobs,match", [

@@ -31,10 +31,12 @@ so nothing is in flight):
   and the lr schedule: untouched (none depends on k).
 * the replicator's buffers sized by k (the picked values and positions) are rebuilt at the next extraction.
 
-Checkpoints (the plain one and the logical one) hold the current k and the step of the last change
-(:class:`TopkController`), so a run resumed after a change goes on with the adapted k, exactly as if it had not
-stopped. ``--adapt`` re-picks ``topk`` of the ``dct`` replicator only, and needs ``topk`` given (a k derived from
-``compression`` differs per block shape).
+Checkpoints (the plain one and the logical one) hold the current k, the step of the last change and the decision
+cadence (exchanges counted towards the next decision, the ratio of the last pick:
+:class:`~quietsync.strategies.parts.link_probe.Cadence`), so a run resumed after a change goes on with the adapted
+k, exactly as if it had not stopped, and decides at the same exchanges against the same reference (the probe's
+measurements start afresh). ``--adapt`` re-picks ``topk`` of the ``dct`` replicator only, and needs ``topk`` given
+(a k derived from ``compression`` differs per block shape).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...validate import check_float, check_int
-from ..parts.link_probe import KnobDecision, LinkProbe, exposed_ratio, moved
+from ..parts.link_probe import Cadence, KnobDecision, LinkProbe, exposed_ratio
 from ..parts.part import Part
 from . import cost
 from .round import DecoupledConfig
@@ -172,9 +174,9 @@ class TopkController(Part):
         """The step of the last change of k (0: none)."""
         self.decisions: list[dict[str, Any]] = []
         """Every decision taken (changes and keeps), as :meth:`TopkDecision.record` (rank-local, for reports)."""
-        self._exchanges = 0
         self._probe = LinkProbe(transport, group, config.adapt_window)
-        self._ratio: float | None = None  # the measured exchange-to-step ratio of the last pick
+        self.cadence = Cadence(config.adapt_every, config.adapt_threshold)
+        """When it decides: every adapt_every exchanges, on a ratio that moved (checkpointed)."""
 
     @property
     def topk(self) -> int:
@@ -188,19 +190,17 @@ class TopkController(Part):
         self._probe.step_done(compute_s)
         if not replicated:
             return None
-        self._exchanges += 1
-        if self._exchanges < self.config.adapt_every:
+        if not self.cadence.due():
             return None
-        self._exchanges = 0
         bandwidth, step_s = self._probe.measure()
         if bandwidth <= 0 or step_s <= 0:  # nothing crossed a link to measure (no emulation, one worker)
             return None
         ratio = 1.0 / (bandwidth * step_s)  # what the pick depends on: the exchange's seconds per step's
-        if not moved(ratio, self._ratio, self.config.adapt_threshold):
+        if not self.cadence.moved(ratio):
             return None  # the link and the step moved too little since the last pick to re-pick
         decision = pick_topk(self.workload, self.transport.topology, self.config, self.candidates, self.topk, step_s,
                              bandwidth, self.config.adapt_overhead, self.group)
-        self._ratio = ratio
+        self.cadence.ratio = ratio
         self.decisions.append({**decision.record(step), "t": time.perf_counter()})
         if decision.new == decision.old:
             return None
@@ -220,22 +220,25 @@ class TopkController(Part):
 
     # ------------------------------------------------------------------ part protocol
     def state_dict(self) -> dict[str, Any]:
-        return {"topk": self.topk, "changed_at": self.changed_at}
+        return {"topk": self.topk, "changed_at": self.changed_at, **self.cadence.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "topk" in state:  # a checkpoint of a run without --adapt has none: k stays as configured
             self._take(state["topk"], state["changed_at"])
+            self.cadence.load(state)
 
     def logical_state(self) -> dict[str, torch.Tensor]:
         return {"adapt.topk": torch.tensor(self.topk, dtype=torch.int64),
-                "adapt.changed_at": torch.tensor(self.changed_at, dtype=torch.int64)}
+                "adapt.changed_at": torch.tensor(self.changed_at, dtype=torch.int64), **self.cadence.logical_state()}
 
     def logical_targets(self, saved: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {k: torch.zeros((), dtype=torch.int64) for k in ("adapt.topk", "adapt.changed_at") if k in saved}
+        return {**{k: torch.zeros((), dtype=torch.int64) for k in ("adapt.topk", "adapt.changed_at") if k in saved},
+                **Cadence.logical_targets(saved)}
 
     def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         if "adapt.topk" in filled:
             self._take(int(filled["adapt.topk"]), int(filled["adapt.changed_at"]))
+            self.cadence.load_logical(filled)
 
 
 __all__ = ["DeMoConfig", "TopkController", "TopkDecision", "pick_topk", "predicted_share"]

@@ -65,8 +65,10 @@ step that is a multiple of H" and the budgets' meeting points stay on syncs):
 Only ``fragments = 1`` (the staggered schedule of several fragments would need a change point per fragment), and
 τ is not adapted (a change of τ would move the merge of the fragment in flight: refused with the other knobs).
 
-Checkpoints hold the current H, dtype and the step of the last change (:class:`SyncPeriod`), so a run resumed
-after a change goes on with the adapted knobs, exactly as if it had not stopped.
+Checkpoints hold the current H, dtype, the step of the last change and the decision cadence (syncs counted towards
+the next decision, the ratio of the last pick: :class:`~quietsync.strategies.parts.link_probe.Cadence`) of
+:class:`SyncPeriod`, so a run resumed after a change goes on with the adapted knobs, exactly as if it had not
+stopped, and decides at the same syncs against the same reference (the probe's measurements start afresh).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ from ...topology import Topology
 from ...transport import Transport
 from ...validate import check_choice, check_float, check_int
 from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES
-from ..parts.link_probe import LinkProbe, exposed_ratio, moved
+from ..parts.link_probe import Cadence, LinkProbe, exposed_ratio
 from ..parts.part import Part
 from . import cost
 from .adapt_bits import BITS, bits_candidates, parse_knobs
@@ -335,9 +337,9 @@ class SyncPeriod(Part):
         """The outer sync's schedule (the strategy's outer machinery runs on it)."""
         self.decisions: list[dict[str, Any]] = []
         """Every decision taken (changes and keeps), as :meth:`Decision.record` (rank-local, for reports)."""
-        self._syncs = 0
         self._probe = LinkProbe(transport, group, config.adapt_window)
-        self._ratio: float | None = None  # the measured sync-to-step ratio of the last pick
+        self.cadence = Cadence(config.adapt_every, config.adapt_threshold)
+        """When it decides: every adapt_every syncs, on a ratio that moved (checkpointed)."""
 
     def bind(self, exchanges: list[Any], quiesce: Any) -> None:
         """The outer sync's exchanges (a :class:`~.adapt_bits.SwitchedExchange` each under bits) and how to wait
@@ -368,20 +370,18 @@ class SyncPeriod(Part):
         self._probe.step_done(compute_s)
         if not synced:
             return None
-        self._syncs += 1
-        if self._syncs < self.config.adapt_every:
+        if not self.cadence.due():
             return None
         bandwidth, step_s = self._probe.measure()  # agreed over the workers (parts/link_probe.py)
-        self._syncs = 0
         if bandwidth <= 0 or step_s <= 0:  # no completed sync to measure yet (τ > 0: the first is in flight)
             return None
         ratio = 1.0 / (bandwidth * step_s)  # what the pick depends on: the sync's seconds per inner step's
-        if not moved(ratio, self._ratio, self.config.adapt_threshold):
+        if not self.cadence.moved(ratio):
             return None  # the link and the step moved too little since the last pick to re-pick
         decision = pick_sync_every(self.workload, self.transport.topology, self.config, self.candidates,
                                    self.sync_every, step_s, bandwidth, self.config.adapt_overhead, self.group,
                                    self.dtypes, self.dtype, self.tokens)
-        self._ratio = ratio
+        self.cadence.ratio = ratio
         self.decisions.append({**decision.record(step), "t": time.perf_counter()})
         if decision.new == decision.old and decision.new_dtype == decision.old_dtype:
             return None
@@ -420,10 +420,12 @@ class SyncPeriod(Part):
 
     # ------------------------------------------------------------------ part protocol
     def state_dict(self) -> dict[str, Any]:
-        return {"sync_every": self.sync_every, "changed_at": self.changed_at, "pseudo_grad_dtype": self.dtype}
+        return {"sync_every": self.sync_every, "changed_at": self.changed_at, "pseudo_grad_dtype": self.dtype,
+                **self.cadence.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._take(state["sync_every"], state["changed_at"])
+        self.cadence.load(state)
         if len(self.dtypes) > 1 and state.get("pseudo_grad_dtype") in self.dtypes:
             self._take_dtype(state["pseudo_grad_dtype"])
 
@@ -432,15 +434,17 @@ class SyncPeriod(Part):
                "adapt.changed_at": torch.tensor(self.changed_at, dtype=torch.int64)}
         if len(self.dtypes) > 1:  # the current dtype, as its index among the candidates
             out["adapt.dtype"] = torch.tensor(self.dtypes.index(self.dtype), dtype=torch.int64)
-        return out
+        return {**out, **self.cadence.logical_state()}
 
     def logical_targets(self, saved: dict[str, Any]) -> dict[str, torch.Tensor]:
         keys = ("adapt.sync_every", "adapt.changed_at", "adapt.dtype")
-        return {k: torch.zeros((), dtype=torch.int64) for k in keys if k in saved}
+        return {**{k: torch.zeros((), dtype=torch.int64) for k in keys if k in saved},
+                **Cadence.logical_targets(saved)}
 
     def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         if "adapt.sync_every" in filled:  # a checkpoint of a run without --adapt has none: H stays as configured
             self._take(int(filled["adapt.sync_every"]), int(filled["adapt.changed_at"]))
+            self.cadence.load_logical(filled)
         if "adapt.dtype" in filled and len(self.dtypes) > 1:
             self._take_dtype(self.dtypes[int(filled["adapt.dtype"])])
 

@@ -59,7 +59,6 @@ starts from) and adaptive stages (no ``deterministic_accumulation``).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +71,7 @@ from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...validate import check_float, check_int
-from ..parts.link_probe import KnobDecision, LinkProbe, exposed_ratio, moved
+from ..parts.link_probe import Cadence, KnobDecision, LinkProbe, exposed_ratio
 from ..parts.part import Part
 from .machinery import Overlap, OverlapConfig
 
@@ -192,8 +191,8 @@ class CapController(Part):
         schedule: the strategy's cost schedule (:mod:`~quietsync.strategies.overlap.cost`).
     """
 
-    KEYS = ("adapt.max_accumulation", "adapt.changed_at", "adapt.rounds")
-    """The controller's entries in a logical checkpoint."""
+    KEYS = ("adapt.max_accumulation", "adapt.changed_at")
+    """The controller's entries in a logical checkpoint (and its cadence's)."""
 
     def __init__(self, transport: Any, overlap: Overlap, config: CapAdaptConfig, model: torch.nn.Module,
                  param_groups: list[dict[str, Any]], schedule: ScheduleFn) -> None:
@@ -203,13 +202,17 @@ class CapController(Part):
         self.workload = Workload.from_model(model, tokens_per_micro_batch=1, param_groups=param_groups)
         self.changed_at = 0
         """The step of the last change of the cap (0: none)."""
-        self.rounds = 0
-        """Rounds whose probe was collected since the last decision (checkpointed: a resumed run decides at the
-        same rounds)."""
         self.decisions: list[dict[str, Any]] = []
         """Every decision taken (changes and keeps), as :meth:`CapDecision.record` (rank-local, for reports)."""
         self._probe = LinkProbe(transport, self.group, config.adapt_window)
-        self._ratio: float | None = None  # the measured link-to-micro-batch ratio of the last pick
+        self.cadence = Cadence(config.adapt_every, config.adapt_threshold)
+        """When it decides: every adapt_every rounds whose probe was collected, on a ratio that moved (checkpointed:
+        a resumed run decides at the same rounds against the same reference)."""
+
+    @property
+    def rounds(self) -> int:
+        """Rounds counted towards the next decision."""
+        return self.cadence.count
 
     @property
     def cap(self) -> int:
@@ -231,19 +234,17 @@ class CapController(Part):
         the same decision, no collective needed. Returns the decision when the cap changed."""
         if agreed is None:
             return None
-        self.rounds += 1
-        if self.rounds < self.config.adapt_every:
+        if not self.cadence.due():
             return None
-        self.rounds = 0
         bandwidth, micro_batch_s = agreed
         if bandwidth <= 0 or micro_batch_s <= 0:  # nothing crossed a link to measure (no emulation, one worker)
             return None
         ratio = 1.0 / (bandwidth * micro_batch_s)  # what the pick depends on: the link's seconds per micro-batch's
-        if not moved(ratio, self._ratio, self.config.adapt_threshold):
+        if not self.cadence.moved(ratio):
             return None  # the link and the micro-batch moved too little since the last pick to re-pick
         decision = pick_cap(self.schedule, self.workload, self.transport.topology, self.config, self.candidates,
                             self.cap, micro_batch_s, bandwidth, self.config.adapt_overhead, self.group)
-        self._ratio = ratio
+        self.cadence.ratio = ratio
         self.decisions.append({**decision.record(step), "t": time.perf_counter()})
         if decision.new == decision.old:
             return None
@@ -270,31 +271,25 @@ class CapController(Part):
 
     # ------------------------------------------------------------------ part protocol
     def state_dict(self) -> dict[str, Any]:
-        return {"max_accumulation": self.cap, "changed_at": self.changed_at, "rounds": self.rounds,
-                "ratio": self._ratio}
+        return {"max_accumulation": self.cap, "changed_at": self.changed_at, **self.cadence.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "max_accumulation" in state:  # a checkpoint of a run without --adapt has none: the cap stays configured
             self._take(state["max_accumulation"], state["changed_at"])
-            self.rounds, self._ratio = int(state["rounds"]), state["ratio"]
+            self.cadence.load(state)
 
     def logical_state(self) -> dict[str, torch.Tensor]:
-        ints = (self.cap, self.changed_at, self.rounds)
+        ints = (self.cap, self.changed_at)
         return {**{k: torch.tensor(v, dtype=torch.int64) for k, v in zip(self.KEYS, ints)},
-                # the ratio of the last pick (the hysteresis' reference; NaN: no pick yet)
-                "adapt.ratio": torch.tensor(math.nan if self._ratio is None else self._ratio, dtype=torch.float64)}
+                **self.cadence.logical_state()}
 
     def logical_targets(self, saved: dict[str, Any]) -> dict[str, torch.Tensor]:
-        out = {k: torch.zeros((), dtype=torch.int64) for k in self.KEYS if k in saved}
-        if "adapt.ratio" in saved:
-            out["adapt.ratio"] = torch.zeros((), dtype=torch.float64)
-        return out
+        return {**{k: torch.zeros((), dtype=torch.int64) for k in self.KEYS if k in saved},
+                **Cadence.logical_targets(saved)}
 
     def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
         if "adapt.max_accumulation" in filled:
             self._take(int(filled["adapt.max_accumulation"]), int(filled["adapt.changed_at"]))
-            self.rounds = int(filled["adapt.rounds"])
-            ratio = float(filled["adapt.ratio"])
-            self._ratio = None if math.isnan(ratio) else ratio
+            self.cadence.load_logical(filled)
 
 __all__ = ["CapAdaptConfig", "CapController", "CapDecision", "pick_cap", "predicted_share"]

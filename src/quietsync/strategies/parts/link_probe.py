@@ -24,13 +24,15 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 from ...cost.compute import ComputeProfile
 from ...cost.costmodel import Ctx, Links
 from ...cost.schedule import Schedule
 from ...link import LinkModel
 from ...topology import Topology
 
-__all__ = ["KnobDecision", "LinkProbe", "moved", "exposed_ratio"]
+__all__ = ["Cadence", "KnobDecision", "LinkProbe", "moved", "exposed_ratio"]
 
 
 def exposed_ratio(schedule: Schedule, params: int, accumulation: int, step_s: float, topo: Topology, group: str,
@@ -89,6 +91,53 @@ def moved(ratio: float, last: float | None, threshold: float) -> bool:
     """Whether ``ratio`` moved by more than the factor ``1 + threshold`` from ``last`` (None: no pick yet, so
     yes)."""
     return last is None or not 1 / (1 + threshold) <= ratio / last <= 1 + threshold
+
+
+class Cadence:
+    """When a controller decides, kept across a resume: every ``every`` events (DiLoCo's syncs, DeMo's exchanges,
+    ACCO's rounds), and only when the measured ratio of exchange to compute :func:`moved` by more than ``threshold``
+    since the last pick (its reference, :attr:`ratio`). Both are checkpointed with the controller's knob, so a
+    resumed run counts to its next decision and compares against the same reference as the unbroken one."""
+
+    def __init__(self, every: int, threshold: float) -> None:
+        self.every, self.threshold = int(every), float(threshold)
+        self.count = 0
+        """Events counted towards the next decision."""
+        self.ratio: float | None = None
+        """The measured ratio of the last pick (None: no pick yet, so the first decision picks)."""
+
+    def due(self) -> bool:
+        """Count one event; True (and the count starts again) when a decision is due."""
+        self.count += 1
+        if self.count < self.every:
+            return False
+        self.count = 0
+        return True
+
+    def moved(self, ratio: float) -> bool:
+        """Whether ``ratio`` moved enough since the last pick to pick again."""
+        return moved(ratio, self.ratio, self.threshold)
+
+    def state(self) -> dict[str, Any]:
+        return {"count": self.count, "ratio": self.ratio}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """From :meth:`state` (a checkpoint written before the cadence was kept has neither: it starts afresh)."""
+        self.count, self.ratio = int(state.get("count", 0)), state.get("ratio")
+
+    def logical_state(self) -> dict[str, torch.Tensor]:
+        return {"adapt.count": torch.tensor(self.count, dtype=torch.int64),
+                "adapt.ratio": torch.tensor(math.nan if self.ratio is None else self.ratio, dtype=torch.float64)}
+
+    @staticmethod
+    def logical_targets(saved: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {k: torch.zeros((), dtype=dtype) for k, dtype in (("adapt.count", torch.int64),
+                                                                  ("adapt.ratio", torch.float64)) if k in saved}
+
+    def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
+        if "adapt.count" in filled:
+            ratio = float(filled["adapt.ratio"])
+            self.count, self.ratio = int(filled["adapt.count"]), None if math.isnan(ratio) else ratio
 
 
 @dataclass(frozen=True)
