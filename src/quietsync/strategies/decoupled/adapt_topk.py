@@ -52,8 +52,8 @@ from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...validate import check_float, check_int
+from ..parts.knob_controller import KnobController
 from ..parts.link_probe import Cadence, KnobDecision, LinkProbe, exposed_ratio
-from ..parts.part import Part
 from . import cost
 from .round import DecoupledConfig
 
@@ -154,7 +154,7 @@ def pick_topk(workload: Workload, topo: Topology, cfg: Any, candidates: tuple[in
     return TopkDecision(current, new, bandwidth, step_s, shares[new], why)
 
 
-class TopkController(Part):
+class TopkController(KnobController):
     """The controller DeMo holds under ``adapt``: measures, decides, and keeps the current k (checkpointed).
 
     Args:
@@ -178,10 +178,14 @@ class TopkController(Part):
         self.cadence = Cadence(config.adapt_every, config.adapt_threshold)
         """When it decides: every adapt_every exchanges, on a ratio that moved (checkpointed)."""
 
+    KNOB = "topk"
+
     @property
-    def topk(self) -> int:
+    def value(self) -> int:
         """The k the next extraction sends per block."""
         return int(self.replicator.topk)
+
+    topk = value
 
     def after_step(self, step: int, replicated: bool, compute_s: float) -> TopkDecision | None:
         """Count step ``step`` (``compute_s`` of main-thread compute); right after an exchange, every
@@ -214,31 +218,8 @@ class TopkController(Part):
             raise ValueError(f"topk must be one of the candidates {self.candidates}, got {new}")
         self._take(new, step)
 
-    def _take(self, topk: int, changed_at: int) -> None:
-        self.replicator.set_topk(int(topk))
-        self.changed_at = int(changed_at)
-
-    # ------------------------------------------------------------------ part protocol
-    def state_dict(self) -> dict[str, Any]:
-        return {"topk": self.topk, "changed_at": self.changed_at, **self.cadence.state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "topk" in state:  # a checkpoint of a run without --adapt has none: k stays as configured
-            self._take(state["topk"], state["changed_at"])
-            self.cadence.load(state)
-
-    def logical_state(self) -> dict[str, torch.Tensor]:
-        return {"adapt.topk": torch.tensor(self.topk, dtype=torch.int64),
-                "adapt.changed_at": torch.tensor(self.changed_at, dtype=torch.int64), **self.cadence.logical_state()}
-
-    def logical_targets(self, saved: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {**{k: torch.zeros((), dtype=torch.int64) for k in ("adapt.topk", "adapt.changed_at") if k in saved},
-                **Cadence.logical_targets(saved)}
-
-    def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
-        if "adapt.topk" in filled:
-            self._take(int(filled["adapt.topk"]), int(filled["adapt.changed_at"]))
-            self.cadence.load_logical(filled)
+    def apply(self, value: int) -> None:
+        self.replicator.set_topk(value)
 
 
 __all__ = ["DeMoConfig", "TopkController", "TopkDecision", "pick_topk", "predicted_share"]

@@ -71,8 +71,8 @@ from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...validate import check_float, check_int
+from ..parts.knob_controller import KnobController
 from ..parts.link_probe import Cadence, KnobDecision, LinkProbe, exposed_ratio
-from ..parts.part import Part
 from .machinery import Overlap, OverlapConfig
 
 ADAPT_KNOBS = ("cap",)
@@ -179,7 +179,7 @@ def pick_cap(schedule: ScheduleFn, workload: Workload, topo: Topology, cfg: Any,
     return CapDecision(current, new, bandwidth, micro_batch_s, shares[new], why)
 
 
-class CapController(Part):
+class CapController(KnobController):
     """The controller ACCO, DPU and WP hold under ``adapt``: measures, decides, and keeps the cap in force
     (checkpointed).
 
@@ -191,8 +191,7 @@ class CapController(Part):
         schedule: the strategy's cost schedule (:mod:`~quietsync.strategies.overlap.cost`).
     """
 
-    KEYS = ("adapt.max_accumulation", "adapt.changed_at")
-    """The controller's entries in a logical checkpoint (and its cadence's)."""
+    KNOB = "max_accumulation"
 
     def __init__(self, transport: Any, overlap: Overlap, config: CapAdaptConfig, model: torch.nn.Module,
                  param_groups: list[dict[str, Any]], schedule: ScheduleFn) -> None:
@@ -215,9 +214,11 @@ class CapController(Part):
         return self.cadence.count
 
     @property
-    def cap(self) -> int:
+    def value(self) -> int:
         """The cap on micro-batches per stage in force."""
         return int(self.overlap.cap)
+
+    cap = value
 
     def micro_batch(self, seconds: float) -> None:
         """Count one micro-batch of ``seconds`` wall time on the main thread."""
@@ -265,31 +266,8 @@ class CapController(Part):
                              f"{self.candidates[-1]}, got {new}")
         self._take(new, step)
 
-    def _take(self, cap: int, changed_at: int) -> None:
-        self.overlap.set_cap(int(cap))
-        self.changed_at = int(changed_at)
+    def apply(self, value: int) -> None:
+        self.overlap.set_cap(value)
 
-    # ------------------------------------------------------------------ part protocol
-    def state_dict(self) -> dict[str, Any]:
-        return {"max_accumulation": self.cap, "changed_at": self.changed_at, **self.cadence.state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "max_accumulation" in state:  # a checkpoint of a run without --adapt has none: the cap stays configured
-            self._take(state["max_accumulation"], state["changed_at"])
-            self.cadence.load(state)
-
-    def logical_state(self) -> dict[str, torch.Tensor]:
-        ints = (self.cap, self.changed_at)
-        return {**{k: torch.tensor(v, dtype=torch.int64) for k, v in zip(self.KEYS, ints)},
-                **self.cadence.logical_state()}
-
-    def logical_targets(self, saved: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {**{k: torch.zeros((), dtype=torch.int64) for k in self.KEYS if k in saved},
-                **Cadence.logical_targets(saved)}
-
-    def load_logical(self, filled: dict[str, torch.Tensor]) -> None:
-        if "adapt.max_accumulation" in filled:
-            self._take(int(filled["adapt.max_accumulation"]), int(filled["adapt.changed_at"]))
-            self.cadence.load_logical(filled)
 
 __all__ = ["CapAdaptConfig", "CapController", "CapDecision", "pick_cap", "predicted_share"]
