@@ -16,6 +16,7 @@ tokens (micro-batches) per second, and every change of the cap. Absolute seconds
 
     python benchmarks/bench_adapt_acco.py --seconds 60                               # results/adapt_acco.*
     python benchmarks/bench_adapt_acco.py --seconds 60 --seed 1 --name adapt_acco_seed1  # ~1.5 min each
+    python benchmarks/bench_adapt_acco.py --seconds 60 --steady --name adapt_acco_steady  # a steady link
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def main() -> None:
     ap.add_argument("--bound", type=int, default=64, help="B: the largest cap the adapt arm may pick")
     ap.add_argument("--max-steps", type=int, default=2000, help="the lr schedule's length (runs stop by time)")
     ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--steady", action="store_true",
+                    help="a steady 100 Mbit/s link instead of the drop: what --adapt costs where nothing changes")
     ap.add_argument("--name", default="adapt_acco", help="results/NAME.{md,json}")
     ap.add_argument("--work", default=None)
     args = ap.parse_args()
@@ -64,15 +67,16 @@ def main() -> None:
     base = ["--strategy", "acco", "--model", "tiny", "--nproc", "2", "--threads", "1", "--seed", str(args.seed),
             "--max-time-s", f"{T:g}", "--max-steps", str(args.max_steps), "--warmup-steps", "20",
             "--eval-every", str(args.eval_every), "--eval-windows", "8", "--overwrite",
-            "--max-accumulation", str(args.cap), "--link", drop_link(T)]
-    arms = [("static drop", []), ("adapt drop", ["--adapt", "--adapt-max-accumulation", str(args.bound)])]
+            "--max-accumulation", str(args.cap), "--link", "inter=100mbit" if args.steady else drop_link(T)]
+    link = "steady" if args.steady else "drop"
+    arms = [(f"static {link}", []), (f"adapt {link}", ["--adapt", "--adapt-max-accumulation", str(args.bound)])]
     uptime = [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
     print(f"work {work}; {uptime[0]}", flush=True)
     with ThreadPoolExecutor(2) as pool:  # both arms under the same load at once (each is a subprocess)
         futures = {what: pool.submit(arm, work, what, [*base, *knobs]) for what, knobs in arms}
         got = {what: f.result() for what, f in futures.items()}
     uptime.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    static, adapt = got["static drop"], got["adapt drop"]
+    static, adapt = got[f"static {link}"], got[f"adapt {link}"]
     result_pair = pair(static, adapt)  # ratio: static's time / adapt's
     rows = [{"name": r["name"], **costs(r, T), **micro_batches(r, T), "last_eval": evals(r)[-1][1],
              "changes": [(c["step"], c["old"], c["new"]) for c in changes(r)]} for r in (static, adapt)]
@@ -80,9 +84,10 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     p = result_pair
-    lines = ["# acco --adapt on a link that drops (benchmarks/bench_adapt_acco.py)", "",
+    what = "a steady 100 Mbit/s link" if args.steady else "a link that drops"
+    lines = [f"# acco --adapt on {what} (benchmarks/bench_adapt_acco.py)", "",
              f"`python benchmarks/bench_adapt_acco.py --seconds {T:g} --seed {args.seed} --cap {args.cap} --bound "
-             f"{args.bound} --name {args.name}`; "
+             f"{args.bound}{' --steady' if args.steady else ''} --name {args.name}`; "
              f"both arms at once; load: {uptime[0]} / {uptime[1]}", "",
              "| arm | steps | micro-batches (middle third) | idle s (middle third) | last eval | cap changes "
              "(step, old, new) |", "|---|---|---|---|---|---|"]
