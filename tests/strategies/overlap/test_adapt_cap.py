@@ -131,9 +131,9 @@ def test_the_controller_decides_every_adapt_every_rounds_from_the_agreed_link_an
 
 
 @pytest.mark.parametrize("knobs,match", [
-    ({"adapt": True}, r"max_accumulation must be given with adapt"),
+    ({"adapt": True}, r"max_accumulation must be given when adapt is on"),
     ({"adapt": True, "max_accumulation": 2, "deterministic_accumulation": 2},
-     r"deterministic_accumulation must be None with adapt"),
+     r"deterministic_accumulation must not be given when adapt is on"),
     ({"adapt": True, "max_accumulation": 4, "adapt_max_accumulation": 2},
      r"adapt_max_accumulation must be >= max_accumulation \(4\), got 2"),
     ({"adapt_max_accumulation": 0}, r"adapt_max_accumulation must be an integer >= 1"),
@@ -148,9 +148,9 @@ def test_bad_adapt_knobs(knobs, match):
 
 
 @pytest.mark.parametrize("argv,expect", [
-    (["--strategy", "acco", "--adapt"], "--max-accumulation must be given with adapt"),
+    (["--strategy", "acco", "--adapt"], "--max-accumulation must be given when adapt is on (--adapt"),
     (["--strategy", "acco", "--adapt", "--max-accumulation", "2", "--deterministic-accumulation", "2"],
-     "--deterministic-accumulation must be None with adapt"),
+     "--deterministic-accumulation must not be given when adapt is on (--adapt"),
     (["--strategy", "acco", "--adapt", "--max-accumulation", "4", "--adapt-max-accumulation", "2"],
      "--adapt-max-accumulation must be >= --max-accumulation (4), got 2"),
     (["--strategy", "acco", "--adapt-max-accumulation", "8"], "--adapt-max-accumulation needs --adapt"),

@@ -124,11 +124,12 @@ class CapAdaptConfig(OverlapConfig):
         """The caps adapt may pick, smallest first, checked (raises ValueError naming the knob and the allowed
         values)."""
         if self.max_accumulation is None:
-            raise ValueError("max_accumulation must be given with adapt (the cap on micro-batches per stage it "
-                             "starts from and re-picks), got None")
+            raise ValueError("max_accumulation must be given when adapt is on (--adapt: the cap on micro-batches "
+                             "per stage it starts from and re-picks)")
         if self.deterministic_accumulation is not None:
-            raise ValueError(f"deterministic_accumulation must be None with adapt (it fixes every stage's count; "
-                             f"adapt re-picks the cap of adaptive stages), got {self.deterministic_accumulation}")
+            raise ValueError(f"deterministic_accumulation must not be given when adapt is on (it fixes every stage's "
+                             f"count; --adapt re-picks the cap of adaptive stages), got "
+                             f"{self.deterministic_accumulation}")
         bound = self.adapt_max_accumulation
         if bound is None:
             bound = DEFAULT_BOUND * self.max_accumulation
