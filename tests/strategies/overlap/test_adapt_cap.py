@@ -150,7 +150,7 @@ def test_bad_adapt_knobs(knobs, match):
 @pytest.mark.parametrize("argv,expect", [
     (["--strategy", "acco", "--adapt"], "--max-accumulation must be given when adapt is on (--adapt"),
     (["--strategy", "acco", "--adapt", "--max-accumulation", "2", "--deterministic-accumulation", "2"],
-     "--deterministic-accumulation must not be given when adapt is on (--adapt"),
+     "--deterministic-accumulation must not be given when adapt is on (it fixes"),
     (["--strategy", "acco", "--adapt", "--max-accumulation", "4", "--adapt-max-accumulation", "2"],
      "--adapt-max-accumulation must be >= --max-accumulation (4), got 2"),
     (["--strategy", "acco", "--adapt-max-accumulation", "8"], "--adapt-max-accumulation needs --adapt"),
