@@ -3,8 +3,10 @@ them, kill one (``kill -9`` of the agent, or of one of its workers), start it ag
 account for every process they started.
 
 Agent ``i`` is ``torchrun --nnodes MIN:MAX --nproc-per-node P --max-restarts K --rdzv-backend c10d
---rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID --rdzv-conf last_call_timeout=L --monitor-interval M -m
-quietsync train --elastic ...`` with its output in ``agent{i}.{k}.log`` (the k-th start). Agent 0 is
+--rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID --rdzv-conf last_call_timeout=L,keep_alive_interval=2,
+keep_alive_max_attempt=3 --monitor-interval M -m quietsync train --elastic ...`` with its output in
+``agent{i}.{k}.log`` (the k-th start). A node whose agent was killed is declared dead after 6 s without its
+heartbeat instead of torch's default 15 s (5 s × 3): the survivors' restart waits for that. Agent 0 is
 started first and hosts the rendezvous store (the c10d backend's first agent on the endpoint does): kill the
 others. A thread records every process under the agents as it appears, so :meth:`Agents.survivors` can say
 whether anything outlived the job, and when each process was first and last seen (the timeline of a
@@ -86,7 +88,8 @@ class Agents:
         self.base = [torchrun, "--nnodes", nnodes, "--nproc-per-node", str(nproc_per_node), "--max-restarts",
                      str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
                      "--rdzv-id", f"qs-elastic-{self.port}", "--rdzv-conf",
-                     f"last_call_timeout={last_call_timeout:g}", "--monitor-interval", f"{monitor_interval:g}",
+                     f"last_call_timeout={last_call_timeout:g},keep_alive_interval=2,keep_alive_max_attempt=3",
+                     "--monitor-interval", f"{monitor_interval:g}",
                      "-m", "quietsync", "train", "--elastic", *train_flags]
         self.env = {k: v for k, v in os.environ.items()
                     if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
