@@ -111,7 +111,8 @@ def test_a_varying_link_ranks_adapt_and_the_advice_names_it():
     specs = {r.spec for r in varying.rows}
     assert {"diloco:adapt=true,sync_every=16", "diloco:adapt=true,sync_every=16,pseudo_grad_dtype=fp4"} <= specs
     assert {"acco:max_accumulation=4,adapt=true", "demo:topk=128,adapt=true"} <= specs  # each adapt, ranked
-    assert any("`--adapt` re-picks a setting's knob" in n for n in varying.advice.notes)
+    assert any("`--adapt` re-picks a setting's knob from the measured link as it changes (acco, demo, diloco)" in n
+               for n in varying.advice.notes)
     steady = quietsync.plan.plan(**TINY, link=["inter=100mbit,5ms"], target_tokens=3_000_000)
     assert not any(r.knobs.get("adapt") for r in steady.rows)  # only where the link varies
     adapt = next(s for s in varying.scored if s.row.spec == "diloco:adapt=true,sync_every=16")

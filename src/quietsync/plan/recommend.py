@@ -244,8 +244,9 @@ def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective:
         notes.append("the link varies during the run (a schedule): each setting's time to the target follows its "
                      "speed on every stretch of it"
                      + _best_of(scored, lambda c: bool(getattr(c, "adapt", False)),
-                                "; `--adapt` re-picks a setting's knob from the measured link as it changes (DiLoCo's "
-                                "H, DeMo's top-k, ACCO's stage cap)"))
+                                "; `--adapt` re-picks a setting's knob from the measured link as it changes ("
+                                + ", ".join(sorted({s.row.strategy for s in scored if s.row.knobs.get("adapt")}))
+                                + ")"))
     tuned = []
     for s in ranked:
         same = sorted((x for x in scored if x.row.strategy == s.row.strategy), key=lambda x: x.objective)

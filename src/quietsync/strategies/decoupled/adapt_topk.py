@@ -51,9 +51,8 @@ import torch
 from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
-from ...validate import check_float, check_int
 from ..parts.knob_controller import KnobController
-from ..parts.link_probe import Cadence, KnobDecision, LinkProbe, exposed_ratio
+from ..parts.link_probe import Cadence, KnobDecision, LinkProbe, check_cadence_knobs, exposed_ratio
 from . import cost
 from .round import DecoupledConfig
 
@@ -86,10 +85,7 @@ class DeMoConfig(DecoupledConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("adapt_every", self.adapt_every, 1)
-        check_float("adapt_overhead", self.adapt_overhead, 0, low_open=True)
-        check_float("adapt_threshold", self.adapt_threshold, 0)
-        check_int("adapt_window", self.adapt_window, 1)
+        check_cadence_knobs(self)
         knobs = [k.strip() for k in self.adapt_knobs.split(",") if k.strip()]
         if knobs != list(ADAPT_KNOBS):
             raise ValueError(f"adapt_knobs must be {', '.join(ADAPT_KNOBS)} (demo re-picks its top-k per chunk "

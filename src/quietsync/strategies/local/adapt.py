@@ -85,9 +85,9 @@ from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
 from ...transport import Transport
-from ...validate import check_choice, check_float, check_int
+from ...validate import check_choice
 from ...wire.packed import LOWBIT_PSEUDO_GRAD_DTYPES
-from ..parts.link_probe import Cadence, LinkProbe, exposed_ratio
+from ..parts.link_probe import Cadence, LinkProbe, check_cadence_knobs, exposed_ratio
 from ..parts.part import Part
 from . import cost
 from .adapt_bits import BITS, bits_candidates, parse_knobs
@@ -136,10 +136,7 @@ class AdaptConfig:
 
     def check_adapt_knobs(self) -> None:
         """Check the knobs that need no other config (with or without ``adapt``)."""
-        check_int("adapt_every", self.adapt_every, 1)
-        check_float("adapt_overhead", self.adapt_overhead, 0, low_open=True)
-        check_float("adapt_threshold", self.adapt_threshold, 0)
-        check_int("adapt_window", self.adapt_window, 1)
+        check_cadence_knobs(self)
         parse_knobs(self.adapt_knobs)
         check_choice("adapt_objective", self.adapt_objective, OBJECTIVES)
         parse_tokens(self.adapt_tokens)

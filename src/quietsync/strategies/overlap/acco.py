@@ -118,13 +118,7 @@ class ACCO(Strategy):
 
     # ------------------------------------------------------------------ main thread
     def _step(self) -> bool:
-        micro_batch_s = self.overlap.time_micro_batch()
-        if self.adapter is not None and micro_batch_s is not None:
-            self.adapter.micro_batch(micro_batch_s)
-        try:
-            return self._advance()
-        finally:
-            self.overlap.step_returned()
+        return self.overlap.timed_step(self._advance, self.adapter)
 
     def _advance(self) -> bool:
         o = self.overlap

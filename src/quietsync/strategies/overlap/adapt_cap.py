@@ -70,9 +70,9 @@ from ...cost.schedule import Schedule
 from ...cost.workload import Workload
 from ...link import LinkModel
 from ...topology import Topology
-from ...validate import check_float, check_int
+from ...validate import check_int
 from ..parts.knob_controller import KnobController
-from ..parts.link_probe import Cadence, KnobDecision, LinkProbe, exposed_ratio
+from ..parts.link_probe import Cadence, KnobDecision, LinkProbe, check_cadence_knobs, exposed_ratio
 from .machinery import Overlap, OverlapConfig
 
 ADAPT_KNOBS = ("cap",)
@@ -108,10 +108,7 @@ class CapAdaptConfig(OverlapConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("adapt_every", self.adapt_every, 1)
-        check_float("adapt_overhead", self.adapt_overhead, 0, low_open=True)
-        check_float("adapt_threshold", self.adapt_threshold, 0)
-        check_int("adapt_window", self.adapt_window, 1)
+        check_cadence_knobs(self)
         check_int("adapt_max_accumulation", self.adapt_max_accumulation, 1, allow_none=True)
         knobs = [k.strip() for k in self.adapt_knobs.split(",") if k.strip()]
         if knobs != list(ADAPT_KNOBS):

@@ -100,15 +100,8 @@ class DPU(Strategy):
                                                             self.param_groups, cost.wp if self.predicts else cost.dpu))
 
     def _step(self) -> bool:
-        if self.adapter is None:
-            return self._advance()
-        micro_batch_s = self.overlap.time_micro_batch()  # the probe's micro-batch (adapt_cap.py)
-        if micro_batch_s is not None:
-            self.adapter.micro_batch(micro_batch_s)
-        try:
-            return self._advance()
-        finally:
-            self.overlap.step_returned()
+        # timed only for --adapt's probe (adapt_cap.py): DPU and WP have no straggler rule to feed
+        return self._advance() if self.adapter is None else self.overlap.timed_step(self._advance, self.adapter)
 
     def _advance(self) -> bool:
         o = self.overlap

@@ -243,6 +243,17 @@ class Overlap(Part):
         """At the end of the strategy's ``step()`` (see :meth:`time_micro_batch`)."""
         self._step_left = time.perf_counter()
 
+    def timed_step(self, advance: Callable[[], bool], adapter: Any = None) -> bool:
+        """The strategy's ``step()``, ``advance()``, timed: the main-thread time before it is a micro-batch
+        (:meth:`time_micro_batch`), handed to ``adapter`` (``--adapt``'s controller) when there is one."""
+        seconds = self.time_micro_batch()
+        if adapter is not None and seconds is not None:
+            adapter.micro_batch(seconds)
+        try:
+            return advance()
+        finally:
+            self.step_returned()
+
     def backward(self, loss: torch.Tensor) -> bool:
         """One micro-batch of the current stage: its gradient accumulates into G (taken: True)."""
         self.sharded.flat.require_grads_attached(self.grads)

@@ -31,8 +31,9 @@ from ...cost.costmodel import Ctx, Links
 from ...cost.schedule import Schedule
 from ...link import LinkModel
 from ...topology import Topology
+from ...validate import check_float, check_int
 
-__all__ = ["Cadence", "KnobDecision", "LinkProbe", "moved", "exposed_ratio"]
+__all__ = ["Cadence", "check_cadence_knobs", "KnobDecision", "LinkProbe", "moved", "exposed_ratio"]
 
 
 def exposed_ratio(schedule: Schedule, params: int, accumulation: int, step_s: float, topo: Topology, group: str,
@@ -91,6 +92,15 @@ def moved(ratio: float, last: float | None, threshold: float) -> bool:
     """Whether ``ratio`` moved by more than the factor ``1 + threshold`` from ``last`` (None: no pick yet, so
     yes)."""
     return last is None or not 1 / (1 + threshold) <= ratio / last <= 1 + threshold
+
+
+def check_cadence_knobs(config: Any) -> None:
+    """Check the knobs every adapting config has (``adapt_every``, ``adapt_overhead``, ``adapt_threshold``,
+    ``adapt_window``); raises ValueError naming the knob and its range."""
+    check_int("adapt_every", config.adapt_every, 1)
+    check_float("adapt_overhead", config.adapt_overhead, 0, low_open=True)
+    check_float("adapt_threshold", config.adapt_threshold, 0)
+    check_int("adapt_window", config.adapt_window, 1)
 
 
 class Cadence:
