@@ -75,6 +75,17 @@ def drop_link(seconds: float) -> str:
     return f"inter=100mbit@0s,10mbit@{seconds / 3:.1f}s,100mbit@{2 * seconds / 3:.1f}s"
 
 
+def arm_table(runs: list[dict[str, Any]], seconds: float) -> list[str]:
+    """Markdown lines of each arm's steps, idle seconds (all, the middle third), median step compute and MB sent."""
+    lines = ["", "", "| arm | steps | idle s (all) | idle s (middle third) | median step compute s | MB sent |",
+             "|---|---|---|---|---|---|"]
+    for r in runs:
+        c = costs(r, seconds)
+        lines.append(f"| {r['name']} | {c['steps']} | {c['idle_s']:.1f} | {c['idle_middle_third_s']:.1f} | "
+                     f"{c['median_step_compute_s']:.3f} | {c['mb_sent']:.1f} |")
+    return lines
+
+
 def evals(run: dict[str, Any]) -> list[tuple[float, float, int]]:
     """``(training seconds, eval loss, step)`` of rank 0's evaluations."""
     return [(r["time_s"], r["loss"], r["step"]) for r in run["records"][0] if r.get("event") == "eval"]
@@ -263,12 +274,7 @@ def main() -> None:
              f"seconds per arm. Static H = {h_static} (the first H adapt moved to on the steady link, from "
              f"{args.sync_every}); drop link: {link}. "
              f"adapt on the drop changed: {changes_text or 'nothing'}. Load: {uptime[0]} / {uptime[-1]}.")
-    per_arm = ["", "", "| arm | steps | idle s (all) | idle s (middle third) | median step compute s | MB sent |",
-               "|---|---|---|---|---|---|"]
-    for r in runs:
-        c = costs(r, T)
-        per_arm.append(f"| {r['name']} | {c['steps']} | {c['idle_s']:.1f} | {c['idle_middle_third_s']:.1f} | "
-                       f"{c['median_step_compute_s']:.3f} | {c['mb_sent']:.1f} |")
+    per_arm = arm_table(runs, T)
     write_markdown(name, "diloco --adapt against the static H picked at the start",
                    ["pair", "a", "b", "target loss", "a s", "b s", "a / b"], rows, notes + "\n".join(per_arm))
     print(json.dumps({k: result[k] for k in ("drop_median_ratio", "steady_median_ratio", "drop", "steady",
@@ -389,12 +395,7 @@ def main_plan(args: argparse.Namespace) -> None:
              "adapt that lost nothing in the drop would reach against a target at the static run's end.\n\n"
              f"Changes: {changes_text}.\n\nLoad (`uptime`, 2 cores shared with other jobs; each invocation's start and "
              f"end): {' / '.join(uptime)}.")
-    per_arm = ["", "", "| arm | steps | idle s (all) | idle s (middle third) | median step compute s | MB sent |",
-               "|---|---|---|---|---|---|"]
-    for r in runs:
-        c = costs(r, T)
-        per_arm.append(f"| {r['name']} | {c['steps']} | {c['idle_s']:.1f} | {c['idle_middle_third_s']:.1f} | "
-                       f"{c['median_step_compute_s']:.3f} | {c['mb_sent']:.1f} |")
+    per_arm = arm_table(runs, T)
     write_markdown(args.results, "diloco --adapt (time to target) against the plan's static pick at the start",
                    ["pair", "seed", "target loss", "a s", "b s", "a / b", "f", "ceiling"], table,
                    notes + "\n".join(per_arm))
