@@ -17,8 +17,10 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -164,13 +166,46 @@ def test_a_plain_loop_on_the_api_commits_and_ends_level_with_every_strategy():
 
 # ---------------------------------------------------------------------------------------------- the launchers
 def _launch(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1",
+    """Run a launcher to its end. One that outlives ``timeout`` fails the test with the stacks of every thread of
+    its processes (faulthandler prints them on SIGABRT): a hang names where each worker waited."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
            "CUDA_VISIBLE_DEVICES": ""}  # gloo workers on CPU, also on a GPU machine (its launcher would pick NCCL)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, preexec_fn=_no_core_files) as launched:
+        try:
+            out, err = launched.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = _abort(launched)
+            pytest.fail(f"{Path(cmd[0]).name} did not end within {timeout:g} s; its output, then every "
+                        f"process's stacks:\n{out[-3000:]}\n{err[-20000:]}")
+    proc = subprocess.CompletedProcess(cmd, launched.returncode, out, err)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
+
+
+def _no_core_files() -> None:
+    """``preexec_fn``: an aborted process of the launch writes no core file (inherited by its children)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _abort(launched: subprocess.Popen) -> tuple[str, str]:
+    """The launcher stopped (SIGSTOP: it would end the other workers when the first dies), then SIGABRT to each
+    worker in turn (each prints its threads' stacks) and SIGKILL to the launch's session; what they printed."""
+    from tests.elastic_agents import descendants
+
+    os.kill(launched.pid, signal.SIGSTOP)
+    for pid in descendants(launched.pid):
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except OSError:
+            pass
+        time.sleep(0.5)  # one process at a time: their stacks go to one pipe and would interleave
+    os.killpg(launched.pid, signal.SIGKILL)
+    return launched.communicate()
 
 
 def _records(out: Path) -> dict[str, list[dict]]:
