@@ -10,10 +10,12 @@ fails the test with its traceback; a worker that hangs (or a peer waiting on it)
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue as queue_mod
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -48,7 +50,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, nodes: int, port: int, fn: Callable[..., Any], args: tuple,
-            results: Any, env: dict[str, str]) -> None:
+            results: Any, env: dict[str, str], stacks: str) -> None:
+    # SIGUSR1 (sent by run_ranks at its timeout) writes every thread's stack to a file the failure then quotes
+    faulthandler.register(signal.SIGUSR1, file=open(stacks, "w"), all_threads=True)
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world // nodes),
@@ -97,8 +101,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     meeting = tempfile.mkdtemp(prefix="quietsync-ranks-")
     env = {"QUIETSYNC_RENDEZVOUS": f"file://{meeting}/rendezvous", **(env or {})}
     procs = [
-        _CTX.Process(target=_worker, args=(r, world_size, nodes, port, fn, args, results, env),
-                     daemon=True)
+        _CTX.Process(target=_worker, args=(r, world_size, nodes, port, fn, args, results, env,
+                                           os.path.join(meeting, f"stacks-{r}.txt")), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -123,6 +127,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     finally:
         for p in procs:
             p.join(timeout=0.5 if len(got) < world_size else 5)
+        hung = _stacks([r for r, p in enumerate(procs) if p.is_alive() and r not in got], procs, meeting)
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -140,8 +145,28 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         raise AssertionError(f"rank {r} of {world_size} failed:\n{errors[r]}")
     missing = [r for r in range(world_size) if r not in got]
     if missing:
-        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:g}s")
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:g}s{hung}")
     return [_load(got[r][1]) for r in range(world_size)]
+
+
+def _stacks(ranks: list[int], procs: list, meeting: str) -> str:
+    """The stacks of every thread of the still-running workers ``ranks`` (faulthandler, on SIGUSR1), for the
+    failure message: where a hung worker waited."""
+    for r in ranks:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    if ranks:
+        time.sleep(0.5)
+    out = ""
+    for r in ranks:
+        try:
+            with open(os.path.join(meeting, f"stacks-{r}.txt")) as f:
+                out += f"\n---- rank {r}, every thread's stack at the timeout:\n{f.read()[-6000:]}"
+        except OSError:
+            pass
+    return out
 
 
 def _load(data: bytes) -> Any:

@@ -1,4 +1,8 @@
-"""The multi-process harness itself: results come back by rank, a raising rank fails the run."""
+"""The multi-process harness itself: results come back by rank, a raising rank fails the run, a hung rank fails
+it at the timeout with the stack it waited in."""
+
+import re
+import threading
 
 import pytest
 
@@ -23,3 +27,17 @@ def test_results_by_rank():
 def test_a_raising_rank_fails_the_run():
     with pytest.raises(AssertionError, match="KeyError: 'boom'"):
         run_ranks(_raise_on_one, 2)
+
+
+def _one_waits_forever(rank: int, world: int) -> None:
+    if rank == 0:
+        threading.Event().wait()  # a worker that never returns, as a missed collective would leave it
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_fails_the_run_at_the_timeout_with_its_stack():
+    with pytest.raises(TimeoutError) as failed:
+        run_ranks(_one_waits_forever, 2, timeout=5)
+    message = str(failed.value)
+    assert re.match(r"ranks \[0(, 1)?\] of 2 did not finish within 5s", message)  # rank 1 too, on a loaded machine
+    assert "rank 0, every thread's stack at the timeout" in message and "in _one_waits_forever" in message
