@@ -87,8 +87,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     Args:
         nodes: how many nodes the workers stand for (default: one node per worker).
         env: extra environment variables for the workers.
-        expect_failure: return ``{rank: ("ok", result) | ("error", traceback) | ("missing", None)}`` instead
-            of raising when a worker fails (for tests of failure handling).
+        expect_failure: return ``{rank: ("ok", result) | ("error", traceback) | ("missing", stacks)}`` instead
+            of raising when a worker fails (for tests of failure handling); ``stacks``: every thread's stack of a
+            worker still running at the timeout, or None.
         grace_s: with ``expect_failure``, how long the others may still take once one worker failed (then they
             are killed and reported missing, as a launcher stops the peers of a failed worker); default: until
             ``timeout``.
@@ -136,7 +137,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if expect_failure:
         out = {}
         for r in range(world_size):
-            status, value = got.get(r, ("missing", None))
+            status, value = got.get(r, ("missing", hung.get(r)))
             out[r] = (status, _load(value) if status == "ok" else value)
         return out  # type: ignore[return-value]
     errors = {r: v for r, (s, v) in got.items() if s == "error"}
@@ -145,13 +146,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         raise AssertionError(f"rank {r} of {world_size} failed:\n{errors[r]}")
     missing = [r for r in range(world_size) if r not in got]
     if missing:
-        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:g}s{hung}")
+        stacks = "".join(f"\n---- rank {r}, every thread's stack at the timeout:\n{hung[r]}" for r in sorted(hung))
+        raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:g}s{stacks}")
     return [_load(got[r][1]) for r in range(world_size)]
 
 
-def _stacks(ranks: list[int], procs: list, meeting: str) -> str:
-    """The stacks of every thread of the still-running workers ``ranks`` (faulthandler, on SIGUSR1), for the
-    failure message: where a hung worker waited."""
+def _stacks(ranks: list[int], procs: list, meeting: str) -> dict[int, str]:
+    """Every thread's stack of each still-running worker of ``ranks`` (faulthandler, on SIGUSR1), for the failure
+    message: where a hung worker waited."""
     for r in ranks:
         try:
             os.kill(procs[r].pid, signal.SIGUSR1)
@@ -159,11 +161,11 @@ def _stacks(ranks: list[int], procs: list, meeting: str) -> str:
             pass
     if ranks:
         time.sleep(0.5)
-    out = ""
+    out = {}
     for r in ranks:
         try:
             with open(os.path.join(meeting, f"stacks-{r}.txt")) as f:
-                out += f"\n---- rank {r}, every thread's stack at the timeout:\n{f.read()[-6000:]}"
+                out[r] = f.read()[-6000:]
         except OSError:
             pass
     return out

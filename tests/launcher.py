@@ -56,7 +56,9 @@ def launch_forked(fn: Callable[..., Any], args: tuple = (), nproc: int = 1,
             raise first_failure(errors, rank, got[rank][1])
         missing = [r for r in range(nproc) if got[r][0] != "ok"]
         if missing:
-            raise TimeoutError(f"workers {missing} of {nproc} did not finish within {timeout:g}s")
+            stacks = "".join(f"\n---- worker {r}, every thread's stack at the timeout:\n{got[r][1]}"
+                             for r in missing if got[r][1])
+            raise TimeoutError(f"workers {missing} of {nproc} did not finish within {timeout:g}s{stacks}")
     return None
 
 
