@@ -28,17 +28,28 @@ def _loaded_from_a_script(module: object) -> bool:
     return path.is_relative_to(ROOT) and not installed and not any(path.is_relative_to(own) for own in _OWN)
 
 
+def _accelerate_states() -> dict[str, dict]:
+    """🤗 Accelerate's process-wide states, by class (once accelerate is imported): every ``Accelerator`` -- the HF
+    Trainer's included -- keeps its settings there, and a later one in the process reads them back (a Trainer
+    built with ``fp16=True`` made the next ``QuietAccelerator()`` fp16)."""
+    state = sys.modules.get("accelerate.state")
+    names = ("PartialState", "AcceleratorState", "GradientState")
+    return {} if state is None else {n: getattr(state, n)._shared_state for n in names if hasattr(state, n)}
+
+
 @pytest.fixture(autouse=True)
 def _restore_process_state() -> Iterator[None]:
     """Put back what a test may change for the rest of its process: the strategy registry (the example registers
-    ``signsgd``), the modules it loaded from example or benchmark scripts, the environment, torch's default dtype,
-    thread count and CPU random state (a test draws the same numbers whatever ran before it)."""
+    ``signsgd``), the modules it loaded from example or benchmark scripts, the environment, 🤗 Accelerate's
+    process-wide states, torch's default dtype, thread count and CPU random state (a test draws the same numbers
+    whatever ran before it)."""
     import torch
 
     from quietsync.strategies.registry import restored
 
     modules = set(sys.modules)
     environ = dict(os.environ)
+    accelerate = {name: dict(shared) for name, shared in _accelerate_states().items()}
     dtype, threads, rng = torch.get_default_dtype(), torch.get_num_threads(), torch.random.get_rng_state()
     with restored():
         yield
@@ -49,6 +60,9 @@ def _restore_process_state() -> Iterator[None]:
     for key, value in environ.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+    for name, shared in _accelerate_states().items():  # in place: the class attribute is a descriptor
+        shared.clear()
+        shared.update(accelerate.get(name, {}))
     torch.set_default_dtype(dtype)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
