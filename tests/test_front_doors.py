@@ -197,14 +197,20 @@ def _abort(launched: subprocess.Popen) -> tuple[str, str]:
     worker in turn (each prints its threads' stacks) and SIGKILL to the launch's session; what they printed."""
     from tests.elastic_agents import descendants
 
-    os.kill(launched.pid, signal.SIGSTOP)
+    try:
+        os.kill(launched.pid, signal.SIGSTOP)
+    except OSError:  # it ended meanwhile
+        return launched.communicate()
     for pid in descendants(launched.pid):
         try:
             os.kill(pid, signal.SIGABRT)
         except OSError:
             pass
         time.sleep(0.5)  # one process at a time: their stacks go to one pipe and would interleave
-    os.killpg(launched.pid, signal.SIGKILL)
+    try:
+        os.killpg(launched.pid, signal.SIGKILL)
+    except OSError:  # the session is gone already
+        pass
     return launched.communicate()
 
 
