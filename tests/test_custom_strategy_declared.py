@@ -130,6 +130,7 @@ def test_it_runs_under_torchft_one_replica_killed_and_healed(tmp_path):
         wait_until(lambda: any(r["members"] == [0] for r in records(out, 0)), replicas)
         r1 = replicas.start(1, {"QUIETSYNC_FT_READY": str(tmp_path / "ready")})
         replicas.wait_file(tmp_path / "ready")
+        replicas.wait_asking(1, [release])
         release.write_text("")
         assert wait_exit(replicas, r0) == 0, replicas.logs()
         assert wait_exit(replicas, r1) == 0, replicas.logs()

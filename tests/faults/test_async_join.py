@@ -53,6 +53,7 @@ def test_a_returning_replica_first_applies_the_survivors_average_then_trains(tmp
         ready = tmp_path / "replica0-asks-to-join"
         r0 = replicas.start(0, {"QUIETSYNC_FT_READY": str(ready)})
         replicas.wait_file(ready)
+        replicas.wait_asking(1, [release])
         release.write_text("")  # replica 0 joins at the survivors' next round boundary, step 10's
         for proc in (r0, r1, r2):
             assert wait_exit(replicas, proc) == 0, replicas.logs()

@@ -60,6 +60,7 @@ def test_two_replicas_lost_at_once_the_survivor_goes_on_and_both_heal(tmp_path):
         r2 = replicas.start(2, {"QUIETSYNC_FT_READY": str(ready[1])})
         for path in ready:
             replicas.wait_file(path)
+        replicas.wait_asking(2, [back])
         back.write_text("")
         for proc in (r0, r1, r2):
             assert wait_exit(replicas, proc) == 0, replicas.logs()
@@ -103,6 +104,7 @@ def test_a_replica_lost_while_another_heals_from_a_third(tmp_path):
         ready = tmp_path / "ready1"
         r1 = replicas.start(1, {"QUIETSYNC_FT_READY": str(ready)})
         replicas.wait_file(ready)
+        replicas.wait_asking(1, [back])
         back.write_text("")
         for proc in (r0, r1, r2):
             assert wait_exit(replicas, proc) == 0, replicas.logs()
@@ -152,6 +154,7 @@ def test_the_replicas_go_on_when_the_lighthouse_is_lost_and_started_again(tmp_pa
         ready = tmp_path / "ready2"
         r2 = replicas.start(2, {"QUIETSYNC_FT_READY": str(ready)})
         replicas.wait_file(ready)
+        replicas.wait_asking(1, [back])
         back.write_text("")
         for proc in (r0, r1, r2):
             assert wait_exit(replicas, proc) == 0, replicas.logs()

@@ -151,6 +151,27 @@ class Replicas:
         """Wait until a new incarnation of replica group ``k`` sends heartbeats."""
         self.known[k] = self.known.get(k, set()) | self.wait_heartbeat(k, timeout, self.known.get(k, set()))
 
+    def asking(self) -> int:
+        """How many replica groups' quorum requests the Lighthouse holds now (its status page)."""
+        page = urllib.request.urlopen(f"http://{self.address}/status", timeout=5).read().decode()
+        found = re.search(r"\[\d+/(\d+) participants healthy\]", page)
+        return int(found.group(1)) if found else 0
+
+    def wait_asking(self, count: int, held: list[Path], timeout: float = 90.0) -> None:
+        """Once the survivors are held (each hold's ``PATH.waiting`` of ``held`` exists), wait until the Lighthouse
+        holds ``count`` quorum requests: the returning replica groups' are in before the survivors are let go. A
+        ``QUIETSYNC_FT_READY`` file alone is not enough: it is written just before the request is sent, and on a
+        loaded machine a survivor let go at once can finish the run before that request arrives (its quorums then
+        never wait for the returning replica, which finds the job over)."""
+        for path in held:
+            self.wait_file(Path(f"{path}.waiting"), timeout)
+        deadline = time.monotonic() + timeout
+        while self.asking() < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Lighthouse held fewer than {count} quorum request(s) after {timeout:g}s:\n"
+                                   f"{self.logs()}")
+            time.sleep(0.05)
+
     def wait_file(self, path: Path, timeout: float = 90.0) -> None:
         """Wait until ``path`` exists (a replica's ``QUIETSYNC_FT_READY`` file, a survivor's records)."""
         deadline = time.monotonic() + timeout
