@@ -28,6 +28,7 @@ import torch
 from quietsync.faults.inject import MID_WRITE_ENV
 from quietsync.train.metrics import read_jsonl
 from tests.elastic_agents import Agents
+from tests.shared import shared_folder
 
 from .conftest import synthetic_text
 
@@ -65,18 +66,22 @@ def _flags(root: Path, out: Path) -> list[str]:
             "--no-plot", "--no-export", "--timeout-s", "30", "--threads", "1", "--out", str(out)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def job(tmp_path_factory) -> dict:
-    """The corpus, and the uninterrupted 3-worker run (local workers, one thread each, audited)."""
-    root = tmp_path_factory.mktemp("elastic")
-    (root / "text.txt").write_text(synthetic_text(3000))
-    ref = root / "reference"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **AUDIT})
-    proc = subprocess.run([sys.executable, "-m", "quietsync", "train", "--nproc", "3", *_flags(root, ref)],
-                          capture_output=True, text=True, env=env, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"root": root, "reference": ref}
+    """The corpus, and the uninterrupted 3-worker run (local workers, one thread each, audited): built once per
+    session, whichever test process asks first (the tests read it and write only the corpus's cache, which its
+    locks guard)."""
+    def build(root: Path) -> None:
+        (root / "text.txt").write_text(synthetic_text(3000))
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **AUDIT})
+        proc = subprocess.run([sys.executable, "-m", "quietsync", "train", "--nproc", "3",
+                               *_flags(root, root / "reference")], capture_output=True, text=True, env=env,
+                              timeout=400)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    root = shared_folder(tmp_path_factory, "elastic-job", build)
+    return {"root": root, "reference": root / "reference"}
 
 
 def _steps(out: Path, rank: int) -> list[dict]:

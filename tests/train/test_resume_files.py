@@ -19,15 +19,12 @@ from ._run import refused, small_job, train
 pytestmark = pytest.mark.timeout(400)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A zero1 run on 2 workers with checkpoints at steps 2 and 4."""
-    tmp = tmp_path_factory.mktemp("resume-files")
-    out = tmp / "run"
-    job = [*small_job(tmp), "--strategy", "zero1"]
-    proc = train(*job, "--max-steps", "4", "--save-every", "2", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp, job, out
+@pytest.fixture
+def saved(finished_zero1_run, tmp_path):
+    """A zero1 run on 2 workers with checkpoints at steps 2 and 4 (the session's shared one: copy before changing
+    it), and its job's flags."""
+    out, flags = finished_zero1_run
+    return tmp_path, [*flags, "--strategy", "zero1"], out
 
 
 def _copy(src, dst):
