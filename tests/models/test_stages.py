@@ -39,6 +39,24 @@ def test_gpt_segments_and_the_view_computes_the_model_output():
     torch.testing.assert_close(x.loss, lm_loss(model, ids))
 
 
+def test_the_cut_is_checked_eagerly_on_compiled_blocks():
+    """The view's probe (the staged forward against the model's own, without gradients) runs a ``--compile``d
+    model's blocks eagerly: compiling those calls would cost each block extra compilations before training."""
+    from torch._dynamo.utils import counters
+
+    from quietsync.models import compile_blocks
+
+    model = tiny_gpt()
+    compile_blocks(model)
+    torch._dynamo.reset()
+    counters.clear()
+    sequential_view(model)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    ids = torch.randint(0, 40, (2, 8), generator=torch.Generator().manual_seed(0))
+    lm_loss(model, ids)  # the counter sees a compilation where there is one
+    assert counters["stats"]["unique_graphs"] > 0
+
+
 @pytest.mark.parametrize("how", ["params", "flops"])
 def test_partitions_cover_every_segment_in_order_and_report_balance(how):
     for model, sample in ((tiny_gpt(4), ((torch.zeros(2, 8, dtype=torch.long),), {})),

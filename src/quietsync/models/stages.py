@@ -156,7 +156,9 @@ def _checked(model: nn.Module, view: SequentialView) -> SequentialView:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # eager even where blocks are compiled (--compile): the probe checks the cut, and compiling its no-grad
+        # calls would cost each block two more compilations before the first step
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             want = model(input_ids=ids, labels=ids)
             x, ctx = view.enter((), {"input_ids": ids, "labels": ids})
             got = run_segments(view.segments, x, ctx, {id(p): p for p in model.parameters()})
