@@ -149,7 +149,7 @@ def test_compare_predict_prints_predictions_beside_measurements(tmp_path, monkey
     rc = compare_main([
         "--strategies", "zero1", "demo", "--predict", "--target-loss", "0.5", "--pilot-tokens", "1024",
         "--out", str(out), "--nproc", "2", "--model", "tiny",
-        "--max-steps", "8", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
+        "--max-steps", "4", "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
         "--link", "inter=1gbit,1ms", "--dataset", str(data), "--cache-dir", str(tmp_path / "cache"),
         "--eval-windows", "4", "--eval-every", "1", "--no-progress", "--no-plot", "--no-export"])
     assert rc == 0
