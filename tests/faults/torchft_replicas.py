@@ -127,9 +127,13 @@ class Replicas:
         self.started.append((k, proc))
         return proc
 
+    def status(self) -> str:
+        """The Lighthouse's status page (quorum, pending requests, heartbeats)."""
+        return urllib.request.urlopen(f"http://{self.address}/status", timeout=5).read().decode()
+
     def heartbeating(self, k: int) -> set[str]:
         """The incarnations (torchft replica ids) of replica group ``k`` that sent a heartbeat in the last second."""
-        page = urllib.request.urlopen(f"http://{self.address}/status", timeout=5).read().decode()
+        page = self.status()
         seen = re.findall(rf"(quietsync_replica_{k}:[0-9a-f-]+): seen ([0-9.]+)(m?s) ago", page)
         return {name for name, value, unit in seen if float(value) * (1e-3 if unit == "ms" else 1.0) < 1.0}
 
@@ -153,8 +157,7 @@ class Replicas:
 
     def asking(self) -> int:
         """How many replica groups' quorum requests the Lighthouse holds now (its status page)."""
-        page = urllib.request.urlopen(f"http://{self.address}/status", timeout=5).read().decode()
-        found = re.search(r"\[\d+/(\d+) participants healthy\]", page)
+        found = re.search(r"\[\d+/(\d+) participants healthy\]", self.status())
         return int(found.group(1)) if found else 0
 
     def wait_asking(self, count: int, held: list[Path], timeout: float = 90.0) -> None:

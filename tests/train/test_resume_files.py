@@ -20,11 +20,11 @@ pytestmark = pytest.mark.timeout(400)
 
 
 @pytest.fixture
-def saved(finished_zero1_run, tmp_path):
-    """A zero1 run on 2 workers with checkpoints at steps 2 and 4 (the session's shared one: copy before changing
-    it), and its job's flags."""
+def saved(finished_zero1_run):
+    """The job's flags and a zero1 run on 2 workers with checkpoints at steps 2 and 4 (the session's shared one:
+    copy before changing it)."""
     out, flags = finished_zero1_run
-    return tmp_path, [*flags, "--strategy", "zero1"], out
+    return [*flags, "--strategy", "zero1"], out
 
 
 def _copy(src, dst):
@@ -35,7 +35,7 @@ def _copy(src, dst):
 
 
 def test_a_truncated_logical_shard_is_named_before_workers_start(saved, tmp_path, monkeypatch, capsys):
-    tmp, job, out = saved
+    job, out = saved
     run = _copy(out, tmp_path / "run")
     shard = run / "checkpoints" / "step-0000004" / "logical" / "__1_0.distcp"
     data = shard.read_bytes()
@@ -53,7 +53,7 @@ def test_a_worker_loading_a_truncated_shard_names_it(saved, tmp_path, monkeypatc
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    _, _, out = saved
+    _, out = saved
     run = _copy(out, tmp_path / "run")
     folder = run / "checkpoints" / "step-0000004"
     shard = folder / "logical" / "__0_0.distcp"
@@ -75,7 +75,7 @@ def test_a_worker_loading_a_truncated_shard_names_it(saved, tmp_path, monkeypatc
 
 
 def test_a_truncated_rank_file_is_named_before_workers_start(saved, tmp_path, monkeypatch, capsys):
-    tmp, job, out = saved
+    job, out = saved
     run = _copy(out, tmp_path / "run")
     path = rank_file(run / "checkpoints" / "step-0000004", 1)
     path.write_bytes(path.read_bytes()[:1000])
@@ -84,7 +84,7 @@ def test_a_truncated_rank_file_is_named_before_workers_start(saved, tmp_path, mo
 
 
 def test_partial_writes_are_removed_at_the_resume(saved, tmp_path):
-    tmp, job, out = saved
+    job, out = saved
     run = _copy(out, tmp_path / "run")
     left = [run / "checkpoints" / "step-0000004" / "rank1.pt.tmp",
             run / "checkpoints" / "step-0000002" / "logical" / ".metadata.tmp"]
