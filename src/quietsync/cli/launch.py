@@ -148,11 +148,18 @@ def _alive(pid: int) -> bool:
 
 
 def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, errors: str,
-            launcher_pid: int, environ: dict[str, str] | None = None) -> None:
+            launcher_pid: int, environ: dict[str, str] | None = None, output: str | None = None) -> None:
     _die_with_launcher(launcher_pid)
     if environ is not None:  # a forkserver's child starts with the forkserver's environment: take the launcher's
         os.environ.clear()
         os.environ.update(environ)
+    if output is not None:  # the job's own log, as a launcher whose output went there would have written it
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
     run_local_worker(local_rank, fn, args, nproc, port, errors)
 
 
@@ -188,33 +195,65 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1, preload: Se
         _die_with_launcher(os.getppid())  # torchrun's agent: a node whose agent is killed takes its workers along
     if under_torchrun() or nproc <= 1:
         return fn(*args)
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    _quiet_teardown()
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    if method == "forkserver":
-        # set before the server starts (its first use in this process); later launches reuse it as it is
-        multiprocessing.get_context(method).set_forkserver_preload(list(dict.fromkeys(
-            [*FORKSERVER_PRELOAD, *([fn.__module__] if fn.__module__ != "__main__" else []), *preload])))
-    with tempfile.TemporaryDirectory(prefix="quietsync-launch-") as errors:
-        worker_args = (fn, args, nproc, free_port(), errors, os.getpid(), dict(os.environ))
-        context = mp.start_processes(_worker, args=worker_args, nprocs=nproc, join=False, start_method=method)
-        try:
-            while not _wait_for_workers(context, errors):
-                pass
-        except mp.ProcessRaisedException as e:  # join has terminated the other workers
-            raise first_failure(errors, e.error_index, e.msg) from None
-        except mp.ProcessExitedException as e:
-            raise first_failure(errors, e.error_index, str(e)) from None
-        except KeyboardInterrupt:
-            stop_workers(context.processes)
-            raise
+    workers = LocalWorkers(fn, args, nproc, preload)
+    try:
+        while not workers.poll():
+            pass
+    except KeyboardInterrupt:
+        workers.stop()
+        raise
+    finally:
+        workers.close()
     return None
 
 
-def _wait_for_workers(context: Any, errors: str, poll_s: float = 0.5) -> bool:
+class LocalWorkers:
+    """``nproc`` (> 1) local workers running ``fn(*args)``, started at construction and watched by :meth:`poll`
+    (what :func:`launch` waits on; a caller that must be able to stop a job half-way, such as the planner's pilots,
+    uses it directly). ``output``: a file every worker's standard output and error are appended to (else this
+    process's). Workers come from this process's forkserver, started at the first use with ``preload``'s imports
+    and reused by every later job of the process."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, nproc: int, preload: Sequence[str] = (),
+                 output: str | os.PathLike[str] | None = None) -> None:
+        import multiprocessing
+
+        import torch.multiprocessing as mp
+
+        _quiet_teardown()
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        if method == "forkserver":
+            # set before the server starts (its first use in this process); later launches reuse it as it is
+            multiprocessing.get_context(method).set_forkserver_preload(list(dict.fromkeys(
+                [*FORKSERVER_PRELOAD, *([fn.__module__] if fn.__module__ != "__main__" else []), *preload])))
+        self._errors = tempfile.TemporaryDirectory(prefix="quietsync-launch-")
+        self.errors = self._errors.name
+        worker_args = (fn, args, nproc, free_port(), self.errors, os.getpid(), dict(os.environ),
+                       None if output is None else os.fspath(output))
+        self.context = mp.start_processes(_worker, args=worker_args, nprocs=nproc, join=False, start_method=method)
+
+    def poll(self, poll_s: float = 0.5) -> bool:
+        """Wait up to ``poll_s``; True once every worker ended well. Raises :class:`WorkerFailed` (the root cause)
+        once one failed, its peers stopped."""
+        import torch.multiprocessing as mp
+
+        try:
+            return _wait_for_workers(self.context, self.errors, poll_s)
+        except mp.ProcessRaisedException as e:  # join has terminated the other workers
+            raise first_failure(self.errors, e.error_index, e.msg) from None
+        except mp.ProcessExitedException as e:
+            raise first_failure(self.errors, e.error_index, str(e)) from None
+
+    def stop(self) -> None:
+        """Stop every worker still running (:func:`stop_workers`)."""
+        stop_workers(self.context.processes)
+
+    def close(self) -> None:
+        """Remove the failure notes' folder (after the workers ended)."""
+        self._errors.cleanup()
+
+
+def _wait_for_workers(context: Any, errors: str, poll_s: float) -> bool:
     """Wait up to ``poll_s`` for the workers; True once all ended well. When one failed, the others are stopped
     at once (:func:`stop_workers`; torch's own join would give them two 5 s grace periods) and
     :class:`WorkerFailed` names the root cause."""

@@ -12,14 +12,15 @@ held-out loss curves replace the priors (``quietsync plan --target-loss X --pilo
 3. **Successive halving** (Optuna's :class:`optuna.pruners.SuccessiveHalvingPruner`, asynchronous SH): each pilot
    reports, at every evaluation, the time to target predicted from its curve so far; at the rungs ``N/η`` and ``N``
    (tokens) a pilot continues only while it is among the best ``1/η`` of the pilots that reached that rung before
-   it, else it is stopped (its process group terminated) — so the most promising run longest.
+   it, else it is stopped (its workers terminated) — so the most promising run longest.
 4. **Shared prefixes.** Settings that train the same way until their first synchronization (Local SGD and DiLoCo
    with local inner steps: before the first sync each worker trains alone) share those evaluations: a candidate
    whose first rung ends before its first sync is judged on the prefix another one already ran, and is pruned
    without running when that prefix loses. (A resumed run may not change strategy flags, so a prefix cannot be
    forked into several settings; past the prefix each candidate runs from the start.)
 
-Pilots run through the same launcher (``python -m quietsync train``, local workers) and links. An
+Pilots run the job ``quietsync train`` runs, with the same links (:mod:`~quietsync.plan.pilot_jobs`: local
+workers forked from this process's launcher, as ``quietsync train`` forks them from its own). An
 *emulated* link only delays messages, never changes what they hold, so a candidate whose steps do not depend on
 timing runs its pilot without the emulated delay (the same loss curve, at compute speed); ACCO/DPU/WP with adaptive
 stages (how many micro-batches a stage holds depends on the link) run through it. A real (measured) link is always
@@ -31,10 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -43,6 +40,7 @@ from typing import Any
 
 from ..strategies.registry import declaration, module_flags, strategy_config
 from .candidates import Candidate
+from .pilot_jobs import start_pilot
 
 ETA = 2
 """Successive halving's reduction factor: half of the pilots go on at each rung."""
@@ -179,8 +177,8 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
 # ---------------------------------------------------------------------------------------------- the process runner
 @dataclass
 class ProcessRunner:
-    """Runs a pilot as ``python -m quietsync train`` (the same launcher as ``quietsync train``) in its own
-    process group, watching its metrics files and terminating the group when the pilot is pruned."""
+    """Runs a pilot as ``quietsync train`` runs its job (:func:`~quietsync.plan.pilot_jobs.start_pilot`),
+    watching its metrics files and stopping it when the pilot is pruned."""
 
     job_args: list[str]
     """The job's flags (model, workers, micro-batch, data, schedule...), without link and strategy."""
@@ -283,15 +281,13 @@ class ProcessRunner:
 
     def _run(self, cand: Candidate, budget: int, on_eval: Callable[[PilotCurve], bool], folder: Path, link: bool
              ) -> PilotCurve:
-        argv = [sys.executable, "-m", "quietsync", "train", *self.argv(cand, budget, folder)]
+        argv = self.argv(cand, budget, folder)
         for stale in [*folder.glob("metrics-rank*.jsonl"), folder / "summary.json", folder / RECORD]:
             stale.unlink(missing_ok=True)  # an earlier run's: read before the new one overwrites them, they mix
         self.log(f"   pilot {cand.spec}: up to {budget:,} tokens{' through the link' if link else ''}")
         curve = PilotCurve(cand.spec, through_link=link)
         t0 = time.perf_counter()
-        with open(folder / "pilot.log", "w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        job = start_pilot(argv, folder / "pilot.log")
         readers: dict[int, _Tail] = {}
         evals: dict[int, dict[int, dict[str, Any]]] = {}
         eval_sum: dict[int, float] = {}  # each worker's evaluation seconds so far (the first, at step 0, included)
@@ -299,7 +295,7 @@ class ProcessRunner:
         pruned = False
         try:
             while True:
-                done = proc.poll() is not None
+                done = job.poll() is not None
                 for path in folder.glob("metrics-rank*.jsonl"):
                     rank = int(path.stem.removeprefix("metrics-rank"))
                     for rec in readers.setdefault(rank, _Tail(path)).read():
@@ -330,14 +326,14 @@ class ProcessRunner:
                     break
                 time.sleep(self.poll_s)
         finally:
-            if proc.poll() is None:
-                _stop(proc)
+            if job.poll() is None:
+                job.stop()
         curve.wall_s = time.perf_counter() - t0
         if pruned:
             curve.stopped = "pruned"
-        elif proc.returncode not in (0, None) and not curve.stopped.startswith("failed"):
+        elif job.poll() not in (0, None) and not curve.stopped.startswith("failed"):
             tail = (folder / "pilot.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
-            curve.stopped = f"failed: exit {proc.returncode}: {tail[0]}"
+            curve.stopped = f"failed: exit {job.poll()}: {tail[0]}"
         elif not curve.stopped.startswith("failed"):
             summary = folder / "summary.json"
             stopped = json.loads(summary.read_text()).get("stopped_by") if summary.exists() else None
@@ -390,23 +386,6 @@ class _Tail:
             return []
         self.pos += len(chunk[: end + 1].encode())
         return [json.loads(line) for line in chunk[: end + 1].splitlines() if line.strip()]
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    """Terminate the pilot's process group (it was started in its own session), then kill what is left of it."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=20.0)
-    except subprocess.TimeoutExpired:
-        pass
-    try:  # the launcher may be gone while a worker of its group is not
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10.0)
 
 
 __all__ = ["ETA", "RUNGS", "PilotCurve", "ProcessRunner", "Runner", "eval_every", "rungs",

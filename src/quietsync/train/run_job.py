@@ -14,10 +14,10 @@ from ..cli.flags import FlagError
 from .args import PROG
 from .config import TrainConfig
 
-__all__ = ["run_job"]
+__all__ = ["before_workers", "run_job"]
 
 
-def _before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -> list[str]:
+def before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) -> list[str]:
     """The checks that need the file system, before any worker starts; then ``--overwrite``'s clean-up.
 
     Returns the notes to print; raises :class:`FlagError` (one line). Under torchrun every process runs
@@ -73,7 +73,7 @@ def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_
         print(f"{PROG} train: under torchrun, --nproc is ignored (WORLD_SIZE={os.environ['WORLD_SIZE']})",
               file=sys.stderr)
     try:
-        notes = _before_workers(cfg, strategy_config, nodes)
+        notes = before_workers(cfg, strategy_config, nodes)
     except FlagError as e:
         print(f"{PROG} train: error: {e}", file=sys.stderr)
         return 2
