@@ -125,12 +125,13 @@ def _quantiles(values: np.ndarray) -> tuple[float, float]:
     return tuple(float(v[min(n - 1, max(0, int(round(q * (n - 1)))))]) for q in QUANTILES)  # type: ignore[return-value]
 
 
-def _solve_ab(x: np.ndarray, y: np.ndarray, a_max: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Least squares ``y ≈ a + b·x`` for every column of ``x`` (points × exponents), with ``b ≥ 0`` and
-    ``0 ≤ a ≤ a_max``; returns ``a``, ``b`` and the sum of squared residuals per column."""
-    xm, ym = x.mean(0), y.mean()
+def _solve_ab(x: np.ndarray, y: np.ndarray, a_max: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Least squares ``y ≈ a + b·x`` along the first axis (the points), for every other index of ``x`` and ``y``
+    (broadcast together: exponents, curves), with ``b ≥ 0`` and ``0 ≤ a ≤ a_max``; returns ``a``, ``b`` and the
+    sum of squared residuals, shaped as the broadcast minus the points."""
+    xm, ym = x.mean(0), y.mean(0)
     sxx = ((x - xm) ** 2).sum(0)
-    sxy = ((x - xm) * (y - ym)[:, None]).sum(0)
+    sxy = ((x - xm) * (y - ym)).sum(0)
     b = np.where(sxx > 0, sxy / np.where(sxx > 0, sxx, 1.0), 0.0)
     b = np.maximum(b, 0.0)
     a = ym - b * xm
@@ -139,45 +140,48 @@ def _solve_ab(x: np.ndarray, y: np.ndarray, a_max: float) -> tuple[np.ndarray, n
     if clipped.any():
         a_c = np.clip(a, 0.0, a_max)
         sx2 = (x * x).sum(0)
-        b_c = np.where(sx2 > 0, ((y[:, None] - a_c) * x).sum(0) / np.where(sx2 > 0, sx2, 1.0), 0.0)
+        b_c = np.where(sx2 > 0, ((y - a_c) * x).sum(0) / np.where(sx2 > 0, sx2, 1.0), 0.0)
         a = np.where(clipped, a_c, a)
         b = np.where(clipped, np.maximum(b_c, 0.0), b)
-    sse = ((y[:, None] - a - b * x) ** 2).sum(0)
+    sse = ((y - a - b * x) ** 2).sum(0)
     return a, b, sse
 
 
-def _best(t: np.ndarray, y: np.ndarray, floor_cap: float = 1.0) -> tuple[PowerLaw, float]:
-    """The least-squares power law of ``(t, y)`` with ``a ≤ floor_cap·min(y)`` and its sum of squared residuals."""
-    a_max = floor_cap * float(y.min())
+def _best(t: np.ndarray, ys: np.ndarray, floor_cap: float = 1.0) -> tuple[list[PowerLaw], np.ndarray]:
+    """The least-squares power law of ``(t, y)`` with ``a ≤ floor_cap·min(y)`` for every column ``y`` of ``ys``
+    (points × curves) and its sum of squared residuals: the exponent grid for all curves in one pass, then one
+    golden-section search per curve, all curves' brackets stepped together (the bootstrap's refits share ``t``)."""
+    curves = ys.shape[1]
+    a_max = floor_cap * ys.min(0)
     logt = np.log(np.maximum(t, 1.0))
     x = np.exp(-np.outer(logt, C_GRID))
-    a, b, sse = _solve_ab(x, y, a_max)
-    i = int(np.argmin(sse))
+    a, b, sse = _solve_ab(x[:, :, None], ys[:, None, :], a_max)  # (exponents, curves)
+    i = np.argmin(sse, axis=0)
+    every = np.arange(curves)
 
-    def sse_at(c: float) -> tuple[float, float, float]:
-        xs = np.exp(-logt * c)[:, None]
-        ac, bc, s = _solve_ab(xs, y, a_max)
-        return float(s[0]), float(ac[0]), float(bc[0])
+    def sse_at(c: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return _solve_ab(np.exp(-logt[:, None] * c), ys, a_max)
 
-    lo = C_GRID[max(0, i - 1)]
-    hi = C_GRID[min(len(C_GRID) - 1, i + 1)]
+    lo = C_GRID[np.maximum(0, i - 1)]
+    hi = C_GRID[np.minimum(len(C_GRID) - 1, i + 1)]
     g = (math.sqrt(5) - 1) / 2
     c1, c2 = hi - g * (hi - lo), lo + g * (hi - lo)
-    f1, f2 = sse_at(c1)[0], sse_at(c2)[0]
-    for _ in range(40):  # golden section on the bracket around the grid's best exponent
-        if f1 < f2:
-            hi, c2, f2 = c2, c1, f1
-            c1 = hi - g * (hi - lo)
-            f1 = sse_at(c1)[0]
-        else:
-            lo, c1, f1 = c1, c2, f2
-            c2 = lo + g * (hi - lo)
-            f2 = sse_at(c2)[0]
+    f1, f2 = sse_at(c1)[2], sse_at(c2)[2]
+    for _ in range(40):  # golden section on the bracket around each curve's best grid exponent
+        left = f1 < f2  # the minimum lies in [lo, c2]: c1 becomes the upper probe; else in [c1, hi]
+        hi = np.where(left, c2, hi)
+        lo = np.where(left, lo, c1)
+        kept_c, kept_f = np.where(left, c1, c2), np.where(left, f1, f2)
+        new_c = np.where(left, hi - g * (hi - lo), lo + g * (hi - lo))
+        new_f = sse_at(new_c)[2]
+        c1, f1 = np.where(left, new_c, kept_c), np.where(left, new_f, kept_f)
+        c2, f2 = np.where(left, kept_c, new_c), np.where(left, kept_f, new_f)
     c = (lo + hi) / 2
-    s, ac, bc = sse_at(c)
-    if s > float(sse[i]):  # the grid point was better (flat objective)
-        c, s, ac, bc = float(C_GRID[i]), float(sse[i]), float(a[i]), float(b[i])
-    return PowerLaw(float(ac), float(bc), float(c)), s
+    ac, bc, s = sse_at(c)
+    grid = s > sse[i, every]  # the grid point was better (flat objective)
+    c, s = np.where(grid, C_GRID[i], c), np.where(grid, sse[i, every], s)
+    ac, bc = np.where(grid, a[i, every], ac), np.where(grid, b[i, every], bc)
+    return [PowerLaw(float(ac[k]), float(bc[k]), float(c[k])) for k in range(curves)], s
 
 
 def fit_power_law(tokens: Sequence[float], losses: Sequence[float], *, bootstrap: int = BOOTSTRAP,
@@ -198,7 +202,7 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float], *, bootstrap
     if np.any(np.diff(t) <= 0):
         raise ValueError("a loss curve's token counts must increase")
     check_float("floor_cap", floor_cap, 0, 1)
-    law, sse = _best(t, y, floor_cap)
+    (law,), (sse,) = _best(t, y[:, None], floor_cap)
     fitted = np.asarray(law.loss(t))
     resid = y - fitted
     rms = math.sqrt(sse / len(t))
@@ -208,9 +212,9 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float], *, bootstrap
         n = len(t)
         block = max(1, n // 5)
         starts = np.arange(0, n - block + 1)
-        for _ in range(bootstrap):
-            picks = np.concatenate([resid[s:s + block] for s in rng.choice(starts, size=-(-n // block))])[:n]
-            refits.append(_best(t, fitted + picks, floor_cap)[0])
+        samples = [fitted + np.concatenate([resid[s:s + block] for s in rng.choice(starts, size=-(-n // block))])[:n]
+                   for _ in range(bootstrap)]
+        refits = _best(t, np.stack(samples, axis=1), floor_cap)[0]
     return CurveFit(law, tuple(float(v) for v in t), tuple(float(v) for v in y), rms, tuple(refits))
 
 
