@@ -10,7 +10,8 @@
   :data:`~quietsync.train.replica_nonfinite.NONFINITE_EXIT`: every replica raises at the same commit vote) is not
   started again -- it would heal and train into the same values -- and the job exits 3 once the others have
   stopped too (at most ``--timeout-s`` later; then they are stopped). An interrupt stops everything (exit 130).
-  Children die with the launcher.
+  Children die with the launcher. They are forked from a forkserver that imported torch, the replica loop and
+  the model classes once (:func:`_replica_context`): a replica group started again does not import them again.
 * **One replica group of a cluster job** (``--replica-group K --lighthouse HOST:PORT``): this machine's replica
   group only -- its ``--nproc`` local workers, or torchrun's -- and the cluster's scheduler restarts it (it exits 3
   when stopped by a non-finite value: a scheduler should not restart that).
@@ -70,11 +71,14 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
 
 
 def _replica_main(cfg: Any, strategy_config: Any, replica: int, replicas: int, lighthouse: str, workers: int,
-                  launcher: int) -> None:
+                  launcher: int, environ: dict[str, str] | None = None) -> None:
     """A replica group child of the local launcher."""
     from ..cli.launch import _die_with_launcher
 
     _die_with_launcher(launcher)
+    if environ is not None:  # a forkserver's child starts with the forkserver's environment: take the launcher's
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         code = run_one_replica_group(cfg, strategy_config, replica, replicas, lighthouse, workers)
     except BaseException:  # noqa: BLE001 - the child's traceback, then its exit status
@@ -83,6 +87,24 @@ def _replica_main(cfg: Any, strategy_config: Any, replica: int, replicas: int, l
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+REPLICA_PRELOAD = ("torch", "quietsync.train.replica_launch", "quietsync.train.replica_loop")
+"""What the replica groups' forkserver imports before it forks them (besides the workers' model classes)."""
+
+
+def _replica_context() -> Any:
+    """Where replica groups come from: a forkserver that imported torch, the replica loop (torchft with it) and the
+    model classes once, so a replica group started again after a failure does not import them again (seconds of
+    CPU on its way back to training); *spawn* where the platform has no forkserver. Not a fork of this process:
+    it runs the Lighthouse's threads."""
+    from .job_model import WORKER_PRELOAD
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([*REPLICA_PRELOAD, *WORKER_PRELOAD])  # before the server starts: its first use
+    return context
 
 
 def _ended(code: int | None) -> str:
@@ -105,7 +127,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
     else:
         address = cfg.lighthouse
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # replica groups of one machine talk over loopback
-    context = multiprocessing.get_context("spawn")
+    context = _replica_context()
     children: dict[int, Any] = {}
     restarts = dict.fromkeys(range(replicas), 0)
     finished: set[int] = set()
@@ -113,7 +135,8 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
 
     def start(k: int) -> None:
         child = context.Process(target=_replica_main, name=f"quietsync-replica{k}",
-                                args=(cfg, strategy_config, k, replicas, address, workers, os.getpid()))
+                                args=(cfg, strategy_config, k, replicas, address, workers, os.getpid(),
+                                      dict(os.environ)))
         child.start()
         children[k] = child
 
