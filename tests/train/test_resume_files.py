@@ -14,7 +14,7 @@ import pytest
 
 from quietsync.train.checkpoint import rank_file
 
-from ._run import refused, small_job, train
+from ._run import refused, train
 
 pytestmark = pytest.mark.timeout(400)
 
