@@ -56,3 +56,32 @@ def test_a_target_below_the_fitted_floor_is_not_reached():
 def test_bad_curves_are_refused(tokens, losses, says):
     with pytest.raises(ValueError, match=says):
         fit_power_law(tokens, losses)
+
+
+def _least_squares_by_search(tokens: np.ndarray, losses: np.ndarray) -> float:
+    """The smallest sum of squared residuals of ``a + b·t^(−c)`` (``b ≥ 0``, ``0 ≤ a ≤ min(losses)``) by exhaustive
+    search: 1,000 exponents, and for each the best ``b`` in closed form at each of 400 floors."""
+    best = math.inf
+    floors = np.linspace(0.0, losses.min(), 400)
+    for c in np.exp(np.linspace(math.log(0.02), math.log(4.0), 1_000)):
+        x = tokens ** (-c)
+        b = np.maximum(((losses[:, None] - floors) * x[:, None]).sum(0) / (x * x).sum(), 0.0)
+        best = min(best, float((((losses[:, None] - floors - b * x[:, None]) ** 2).sum(0)).min()))
+    return best
+
+
+def test_the_bootstrap_refits_each_reach_the_least_squares_of_their_own_curve():
+    """The refits are fitted side by side (one exponent grid, golden-section searches stepped together): each is
+    still the least-squares fit of its own resampled curve -- no worse than an exhaustive search finds."""
+    from quietsync.plan import curve_fit
+
+    tokens = np.linspace(2e4, 4e5, 16)
+    curves = np.stack([_curve(3.0, 60.0, 0.35, tokens, noise, seed) for noise, seed in
+                       ((0.005, 1), (0.05, 2), (0.2, 3), (0.001, 4))], axis=1)
+    laws, sse = curve_fit._best(tokens, curves)
+    for k, law in enumerate(laws):
+        y = curves[:, k]
+        mine = float(((y - (law.a + law.b * tokens ** (-law.c))) ** 2).sum())
+        assert mine == pytest.approx(float(sse[k]), rel=1e-9)
+        assert 0.0 <= law.a <= y.min() and law.b >= 0.0
+        assert mine <= _least_squares_by_search(tokens, y) * (1 + 1e-3) + 1e-12, k

@@ -150,9 +150,7 @@ def _alive(pid: int) -> bool:
 def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int, errors: str,
             launcher_pid: int, environ: dict[str, str] | None = None, output: str | None = None) -> None:
     _die_with_launcher(launcher_pid)
-    if environ is not None:  # a forkserver's child starts with the forkserver's environment: take the launcher's
-        os.environ.clear()
-        os.environ.update(environ)
+    take_environment(environ)
     if output is not None:  # the job's own log, as a launcher whose output went there would have written it
         fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(fd, 1)
@@ -161,6 +159,25 @@ def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, po
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
     run_local_worker(local_rank, fn, args, nproc, port, errors)
+
+
+def take_environment(environ: dict[str, str] | None) -> None:
+    """Make ``environ`` (the launcher's, when it started this child) this process's environment: a forkserver's
+    child starts with the forkserver's, which is the launcher's at the forkserver's start. None: keep it."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def start_method(preload: Sequence[str]) -> str:
+    """The start method of local children: *forkserver*, whose server imports ``preload`` once (set here before
+    the server starts, at its first use in this process; later uses reuse it as it is), else *spawn*."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(dict.fromkeys(preload)))
+    return "forkserver"
 
 
 def run_local_worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, port: int,
@@ -216,16 +233,11 @@ class LocalWorkers:
 
     def __init__(self, fn: Callable[..., Any], args: tuple, nproc: int, preload: Sequence[str] = (),
                  output: str | os.PathLike[str] | None = None) -> None:
-        import multiprocessing
-
         import torch.multiprocessing as mp
 
         _quiet_teardown()
-        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        if method == "forkserver":
-            # set before the server starts (its first use in this process); later launches reuse it as it is
-            multiprocessing.get_context(method).set_forkserver_preload(list(dict.fromkeys(
-                [*FORKSERVER_PRELOAD, *([fn.__module__] if fn.__module__ != "__main__" else []), *preload])))
+        method = start_method([*FORKSERVER_PRELOAD, *([fn.__module__] if fn.__module__ != "__main__" else []),
+                               *preload])
         self._errors = tempfile.TemporaryDirectory(prefix="quietsync-launch-")
         self.errors = self._errors.name
         worker_args = (fn, args, nproc, free_port(), self.errors, os.getpid(), dict(os.environ),

@@ -76,7 +76,7 @@ class _Local:
         self.workers, self.log, self.code = workers, log, None
 
     @classmethod
-    def start(cls, argv: list[str], log: Path) -> _Local | None:
+    def start(cls, argv: list[str], log: Path) -> PilotJob | None:
         """The job launched here, or None where it must run as a subprocess (one worker, torchrun, an elastic or
         torchft run); a job refused before its workers start ends at once with status 2, the refusal in ``log``."""
         from ..cli.flags import FlagError
@@ -90,7 +90,7 @@ class _Local:
             try:
                 cfg, strategy_config, nodes = parse_train_args(argv)
             except SystemExit as e:  # the one-line refusal is in the log
-                return _Ended(int(e.code or 2))  # type: ignore[return-value]
+                return _Ended(int(e.code or 2))
             if cfg.nproc <= 1 or under_torchrun() or cfg.elastic or cfg.fault_tolerance != "none":
                 return None
             try:
@@ -98,7 +98,7 @@ class _Local:
                     print(f"{PROG} train: {note}")
             except FlagError as e:
                 print(f"{PROG} train: error: {e}")
-                return _Ended(2)  # type: ignore[return-value]
+                return _Ended(2)
         return cls(LocalWorkers(run, (cfg, strategy_config, nodes), cfg.nproc, WORKER_PRELOAD, output=log), log)
 
     def poll(self) -> int | None:

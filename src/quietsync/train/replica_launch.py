@@ -73,12 +73,10 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
 def _replica_main(cfg: Any, strategy_config: Any, replica: int, replicas: int, lighthouse: str, workers: int,
                   launcher: int, environ: dict[str, str] | None = None) -> None:
     """A replica group child of the local launcher."""
-    from ..cli.launch import _die_with_launcher
+    from ..cli.launch import _die_with_launcher, take_environment
 
     _die_with_launcher(launcher)
-    if environ is not None:  # a forkserver's child starts with the forkserver's environment: take the launcher's
-        os.environ.clear()
-        os.environ.update(environ)
+    take_environment(environ)
     try:
         code = run_one_replica_group(cfg, strategy_config, replica, replicas, lighthouse, workers)
     except BaseException:  # noqa: BLE001 - the child's traceback, then its exit status
@@ -98,13 +96,10 @@ def _replica_context() -> Any:
     model classes once, so a replica group started again after a failure does not import them again (seconds of
     CPU on its way back to training); *spawn* where the platform has no forkserver. Not a fork of this process:
     it runs the Lighthouse's threads."""
+    from ..cli.launch import start_method
     from .job_model import WORKER_PRELOAD
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([*REPLICA_PRELOAD, *WORKER_PRELOAD])  # before the server starts: its first use
-    return context
+    return multiprocessing.get_context(start_method([*REPLICA_PRELOAD, *WORKER_PRELOAD]))
 
 
 def _ended(code: int | None) -> str:
