@@ -1,8 +1,9 @@
 """Models of `quietsync train`: GPT-Neo presets, pretrained causal LMs, and the optimizer parameter groups.
 
-The papers' architecture, ``transformers.GPTNeoForCausalLM``, at sizes a CPU can train: ``tiny`` for tests,
-``default`` for the out-of-the-box job, ``10m`` for benchmarks. Dropout is off (the runs are short and the
-oracles compare strategies step by step); the output embedding is tied to the input one.
+The papers' architecture, transformers' ``GPTNeoForCausalLM``, at sizes a CPU can train: ``tiny`` for tests,
+``default`` for the out-of-the-box job, ``10m`` for benchmarks; built by :mod:`.gpt_neo` (the same model bit for
+bit, without importing transformers). Dropout is off (the runs are short and the oracles compare strategies step
+by step); the output embedding is tied to the input one.
 
 Two transformations of the model before a strategy takes it (``--activation-checkpointing``, ``--compile``):
 :func:`enable_activation_checkpointing` (each transformer block recomputes its activations in backward; the
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..validate import check_choice
+from .gpt_neo import GPTNeo, GPTNeoConfig
 from .units import blocks
 
 
@@ -114,34 +116,18 @@ def load_pretrained(name: str, vocab_size: int | None = None):
     return model
 
 
-def build_model(preset: str | ModelPreset, vocab_size: int, eos_id: int = 0, seed: int | None = None):
-    """A freshly initialised ``GPTNeoForCausalLM`` of ``preset`` (seeded with ``seed`` when given)."""
-    from transformers import GPTNeoConfig, GPTNeoForCausalLM
-
+def build_model(preset: str | ModelPreset, vocab_size: int, eos_id: int = 0, seed: int | None = None) -> GPTNeo:
+    """A freshly initialised GPT-Neo of ``preset`` (seeded with ``seed`` when given): :class:`~.gpt_neo.GPTNeo`,
+    transformers' ``GPTNeoForCausalLM`` bit for bit without importing transformers."""
     if isinstance(preset, str):
         check_choice("model", preset, PRESETS)
         preset = PRESETS[preset]
-    config = GPTNeoConfig(
-        vocab_size=vocab_size,
-        max_position_embeddings=preset.max_positions,
-        hidden_size=preset.hidden_size,
-        num_layers=preset.num_layers,
-        num_heads=preset.num_heads,
-        attention_types=[[["global"], preset.num_layers]],
-        intermediate_size=4 * preset.hidden_size,
-        window_size=preset.max_positions,
-        embed_dropout=0.0,
-        attention_dropout=0.0,
-        resid_dropout=0.0,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        tie_word_embeddings=True,
-        use_cache=False,
-    )
+    config = GPTNeoConfig(vocab_size=vocab_size, hidden_size=preset.hidden_size, num_layers=preset.num_layers,
+                          num_heads=preset.num_heads, max_position_embeddings=preset.max_positions,
+                          intermediate_size=4 * preset.hidden_size, eos_token_id=eos_id)
     if seed is not None:
         torch.manual_seed(seed)
-    return GPTNeoForCausalLM(config)
+    return GPTNeo(config)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -168,8 +154,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each transformer block's activations during backward (Hugging Face models: their own
-    ``activation_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``, one checkpoint per block).
+    """Recompute each transformer block's activations during backward (the presets' GPT-Neo and Hugging Face
+    models: their own ``activation_checkpointing_enable``, non-reentrant ``torch.utils.checkpoint``, one checkpoint
+    per block).
 
     Raises ``ValueError`` (naming ``--activation-checkpointing``) for a model that does not support it."""
     enable = getattr(model, "activation_checkpointing_enable", None) or getattr(

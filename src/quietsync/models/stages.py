@@ -127,16 +127,25 @@ def _lm_head(model: nn.Module) -> Callable[[nn.ModuleDict, torch.Tensor, dict], 
     """The last segment of a causal LM: logits, and the model's own loss when the call had labels."""
 
     def head(p: nn.ModuleDict, h: torch.Tensor, ctx: dict) -> Any:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         logits = p["m"](h)
         labels = ctx.get("labels")
         loss = None
         if labels is not None:
             loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return _output(model)(loss=loss, logits=logits)
 
     return head
+
+
+def _output(model: nn.Module) -> Callable[..., Any]:
+    """The type of ``model``'s own outputs: transformers' for a transformers model, else the presets' GPT-Neo's."""
+    if type(model).__module__.startswith("transformers."):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast
+    from .gpt_neo import CausalLMOutput
+
+    return CausalLMOutput
 
 
 def _checked(model: nn.Module, view: SequentialView) -> SequentialView:

@@ -1,9 +1,10 @@
-"""Imported by the local workers' forkserver before it forks them: what every worker's model and tokenizer need.
+"""Imported by the local workers' forkserver before it forks them, for a job on a pretrained model: the
+transformers classes its workers' model and tokenizer need.
 
 ``quietsync train --nproc N`` forks its workers from one forkserver (:mod:`quietsync.cli.launch`). transformers
-loads a class's module when the name is first read, and the GPT-Neo classes pull in most of transformers: about
+loads a class's module when the name is first read, and a model class pulls in most of transformers: about
 4 CPU-seconds per process. Read here once, in the forkserver, they are inherited by every worker instead of
-imported N times. A name transformers lacks (or transformers not installed) is skipped: the workers then import
+imported N times (a preset's job needs none of them: :mod:`quietsync.models.gpt_neo`). A name transformers lacks (or transformers not installed) is skipped: the workers then import
 what they need themselves.
 
 Nothing here computes: a forked worker must not inherit thread pools (OpenMP, tokenizers' Rust pool) that a
@@ -20,7 +21,7 @@ CLASSES = (
     ("transformers", "AutoModelForCausalLM"),
     ("transformers", "PreTrainedTokenizerFast"),
 )
-"""``(module, name)`` read once: the presets' model classes, the loader of a model folder, the exported tokenizer."""
+"""``(module, name)`` read once: the loader of a model folder, the GPT-Neo classes, the exported tokenizer."""
 
 
 def load() -> None:

@@ -82,7 +82,7 @@ class _Local:
         from ..cli.flags import FlagError
         from ..cli.launch import LocalWorkers, under_torchrun
         from ..train.args import PROG, parse_train_args
-        from ..train.job_model import WORKER_PRELOAD
+        from ..train.job_model import worker_preload
         from ..train.loop import run
         from ..train.run_job import before_workers
 
@@ -99,7 +99,8 @@ class _Local:
             except FlagError as e:
                 print(f"{PROG} train: error: {e}")
                 return _Ended(2)
-        return cls(LocalWorkers(run, (cfg, strategy_config, nodes), cfg.nproc, WORKER_PRELOAD, output=log), log)
+        return cls(LocalWorkers(run, (cfg, strategy_config, nodes), cfg.nproc, worker_preload(cfg.model),
+                                output=log), log)
 
     def poll(self) -> int | None:
         from ..cli.launch import WorkerFailed

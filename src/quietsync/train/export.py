@@ -28,7 +28,7 @@ MODEL_DIR = "model"
 
 
 def export_model(model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLike) -> Path:
-    """Write ``model`` (a transformers ``PreTrainedModel``) and ``tokenizer`` (a ``tokenizers.Tokenizer``) to
+    """Write ``model`` (a transformers ``PreTrainedModel``, or the presets' GPT-Neo) and ``tokenizer`` (a ``tokenizers.Tokenizer``) to
     ``folder`` atomically (a temporary sibling renamed into place); return the folder."""
     from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
@@ -37,6 +37,9 @@ def export_model(model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLi
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # ddp's strategy.model is the wrapper
         model = model.module
+    to_transformers = getattr(model, "to_transformers", None)
+    if to_transformers is not None:  # the presets' GPT-Neo: written as transformers' class, which loads it back
+        model = to_transformers()
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a transformers PreTrainedModel to export, got {type(model).__name__}")
     folder = Path(folder)

@@ -16,9 +16,12 @@ from ..models.causal_lm import (
     load_pretrained,
 )
 
-WORKER_PRELOAD = ("quietsync.models.warm",)
-"""What a job's local workers load lazily (the model and tokenizer classes of transformers), for the launcher's
-forkserver to import once before it forks them (:func:`quietsync.cli.launch.launch`'s ``preload``)."""
+def worker_preload(model: str) -> tuple[str, ...]:
+    """What the local workers of a job on ``--model model`` load lazily, for the launcher's forkserver to import once
+    before it forks them (:func:`quietsync.cli.launch.launch`'s ``preload``): the presets' GPT-Neo, and for a
+    pretrained model the model and tokenizer classes of transformers (several CPU-seconds a process, paid once).
+    ``torch._dynamo`` too: torch.optim imports it when the first optimizer is built (~2 CPU-seconds a worker)."""
+    return ("torch._dynamo", "quietsync.models.gpt_neo", *(("quietsync.models.warm",) if is_pretrained(model) else ()))
 
 
 def job_model(cfg: Any, vocab_size: int, eos: int, device: torch.device) -> torch.nn.Module:
@@ -40,4 +43,4 @@ def job_model(cfg: Any, vocab_size: int, eos: int, device: torch.device) -> torc
     return model
 
 
-__all__ = ["WORKER_PRELOAD", "job_model"]
+__all__ = ["job_model", "worker_preload"]

@@ -49,7 +49,7 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
     """Run replica group ``replica``'s workers here (in place under torchrun); its exit status (0, 1, 130, or
     :data:`NONFINITE_EXIT` when ``--on-nonfinite`` stopped it)."""
     from ..cli.launch import WorkerFailed, launch, under_torchrun
-    from .job_model import WORKER_PRELOAD
+    from .job_model import worker_preload
 
     if workers > 1 and not under_torchrun():
         host = "127.0.0.1" if lighthouse.rpartition("://")[2].startswith(("127.", "localhost")) else \
@@ -57,7 +57,7 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
         os.environ.setdefault(STORE_ENV, f"{host}:{_free_port()}")
     try:
         launch(run_replica, (cfg, strategy_config, replica, replicas, lighthouse), nproc=workers,
-               preload=WORKER_PRELOAD)
+               preload=worker_preload(cfg.model))
     except NonFiniteError as e:  # one worker, in this process
         print(f"{PROG} train: error: replica group {replica}: NonFiniteError: {e}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT
@@ -91,15 +91,15 @@ REPLICA_PRELOAD = ("torch", "quietsync.train.replica_launch", "quietsync.train.r
 """What the replica groups' forkserver imports before it forks them (besides the workers' model classes)."""
 
 
-def _replica_context() -> Any:
+def _replica_context(model: str) -> Any:
     """Where replica groups come from: a forkserver that imported torch, the replica loop (torchft with it) and the
     model classes once, so a replica group started again after a failure does not import them again (seconds of
     CPU on its way back to training); *spawn* where the platform has no forkserver. Not a fork of this process:
     it runs the Lighthouse's threads."""
     from ..cli.launch import start_method
-    from .job_model import WORKER_PRELOAD
+    from .job_model import worker_preload
 
-    return multiprocessing.get_context(start_method([*REPLICA_PRELOAD, *WORKER_PRELOAD]))
+    return multiprocessing.get_context(start_method([*REPLICA_PRELOAD, *worker_preload(model)]))
 
 
 def _ended(code: int | None) -> str:
@@ -122,7 +122,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
     else:
         address = cfg.lighthouse
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # replica groups of one machine talk over loopback
-    context = _replica_context()
+    context = _replica_context(cfg.model)
     children: dict[int, Any] = {}
     restarts = dict.fromkeys(range(replicas), 0)
     finished: set[int] = set()

@@ -66,7 +66,7 @@ def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_
     ``--fault-tolerance torchft``, 3 (stopped by ``--on-nonfinite``: :mod:`quietsync.train.replica_nonfinite`).
     ``nproc_given``: ``--nproc`` was on the command line (under torchrun rank 0 then says it is ignored)."""
     from ..cli.launch import WorkerFailed, launch, under_torchrun
-    from .job_model import WORKER_PRELOAD
+    from .job_model import worker_preload
     from .loop import run
 
     if under_torchrun() and nproc_given and int(os.environ.get("RANK", "0")) == 0:
@@ -88,7 +88,7 @@ def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_
         workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
         return run_one_replica_group(cfg, strategy_config, cfg.replica_group, cfg.nodes, cfg.lighthouse, workers)
     try:
-        launch(run, (cfg, strategy_config, nodes), nproc=cfg.nproc, preload=WORKER_PRELOAD)
+        launch(run, (cfg, strategy_config, nodes), nproc=cfg.nproc, preload=worker_preload(cfg.model))
     except WorkerFailed as e:
         print(e.details, file=sys.stderr)
         print(f"{PROG} train: error: {e}", file=sys.stderr)
