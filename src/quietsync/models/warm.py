@@ -4,8 +4,8 @@ transformers classes its workers' model and tokenizer need.
 ``quietsync train --nproc N`` forks its workers from one forkserver (:mod:`quietsync.cli.launch`). transformers
 loads a class's module when the name is first read, and a model class pulls in most of transformers: about
 4 CPU-seconds per process. Read here once, in the forkserver, they are inherited by every worker instead of
-imported N times (a preset's job needs none of them: :mod:`quietsync.models.gpt_neo`). A name transformers lacks (or transformers not installed) is skipped: the workers then import
-what they need themselves.
+imported N times (a preset's job needs none of them: :mod:`quietsync.models.gpt_neo`). A name transformers
+lacks (or transformers not installed) is skipped: the workers then import what they need themselves.
 
 Nothing here computes: a forked worker must not inherit thread pools (OpenMP, tokenizers' Rust pool) that a
 computation in the forkserver would have started.

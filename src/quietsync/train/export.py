@@ -28,8 +28,8 @@ MODEL_DIR = "model"
 
 
 def export_model(model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLike) -> Path:
-    """Write ``model`` (a transformers ``PreTrainedModel``, or the presets' GPT-Neo) and ``tokenizer`` (a ``tokenizers.Tokenizer``) to
-    ``folder`` atomically (a temporary sibling renamed into place); return the folder."""
+    """Write ``model`` (a transformers ``PreTrainedModel``, or the presets' GPT-Neo) and ``tokenizer`` (a
+    ``tokenizers.Tokenizer``) to ``folder`` atomically (a temporary sibling renamed into place); return the folder."""
     from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 

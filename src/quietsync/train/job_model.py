@@ -16,6 +16,7 @@ from ..models.causal_lm import (
     load_pretrained,
 )
 
+
 def worker_preload(model: str) -> tuple[str, ...]:
     """What the local workers of a job on ``--model model`` load lazily, for the launcher's forkserver to import once
     before it forks them (:func:`quietsync.cli.launch.launch`'s ``preload``): the presets' GPT-Neo, and for a
