@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -62,12 +63,12 @@ class Workload:
             raise ValueError("module_order must be a permutation of the parameter indices")
 
     # ------------------------------------------------------------------ sizes
-    @property
+    @cached_property
     def numels(self) -> tuple[int, ...]:
-        """Elements of each parameter."""
+        """Elements of each parameter (computed once: the cost model reads it per parameter, per candidate)."""
         return tuple(math.prod(s) if s else 1 for s in self.shapes)
 
-    @property
+    @cached_property
     def params(self) -> int:
         """Trainable parameter elements."""
         return sum(self.numels)
