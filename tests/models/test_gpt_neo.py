@@ -97,3 +97,26 @@ def test_bad_shapes_and_inputs_are_refused():
         model(input_ids=torch.zeros(1, 17, dtype=torch.long))
     with pytest.raises(ValueError, match="attention_mask must be all ones"):
         model(input_ids=torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 0, 0]]))
+
+
+def test_a_preset_job_trains_without_importing_transformers(tmp_path):
+    """What a preset job's worker imports (the training loop, the model built and stepped once) leaves transformers
+    unimported, and the launcher's forkserver preloads it only for a pretrained model folder."""
+    import subprocess
+    import sys
+
+    from quietsync.train.job_model import worker_preload
+
+    code = ("import sys, torch\n"
+            "from quietsync.train import loop\n"
+            "from quietsync.models import build_model\n"
+            "m = build_model('tiny', 300, seed=0)\n"
+            "ids = torch.zeros(2, 8, dtype=torch.long)\n"
+            "m(input_ids=ids, labels=ids).loss.backward()\n"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] == 'transformers'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+    assert "quietsync.models.warm" not in worker_preload("tiny")
+    (tmp_path / "config.json").write_text("{}")
+    assert "quietsync.models.warm" in worker_preload(str(tmp_path))
