@@ -57,6 +57,7 @@ def test_the_same_parameters_give_transformers_logits_loss_and_gradients(config,
     want, got = ref(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
     assert torch.equal(got.logits, want.logits)
     assert torch.equal(got.loss, want.loss) and torch.equal(got["loss"], want["loss"])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])  # as a Trainer reads a non-dict output
     want.loss.backward()
     got.loss.backward()
     for (name, a), b in zip(ref.named_parameters(), ours.parameters()):

@@ -57,8 +57,6 @@ class GPTNeoConfig:
     eos_token_id: int = 0
     """End-of-sequence token (also the begin and padding token of the exported config)."""
 
-    model_type = "gpt_neo"
-
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
             value = getattr(self, name)
@@ -236,7 +234,6 @@ class GPTNeo(nn.Module):
     module's docstring)."""
 
     supports_gradient_checkpointing = True
-    main_input_name = "input_ids"
 
     def __init__(self, config: GPTNeoConfig) -> None:
         super().__init__()
@@ -251,9 +248,6 @@ class GPTNeo(nn.Module):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
 
     @staticmethod
     def loss_function(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, **_: Any) -> torch.Tensor:
