@@ -37,8 +37,10 @@ demo: install
 train: install
 	$(VENV)/bin/quietsync train --out runs/train --overwrite
 
+# Bytecode is written (to the git-ignored __pycache__ folders) even where PYTHONDONTWRITEBYTECODE is set: the suite
+# starts ~170 interpreters, and each would otherwise compile the same quietsync and test sources again.
 test: install
-	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # Every GPU path on one CUDA device (≤ 8 min): writes runs/gpu-check/gpu-check.{md,json}, exits non-zero on a failure;
 # refuses in one line without a CUDA device. Install the CUDA build of torch into the venv first (see above).
