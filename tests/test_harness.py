@@ -1,10 +1,13 @@
 """The multi-process harness itself: results come back by rank, a raising rank fails the run, a hung rank fails
-it at the timeout with the stack it waited in."""
+it at the timeout with the stack it waited in; under pytest-xdist each test process computes on its share of the
+cores (tests/conftest.py)."""
 
+import os
 import re
 import threading
 
 import pytest
+import torch
 
 from tests.distributed import run_ranks
 
@@ -41,3 +44,10 @@ def test_a_hung_rank_fails_the_run_at_the_timeout_with_its_stack():
     message = str(failed.value)
     assert re.match(r"ranks \[0(, 1)?\] of 2 did not finish within 5s", message)  # rank 1 too, on a loaded machine
     assert "rank 0, every thread's stack at the timeout" in message and "in _one_waits_forever" in message
+
+
+def test_each_xdist_test_process_computes_on_its_share_of_the_cores():
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        pytest.skip("a share of the cores is taken only under pytest-xdist with 2 or more test processes")
+    assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // workers)  # not torch's thread per core

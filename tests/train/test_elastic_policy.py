@@ -96,6 +96,22 @@ def test_elastic_refusals_are_one_line(monkeypatch, capsys, tmp_path, argv, env,
     assert rc == 2 and line.startswith("quietsync train: error: ") and expect in line, line
 
 
+@pytest.mark.parametrize("argv,save_every", [
+    (["--strategy", "diloco", "--sync-every", "2"], 2),  # after every outer sync
+    (["--strategy", "diloco", "--sync-every", "8", "--fragments", "4"], 2),  # after every fragment's sync
+    (["--strategy", "zero1"], 10),
+    (["--strategy", "diloco", "--sync-every", "2", "--save-every", "4"], 4),  # a given --save-every is kept
+])
+def test_an_elastic_run_checkpoints_at_its_strategys_cadence_unless_told(monkeypatch, tmp_path, argv, save_every):
+    from quietsync.train.args import parse_train_args
+
+    for k, v in TORCHRUN.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    cfg, _, _ = parse_train_args(["--elastic", *argv, "--model", "tiny", "--out", str(tmp_path / "o")])
+    assert cfg.save_every == save_every
+
+
 def test_each_torchrun_generation_gets_a_store_of_its_own():
     """A previous generation's entry in the shared store names a store that is gone (or one that holds another
     nonce): the new workers wait for their own rank 0's."""
