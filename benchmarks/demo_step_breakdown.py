@@ -67,7 +67,7 @@ def main() -> None:
 
     parts: dict[str, float] = collections.defaultdict(float)
     _timed(dct, "topk_picks", "top-k", parts)
-    _timed(dct, "_transform_rows", "transforms", parts)
+    _timed(dct, "_accumulate_rows", "transforms", parts)
     _timed(dct, "_inverse_rows", "transforms", parts)
     _timed(BlockLayout, "transform", "transforms", parts, static=True)
     for name in ("tile_scatter", "tile_gather"):

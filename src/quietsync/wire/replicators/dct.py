@@ -11,7 +11,8 @@ where an all-reduce of ``random``/``striding`` moves ``2(n-1)/n`` of one.
 
 A decoupled optimizer keeps its momentum **in the DCT domain** (``momentum_domain == "dct:<chunk>"``: the
 coefficients of every block, stacked per block shape, see :class:`~quietsync.wire.codecs.BlockLayout`):
-:meth:`DCTReplicator.accumulate` adds the transformed gradient (``C <- beta C + s DCT(g)``),
+:meth:`DCTReplicator.accumulate` adds the transformed gradient (``C <- beta C + s DCT(g)``, the last product writing
+the sum) and takes the top-k's group maxima while each tile is in cache,
 :meth:`DCTReplicator.extract_momentum` picks the top-k straight from ``C``, does error feedback by zeroing what
 was sent (keeping what the transfer cast lost) and projects the edge blocks of padded tensors back onto blocks
 that are zero in their padding (so the residual is exactly the one a spatial momentum keeps), and
@@ -47,9 +48,11 @@ from ..codecs import (
     BlockLayout,
     dct_basis,
     densify,
+    group_peaks,
     index_dtype,
     nbytes,
     pack,
+    peak_groups,
     scatter_mean,
     topk_per_block,
     topk_picks,
@@ -163,23 +166,28 @@ class DCTReplicator(Replicator):
                    betas: Sequence[float], scales: Sequence[float]) -> None:
         """``C <- beta * C + scale * DCT(g)``, tile by tile: a tile's gradient is transformed in cache and added to
         its coefficients there (no model-sized temporary is written or read back). An unpadded matrix is
-        transformed where it lies (rows of blocks side by side: one product with every block row's ``D_r`` at
-        once) and its blocks are read out of that layout by the addition itself."""
+        transformed where it lies (:func:`_accumulate_rows`: its block rows' ``D_r B`` in one product, then each
+        block's ``D_c`` product adds ``beta * C + scale * ...`` into the coefficients in the same call)."""
         ws = self._workspace(segments, momentum)
         layout = ws.layout
         for tile, plan, mine in zip(ws.tiles, ws.plans, ws.momentum_views(momentum)):
             shape = layout.groups[tile.group].block_shape
             if plan.in_place and all(_in_place(grads[piece.index], momentum.dtype) for piece in plan.pieces):
-                new = [_transform_rows(piece.rows_of(grads[piece.index]), piece) for piece in plan.pieces]
-            else:  # through the blocks' own layout
-                layout.tile_gather(tile, grads, plan.spatial)
+                for piece, target in zip(plan.pieces, mine.targets):
+                    _accumulate_rows(piece.mats_of(grads[piece.index]), piece, target, betas[piece.index],
+                                     scales[piece.index])
+            else:
+                layout.tile_gather(tile, grads, plan.spatial)  # through the blocks' own layout
                 BlockLayout.transform(plan.spatial, shape, inverse=False, out=plan.coeffs, tmp=plan.tmp)
                 new = [plan.coeffs[piece.a : piece.b].view(target.shape)
                        for piece, target in zip(plan.pieces, mine.targets)]
-            for piece, target, c in zip(plan.pieces, mine.targets, new):
-                if betas[piece.index] != 1.0:
-                    target.mul_(betas[piece.index])
-                target.add_(c, alpha=scales[piece.index])
+                for piece, target, c in zip(plan.pieces, mine.targets, new):
+                    if betas[piece.index] != 1.0:
+                        target.mul_(betas[piece.index])
+                    target.add_(c, alpha=scales[piece.index])
+            if mine.peaks is not None:  # the extract's group maxima, while the tile is in cache
+                group_peaks(mine.blocks, mine.peaks)
+        ws.peaks_taken(momentum)
 
     def momentum_from_spatial(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
         coeffs = self.layout(segments, delta.device).encode(delta)
@@ -219,8 +227,9 @@ class DCTReplicator(Replicator):
         ws = self._workspace(segments, momentum)
         ks = self.ks(segments, momentum.dtype)
         stacked = layout.stacked_views(momentum)
+        peaks = ws.peaks_of(momentum)
         for run, c2 in zip(ws.runs, ws.run_blocks(momentum)):
-            pos, vals = topk_picks(c2, ks[run.group])
+            pos, vals = topk_picks(c2, ks[run.group], None if peaks is None else _rows(peaks[run.group], run))
             run.positions.copy_(pos)
             if self.lowbit is not None:  # quantized below, a whole group at once
                 run.values.copy_(vals)
@@ -243,8 +252,9 @@ class DCTReplicator(Replicator):
 
     def exchange_momentum(self, msg: Message, segments: Segments, sign: bool = False) -> torch.Tensor:
         """All-gather every worker's payload, average each coefficient over the workers that sent it and decode
-        the mean with one inverse transform, tile by tile (sums and counts in cache, divided and zeroed again only
-        where something arrived: a few percent of a tile). A tile of
+        the mean with one inverse transform, tile by tile (counts and sums in cache: each value is divided by its
+        coefficient's count before it is summed, and both are zeroed again only where something arrived: a few
+        percent of a tile). A tile of
         unpadded matrices keeps its sums in the matrices' own layout, so the inverse transform writes the update
         where it lies (no copy out of the stacked blocks), as :meth:`accumulate` reads the gradient.
 
@@ -275,11 +285,11 @@ class DCTReplicator(Replicator):
                 g = layout.groups[tile.group]
                 vals, at = (x[tile.first : tile.first + tile.count].reshape(-1) for x in received[tile.group])
                 sums, counts = plan.flat_sums, plan.flat_count
-                sums.scatter_add_(0, at, vals)  # worker by worker, as the reference's index_add_
+                # the mean over who sent it: each value divided by its coefficient's count, then summed -- work on
+                # what arrived only (a few percent of the tile), where dividing every sum by its count clamped to 1
+                # is three passes over it
                 counts.scatter_add_(0, at, ws.ones(vals))
-                # the mean over who sent it, only where something arrived (elsewhere the sum stays 0): a few
-                # percent of the tile, where dividing every sum by its count clamped to 1 is three passes over it
-                sums.put_(at, sums.index_select(0, at).div_(counts.index_select(0, at)))
+                sums.scatter_add_(0, at, vals / counts.index_select(0, at))
                 if plan.own_layout:  # decoded straight into the update, in each matrix's own layout
                     for piece, rows in zip(plan.pieces, out):
                         _inverse_rows(piece, rows)
@@ -352,17 +362,19 @@ def _piece_runs(tile: Tile) -> list[tuple[int, int, int]]:
 
 
 def _in_place(grad: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`_transform_rows` takes an unpadded matrix's gradient where it lies."""
+    """Whether :func:`_accumulate_rows` takes an unpadded matrix's gradient where it lies."""
     return grad.dtype == dtype and grad.is_contiguous()
 
 
-def _transform_rows(rows: torch.Tensor, piece: _Piece) -> torch.Tensor:
-    """DCT-II of the blocks of ``piece`` (block rows of an unpadded matrix), ``D_r B D_c^T``, from the gradient's rows
-    ``rows`` (viewed ``(-1, bc)``) in the matrix's own layout, into the piece's ``coeffs`` scratch; returned as the
-    stacked ``(blocks, br, bc)`` view of it."""
-    torch.matmul(rows, piece.d_cols_t, out=piece.tmp_rows)  # B D_c^T
-    torch.matmul(piece.d_rows, piece.tmp_mats, out=piece.coeff_mats)
-    return piece.coeffs
+def _accumulate_rows(mats: torch.Tensor, piece: _Piece, target: torch.Tensor, beta: float, scale: float) -> None:
+    """``C <- beta * C + scale * D_r B D_c^T`` for the blocks of ``piece`` (block rows of an unpadded matrix), from the
+    gradient's rows ``mats`` (``(n, br, cols)``, the matrix's own layout) into their coefficients ``target``
+    (``(n, nc, br, bc)``, stacked blocks). ``D_r B`` goes into the piece's ``tmp`` scratch in one product; each block
+    row's ``D_c`` products read its blocks out of that layout (a strided batch) and write ``beta * C + scale * ...``
+    in the same call, so the coefficients are read and written once, not by a product and two passes after it."""
+    torch.matmul(piece.d_rows, mats, out=piece.tmp_mats)  # D_r B
+    for row, blocks in zip(target, piece.tmp_blocks):
+        row.baddbmm_(blocks, piece.d_cols_t_batch, beta=beta, alpha=scale)
 
 
 def _inverse_rows(piece: _Piece, out: torch.Tensor) -> torch.Tensor:
@@ -380,14 +392,15 @@ class _Piece:
     over every tile would otherwise make thousands.
 
     ``coeffs`` are the piece's blocks in the ``coeffs`` scratch, stacked ``(blocks, *block)`` (for an unpadded matrix,
-    a view of its own layout, where :func:`_transform_rows` writes them). For an unpadded matrix also: ``grad_rows``
-    (its rows of the gradient viewed ``(-1, bc)``), ``span`` (its elements in the flat update), the ``tmp`` scratch as
-    rows ``(-1, bc)`` and as matrices ``(n, br, cols)``, the ``coeffs`` and ``sums`` scratch in the matrix's layout,
-    and the DCT bases ``D_c``, ``D_c^T``, ``D_r``, ``D_r^T`` (``d_cols``, ``d_cols_t``, ``d_rows``, ``d_rows_t``).
+    the stacked view of the matrix's layout). For an unpadded matrix also: ``grad_rows`` (its rows of the gradient
+    viewed ``(-1, bc)``), ``span`` (its elements in the flat update), the ``tmp`` scratch as rows ``(-1, bc)``, as
+    matrices ``(n, br, cols)`` and as each block row's blocks ``(nc, br, bc)`` (``tmp_blocks``), the ``sums`` scratch
+    in the matrix's layout, and the DCT bases ``D_c``, ``D_r``, ``D_r^T`` (``d_cols``, ``d_rows``, ``d_rows_t``) and
+    ``D_c^T`` once per block of a row (``d_cols_t_batch``, ``(nc, bc, bc)``, not copied).
     """
 
-    __slots__ = ("index", "a", "b", "coeffs", "grad_rows", "span", "shape", "tmp_rows", "tmp_mats", "coeff_mats",
-                 "sum_rows", "d_cols", "d_cols_t", "d_rows", "d_rows_t")
+    __slots__ = ("index", "a", "b", "coeffs", "grad_rows", "span", "shape", "tmp_rows", "tmp_mats", "tmp_blocks",
+                 "sum_rows", "d_cols", "d_cols_t_batch", "d_rows", "d_rows_t")
 
     def __init__(self, p: Any, r0: int, r1: int, a: int, b: int, scratch: dict[str, torch.Tensor],
                  in_place: bool) -> None:
@@ -403,15 +416,16 @@ class _Piece:
         self.shape = (n, br, p.cols)
         self.tmp_rows = tmp.view(-1, bc)
         self.tmp_mats = tmp.view(n, br, p.cols)
-        self.coeff_mats = coeffs.view(n, br, p.cols)
+        self.tmp_blocks = list(tmp.view(n, br, p.nc, bc).permute(0, 2, 1, 3))
         self.coeffs = coeffs.view(n, br, p.nc, bc).permute(0, 2, 1, 3)
         self.sum_rows = sums.reshape(-1, bc)
         self.d_cols, self.d_rows = dct_basis(bc, tmp.dtype, tmp.device), dct_basis(br, tmp.dtype, tmp.device)
-        self.d_cols_t, self.d_rows_t = self.d_cols.T, self.d_rows.T  # transposed views, as the products always took
+        self.d_rows_t = self.d_rows.T  # a transposed view, as the products always took
+        self.d_cols_t_batch = self.d_cols.T.expand(p.nc, bc, bc)
 
-    def rows_of(self, grad: torch.Tensor) -> torch.Tensor:
-        """The piece's rows of its (contiguous) matrix ``grad``, viewed ``(-1, bc)``."""
-        return grad.view(-1, self.tmp_rows.shape[1])[self.grad_rows]
+    def mats_of(self, grad: torch.Tensor) -> torch.Tensor:
+        """The piece's rows of its (contiguous) matrix ``grad``, viewed ``(n, br, cols)``."""
+        return grad.view(-1, self.tmp_rows.shape[1])[self.grad_rows].view(self.shape)
 
 
 class _TilePlan:
@@ -436,8 +450,8 @@ class _Run:
 
     def __init__(self, group: int, first: int, count: int, values: torch.Tensor, positions: torch.Tensor) -> None:
         self.group, self.first, self.count = group, first, count
-        rows = slice(first, first + count)
-        self.values, self.positions = values[rows], positions[rows]
+        self.rows = slice(first, first + count)
+        self.values, self.positions = values[self.rows], positions[self.rows]
 
 
 def _runs(tiles: Sequence[Tile], block_numels: Sequence[int], max_elements: int) -> list[tuple[int, int, int]]:
@@ -453,12 +467,14 @@ def _runs(tiles: Sequence[Tile], block_numels: Sequence[int], max_elements: int)
 
 
 class _MomentumViews:
-    """One tile's views of the momentum: its blocks ``(count, block_numel)`` and, per piece, its blocks shaped as the
-    piece's ``coeffs``."""
+    """One tile's views of the momentum: its blocks ``(count, block_numel)``, per piece its blocks shaped as the
+    piece's ``coeffs``, and its rows of the workspace's group maxima (``peaks``; None where the extract's top-k
+    takes no group maxima)."""
 
-    def __init__(self, blocks: torch.Tensor, plan: _TilePlan) -> None:
+    def __init__(self, blocks: torch.Tensor, plan: _TilePlan, peaks: torch.Tensor | None) -> None:
         self.blocks = blocks.view(blocks.shape[0], -1)
         self.targets = [blocks[piece.a : piece.b].view(piece.coeffs.shape) for piece in plan.pieces]
+        self.peaks = peaks
 
 
 class _Workspace:
@@ -490,6 +506,12 @@ class _Workspace:
                       for t, own in zip(self.tiles, self.own_layout)]
         runs = _runs(self.tiles, [g.block_numel for g in layout.groups], _RUN_ELEMENTS)
         self.runs = [_Run(g, first, count, self.values[g], self.positions[g]) for g, first, count in runs]
+        self.peaks = [torch.empty(g.num_blocks, groups, dtype=dtype, device=device) if groups is not None else None
+                      for g, groups in ((g, peak_groups(torch.empty(0, g.block_numel, dtype=dtype, device=device), k))
+                                        for g, k in zip(layout.groups, ks))]
+        """Per group, each block's group maxima for the extract's top-k (:func:`~quietsync.wire.codecs.group_peaks`,
+        taken by :meth:`DCTReplicator.accumulate` while a tile is in cache), or None where the top-k takes none."""
+        self._peaks_version: tuple[torch.Tensor | None, int] = (None, -1)
         self._momentum: tuple[torch.Tensor | None, list[_MomentumViews]] = (None, [])
         self._run_views: list[torch.Tensor] = []
         self._update_views: tuple[torch.Tensor | None, list[list[torch.Tensor]]] = (None, [])
@@ -531,11 +553,23 @@ class _Workspace:
         kept, views = self._momentum
         if kept is not momentum:
             stacked = self.layout.stacked_views(momentum)
-            views = [_MomentumViews(stacked[t.group][t.first : t.first + t.count], plan)
+            views = [_MomentumViews(stacked[t.group][t.first : t.first + t.count], plan, _rows(self.peaks[t.group], t))
                      for t, plan in zip(self.tiles, self.plans)]
             self._momentum = (momentum, views)
             self._run_views = [stacked[r.group][r.first : r.first + r.count].view(r.count, -1) for r in self.runs]
         return views
+
+    def peaks_taken(self, momentum: torch.Tensor) -> None:
+        """Mark :attr:`peaks` as those of ``momentum`` as it is now (its version counter: any later in-place change
+        of it, an error feedback or a loaded state, makes them stale)."""
+        self._peaks_version = (momentum, _version(momentum))
+
+    def peaks_of(self, momentum: torch.Tensor) -> list[torch.Tensor | None] | None:
+        """:attr:`peaks` where they are ``momentum``'s as it is now, else None (the top-k takes its own)."""
+        kept, version = self._peaks_version
+        if kept is not momentum or version < 0 or _version(momentum) != version:
+            return None
+        return self.peaks
 
     def run_blocks(self, momentum: torch.Tensor) -> list[torch.Tensor]:
         """Each :class:`_Run`'s blocks of the flat ``momentum``, ``(count, block_numel)`` (kept as
@@ -545,7 +579,7 @@ class _Workspace:
 
     def forget_momentum(self) -> None:
         """Drop the views of the last momentum (and with them that buffer)."""
-        self._momentum, self._run_views = (None, []), []
+        self._momentum, self._run_views, self._peaks_version = (None, []), [], (None, -1)
 
     def update_views(self, update: torch.Tensor) -> list[list[torch.Tensor]]:
         """Per tile, per piece of an unpadded matrix, its rows of the flat ``update`` viewed ``(n, br, cols)`` (made
@@ -569,6 +603,20 @@ class _Workspace:
         if self._update.numel() != numel:
             self._update = self._update.new_empty(numel)
         return self._update
+
+
+def _rows(peaks: torch.Tensor | None, blocks: Tile | _Run) -> torch.Tensor | None:
+    """The rows of one group's ``peaks`` of a tile's or a run's ``blocks`` (None stays None)."""
+    return None if peaks is None else peaks[blocks.first : blocks.first + blocks.count]
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter (bumped by every in-place change of it or of a view of it); -1 where it keeps
+    none (an inference-mode tensor)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
 
 
 def _project_padding(layout: BlockLayout, stacked: Sequence[torch.Tensor]) -> None:
