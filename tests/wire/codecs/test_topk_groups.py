@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from quietsync.wire.codecs import group_peaks, peak_groups, topk_picks, topk_positions
+from quietsync.wire.codecs import topk_picks, topk_positions
 
 
 def _largest(row: np.ndarray, k: int) -> set[int]:
@@ -68,22 +68,3 @@ def test_picks_are_the_positions_and_the_values_there(blocks, n, k, dtype):
     assert torch.equal(pos, expected)
     assert torch.equal(values.nan_to_num(), torch.gather(x, 1, expected).nan_to_num())
     assert torch.equal(values.isnan(), torch.gather(x, 1, expected).isnan())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_group_maxima_taken_beforehand_give_the_same_picks(dtype):
-    # the extract's group maxima taken while the momentum was in cache: the same positions and values as the
-    # selection's own, also on rows of ties and NaN; maxima of the wrong shape are refused
-    n, k = 4096, 85
-    x = torch.randn(12, n, generator=torch.Generator().manual_seed(3)).to(dtype)
-    x[0], x[1, :300], x[2, 9] = 0.0, 7.0, float("nan")
-    groups = peak_groups(x, k)
-    assert groups is not None and n % groups == 0
-    peaks = group_peaks(x, x.new_empty(len(x), groups))
-    assert torch.equal(peaks[3], x[3].view(-1, groups).abs().amax(0))  # strided groups: j, j + groups, ...
-    pos, values = topk_picks(x, k, peaks)
-    want_pos, want_values = topk_picks(x, k)
-    assert torch.equal(pos, want_pos) and torch.equal(values.nan_to_num(), want_values.nan_to_num())
-    with pytest.raises(ValueError, match="peaks must be"):
-        topk_picks(x, k, peaks[:, :-1])
-    assert peak_groups(x[:, :16], 3) is None  # short rows are not grouped

@@ -9,16 +9,7 @@ from .dct import BlockGroup, BlockLayout, BlockWorkspace, dct_basis
 from .lowbit import LOWBIT_FORMATS, BlockQuantizer, LowBitFormat, lowbit_format
 from .pack import nbytes, pack, unpack
 from .quantize import TRANSFER_DTYPES, apply_sign, cast_for_transfer, transfer_dtype
-from .topk import (
-    densify,
-    group_peaks,
-    index_dtype,
-    peak_groups,
-    scatter_mean,
-    topk_per_block,
-    topk_picks,
-    topk_positions,
-)
+from .topk import densify, index_dtype, scatter_mean, topk_per_block, topk_picks, topk_positions
 
 __all__ = [
     "BlockGroup",
@@ -37,9 +28,7 @@ __all__ = [
     "cast_for_transfer",
     "transfer_dtype",
     "densify",
-    "group_peaks",
     "index_dtype",
-    "peak_groups",
     "scatter_mean",
     "topk_per_block",
     "topk_picks",

@@ -20,8 +20,7 @@ import torch
 
 from ...validate import check_int
 
-__all__ = ["index_dtype", "topk_positions", "topk_picks", "peak_groups", "group_peaks", "topk_per_block",
-           "scatter_mean", "densify"]
+__all__ = ["index_dtype", "topk_positions", "topk_picks", "topk_per_block", "scatter_mean", "densify"]
 
 _ROWS_ELEMENTS = 2**20
 """Elements of ``x`` per NumPy call: its int64 index array (8 MiB) stays below the size glibc maps afresh
@@ -133,31 +132,13 @@ def _topk_by_groups(arr: np.ndarray, k: int) -> torch.Tensor | None:
     return pos
 
 
-def peak_groups(x: torch.Tensor, k: int) -> int | None:
-    """How many groups :func:`topk_picks` cuts each row of ``x`` (``(blocks, block_numel)``) into for ``k``, or None
-    where it does not group them (short rows, or not fp32/fp64 on CPU)."""
-    s = _group_size(x.shape[-1], k)
-    if s is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
-        return None
-    return x.shape[-1] // s
-
-
-def group_peaks(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Each group's largest magnitude, ``max(amax, -amin)`` of its signed entries (NaN stays NaN), for the groups
-    ``out.shape[1]`` of every row of the contiguous ``x`` (:func:`peak_groups`), into ``out`` (``(blocks, groups)``)."""
-    grid = x.view(x.shape[0], -1, out.shape[1])
-    return torch.maximum(torch.amax(grid, 1, out=out), grid.amin(1).neg_(), out=out)
-
-
-def topk_picks(x: torch.Tensor, k: int, peaks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_picks(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(positions, values)``, both ``(blocks, k)``: :func:`topk_positions`' positions (the same, in the same order)
     and ``x``'s entries there -- what DeMo's extract sends.
 
     On CPU (fp32/fp64, contiguous rows) the selection writes no ``|x|``: a group's largest
     magnitude is ``max(amax, -amin)`` of its signed entries, and the values come from the candidates already
     gathered, not from a second gather out of the rows (about 12% of the selection's time on the 10m model).
-    ``peaks``: those maxima already taken (:func:`group_peaks`, e.g. while ``x`` was in cache), the caller's
-    promise that ``x`` has not changed since.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be (blocks, block_numel), got shape {tuple(x.shape)}")
@@ -170,10 +151,7 @@ def topk_picks(x: torch.Tensor, k: int, peaks: torch.Tensor | None = None) -> tu
         return pos, torch.gather(x, 1, pos)
     groups = n // s
     grid = x.view(rows, s, groups)
-    if peaks is None:
-        peaks = group_peaks(x, x.new_empty(rows, groups))
-    elif peaks.shape != (rows, groups):
-        raise ValueError(f"peaks must be ({rows}, {groups}) for k={k}, got shape {tuple(peaks.shape)}")
+    peaks = torch.maximum(grid.amax(1), grid.amin(1).neg_())  # each group's largest |x|; NaN stays NaN
     top, sure = _k_largest(peaks.numpy(), k)
     cand = torch.gather(grid, 2, torch.from_numpy(top)[:, None, :].expand(rows, s, k)).view(rows, s * k).numpy()
     sel, sure_too = _k_largest(np.abs(cand), k)

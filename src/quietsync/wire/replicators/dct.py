@@ -12,7 +12,7 @@ where an all-reduce of ``random``/``striding`` moves ``2(n-1)/n`` of one.
 A decoupled optimizer keeps its momentum **in the DCT domain** (``momentum_domain == "dct:<chunk>"``: the
 coefficients of every block, stacked per block shape, see :class:`~quietsync.wire.codecs.BlockLayout`):
 :meth:`DCTReplicator.accumulate` adds the transformed gradient (``C <- beta C + s DCT(g)``, the last product writing
-the sum) and takes the top-k's group maxima while each tile is in cache,
+the sum),
 :meth:`DCTReplicator.extract_momentum` picks the top-k straight from ``C``, does error feedback by zeroing what
 was sent (keeping what the transfer cast lost) and projects the edge blocks of padded tensors back onto blocks
 that are zero in their padding (so the residual is exactly the one a spatial momentum keeps), and
@@ -48,11 +48,9 @@ from ..codecs import (
     BlockLayout,
     dct_basis,
     densify,
-    group_peaks,
     index_dtype,
     nbytes,
     pack,
-    peak_groups,
     scatter_mean,
     topk_per_block,
     topk_picks,
@@ -185,9 +183,6 @@ class DCTReplicator(Replicator):
                     if betas[piece.index] != 1.0:
                         target.mul_(betas[piece.index])
                     target.add_(c, alpha=scales[piece.index])
-            if mine.peaks is not None:  # the extract's group maxima, while the tile is in cache
-                group_peaks(mine.blocks, mine.peaks)
-        ws.peaks_taken(momentum)
 
     def momentum_from_spatial(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
         coeffs = self.layout(segments, delta.device).encode(delta)
@@ -227,9 +222,8 @@ class DCTReplicator(Replicator):
         ws = self._workspace(segments, momentum)
         ks = self.ks(segments, momentum.dtype)
         stacked = layout.stacked_views(momentum)
-        peaks = ws.peaks_of(momentum)
         for run, c2 in zip(ws.runs, ws.run_blocks(momentum)):
-            pos, vals = topk_picks(c2, ks[run.group], None if peaks is None else _rows(peaks[run.group], run))
+            pos, vals = topk_picks(c2, ks[run.group])
             run.positions.copy_(pos)
             if self.lowbit is not None:  # quantized below, a whole group at once
                 run.values.copy_(vals)
@@ -450,8 +444,8 @@ class _Run:
 
     def __init__(self, group: int, first: int, count: int, values: torch.Tensor, positions: torch.Tensor) -> None:
         self.group, self.first, self.count = group, first, count
-        self.rows = slice(first, first + count)
-        self.values, self.positions = values[self.rows], positions[self.rows]
+        rows = slice(first, first + count)
+        self.values, self.positions = values[rows], positions[rows]
 
 
 def _runs(tiles: Sequence[Tile], block_numels: Sequence[int], max_elements: int) -> list[tuple[int, int, int]]:
@@ -467,14 +461,12 @@ def _runs(tiles: Sequence[Tile], block_numels: Sequence[int], max_elements: int)
 
 
 class _MomentumViews:
-    """One tile's views of the momentum: its blocks ``(count, block_numel)``, per piece its blocks shaped as the
-    piece's ``coeffs``, and its rows of the workspace's group maxima (``peaks``; None where the extract's top-k
-    takes no group maxima)."""
+    """One tile's views of the momentum: its blocks ``(count, block_numel)`` and, per piece, its blocks shaped as the
+    piece's ``coeffs``."""
 
-    def __init__(self, blocks: torch.Tensor, plan: _TilePlan, peaks: torch.Tensor | None) -> None:
+    def __init__(self, blocks: torch.Tensor, plan: _TilePlan) -> None:
         self.blocks = blocks.view(blocks.shape[0], -1)
         self.targets = [blocks[piece.a : piece.b].view(piece.coeffs.shape) for piece in plan.pieces]
-        self.peaks = peaks
 
 
 class _Workspace:
@@ -506,12 +498,6 @@ class _Workspace:
                       for t, own in zip(self.tiles, self.own_layout)]
         runs = _runs(self.tiles, [g.block_numel for g in layout.groups], _RUN_ELEMENTS)
         self.runs = [_Run(g, first, count, self.values[g], self.positions[g]) for g, first, count in runs]
-        self.peaks = [torch.empty(g.num_blocks, groups, dtype=dtype, device=device) if groups is not None else None
-                      for g, groups in ((g, peak_groups(torch.empty(0, g.block_numel, dtype=dtype, device=device), k))
-                                        for g, k in zip(layout.groups, ks))]
-        """Per group, each block's group maxima for the extract's top-k (:func:`~quietsync.wire.codecs.group_peaks`,
-        taken by :meth:`DCTReplicator.accumulate` while a tile is in cache), or None where the top-k takes none."""
-        self._peaks_version: tuple[torch.Tensor | None, int] = (None, -1)
         self._momentum: tuple[torch.Tensor | None, list[_MomentumViews]] = (None, [])
         self._run_views: list[torch.Tensor] = []
         self._update_views: tuple[torch.Tensor | None, list[list[torch.Tensor]]] = (None, [])
@@ -553,23 +539,11 @@ class _Workspace:
         kept, views = self._momentum
         if kept is not momentum:
             stacked = self.layout.stacked_views(momentum)
-            views = [_MomentumViews(stacked[t.group][t.first : t.first + t.count], plan, _rows(self.peaks[t.group], t))
+            views = [_MomentumViews(stacked[t.group][t.first : t.first + t.count], plan)
                      for t, plan in zip(self.tiles, self.plans)]
             self._momentum = (momentum, views)
             self._run_views = [stacked[r.group][r.first : r.first + r.count].view(r.count, -1) for r in self.runs]
         return views
-
-    def peaks_taken(self, momentum: torch.Tensor) -> None:
-        """Mark :attr:`peaks` as those of ``momentum`` as it is now (its version counter: any later in-place change
-        of it, an error feedback or a loaded state, makes them stale)."""
-        self._peaks_version = (momentum, _version(momentum))
-
-    def peaks_of(self, momentum: torch.Tensor) -> list[torch.Tensor | None] | None:
-        """:attr:`peaks` where they are ``momentum``'s as it is now, else None (the top-k takes its own)."""
-        kept, version = self._peaks_version
-        if kept is not momentum or version < 0 or _version(momentum) != version:
-            return None
-        return self.peaks
 
     def run_blocks(self, momentum: torch.Tensor) -> list[torch.Tensor]:
         """Each :class:`_Run`'s blocks of the flat ``momentum``, ``(count, block_numel)`` (kept as
@@ -579,7 +553,7 @@ class _Workspace:
 
     def forget_momentum(self) -> None:
         """Drop the views of the last momentum (and with them that buffer)."""
-        self._momentum, self._run_views, self._peaks_version = (None, []), [], (None, -1)
+        self._momentum, self._run_views = (None, []), []
 
     def update_views(self, update: torch.Tensor) -> list[list[torch.Tensor]]:
         """Per tile, per piece of an unpadded matrix, its rows of the flat ``update`` viewed ``(n, br, cols)`` (made
@@ -603,20 +577,6 @@ class _Workspace:
         if self._update.numel() != numel:
             self._update = self._update.new_empty(numel)
         return self._update
-
-
-def _rows(peaks: torch.Tensor | None, blocks: Tile | _Run) -> torch.Tensor | None:
-    """The rows of one group's ``peaks`` of a tile's or a run's ``blocks`` (None stays None)."""
-    return None if peaks is None else peaks[blocks.first : blocks.first + blocks.count]
-
-
-def _version(tensor: torch.Tensor) -> int:
-    """``tensor``'s version counter (bumped by every in-place change of it or of a view of it); -1 where it keeps
-    none (an inference-mode tensor)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return -1
 
 
 def _project_padding(layout: BlockLayout, stacked: Sequence[torch.Tensor]) -> None:
