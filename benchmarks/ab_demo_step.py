@@ -136,7 +136,7 @@ def main() -> None:
         try:
             base = export_base(args.base, Path(tmp))
         except subprocess.CalledProcessError as e:
-            ap.error(f"--base {args.base!r}: not a revision of this repository ({e.stderr or e})")
+            ap.error(f"--base {args.base!r}: not a revision of this repository ({(e.stderr or str(e)).strip()})")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
