@@ -385,12 +385,12 @@ class _Piece:
     workspace's scratch that the step's loops use, made once: a view costs microseconds of dispatch, and a step
     over every tile would otherwise make thousands.
 
-    ``coeffs`` are the piece's blocks in the ``coeffs`` scratch, stacked ``(blocks, *block)`` (for an unpadded matrix,
-    the stacked view of the matrix's layout). For an unpadded matrix also: ``grad_rows`` (its rows of the gradient
-    viewed ``(-1, bc)``), ``span`` (its elements in the flat update), the ``tmp`` scratch as rows ``(-1, bc)``, as
-    matrices ``(n, br, cols)`` and as each block row's blocks ``(nc, br, bc)`` (``tmp_blocks``), the ``sums`` scratch
-    in the matrix's layout, and the DCT bases ``D_c``, ``D_r``, ``D_r^T`` (``d_cols``, ``d_rows``, ``d_rows_t``) and
-    ``D_c^T`` once per block of a row (``d_cols_t_batch``, ``(nc, bc, bc)``, not copied).
+    ``coeffs`` are the piece's blocks in the ``coeffs`` scratch, stacked ``(blocks, *block)`` (for an unpadded matrix
+    ``(n, nc, br, bc)``, the shape its coefficients are read in). For an unpadded matrix also: ``grad_rows`` (its
+    rows of the gradient viewed ``(-1, bc)``), ``span`` (its elements in the flat update), the ``tmp`` scratch as rows
+    ``(-1, bc)``, as matrices ``(n, br, cols)`` and as each block row's blocks ``(nc, br, bc)`` (``tmp_blocks``), the
+    ``sums`` scratch in the matrix's layout, and the DCT bases ``D_c``, ``D_r``, ``D_r^T`` (``d_cols``, ``d_rows``,
+    ``d_rows_t``) and ``D_c^T`` once per block of a row (``d_cols_t_batch``, ``(nc, bc, bc)``, not copied).
     """
 
     __slots__ = ("index", "a", "b", "coeffs", "grad_rows", "span", "shape", "tmp_rows", "tmp_mats", "tmp_blocks",
@@ -411,7 +411,7 @@ class _Piece:
         self.tmp_rows = tmp.view(-1, bc)
         self.tmp_mats = tmp.view(n, br, p.cols)
         self.tmp_blocks = list(tmp.view(n, br, p.nc, bc).permute(0, 2, 1, 3))
-        self.coeffs = coeffs.view(n, br, p.nc, bc).permute(0, 2, 1, 3)
+        self.coeffs = coeffs.view(n, p.nc, br, bc)
         self.sum_rows = sums.reshape(-1, bc)
         self.d_cols, self.d_rows = dct_basis(bc, tmp.dtype, tmp.device), dct_basis(br, tmp.dtype, tmp.device)
         self.d_rows_t = self.d_rows.T  # a transposed view, as the products always took
