@@ -159,7 +159,10 @@ def test_pretokenized_refusals(tmp_path, tokenizer_folder):
     with pytest.raises(Refused, match=r"id \d+ is outside the vocabulary of --tokenizer .* \(\d+ entries\): the shards "
                                       "were made with another tokenizer"):
         prepare(_cfg(data, tmp_path / "o3", tokenizer=str(folder), token_dtype="uint32"), say=lambda _: None)
-    assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3))
+    (data / "train.bin").write_bytes(b"")  # a shard writer that died before its first id
+    with pytest.raises(Refused, match=r"train.bin holds no token ids \(an empty file\)"):
+        prepare(_cfg(data, tmp_path / "o4", tokenizer=str(folder)), say=lambda _: None)
+    assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3, 4))
 
 
 def test_a_vocabulary_uint16_cannot_hold_is_refused(tmp_path):

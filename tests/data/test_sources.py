@@ -43,6 +43,8 @@ def test_kinds_are_named_from_the_disk(tmp_path):
     (tmp_path / "t" / "a.txt").write_text("x\n")
     (tmp_path / "t" / "README.md").write_text("x\n")
     assert resolve_source(str(tmp_path / "t")).kind == "text"
+    named = resolve_source(str(tmp_path / "t" / "README.md"))  # a file given by name is text whatever its suffix
+    assert (named.kind, named.files) == ("text", (tmp_path / "t" / "README.md",))
     (tmp_path / "j").mkdir()
     (tmp_path / "j" / "train-00.jsonl").write_text("{}\n")
     (tmp_path / "j" / "val-00.jsonl").write_text("{}\n")

@@ -46,14 +46,16 @@ class ComputeProfile:
 
     def codec(self, key: str, elements: float) -> float:
         """The decoupled step's own computation for ``elements`` elements with setting ``key`` (see
-        :func:`~quietsync.cost.compute.codec_key`). A setting not calibrated takes the closest one of
-        the same replicator (the codec's cost hardly depends on the compression), else the optimizer step."""
+        :func:`~quietsync.cost.compute.codec_key`). A setting not calibrated takes the costliest calibrated one
+        of the same replicator (the codec's cost hardly depends on the compression; the costliest errs on the slow
+        side), else the optimizer step."""
         seconds = self.codec_s.get(key)
         if seconds is None:
             same = [v for k, v in self.codec_s.items() if k.split(":")[0] == key.split(":")[0]]
             if not same:
                 return self.optimizer_s(elements)
             seconds = max(same)
+        # codec_s is per full-model step: scale to this share of the calibrated elements
         return seconds * elements / max(1, self.elements)
 
     def scales(self, world: int) -> tuple[float, ...]:
@@ -84,5 +86,6 @@ def codec_knobs(key: str) -> dict:
     if parts[0] not in ("full", "none"):
         knobs.update(compression=float(parts[1]), transfer_dtype=parts[2])
     if parts[0] == "dct":
+        # codec_key writes a topk of None as the text 'None'
         knobs.update(chunk=int(parts[3]), topk=None if parts[4] == "None" else int(parts[4]))
     return knobs

@@ -104,7 +104,7 @@ class Source:
         """(the progress bar's total, its unit): input bytes for text, JSON and Arrow files, rows for Parquet and
         ``save_to_disk`` folders (from their metadata), chapters for the Bible; unknown for a hub stream."""
         if self.kind == "kjv":
-            return 1189, "docs"
+            return 1189, "docs"  # the Bible's chapters: one document each
         if self.kind in ("text", "json", "arrow", "tokens"):
             return sum(p.stat().st_size for p in self.files + self.held_out_files), "B"
         if self.kind == "parquet":
@@ -137,6 +137,7 @@ class Source:
             return _text_documents(self.held_out_files if held_out else self.files, self.options["chunk_chars"])
         if self.kind in ("json", "parquet", "arrow"):
             files = self.held_out_files if held_out else self.files
+            # held-out files are read after the training ones: their positions go on from the training total
             start = sum(p.stat().st_size for p in self.files) if held_out and self.kind != "parquet" else 0
             if held_out and self.kind == "parquet":
                 start = self.progress_total()[0] - sum(_parquet_rows(p) for p in self.held_out_files)
@@ -172,11 +173,12 @@ def resolve_source(dataset: str, text_column: str | None = None, *, chunk_chars:
                                                                   "dataset_dict.json")):
         return Source("saved", dataset, (path,), text_column=text_column)
     files = _files_of(path, dataset)
-    kinds = sorted({SUFFIXES[p.suffix.lower()] for p in files})
+    kinds = sorted({_kind_of(p) for p in files})
     if len(kinds) > 1:
-        counts = ", ".join(f"{sum(SUFFIXES[p.suffix.lower()] == k for p in files)} {k}" for k in kinds)
+        counts = ", ".join(f"{sum(_kind_of(p) == k for p in files)} {k}" for k in kinds)
         raise ValueError(f"--dataset {dataset} mixes kinds of files ({counts}): point it at one kind")
     kind = kinds[0]
+    # text is always split every k-th document, whatever its files are called
     if kind == "text":
         _no_column(text_column, dataset, "text files")
         return Source("text", dataset, tuple(files), options={"chunk_chars": chunk_chars})
@@ -199,11 +201,16 @@ def _no_column(text_column: str | None, dataset: str, what: str) -> None:
                          f"--dataset {dataset} is {what}")
 
 
+def _kind_of(path: Path) -> SourceKind:
+    """The kind of an input file from its suffix; a suffix of no known kind is text (a file given by name)."""
+    return SUFFIXES.get(path.suffix.lower(), "text")
+
+
 def _files_of(path: Path, dataset: str) -> list[Path]:
-    """The input files of a file or folder given as ``--dataset``: a file of any name (an unknown suffix is text,
-    as before), or a folder's files of the known suffixes, recursively, sorted."""
+    """The input files of a file or folder given as ``--dataset``: a file of any name (an unknown suffix is text:
+    :func:`_kind_of`), or a folder's files of the known suffixes, recursively, sorted."""
     if path.is_file():
-        return [path] if path.suffix.lower() in SUFFIXES else [path.with_name(path.name)]
+        return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
                    and not p.name.startswith("."))
     if not files:
@@ -264,6 +271,7 @@ def _stream_table(kind: SourceKind, files: tuple[Path, ...]):
     """The files as one ``datasets.IterableDataset`` (the library's own readers, streamed)."""
     datasets = _datasets()
     builder = {"json": "json", "parquet": "parquet", "arrow": "arrow"}[kind]
+    # a plain list of data_files lands in the library's "train" split
     return datasets.load_dataset(builder, data_files=[str(p) for p in files], split="train", streaming=True)
 
 
@@ -273,7 +281,7 @@ def _datasets():
     except ImportError:
         raise ValueError("--dataset: JSONL, Parquet and Arrow files need the datasets package "
                          "(pip install 'quietsync[train]')") from None
-    datasets.disable_progress_bars()
+    datasets.disable_progress_bars()  # prepare's own bar is the one on stderr
     return datasets
 
 
@@ -336,7 +344,7 @@ def _rows(ds, column: str, start: int = 0, by_rows: bool = True) -> Iterator[tup
     for batch in ds.iter(batch_size=ROWS_PER_READ):
         for text in batch[column]:
             if by_rows:
-                position += 1
+                position += 1  # every row, blank or not: the total is the files' row count
             if text is None:
                 continue
             if not isinstance(text, str):
@@ -418,6 +426,6 @@ def hub_has_held_out(source: Source) -> bool:
 def cpu_count() -> int:
     """Cores this process may run on."""
     try:
-        return len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))  # not os.cpu_count(): taskset or a cpuset may allow fewer
     except AttributeError:  # pragma: no cover (not Linux)
         return os.cpu_count() or 1

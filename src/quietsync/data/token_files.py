@@ -51,15 +51,19 @@ def index_token_files(train_files: tuple[Path, ...], held_out_files: tuple[Path,
     for split, paths in (("train", train_files), ("eval", held_out_files)):
         for path in paths:
             dtype, offset, count = _token_file(path, bin_dtype)
+            if count == 0:
+                raise TokenFileError(f"--dataset: {path} holds no token ids (an empty file): remove it or write it "
+                                     "again")
             name = "uint16" if dtype.itemsize == 2 else "uint32"
             dtypes.add(name)
             problem = dtype_problem(name, vocab)
             if problem:
                 raise TokenFileError(f"--dataset {path}: {problem} (--tokenizer {tokenizer})")
             _check_ids(path, dtype, offset, count, vocab, name, tokenizer)
+            # absolute: the files stay where they are, outside the prepared folder
             entries[split].append({"path": str(path.resolve()), "offset": offset, "tokens": count,
                                    "documents": None, "bytes": path.stat().st_size})
-    if len(dtypes) > 1:
+    if len(dtypes) > 1:  # the index holds one dtype for every shard
         raise TokenFileError(f"--dataset {train_files[0].parent} mixes uint16 and uint32 files")
     dtype = dtypes.pop()
     if entries["eval"]:
@@ -74,6 +78,7 @@ def _check_ids(path: Path, dtype: np.dtype, offset: int, count: int, vocab: int,
     ids = map_shard(path, dtype, offset, count, mapped)
     if name == "uint16" and path.suffix.lower() == ".bin" and count >= 64:
         head = ids[: min(count, 1 << 16)]
+        # uint32 ids below 65 536 read as little-endian uint16: every other one is a zero high half
         if not head[1::2].any() and head[0::2].any():
             raise TokenFileError(f"--dataset {path}: every other uint16 id is 0, as uint32 ids read as uint16 "
                                  "are: --token-dtype uint32")
@@ -89,7 +94,7 @@ def _check_ids(path: Path, dtype: np.dtype, offset: int, count: int, vocab: int,
 def _cut_tail(train: list[dict[str, Any]], fraction: float, itemsize: int) -> dict[str, list[dict[str, Any]]]:
     """Hold out the last ``fraction`` of the tokens (cut from the last files)."""
     total = sum(e["tokens"] for e in train)
-    held = max(1, int(total * fraction))
+    held = max(1, int(total * fraction))  # never an empty held-out split, however small the fraction
     keep = total - held
     out: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
     seen = 0
@@ -100,6 +105,7 @@ def _cut_tail(train: list[dict[str, Any]], fraction: float, itemsize: int) -> di
         elif lo >= keep:
             out["eval"].append(e)
         else:
+            # the file across the cut serves both splits: its tail is an eval entry at a later offset
             cut = keep - lo
             out["train"].append({**e, "tokens": cut})
             out["eval"].append({**e, "offset": e["offset"] + cut * itemsize, "tokens": e["tokens"] - cut})
