@@ -26,5 +26,5 @@ def save_figure(fig: Any, out: str | os.PathLike, name: str) -> Path:
     """Write ``fig`` to ``out/name``, close it, return the path."""
     path = Path(out) / name
     fig.savefig(path, dpi=DPI)
-    pyplot().close(fig)
+    pyplot().close(fig)  # pyplot keeps every figure alive until it is closed
     return path

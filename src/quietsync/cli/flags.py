@@ -46,12 +46,12 @@ def flag_name(field_name: str) -> str:
 def field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings of ``cls`` and its bases: ``{field: first paragraph of the docstring}``."""
     docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
+    for klass in reversed(cls.__mro__):  # bases first: a subclass's docstring for a field wins
         if klass is object:
             continue
         try:
             source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
+        except (OSError, TypeError):  # no source (a built-in, made at runtime): no help text
             continue
         tree = ast.parse(source)
         node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
@@ -102,9 +102,10 @@ def _kwargs_for(f: dataclasses.Field, tp: Any, doc: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"default": None, "dest": f.name}
     help_text = doc.rstrip(".") if doc else f.name.replace("_", " ")
     default = _default_text(f)
+    # a help text that explains its own default needs no '(default: none)'
     if not (default == "none" and "default" in help_text.lower()):
         help_text = f"{help_text} (default: {default})"
-    kwargs["help"] = help_text.replace("%", "%%")
+    kwargs["help"] = help_text.replace("%", "%%")  # argparse %-formats help strings
     if tp is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif origin is Literal:

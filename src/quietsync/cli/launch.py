@@ -91,6 +91,7 @@ added at each launch): what every worker would otherwise import afresh."""
 def _parent_of(pid: int) -> int | None:
     """The parent of ``pid`` (Linux ``/proc``), None where it cannot be read."""
     try:
+        # after the last ')': the command name in parentheses may itself hold spaces or ')'
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
@@ -142,7 +143,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # it exists, owned by another user
         return True
     return True
 
@@ -156,6 +157,7 @@ def _worker(local_rank: int, fn: Callable[..., Any], args: tuple, nproc: int, po
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+        # line-buffered, as on a terminal: the log shows each line as it is written
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
     run_local_worker(local_rank, fn, args, nproc, port, errors)
@@ -347,7 +349,7 @@ def stop_workers(processes: list[Any], grace_s: float = GRACE_S) -> None:
             os.kill(p.pid, signal.SIGKILL if _stopped(p.pid) else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
+        p.join(max(0.0, deadline - time.monotonic()))  # one grace for all, not one each
     for p in processes:
         if p.is_alive():
             p.kill()

@@ -55,7 +55,7 @@ def _step_bytes_by_group(run: Path) -> dict[str, dict[str, int]]:
     totals: dict[str, dict[str, int]] = {}
     for path in run.glob("metrics-rank*.jsonl"):
         for r in read_jsonl(path):
-            if "event" in r:
+            if "event" in r:  # an evaluation record: bytes_by_group is in step records only
                 continue
             for group, v in r["bytes_by_group"].items():
                 t = totals.setdefault(group, {"sent": 0, "recv": 0})
@@ -76,6 +76,7 @@ def eval_curve(records_by_rank: list[list[dict[str, Any]]]) -> list[dict[str, fl
 
 
 def _eval_curve(run: Path) -> list[dict[str, float]]:
+    # by rank number (rank10 after rank9): eval_curve reads rank 0's records first
     paths = sorted(run.glob("metrics-rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("metrics-rank")))
     return eval_curve([read_jsonl(path) for path in paths])
 
@@ -143,6 +144,7 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
                      else " not reached | — |")
         lines.append(line)
     tokens = [r["tokens"] for r in rows]
+    # 1% slack: a token budget ends after the step that reaches it, so equal budgets differ a little
     if tokens and max(tokens) > 1.01 * min(tokens):
         lines += ["", f"Note: the runs used different token budgets ({', '.join(f'{t:,}' for t in tokens)}): compare "
                   "them at equal tokens (loss vs tokens in compare.png), not at equal steps."]
@@ -223,6 +225,7 @@ def compare_main(argv: list[str]) -> int:
                         help="with --target-loss: stop each run there (default); --no-stop-at-target only reports "
                              "the time and tokens to it, the runs go on to their other budgets")
     args, job = parser.parse_known_args(argv)
+    # written so that NaN fails too
     if args.target_loss is not None and not (args.target_loss > 0 and args.target_loss < float("inf")):
         parser.error(f"--target-loss must be a finite number > 0, got {args.target_loss}")
     if args.pilot_tokens is not None and (args.pilot_tokens < 1 or not args.predict or args.target_loss is None):
@@ -243,9 +246,9 @@ def compare_main(argv: list[str]) -> int:
     for name, label, flags in specs:  # check every run's flags before starting the first
         run_argv = [*job, "--strategy", name, *flags, "--out", str(out / label)]
         if args.target_loss is not None and args.stop_at_target:
-            run_argv += ["--target-loss", repr(args.target_loss)]
+            run_argv += ["--target-loss", repr(args.target_loss)]  # repr: the float reaches the run unchanged
         runs.append((label, parse_train_args(run_argv)))
-    problem = compare_out_problem(out, runs[0][1][0].overwrite)
+    problem = compare_out_problem(out, runs[0][1][0].overwrite)  # a job flag: the same in every run
     if problem is not None:
         parser.error(problem)
     plan_config = None
@@ -256,6 +259,7 @@ def compare_main(argv: list[str]) -> int:
             plan_config = make_plan_config(runs[0][1], args.strategies, args.target_loss, args.pilot_tokens, out)
         except ValueError as e:
             parser.error(f"--predict: {e}")
+    # under torchrun every worker runs compare: one per machine clears the old outputs
     if runs[0][1][0].overwrite and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         remove_outputs(out, COMPARE_OUTPUTS)
     predicted = None
@@ -269,6 +273,7 @@ def compare_main(argv: list[str]) -> int:
         if rc != 0:
             print(f"quietsync compare: error: run {label} failed (exit {rc})", file=sys.stderr)
             return rc
+    # under torchrun every worker ran the runs; rank 0 alone writes the report
     if "RANK" in os.environ and os.environ.get("RANK") != "0":
         return 0
     rows = _rows(out, labels, args.target_loss)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         print("\n".join(lines))
-        return 0 if argv else 2
+        return 0 if argv else 2  # help asked for: 0; no command at all: a usage error
     return COMMANDS[argv[0]][0](argv[1:])
 
 

@@ -39,6 +39,7 @@ def prepare_main(argv: list[str]) -> int:
     except FlagError as e:
         parser.error(str(e))
     if "progress" not in values:
+        # not given: a progress bar on a terminal only, none in a log file
         cfg.progress = sys.stderr.isatty()
     try:
         result = prepare(cfg)

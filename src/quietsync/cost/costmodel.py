@@ -77,7 +77,7 @@ class Comm:
         if self.kind == "broadcast":  # chain: every worker but the last forwards; all but the root receive
             pos = topo.ranks(self.group).index(topo.rank)
             return (self.nbytes if n > 1 and pos < n - 1 else 0, self.nbytes if n > 1 and pos > 0 else 0)
-        sent = traffic(self.kind, self.nbytes, n)[1]
+        sent = traffic(self.kind, self.nbytes, n)[1]  # ring algorithms receive what they send
         return sent, sent
 
     def link(self, topo: Topology) -> str:
@@ -113,6 +113,7 @@ class Links:
     def seconds(self, kind: str, comm: Comm, topo: Topology) -> float:
         """Seconds one run of ``comm`` occupies link ``kind`` (0 for a group of one)."""
         if comm.kind in P2P:
+            # a transfer between two; an exchange costs its send (full duplex: the receive runs alongside)
             n, tkind, coll = 2, ("send" if comm.kind in ("send", "exchange") else "recv"), "p2p"
         else:
             n, tkind, coll = len(topo.ranks(comm.group)), comm.kind, comm.kind
@@ -202,7 +203,7 @@ def steps_where(period: int, pred: Callable[[int], bool]) -> tuple[int, ...] | N
 
 def chunk_rows(rows: int, n: int, index: int) -> int:
     """Rows of chunk ``index`` of ``torch.chunk(rows, n)`` (the dim-0 shard FSDP2 holds; 0 past the end)."""
-    size = -(-rows // n)
+    size = -(-rows // n)  # torch.chunk's chunk size: ceil(rows / n)
     return max(0, min(size, rows - index * size))
 
 

@@ -84,7 +84,7 @@ class Wire(Term):
     comms: tuple[Comm, ...]
 
     def __init__(self, comms: Iterable[Comm]) -> None:
-        object.__setattr__(self, "comms", tuple(comms))
+        object.__setattr__(self, "comms", tuple(comms))  # frozen: its own __init__ must bypass the freeze
 
     def cost(self, ctx: Ctx) -> Cost:
         t = sum(ctx.wire(c) * c.count for c in self.comms)
@@ -209,6 +209,7 @@ class Adaptive(Term):
             if self.fixed is not None:
                 k = self.fixed
             else:
+                # 1e-9: a job of exactly k micro-batches must not round up to k + 1
                 k = max(self.low, math.ceil(job.time / t - 1e-9) if t > 0 else self.low)
                 if self.high is not None:
                     k = min(k, self.high)

@@ -179,6 +179,7 @@ class Workload:
                 units=units, tokens_per_micro_batch=seq_len * micro_batch_size, dtype_bytes=dtype_bytes,
                 flops_per_token=flops, layers=layer_list)
         if stages:
+            # in module order: CDP's stages are consecutive pieces of the forward
             w = w.with_stages({n: _balanced_stages([math.prod(shape_of[n]) for n, _ in module], n) for n in stages})
         return w
 
@@ -195,6 +196,7 @@ def _fsdp_units(model: torch.nn.Module, index: dict[int, int]) -> tuple[tuple[in
     units, seen = [], set()
     for unit in blocks(model):
         ids = tuple(index[id(p)] for p in unit.parameters() if id(p) in index and id(p) not in seen)
+        # a parameter shared by two units (tied) stays with the first
         seen.update(id(p) for p in unit.parameters())
         if ids:
             units.append(ids)
@@ -217,6 +219,7 @@ def _balanced_stages(sizes: Sequence[int], n: int) -> tuple[int, ...]:
     for i, s in enumerate(sizes):
         acc += s
         left = len(sizes) - i - 1
+        # or cut now: each stage still to come needs at least one parameter
         if k < n and (acc >= k * total / n or left == n - k):
             out.append(acc - sum(out))
             k += 1

@@ -47,7 +47,7 @@ def build_once(
             build(tmp)
             os.replace(tmp, path)
         finally:
-            tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)  # a failed build leaves no partial file (after the rename there is none)
 
     build_in_place(path, path.with_name(path.name + ".lock"), build_and_rename,
                    timeout_s=timeout_s, stale_s=stale_s, poll_s=poll_s)
@@ -84,6 +84,7 @@ def build_in_place(
             if _is_stale(lock, holder, stale_s):
                 lock.unlink(missing_ok=True)  # its builder died: take over
                 continue
+            # a new holder or a refreshed mtime is a sign of life: it restarts the timeout clock
             beat = (holder, _mtime(lock))
             if beat != seen:
                 seen, alive_at = beat, time.monotonic()
@@ -105,7 +106,7 @@ def build_in_place(
             with _heartbeat(lock):
                 build()
         finally:
-            lock.unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)  # also when build() raises: a waiter takes over without waiting out stale_s
 
 
 HEARTBEAT_S = 5.0
@@ -119,11 +120,12 @@ def _heartbeat(lock: Path) -> Iterator[None]:
     stop = threading.Event()
 
     def beat() -> None:
+        # Event.wait rather than sleep: the join below never waits out a whole beat
         while not stop.wait(HEARTBEAT_S):
             try:
                 os.utime(lock)
             except OSError:
-                return
+                return  # the lock is gone (released or taken over): nothing left to refresh
 
     thread = threading.Thread(target=beat, name="quietsync-lock-heartbeat", daemon=True)
     thread.start()
@@ -161,6 +163,7 @@ def _is_stale(lock: Path, holder: str, stale_s: float) -> bool:
             return False  # alive, owned by someone else
         return False
     try:
+        # another host's PID (or a holder not yet written) cannot be probed: judge by age (the heartbeat keeps it young)
         return time.time() - lock.stat().st_mtime > stale_s
     except FileNotFoundError:
-        return False
+        return False  # released meanwhile: the next O_EXCL try decides

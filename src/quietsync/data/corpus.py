@@ -53,6 +53,7 @@ class Corpus:
         h = hashlib.sha256()
         for doc in self.documents:
             data = doc.encode("utf-8")
+            # length-prefixed: the same text cut into other documents gives another digest
             h.update(len(data).to_bytes(8, "little"))
             h.update(data)
         return h.hexdigest()
@@ -71,7 +72,7 @@ def split_documents(
     Raises ``ValueError`` when there are too few documents to hold one out.
     """
     check_float("eval_fraction", eval_fraction, 0, 0.5, low_open=True, high_open=True)
-    k = max(2, round(1.0 / eval_fraction))
+    k = max(2, round(1.0 / eval_fraction))  # k = 1 would hold out every document
     if len(documents) < 2:
         raise ValueError(
             f"dataset must hold at least 2 documents/chunks to split off an eval part, got {len(documents)}"
@@ -96,7 +97,7 @@ def chunk_text(text: str, chunk_chars: int) -> list[str]:
             current, size = [], 0
     if current and "".join(current).strip():
         chunks.append("".join(current))
-    return [c for c in chunks if c.strip()]
+    return [c for c in chunks if c.strip()]  # a chunk of blank lines is no document
 
 
 def kjv_path() -> Path:
@@ -126,6 +127,7 @@ def kjv_chapters(path: Path | None = None) -> list[str]:
                 continue
             row = json.loads(raw)
             row_key = (row["book"], int(row["chapter"]))
+            # verses come in book and chapter order: a new (book, chapter) closes the previous chapter
             if row_key != key:
                 if lines:
                     chapters.append("\n".join(lines) + "\n")
@@ -140,6 +142,7 @@ def kjv_chapters(path: Path | None = None) -> list[str]:
 def _text_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
+    # sorted: rglob's order depends on the file system, and the split and the fingerprint must not
     files = sorted(p for p in path.rglob("*.txt") if p.is_file())
     if not files:
         raise ValueError(f"dataset folder {path} holds no .txt files")
@@ -223,6 +226,7 @@ def load_corpus(
         return Corpus(DEFAULT_DATASET, train, held)
     if os.path.exists(dataset):
         return load_local(dataset, eval_fraction, chunk_chars)
+    # spelled like a path but missing: refuse it here rather than try it as a hub name over the network
     if looks_like_path(dataset):
         raise ValueError(f"no such file or folder: {dataset}")
     return load_hub(dataset, eval_fraction, max_chars)
@@ -234,5 +238,5 @@ def looks_like_path(name: str) -> bool:
         name.startswith((".", "/", "~"))
         or name.endswith(".txt")
         or os.sep + os.sep in name
-        or name.count("/") > 1
+        or name.count("/") > 1  # a hub name has at most one '/' (owner/name)
     )

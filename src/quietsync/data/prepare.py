@@ -119,9 +119,10 @@ class Refused(ValueError):
 def _request(cfg: PrepareConfig, source: Source, tokenizer_about: dict[str, Any]) -> dict[str, Any]:
     """What decides the folder's contents (an unfinished prepare resumes only for the same request)."""
     by_file = _held_out_by_file(source)
+    # no eval_fraction when files name the held-out split: it cannot change the contents then
     request = {"format": FORMAT, "version": VERSION, "source": source.identity(), "tokenizer": tokenizer_about,
                "eval_fraction": None if by_file else cfg.eval_fraction}
-    if source.kind != "tokens":
+    if source.kind != "tokens":  # token files are indexed in place, never cut into shards
         request["shard_tokens"] = cfg.shard_tokens
     return request
 
@@ -144,7 +145,7 @@ def request_key(request: dict[str, Any]) -> str:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` atomically (a temporary sibling renamed into place)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # named in OURS: a leftover from a kill is cleaned up too
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, path)
 
@@ -199,6 +200,7 @@ def labelled_documents(source: Source, k: int, by_file: bool) -> Iterator[tuple[
 def _bpe_sample(source: Source, k: int, by_file: bool, sample_chars: int, total: int | None
                 ) -> tuple[Iterator[str], int]:
     """(the training documents the default tokenizer learns from, the stride m: every m-th document)."""
+    # m rounded up, so 1 in m documents comes to at most about sample_chars characters
     stride = 1 if total is None or total <= sample_chars else -(-total // sample_chars)
 
     def docs() -> Iterator[str]:
@@ -230,7 +232,7 @@ def _default_tokenizer(cfg: PrepareConfig, source: Source, k: int, by_file: bool
     t0 = time.perf_counter()
     counted = _Counted(docs)
     tok = train_bpe(counted, cfg.vocab_size)
-    if counted.documents == 0:
+    if counted.documents == 0:  # known only once the trainer has read the stream
         raise Refused(_no_text(cfg.dataset, by_file, 0))
     about = f"byte-level BPE, {cfg.vocab_size} entries, trained on {what} ({counted.chars:,} characters)"
     return tok, about, time.perf_counter() - t0
@@ -320,7 +322,7 @@ def _batches(labelled: Iterator[tuple[str, bool, int]], skip: int) -> Iterator[_
     chars = 0
     read = 0
     for i, (doc, h, read) in enumerate(labelled):
-        if i < skip:
+        if i < skip:  # skipped after labelling: every k-th counts from the first document
             continue
         docs.append(doc)
         held.append(h)
@@ -399,7 +401,7 @@ def _folder_state(folder: Path, request: dict[str, Any], overwrite: bool) -> dic
         try:
             state = json.loads(state_path.read_text())
         except ValueError:
-            state = None
+            state = None  # unreadable: refused below like another prepare's journal
         if state is not None and state.get("request") == request:
             return state
         raise Refused(f"--out {folder} holds an unfinished prepare of other input or settings: --overwrite "
@@ -427,7 +429,7 @@ def _remove_ours(folder: Path) -> None:
     try:
         folder.rmdir()
     except OSError:
-        pass
+        pass  # it holds other files: the folder stays
 
 
 def prepare(cfg: PrepareConfig, folder: str | os.PathLike | None = None, *,
@@ -475,7 +477,7 @@ def _encode_corpus(cfg: PrepareConfig, source: Source, folder: Path, tokenizer, 
 
     from .tokenizer import eos_id
 
-    k = max(2, round(1.0 / cfg.eval_fraction))
+    k = max(2, round(1.0 / cfg.eval_fraction))  # as corpus.split_documents: k = 1 would hold out everything
     by_file = _held_out_by_file(source)
     if source.kind in ("json", "parquet", "arrow", "saved", "hub"):
         _check_column_first(source)
@@ -483,7 +485,7 @@ def _encode_corpus(cfg: PrepareConfig, source: Source, folder: Path, tokenizer, 
     t0 = time.perf_counter()
     tokenizer_s = 0.0
     if state is not None and state.get("tokenizer_done"):
-        tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))
+        tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))  # the shards kept hold its ids
         about = state["tokenizer_about"]
     else:
         if tokenizer is None:
@@ -518,6 +520,7 @@ def _encode_corpus(cfg: PrepareConfig, source: Source, folder: Path, tokenizer, 
         _write_json(folder / STATE, {**journal, "documents": documents, "seconds": seconds,
                                      "shards": {s: w.state() for s, w in writers.items()}})
 
+    # journal at once: a kill before the first checkpoint still keeps the trained tokenizer
     write_journal(skip, elapsed_before)
     workers = cfg.workers or cpu_count()
     np_dtype = DTYPES[dtype]
@@ -556,6 +559,7 @@ def _encode_corpus(cfg: PrepareConfig, source: Source, folder: Path, tokenizer, 
     if writers["train"].documents == 0 or writers["eval"].documents == 0:
         raise Refused(_no_text(cfg.dataset, by_file, documents, held_out=writers["train"].documents > 0))
     tokens = sum(w.tokens for w in writers.values())
+    # the rate counts only this run's tokens, not those kept from before a resume
     new_tokens = tokens - progress.start_tokens
     seconds = elapsed_before + time.perf_counter() - t0
     split = ("the input's held-out files / split" if by_file
@@ -565,7 +569,7 @@ def _encode_corpus(cfg: PrepareConfig, source: Source, folder: Path, tokenizer, 
                     "encode_seconds": round(encode_s, 3),
                     "tokens_per_s_encoding": round(new_tokens / max(encode_s, 1e-9)), "workers": workers})
     _write_json(folder / INDEX, index)
-    (folder / STATE).unlink(missing_ok=True)
+    (folder / STATE).unlink(missing_ok=True)  # after the index: a kill in between leaves a finished folder
     rate = new_tokens / max(encode_s, 1e-9) / 1e6
     say(f"{tokens:,} tokens ({index['splits']['train']['tokens']:,} train, {index['splits']['eval']['tokens']:,} "
         f"held out) from {documents:,} documents in {seconds:.1f} s; encoding {rate:.2f}M tokens/s on {workers} "

@@ -49,6 +49,7 @@ def _documents_digest(documents: tuple[str, ...] | list[str]) -> str:
     h = hashlib.sha256()
     for doc in documents:
         data = doc.encode("utf-8")
+        # length-prefixed: the same text cut into other documents gives another key
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
@@ -60,6 +61,7 @@ def encode_documents(tokenizer, documents, eos: int) -> np.ndarray:
     for enc in tokenizer.encode_batch(list(documents)):
         out.extend(enc.ids)
         out.append(eos)
+    # uint16 when every id fits: half the cached file of int32
     dtype = np.uint16 if tokenizer.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.int32
     return np.asarray(out, dtype=dtype)
 
@@ -131,6 +133,7 @@ class ShardedSequences:
     def _order(self) -> None:
         if self._order_epoch == self.epoch:
             return
+        # distinct (seed, epoch) pairs seed distinct streams (for epochs below 1_000_003)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         self._offset = int(torch.randint(0, self.seq_len, (1,), generator=g))
         # int32 when it fits: the same permutation as int64 (torch draws it the same way), half the memory
@@ -153,6 +156,7 @@ class ShardedSequences:
         return self
 
     def __next__(self) -> torch.Tensor:
+        # a tail too short for a full micro-batch is dropped; base only shifts the epoch a job resumed in
         if self.index + self.micro_batch_size > self._limit():
             self.epoch += 1
             self.index = 0
@@ -170,6 +174,7 @@ class ShardedSequences:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a position saved by :meth:`state_dict` (same seed and world size)."""
+        # another world size resumes through logical_position / continue_from, not here
         if state["seed"] != self.seed or state["world_size"] != self.world_size:
             raise ValueError(
                 f"data state was saved with seed {state['seed']} and world size {state['world_size']}, "
@@ -177,7 +182,7 @@ class ShardedSequences:
             )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self.base = int(state.get("base", 0))
-        self._order_epoch = -1
+        self._order_epoch = -1  # _order redraws for the loaded epoch and base
 
     def logical_position(self) -> tuple[int, int]:
         """``(epoch, consumed)``: windows of the epoch's permutation read by all workers together — the same
@@ -207,7 +212,7 @@ def eval_batches(
 
     Windows are non-overlapping from offset 0; worker ``r`` takes windows ``r::world_size``.
     """
-    n = min((tokens.numel()) // seq_len, max_windows)
+    n = min((tokens.numel()) // seq_len, max_windows)  # no slack: eval windows start at 0
     if n < 1:
         raise ValueError(f"the held-out text ({tokens.numel()} tokens) is shorter than seq_len {seq_len}")
     mine = torch.arange(n)[rank::world_size]

@@ -52,6 +52,7 @@ class SplitWriter:
         ids = ids.astype(self.dtype, copy=False)
         done = 0
         while done < ids.size:
+            # a shard is opened only when ids come for it: a split never ends with an empty shard
             if self.file is None or self.shards[-1]["tokens"] >= self.shard_tokens:
                 self._open_next()
             room = self.shard_tokens - self.shards[-1]["tokens"]
@@ -85,7 +86,7 @@ class SplitWriter:
                 raise ShardStateError(f"shard {path} is shorter than the journal records: run with --overwrite")
             os.truncate(path, s["tokens"] * self.dtype.itemsize)
         if self.shards:
-            self.file = open(self.folder / self.shards[-1]["path"], "ab")
+            self.file = open(self.folder / self.shards[-1]["path"], "ab")  # writing goes on after the ids kept
 
     def close(self) -> list[dict[str, Any]]:
         """Close the open shard; return the index entries."""

@@ -58,7 +58,7 @@ DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 def token_dtype(vocab_size: int) -> str:
     """The smallest shard dtype that holds every id of a ``vocab_size`` vocabulary."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"  # ids run to vocab_size - 1: 65 536 entries fit uint16
 
 
 def dtype_problem(dtype: str, vocab_size: int) -> str | None:
@@ -74,6 +74,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     pre-tokenizer, post-processor and added tokens (not its decoder, padding or truncation)."""
     spec = json.loads(tokenizer.to_str())
     kept = {k: spec.get(k) for k in ("model", "normalizer", "pre_tokenizer", "post_processor")}
+    # sorted: the same tokens listed in another order give the same ids
     kept["added_tokens"] = sorted((t["id"], t["content"], bool(t.get("special"))) for t in spec.get("added_tokens", []))
     text = json.dumps(kept, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
@@ -135,6 +136,7 @@ class TokenShards:
         """Tokens ``[start, stop)`` of the sequence (a copy, in the shards' dtype)."""
         if not 0 <= start <= stop <= self.numel():
             raise IndexError(f"tokens [{start}, {stop}) are outside the split's {self.numel()}")
+        # side="right": a start on a boundary belongs to the shard that begins there
         first = int(np.searchsorted(self.bounds, start, side="right")) - 1
         parts = []
         while start < stop:
@@ -160,6 +162,7 @@ class TokenShards:
             else:
                 out[i] = self.read(s, s + length)
                 spans = True
+        # read() lets go of nothing it touched: release every mapping's pages
         if spans:
             self.release()
         return torch.from_numpy(out)
@@ -167,7 +170,7 @@ class TokenShards:
     def to_tensor(self) -> torch.Tensor:
         """The whole split in memory as int64 (what every worker held before the shards were mapped)."""
         tokens = torch.from_numpy(self.read(0, self.numel()).astype(np.int64))
-        self.release()
+        self.release()  # every page was touched; the tensor is a copy
         return tokens
 
 
@@ -213,7 +216,7 @@ def is_prepared(folder: str | os.PathLike) -> bool:
         return False
     try:
         return json.loads(path.read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
         return False
 
 
@@ -249,7 +252,7 @@ def shard_path(folder: Path, entry: dict[str, Any]) -> Path:
 def map_file(path: Path) -> mmap.mmap:
     """``path`` mapped read-only, random access advised (windows are read at random: no read-ahead)."""
     with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # outlives the file: mmap keeps its own descriptor
     if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
         mapped.madvise(mmap.MADV_RANDOM)
     return mapped
@@ -257,7 +260,7 @@ def map_file(path: Path) -> mmap.mmap:
 
 def map_shard(path: Path, dtype: np.dtype, offset: int, tokens: int, mapped: mmap.mmap | None = None) -> np.ndarray:
     """``tokens`` ids of ``dtype`` from byte ``offset`` of ``path`` (or of its mapping ``mapped``), read-only."""
-    if tokens == 0:
+    if tokens == 0:  # nothing to map (and mmap refuses an empty file)
         return np.empty(0, dtype=dtype)
     return np.frombuffer(mapped if mapped is not None else map_file(path), dtype=dtype, count=tokens, offset=offset)
 

@@ -51,7 +51,7 @@ def train_bpe(documents: Iterable[str], vocab_size: int, length: int | None = No
         vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not: any text encodes
         show_progress=False,
     )
     tok.train_from_iterator(documents, trainer=trainer, length=length)
@@ -75,11 +75,11 @@ def load_pretrained_tokenizer(name: str) -> tuple[Any, int]:
     try:
         fast = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__  # refusals are one line
         raise ValueError(f"--tokenizer: cannot load {name!r} ({first})") from None
-    if not getattr(fast, "is_fast", False):
+    if not getattr(fast, "is_fast", False):  # the ids come from its Rust backend_tokenizer, which only a fast one has
         raise ValueError(f"--tokenizer: {name!r} has no fast (tokenizers) version")
-    eos = fast.eos_token if fast.eos_token is not None else EOS_TOKEN
+    eos = fast.eos_token if fast.eos_token is not None else EOS_TOKEN  # one naming no eos_token may still hold ours
     tok = fast.backend_tokenizer
     idx = tok.token_to_id(eos)
     if idx is None:

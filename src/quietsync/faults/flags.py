@@ -55,6 +55,7 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
         return why
     for name, text in UNSUPPORTED.items():
         value = getattr(cfg, name)
+        # None, False and 0 are these fields' defaults: only a flag that was set is refused
         if value not in (None, False, 0):
             return text
     if cfg.on_nonfinite == "skip" and skip_problem(cfg.strategy, facts):
@@ -62,6 +63,7 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
     if cfg.precision == "fp16":
         return ("--precision fp16 is not supported with --fault-tolerance torchft (the loss scale's skip decision "
                 "needs every replica's verdict outside the quorum's commits); use bf16 or fp32")
+    # global is the default: refused only when asked for (command line or config file)
     if "batch_policy" in given and cfg.batch_policy == "global":
         return ("--batch-policy global is not supported with --fault-tolerance torchft: each replica's step keeps "
                 "its micro-batches (the global batch shrinks while a replica is missing) and the learning-rate "

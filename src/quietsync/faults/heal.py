@@ -31,6 +31,7 @@ def load_heal_state(strategy: Strategy, state: dict[str, Any]) -> None:
     strategy.micro_batches = own
     with torch.no_grad():
         for p in strategy.module.parameters():
+            # zeroed in place, not dropped: an asynchronous joiner enters its first average with these zeros
             p.grad = None if p.grad is None else p.grad.zero_()
     strategy.rejoin()
 

@@ -79,6 +79,7 @@ def reached(point: str) -> None:
 
 def reached_heal_send() -> None:
     """A heal source is about to send its state: count it, hold there if configured, die there if configured."""
+    # a count of its own: reached() counts a point only when a kill targets it
     _counts["hold:heal_send"] = _counts.get("hold:heal_send", 0) + 1
     if os.environ.get(HOLD_ENV):
         hold(_counts["hold:heal_send"], "heal_send")
@@ -100,7 +101,7 @@ def hold(step: int, point: str = "step") -> None:
             continue
         with open(path + ".waiting", "a"):
             pass
-        deadline = time.monotonic() + HOLD_LIMIT_S
+        deadline = time.monotonic() + HOLD_LIMIT_S  # bounded: a test that never releases it cannot hang the replica
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
 
@@ -161,6 +162,7 @@ def poison(step: int, loss: Any, module: Any) -> Any:
     what, _, count = spec.partition(":")
     if what not in ("loss", "gradient") or not count.isdigit() or int(count) < 1:
         raise ValueError(f"{NONFINITE_ENV} must be loss:N or gradient:N with N >= 1, got {spec!r}")
+    # once per process: a dropped round (--on-nonfinite skip) is computed again under the same step number
     if step != int(count) or _counts.get(NONFINITE_ENV):
         return loss
     _counts[NONFINITE_ENV] = 1

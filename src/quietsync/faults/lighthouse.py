@@ -102,6 +102,7 @@ def lighthouse_main(argv: list[str]) -> int:
     print(f"quietsync lighthouse: listening on {server.address()} (heartbeat timeout {args.heartbeat_timeout_ms} ms); "
           "stop with Ctrl-C", flush=True)
     done = threading.Event()
+    # both only end the wait, so the server is shut down below (SIGTERM would otherwise kill it outright)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()

@@ -51,9 +51,9 @@ class _Packer(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:  # noqa: D102 - pickle's hook
         if not _raw(obj):
             return None
-        t = obj.detach().resolve_conj().resolve_neg()
+        t = obj.detach().resolve_conj().resolve_neg()  # lazy conj/neg resolved: the bytes copied must be the values
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride(), str(t.device))
-        place = self.places.get(key) if t.numel() else None
+        place = self.places.get(key) if t.numel() else None  # empty tensors may share a data pointer: never merged
         if place is None:  # the same tensor (tied weights) twice is one tensor on the other side, as with torch.save
             place = (len(self.tensors), self.size, t.numel() * t.element_size(), t.dtype, tuple(t.shape),
                      str(t.device))
@@ -73,6 +73,7 @@ class _Unpacker(pickle.Unpickler):
         index, offset, nbytes, dtype, shape, device = pid
         if index not in self.seen:
             view = self.buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+            # a storage of its own (a view would keep the whole buffer alive); .to() copies already
             self.seen[index] = view.clone() if device == "cpu" else view.to(device)
         return self.seen[index]
 
@@ -87,7 +88,9 @@ def pack_state(state: Any) -> tuple[torch.Tensor, torch.Tensor]:
     buffer = torch.empty(packer.size, dtype=torch.uint8)
     for t, offset, nbytes in packer.tensors:
         if nbytes:
+            # contiguous first: view(uint8) needs the elements in memory order
             buffer[offset:offset + nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    # bytearray: torch.frombuffer warns on read-only bytes
     return torch.frombuffer(bytearray(file.getvalue()), dtype=torch.uint8), buffer
 
 
@@ -127,6 +130,7 @@ class PeerCheckpoint(CheckpointTransport[Any]):
         self.marks["serialized"] = time.time()
         lengths = torch.tensor([skeleton.numel(), buffer.numel()], dtype=torch.int64)
         for dst in dst_ranks:
+            # the lengths first: the receiver sizes its two buffers from them
             self.transport.heal_transfer(lengths, int(dst), sending=True)
             reached_heal_send()
             self.transport.heal_transfer(skeleton, int(dst), sending=True)

@@ -99,6 +99,7 @@ def quorum_number(lighthouse_number: int, replica_ids: Sequence[str]) -> int:
     """A quorum's number as this replica's torchft Manager sees it: the Lighthouse's number and the members'
     incarnations (module docstring), hashed to 48 bits. The same on every member of the quorum; it changes whenever
     the Lighthouse's does (one Lighthouse gives a number to one set of members)."""
+    # sorted: every member must hash the same text, whatever order the answer lists the ids in
     key = f"{lighthouse_number}|{','.join(sorted(replica_ids))}".encode()
     return int.from_bytes(hashlib.sha1(key).digest()[:6], "big")
 
@@ -147,11 +148,12 @@ class ReplicaQuorum:
                  attempt_s: float = LIGHTHOUSE_ATTEMPT_S) -> None:
         from torchft.manager import Manager
 
+        # only errors: torchft logs every quorum and commit, and a replica's loop stays quiet (docs/faults.md)
         for name in ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits", "torchft_errors"):
             logging.getLogger(name).setLevel(logging.ERROR)
         self.transport = transport
         self.timeout_s, self.quorum_timeout_s = float(timeout_s), float(quorum_timeout_s)
-        self.attempt_s = min(float(attempt_s), self.quorum_timeout_s)
+        self.attempt_s = min(float(attempt_s), self.quorum_timeout_s)  # one attempt never outlasts the whole wait
         self.lighthouse = lighthouse
         self.lighthouse_lost = 0
         """How many times this replica found the Lighthouse not answering a quorum request."""
@@ -189,6 +191,7 @@ class ReplicaQuorum:
         self.checkpoint = PeerCheckpoint(transport, timeout_s)
         """How this replica sends its state to a healing peer, and receives one's."""
         self.manager = Manager(
+            # min 1: a lone survivor commits on its own; the heal state is registered below, by key
             pg=transport.replica_group, load_state_dict=None, state_dict=None, min_replica_size=1,
             use_async_quorum=False, init_sync=False,
             timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=quorum_timeout_s),
@@ -281,6 +284,7 @@ class ReplicaQuorum:
         deadline = time.monotonic() + self.quorum_timeout_s
         lost = False
         while True:
+            # floored: near the deadline the time left may be zero or negative
             attempt = max(0.5, min(self.attempt_s, deadline - time.monotonic()))
             try:
                 self.manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only,
@@ -293,7 +297,7 @@ class ReplicaQuorum:
                     raise NoQuorum(f"quietsync: replica group {self.transport.replica}: the Lighthouse at "
                                    f"{self.lighthouse} answered no quorum request for {self.quorum_timeout_s:g}s ("
                                    f"{why or 'it is up, but formed no quorum'}); the replica stops") from None
-                if not lost:
+                if not lost:  # said once per outage, not at every attempt
                     lost = True
                     self.lighthouse_lost += 1
                     print(f"quietsync: replica group {self.transport.replica}: the Lighthouse at {self.lighthouse} did "
@@ -315,7 +319,7 @@ class ReplicaQuorum:
         asked = self._marks["asked"]
         marks = dict(self._marks)
         start, end = self.transport.replica_group.connecting
-        if start >= asked:
+        if start >= asked:  # a connection made before this request belongs to an earlier round
             marks["quorum"], marks["connected"] = start, end
         marks.update((k, v) for k, v in self.checkpoint.marks.items() if v >= asked)
         phases = {k: round(v - asked, 4) for k, v in sorted(marks.items(), key=lambda kv: kv[1]) if k != "asked"}
@@ -341,8 +345,9 @@ class ReplicaQuorum:
         quorum commits it, or ``quorum_timeout_s`` has passed (:class:`NoQuorum`)."""
         if self._running:  # inside a unit already run here (Transport.across_replicas): its failure is the unit's
             return op()
-        if self.round_due:
+        if self.round_due:  # a commit since the last quorum: this unit asks for its own (mid-round: no joins)
             self._regroup()
+        # cloned before the first attempt: a failed collective may leave them half-reduced
         saved = [t.detach().clone() for t in restore]
         deadline = time.monotonic() + self.quorum_timeout_s
         while True:
@@ -386,6 +391,7 @@ class ReplicaQuorum:
             self._contributors = [] if self.abstains else [me]
             return None  # alone and finite: nothing to agree on
         n = self.transport.replicas
+        # rows of n slots (codes, steps, contributes), each replica setting only its own: the vote's sum gathers them
         flags = torch.zeros(3 * n, dtype=torch.int64, device=self.transport.device)
         flags[me], flags[n + me] = self.verdict
         flags[2 * n + me] = 0 if self.abstains else 1
@@ -422,7 +428,7 @@ class ReplicaQuorum:
 def _clear_frames(error: BaseException) -> None:
     """Clear the local variables of the finished frames in ``error``'s traceback and in those of its causes."""
     seen = set()
-    while error is not None and id(error) not in seen:
+    while error is not None and id(error) not in seen:  # a cause chain may loop back on itself
         seen.add(id(error))
         if error.__traceback__ is not None:
             traceback.clear_frames(error.__traceback__)

@@ -59,6 +59,7 @@ def connect_gloo(store: Any, rank: int, size: int, timeout: timedelta, connect_t
     group = dist.ProcessGroup(store, rank, size)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     backend = dist.ProcessGroupGloo(store, rank, size, connect_timeout or timeout)  # gloo connects here
+    # connected under the short timeout; its collectives keep the long one
     if connect_timeout is not None:
         backend._set_default_timeout(timeout)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
@@ -77,7 +78,7 @@ class ReplicaProcessGroup(TorchftProcessGroup):
     """
 
     def __init__(self, timeout_s: float, connect_timeout_s: float | None = None) -> None:
-        super().__init__(0, 1)
+        super().__init__(0, 1)  # rank 0 of 1 until the first quorum configures it
         self.timeout = timedelta(seconds=float(timeout_s))
         self.connect_timeout = timedelta(seconds=min(float(timeout_s), float(
             CONNECT_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s)))

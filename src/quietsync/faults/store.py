@@ -34,7 +34,7 @@ def replica_store(transport: FaultTolerantTransport, host: str, timeout_s: float
         where, _, port = given.rpartition(":")
         server = dist.TCPStore(where, int(port), is_master=rank0, wait_for_workers=False, timeout=timeout)
         return (where, int(port)), server if rank0 else None
-    if transport.workers == 1:
+    if transport.workers == 1:  # a lone worker serves its own store: nobody to tell its port
         port = _free_port()
         return (host, port), dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
     # under torchrun: rank 0 serves a store of its own and tells the others through torchrun's

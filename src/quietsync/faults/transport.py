@@ -111,7 +111,7 @@ class FaultTolerantTransport(Transport):
 
     def _managed(self, group: str) -> bool:
         """Whether ``group`` is (or, with one worker per replica group, is the same as) the replicate dimension."""
-        self._ranks(group)
+        self._ranks(group)  # validates the name: raises on an unknown group
         return group == "replicate" or (group == "world" and self.workers == 1)
 
     def _refuse_world(self, kind: str, group: str) -> None:
@@ -153,7 +153,7 @@ class FaultTolerantTransport(Transport):
             reached("exchange")
             try:
                 return op()
-            except ReplicaLost:
+            except ReplicaLost:  # ours already (a RuntimeError too): passed on unwrapped
                 raise
             except RuntimeError as e:  # gloo: a closed connection, a timeout; torch: a broken group
                 raise ReplicaLost(str(e)) from e
@@ -165,6 +165,7 @@ class FaultTolerantTransport(Transport):
         kill point of its own (``QUIETSYNC_FT_KILL=exchange`` counts the units' collectives)."""
         self._sync_groups()
         try:
+            # the base class's: this class's own would count it as an 'exchange' kill point
             Transport.all_reduce(self, flags, "replicate", "sum", False, "nonfinite_vote")
         except ReplicaLost:
             raise
@@ -206,7 +207,7 @@ class FaultTolerantTransport(Transport):
                 # replica contributing it is the base class's average exactly (its sum, then the same division).
                 work = base(tensor, group, "sum", False, name)
                 n = self._contributing(group)
-                if n > 1:
+                if n > 1:  # 0 contributors (a lone joiner) keeps the zero sum
                     tensor.div_(n)
                 return work
             return self._replicated(averaged, [tensor])
@@ -224,6 +225,7 @@ class FaultTolerantTransport(Transport):
         if not self._managed(group):
             return super().reduce_scatter(output, input, group, op, async_op, name)
         base = super().reduce_scatter
+        # nothing to restore: the input is only read, and a retry rewrites the output
         return self._replicated(lambda: base(output, input, group, op, False, name), [])
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: str = "world", async_op: bool = False,
@@ -266,6 +268,7 @@ class FaultTolerantTransport(Transport):
         as ``send``/``recv`` on ``replicate``, link-emulated)."""
         self._sync_groups()
         kind = "send" if sending else "recv"
+        # the base class's: this class refuses point-to-point between replicas, but for this one transfer
         base = super().send if sending else super().recv
         base(tensor, peer, "replicate", False, f"heal/{kind}")
 

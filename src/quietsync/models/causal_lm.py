@@ -76,6 +76,7 @@ def max_positions(name: str) -> int | None:
         return None
     for key in POSITION_KEYS:
         value = values.get(key) if isinstance(values, dict) else None
+        # bool is an int subclass: a true in config.json must not read as 1 position
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
@@ -110,9 +111,9 @@ def load_pretrained(name: str, vocab_size: int | None = None):
         raise ValueError(f"--model: cannot load {name!r} as a causal LM ({first}); presets: "
                          f"{', '.join(PRESETS)}") from None
     embed = model.get_input_embeddings().num_embeddings
-    if vocab_size is not None and vocab_size > embed:
+    if vocab_size is not None and vocab_size > embed:  # a larger embedding is fine (padded vocabularies)
         raise ValueError(f"--model: the tokenizer has {vocab_size} tokens but {name} embeds only {embed}")
-    model.train()
+    model.train()  # from_pretrained returns it in eval mode
     return model
 
 
@@ -126,6 +127,7 @@ def build_model(preset: str | ModelPreset, vocab_size: int, eos_id: int = 0, see
                           num_heads=preset.num_heads, max_position_embeddings=preset.max_positions,
                           intermediate_size=4 * preset.hidden_size, eos_token_id=eos_id)
     if seed is not None:
+        # the initial weights are drawn from torch's global generator
         torch.manual_seed(seed)
     return GPTNeo(config)
 
@@ -159,13 +161,14 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     per block).
 
     Raises ``ValueError`` (naming ``--activation-checkpointing``) for a model that does not support it."""
+    # the presets' GPT-Neo names it activation_checkpointing_enable; transformers models, gradient_checkpointing_enable
     enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
         model, "gradient_checkpointing_enable", None)
     if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"--activation-checkpointing: {type(model).__name__} does not support activation "
                          "checkpointing (a Hugging Face model with supports_gradient_checkpointing is needed)")
     try:
-        enable({"use_reentrant": False})
+        enable({"use_reentrant": False})  # positional: the two methods name this argument differently
     except ValueError as e:
         raise ValueError(f"--activation-checkpointing: {e}") from None
 

@@ -113,6 +113,7 @@ class SelfAttention(nn.Module):
     def __init__(self, config: GPTNeoConfig) -> None:
         super().__init__()
         n = config.max_position_embeddings
+        # not persistent: state_dict() and the checkpoints stay those of the transformers class
         self.register_buffer("bias", torch.tril(torch.ones((n, n), dtype=torch.bool)).view(1, 1, n, n),
                              persistent=False)
         self.num_heads = config.num_heads
@@ -184,9 +185,10 @@ class Block(nn.Module):
         return hidden + self.mlp(self.ln_2(hidden))
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        # only when a backward follows: eval and no_grad calls have nothing to recompute
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             return (checkpoint(self._forward, hidden, **self._checkpoint_kwargs),)
-        return (self._forward(hidden),)
+        return (self._forward(hidden),)  # a 1-tuple, as transformers' block returns
 
 
 class Body(nn.Module):
@@ -244,6 +246,7 @@ class GPTNeo(nn.Module):
             _init(module, config.initializer_range)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         _init(self.lm_head, config.initializer_range)
+        # tied: the head's own draw above is discarded; it keeps the random stream in step with transformers
         self.lm_head.weight = self.transformer.wte.weight
 
     def get_input_embeddings(self) -> nn.Embedding:

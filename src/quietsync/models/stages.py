@@ -117,7 +117,7 @@ def _causal_lm_enter(args: tuple, kwargs: dict) -> tuple[Any, dict]:
             raise TypeError("a staged causal LM takes input_ids once (positional or keyword)")
         ids = args[0]
     labels = kwargs.pop("labels", None)
-    extra = {k: v for k, v in kwargs.items() if v is not None}
+    extra = {k: v for k, v in kwargs.items() if v is not None}  # a keyword passed as None changes nothing
     if ids is None or extra:
         raise TypeError(f"a staged causal LM takes input_ids and labels only, got also {sorted(extra)}")
     return ids, {"labels": labels}
@@ -161,6 +161,7 @@ def _checked(model: nn.Module, view: SequentialView) -> SequentialView:
         return view
     if device.type == "meta":  # a structure check (the launcher's, the planner's): the probe runs on the real model
         return view
+    # varied ids within any vocabulary and position limit
     ids = (torch.arange(min(8, limit), device=device) * 7 % vocab).unsqueeze(0)
     was_training = model.training
     model.eval()
@@ -267,7 +268,7 @@ def _causal_lm_view(model: nn.Module) -> SequentialView:
         return out[0] if isinstance(out, tuple) else out
 
     parts = {"wte": t.wte, "wpe": t.wpe}
-    if isinstance(getattr(t, "drop", None), nn.Module):
+    if isinstance(getattr(t, "drop", None), nn.Module):  # embedding dropout: transformers' GPT-2/GPT-Neo only
         parts["drop"] = t.drop
     segments = [Segment("transformer.wte", _Call(parts, embed))]
     segments += [Segment(f"transformer.h.{k}", _Call({"m": b}, block)) for k, b in enumerate(t.h)]
@@ -279,8 +280,10 @@ def _causal_lm_view(model: nn.Module) -> SequentialView:
 def run_segments(segments: Sequence[Segment], x: Any, ctx: dict, values: dict[int, torch.Tensor]) -> Any:
     """Run ``segments`` in turn on ``x``, each parameter ``p`` replaced by ``values[id(p)]``."""
     for seg in segments:
+        # every name, tied duplicates too: with tie_weights=False each needs its own value
         named = dict(seg.module.named_parameters(remove_duplicate=False))
         params = {name: values[id(p)] for name, p in named.items()}
+        # strict=False: buffers (a causal mask) are not in values and stay the module's own
         x = torch.func.functional_call(seg.module, params, (x, ctx), tie_weights=False, strict=False)
     return x
 
@@ -339,6 +342,7 @@ def segment_flops(view: SequentialView, sample_args: tuple, sample_kwargs: dict,
             if k == len(view.segments) - 1:
                 scalar = (last or _default_scalar)(out)
             else:
+                # any scalar will do: only the FLOPs of its backward are counted
                 scalar = out.float().sum() if isinstance(out, torch.Tensor) else None
             if scalar is not None and scalar.requires_grad:
                 scalar.backward()
@@ -390,10 +394,10 @@ def _balanced_cuts(weights: Sequence[float], n: int) -> list[int]:
     arg = [[0] * (s + 1) for _ in range(n + 1)]
     best[0][0] = 0.0
     for k in range(1, n + 1):
-        for e in range(k, s - (n - k) + 1):
+        for e in range(k, s - (n - k) + 1):  # room for one segment in each of the n - k groups to come
             for b in range(k - 1, e):
                 cost = max(best[k - 1][b], prefix[e] - prefix[b])
-                if cost < best[k][e] - 1e-9:
+                if cost < best[k][e] - 1e-9:  # float rounding never decides between equal cuts
                     best[k][e], arg[k][e] = cost, b
     starts, e = [], s
     for k in range(n, 0, -1):

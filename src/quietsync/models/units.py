@@ -53,6 +53,7 @@ def layer_units(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> list[
         for child in stack.children():
             for p in child.parameters():
                 owner.setdefault(id(p), id(child))
+    # after the stack, and setdefault: its layers keep their parameters; only the rest go to their own module
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owner.setdefault(id(p), id(m))

@@ -147,6 +147,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         device = params[0].device if params else torch.device("cpu")
         flat = torch.zeros(self.replicator.momentum_numel(segments), dtype=torch.float32, device=device)
         for p, view in zip(params, self.replicator.momentum_views(flat, segments)):
+            # a rebuilt buffer (another set of parameters with gradients) keeps each one's momentum
             old = self.state[p].get("delta")
             if old is not None:
                 if old.shape != view.shape:
@@ -204,6 +205,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
             for g, ps in step.groups:
                 mine = pieces[done : done + len(ps)]
                 done += len(ps)
+                # groups differ on sign: the exchange returned Q, so each signing group signs its own
                 if g["sign"] and not step.signed:
                     mine = [(i, v.sign()) for i, v in mine]
                 if ps and not self._apply_sparse(g, ps, mine):
@@ -230,7 +232,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:
-            with torch.enable_grad():
+            with torch.enable_grad():  # step runs under no_grad; the closure needs autograd
                 loss = closure()
         step = self.begin_step()
         if step is None:
@@ -251,7 +253,7 @@ class DecoupledOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
+        state_dict = dict(state_dict)  # a copy: the pop below must not change the caller's dict
         extra = state_dict.pop("decoupled", None)
         super().load_state_dict(state_dict)
         self._flat, self._flat_key = None, None  # momenta are new tensors now; rebuild the flat buffer

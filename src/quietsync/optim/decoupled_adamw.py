@@ -68,11 +68,12 @@ class DecoupledAdamW(DecoupledOptimizer):
         for i, p in enumerate(params):
             st = self.state[p]
             if "exp_avg" not in st:
-                st["step"] = torch.tensor(0.0)
+                st["step"] = torch.tensor(0.0)  # a tensor: logical checkpoints hold tensors only
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["step"] += 1
             by_step.setdefault(float(st["step"]), []).append(i)
+        # decay before the moments, as torch.optim.AdamW does: the full-replicator oracle is AdamW
         if wd:
             torch._foreach_mul_(params, 1.0 - lr * wd)
         for step, idx in by_step.items():  # params skipped on some steps may have other counts

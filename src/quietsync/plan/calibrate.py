@@ -45,7 +45,7 @@ class Loopback:
     def all_reduce(self, tensor: torch.Tensor, group: str = "world", op: str = "sum", async_op: bool = False,
                    name: str = "all_reduce") -> _Done:
         if op == "sum":
-            tensor.mul_(self.n)
+            tensor.mul_(self.n)  # n equal tensors sum to n times one; avg, max and min leave it as it is
         return _Done()
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: str = "world", async_op: bool = False,
@@ -76,12 +76,13 @@ def _median_time(fn: Callable[[], Any], device: torch.device, warmup: int, repea
         fn()
     times = []
     for _ in range(repeats):
+        # CUDA runs asynchronously: wait before and after, so only fn's own work is timed
         _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times)  # the median: one stray slow repeat does not move it
 
 
 def time_micro_batch(model: torch.nn.Module, batch: Any, loss_fn: LossFn, *, warmup: int = 2, repeats: int = 5
@@ -89,6 +90,7 @@ def time_micro_batch(model: torch.nn.Module, batch: Any, loss_fn: LossFn, *, war
     """``(forward seconds, backward seconds, activation bytes)`` of one micro-batch (medians of ``repeats``
     after ``warmup``; gradients are left accumulated in ``.grad``)."""
     device = next(model.parameters()).device
+    # parameters autograd saves for backward are weights, not activations: left out of the peak
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     meter = ActivationMeter(exclude=lambda t: t.untyped_storage().data_ptr() in params,
                             device=device if device.type == "cuda" else None)
@@ -116,7 +118,7 @@ def time_optimizer(params: Sequence[torch.nn.Parameter], optimizer: Callable[...
     """Median seconds of one optimizer step over ``params`` (on copies: the model is not changed)."""
     copies = [p.detach().clone().requires_grad_(True) for p in params]
     for c in copies:
-        c.grad = torch.randn_like(c) * 1e-3
+        c.grad = torch.randn_like(c) * 1e-3  # a gradient on every copy: the optimizer skips parameters without one
     opt = optimizer(copies, **optimizer_kwargs)
     return _median_time(opt.step, copies[0].device, warmup, repeats)
 
@@ -174,7 +176,7 @@ def calibrate(model: torch.nn.Module, batch: Any, loss_fn: LossFn, *,
     elements = sum(p.numel() for p in params)
     codec_s = {}
     for key, knobs in (codecs or {}).items():
-        knobs = dict(knobs)
+        knobs = dict(knobs)  # a copy: popping "base" must not change the caller's codecs
         base = knobs.pop("base", "sgd")
         codec_s[key] = time_decoupled(params, codec_group, base=base, warmup=warmup, repeats=repeats, **knobs)
     copy_s = time_copy(elements * params[0].element_size(), device)

@@ -55,9 +55,9 @@ class LeftOut:
 
 def _fmt(v: Any) -> str:
     if isinstance(v, bool):
-        return "true" if v else "false"
+        return "true" if v else "false"  # what the spec parser turns into --field / --no-field
     if isinstance(v, float):
-        return repr(v)
+        return repr(v)  # the shortest text that parses back to the same float: specs round-trip
     return str(v)
 
 
@@ -79,6 +79,7 @@ def candidate(strategy: str, knobs: dict[str, Any] | None = None) -> Candidate:
     return Candidate(spec_string(strategy, diff), strategy, diff)
 
 
+# cached: each parse builds an argparse parser, and every re-scoring parses the same specs again
 @functools.lru_cache(maxsize=512)
 def parse_candidate(spec: str) -> Candidate:
     """The normalized candidate of a spec string (values checked by the strategy's config)."""
@@ -125,7 +126,7 @@ def canonical_grid(topo: Topology, stage_counts: tuple[int, ...] = (), wide: boo
         why = applies(c.strategy, topo, stage_counts)
         if why is not None:
             left.append(LeftOut(c.spec, c.strategy, why))
-        elif c not in out:
+        elif c not in out:  # two grid specs may normalize to one setting
             out.append(c)
     return out, left
 

@@ -41,7 +41,7 @@ def plan_main(argv: list[str]) -> int:
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return 130  # 128 + SIGINT, as a shell reports an interrupted command
     if result is None:  # another rank under torchrun
         return 0
     print(result.markdown(), end="")

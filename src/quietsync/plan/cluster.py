@@ -63,6 +63,7 @@ class Device:
         return ComputeProfile(
             forward_s=train / 3, backward_s=2 * train / 3,
             optimizer_s_per_element=ADAMW_BYTES / self.memory_bandwidth, elements=w.params, codec_s=codec_s,
+            # activations: the what-if plan sets them from Korthikanti et al.'s estimate (planner._activation_estimate)
             copy_s_per_byte=2.0 / self.memory_bandwidth, activation_bytes=0,
             source=(f"{self.name}: {self.flops / 1e12:g} TFLOP/s peak at {self.mfu:.0%} MFU, "
                     f"{self.memory_bandwidth / 1e12:g} TB/s memory"))
@@ -94,7 +95,7 @@ class Cluster:
 def parse_quantity(text: str, what: str, units: dict[str, float], examples: str) -> float:
     """``"80GB"`` → 80e9 with ``units`` (lower-case suffixes); an error names ``what`` and shows examples."""
     t = text.strip().lower().replace(" ", "")
-    for suffix in sorted(units, key=len, reverse=True):
+    for suffix in sorted(units, key=len, reverse=True):  # longest first: "80gb" also ends with "b"
         if t.endswith(suffix):
             number = t[: len(t) - len(suffix)]
             try:

@@ -37,6 +37,7 @@ def train_args(cfg: Any) -> list[str]:
         if isinstance(value, bool):
             out.append(flag_name(name) if value else "--no-" + name.replace("_", "-"))
         else:
+            # repr: the float exactly as the job had it
             out += [flag_name(name), repr(value) if isinstance(value, float) else str(value)]
     return out
 

@@ -113,6 +113,7 @@ class PlanConfig:
         self.model_kind = _model_kind(self.model, self.what_if)
         check_int("nproc", self.nproc, 1)
         check_int("nodes", self.nodes, 1, allow_none=True)
+        # what_if with workers_per_node: the world is nodes × workers_per_node, nproc is not used
         if self.nodes is not None and self.nproc % self.nodes and not (self.what_if and self.workers_per_node):
             raise ValueError(f"nodes must divide nproc ({self.nproc} workers cannot sit on {self.nodes} nodes)")
         check_int("workers_per_node", self.workers_per_node, 1, allow_none=True)
@@ -122,6 +123,7 @@ class PlanConfig:
             self.links = parse_links(self.link)
         except ValueError as e:
             text = str(e)
+            # name the field, unless the parser's message already names the flag
             raise ValueError(text if text.startswith("--link") else f"link {text}") from None
         if self.what_if:
             wpn = self.world // self.node_count
@@ -221,6 +223,7 @@ def _pilot_args(cfg: PlanConfig) -> list[str]:
         return []
     owned = {"--strategy", "--out", "--max-tokens", "--target-loss", "--resume", "--link", "--nproc",
              "--nodes", "--model", "--micro-batch-size", "--seq-len", "--vocab-size"}
+    # "--flag=value" as well as "--flag value"
     clash = [a.split("=")[0] for a in argv if a.split("=")[0] in owned]
     if clash:
         raise ValueError(f"train_args must not set {', '.join(clash)} (the plan sets them for every pilot)")
@@ -228,6 +231,7 @@ def _pilot_args(cfg: PlanConfig) -> list[str]:
 
     err = io.StringIO()
     try:
+        # argparse prints a bad flag's error on stderr and exits: its last line becomes ours
         with contextlib.redirect_stderr(err):
             parse_train_args(argv)
     except SystemExit:
@@ -243,7 +247,8 @@ def _parse_slow(specs: list[str], world: int) -> dict[int, float]:
         try:
             r, f = int(rank), float(factor)
         except ValueError:
-            r, f = -1, 0.0
+            r, f = -1, 0.0  # fails the check below, which gives the one message
+        # "not f >= 1" refuses NaN too
         if not sep or not 0 <= r < world or not f >= 1:
             raise ValueError(f"slow_worker must look like RANK:FACTOR with RANK in [0, {world}) and FACTOR >= 1, "
                              f"got {spec!r}")

@@ -68,7 +68,9 @@ def measured(b_simple: float, low: float, high: float, loss: float, tokens: floa
     if not (b_simple > 0 and math.isfinite(b_simple)) or not loss > 0:
         raise ValueError(f"a measured critical batch needs B_simple and a loss above 0, got {b_simple} and {loss}")
     scale = loss ** (1 / KAPLAN_ALPHA_B)
+    # the jackknife's high end is inf when a leave-one-out estimate was not finite and positive: capped at 10×
     hi = high if math.isfinite(high) else b_simple * 10
+    # token_multiplier refuses a B_crit of 0: the low end stays above it
     return CriticalBatch(b_simple * scale, max(low, 1e-9) / SPREAD * scale, hi * SPREAD * scale, "measured",
                          f"B_simple = {b_simple:,.0f} tokens ({low:,.0f}–{high:,.0f}) measured on the baseline's "
                          f"model after {tokens:,.0f} tokens (held-out loss {loss:.3f}) [mccandlish2018], carried "
@@ -90,7 +92,7 @@ def steps_for(effective: float, warmup: int) -> float:
     if warmup <= 0:
         return effective
     if effective <= (warmup + 1) / 2:
-        return (-1 + math.sqrt(1 + 8 * warmup * effective)) / 2
+        return (-1 + math.sqrt(1 + 8 * warmup * effective)) / 2  # the positive root of s(s+1)/(2W) = effective
     return effective - (warmup + 1) / 2 + warmup
 
 

@@ -41,7 +41,7 @@ class PowerLaw:
     c: float
 
     def loss(self, tokens: float | np.ndarray) -> float | np.ndarray:
-        return self.a + self.b * np.power(np.maximum(tokens, 1.0), -self.c)
+        return self.a + self.b * np.power(np.maximum(tokens, 1.0), -self.c)  # t^(−c) is infinite at 0 tokens
 
     def tokens_to(self, target: float) -> float:
         """Tokens at which the curve reaches ``target`` (``inf`` when the target is at or below the floor)."""
@@ -102,6 +102,7 @@ class CurveFit:
         if not len(values):
             return Interval(value, value, value)
         lo, hi = _quantiles(values)
+        # the refits' percentiles need not bracket the fit itself: the interval always holds it
         return Interval(value, min(value, float(lo)), max(value, float(hi)))
 
     def tokens_to(self, target: float) -> Reach:
@@ -132,6 +133,7 @@ def _solve_ab(x: np.ndarray, y: np.ndarray, a_max: np.ndarray) -> tuple[np.ndarr
     xm, ym = x.mean(0), y.mean(0)
     sxx = ((x - xm) ** 2).sum(0)
     sxy = ((x - xm) * (y - ym)).sum(0)
+    # np.where computes both branches: the inner one keeps a zero sxx out of the division
     b = np.where(sxx > 0, sxy / np.where(sxx > 0, sxx, 1.0), 0.0)
     b = np.maximum(b, 0.0)
     a = ym - b * xm
@@ -167,6 +169,7 @@ def _best(t: np.ndarray, ys: np.ndarray, floor_cap: float = 1.0) -> tuple[list[P
     g = (math.sqrt(5) - 1) / 2
     c1, c2 = hi - g * (hi - lo), lo + g * (hi - lo)
     f1, f2 = sse_at(c1)[2], sse_at(c2)[2]
+    # 40 steps shrink each bracket to 0.618^40 ≈ 4e-9 of its width
     for _ in range(40):  # golden section on the bracket around each curve's best grid exponent
         left = f1 < f2  # the minimum lies in [lo, c2]: c1 becomes the upper probe; else in [c1, hi]
         hi = np.where(left, c2, hi)
@@ -208,10 +211,11 @@ def fit_power_law(tokens: Sequence[float], losses: Sequence[float], *, bootstrap
     rms = math.sqrt(sse / len(t))
     refits: list[PowerLaw] = []
     if bootstrap > 0:
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(seed)  # seeded: the same evaluations give the same interval in every plan
         n = len(t)
         block = max(1, n // 5)
         starts = np.arange(0, n - block + 1)
+        # -(-n // block) is ceil(n / block): enough blocks to cover every point, the excess cut off
         samples = [fitted + np.concatenate([resid[s:s + block] for s in rng.choice(starts, size=-(-n // block))])[:n]
                    for _ in range(bootstrap)]
         refits = _best(t, np.stack(samples, axis=1), floor_cap)[0]

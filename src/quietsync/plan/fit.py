@@ -51,6 +51,7 @@ class Fit:
 def fit_link(samples: Sequence[Sample]) -> Fit:
     """α ≥ 0 and β > 0 for ``samples`` (see the module docstring); raises ``ValueError`` without at least one
     sample that moved bytes."""
+    # a sample timed at 0 s says nothing, and the relative error below divides by its seconds
     rows = [(s.messages, s.nbytes, s.seconds) for s in samples if s.seconds > 0]
     if not any(b > 0 for _, b, _ in rows):
         raise ValueError("fit_link needs at least one sample that moved bytes")
@@ -76,6 +77,7 @@ def _nnls2(A: list[tuple[float, float]], y: list[float]) -> tuple[float, float]:
     r1 = sum(a * v for (a, _), v in zip(A, y))
     r2 = sum(b * v for (_, b), v in zip(A, y))
     det = s11 * s22 - s12 * s12
+    # relative to the columns' scale: nearly collinear ones make the solve unstable
     if det > 1e-12 * max(s11 * s22, 1e-300):
         p, q = (r1 * s22 - r2 * s12) / det, (s11 * r2 - s12 * r1) / det
         if p >= 0 and q >= 0:

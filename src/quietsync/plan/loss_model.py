@@ -60,6 +60,7 @@ class BaselineCurve:
         prev = None
         for t, y in self.measured:
             if y <= target:
+                # the first evaluation is already at the target: nothing before it to interpolate from
                 if prev is None or prev[1] <= y:
                     return t
                 (t0, y0) = prev
@@ -80,6 +81,7 @@ class BaselineCurve:
             reach = self.fit.tokens_to(target).tokens
             ends = [law.tokens_to(target) for law in self.brackets]
             low, high = min([reach.low, *ends]), max([reach.high, *ends])
+            # the pilot had not reached it by its last evaluation: no fewer tokens than that
             return Interval(reach.value, max(low, self.last_tokens), max(high, self.last_tokens))
         t = self.law.tokens_to(target)
         return Interval(t, t, t)
@@ -94,6 +96,7 @@ class BaselineCurve:
             ts = [t for t, _ in self.measured]
             ys = [y for _, y in self.measured]
             if tokens <= ts[0]:
+                # before the first evaluation there is nothing to interpolate from: the law
                 return float(self.law.loss(tokens)) if tokens < ts[0] else ys[0]
             i = next(k for k, t in enumerate(ts) if t >= tokens)
             return ys[i - 1] + (ys[i] - ys[i - 1]) * (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
@@ -178,6 +181,7 @@ def matched_multipliers(tokens: list[float], losses: list[float], baseline: Base
     out = []
     for t, y in (p for p in pts if p[0] >= start):
         tb = baseline.tokens_at(y)
+        # a loss below the baseline's floor has no baseline tokens to compare with
         if math.isfinite(tb) and tb > 0:
             out.append((t, t / tb))
     return out
@@ -210,6 +214,7 @@ def from_pilot_tokens(tokens: list[float], losses: list[float], baseline: Baseli
     last = [k for _, k in ks[-max(1, len(ks) // 3):]]
     k = sum(last) / len(last)
     span = [x for _, x in ks] + [k]
+    # how far the target lies past the pilot's last evaluation, in doublings of its tokens
     doublings = max(0.0, math.log2(k * t0 / ks[-1][0]))
     drift = 1 + K_DRIFT * doublings
     k_lo, k_hi = min(span) * (1 - K_MARGIN) / drift, max(span) * (1 + K_MARGIN) * drift
@@ -241,7 +246,9 @@ def from_pilot_batch(tokens: list[float], losses: list[float], batch: float, bas
         if not math.isfinite(tb) or tb <= 0:
             continue
         k = t / tb
+        # only there does k = (B + B_crit)/(B0 + B_crit) give a positive, finite B_crit
         if 1 < k < batch / baseline_batch:
+            # B_crit at this evaluation's loss y, carried to B* = B_crit·y^(1/α_B)
             stars.append((batch - k * baseline_batch) / (k - 1) * y ** (1 / KAPLAN_ALPHA_B))
     t0 = baseline.tokens_at(target)
     if not stars or not math.isfinite(t0):  # no batch effect seen (k ≤ 1 or beyond the rule): k itself
@@ -253,6 +260,7 @@ def from_pilot_batch(tokens: list[float], losses: list[float], batch: float, bas
         bc = bs / target ** (1 / KAPLAN_ALPHA_B)
         return (1 + batch / bc) / (1 + baseline_batch / bc)
 
+    # a larger B* means a larger B_crit and fewer extra tokens: the optimistic end
     k, k_lo, k_hi = k_at(b_star), k_at(max(stars)), k_at(min(stars))
     base = baseline.tokens_to(target)
     mult = Interval(k, k_lo, k_hi)

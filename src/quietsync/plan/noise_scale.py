@@ -92,6 +92,7 @@ def estimate(small_sq: Sequence[Sequence[float]], big_sq: Sequence[float], b_sma
     n = len(big_sq)
     low = high = value
     if n >= 2 and math.isfinite(value) and value > 0:
+        # on a log scale: the interval's low end, value·exp(−2 se), stays above 0
         logs = []
         for i in range(n):
             rest_small = [x for j, r in enumerate(small_sq) if j != i for x in r]
@@ -103,11 +104,12 @@ def estimate(small_sq: Sequence[Sequence[float]], big_sq: Sequence[float], b_sma
             se = math.sqrt((n - 1) / n * sum((x - mean) ** 2 for x in logs))
             low, high = value * math.exp(-2 * se), value * math.exp(2 * se)
         else:
-            high = math.inf
+            high = math.inf  # a leave-one-out estimate not finite and positive: no upper bound
     return NoiseScale(value, low, high, g2, tr, b_small, b_big, n, train_loss)
 
 
 def _flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    # a parameter this batch left without a gradient counts as 0: every vector has the same length
     return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel())
                       for p in model.parameters() if p.requires_grad])
 
@@ -125,11 +127,11 @@ def measure(loss_of: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.Mod
         total: torch.Tensor | None = None
         norms = []
         for _ in range(micro_batches):
-            model.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)  # this micro-batch's own gradient, not a running sum
             loss = loss_of(next(batches))
             loss.backward()
             losses.append(float(loss.detach()))
-            g = _flat_grad(model).double()
+            g = _flat_grad(model).double()  # float64: |G|² and tr Σ are differences of close squared norms
             norms.append(float(g.dot(g)))
             total = g if total is None else total + g
         assert total is not None
@@ -155,7 +157,7 @@ def measure_pilot(model_dir: str | Path, job: Any, micro_batches: int = MICRO_BA
         raise ValueError(f"the noise scale needs the pilot's exported model, and {folder} holds none")
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # no loading progress bars in the plan's output
     data = open_job_data(job)
     model = load_pretrained(str(folder))
     model.train()
@@ -165,6 +167,7 @@ def measure_pilot(model_dir: str | Path, job: Any, micro_batches: int = MICRO_BA
         return model(input_ids=batch, labels=batch).loss
 
     ns = measure(loss_of, model, stream, float(job.micro_batch_size * job.seq_len), micro_batches, repeats)
+    # frozen: a new one, with the loading's seconds counted in
     return NoiseScale(**{**ns.__dict__, "seconds": time.perf_counter() - t0})
 
 

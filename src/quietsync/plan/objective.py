@@ -81,6 +81,7 @@ class Objective:
         if row.spec in self.pilots:
             return self.pilots[row.spec]
         cfg = strategy_config(row.strategy, row.knobs)
+        # budget mode has no target, but B_crit(L) needs a loss: the baseline's after this row's budget
         target = self.target if self.target is not None else self._budget_target(row)
         prior = prior_for(row.strategy, cfg, self.prior_context(target), row.tokens_per_step)
         return from_prior(prior, self.baseline, target)
@@ -109,6 +110,7 @@ class Objective:
 
     def score(self, row: Row) -> Scored:
         """The row's estimate and objective (time to target, or loss after the budget)."""
+        # copies: the notes and tokens changed below must not leak into the shared pilot estimate
         est = dataclasses.replace(self.estimate(row))
         est.notes = list(est.notes)
         tps = self.tokens_per_s(row)
@@ -159,6 +161,7 @@ def phased_seconds(tokens: float, phases: tuple[tuple[float, float], ...], facto
         if rate > 0:
             left -= rate * (end - start)
         clock = end
+    # the last stretch never ends: only one at no speed leaves tokens over
     return math.inf if left > 0 else clock
 
 
@@ -202,6 +205,7 @@ def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, ba
                      "(--target-loss X --pilot-tokens N) measures yours")
     priors = PriorContext(params=params, workers=workers, nodes=nodes,
                           baseline_tokens_per_step=baseline_tokens_per_step,
+                          # budget mode: the batch rule still needs a loss to evaluate B_crit at
                           target_loss=target if target is not None else float(law.loss(tokens)))
     return Objective(BaselineCurve(law, "chinchilla", desc), target, cfg.budget_s, priors, notes)
 

@@ -46,6 +46,7 @@ class _Subprocess:
         with open(log, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "quietsync", "train", *argv], stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                         # unbuffered: the log gets each line as it comes, the last one too if killed
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def poll(self) -> int | None:
@@ -122,7 +123,7 @@ class _Local:
         if self.code is None:
             self.workers.stop()
             self.workers.close()
-            self.code = -signal.SIGTERM
+            self.code = -signal.SIGTERM  # as Popen reports a process ended by SIGTERM
 
 
 class _Ended:

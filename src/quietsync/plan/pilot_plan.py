@@ -102,6 +102,7 @@ def after_warmup(curve: PilotCurve, warmup_steps: int) -> list[tuple[float, floa
     """The ``(tokens, loss)`` evaluations of ``curve`` a loss curve is fitted to: those after the learning-rate
     warm-up's last step, where at least :data:`MIN_FIT_EVALS` are (else every evaluation after the first token)."""
     pts = [(t, y) for t, y in zip(curve.tokens, curve.losses) if t > 0]
+    # without a step per evaluation the warm-up's cannot be told apart: every evaluation
     if warmup_steps <= 0 or len(curve.steps) != len(curve.tokens):
         return pts
     after = [(t, y) for t, y, s in zip(curve.tokens, curve.losses, curve.steps) if t > 0 and s > warmup_steps]
@@ -119,12 +120,13 @@ def baseline_curve(curve: PilotCurve, warmup_steps: int = 0, floor_cap: float = 
                              "(raise pilot_tokens)")
         # it reached the target before a curve could be fitted: measured up to there, a plain power law past it
         t, y = pts[-1]
-        law = PowerLaw(0.0, y * t ** FALLBACK_C, FALLBACK_C)
+        law = PowerLaw(0.0, y * t ** FALLBACK_C, FALLBACK_C)  # floor 0, through the last evaluation
         return BaselineCurve(law, "pilot", f"the baseline's pilot: {len(pts)} evaluations up to {t:,.0f} tokens "
                              f"(too few to fit: past them L ∝ t^−{FALLBACK_C})", None, tuple(pts))
     fitted = after_warmup(curve, warmup_steps)
     ts, ys = [t for t, _ in fitted], [y for _, y in fitted]
     fit = fit_power_law(ts, ys, floor_cap=floor_cap)
+    # no bootstrap: only these fits' laws bound the interval
     brackets = tuple(fit_power_law(ts, ys, floor_cap=cap, bootstrap=0).law for cap in FLOOR_BRACKET)
     brackets += (_Widened(fit.law, ts[-1], EXTRAPOLATION_WIDENING),)
     law = fit.law
@@ -180,6 +182,7 @@ def pilot_estimate(cand: Candidate, curve: PilotCurve, row: Row, base_row: Row, 
         return from_pilot_tokens(curve.tokens, curve.losses, baseline, target, notes, reached=curve.reached)
     tokens, losses = fresh(curve)
     steps = curve.steps[-1] if curve.steps else 0
+    # the batch its steps held in the pilot (adaptive stages size theirs by the link), not the predicted one
     batch = curve.tokens[-1] / steps if steps else row.tokens_per_step
     if batch > 1.05 * base_row.tokens_per_step:
         tail = sum(1 for t in tokens if t > 0 and t >= tokens[-1] * (1 - RATIO_TAIL))
@@ -266,6 +269,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
     from ..train.args import parse_train_args
     from ..train.config import TrainConfig
 
+    # the planned run's own flags: its warm-up, evaluation cadence and step budget enter the plan
     job, _, _ = parse_train_args([*cfg.pilot_args, "--model", cfg.model])
     job_cfg: TrainConfig = job
     folder = Path(cfg.pilot_out or (Path(cfg.out) / "pilots" if cfg.out else tempfile.mkdtemp(prefix="qs-pilots-")))
@@ -278,6 +282,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
     emulated = bool(cfg.link)
 
     def through_link(c: Candidate) -> bool:
+        # a real link is always used; adaptive stages depend on its timing unless their size is fixed
         return not emulated or (adaptive(c.strategy) and "deterministic_accumulation" not in c.knob_dict)
 
     runner = runner or ProcessRunner(job_args, link_args, folder, cfg.target_loss,
@@ -303,7 +308,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
     def value_of(cand: Candidate, curve: PilotCurve) -> float | None:
         if cand.spec == base_spec:
             pts = [t for t in curve.tokens if t > 0]
-            if len(pts) < 4:
+            if len(pts) < 4:  # a curve is fitted to 4 evaluations at least
                 return None
             try:
                 base = baseline_curve(curve, job_cfg.warmup)
@@ -315,6 +320,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         if not isinstance(base, BaselineCurve):
             return None
         row = rows[cand.spec]
+        # budget mode: the baseline's loss after the budget stands in for the target
         tgt = target if target is not None else base.point(base_row.tokens_per_s * (cfg.budget_s or 0))
         est = estimate(cand, curve, row, base, tgt)
         if est is None:
@@ -326,7 +332,9 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
 
     def order() -> Iterator[Candidate]:
         yield parse_candidate(base_spec)
+        # resumed once the baseline's pilot has run (the order is read lazily): its curve ranks the rest
         base = state["baseline"] = baseline_curve(done[base_spec], job_cfg.warmup)
+        # only a runner whose pilots export their model can have the noise scale measured on it
         model_dir = getattr(runner, "model_dir", None)
         if callable(model_dir):
             full_job: TrainConfig = parse_train_args(job_args)[0]  # the pilots' job: its data and micro-batch
@@ -334,6 +342,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
                                                      done[base_spec])
             state.update(critical=critical, critical_note=why, noise=ns)
         prior = objective_with(base, {})
+        # an exact strategy at its defaults follows the baseline's trajectory: nothing to pilot
         scored = sorted((prior.score(r) for r in result.rows if (not declaration(r.strategy).plan.exact
                          or r.knobs) and r.spec != base_spec), key=lambda s: s.objective)
         best_high = min((_high(s) for s in scored), default=math.inf)
@@ -370,6 +379,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
             if curve.through_link and emulated:
                 measured[spec], overhead[spec] = speed, 0.0
             elif emulated:
+                # the pilot ran without the emulated delay: against the delay-free prediction
                 predicted = result.predict(row.strategy, row.knobs, free).step_s
                 off = speed[0] - predicted
                 overhead[spec] = off if abs(off) > SPEED_TOLERANCE * predicted else 0.0
@@ -400,7 +410,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
     def confirm() -> Iterator[Candidate]:
         """After the first round: while one of the best settings, or one the advice lists under "Try first", rests on
         its prior, pilot it too (:func:`to_confirm`)."""
-        for n in range(CONFIRM + 1):
+        for n in range(CONFIRM + 1):  # one pass more than pilots: to name a setting still on its prior
             base = state["baseline"]
             assert isinstance(base, BaselineCurve)
             tgt = target if target is not None else base.point(base_row.tokens_per_s * (cfg.budget_s or 0))
@@ -427,8 +437,10 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
                 for spec in done:
                     other = parse_candidate(spec)
                     o_first = _first_sync_steps(other)
+                    # the same trajectory before the first sync only at the same micro-batches per step
                     if o_first is not None and other.knob_dict.get("accumulation", 1) == c.knob_dict.get(
                             "accumulation", 1):
+                        # shared up to the earlier of the two first syncs
                         prefixes[c.spec] = (spec, min(first, o_first) * rows[c.spec].tokens_per_step)
                         break
             yield c
@@ -516,6 +528,7 @@ def _report(result: PlanResult, done: dict[str, PilotCurve], base_spec: str, ski
         shared = f", judged on `{c.shared_from}`'s shared prefix" if c.shared_from else ""
         lines.append(f"`{spec}`{' (baseline)' if spec == base_spec else ''}: {ran}, {c.stopped}{shared}, "
                      f"{c.wall_s:.1f} s {how}")
+    # a setting skipped in the first round may have been piloted since, to confirm it
     lines += [f"not piloted: {s}" for s in skipped if s.split("`")[1] not in done]
     cost = sum(c.wall_s for c in done.values())
     if noise is not None:

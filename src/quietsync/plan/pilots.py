@@ -124,6 +124,7 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     pruner = optuna.pruners.SuccessiveHalvingPruner(min_resource=rungs(budget, eta, count)[0], reduction_factor=eta,
                                                     min_early_stopping_rate=0)
+    # nothing is sampled (the candidates are given): the study only holds the values the pruner compares
     study = optuna.create_study(direction="minimize", pruner=pruner, sampler=optuna.samplers.RandomSampler(seed=0))
     out = {} if out is None else out
     for cand in order:
@@ -132,6 +133,7 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
 
         reported: list[int] = []
 
+        # defaults bind this iteration's objects at definition, not the loop variables
         def on_eval(curve: PilotCurve, cand: Candidate = cand, trial: Any = trial, last: list[float] = last,
                     reported: list[int] = reported) -> bool:
             if not curve.tokens or (reported and int(curve.tokens[-1]) <= reported[-1]):
@@ -141,7 +143,7 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
                 return False
             reported.append(int(curve.tokens[-1]))
             value = value if math.isfinite(value) else 1e300
-            trial.report(value, step=int(curve.tokens[-1]))
+            trial.report(value, step=int(curve.tokens[-1]))  # steps in tokens, as the rungs are
             last.append(value)
             return curve.tokens[-1] < budget and trial.should_prune()  # at the budget there is nothing left to save
 
@@ -163,7 +165,7 @@ def successive_halving(order: Iterable[Candidate], runner: Runner, budget: int,
                                    prefix.time_s[:i], prefix.eval_s[:i], 0.0, "pruned", prefix.through_link, source,
                                    prefix.train_s[:i])
         if curve is None:
-            curve = runner(cand, budget, on_eval)
+            curve = runner(cand, budget, on_eval)  # no shared prefix, or it did not lose: the pilot runs from the start
         out[cand.spec] = curve
         if curve.stopped == "pruned":
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
@@ -224,6 +226,7 @@ class ProcessRunner:
             return None
         done = json.loads(summary.read_text())
         for part, now in (("config", cfg), ("strategy_config", strategy_cfg)):
+            # through JSON, as the summary holds it (tuples become lists)
             want = json.loads(json.dumps(dataclasses.asdict(now)))
             # a field the recording trainer did not have yet ran as its default does now
             defaults = json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(now)
@@ -258,7 +261,7 @@ class ProcessRunner:
         if recorded is not None:
             return self._replay(cand, recorded, on_eval)
         curve = self._run(cand, budget, on_eval, folder, link)
-        if curve.stopped in ("budget", "target"):
+        if curve.stopped in ("budget", "target"):  # only a pilot run to its end may be replayed
             (folder / RECORD).write_text(json.dumps(curve.to_dict()) + "\n")
         return curve
 
@@ -302,12 +305,13 @@ class ProcessRunner:
                         if rec.get("event") == "eval":
                             evals.setdefault(rec["step"], {})[rank] = rec
                 ranks = len(readers)
+                # an evaluation counts once every worker has written it
                 for step in sorted(s for s, by in evals.items() if len(by) == ranks and ranks and s > last):
                     by = evals[step]
                     last = step
                     for r, rec in by.items():
                         eval_sum[r] = eval_sum.get(r, 0.0) + float(rec["eval_s"])
-                    if step == 0:
+                    if step == 0:  # before training: its seconds count (above), its point does not
                         continue
                     r0 = by.get(0) or next(iter(by.values()))
                     curve.steps.append(step)
@@ -326,7 +330,7 @@ class ProcessRunner:
                     break
                 time.sleep(self.poll_s)
         finally:
-            if job.poll() is None:
+            if job.poll() is None:  # pruned, timed out or interrupted: no worker is left running
                 job.stop()
         curve.wall_s = time.perf_counter() - t0
         if pruned:
@@ -381,10 +385,10 @@ class _Tail:
                 chunk = f.read()
         except FileNotFoundError:
             return []
-        end = chunk.rfind("\n")
+        end = chunk.rfind("\n")  # a line still being written has no newline yet: left for the next read
         if end < 0:
             return []
-        self.pos += len(chunk[: end + 1].encode())
+        self.pos += len(chunk[: end + 1].encode())  # seek takes bytes, and a character may be several
         return [json.loads(line) for line in chunk[: end + 1].splitlines() if line.strip()]
 
 

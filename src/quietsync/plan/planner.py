@@ -75,7 +75,7 @@ def _build_model(cfg: PlanConfig, meta: bool) -> torch.nn.Module:
     if cfg.model_kind == "preset":
         with ctx:
             return build_model(cfg.model, cfg.vocab_size, seed=None if meta else 0)
-    if meta:
+    if meta:  # the shapes alone: nothing loaded or allocated
         from transformers import AutoConfig, AutoModelForCausalLM
 
         with ctx:
@@ -160,15 +160,16 @@ def _measure_worker(cfg: PlanConfig, keys: list[str], result_path: str) -> None:
 
     torch.set_num_threads(cfg.threads_per_worker())
     topo = Topology.from_env(cfg.node_count)
-    transport = Transport(topo, links={}, timeout_s=cfg.timeout_s)
+    transport = Transport(topo, links={}, timeout_s=cfg.timeout_s)  # unemulated: the probe measures the real network
     try:
         _, model = build_workload(cfg, real=True)
         assert model is not None
         model.to(transport.device).train()
         vocab = model.get_input_embeddings().num_embeddings
+        # one fixed batch: every worker times the same work
         batch = torch.randint(0, vocab, (cfg.micro_batch_size, cfg.seq_len), generator=torch.Generator().manual_seed(0))
         batch = batch.to(transport.device)
-        transport.barrier()
+        transport.barrier()  # all calibrate at once, sharing the cores as in training
         profile = calibrate(model, batch, _lm_loss, codecs={k: codec_knobs(k) for k in keys},
                             codec_group=topo.world_size, repeats=cfg.repeats)
         mine = torch.tensor([profile.micro_batch_s], dtype=torch.float64, device=transport.device)
@@ -224,6 +225,7 @@ def compute_from(measured: dict[str, Any], slow: dict[int, float]) -> ComputePro
         scale = [1.0] * len(times)
     for r, f in slow.items():
         scale[r] *= f
+    # rank 0's profile, rescaled to the median worker's forward + backward
     k = median / (p["forward_s"] + p["backward_s"])
     p.update(forward_s=p["forward_s"] * k, backward_s=p["backward_s"] * k, worker_scale=tuple(scale))
     p["codec_s"] = dict(p["codec_s"])
@@ -294,6 +296,7 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
         objective = dataclasses.replace(objective, link_phases=speeds)
     scored = [objective.score(r) for r in rows]
     ranked = {r.strategy for r in rows}
+    # a strategy with no ranked setting is named once; otherwise each of its settings left out
     out = [(x.strategy, x.reason) for x in left if x.strategy not in ranked]
     out += [(f"`{x.spec}`", x.reason) for x in left if x.strategy in ranked]
     advice = advise(scored, compute, cluster.world, objective.description, out, varying=changing)
@@ -338,6 +341,7 @@ def _what_if(cfg: PlanConfig, w: Workload) -> PlanResult:
     wpn = cfg.world // nodes
     device: Device = cfg.device
     topo = Topology(0, nodes * wpn, nodes)
+    # a codec key starts with its replicator's name (cost.compute.codec_key)
     compute = device.profile(w, {k: k.split(":")[0] for k in codec_keys(cfg, w, topo)})
     compute = dataclasses.replace(compute, activation_bytes=_activation_estimate(w, cfg))
     if cfg.slow:

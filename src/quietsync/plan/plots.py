@@ -28,6 +28,7 @@ def plot_plan(rows: list[Row], sweep: Sweep | None, planned: LinkModel | None, t
     (None with one worker: no second panel) and the planned link of the swept kind; return it."""
     plt = pyplot()
     fig, (ax_bar, ax_bw) = plt.subplots(1, 2, figsize=(16, 0.45 * max(6, len(rows)) + 2), constrained_layout=True)
+    # barh draws from the bottom up: reversed, the fastest is on top
     labels = [r.label for r in rows][::-1]
     names = {r.spec: r.label for r in rows}
     per_k = [1e3 / r.tokens_per_s for r in rows][::-1]
@@ -40,7 +41,7 @@ def plot_plan(rows: list[Row], sweep: Sweep | None, planned: LinkModel | None, t
     for i, (p, b) in enumerate(zip(per_k, busy)):
         ax_bar.text(p, i, f" {p:.3g} s, {b:.0%} busy", va="center", fontsize=8)
     ax_bar.set_xscale("log")
-    ax_bar.set_xlim(floor, max(per_k) * 8)
+    ax_bar.set_xlim(floor, max(per_k) * 8)  # room right of the longest bar for its label
     ax_bar.set(xlabel="seconds per 1k tokens (each strategy's best setting; log scale)",
                title="predicted step-time breakdown")
     ax_bar.legend(loc="upper right")

@@ -74,6 +74,7 @@ def batch_prior(tokens_per_step: float, ctx: PriorContext) -> Prior:
     target loss measured from the baseline's pilot, else Kaplan et al.'s; the run's warm-up counted:
     :mod:`~quietsync.plan.critical_batch`)."""
     b0 = ctx.baseline_tokens_per_step
+    # the baseline's batch (up to rounding) costs nothing extra
     if ctx.target_loss is None or tokens_per_step <= b0 * (1 + 1e-9):
         return Prior()
     lo_bc, bc, hi_bc = ctx.critical.at(ctx.target_loss)
@@ -81,7 +82,7 @@ def batch_prior(tokens_per_step: float, ctx: PriorContext) -> Prior:
     def k_at(b_crit: float) -> float:
         return token_multiplier(tokens_per_step, b0, b_crit, ctx.baseline_tokens, ctx.warmup_steps)
 
-    k, lo, hi = k_at(bc), k_at(hi_bc), k_at(lo_bc)
+    k, lo, hi = k_at(bc), k_at(hi_bc), k_at(lo_bc)  # a larger B_crit costs fewer tokens: the ends swap
     warm = (f", {ctx.warmup_steps} warm-up steps counted half" if ctx.warmup_steps and ctx.baseline_tokens
             and math.isfinite(ctx.baseline_tokens) else "")
     note = (f"batch per step {tokens_per_step:,.0f} tokens vs the baseline's {b0:,.0f}: ×{k:.3g} tokens "

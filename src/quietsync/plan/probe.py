@@ -53,7 +53,7 @@ def _timed(transport: Transport, group: str, op: Callable[[], None], repeats: in
     op()
     times = []
     for _ in range(repeats):
-        transport.barrier(group)
+        transport.barrier(group)  # start together: no worker times a wait for a late peer
         t0 = time.perf_counter()
         op()
         if transport.device.type == "cuda":
@@ -80,7 +80,7 @@ def probe(transport: Transport, *, min_bytes: int = 1 << 10, max_bytes: int = 1 
         samples: list[Sample] = []
         size = min_bytes
         while size <= max_bytes:
-            numel = max(n, size // 4 // n * n)
+            numel = max(n, size // 4 // n * n)  # a multiple of n: reduce-scatter and all-gather split it evenly
             nbytes = numel * 4
             full = torch.zeros(numel, dtype=torch.float32, device=transport.device)
             other = torch.empty_like(full)

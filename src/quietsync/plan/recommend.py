@@ -162,7 +162,7 @@ def versus_baseline(speedup: float) -> str:
     ``6.20× faster than the baseline``, ``1.25× slower than the baseline``, ``as fast as the baseline``."""
     if math.isinf(speedup):
         return "∞× faster than the baseline"
-    if f"{speedup:.2f}" == "1.00":
+    if f"{speedup:.2f}" == "1.00":  # as printed: never "1.00× faster"
         return "as fast as the baseline"
     if speedup > 1:
         return f"{speedup:.2f}× faster than the baseline"
@@ -215,6 +215,7 @@ def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective:
            left_out: list[tuple[str, str]], top: int = TRY_FIRST, varying: bool = False) -> Advice:
     """Rank ``scored`` (see the module docstring). ``left_out``: ``(strategy or setting, why)``; ``varying``: a link
     varies during the run (its settings that re-pick their knobs are named)."""
+    # the baseline may be no row (--only, or left out): an exact setting, else any, is the reference
     exact = [s for s in scored if is_baseline(s.row)] or \
         [s for s in scored if declaration(s.row.strategy).plan.exact] or scored
     base = min(exact, key=lambda s: (s.objective, -s.row.tokens_per_s))

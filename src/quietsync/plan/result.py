@@ -77,7 +77,7 @@ class PlanResult:
         kind = kind or ("inter" if self.cluster.nodes > 1 else "intra")
         base = self.cluster.links.model.get(kind) or LinkModel(1e9 / 8)
         bws = [lo_bits / 8 * (hi_bits / lo_bits) ** (i / (points - 1)) for i in range(points)]
-        rows = [r for r in self.best_rows() if self.score(r).reaches]
+        rows = [r for r in self.best_rows() if self.score(r).reaches]  # inf where never reached: no curve
 
         def at(bw: float) -> dict[str, float]:
             links = Links(model={**self.cluster.links.model, kind: LinkModel(bw, base.latency)},
@@ -138,7 +138,7 @@ class PlanResult:
         order = [s.row.spec for s in sorted(self.scored, key=lambda s: (s.objective, -s.row.tokens_per_s))]
         text = ("\n".join(head) + f"Ranked by {self.objective.description} (the interval: the loss model's and the "
                 "speed model's):\n\n" + markdown(self.rows, self.columns(), order) + "\n" + self.advice.markdown())
-        if self.cluster.world > 1:
+        if self.cluster.world > 1:  # one worker has no link to sweep
             kind, _, _, crossovers = self.sweep()
             lines = [f"- at {b * 8 / 1e6:,.4g} Mbit/s: `{a}` → `{c}`" for b, a, c in crossovers]
             text += (f"\n**Crossovers** (the best setting by {self.objective.description} as the {kind} bandwidth "

@@ -13,7 +13,7 @@ from typing import Any
 
 class _Raising(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ValueError(message)
+        raise ValueError(message)  # argparse would print and exit; a bad spec is a ValueError
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -34,7 +34,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"strategies: {spec!r}: {e}") from None
     values = given_values(args, fields)
     try:
-        cls(**values)
+        cls(**values)  # the config's own checks refuse a bad value now
     except (TypeError, ValueError) as e:
         raise ValueError(f"strategies: {spec!r}: {e}") from None
     return name, values

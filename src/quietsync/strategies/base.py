@@ -96,8 +96,10 @@ class _Constructed(ABCMeta):
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         strategy = super().__call__(*args, **kwargs)
+        # only now: the parts that prepare the gradient are held by the subclass's constructor
         problem = strategy._unprepared_knobs()
         if problem:
+            # release what the constructor opened (an owned transport, background work) before refusing
             strategy.close()
             raise ValueError(problem)
         strategy.accounting.reset()
@@ -252,6 +254,7 @@ class Strategy(metaclass=_Constructed):
         self._closed = False
         self._finished = False
         self._last_metrics: StepMetrics | None = None
+        # under buffer_sync "ddp", torch DDP broadcasts the buffers itself
         self.buffers = self.hold("buffers", ModuleBuffers(model, self.transport, broadcast=self.buffer_sync != "ddp"))
         """The model's buffers across replicas (running statistics averaged per :attr:`buffer_sync`)."""
         if self.buffer_sync == "refuse" and self.buffers.running:
@@ -335,6 +338,7 @@ class Strategy(metaclass=_Constructed):
         self.accounting.lap()
         with label("quietsync/step"):
             committed = self._step()
+        # restart the clock: the strategy booked its time inside _step itself (add_compute, idle)
         self.accounting.mark = time.perf_counter()
         return committed
 
@@ -420,7 +424,7 @@ class Strategy(metaclass=_Constructed):
         with torch.no_grad():
             for p in self.module.parameters():
                 if p.grad is not None:
-                    p.grad.zero_()
+                    p.grad.zero_()  # in place: DDP's gradient buckets view p.grad
         for part in self._parts.values():
             part.discard()
         self._discard()
@@ -515,6 +519,7 @@ class Strategy(metaclass=_Constructed):
             problem = (f"checkpoint position {state.get('position')} does not have this strategy's counters "
                        f"{sorted(self.position())}")
         position = state.get("position", {}) if problem is None else {}
+        # this worker joins the all-gather even with a problem of its own, so its peers raise instead of hanging
         if check_positions:
             check_positions_agree(self.transport, self.position(), position, problem)
         elif problem:
@@ -634,6 +639,7 @@ class Strategy(metaclass=_Constructed):
         if self.scaler is None and self._max_grad_norm is None:
             return {}
         scale = None if self.scaler is None else self.scaler.scale
+        # the norm's all-reduce (and fp16's flag) block the main thread
         with self.accounting.idle("grad_norm"):
             check = prepare_gradient(
                 grads, max_norm=self._max_grad_norm, scale=scale, transport=self.transport,
@@ -748,8 +754,9 @@ class Strategy(metaclass=_Constructed):
         """Record a committed step: bump the counter and close this step's accounting (after averaging the running
         statistics, under ``buffer_sync = "commit"``)."""
         if self.buffer_sync == "commit":
-            self.buffers.sync(getattr(self, "group", None))
+            self.buffers.sync(getattr(self, "group", None))  # its own group where it has one (zero1 in a node)
         self.steps += 1
+        # steps was just bumped: the step committed ran at the schedule's lr for steps - 1
         self._last_metrics = self.accounting.close_step(
             self.steps, self.base_lr * self._lr_scale(self.steps - 1), extra, micro_batches)
         return self._last_metrics
@@ -802,7 +809,7 @@ class _HeldStrategy(Part):
         return self.strategy.round_closes
 
     def discard(self) -> None:
-        if self.strategy.round_closes is not None:
+        if self.strategy.round_closes is not None:  # None: it cannot drop a round (discard_round raises)
             self.strategy.discard_round()
 
     def close(self) -> None:

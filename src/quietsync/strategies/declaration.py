@@ -50,7 +50,7 @@ class Prior:
         p = tuple(a + b for a, b in zip(self.penalty, other.penalty))
         m = tuple(a * b for a, b in zip(self.multiplier, other.multiplier))
         return Prior(p, m, self.exact and other.exact, self.notes + other.notes,  # type: ignore[arg-type]
-                     tuple(dict.fromkeys(self.sources + other.sources)))
+                     tuple(dict.fromkeys(self.sources + other.sources)))  # deduplicated, in citation order
 
 
 EXACT = Prior(exact=True, notes=("the synchronous baseline's own trajectory",))

@@ -78,6 +78,7 @@ def restored() -> Iterator[None]:
         yield
     finally:
         for table, before in zip(_TABLES, saved):
+            # in place: _TABLES holds these very dicts
             table.clear()
             table.update(before)
 
@@ -133,7 +134,7 @@ def load_module(path: str) -> None:
         try:
             spec.loader.exec_module(module)
         except BaseException:
-            del sys.modules[module_name]
+            del sys.modules[module_name]  # no half-built module left for the check above to find
             raise
         return
     try:
@@ -146,7 +147,7 @@ def module_flags(name: str) -> list[str]:
     """The ``quietsync train`` flags that make strategy ``name`` available in a child process: ``--strategy-module
     FILE`` for a strategy registered from outside quietsync, nothing for a built-in one."""
     module = get(name)[0].__module__
-    if module.split(".")[0] == "quietsync":
+    if module.split(".")[0] == "quietsync":  # a child registers the built-ins when it imports quietsync
         return []
     file = getattr(sys.modules.get(module), "__file__", None)
     return ["--strategy-module", file or module]

@@ -87,6 +87,7 @@ class PlannedSequences(ShardedSequences):
         if self._perm is None or self._perm[0] != self.epoch:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
             offset = int(torch.randint(0, self.seq_len, (1,), generator=g))
+            # as ShardedSequences draws it (int32 when it fits: the same permutation, half the memory)
             dtype = torch.int32 if self.num_windows < 2**31 else torch.int64
             self._perm = (self.epoch, offset, torch.randperm(self.num_windows, generator=g, dtype=dtype))
         return self._perm[1], self._perm[2]
@@ -94,6 +95,7 @@ class PlannedSequences(ShardedSequences):
     def _slot(self, t: int) -> int:
         """Where this worker's ``t``-th window of the round sits among the round's windows: dealt one per worker in
         turn, so pass ``t`` starts after ``Σ_j min(c_j, t)`` windows."""
+        # then, within pass t, the lower ranks still in the turn come first
         return sum(min(c, t) for c in self.counts) + sum(1 for c in self.counts[:self.rank] if c > t)
 
     def __next__(self) -> torch.Tensor:
@@ -104,7 +106,7 @@ class PlannedSequences(ShardedSequences):
         if number != self.round:  # a new round: the last one's windows were all read, by every worker
             self.consumed += sum(self.counts)
             counts = [m * self.micro_batch_size for m in micro_batches]
-            if self.consumed + sum(counts) > self.num_windows:
+            if self.consumed + sum(counts) > self.num_windows:  # a round never spans two epochs
                 self.epoch += 1
                 self.consumed = 0
             self.round, self.counts, self.taken = number, counts, 0
@@ -114,9 +116,9 @@ class PlannedSequences(ShardedSequences):
         offset, perm = self._epoch_order()
         slots = torch.tensor([self.consumed + self._slot(t) for t in range(self.taken,
                                                                             self.taken + self.micro_batch_size)])
-        starts = offset + perm[slots].long() * self.seq_len
+        starts = offset + perm[slots].long() * self.seq_len  # int64: token offsets outgrow int32
         self.taken += self.micro_batch_size
-        self.last_starts = (self.epoch, starts)
+        self.last_starts = (self.epoch, starts)  # the data audit's record (QUIETSYNC_AUDIT_DATA)
         return gather_windows(self.tokens, starts, self.seq_len)
 
     def state_dict(self) -> dict[str, Any]:
@@ -140,6 +142,7 @@ class PlannedSequences(ShardedSequences):
 
     def continue_from(self, epoch: int, consumed: int) -> None:
         super().continue_from(epoch, consumed)
+        # round -1: the next micro-batch opens a round at the saved position
         self.round, self.counts, self.taken, self.consumed = -1, [], 0, int(consumed)
 
 

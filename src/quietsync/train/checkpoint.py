@@ -106,9 +106,9 @@ def files_problem(folder: str | os.PathLike, world: int, nodes: int | None) -> s
         first = load_checkpoint(folder, 0, mmap=True)
     except ValueError as e:
         return str(e)
-    same = first.get("world_size") == world and first.get("nodes", nodes) == nodes
+    same = first.get("world_size") == world and first.get("nodes", nodes) == nodes  # no node count saved: any matches
     if same and all(rank_file(folder, r).is_file() for r in range(world)):
-        for r in range(1, world):
+        for r in range(1, world):  # rank 0's was read above
             try:
                 load_checkpoint(folder, r, mmap=True)
             except ValueError as e:
@@ -161,7 +161,7 @@ def resolve_resume(resume: str, out: str | os.PathLike, ranks: Iterable[int]) ->
     folder = Path(resume)
     ranks = list(ranks)
     missing = [r for r in ranks if not rank_file(folder, r).is_file()]
-    if missing and not _complete(folder, ranks):
+    if missing and not _complete(folder, ranks):  # missing ones are fine when logical/ can reshard it
         raise ValueError(f"resume folder {folder} lacks rank files for ranks {missing} (and a complete "
                          "world-size-independent part, logical/, to reshard from)")
     return folder

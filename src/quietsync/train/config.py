@@ -200,6 +200,7 @@ class TrainConfig:
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         if self.max_grad_norm is not None:
             v = self.max_grad_norm
+            # bool is an int subclass: True is no norm
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"max_grad_norm must be a finite number > 0, or 0 for no clipping, got {v!r}")
         check_choice("batch_policy", self.batch_policy, ("global", "worker"))
@@ -238,6 +239,7 @@ class TrainConfig:
             links = parse_links(self.link)
         except ValueError as e:
             msg = str(e)
+            # "<field> ...": the CLI rewrites a field's name to its flag
             raise ValueError(msg if msg.startswith("--link") else f"link {msg}") from None
         if self.fault_tolerance == "torchft" and any(lk.scheduled for lk in links.values()):
             raise ValueError("--link with a schedule (BW@TIME,...) cannot be combined with --fault-tolerance torchft: "

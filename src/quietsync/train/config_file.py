@@ -101,7 +101,7 @@ def read_config_file(path: str) -> ConfigFile:
 
 
 def _optional(tp: Any) -> tuple[Any, bool]:
-    if typing.get_origin(tp) in (Union, types.UnionType):
+    if typing.get_origin(tp) in (Union, types.UnionType):  # Optional[X] is a Union, X | None a types.UnionType
         args = typing.get_args(tp)
         rest = [a for a in args if a is not type(None)]
         if len(rest) == 1:
@@ -131,13 +131,13 @@ def _checked(path: str, key: str, tp: Any, value: Any) -> Any:
             raise bad("true or false")
         return value
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, int):  # TOML true is a bool, and a bool is an int
             raise bad("an integer")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad("a number")
-        return float(value)
+        return float(value)  # an integer (lr = 1) is a float value too
     if tp is str:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return ",".join(value)  # a comma list (--log-with) written as a TOML array
@@ -146,7 +146,7 @@ def _checked(path: str, key: str, tp: Any, value: Any) -> Any:
         return value
     if origin is list or tp is list:
         if isinstance(value, str):
-            return [value]
+            return [value]  # link = "inter=...": one entry
         if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) for v in value):
             raise bad("a list")
         return list(value)
@@ -168,6 +168,7 @@ def split_values(
     """
     job_hints = typing.get_type_hints(job_cls)
     strategy_hints = typing.get_type_hints(strategy_cls)
+    # top-level keys name strategy fields by their flag (demo_seed for demo's seed)
     by_flag = {flag[2:].replace("-", "_"): name for name, flag in strategy_fields.items()}
     job: dict[str, Any] = {}
     strat: dict[str, Any] = {}

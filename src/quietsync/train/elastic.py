@@ -67,6 +67,7 @@ def accumulation_field(strategy_config: Any) -> str | None:
     names = {f.name for f in dataclasses.fields(strategy_config)}
     if "accumulation" in names:
         return "accumulation"
+    # None: acco/dpu/wp adapt their micro-batches per stage (no fixed count)
     if "deterministic_accumulation" in names and strategy_config.deterministic_accumulation is not None:
         return "deterministic_accumulation"
     return None
@@ -99,7 +100,7 @@ def rescaled(strategy_config: Any, policy: str, nominal: Nominal, world: int) ->
         accumulation = math.ceil(nominal.accumulation * nominal.world_size / world)
     if field is not None and getattr(strategy_config, field) != accumulation:
         strategy_config = dataclasses.replace(strategy_config, **{field: accumulation})
-    per_worker = accumulation if field is not None else 1
+    per_worker = accumulation if field is not None else 1  # adaptive: the ratio is W / W0
     return strategy_config, (per_worker * world) / (nominal.accumulation * nominal.world_size)
 
 

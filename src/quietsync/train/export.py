@@ -43,13 +43,14 @@ def export_model(model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLi
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a transformers PreTrainedModel to export, got {type(model).__name__}")
     folder = Path(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = folder.with_name(f".{folder.name}.tmp")  # a sibling: the rename below stays on one file system
+    shutil.rmtree(tmp, ignore_errors=True)  # what an export cut short left
     model.save_pretrained(tmp, safe_serialization=True)
+    # as the model's config has it: end-of-text is its bos, eos and pad (data/tokenizer.py)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
                                    unk_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     fast.save_pretrained(tmp)
     if folder.exists():
-        shutil.rmtree(folder)
+        shutil.rmtree(folder)  # os.replace cannot replace a non-empty folder
     os.replace(tmp, folder)
     return folder

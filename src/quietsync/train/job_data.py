@@ -62,6 +62,7 @@ def job_folder(cfg: TrainConfig, progress: bool = False) -> Path:
         say(f"preparing --dataset {cfg.dataset} once into {folder} (later runs reuse it)")
         prepare(pcfg, folder, say=say)
 
+    # the index is written last: it marks a finished prepare
     build_in_place(folder / INDEX, folder.with_name(folder.name + ".lock"), build)
     return folder
 
@@ -113,6 +114,7 @@ def tokenizer_problem(cfg: TrainConfig, index: dict[str, Any]) -> str | None:
     tok, _ = load_pretrained_tokenizer(cfg.tokenizer)
     theirs = tokenizer_fingerprint(tok)
     if theirs != index["tokenizer"]["fingerprint"]:
+        # the same as --model when --tokenizer was not given (TrainConfig's default)
         flag = "--tokenizer" if cfg.tokenizer != cfg.model else "--model"
         return (f"{flag} {cfg.tokenizer} is not the tokenizer --dataset {cfg.dataset} was prepared with "
                 f"({index['tokenizer']['about']}; fingerprints {theirs} and {index['tokenizer']['fingerprint']})")
@@ -129,6 +131,7 @@ def prepared_flag_problem(cfg: TrainConfig, given: set[str]) -> str | None:
         return str(e)
     request = index.get("request", {})
     source = request.get("source", {})
+    # what the folder decided: the vocabulary only for a BPE it trained, the dtype only for token files
     have = {"vocab_size": index.get("vocab_size") if "bpe" in request.get("tokenizer", {}) else None,
             "eval_fraction": request.get("eval_fraction"), "text_column": source.get("text_column"),
             "token_dtype": index.get("dtype") if source.get("kind") == "tokens" else None}

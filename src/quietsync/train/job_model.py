@@ -33,6 +33,7 @@ def job_model(cfg: Any, vocab_size: int, eos: int, device: torch.device) -> torc
         model = load_pretrained(cfg.model, vocab_size)
     else:
         model = build_model(cfg.model, vocab_size, eos, seed=cfg.seed)
+    # a hub model's limit is known only once loaded (the parser checked presets and folders)
     limit = config_max_positions(model.config)
     if limit is not None and cfg.seq_len > limit:
         raise ValueError(f"--seq-len must be <= {limit} for model {cfg.model}, got {cfg.seq_len}")

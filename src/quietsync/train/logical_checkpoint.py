@@ -72,6 +72,7 @@ def has_logical(step_folder: str | os.PathLike) -> bool:
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        # torch.Size and torch dtypes: the shapes and properties of the tensors it lists
         if name in _ALLOWED.get(module, ()) or (module == "torch" and (
                 name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))):
             return super().find_class(module, name)
@@ -89,6 +90,7 @@ class SafeReader(FileSystemReader):
             raise ValueError(f"refusing to load checkpoint metadata {path}: {exc}") from None
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{path} is not a torch.distributed.checkpoint metadata file")
+        # as FileSystemReader.read_metadata does: the load id is carried on storage_meta
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -164,6 +166,7 @@ def save_logical(step_folder: str | os.PathLike, strategy: Strategy, stream: Sha
     state = strategy.logical_state_dict()
     epoch, consumed = stream.logical_position()
     rank = strategy.rank
+    # the job's counters as int64 tensors: the logical part holds tensors only (docs/train.md)
     state.update({
         "data.epoch": torch.tensor(epoch, dtype=torch.int64),
         "data.consumed": torch.tensor(consumed, dtype=torch.int64),
@@ -199,6 +202,7 @@ def load_logical(step_folder: str | os.PathLike, strategy: Strategy, stream: Sha
     check_logical_files(step_folder)  # every worker, before any collective: all raise, naming the file
     saved = saved_tensors(step_folder)
     old_ranks = sorted({int(k.split(".")[1]) for k in saved if k.startswith("worker.") and k.endswith(".tokens")})
+    # DCP loads in place: a scalar tensor to receive each of the job's values
     meta = {"data.epoch": torch.zeros((), dtype=torch.int64), "data.consumed": torch.zeros((), dtype=torch.int64),
             "world_size": torch.zeros((), dtype=torch.int64)}
     for q in old_ranks:
@@ -209,7 +213,7 @@ def load_logical(step_folder: str | os.PathLike, strategy: Strategy, stream: Sha
         raise ReshardError(f"{folder} is not a quietsync logical checkpoint (it lacks {missing or 'worker.*'})")
 
     def read(targets: dict[str, torch.Tensor]) -> None:
-        targets.update(meta)
+        targets.update(meta)  # read in the strategy's one load
         no_dist = _no_dist(strategy)
         with _quiet_single_process(no_dist):
             dcp.load(targets, storage_reader=SafeReader(folder), process_group=_group(strategy), no_dist=no_dist)

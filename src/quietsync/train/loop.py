@@ -84,7 +84,7 @@ across resumes and membership changes no window may be read twice or skipped).""
 def _set_threads(cfg: TrainConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    elif "LOCAL_WORLD_SIZE" in os.environ:
+    elif "LOCAL_WORLD_SIZE" in os.environ:  # auto: the node's cores split among its workers (each would take them all)
         local_world = max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
@@ -102,6 +102,7 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
     total, count = 0.0, 0
     for batch in batches:
         batch = batch.to(device, non_blocking=True)
+        # weighted by windows: the last batch may be shorter (eval_batches)
         total += float(model(input_ids=batch, labels=batch).loss) * batch.shape[0]
         count += batch.shape[0]
     model.train(was_training)
@@ -137,6 +138,7 @@ def _step_plan(cfg: TrainConfig, strategy_config: StrategyConfig | None, world: 
     else:  # a checkpoint of an older quietsync: its world at the flags' accumulation
         nominal = Nominal(int(state.get("world_size", world)), Nominal.of(strategy_config, 1).accumulation)
     step = int(state["strategy"]["steps"])
+    # a checkpoint without one (older quietsync) ran the plain schedule: its position is its step
     position = float(state.get("schedule_position", step))
     run_config, ratio = rescaled(strategy_config, cfg.batch_policy, nominal, world)
     return run_config, TokenSchedule(schedule, step, position, ratio), nominal
@@ -175,6 +177,7 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             cfg.strategy, model, torch.optim.AdamW,
             param_groups=param_groups(model, cfg.weight_decay),
             transport=transport, config=run_config,
+            # nothing rescaled (ratio 1, position = step): the run's own schedule, as an uninterrupted run has it
             lr_schedule=clock.schedule if clock.ratio == 1.0 and clock.anchor_position == clock.anchor_step
             else clock,
             precision=cfg.precision, max_grad_norm=cfg.clip_norm,
@@ -195,11 +198,11 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
                 from .logical_checkpoint import load_logical  # torch.distributed.checkpoint: 1.4 s to import
 
                 tokens_total = load_logical(resume.folder, strategy, stream)
-            resume_step = strategy.steps
+            resume_step = strategy.steps  # the metrics files are cut back to it (a crash may have logged past it)
         note = kind.start_note(cfg, resume, world, run_config, clock)
         if rank == 0 and note:
             print(f"quietsync train: {note}", flush=True)
-        clock_offset = time.time() - time.perf_counter()
+        clock_offset = time.time() - time.perf_counter()  # once per run: turns span times into wall clock (trace.py)
         audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
         membership = kind(cfg, strategy, strategy_config, clock, nominal, stream, resume_step is not None, audit)
         metrics = MetricsWriter(cfg.out, rank, resume_step, sinks=open_sinks(
@@ -283,6 +286,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
     else:
         bar = _NoBar(strategy.steps)
     say = _Printer(membership.speaks, bar)
+    # a resumed run goes on from the records kept up to its checkpoint: its evaluations and sums
     evals = [r for r in metrics.kept if r.get("event") == "eval"]
     sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in STEP_SUMS}
     tokens_logged = 0  # the tokens of the steps this loop logged
@@ -309,6 +313,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         for a step that finish() committed)."""
         nonlocal tokens_logged
         m = strategy.last_step_metrics()
+        # no micro-batch fed (a step finish() committed): NaN, written as null
         step_loss = float(torch.stack(losses).mean()) if losses else float("nan")
         record = {
             "step": m.step, "rank": rank, "loss": step_loss, "lr": m.lr, "tokens": membership.step_tokens(fed),
@@ -328,7 +333,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         for k in sums:
             sums[k] += record[k]
         tokens_logged += record["tokens"]
-        timer.slept_s = 0.0
+        timer.slept_s = 0.0  # slow_sleep_s is per step
         bar.update(max(0, m.step - bar.n))  # a step may span several (adaptive inner steps)
         shown = {"loss": f"{step_loss:.3f}", "lr": f"{m.lr:.2e}"}
         if m.extra.get("grad_norm") is not None:
@@ -338,6 +343,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
     budgets = BudgetWatch(cfg.budgets(), strategy)
     stopped_by = "max_steps" if membership.position(strategy) >= cfg.max_steps else None  # nothing left to train
     profiler = StepProfiler(cfg.profile_steps, cfg.out, rank, device)
+    # the summary's nonfinite_skips counts the whole run, the kept records' skips too
     skipped_before = sum(r.get("skipped_rounds", 0) for r in metrics.kept if "event" not in r)
     losses: list[torch.Tensor] = []
     step_tokens = 0  # this worker's tokens fed since the last committed step
@@ -353,7 +359,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         if membership.finish(strategy):
             log_step(losses, step_tokens)
             losses, step_tokens = [], 0
-        if not evals or evals[-1]["step"] != strategy.steps:
+        if not evals or evals[-1]["step"] != strategy.steps:  # not twice: --eval-every may have hit this step
             run_eval()
 
     try:
@@ -404,6 +410,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
                 eval_loss = run_eval() if evaluated else None
                 stopped_by = budgets.check(tokens_fed, time.perf_counter() - t0, eval_loss,
                                            steps=membership.position(strategy), evaluated=evaluated)
+            # the micro-batch loop broke off with the last step in flight: finish() commits it
             elif strategy.steps_in_flight and membership.position(strategy) >= cfg.max_steps:
                 stopped_by = "max_steps"
             else:

@@ -65,6 +65,7 @@ def finite_json(value: Any) -> Any:
 
 def dumps(value: Any, **kwargs: Any) -> str:
     """Strict JSON of a record or summary (non-finite floats become null; tensors and sets converted)."""
+    # plain JSON first: tensors and numpy values become the floats finite_json can check
     plain = json.loads(json.dumps(value, default=_jsonable, allow_nan=True))
     return json.dumps(finite_json(plain), allow_nan=False, **kwargs)
 
@@ -124,7 +125,7 @@ class MetricsWriter:
 
     def _write(self, record: dict[str, Any]) -> None:
         self._f.write(dumps(record, separators=(",", ":")) + "\n")
-        self._f.flush()
+        self._f.flush()  # to the OS now: a killed worker leaves every finished record
         if self.sinks:
             from .sinks import flatten
 
@@ -143,6 +144,7 @@ class MetricsWriter:
         """Write an ``{"event": "eval"}`` record and return it."""
         record = {
             "event": "eval", "step": step, "rank": self.rank, "loss": loss,
+            # capped: math.exp raises OverflowError past ~709 (a diverged loss)
             "perplexity": math.exp(min(loss, 50.0)), "tokens_total": tokens_total,
             "eval_s": eval_s, "time_s": time_s,
         }

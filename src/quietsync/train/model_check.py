@@ -35,7 +35,7 @@ def _meta_model(cfg: TrainConfig) -> torch.nn.Module:
 
     with torch.device("meta"):
         if not is_pretrained(cfg.model):
-            return build_model(cfg.model, cfg.vocab_size, 0, seed=None)
+            return build_model(cfg.model, cfg.vocab_size, 0, seed=None)  # no shape depends on the eos id or the seed
         from transformers import AutoConfig, AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model))

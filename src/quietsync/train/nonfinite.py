@@ -64,6 +64,7 @@ class NonFiniteError(RuntimeError):
 
 
 def _sum(t: torch.Tensor) -> torch.Tensor:
+    # half precision summed in fp32: an fp16 sum of finite values overflows easily (max 65504)
     return t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum().float()
 
 
@@ -214,7 +215,7 @@ class NonFiniteGuard:
         if not any(codes):
             self._consecutive = 0
             return False
-        step = self.strategy.steps + 1
+        step = self.strategy.steps + 1  # the step this round would have committed
         ranks = [r for r, c in enumerate(codes) if c]
         what = " or ".join(WHAT[c] for c in sorted({c for c in codes if c}))
         where = f"non-finite {what} in step {step} on {_ranks(ranks)}"

@@ -24,6 +24,7 @@ from .config import TrainConfig
 __all__ = ["RUN_OUTPUTS", "COMPARE_OUTPUTS", "out_problem", "compare_out_problem", "remove_outputs"]
 
 RUN_OUTPUTS = (
+    # summary.json.tmp: what a write of the summary cut short leaves
     "metrics-rank*.jsonl", "summary.json", "summary.json.tmp", "loss.png", "trace.json", "trace-rank*.json",
     "timeline.png", "profile-rank*.json",
     "model", "metrics-rank*.csv", "tensorboard", "wandb",
@@ -46,7 +47,7 @@ def _is_empty(folder: Path) -> bool:
 
 def _inside(path: Path, folder: Path) -> bool:
     try:
-        return path.resolve().is_relative_to(folder.resolve())
+        return path.resolve().is_relative_to(folder.resolve())  # through links and relative paths
     except OSError:
         return False
 
@@ -82,7 +83,7 @@ def remove_checkpoints(out: str | os.PathLike) -> bool:
     from .checkpoint import STEP_DIR, checkpoint_root, run_files
 
     root = checkpoint_root(out)
-    if not root.is_dir() or root.is_symlink():
+    if not root.is_dir() or root.is_symlink():  # never delete through a link into another folder
         return False
     removed = False
     for step in root.iterdir():
@@ -116,7 +117,7 @@ def remove_outputs(out: str | os.PathLike, patterns: tuple[str, ...] = RUN_OUTPU
     if not out.is_dir():
         return []
     removed = []
-    if patterns is RUN_OUTPUTS and remove_checkpoints(out):
+    if patterns is RUN_OUTPUTS and remove_checkpoints(out):  # train's own call only (compare passes its own)
         removed.append("checkpoints")
     for pattern in patterns:
         for path in out.glob(pattern):

@@ -23,7 +23,7 @@ def loss_curves(out: str | os.PathLike, world_size: int | None = None) -> dict[s
         m = re.fullmatch(r"metrics-rank(\d+)", p.stem)
         if m:
             numbered.append((int(m.group(1)), p))
-    files = [p for _, p in sorted(numbered)]
+    files = [p for _, p in sorted(numbered)]  # by rank number: rank 0's evaluation comes first
     losses: dict[int, list[float]] = defaultdict(list)
     tokens: dict[int, list[int]] = defaultdict(list)
     evals: dict[int, float] = {}
@@ -42,6 +42,7 @@ def loss_curves(out: str | os.PathLike, world_size: int | None = None) -> dict[s
     def tokens_at(step: int) -> float:
         if step in step_tokens:
             return step_tokens[step]
+        # an evaluation at a step with no train record (step 0, a step finish() committed)
         before = [s for s in steps if s <= step]
         return step_tokens[before[-1]] if before else 0.0
 

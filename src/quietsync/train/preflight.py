@@ -34,7 +34,7 @@ def _check_folder(flag: str, path: str | os.PathLike, what: str) -> None:
     if path.exists():
         if not path.is_dir():
             raise FlagError(flag, f"{flag} must be a folder ({what}), but {path} is a file")
-        if not os.access(path, os.W_OK | os.X_OK):
+        if not os.access(path, os.W_OK | os.X_OK):  # a folder needs x as well as w to create files in it
             raise FlagError(flag, f"{flag} must be a writable folder ({what}), but {path} is not writable")
         return
     parent = path.absolute().parent
@@ -140,7 +140,7 @@ def check_data(cfg: TrainConfig, world: int) -> None:
     from .job_data import job_folder, split_tokens, tokenizer_problem
 
     try:
-        folder = job_folder(cfg, progress=cfg.progress and sys.stderr.isatty())
+        folder = job_folder(cfg, progress=cfg.progress and sys.stderr.isatty())  # no bar redraws into a log file
         index = read_index(folder)
         check_shards(folder, index)  # a shard truncated or changed since it was prepared: here, not in the workers
         problem = tokenizer_problem(cfg, index)
@@ -149,7 +149,7 @@ def check_data(cfg: TrainConfig, world: int) -> None:
                                            "vocab_size"])
         raise FlagError(flag or "--dataset", text if flag else f"--dataset {cfg.dataset}: {text}") from None
     if problem is not None:
-        raise FlagError(problem.split()[0], problem)
+        raise FlagError(problem.split()[0], problem)  # the line starts with the flag it blames
     train, held = split_tokens(folder)
     problem = data_problem(train, held, cfg, world)
     if problem is not None:

@@ -52,6 +52,7 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
     from .job_model import worker_preload
 
     if workers > 1 and not under_torchrun():
+        # the group's workers meet at a store of their own (faults/store.py), on loopback with a local Lighthouse
         host = "127.0.0.1" if lighthouse.rpartition("://")[2].startswith(("127.", "localhost")) else \
             socket.gethostname()
         os.environ.setdefault(STORE_ENV, f"{host}:{_free_port()}")
@@ -64,7 +65,7 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
     except WorkerFailed as e:
         print(e.details, file=sys.stderr)
         print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
-        return NONFINITE_EXIT if "NonFiniteError: " in str(e) else 1
+        return NONFINITE_EXIT if "NonFiniteError: " in str(e) else 1  # a worker's error arrives as text
     except KeyboardInterrupt:
         return 130
     return 0
@@ -82,6 +83,7 @@ def _replica_main(cfg: Any, strategy_config: Any, replica: int, replicas: int, l
     except BaseException:  # noqa: BLE001 - the child's traceback, then its exit status
         traceback.print_exc()
         code = 1
+    # os._exit below skips Python's clean-up: flush by hand
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -114,6 +116,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
 
     workers = cfg.nproc // replicas
     if not cfg.threads:
+        # every replica group's workers share this machine's cores
         cfg = dataclasses.replace(cfg, threads=max(1, (os.cpu_count() or 1) // cfg.nproc))
     server = None
     if cfg.lighthouse is None:
@@ -131,7 +134,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
     def start(k: int) -> None:
         child = context.Process(target=_replica_main, name=f"quietsync-replica{k}",
                                 args=(cfg, strategy_config, k, replicas, address, workers, os.getpid(),
-                                      dict(os.environ)))
+                                      dict(os.environ)))  # a forkserver child starts with the forkserver's environment
         child.start()
         children[k] = child
 
@@ -156,6 +159,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
                 if child.exitcode == 0:
                     finished.add(k)
                     continue
+                # after a non-finite stop no group is started again
                 if child.exitcode == NONFINITE_EXIT or nonfinite is not None:
                     if child.exitcode == NONFINITE_EXIT and nonfinite is None:
                         nonfinite = time.monotonic()
@@ -163,6 +167,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
                               "(--on-nonfinite); it is not started again, the job stops", file=sys.stderr, flush=True)
                     finished.add(k)
                     continue
+                # the last one, after the others ended the run: a restart would find no live peer to heal from
                 if finished and len(finished) + 1 == replicas:
                     print(f"{PROG} train: replica group {k} ended ({_ended(child.exitcode)}) after the others had "
                           "finished the run", file=sys.stderr, flush=True)

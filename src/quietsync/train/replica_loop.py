@@ -82,7 +82,7 @@ def advertised_host(lighthouse: str) -> str:
     """The address the other replica groups reach this one at (:data:`HOST_ENV`)."""
     if os.environ.get(HOST_ENV):
         return os.environ[HOST_ENV]
-    host = lighthouse.rpartition("://")[2].rpartition(":")[0].strip("[]")
+    host = lighthouse.rpartition("://")[2].rpartition(":")[0].strip("[]")  # [::1]:port: an IPv6 host in brackets
     return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.gethostname()
 
 
@@ -90,6 +90,7 @@ def process_started_unix() -> float | None:
     """When this process started (wall clock; Linux ``/proc``), None where unknown."""
     try:
         with open("/proc/self/stat") as f:
+            # field 22, starttime (clock ticks after boot); split after the last ")": the name may hold spaces
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
@@ -142,7 +143,7 @@ class TorchftQuorum:
         return self.dealer.position()
 
     def begin_step(self, strategy: Any) -> None:
-        hold(strategy.steps + 1)
+        hold(strategy.steps + 1)  # a test's hold point (QUIETSYNC_FT_HOLD; nothing without it)
         if self.quorum.round_due:
             self.quorum.start_round()  # after a commit: joiners heal here
 
@@ -150,7 +151,7 @@ class TorchftQuorum:
         self._commits, self._retries = self.quorum.commits, self.quorum.retries
         mb, w = self.cfg.micro_batch_size, self.transport.workers
         self.windows = self.dealer.deal(self.quorum.members, self.transport.replica, strategy.steps)[
-            self.transport.local_rank::w]
+            self.transport.local_rank::w]  # worker i of the group: every W-th window of its slot
         if self.quorum.abstains:  # just healed: no data of its own this step (faults/async_join.py)
             self.windows = []
             return iter([ABSTAIN] * self.accumulation)
@@ -161,6 +162,7 @@ class TorchftQuorum:
         return None
 
     def fed(self, strategy: Any, index: int, loss: torch.Tensor | None) -> torch.Tensor | None:
+        # a test's injected non-finite value (QUIETSYNC_FT_NONFINITE), on the step's first micro-batch
         return poison(strategy.steps + 1, loss, strategy.module) if index == 0 else loss
 
     def commit(self, strategy: Any, index: int) -> str:
@@ -204,7 +206,7 @@ class TorchftQuorum:
                 record["dropped"] = list(self.dropped_windows)
         self.dropped_windows.clear()
         if self.marks:
-            record["start"], self.marks = dict(self.marks), {}
+            record["start"], self.marks = dict(self.marks), {}  # the first step only
         rounds = quorum.take_rounds()
         if rounds:
             record["rounds"] = rounds
@@ -220,7 +222,7 @@ class TorchftQuorum:
         pass
 
     def close(self, strategy: Any, result: dict[str, Any]) -> dict[str, Any]:
-        self.state["finished"] = True
+        self.state["finished"] = True  # part of the heal state: a late joiner sees the run ended
         totals = _totals(self.transport, result, result["tokens_logged"], strategy)
         if totals.pop("nonfinite_params"):
             raise NonFiniteError(f"the committed parameters after step {strategy.steps} are not finite on "
@@ -273,6 +275,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         n_params = count_parameters(model)
         field = accumulation_field(strategy_config)
         accumulation = int(getattr(strategy_config, field)) if field else 1
+        # one reader (rank 0 of 1): the dealer hands its windows to the replicas
         reader = ShardedSequences(train_tokens, cfg.seq_len, cfg.micro_batch_size, 0, 1, cfg.seed)
         lag = int(getattr(strategy_config, "overlap_delay", 0) or 0)  # a commit lands up to τ steps late
         dealer = WindowDealer(reader, accumulation * cfg.micro_batch_size * transport.workers, replicas, lag)
@@ -303,11 +306,11 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
             cfg.log_with, cfg.out, transport.topology.rank, append=True,
             config={"config": dataclasses.asdict(cfg), "strategy_config": dataclasses.asdict(strategy.config)}))
         marks["ready"] = time.time()
-        hold(0)
+        hold(0)  # a test's hold before the first quorum
         ready()
         healed = quorum.join()
         marks["joined"] = time.time()
-        if not healed:
+        if not healed:  # a healed replica took a live peer's parameters
             check_same_start(strategy, transport)
         audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
         membership = TorchftQuorum(cfg, strategy, transport, quorum, dealer, state, healed, marks, audit)
@@ -340,7 +343,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         if quorum is not None:
             quorum.shutdown()
         transport.close()
-        del store
+        del store  # the replica group's TCPStore server (rank 0) is kept alive until here
 
 
 STANDBY_POLL_S = 0.01
@@ -361,6 +364,7 @@ def warm_up(model: torch.nn.Module, cfg: Any, device: torch.device) -> None:
     asks to join, while the others train -- not in its first step, in whose collective they wait for it. On the
     goodput benchmark's model a fresh process's first step took ~30 ms more than its second."""
     batch = torch.zeros((cfg.micro_batch_size, cfg.seq_len), dtype=torch.long, device=device)
+    # only this GPU's RNG (fork_rng otherwise forks every visible device's)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with parse_precision(cfg.precision).autocast(device.type):
             loss = lm_loss(model, batch)
@@ -374,6 +378,7 @@ def check_same_start(strategy: Any, transport: FaultTolerantTransport) -> None:
     seed; no initial broadcast crosses replicas): one all-reduce of each replica's parameter checksum checks it."""
     with torch.no_grad():
         total = sum(float(p.detach().double().sum()) for p in strategy.module.parameters())
+    # max of x and of -x in one all-reduce: their sum is max - min, 0 when every replica agrees
     sums = torch.tensor([total, -total], dtype=torch.float64, device=transport.device)
     transport.all_reduce(sums, "replicate", op="max", name="start_check")
     if abs(float(sums[0]) + float(sums[1])) > 1e-9 * max(1.0, abs(total)):
@@ -416,7 +421,7 @@ def _summary(cfg: Any, strategy_config: StrategyConfig | None, membership: Torch
     fed = totals["tokens"]
     totals["tokens"] = dealer.committed * cfg.seq_len
     summary = job_summary(cfg, strategy, strategy_config, transport.topology, n_params,
-                          {**result, "stopped_by": "max_steps"}, totals)
+                          {**result, "stopped_by": "max_steps"}, totals)  # torchft refuses the other budgets
     summary["fault_tolerance"] = {
         "engine": "torchft", "replicas": transport.replicas, "final_members": quorum.members,
         "schedule_position": dealer.position(), "windows_committed": dealer.committed,

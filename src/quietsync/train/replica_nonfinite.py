@@ -117,7 +117,7 @@ def finite_flag(strategy: Any) -> float:
 def dropped_in(e: BaseException) -> RoundDropped | None:
     """The :class:`RoundDropped` ``e`` is, or was raised from (a unit run on a communication thread)."""
     seen = set()
-    while e is not None and id(e) not in seen:
+    while e is not None and id(e) not in seen:  # a cause chain can loop
         if isinstance(e, RoundDropped):
             return e
         seen.add(id(e))

@@ -125,6 +125,7 @@ def _strategy_flags(strategy: str) -> dict[str, str]:
 
 
 def _warmup(max_steps: int, warmup_steps: int | None) -> int:
+    # TrainConfig.warmup's rule, applied to the checkpoint's flags too
     return warmup_steps if warmup_steps is not None else max(1, max_steps // 20)
 
 
@@ -162,6 +163,7 @@ def reshard_note(saved_world: int, world: int, policy: str = "worker", strategy_
     ``policy`` (``nominal``: the checkpoint's first world and micro-batches per worker, :class:`Nominal`)."""
     from .elastic import Nominal, accumulation_field, rescaled
 
+    # a checkpoint without one: its own world at the flags' accumulation, as train/loop.py resumes it
     start = (Nominal(**nominal) if nominal else Nominal(saved_world, Nominal.of(strategy_config, 1).accumulation))
     config, ratio = rescaled(strategy_config, policy, start, world)
     field = accumulation_field(config)
@@ -229,6 +231,7 @@ def check_checkpoint(
     step = int(_strategy_state(payload).get("steps", 0))
     was, has, notes = [], [], []
     for name in now:
+        # a field the checkpoint's config lacks has nothing to be compared with
         if name not in saved or name in SAFE or name in TOPOLOGY or saved[name] == now[name]:
             continue
         flag = flag_name(name)

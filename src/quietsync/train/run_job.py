@@ -53,6 +53,7 @@ def before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) ->
         problem = lighthouse_problem(cfg.lighthouse)
         if problem is not None:
             raise FlagError("--lighthouse", problem)
+    # once per node (under torchrun every process runs this); a replica group shares --out with the others
     if cfg.overwrite and os.environ.get("LOCAL_RANK", "0") == "0" and cfg.replica_group is None:
         removed = remove_outputs(cfg.out)
         if removed:

@@ -35,7 +35,7 @@ class WarmupCosine:
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        decay_steps = max(1, self.total_steps - self.warmup_steps)  # a warm-up as long as the run: no division by 0
         progress = min(1.0, (step - self.warmup_steps) / decay_steps)
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

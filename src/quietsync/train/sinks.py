@@ -144,7 +144,7 @@ class CSVSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.columns: list[str] = []
         self._f: io.TextIOWrapper | None = None
-        if append and self.path.exists() and self.path.stat().st_size:
+        if append and self.path.exists() and self.path.stat().st_size:  # an empty file has no header to go on under
             with open(self.path, encoding="utf-8", newline="") as f:
                 self.columns = next(csv.reader(f), [])
             self._f = open(self.path, "a", encoding="utf-8", newline="")
@@ -163,7 +163,7 @@ class CSVSink:
     def _rows(self) -> list[dict[str, Any]]:
         """The rows written so far (their cells as the text written)."""
         if self._f is not None:
-            self._f.flush()
+            self._f.flush()  # the rows read back include the last one written
         with open(self.path, encoding="utf-8", newline="") as f:
             return list(csv.DictReader(f))
 
@@ -211,6 +211,7 @@ class TensorBoardSink:
         if config:
             import json
 
+            # a code block: TensorBoard renders text as Markdown
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", 0)
 
     def log(self, record: dict[str, Any], step: int) -> None:
@@ -264,7 +265,7 @@ def open_sinks(
             elif name == "wandb" and rank == 0:
                 sinks.append(WandbSink(out, config=config))
     except BaseException:
-        for sink in sinks:
+        for sink in sinks:  # those opened before the failure (a W&B run) are not left open
             sink.close()
         raise
     return sinks

@@ -73,5 +73,6 @@ class MicroBatchTimer:
         return pause
 
     def _sync(self) -> None:
+        # CUDA runs asynchronously: wait for the queued kernels, so the time is the micro-batch's
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

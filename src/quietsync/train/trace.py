@@ -85,7 +85,7 @@ def trace_events(spans, rank: int, clock_offset: float) -> list[dict[str, Any]]:
         events.append({"name": s.name, "ph": "b", "ts": ts, **common, "args": args})
         if s.t_wire is not None:
             wire = ts + s.queued * 1e6
-            if wire > ts:
+            if wire > ts:  # no queued child when it went on the wire at once
                 events.append({"name": QUEUED, "ph": "b", "ts": ts, **common})
                 events.append({"name": QUEUED, "ph": "e", "ts": wire, **common})
             events.append({"name": ON_WIRE, "ph": "b", "ts": wire, **common})
@@ -110,8 +110,9 @@ def write_merged_trace(out: str | os.PathLike, transport: Any, spans, clock_offs
     """Gather every worker's events on rank 0 and write ``OUT/trace.json`` there (returns its path; None on
     the other ranks). Every worker of ``world`` must call it (one ``all_gather`` of the encoded events)."""
     mine = json.dumps(trace_events(spans, transport.topology.rank, clock_offset), default=_jsonable).encode()
+    # bytearray: torch.frombuffer warns on a read-only buffer
     encoded = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(transport.device)
-    parts = transport.all_gather_uneven(encoded, group="world", name="trace")
+    parts = transport.all_gather_uneven(encoded, group="world", name="trace")  # each worker's events differ in length
     if transport.topology.rank != 0:
         return None
     per_rank = [json.loads(bytes(p.cpu().numpy().tobytes()).decode()) for p in parts]
@@ -132,6 +133,7 @@ def read_traces(out: str | os.PathLike) -> dict[int, list[dict[str, Any]]]:
         ph = e.get("ph")
         if ph == "X":
             traces.setdefault(e["pid"], []).append(e)
+        # children share their collective's id: its first "b" opens it, the "e" of its own name closes it
         elif ph == "b" and (e["pid"], e["id"]) not in opened:
             opened[(e["pid"], e["id"])] = e
         elif ph == "e" and e.get("name") == opened.get((e["pid"], e["id"]), {}).get("name"):

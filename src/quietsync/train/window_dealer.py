@@ -126,6 +126,7 @@ class WindowDealer:
             back, self.given_back = self.given_back, []
             for i, window in enumerate(back):
                 slot = slots[(self.deals + i) % self.replicas]
+                # slot full: the window waits for the next deal
                 (slot if len(slot) < self.per_replica else self.given_back).append(window)
             for slot in slots:
                 need = self.per_replica - len(slot)
@@ -203,9 +204,10 @@ class WindowDealer:
         for epoch in epochs.unique().tolist():
             order = self._orders.get(epoch)
             if order is None:
+                # the one reader's order of that epoch: the permutation ShardedSequences draws
                 self.reader.continue_from(epoch, 0)
                 order = self._orders[epoch] = self.reader.window_starts().clone()
-                if len(self._orders) > 2:
+                if len(self._orders) > 2:  # bounded: an evicted order is drawn again
                     self._orders.pop(min(self._orders))
             mask = epochs == epoch
             starts[mask] = order[index[mask] % self.windows_per_epoch]

@@ -73,7 +73,7 @@ def agreed_checkpoint(cfg: TrainConfig, topology: Topology, transport: Transport
     """The newest complete checkpoint under ``--out`` whose files are whole, as rank 0 sees it, broadcast so every
     worker loads the same one (None when there is none and ``required`` is False). With ``pass_over``
     (``--elastic``) a checkpoint with a bad file is passed over, with a note naming it, for the next older one."""
-    code, problem = -1, None
+    code, problem = -1, None  # broadcast as one int: the step, -1 (none) or -2 (a bad file)
     if topology.rank == 0:
         for folder in complete_checkpoints(cfg.out, local_ranks(topology)):
             problem = files_problem(folder, topology.world_size, topology.nodes)
@@ -117,6 +117,7 @@ def load_resume(folder: Path | None, cfg: TrainConfig, strategy_config: Strategy
     local = local_ranks(topology)  # the same choice on every worker: all use the rank files, or none
     same = (head.get("world_size") == world and head.get("nodes", topology.nodes) == topology.nodes
             and all(rank_file(folder, r).is_file() for r in local))
+    # resharding needs only rank 0's config and counters (mapped): the tensors come from logical/
     state = load_checkpoint(folder, rank) if same and rank != 0 else load_checkpoint(folder, 0, mmap=not same)
     position = float(head.get("schedule_position", head["strategy"]["steps"]))
     if finished_at_max and position >= cfg.max_steps:  # e.g. a node that rejoins as the run ends: nothing to do
@@ -224,7 +225,7 @@ class FixedWorld:
     def after_step(self, strategy: Any, stopping: bool, tokens_fed: int) -> None:
         cfg = self.cfg
         if cfg.save_every and (strategy.steps % cfg.save_every == 0 or stopping):
-            with strategy.paused():
+            with strategy.paused():  # the save stays out of the next step's compute_s
                 save(self, strategy, tokens_fed)
         pause(strategy.steps, self.rank)  # QUIETSYNC_PAUSE: a test holds the workers here (else one env lookup)
 
@@ -281,6 +282,7 @@ def save(world: FixedWorld, strategy: Any, tokens_total: int) -> None:
     cfg, stream = world.cfg, world.stream
     state = strategy.state_dict()
     world.guard.check_state(state, strategy.steps)
+    # logical/ before the rank files: a step whose rank files are complete has it complete too
     if strategy.reshard_refusal is None:
         from .logical_checkpoint import save_logical  # torch.distributed.checkpoint: imported when first used
 
@@ -306,7 +308,7 @@ def gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
     keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
     values = [float(result["tokens_total"]), float(result["micro_batches"]), *(float(result[k]) for k in STEP_SUMS)]
     values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
-    t = torch.tensor(values, dtype=torch.float64, device=transport.device)
+    t = torch.tensor(values, dtype=torch.float64, device=transport.device)  # float64: byte and token counts stay exact
     transport.all_reduce(t, group="world", op="sum", name="summary")
     v = t.tolist()
     by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}

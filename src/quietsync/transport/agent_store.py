@@ -45,13 +45,14 @@ def worker_group_store(shared: Any, topology: Topology, timeout_s: float) -> Any
     timeout = datetime.timedelta(seconds=timeout_s)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     if topology.rank == 0:
+        # port 0: any free port, published below with the nonce
         server = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         nonce = secrets.token_hex(8)
         server.set("quietsync/nonce", nonce)
         shared.set(_ROUND_KEY, f"{host}|{server.port}|{nonce}")
         return server
     deadline = time.monotonic() + timeout_s
-    probe = datetime.timedelta(seconds=2)
+    probe = datetime.timedelta(seconds=2)  # short: a stale entry's server is gone, so read the entry again soon
     while True:
         entry = shared.get(_ROUND_KEY).decode()
         addr, port, nonce = entry.rsplit("|", 2)

@@ -128,7 +128,7 @@ class ProcessGroups:
             if not dist.is_initialized():
                 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
                 if self.backend == "nccl":
-                    torch.cuda.set_device(self.device)
+                    torch.cuda.set_device(self.device)  # NCCL uses the current device for this rank's communicator
                 if _DEFAULT_GROUP.store is None:
                     url = os.environ.get(RENDEZVOUS_ENV, "env://")
                     _DEFAULT_GROUP.store, _, _ = next(
@@ -156,6 +156,7 @@ class ProcessGroups:
         self._groups["world"] = dist.new_group(list(range(topo.world_size)), timeout=self._timeout)
         for name, all_groups in (("shard", topo.all_shard_groups()), ("replicate", topo.all_replicate_groups())):
             for ranks in all_groups:
+                # a group of one never communicates: no process group (skipped on every rank alike)
                 pg = dist.new_group(list(ranks), timeout=self._timeout) if len(ranks) > 1 else None
                 if topo.rank in ranks:
                     self._groups[name] = pg
@@ -210,7 +211,7 @@ class ProcessGroups:
             return float(value)
         if self._closed:
             raise RuntimeError("the transport is closed")
-        t = torch.tensor([float(value)], dtype=torch.float64)
+        t = torch.tensor([float(value)], dtype=torch.float64)  # a Python float's precision: nothing rounds in transit
         dist.all_reduce(t, op=ops[op], group=self._control_group())
         return float(t)
 
@@ -231,6 +232,7 @@ class ProcessGroups:
     def _control_group(self) -> Any:
         """The gloo group of the agreements, created on first use (every worker calls at the same point)."""
         if self._control is None:
+            # gloo even under NCCL: the agreements are CPU tensors
             self._control = dist.new_group(list(range(self.topology.world_size)), backend="gloo",
                                            timeout=self._timeout)
         return self._control

@@ -102,7 +102,7 @@ class Transport(ProcessGroups):
     # ------------------------------------------------------------------ links
     def link_for(self, group: str) -> LinkModel | None:
         """The link a collective over ``group`` uses: ``inter`` iff the group spans nodes, else ``intra``."""
-        self._ranks(group)
+        self._ranks(group)  # validates the name: raises on an unknown group
         return self.links.get("inter" if self.topology.spans_nodes(group) else "intra")
 
     def link_to(self, peer: int) -> LinkModel | None:
@@ -121,6 +121,7 @@ class Transport(ProcessGroups):
         red, post = self._op(op, n, tensor)
         handle = None
         if n > 1:
+            # always issued async: Work waits for it, then sits out the link's modeled time
             handle = dist.all_reduce(tensor, op=red, group=self._groups[group], async_op=True)
         return self._collective(handle, "all_reduce", group, _nbytes(tensor), name, post, async_op)
 
@@ -139,7 +140,7 @@ class Transport(ProcessGroups):
         handle = None
         if n > 1:
             handle = _reduce_scatter_flat(output, input, op=red, group=self._groups[group], async_op=True)
-        elif output.data_ptr() != input.data_ptr():
+        elif output.data_ptr() != input.data_ptr():  # a group of one: the input is the result (unless aliased)
             output.copy_(input.view_as(output))
         return self._collective(handle, "reduce_scatter", group, _nbytes(input), name, post, async_op)
 
@@ -172,6 +173,7 @@ class Transport(ProcessGroups):
         mine = torch.tensor([flat.numel()], dtype=torch.int64, device=flat.device)
         self.all_gather(sizes, mine, group, name=f"{name}/sizes")
         counts = sizes.tolist()
+        # all_gather needs equal sizes: pad to the longest, then cut each back to its count
         width = max(counts)
         padded = flat.new_zeros(width)
         padded[: flat.numel()] = flat
@@ -319,6 +321,7 @@ class Transport(ProcessGroups):
     def _op(self, op: str, n: int, target: torch.Tensor) -> tuple[Any, Callable[[], None] | None]:
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        # avg as a sum, then a division once the data is in: gloo has no AVG reduction
         red = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                "min": dist.ReduceOp.MIN}[op]
         post = (lambda: target.div_(n)) if op == "avg" and n > 1 else None
@@ -339,7 +342,7 @@ class Transport(ProcessGroups):
             # on a scheduled link: at the rates in force while it is served
             modeled = deadline - t_wire if link.scheduled else link.time(kind, nbytes, n)
         if sent is None or recv is None:
-            sent = recv = traffic(kind, nbytes, n)[1]
+            sent = recv = traffic(kind, nbytes, n)[1]  # ring algorithms receive what they send
         work = Work(self._wait_handle, self._account, (handle,) if handle is not None else (), kind, group, nbytes,
                     name, sent, recv, src=src, modeled_s=modeled, t_issue=t_issue, deadline=deadline, finish=finish,
                     t_wire=t_wire, cuda_events=self._issue_event(handle is not None))
@@ -357,6 +360,7 @@ class Transport(ProcessGroups):
         t_wire: float | None = None
         for link, one_way, size, tx, rx in bookings:
             if link is not None:
+                # n=2: a transfer between two workers (traffic() counts nothing for a group of one)
                 begin, end = link.book_transfer(one_way, size, 2, t_issue, tx=tx, rx=rx)
                 deadline = max(deadline, end)
                 t_wire = begin if t_wire is None else min(t_wire, begin)
@@ -386,6 +390,7 @@ class Transport(ProcessGroups):
 
     def _check_group_rank(self, group: str, group_rank: int, what: str) -> None:
         n = self.group_size(group)
+        # bool is an int subclass: True is no rank
         if isinstance(group_rank, bool) or not isinstance(group_rank, int) or not 0 <= group_rank < n:
             raise ValueError(f"{what} must be a rank of group '{group}' in [0, {n}), got {group_rank!r}")
 
@@ -404,6 +409,7 @@ class Transport(ProcessGroups):
             return  # nothing went on the network (a group of one, an exchange with oneself): no span
         if work.dst is not None:
             self.meter.add_peer(self.global_rank(work.group, work.dst), sent=work.sent)
+        # a broadcast's src is its root, not the peer a chain relays from
         if work.src is not None and work.kind != "broadcast":
             self.meter.add_peer(self.global_rank(work.group, work.src), recv=work.recv)
         self.recorder.add("comm", work.name, work.t_issue, t1, t_wire=work.t_wire, device_events=work.cuda_events,

@@ -112,7 +112,7 @@ class Work:
             self._complete()
 
     def _complete(self) -> None:
-        if self._done:
+        if self._done:  # wait() and a future's callback may both get here
             return
         remaining = self.deadline - time.perf_counter()
         if remaining > 0:

@@ -125,6 +125,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
         }
         if entry:
             state[i] = entry
+    # the logical form saves no group options: the optimizer keeps its own (base lrs are restored apart)
     current = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
@@ -136,6 +137,7 @@ def flat_tensor(local: torch.Tensor, numel: int, mesh: Any) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor, Shard
 
+    # global shape given: the last chunks are shorter or empty, which from_local would not infer
     return DTensor.from_local(
         local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
     )

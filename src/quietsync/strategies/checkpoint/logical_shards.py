@@ -63,7 +63,7 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):
         stride.append(acc)
-        acc *= max(size, 1)
+        acc *= max(size, 1)  # as torch does: a size-0 dim leaves the outer strides nonzero
     return tuple(reversed(stride))
 
 
@@ -165,6 +165,7 @@ def shard_targets(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Op
     for p in pieces:
         key = f"{prefix}model.{p.name}"
         shape = saved.get(key, (None, None))[0]
+        # a key the checkpoint lacks is reported by the caller, with the others missing
         if shape is not None and tuple(shape) != tuple(p.shape):
             raise ReshardError(
                 f"the checkpoint's {key} has shape {tuple(shape)}, this model's {tuple(p.shape)} "
@@ -216,6 +217,7 @@ def load_shards(shards: Any, model: torch.nn.Module, optimizer: torch.optim.Opti
             if key.startswith(head) and "." not in key[len(head):]:
                 value = local_part(value)
                 if value.dim():
+                    # the checkpoint holds the real rows only; the optimizer's state has the shard's padded shape
                     whole = torch.zeros(p.local.shape, dtype=value.dtype, device=p.local.device)
                     whole[: p.rows].copy_(value)
                     value = whole

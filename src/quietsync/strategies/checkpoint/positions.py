@@ -22,13 +22,14 @@ def check_positions_agree(transport: Transport, keys: dict[str, int], position: 
     (then it sends a flag instead of a position). Every worker learns every other's verdict from one
     all-gather, so all raise together.
     """
-    names = sorted(keys)
+    names = sorted(keys)  # one order on every worker, whatever the dict's
     mine = torch.tensor([0 if problem else 1] + [int(position.get(k, -1)) for k in names], dtype=torch.int64,
                         device=transport.device)
     n = transport.group_size("world")
     every = torch.empty(n * mine.numel(), dtype=torch.int64, device=transport.device)
     transport.all_gather(every, mine, "world", name="all_gather/checkpoint_position")
     rows = every.view(n, -1).tolist()
+    # only after the all-gather: raising before it would leave the peers waiting
     if problem:
         raise ValueError(problem)
     rejected = [r for r, row in enumerate(rows) if row[0] == 0]

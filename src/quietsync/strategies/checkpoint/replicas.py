@@ -107,6 +107,7 @@ class ReplicaLoad:
             how = rule(key)
             if how not in JOIN_RULES:
                 raise ValueError(f"join rule of {key} must be one of {', '.join(JOIN_RULES)}, got {how!r}")
+            # zero and skip keys are read from no replica: they start as zeros here
             if how != "mean":
                 self._mine[key] = _zero(t)
         for q in self.old:
@@ -133,9 +134,11 @@ class ReplicaLoad:
             if not base.is_floating_point() or all(torch.equal(values[0], v) for v in values[1:]):
                 out[key] = first  # counters, and state the replicas agree on: exactly theirs
                 continue
+            # a float64 sum, rounded once into the state's own dtype
             total = values[0].to(torch.float64, copy=True)
             for v in values[1:]:
                 total += v
+            # in place into replica 0's target, so a DTensor keeps its layout
             base.copy_(total.div_(len(values)).to(base.dtype))
             out[key] = first
         return out

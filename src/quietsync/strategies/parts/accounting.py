@@ -118,6 +118,7 @@ class StepAccounting:
         t1 = time.perf_counter()
         after = self.transport.meter.snapshot()
         comm = sum(v["seconds"] - before.get(g, {}).get("seconds", 0.0) for g, v in after.items())
+        # clamp: the meter also counts other threads' collectives, which can exceed fn's own time
         comm = min(max(comm, 0.0), t1 - t0)
         self.idle_s += comm
         if comm > 0:
@@ -143,5 +144,5 @@ class StepAccounting:
             lr=lr,
             extra=dict(extra or {}),
         )
-        self.reset(snap)
+        self.reset(snap)  # the same snapshot: no bytes fall between two steps
         return metrics

@@ -74,6 +74,7 @@ class Accumulator(Part):
         return {"count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # size itself: a full round saved between its last backward and its step
         check_int("checkpoint accumulation count", state["count"], 0, self.size)
         self.count = int(state["count"])
 
@@ -127,7 +128,7 @@ class OptimizerRound(Part):
         self.lr.apply(lr_scale)
         with label("quietsync/optimizer_step"):
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad(set_to_none=False)  # in place: DDP's gradient buckets view p.grad
         accounting.add_compute(time.perf_counter() - t0)
         self.accumulator.reset()
         return {}
@@ -143,6 +144,7 @@ class OptimizerRound(Part):
                 "optimizer_state": opt_state}
 
     def state_dict(self) -> dict[str, Any]:
+        # clone the open round's p.grad: the live tensor is zeroed in place at the next step
         return {"optimizer": self.optimizer.state_dict(), "lr": self.lr.state_dict(),
                 "round": self.accumulator.state_dict(),
                 "grads": [None if p.grad is None else p.grad.clone() for p in self.params]}

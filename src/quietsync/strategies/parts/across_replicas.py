@@ -20,6 +20,7 @@ from ...transport import Transport
 
 def split_groups(transport: Transport, group: str) -> tuple[str, str | None]:
     """``(the group the strategy runs over, the group it then averages across or None)`` for ``group``."""
+    # only world spans the replicas; a group inside one replica group runs as asked
     if getattr(transport, "fault_tolerant", False) and group == "world":
         return "shard", "replicate"
     return group, None

@@ -73,6 +73,7 @@ class ModuleBuffers(Part):
         self.running = running_buffers(module)
         """``(name, tensor)`` of the running statistics (empty for most models)."""
         if broadcast and transport.group_size(group) > 1:
+            # one broadcast per dtype, so no buffer passes through another dtype on the wire
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for _, t in persistent_buffers(module):
                 by_dtype.setdefault(t.dtype, []).append(t)

@@ -85,7 +85,7 @@ def prepare_gradient(
             all-reduce (None: already common — the same on every worker by construction, or via the norm's
             all-reduce when it equals ``norm_group``).
     """
-    grads = [g for g in grads if g is not None]
+    grads = [g for g in grads if g is not None]  # a parameter without a gradient adds nothing and is not scaled
     if scale is not None and scale != 1.0:
         torch._foreach_mul_(grads, 1.0 / scale)
     sumsq = sum_of_squares(grads)
@@ -97,10 +97,12 @@ def prepare_gradient(
     finite = math.isfinite(norm)
     if scale is not None and agree_group is not None and agree_group != norm_group \
             and transport.group_size(agree_group) > 1:
+        # max of the flags: an overflow on any worker drops the round on every worker
         flag = torch.tensor([0.0 if finite else 1.0], device=sumsq.device)
         transport.all_reduce(flag, agree_group, op="max", name="all_reduce/found_inf")
         finite = float(flag) == 0.0
     clipped = False
+    # no factor from a non-finite norm (it would be 0 or NaN): such a gradient stays as it is
     if finite and max_norm is not None:
         coef = max_norm / (norm + CLIP_EPS)
         if coef < 1.0:

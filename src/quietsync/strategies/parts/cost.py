@@ -97,6 +97,7 @@ class FirstThatFits(Term):
         """The value picked on ``ctx``'s link, and the step's cost at it."""
         costs = [(v, t.cost(ctx)) for v, t in self.steps]
         for v, c in costs:
+            # with no compute to hide behind, no value fits and the last one is taken
             if c.compute > 0 and c.exposed_comm <= self.overhead * c.compute:
                 return v, c
         return costs[-1]

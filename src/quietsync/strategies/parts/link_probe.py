@@ -45,7 +45,7 @@ def exposed_ratio(schedule: Schedule, params: int, accumulation: int, step_s: fl
                              elements=params, source="measured during the run")
     kind = "inter" if topo.spans_nodes(group) else "intra"
     c = schedule.step.cost(Ctx(compute, Links(model={kind: link}), topo))
-    return c.exposed_comm / c.compute if c.compute > 0 else math.inf
+    return c.exposed_comm / c.compute if c.compute > 0 else math.inf  # no compute to hide the exchange behind
 
 
 class LinkProbe:
@@ -91,6 +91,7 @@ class LinkProbe:
 def moved(ratio: float, last: float | None, threshold: float) -> bool:
     """Whether ``ratio`` moved by more than the factor ``1 + threshold`` from ``last`` (None: no pick yet, so
     yes)."""
+    # a band symmetric on a log scale: halving the ratio counts as much as doubling it
     return last is None or not 1 / (1 + threshold) <= ratio / last <= 1 + threshold
 
 
@@ -136,6 +137,7 @@ class Cadence:
         self.count, self.ratio = int(state.get("count", 0)), state.get("ratio")
 
     def logical_state(self) -> dict[str, torch.Tensor]:
+        # NaN stands for "no pick yet": a tensor cannot hold None
         return {"adapt.count": torch.tensor(self.count, dtype=torch.int64),
                 "adapt.ratio": torch.tensor(math.nan if self.ratio is None else self.ratio, dtype=torch.float64)}
 

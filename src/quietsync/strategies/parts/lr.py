@@ -19,6 +19,7 @@ class LRScaler(Part):
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        # read once, before apply() overwrites each group's lr with a scaled one
         self.base_lrs: list[float] = [g["lr"] for g in optimizer.param_groups]
 
     def apply(self, scale: float, optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -93,6 +93,7 @@ def check_model_dtype(model: torch.nn.Module, precision: Precision) -> None:
     if precision.autocast_dtype is None:
         return
     for name, p in model.named_parameters():
+        # frozen or integer parameters are no master weights: they may keep their dtype
         if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
             raise ValueError(
                 f"precision {precision.name} autocasts an fp32 model (the parameters stay fp32: master weights "
@@ -134,7 +135,7 @@ class LossScaler(Part):
             self.good_steps += 1
             if self.good_steps >= p.growth_interval:
                 grown = self.scale * p.growth_factor
-                if math.isfinite(grown):
+                if math.isfinite(grown):  # a scale grown to inf would make every loss non-finite
                     self.scale = grown
                 self.good_steps = 0
         else:

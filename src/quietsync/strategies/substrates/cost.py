@@ -43,7 +43,7 @@ def flat_group_views(w: Workload, n: int, index: int) -> list[int]:
     for idx in w.groups():
         size = sum(w.numels[i] for i in idx)
         a, b = max(at, lo), min(at + size, hi)
-        out.append(max(0, b - a))
+        out.append(max(0, b - a))  # 0 where a group misses the shard: it still gets an empty optimizer tensor
         at += size
     return out
 
@@ -98,6 +98,7 @@ def fsdp_per_micro_batch(w: Workload, topo: Topology, group: str, accumulation: 
     ``(all-gathers of a round, reduce-scatters of a round)``."""
     n = group_of(topo, group)
     if n == 1:
+        # a shard group of one is not sharded (FsdpShards skips fully_shard): nothing moves
         return [], []
     gathers = [Comm("all_gather", group, b, f"{name}: all-gather unit {k}", count=2 * accumulation)
                for k, b in enumerate(fsdp_unit_bytes(w, n))]
@@ -112,5 +113,6 @@ def local_shapes(w: Workload, topo: Topology, group: str, padded: bool) -> list[
     n = group_of(topo, group)
     index = topo.ranks(group).index(topo.rank)
     if n == 1:
+        # one worker: FSDP2 leaves the shapes as they are, the flat substrate counts a 0-dim one as a row
         return [s or (1,) for s in w.shapes] if padded else list(w.shapes)
     return [padded_shard_shape(s, n) if padded else chunk_shape(s, n, index) for s in w.shapes]

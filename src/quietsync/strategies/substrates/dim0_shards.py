@@ -36,7 +36,7 @@ class DimZeroShards:
 
     def __init__(self, shapes: list[torch.Size], n: int) -> None:
         self.n = n
-        self.shapes = [tuple(s) if len(s) else (1,) for s in shapes]
+        self.shapes = [tuple(s) if len(s) else (1,) for s in shapes]  # a 0-dim tensor is one row
         self.rows = [s[0] for s in self.shapes]
         self.rest = [math.prod(s[1:]) for s in self.shapes]
         self.shard_rows = [-(-r // n) for r in self.rows]
@@ -94,10 +94,10 @@ class FlatDimZeroShards(Part):
         self.params = [p for g in param_groups for p in g["params"]]
         self.n = transport.group_size(group)
         self.index = transport.group_rank(group)
-        broadcast_parameters(transport, self.params, "world")
+        broadcast_parameters(transport, self.params, "world")  # world: every node's replicas start equal
         self.shards = DimZeroShards([p.shape for p in self.params], self.n)
         packed = self.shards.pack(list(self.params), torch.float32)
-        self.master = packed.view(self.n, -1)[self.index].clone()
+        self.master = packed.view(self.n, -1)[self.index].clone()  # a view would keep the whole (n, S) buffer alive
         self.grad = torch.zeros_like(self.master)
         self.local = self.shards.views(self.master)
         """This worker's fp32 master shard of each parameter (what the optimizer updates)."""
@@ -162,7 +162,7 @@ class FlatDimZeroShards(Part):
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = []
         for p, local, rows, sr in zip(self.params, self.local, self.shards.rows, self.shards.shard_rows):
-            mine = max(0, min(sr, rows - self.index * sr))
+            mine = max(0, min(sr, rows - self.index * sr))  # the trailing workers hold fewer real rows, or none
             out.append(ShardPiece(names[id(p)], local, mine, torch.Size(p.shape if p.dim() else (1,))))
         return out
 

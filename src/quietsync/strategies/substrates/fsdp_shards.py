@@ -99,7 +99,9 @@ class FsdpShards(Part):
         self.group = group
         self.n = transport.group_size(group)
         names = {id(p): n for n, p in model.named_parameters()}
+        # by name: fully_shard replaces the parameters, so ids taken now would go stale
         group_names = [[names[id(p)] for p in g["params"]] for g in param_groups]
+        # whole, before sharding, and over world: every node's replicas start equal
         broadcast_parameters(transport, [p for p in model.parameters()], "world")
         self.fsdp_modules: list[Any] = []
         if self.n > 1:
@@ -128,6 +130,7 @@ class FsdpShards(Part):
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.transport.device_mesh(self.group)
+        # blocks first, the root last: the root's unit then holds only what no block took
         for unit in [*blocks(model), model]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=True)
             all_gather, reduce_scatter = _transport_comms(self.transport, self.group)
@@ -139,7 +142,7 @@ class FsdpShards(Part):
         """Whether the coming backward closes the round: then it reduce-scatters the gradients inside the
         node; otherwise FSDP accumulates unsharded gradients locally
         (``set_requires_gradient_sync(False)``)."""
-        if self.fsdp_modules:
+        if self.fsdp_modules:  # a shard group of one is plain autograd: nothing to toggle
             self.model.set_requires_gradient_sync(last)
 
     def local_grads(self) -> list[torch.Tensor | None]:

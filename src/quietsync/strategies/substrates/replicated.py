@@ -104,7 +104,7 @@ class Replicated(Part):
                                          agree_group=None if shared else "world")
             s.scaler.update(check.finite)
             if not check.finite:
-                if s.round_closes is None:
+                if s.round_closes is None:  # discard_round() refuses such a strategy: drop this round here
                     self.discard()
                 else:
                     s.discard_round()
@@ -118,6 +118,7 @@ class Replicated(Part):
         recorded with ``extra``. Returns True (what ``_step`` returns)."""
         s = self.strategy
         out, self._extra = self._extra, {}
+        # scale=None below: gradient() already unscaled p.grad
         if s.max_grad_norm is not None:
             check = prepare_gradient([p.grad for p in self.round.params], max_norm=s.max_grad_norm, scale=None,
                                      transport=s.transport)

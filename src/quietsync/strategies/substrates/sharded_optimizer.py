@@ -39,13 +39,14 @@ class ShardedOptimizer:
         self.flat = flat
         self.lo, self.hi = flat.shard_bounds(index, count)
         dtype = flat.policy.master_dtype
+        # copy=True: with fp32 parameters .to would return a view of flat.data, not a master of its own
         self.master = flat.data[self.lo : self.hi].detach().to(dtype=dtype, copy=True)
         self.grad = torch.zeros_like(self.master)
         self.slices = flat.group_slices(self.lo, self.hi)
         groups = []
         for (a, b), layout in zip(self.slices, flat.groups):
             view = self.master[a:b]
-            view.grad = self.grad[a:b]
+            view.grad = self.grad[a:b]  # the optimizer reads what the reduce-scatter writes, no copy
             groups.append({**layout.options, "params": [view]})
         self.optimizer = build_optimizer(optimizer, groups, optimizer_kwargs)
 

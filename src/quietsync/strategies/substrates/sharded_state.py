@@ -59,7 +59,7 @@ class ShardedState(Part):
         n = transport.group_size(group)
         policy = DTypePolicy(reduce_dtype=parse_dtype(reduce_dtype, "reduce_dtype"))
         self.flat = FlatParams(param_groups, pad_to=n, policy=policy)
-        broadcast_parameters(transport, [self.flat.data], group)
+        broadcast_parameters(transport, [self.flat.data], group)  # first: the master shard copies the agreed values
         self.shard = ShardedOptimizer(self.flat, optimizer, optimizer_kwargs, transport.group_rank(group), n)
         self.optimizer = self.shard.optimizer
         self.lr = LRScaler(self.optimizer)
@@ -69,6 +69,7 @@ class ShardedState(Part):
         policy = self.flat.policy
         grad = self.shard.grad
         wire = grads if grads.dtype == policy.reduce_dtype else grads.to(policy.reduce_dtype)
+        # one dtype in and out of the collective: reduce in reduce_dtype, widen into the shard after
         out = grad if grad.dtype == policy.reduce_dtype else torch.empty_like(grad, dtype=policy.reduce_dtype)
         self.transport.reduce_scatter(out, wire, self.group, name=f"reduce_scatter/{name}")
         if out is not grad:
@@ -158,6 +159,7 @@ class ShardedState(Part):
             if all(v.dim() == 0 for v in values):
                 out.update({f"optim.group{i}.{key}": v.detach() for i, v in enumerate(values)})
             elif all(v.shape == view.shape for v, view in zip(values, views)):
+                # the groups lie end to end in the flat buffer: their views concatenate to the shard's layout
                 local = torch.cat([v.detach().reshape(-1) for v in values])[:length]
                 out[f"{_FLAT}{key}"] = flat_tensor(local, n, mesh)
             else:
@@ -186,7 +188,7 @@ class ShardedState(Part):
         """Take the state :meth:`logical_targets` was filled with."""
         length = self._local_len()
         with torch.no_grad():
-            self.shard.master.zero_()
+            self.shard.master.zero_()  # the padding past length stays zero
             self.shard.master[:length].copy_(local_part(filled[f"{_FLAT}master"]))
         views = self._views()
         state: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(len(views))}
@@ -200,6 +202,6 @@ class ShardedState(Part):
                 group, name = key[len("optim.group"):].split(".", 1)
                 state[int(group)][name] = value
         if any(state.values()):
-            self.optimizer.load_state_dict({"state": state,
+            self.optimizer.load_state_dict({"state": state,  # group options are this run's: the logical form saves none
                                             "param_groups": self.optimizer.state_dict()["param_groups"]})
         self.lr.base_lrs = [float(x) for x in filled["optim.base_lrs"]]

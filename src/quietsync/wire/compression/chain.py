@@ -74,7 +74,7 @@ class Chain:
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         if self.select is None:
             return self.quantize.decode(payload, numel)
-        buf = payload.reshape(1, -1) if payload.dim() == 1 else payload
+        buf = payload.reshape(1, -1) if payload.dim() == 1 else payload  # one payload: a stack of one
         if buf.shape[1] != self.payload_bytes(numel):
             raise ValueError(f"payload has {buf.shape[1]} bytes, {numel} elements in {self} need "
                              f"{self.payload_bytes(numel)}")

@@ -57,16 +57,18 @@ class ErrorFeedback:
         flat = x.detach().reshape(-1)
         if flat.numel() != self.numel:
             raise ValueError(f"x has {flat.numel()} elements, this residual {self.numel}")
-        acc = self.residual
+        acc = self.residual  # in place: the buffer holds a, then e after the subtraction
         if self.decay != 1.0:
             acc.mul_(self.decay)
         acc.add_(flat.to(acc.device, torch.float32))
         payload = self.compressor.encode(acc)
+        # decoded from the payload itself: e is what the receivers did not get, quantization error included
         sent = self.compressor.decode(payload, self.numel)
         acc.sub_(sent)
         return payload, sent
 
     def state_dict(self) -> dict[str, Any]:
+        # a copy: compress() changes the residual in place
         return {"residual": self.residual.clone(), "compressor": self.compressor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

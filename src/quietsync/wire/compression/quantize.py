@@ -110,10 +110,12 @@ class Quantize:
         return self.codec.decode(payload, numel)
 
     def state_dict(self) -> dict[str, Any]:
+        # not drawn from yet: hand back the loaded state, which a save before first use would otherwise lose
         state = self.generator.get_state() if self.generator is not None else self._loaded
         return {"generator": state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # the generator is rebuilt at first use, on the data's device, from the loaded state
         self.generator = None
         self._loaded = state.get("generator")
 

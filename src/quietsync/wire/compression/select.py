@@ -69,7 +69,7 @@ class TopK:
         """``flat`` as ``(..., chunks, chunk)``: every tensor zero-padded to whole chunks."""
         sizes = self._sizes(flat.shape[-1])
         if len(sizes) == 1 and sizes[0] % self.chunk == 0:
-            return flat.reshape(*flat.shape[:-1], -1, self.chunk)
+            return flat.reshape(*flat.shape[:-1], -1, self.chunk)  # one tensor of whole chunks: a view, no copy
         pieces = []
         for part in flat.split(list(sizes), dim=-1):
             pad = -part.shape[-1] % self.chunk
@@ -88,7 +88,7 @@ class TopK:
         (``(..., chunks·k)`` or ``(..., chunks, k)``), zeros elsewhere."""
         lead = values.shape[:-1]
         nc = self.chunks(numel)
-        pos = positions.reshape(*lead, nc, self.k).long()
+        pos = positions.reshape(*lead, nc, self.k).long()  # scatter_ takes int64 indices
         out = torch.zeros(*lead, nc, self.chunk, dtype=torch.float32, device=values.device)
         out.scatter_(-1, pos, values.reshape(*lead, nc, self.k).float())
         out = out.reshape(*lead, nc * self.chunk)
@@ -98,5 +98,5 @@ class TopK:
         parts, at = [], 0
         for s in sizes:
             parts.append(out[..., at: at + s])
-            at += -(-s // self.chunk) * self.chunk
+            at += -(-s // self.chunk) * self.chunk  # each tensor's stretch of out is padded to whole chunks
         return torch.cat(parts, dim=-1)
