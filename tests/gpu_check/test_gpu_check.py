@@ -74,6 +74,25 @@ def test_a_crashed_run_is_a_failure_naming_its_error():
     assert nan[0].status == "FAIL" and "no finite held-out loss" in nan[0].figure
 
 
+def test_the_compile_check_names_the_eager_runs_error_and_takes_runs_too_short_to_time(monkeypatch, tmp_path):
+    from quietsync.gpu_check import checks
+
+    def runs(error: bool):
+        def run(spec, timeout_s):
+            if error and "--compile" not in spec.extra_flags:
+                return {"error": "exited 1: RuntimeError: eager run crashed"}
+            short = {**_run(6.5, [8.3, 8.0]), "step_s": None}  # a 2-step run: no step timed after the warm-up
+            return {"fp32": short, "bf16": short}
+        return run
+
+    monkeypatch.setattr(checks, "run_strategy", runs(error=True))
+    failed = checks.compile_check("cpu", 2, str(tmp_path), None, 600)
+    assert [c.status for c in failed] == ["FAIL"] and "eager run crashed" in failed[0].figure
+    monkeypatch.setattr(checks, "run_strategy", runs(error=False))
+    short = checks.compile_check("cpu", 2, str(tmp_path), None, 600)
+    assert [c.status for c in short] == ["PASS", "PASS"] and "n/a vs n/a ms/step" in short[0].figure
+
+
 def test_report_writes_markdown_and_json_with_the_counts(tmp_path):
     report = Report("NVIDIA H100 80GB HBM3 (79 GiB, sm_90)", {"torch": "2.13.0", "cuda": "13.0"},
                     unchecked=["NCCL between ranks"])

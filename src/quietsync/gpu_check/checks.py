@@ -89,7 +89,7 @@ def versions() -> dict[str, str]:
 
     out = {"torch": torch.__version__, "python": platform.python_version(), "quietsync": __version__}
     found = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    if found < TORCH_MIN:
+    if found < TORCH_MIN:  # imported at all only with QUIETSYNC_UNSUPPORTED_TORCH=1: say so in the report
         out["torch"] += f" (older than the {TORCH_MIN[0]}.{TORCH_MIN[1]} quietsync supports)"
     if torch.cuda.is_available():
         out["cuda"] = str(torch.version.cuda)
@@ -133,6 +133,7 @@ def gpu_tests(repo: Path | None, timeout_s: float) -> list[Check]:
         files = gpu_test_files(repo)
         if not files:
             return [Check("tests", "gpu-marked tests", "FAIL", "no test file under tests/ is marked gpu")]
+        # no .pytest_cache written into the checkout, and no addopts from its config: only these flags
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                f"--junitxml={xml}", *files]
         try:
@@ -148,7 +149,7 @@ def gpu_tests(repo: Path | None, timeout_s: float) -> list[Check]:
         for case in ET.parse(xml).getroot().iter("testcase"):
             name = f"{case.get('classname', '')}::{case.get('name', '')}".replace("tests.", "", 1)
             failure = case.find("failure")
-            if failure is None:
+            if failure is None:  # junit records a crash in setup or teardown as <error>: a failure too
                 failure = case.find("error")
             skipped = case.find("skipped")
             if failure is not None:
@@ -186,6 +187,7 @@ def _run_failed(run: dict[str, Any] | None) -> str | None:
     if run is None:
         return "not run"
     if "error" in run:
+        # the last line of a traceback names the exception
         return run["error"].strip().splitlines()[-1][:300] if run["error"].strip() else "failed"
     if run.get("last_eval_loss") is None or not math.isfinite(run["last_eval_loss"]):
         return f"no finite held-out loss ({run.get('last_eval_loss')})"
@@ -221,6 +223,7 @@ def judge_strategy(label: str, runs: dict[str, Any], seconds: float) -> list[Che
             out.append(compare_trajectories("train", f"{label} device vs CPU (fp32)", [device_losses[s] for s in steps],
                                             [cpu_losses[s] for s in steps], DEVICE_VS_CPU_ATOL,
                                             "training loss per step", cpu["seconds"],
+                                            # 3, or fewer if the CPU run logged fewer; none logged still fails
                                             min_steps=min(3, len(cpu_losses) or 1)))
     report = fp32.get("memory_bytes") or {}
     peak = fp32.get("cuda_peak_bytes")
@@ -229,7 +232,7 @@ def judge_strategy(label: str, runs: dict[str, Any], seconds: float) -> list[Che
         out.append(Check("memory", label, "SKIP", f"no CUDA allocator here; memory_report() {buffers / 1e6:.2f} MB",
                          {"memory_report": report}))
     else:
-        ok = peak >= buffers > 0
+        ok = peak >= buffers > 0  # the allocator must have held at least what memory_report() names; empty fails
         out.append(Check("memory", label, "PASS" if ok else "FAIL",
                          f"CUDA peak {peak / 1e6:.2f} MB {'≥' if ok else '<'} memory_report() {buffers / 1e6:.2f} MB "
                          f"({', '.join(f'{k} {v / 1e6:.2f}' for k, v in sorted(report.items()))})",
@@ -290,7 +293,7 @@ def _median_s(fn: Any, device: torch.device, repeats: int = 20, warmup: int = 3)
         fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
+        if device.type == "cuda":  # kernels run asynchronously: time them to completion, not to launch
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn()
@@ -314,7 +317,7 @@ def codec_checks(device: str, chunk: int = 64) -> list[Check]:
     flat = torch.cat([t.reshape(-1) for t in tensors]).to(dev, torch.float32)
     layout = BlockLayout(shapes, chunk)
     work = BlockWorkspace(layout, torch.float32, dev)
-    coeffs = [c.clone() for c in work.encode(flat)]
+    coeffs = [c.clone() for c in work.encode(flat)]  # encode returns buffers the timed encodes below overwrite
     worst, scale, compared = 0.0, 0.0, 0
     for t, blocks, p in zip(tensors, layout.segment_blocks(coeffs), _placements(layout)):
         if p is None or p.padded:
@@ -325,7 +328,7 @@ def codec_checks(device: str, chunk: int = 64) -> list[Check]:
         scale = max(scale, want.abs().max().item())
         compared += 1
     rel = worst / scale if scale else math.inf
-    ok = rel <= DCT_ORACLE_RTOL and compared > 0
+    ok = rel <= DCT_ORACLE_RTOL and compared > 0  # a layout with no unpadded tensor compared nothing: no pass
     out = [Check("codec", "DeMo DCT vs fp64 oracle", "PASS" if ok else "FAIL",
                  f"{compared} tensors, max |Δ| {worst:.3g} = {rel:.2g} of the largest coefficient "
                  f"({'≤' if ok else '>'} {DCT_ORACLE_RTOL:g}), chunk {chunk}, fp32 on {dev.type}",
@@ -393,9 +396,13 @@ def calibration_check(device: str, base_runs: dict[str, Any] | None) -> Check:
     t0 = time.perf_counter()
     base = reference_strategy()
     run = (base_runs or {}).get("fp32") if isinstance(base_runs, dict) else None
-    if not run or "error" in run or not run.get("fwd_bwd_s"):
+    if not run or "error" in run:
         return Check("calibration", f"planner forward+backward vs measured ({base})", "SKIP",
                      f"the {base} fp32 run did not finish")
+    if not run.get("fwd_bwd_s"):  # timed only after 3 warm-up steps
+        return Check("calibration", f"planner forward+backward vs measured ({base})", "SKIP",
+                     f"the {base} fp32 run timed no forward+backward after its 3 warm-up steps (--steps 5 or more "
+                     "times it)")
     dev = torch.device(device)
     model = build_model("tiny", 4096, seed=0).to(dev)
     batch = torch.randint(0, 4096, (8, 128), device=dev)
@@ -434,22 +441,30 @@ def compile_check(device: str, steps: int, work: str, cache_dir: str | None, tim
         return [Check("compile", f"{base} --compile", "FAIL", str(compiled["error"]).strip()[-300:],
                       seconds=_elapsed(t0))]
     plain = run_strategy(eager, max(30.0, timeout_s - _elapsed(t0)))
+    if "error" in plain:  # the eager runs' own error, not the missing losses it leaves
+        return [Check("compile", f"{base} eager (the compile check's reference)", "FAIL",
+                      str(plain["error"]).strip()[-300:], seconds=_elapsed(t0))]
     out = []
     for precision in ("fp32", "bf16"):
-        c, e = compiled.get(precision, {}), plain.get(precision, {}) if isinstance(plain, dict) else {}
+        c, e = compiled.get(precision, {}), plain.get(precision, {})
         problem = _run_failed(c) or _run_failed(e)
         if problem:
             out.append(Check("compile", f"{base} --compile {precision}", "FAIL", problem))
             continue
         out.append(compare_values("compile", f"{base} --compile {precision} vs eager", c["last_eval_loss"],
                                   e["last_eval_loss"], COMPILE_TOL,
-                                  f"held-out loss after {c['steps']} steps ({c['step_s'] * 1e3:.1f} vs "
-                                  f"{e['step_s'] * 1e3:.1f} ms/step, first run {c['seconds']:.0f} s with compiling)",
+                                  f"held-out loss after {c['steps']} steps ({_ms(c.get('step_s'))} vs "
+                                  f"{_ms(e.get('step_s'))} ms/step, first run {c['seconds']:.0f} s with compiling)",
                                   c["seconds"]))
     return out
 
 
+def _ms(seconds: float | None) -> str:
+    """A step time in ms, or "n/a" for a run too short to time one (steps are timed after 3 warm-up steps)."""
+    return f"{seconds * 1e3:.1f}" if seconds else "n/a"
+
+
 def source_checkout() -> Path | None:
     """The repository this package runs from (``src/quietsync`` inside it), if it is one."""
-    here = Path(__file__).resolve().parents[3]
+    here = Path(__file__).resolve().parents[3]  # this file sits at src/quietsync/gpu_check/ in a checkout
     return here if (here / "pyproject.toml").exists() and (here / "tests").is_dir() else None
