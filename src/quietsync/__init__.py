@@ -49,13 +49,13 @@ def __getattr__(name: str) -> Any:
     try:  # a sub-package or module, as an eager package would have it: quietsync.plan, quietsync.train, ...
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
+        if e.name != f"{__name__}.{name}":  # the module exists but one of its own imports failed: surface that
             raise
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS) | {"plan"})
+    return sorted(set(globals()) | set(_EXPORTS) | {"plan"})  # plan: a sub-package in __all__, not in _EXPORTS
 
 
 __all__ = [

@@ -21,6 +21,7 @@ whose torch cannot be changed (a lent GPU's image); nothing is promised to work 
 
 def check_torch(version: str) -> None:
     """Raise ``ImportError`` naming the required version when ``version`` (``torch.__version__``) is older."""
+    # local tag ("+cu126") dropped and patch ignored: a patch such as "0a0" is no integer
     found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
     if found < TORCH_MIN:
         need = f"{TORCH_MIN[0]}.{TORCH_MIN[1]}"

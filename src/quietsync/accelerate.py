@@ -175,7 +175,7 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
                     "dispatching batches from process 0 (a broadcast per batch) would deadlock: leave "
                     "dispatch_batches unset or False"
                 )
-            self.dataloader_config.dispatch_batches = False
+            self.dataloader_config.dispatch_batches = False  # not None: Accelerate would then dispatch IterableDatasets
         self.quiet_strategy = strategy
         """The strategy name ``prepare`` builds."""
         self.quiet_config = strategy_config
@@ -224,13 +224,15 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
                     f"{self.process_index}/{self.num_processes}"
                 )
             self.quiet_optimizer = quiet
+            # registered so prepare_scheduler pairs a scheduler built on the specification with it (it matches on
+            # .optimizer) and skips the scheduler's step when step_was_skipped
             self._optimizers.append(quiet)
             out[mi], out[oi] = quiet.model, quiet
         rest = [i for i in range(len(args)) if i not in models and i not in optims]
         if rest:
             prepared = super().prepare(*(args[i] for i in rest),
                                        device_placement=None if device_placement is None else [places[i] for i in rest])
-            prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+            prepared = prepared if isinstance(prepared, tuple) else (prepared,)  # one object comes back bare
             for i, obj in zip(rest, prepared):
                 out[i] = obj
         return out[0] if len(out) == 1 else tuple(out)
@@ -238,6 +240,7 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
         """Device placement, autocast and compilation as Accelerate does them — never a DDP wrapper."""
+        # evaluation_mode=True is Accelerate's path that skips the DDP wrapper; the caller's value is ignored
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -302,6 +305,6 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         if self.quiet_optimizer is not None:
             try:
                 self.quiet_optimizer.finish()
-            finally:
+            finally:  # close even when finishing fails: threads and process groups must still be released
                 self.quiet_optimizer.close()
         super().end_training()

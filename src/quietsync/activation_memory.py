@@ -45,7 +45,7 @@ class Sample:
 
 
 class _Handle:
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "__weakref__")  # __weakref__: weakref.finalize in _pack needs it on a slotted class
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
@@ -76,7 +76,7 @@ class ActivationMeter:
             return t
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0:
+        if nbytes == 0:  # nothing to count, and empty storages share data_ptr 0, which would merge their entries
             return t
         handle = _Handle(t)
         with self._lock:
@@ -119,7 +119,7 @@ class ActivationMeter:
         """Append (and return) a timeline point: live bytes now and the peak since the previous sample."""
         with self._lock:
             s = Sample(label, self.current, self._window_peak)
-            self._window_peak = self.current
+            self._window_peak = self.current  # the next window's peak starts from what is live now, not 0
         if self.device is not None:
             torch.cuda.synchronize(self.device)
             s.cuda_allocated = torch.cuda.memory_allocated(self.device)

@@ -54,6 +54,7 @@ class Job:
         """Whether the job finished (never blocks)."""
         if not self._finished.is_set():
             return False
+        # on CUDA the thread returning is not enough: the side stream may still run the job's kernels
         return self._done_event is None or self._done_event.query()
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -62,7 +63,7 @@ class Job:
         if not self._finished.wait(limit):
             raise TimeoutError(f"communication job {self._fn.__name__} did not finish within {limit:g}s")
         if self._error is not None:
-            self._worker._error_seen = True
+            self._worker._error_seen = True  # collected here, so check() does not raise it a second time
             raise CommWorkerError(f"communication job {self._fn.__name__} failed: {self._error}") from self._error
         if self._done_event is not None:
             torch.cuda.current_stream(self._worker.device).wait_event(self._done_event)
@@ -87,6 +88,7 @@ class CommWorker:
         self._failed: Job | None = None
         self._error_seen = False
         self._closed = False
+        # daemon: a job stuck in a collective cannot keep the interpreter from exiting
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -114,7 +116,7 @@ class CommWorker:
     @property
     def busy(self) -> bool:
         """Whether a job is queued or running."""
-        return self._queue.unfinished_tasks > 0
+        return self._queue.unfinished_tasks > 0  # counts the running job too: _run calls task_done after it
 
     def close(self, timeout: float | None = None) -> None:
         """Finish the queued jobs, then stop the thread. Safe to call twice."""

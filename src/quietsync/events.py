@@ -90,8 +90,10 @@ class EventRecorder:
                 return 0
             resolved = {}
             for span, (start, end) in pending:
-                end.synchronize()
+                end.synchronize()  # elapsed_time needs both events completed
+                # a copy: Span is frozen; elapsed_time is in milliseconds
                 resolved[id(span)] = replace(span, device_s=start.elapsed_time(end) / 1e3)
+            # matched by identity, so each copy takes its original's place in the order
             self._spans = deque((resolved.get(id(s), s) for s in self._spans), maxlen=self._spans.maxlen)
             return len(resolved)
 
@@ -111,7 +113,7 @@ class EventRecorder:
         """Seconds the lane was busy in ``[since, until]``, overlapping spans merged."""
         total, end = 0.0, float("-inf")
         for s in sorted(self.spans(lane, since), key=lambda s: s.t0):
-            t0, t1 = max(s.t0, since, end), min(s.t1, until)
+            t0, t1 = max(s.t0, since, end), min(s.t1, until)  # from the furthest end so far: overlaps count once
             if t1 > t0:
                 total += t1 - t0
             end = max(end, min(s.t1, until))
@@ -207,5 +209,5 @@ def diff_snapshots(new: dict[str, dict[str, float]], old: dict[str, dict[str, fl
     out = {}
     for g, v in new.items():
         o = old.get(g, {})
-        out[g] = {k: v[k] - o.get(k, 0) for k in v}
+        out[g] = {k: v[k] - o.get(k, 0) for k in v}  # 0 for a group that first sent after the old snapshot
     return out

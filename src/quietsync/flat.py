@@ -109,7 +109,8 @@ class FlatParams:
         self.dtype = dtype
         self.numel = offset
         self.pad_to = pad_to
-        self.padded_numel = -(-offset // pad_to) * pad_to
+        self.padded_numel = -(-offset // pad_to) * pad_to  # rounded up, so every shard has the same length
+        # zeros, so the padding tail adds nothing to sums and norms taken over whole shards
         self.data = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
         with torch.no_grad():
             for p, off in zip(self.params, self.offsets):
@@ -173,9 +174,9 @@ class FlatParams:
 
 def normalize_param_groups(params: Iterable[torch.Tensor] | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Torch-style parameter groups as a list of dicts with a list under ``params``."""
-    if isinstance(params, torch.Tensor):
+    if isinstance(params, torch.Tensor):  # a tensor iterates over its rows, so list() below would accept it
         raise TypeError("params must be an iterable of tensors or of dicts, not a tensor")
-    items: Sequence[Any] = list(params)
+    items: Sequence[Any] = list(params)  # a generator (model.parameters()) is read once; the checks iterate twice
     if not items:
         raise ValueError("params is empty")
     if all(isinstance(i, dict) for i in items):
@@ -184,7 +185,7 @@ def normalize_param_groups(params: Iterable[torch.Tensor] | Iterable[dict[str, A
             if "params" not in g:
                 raise ValueError(f"parameter group {i} has no 'params' key")
             ps = g["params"]
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)  # torch accepts a lone tensor as "params"
             groups.append({**g, "params": ps})
         return groups
     if all(isinstance(i, torch.Tensor) for i in items):

@@ -103,7 +103,7 @@ class QuietTrainer(Trainer):
 
     def __init__(self, *args: Any, strategy: str, strategy_config: StrategyConfig | dict[str, Any] | None = None,
                  transport: Transport | None = None, **kwargs: Any) -> None:
-        get_strategy(strategy)
+        get_strategy(strategy)  # an unknown name fails before the Trainer builds anything
         self.quiet_strategy = strategy
         self.quiet_config = strategy_config
         self.quiet_transport = transport
@@ -132,6 +132,7 @@ class QuietTrainer(Trainer):
         self.optimizer = QuietOptimizer(
             self.model, spec, self.quiet_strategy, config=self.quiet_config,
             accumulation=self.args.gradient_accumulation_steps, transport=self.quiet_transport,
+            # the Trainer's max_grad_norm 0 (no clipping) is the strategy's None
             precision=self.quiet_precision, max_grad_norm=self.args.max_grad_norm or None,
         )
         if self.optimizer.strategy.world_size != self.accelerator.num_processes:
@@ -163,6 +164,7 @@ class QuietTrainer(Trainer):
         loss = quiet.forward_backward(inputs, loss_fn)
         if loss is None:
             return torch.tensor(float("nan"), device=self.args.device)
+        # the Trainer adds up the returns of its accumulation steps to log one step's loss
         return loss.detach() / self.current_gradient_accumulation_steps
 
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> Any:

@@ -117,7 +117,7 @@ class LinkModel:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0:
+        if not self.bandwidth > 0:  # spelled 'not > 0' so that NaN is refused too
             raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth}")
         if self.latency < 0:
             raise ValueError(f"latency must be >= 0 s, got {self.latency}")
@@ -158,7 +158,7 @@ class LinkModel:
         return current
 
     def _since_start(self, now: float) -> float:
-        if not self.changes:
+        if not self.changes:  # a steady link's rate does not depend on the clock, so it need not be started
             return 0.0
         if self._epoch is None:
             raise RuntimeError("a link with a schedule needs its clock started (LinkModel.start_clock) before a "
@@ -168,7 +168,7 @@ class LinkModel:
     def _drain(self, t: float, nbytes: float) -> float:
         """Seconds (on the run's clock, from ``t``) until ``nbytes`` have gone through at the scheduled rates."""
         rates = self.rates()
-        i = max(k for k, r in enumerate(rates) if r.at_s <= max(t, 0.0))
+        i = max(k for k, r in enumerate(rates) if r.at_s <= max(t, 0.0))  # before 0 s the first entry applies
         clock, left = t, float(nbytes)
         while True:
             bw = rates[i].bandwidth
@@ -185,6 +185,7 @@ class LinkModel:
         messages, sent = traffic(kind, nbytes, n)
         if at is None or not self.changes:
             return messages * self.latency + sent / self.bandwidth
+        # the latency in force at the start; the bytes drain only after it, at the rates in force from then on
         alpha = messages * self.rate_at(at).latency
         return alpha + self._drain(at + alpha, sent)
 
@@ -201,6 +202,7 @@ class LinkModel:
         now = time.perf_counter() if start is None else start
         with self._lock:
             begin = max(now, self._tx_free_at if tx else now, self._rx_free_at if rx else now)
+            # timed from begin, not now: on a schedule the rate depends on when the queues free up
             end = begin + self.time(kind, nbytes, n, at=self._since_start(begin))
             if tx:
                 self._tx_free_at = end
@@ -270,7 +272,7 @@ class LinkModel:
         if entries[-1] or any(not t for t in tokens):
             raise ValueError(f"schedule must be {_SCHEDULE_FORM}, got {spec!r}")
         rates: list[LinkRate] = []
-        latency = 0.0
+        latency = 0.0  # carried over: an entry without a latency keeps the previous one's
         for entry in entries[:-1]:
             *rest, last = entry
             value, _, at_text = last.partition("@")
@@ -328,8 +330,8 @@ def _parse_quantity(text: str, units: dict[str, float], what: str, examples: str
         raise ValueError(f"{what} must be a number with a unit (e.g. {examples}), got {text!r}")
     scale = units[unit] if unit in units else units[unit.lower()]
     value = float(m.group(1)) * scale
-    if what == "bandwidth" and value <= 0:
+    if what == "bandwidth" and value <= 0:  # the pattern admits 0, and time() divides by the bandwidth
         raise ValueError(f"bandwidth must be > 0, got {text!r}")
-    if not math.isfinite(value):
+    if not math.isfinite(value):  # the pattern admits exponents such as 1e999, which overflow to inf
         raise ValueError(f"{what} must be finite, got {text!r}")
     return value

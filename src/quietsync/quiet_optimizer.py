@@ -59,7 +59,7 @@ def strategy_kwargs_from_optimizer(optimizer: torch.optim.Optimizer) -> dict[str
     kwargs: dict[str, Any] = {}
     for key, value in optimizer.defaults.items():
         param = sig.get(key)
-        if param is None:
+        if param is None:  # a defaults key the constructor does not take could not be passed back to it
             continue
         if key != "lr" and param.default is not inspect.Parameter.empty and _same(value, param.default):
             continue
@@ -262,7 +262,7 @@ class QuietOptimizer(torch.optim.Optimizer):
         """Run the ``Strategy.step()`` owed for the last backward, if any; True when it committed a step."""
         if not self._owed:
             return False
-        self._owed = False
+        self._owed = False  # cleared first, so a step that raised is not retried by a later call, close() included
         committed = self.strategy.step()
         if committed:
             self._committed_since_step = True
@@ -277,7 +277,7 @@ class QuietOptimizer(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type must be 2 (quietsync strategies clip by the L2 norm), got {norm_type!r}")
         self.strategy.max_grad_norm = float(max_norm)
-        self._last_norm = float("nan")
+        self._last_norm = float("nan")  # a call that commits nothing returns NaN, not the previous step's norm
         self.pay_step()
         return torch.tensor(self._last_norm)
 
@@ -331,8 +331,8 @@ class QuietOptimizer(torch.optim.Optimizer):
         self._committed_since_step = bool(state_dict.get("pending_commit", False))
         self._owed = bool(state_dict.get("owed_step", False))  # saved between a backward and its step
         with self._scale_lock:
-            self._scales.clear()
-            self._released = self.strategy.steps
+            self._scales.clear()  # the factors cached before the load belong to another point of the schedule
+            self._released = self.strategy.steps  # the next step's lr waits for the loop's next call, as after a commit
 
     def __repr__(self) -> str:
         return f"QuietOptimizer(strategy={self.strategy.name!r}, optimizer={type(self.optimizer).__name__})"
@@ -407,7 +407,7 @@ class QuietOptimizer(torch.optim.Optimizer):
                     self._release.wait()
             scale = self._scale_now()
             self._scales[step] = scale
-            for old in [s for s in self._scales if s < step - 4]:
+            for old in [s for s in self._scales if s < step - 4]:  # only recent indices: the cache must not grow
                 del self._scales[old]
             return scale
 
@@ -415,6 +415,7 @@ class QuietOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         scale = float(groups[0]["lr"]) / self._base_lrs[0]
         for i, (g, base) in enumerate(zip(groups, self._base_lrs)):
+            # a tolerance: a scheduler computes each group's lr in floating point on its own
             if not math.isclose(float(g["lr"]), base * scale, rel_tol=1e-6, abs_tol=1e-12):
                 raise ValueError(
                     f"parameter group {i} has lr {g['lr']} but group 0's schedule factor {scale} gives "
@@ -426,5 +427,6 @@ class QuietOptimizer(torch.optim.Optimizer):
         """The loop called in again (or ends): the lr of every step index up to the committed steps is final."""
         with self._release:
             self._loop_thread = threading.get_ident()
+            # max: never lowered, so what was released stays released (inf once finishing or closing)
             self._released = math.inf if everything else max(self._released, self.strategy.steps + 1)
             self._release.notify_all()

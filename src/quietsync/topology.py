@@ -53,12 +53,13 @@ class Topology:
                 torchrun agent). Without any launcher variables the result is a world of one.
         """
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            # no launcher: a world of one, so nodes > 1 fails in _check_nodes with the usual message
             return cls.single() if nodes in (None, 1) else cls(0, 1, _check_nodes(nodes, 1))
         rank = int(os.environ["RANK"])
         world = int(os.environ["WORLD_SIZE"])
         if nodes is None:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            nodes = max(1, world // max(1, local))
+            nodes = max(1, world // max(1, local))  # clamped: a LOCAL_WORLD_SIZE of 0 or above WORLD_SIZE is one node
         return cls(rank, world, _check_nodes(nodes, world))
 
     @property

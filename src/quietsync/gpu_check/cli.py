@@ -53,6 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     from ..strategies.registry import load_module
     from .checks import strategy_specs
 
+    # --strategy-module first: --strategies' default and its name check read the registry
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--strategy-module", default=None)
     module = pre.parse_known_args(argv)[0].strategy_module
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             say(report.add(c))
 
     print(f"{PROG}: {report.device}; {', '.join(f'{k} {v}' for k, v in report.versions.items())}", flush=True)
-    if not args.skip_tests and args.device == "cuda":
+    if not args.skip_tests and args.device == "cuda":  # gpu-marked tests skip without CUDA: a dry run has none
         add(checks.gpu_tests(checks.source_checkout(), timeout_s=min(240.0, max(30.0, deadline - time.perf_counter()))))
     results, raw = checks.strategy_checks(args.strategies, device=args.device, steps=args.steps,
                                           cpu_steps=args.cpu_steps, work=work, cache_dir=args.cache_dir,

@@ -36,7 +36,7 @@ class Check:
     """Wall time the check took."""
 
     def __post_init__(self) -> None:
-        if self.status not in STATUSES:
+        if self.status not in STATUSES:  # Literal is not enforced at runtime
             raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {self.status!r}")
 
 
@@ -79,7 +79,7 @@ class Report:
                  ", ".join(f"{k} {v}" for k, v in self.versions.items()), "",
                  "| group | check | result | figure | s |", "|---|---|---|---|---|"]
         for c in self.checks:
-            figure = c.figure.replace("|", "\\|").replace("\n", " ")
+            figure = c.figure.replace("|", "\\|").replace("\n", " ")  # a '|' or newline would break the row
             lines.append(f"| {c.group} | {c.name} | {c.status} | {figure} | {c.seconds:.1f} |")
         if self.unchecked:
             lines += ["", "## Not checked here (needs two devices)", ""] + [f"- {u}" for u in self.unchecked]
@@ -91,6 +91,7 @@ class Report:
         folder.mkdir(parents=True, exist_ok=True)
         md, js = folder / "gpu-check.md", folder / "gpu-check.json"
         md.write_text(self.to_markdown())
+        # default=str: a detail value json cannot encode is written as text instead of failing the report
         js.write_text(json.dumps(self.to_json(), indent=1, default=str) + "\n")
         return md, js
 

@@ -88,7 +88,7 @@ def _train(spec: RunSpec, name: str, precision: str, steps: int, max_tokens: int
         argv += ["--max-tokens", str(max_tokens)]
     if spec.cache_dir:
         argv += ["--cache-dir", spec.cache_dir]
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # the runs share this process: each summary must report its own peak
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     try:
@@ -114,6 +114,7 @@ def run_spec(spec: RunSpec) -> dict[str, Any]:
     if spec.cpu_steps:
         os.environ[BACKEND_ENV] = "gloo"  # the transport's device: CPU
         fp32 = results["fp32"]
+        # tokens per committed step measured, not assumed: a step may hold several micro-batches
         per_step = fp32["tokens"] // max(1, fp32["steps"]) if "error" not in fp32 else TOKENS_PER_MICRO_BATCH
         results["cpu_fp32"] = _train(spec, "cpu-fp32", "fp32", spec.steps, spec.cpu_steps * per_step)
     return results

@@ -62,6 +62,7 @@ class Dense:
         self.numel, self.transport, self.group, self.dtype, self.name = numel, transport, group, dtype, name
 
     def average(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 travels as x itself: the in-place all-reduce overwrites the caller's x with the mean
         wire = x if self.dtype == "fp32" else x.to(torch.bfloat16)
         self.transport.all_reduce(wire, self.group, op="avg", name=self.name)
         return wire.float()
@@ -90,7 +91,8 @@ class Int8:
 
     def _average(self, x: torch.Tensor) -> torch.Tensor:
         n = self.transport.group_size(self.group)
-        amax = float(x.abs().max()) if x.numel() else 0.0
+        amax = float(x.abs().max()) if x.numel() else 0.0  # max() of an empty tensor raises
+        # an all-zero x gets scale 1, not 0: x / scale stays finite (every code is 0 either way)
         scale = torch.tensor([amax / 127 if amax > 0 else 1.0], dtype=torch.float32, device=x.device)
         codes = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
         all_codes = torch.empty(n * codes.numel(), dtype=torch.int8, device=x.device)
@@ -131,13 +133,14 @@ class Replicated:
         return self.replicator.payload_bytes(self.segments)
 
     def state_dict(self) -> dict[str, Any]:
+        # a copy: average() changes the residual in place
         return {"replicator": self.replicator.state_dict(), "residual": self.residual.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["residual"].numel() != self.residual.numel():
             raise ValueError("checkpoint pseudo-gradient replicator does not match this run's")
         self.replicator.load_state_dict(state["replicator"])
-        self.residual.copy_(state["residual"])
+        self.residual.copy_(state["residual"])  # into the live buffer, on its device (checkpoints load on the CPU)
 
 
 __all__ = ["Dense", "Exchange", "Int8", "Replicated"]

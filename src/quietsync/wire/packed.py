@@ -60,6 +60,7 @@ class PackedExchange:
 
     def average(self, delta: torch.Tensor) -> torch.Tensor:
         """Mean over the group of every worker's decoded payload (fp32, ``numel``)."""
+        # encoded outside the unit below: a re-run among the survivors must not move the residual twice
         payload = self.feedback.compress(delta)[0] if self.feedback is not None else self.chain.encode(delta)
 
         def gather_and_average() -> torch.Tensor:  # one unit across replicas (re-run if one dies during it)
@@ -85,7 +86,7 @@ class PackedExchange:
 
     def state_dict(self) -> dict[str, Any]:
         if self.feedback is not None:
-            return {"feedback": self.feedback.state_dict()}
+            return {"feedback": self.feedback.state_dict()}  # holds the chain's state too (its compressor)
         return {"chain": self.chain.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ parameters of a step.
 from .dct import BlockGroup, BlockLayout, BlockWorkspace, dct_basis
 from .lowbit import LOWBIT_FORMATS, BlockQuantizer, LowBitFormat, lowbit_format
 from .pack import nbytes, pack, unpack
-from .quantize import TRANSFER_DTYPES, apply_sign, cast_for_transfer, transfer_dtype
+from .quantize import TRANSFER_DTYPES, apply_sign, transfer_dtype
 from .topk import densify, index_dtype, scatter_mean, topk_per_block, topk_picks, topk_positions
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "unpack",
     "TRANSFER_DTYPES",
     "apply_sign",
-    "cast_for_transfer",
     "transfer_dtype",
     "densify",
     "index_dtype",

@@ -52,7 +52,7 @@ def _dct_basis_cached(n: int, dtype: torch.dtype, device: torch.device) -> torch
 def dct_basis(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """Orthonormal DCT-II matrix of size ``n x n`` (row k = frequency k). Cached; do not modify."""
     check_int("n", n, 1)
-    return _dct_basis_cached(n, dtype, torch.device(device))
+    return _dct_basis_cached(n, dtype, torch.device(device))  # one cache entry for "cpu" and torch.device("cpu")
 
 
 @dataclass
@@ -139,6 +139,7 @@ class BlockLayout:
             n = math.prod(shape)
             if n == 0:
                 continue
+            # one row or one column: 1-D blocks (a 1 x C block's DCT is the C-long one), stacked with the vectors'
             if len(shape) >= 2 and shape[0] > 1 and n // shape[0] > 1:
                 rows, cols = shape[0], n // shape[0]
                 bs: tuple[int, ...] = (min(chunk, rows), min(chunk, cols))
@@ -194,11 +195,13 @@ class BlockLayout:
             pieces: list[tuple[_Placement, int, int]] = []
             first = count = 0
             for p in sorted((q for q in self.placements if q.group == gi), key=lambda q: q.first):
+                # only unpadded matrices are cut: tile_gather / tile_scatter take 1-D and padded segments whole
                 splittable = len(p.block) == 2 and not p.padded
                 step = max(1, per // p.nc) if splittable else p.nr  # block rows per piece
                 for r0 in range(0, p.nr, step):
                     r1 = min(p.nr, r0 + step)
                     n = (r1 - r0) * p.nc
+                    # never close an empty tile: a piece larger than a tile gets one of its own
                     if count and count + n > per:
                         out.append(Tile(gi, first, count, tuple(pieces)))
                         pieces, first, count = [], first + count, 0
@@ -233,7 +236,7 @@ class BlockLayout:
             mine = self._own_layout(p, dst)
             if len(p.block) == 1:
                 mine[: p.rows].copy_(seg)
-                mine[p.rows :].zero_()
+                mine[p.rows :].zero_()  # blocks may be reused scratch: the padding holds the last tile's values
             else:  # through a zero-padded copy of the segment's own layout, as gather_blocks
                 br, bc = p.block
                 pad = seg.new_zeros(p.nr * br, p.nc * bc)
@@ -331,6 +334,7 @@ class BlockLayout:
     def decode(self, coeffs: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse of :meth:`encode`: a flat buffer with padding dropped."""
         if not self.groups:
+            # every segment empty: there is no block to take a dtype and device from
             return torch.zeros(0) if out is None else out
         blocks = [self.transform(c, g.block_shape, inverse=True) for g, c in zip(self.groups, coeffs)]
         if out is None:
@@ -348,6 +352,7 @@ class BlockLayout:
         """
         if len(block_shape) == 1:
             d = dct_basis(block_shape[0], x.dtype, x.device)
+            # blocks are rows: x @ D.T is X = D x for each, X @ D is x = D.T X
             return torch.matmul(x, d if inverse else d.T, out=out)
         dr = dct_basis(block_shape[0], x.dtype, x.device)
         dc = dct_basis(block_shape[1], x.dtype, x.device)

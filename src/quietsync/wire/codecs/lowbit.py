@@ -129,7 +129,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
     codes = codes.reshape(*codes.shape[:-1], -1, per)
-    out = codes[..., 0].clone()
+    out = codes[..., 0].clone()  # the |= below must not write into the caller's codes
     for j in range(1, per):
         out |= codes[..., j] << (bits * j)
     return out
@@ -218,7 +218,7 @@ class BlockQuantizer:
     def _blocks_of(self, flat: torch.Tensor) -> torch.Tensor:
         pad = -flat.numel() % self.block
         if pad:
-            flat = torch.nn.functional.pad(flat, (0, pad))
+            flat = torch.nn.functional.pad(flat, (0, pad))  # zeros never raise a block's absmax
         return flat.view(-1, self.block)
 
     def quantize(self, x: torch.Tensor, generator: torch.Generator | None = None
@@ -232,8 +232,11 @@ class BlockQuantizer:
         blocks = self._blocks_of(flat)
         stored = _round_up(blocks.abs().amax(dim=1) / self.format.qmax, self.scale_dtype)
         s = stored.float()
+        # a block of zeros stores scale 0: divided by 1 there, not 0 (it decodes to zeros whatever its codes)
         v = blocks / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1)
+        # clamp: with fp32 scales, x / (max|x| / qmax) can land a rounding above qmax (int4: 7.0000005)
         v = v.reshape(-1)[:n].clamp(levels[0], levels[-1])
+        # at the lowest level searchsorted gives 0: hi >= 1 keeps lo = hi - 1 a level
         hi = torch.searchsorted(levels, v).clamp_(1, levels.numel() - 1)
         lo = hi - 1
         lo_v, hi_v = levels[lo], levels[hi]

@@ -23,7 +23,7 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate the raw bytes of ``tensors`` into one contiguous ``uint8`` tensor."""
     parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)  # torch.cat refuses an empty list
 
 
 def unpack(

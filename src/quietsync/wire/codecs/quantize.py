@@ -11,7 +11,7 @@ import torch
 
 from ...validate import check_choice
 
-__all__ = ["TRANSFER_DTYPES", "transfer_dtype", "cast_for_transfer", "apply_sign"]
+__all__ = ["TRANSFER_DTYPES", "transfer_dtype", "apply_sign"]
 
 TRANSFER_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -27,11 +27,6 @@ def transfer_dtype(name: str | torch.dtype) -> torch.dtype:
         return name
     check_choice("transfer_dtype", name, TRANSFER_DTYPES)
     return TRANSFER_DTYPES[name]
-
-
-def cast_for_transfer(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as it will travel (a copy in ``dtype``; contiguous)."""
-    return x.to(dtype).contiguous()
 
 
 def apply_sign(x: torch.Tensor, enabled: bool = True) -> torch.Tensor:

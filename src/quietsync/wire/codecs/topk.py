@@ -100,7 +100,7 @@ def _group_size(n: int, k: int) -> int | None:
     """Entries per group of :func:`_topk_by_groups` for rows of ``n``: ``k * s`` candidates, about a quarter of
     ``n``; None where grouping does not pay (short rows)."""
     s = 1 << max(0, (n // (4 * k)).bit_length() - 1)
-    return None if s < 4 or n % s else s
+    return None if s < 4 or n % s else s  # s must divide n for the (rows, s, n // s) view
 
 
 def _topk_by_groups(arr: np.ndarray, k: int) -> torch.Tensor | None:
@@ -125,6 +125,7 @@ def _topk_by_groups(arr: np.ndarray, k: int) -> torch.Tensor | None:
     cand = torch.gather(grid, 2, torch.from_numpy(top)[:, None, :].expand(rows, s, k)).view(rows, s * k)
     sel, sure_too = _k_largest(cand.numpy(), k)  # (rows, k) into the (s, k) candidate grid
     member, group = np.divmod(sel, k)
+    # candidate (member, g) is the row's entry top[g] + member * groups (groups are strided)
     pos = torch.from_numpy(np.take_along_axis(top, group, 1) + member * groups)
     unsure = ~(sure & sure_too)
     if unsure.any():
@@ -145,6 +146,7 @@ def topk_picks(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = x.shape
     check_int("k", k, 1, n)  # at most the block size
     s = _group_size(n, k)
+    # the path below views x and reads it through .numpy(): a contiguous CPU float tensor outside autograd
     if (s is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or rows == 0
             or not x.is_contiguous() or x.requires_grad):
         pos = topk_positions(x, k)
@@ -203,4 +205,4 @@ def scatter_mean(
     count = torch.zeros(blocks * block_numel, dtype=dtype, device=values.device)
     total.index_add_(0, flat, values.reshape(-1).to(dtype))
     count.index_add_(0, flat, torch.ones(flat.numel(), dtype=dtype, device=values.device))
-    return (total / count.clamp_min(1)).reshape(blocks, block_numel)
+    return (total / count.clamp_min(1)).reshape(blocks, block_numel)  # a coefficient nobody sent: 0 / 1, not 0 / 0

@@ -65,6 +65,7 @@ def convert_momentum(delta: torch.Tensor, shape: tuple[int, ...] | torch.Size, d
         raise ValueError(f"a {domain} momentum of a parameter of shape {tuple(shape)} has "
                          f"{source.momentum_numel(seg)} elements, got {delta.numel()}")
     spatial = source.momentum_to_spatial(delta.reshape(-1).to(torch.float32), seg)
+    # shaped as the optimizer keeps state["delta"] in that domain ((blocks, chunk, chunk) for dct)
     return replicator.momentum_views(replicator.momentum_from_spatial(spatial, seg), seg)[0]
 
 

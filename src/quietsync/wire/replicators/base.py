@@ -55,6 +55,7 @@ class Segments:
         self.sizes: tuple[int, ...] = tuple(math.prod(s) for s in self.shapes)
         self.numel: int = sum(self.sizes)
 
+    # by shapes: equal Segments share a replicator's cached layouts and workspaces
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Segments) and other.shapes == self.shapes
 
@@ -106,6 +107,7 @@ class SparseUpdate:
     def split(self, sizes: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(local positions, values)`` of consecutive pieces of ``sizes`` elements (e.g. one per parameter)."""
         starts = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.long, device=self.indices.device)
+        # indices ascend: each piece's are one contiguous run, its bounds found by binary search
         bounds = torch.searchsorted(self.indices, starts).tolist()
         return [(self.indices[a:b] - int(starts[i]), self.values[a:b])
                 for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
@@ -202,6 +204,7 @@ class Replicator(ABC):
         if self.lowbit is None:
             return max(1, min(limit, int(budget // self.value_bytes)))
         per = self.lowbit.bits / 8 + self.lowbit.scale_bytes / self.transfer_block
+        # m * per underestimates the payload (a whole last scale, whole bytes): start past it, step down to the fit
         m = max(1, min(limit, int(budget / per) + 1))
         while m > 1 and self.values_payload_bytes(m) > budget:
             m -= 1
@@ -221,8 +224,10 @@ class Replicator(ABC):
         sender's residual keeps ``values − sent``)."""
         if self.lowbit is None:
             payload = values.to(self.transfer_dtype).contiguous()
+            # same dtype: .to() returned values itself, which error feedback changes before the payload travels
             if payload.data_ptr() == values.data_ptr():
                 payload = payload.clone()
+            # same dtype: sent is the payload itself, so use it before the collective reduces the payload in place
             return payload, payload.to(values.dtype)
         q = self._quantizer(block)
         payload = q.encode(values)
@@ -265,6 +270,7 @@ class Replicator(ABC):
                    betas: Sequence[float], scales: Sequence[float]) -> None:
         """``delta <- beta * delta + scale * g`` for every segment (``betas``/``scales`` per segment)."""
         views = self.momentum_views(momentum, segments)
+        # a _foreach op takes one scalar: segments go in runs sharing (beta, scale)
         for a, b in _equal_runs(betas, scales):
             if betas[a] != 1.0:
                 torch._foreach_mul_(views[a:b], betas[a])

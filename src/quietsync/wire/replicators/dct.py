@@ -186,11 +186,12 @@ class DCTReplicator(Replicator):
 
     def momentum_from_spatial(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
         coeffs = self.layout(segments, delta.device).encode(delta)
+        # no blocks (every segment empty): torch.cat refuses an empty list
         return torch.cat([c.reshape(-1) for c in coeffs]) if coeffs else delta.new_zeros(0)
 
     def momentum_to_spatial(self, momentum: torch.Tensor, segments: Segments) -> torch.Tensor:
         layout = self.layout(segments, momentum.device)
-        if not layout.groups:
+        if not layout.groups:  # no blocks: decode's empty result would be a CPU tensor
             return momentum.new_zeros(segments.numel)
         return layout.decode(layout.stacked_views(momentum))
 
@@ -201,6 +202,7 @@ class DCTReplicator(Replicator):
         if alone is not None:
             return alone
         momentum = self.momentum_from_spatial(delta, segments)
+        # the update is the workspace's buffer, rewritten by the next step: the spatial caller gets its own
         update = self.replicate_momentum(momentum, segments).clone()
         delta.copy_(self.momentum_to_spatial(momentum, segments))
         for ws in self._workspaces.values():  # this momentum was for one step only: its views need not keep it
@@ -270,6 +272,7 @@ class DCTReplicator(Replicator):
             tensors = unpack(gathered.reshape(n, -1), specs)
             received = []
             for i, (g, k) in enumerate(zip(layout.groups, ks)):
+                # one row per block, every worker's k values side by side: a tile then takes its blocks' rows
                 vals = self._values_of(tensors[2 * i], g, k).permute(1, 0, 2).reshape(g.num_blocks, n * k)
                 pos = tensors[2 * i + 1].permute(1, 0, 2).reshape(g.num_blocks, n * k).long()
                 received.append((vals.to(dtype), ws.sum_positions(i, pos)))
@@ -309,7 +312,7 @@ class DCTReplicator(Replicator):
                 parts += [payload, pos]
                 dense.append(densify(own.view_as(vals).to(delta.dtype), pos, g.block_numel).reshape(coeffs.shape))
                 continue
-            vals = vals.to(self.transfer_dtype)
+            vals = vals.to(self.transfer_dtype)  # sent decodes these: the residual keeps the cast's loss
             parts += [vals, pos]
             dense.append(densify(vals.to(delta.dtype), pos, g.block_numel).reshape(coeffs.shape))
         sent = layout.decode(dense)
@@ -357,6 +360,7 @@ def _piece_runs(tile: Tile) -> list[tuple[int, int, int]]:
 
 def _in_place(grad: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`_accumulate_rows` takes an unpadded matrix's gradient where it lies."""
+    # mats_of views the gradient as it lies, and the products pair it with bases and scratch of the momentum's dtype
     return grad.dtype == dtype and grad.is_contiguous()
 
 
@@ -480,11 +484,12 @@ class _Workspace:
                  device: torch.device | str) -> None:
         self.layout = layout
         self.tiles = layout.tiles(_TILE_ELEMENTS)
+        # scratch sized for each group's largest tile; every tile's plan takes a prefix of it
         most = [max((t.count for t in self.tiles if t.group == i), default=0) for i in range(len(layout.groups))]
         self._scratch = {name: [torch.empty(m, *g.block_shape, dtype=dtype, device=device)
                                 for g, m in zip(layout.groups, most)]
                          for name in ("spatial", "tmp", "coeffs", "sums", "count")}
-        self.sums_zero = False
+        self.sums_zero = False  # torch.empty: the first exchange zeroes them
         """Whether ``sums`` and ``count`` are all zero (the exchange leaves them so, zeroing only what it wrote)."""
         self.values = [torch.empty(g.num_blocks, k, dtype=transfer, device=device) for g, k in zip(layout.groups, ks)]
         self.positions = [torch.empty(g.num_blocks, k, dtype=index_dtype(g.block_numel), device=device)
@@ -511,7 +516,7 @@ class _Workspace:
                 if own:  # block (r, c) of the piece starts at row r * br, column c * bc of the piece's rows
                     br, bc = p.block
                     self._base[tile.group][where, 0] = a * bn + blocks // p.nc * br * p.cols + blocks % p.nc * bc
-                    self._stride[tile.group][where] = p.cols - bc
+                    self._stride[tile.group][where] = p.cols - bc  # a block's next row starts cols on, not bc
                 else:
                     self._base[tile.group][where, 0] = (a + blocks) * bn
 

@@ -29,6 +29,7 @@ class NoReplicator(Replicator):
         return self._keep_all(momentum, segments)
 
     def extract(self, delta: torch.Tensor, segments: Segments) -> Message:
+        # nothing travels; sent is a copy of delta (delta -= sent would zero an alias too), so delta empties
         return Message(delta.new_empty(0), delta.clone())
 
     def exchange(self, msg: Message, segments: Segments) -> torch.Tensor:

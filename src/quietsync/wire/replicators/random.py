@@ -21,6 +21,7 @@ from ...transport import Collectives
 from ...validate import check_int
 from .base import Message, Replicator, Segments, SparseUpdate, signed
 
+# 2**64 / golden ratio: seeds land far apart, so (seed, counter) pairs do not collide as in seed + counter
 _MIX = 0x9E3779B97F4A7C15
 
 
@@ -70,9 +71,10 @@ class RandomReplicator(Replicator):
         gen = torch.Generator().manual_seed((self.seed * _MIX + counter) % (2**63))
         stride = n // m
         jitter = torch.randint(0, stride, (m,), generator=gen)
+        # a uniform rotation: the n - m * stride elements past the last stratum get picked too
         rot = int(torch.randint(0, n, (1,), generator=gen))
         idx = (torch.arange(m) * stride + jitter + rot) % n
-        return idx.to(device)
+        return idx.to(device)  # drawn by a CPU generator: the same positions on every rank, whatever its device
 
     def replicate(self, delta: torch.Tensor, segments: Segments) -> torch.Tensor:
         update = self.replicate_update(delta, segments)
@@ -101,7 +103,7 @@ class RandomReplicator(Replicator):
     def exchange_momentum(self, msg: Message, segments: Segments, sign: bool = False) -> torch.Tensor | SparseUpdate:
         """The average of every worker's values at the shared positions (its sign with ``sign``), as a
         :class:`SparseUpdate` (low-bit payloads all-gathered, decoded and averaged; others all-reduced)."""
-        if msg.local or msg.sent is not None:
+        if msg.local or msg.sent is not None:  # local, or a message of extract() (a dense sent)
             return super().exchange_momentum(msg, segments, sign)
         idx, dtype, numel = msg.meta
         if self.lowbit is not None:  # packed codes: all-gathered, decoded, averaged
@@ -138,4 +140,4 @@ class RandomReplicator(Replicator):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.counter = int(state["counter"])
-        self.seed = int(state.get("seed", self.seed))
+        self.seed = int(state.get("seed", self.seed))  # striding's state carries no seed
