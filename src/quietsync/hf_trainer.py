@@ -186,6 +186,7 @@ class QuietTrainer(Trainer):
         if quiet is None or quiet.strategy.finished:
             return 0
         return quiet.finish(sync)
+
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """The strategy's autocast (``bf16``/``fp16``) around the forward of training and evaluation: the
         Trainer leaves autocast to Accelerate's model preparation, which a quietsync model skips."""

@@ -41,12 +41,28 @@ WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "
      "--micro-batch-size 8 x --seq-len 128 tokens"),
     (WHAT_IF[:-2] + ["--link", "inter=1gbit"], "--link must be given for intra with --what-if"),
     (["--what-if", "--model", "transformer:hidden=8"], "needs hidden, layers and vocab"),
+    (WHAT_IF + ["--link", "inter=1gbit,20ms", "--only"], "--only needs strategies"),
+    (["--target-loss", "4", "--pilot-tokens", "9000", "--train-args", "--max-steps 2"],
+     "--train-args: --max-steps 2 stops every pilot before the 4 evaluations"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_any_worker(argv, says, capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("quietsync plan: error: "), err
     assert says in err, err
+
+
+def test_an_out_that_is_a_file_is_refused_before_anything_runs(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    assert main(["plan", *WHAT_IF, "--link", "inter=1gbit,20ms", "--out", str(tmp_path / "afile")]) == 2
+    assert "--out" in capsys.readouterr().err and (tmp_path / "afile").read_text() == ""
+
+
+def test_a_plan_with_every_setting_left_out_says_why_in_one_line(capsys):
+    assert main(["plan", *WHAT_IF, "--link", "inter=1gbit,20ms", "--device-memory", "1MB"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("quietsync plan: error: no setting is left to rank: "), err
+    assert "do not fit in the device's 0.001 GB (the smallest needs" in err, err
 
 
 def test_a_pilot_budget_below_four_steps_leaves_nothing_in_out(tmp_path, capsys):

@@ -2,7 +2,8 @@
 :class:`~quietsync.plan.config.PlanConfig`).
 
 Prints the table and the advice; with ``--out`` also writes ``plan.md``, ``plan.json`` and ``plan.png``. A bad
-value is one line on stderr and exit status 2, before any worker starts; a failed worker exits 1.
+value is one line on stderr and exit status 2, before any worker starts; a failed worker, or a plan that cannot be
+made from what it measured (no setting left to rank, a pilot too short for a loss curve), exits 1 with one line.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ def plan_main(argv: list[str]) -> int:
     """``quietsync plan [flags]``; returns the exit status."""
     from ..cli.flags import FlagError, OneLineParser, add_dataclass_flags, build_config, given_values
     from ..cli.launch import WorkerFailed
-    from .config import PlanConfig
+    from .config import PlanConfig, PlanError
     from .planner import plan
 
     parser = OneLineParser(
@@ -37,6 +38,9 @@ def plan_main(argv: list[str]) -> int:
         result = plan(cfg)
     except WorkerFailed as e:
         print(e.details, file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except PlanError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..link import parse_links
 from ..validate import check_float, check_int
@@ -143,6 +144,10 @@ class PlanConfig:
         check_int("pilot_candidates", self.pilot_candidates, 0)
         if self.target_loss is not None and self.budget_s is not None:
             raise ValueError("target_loss and budget_s are two objectives: give one")
+        if self.only and not self.strategies:
+            raise ValueError("only needs strategies: it ranks the settings they name and nothing else")
+        if self.out is not None and Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ValueError(f"out {self.out!r} is a file: give a folder (plan.md, plan.json and the plots go in it)")
         if self.target_tokens is not None and not self.what_if:
             raise ValueError("target_tokens is only used with what_if (measured plans take target_loss and pilots)")
         if self.pilot_tokens is not None:
@@ -233,11 +238,18 @@ def _pilot_args(cfg: PlanConfig) -> list[str]:
     try:
         # argparse prints a bad flag's error on stderr and exits: its last line becomes ours
         with contextlib.redirect_stderr(err):
-            parse_train_args(argv)
+            train = parse_train_args(argv)[0]
     except SystemExit:
         line = err.getvalue().strip().splitlines()[-1:] or ["bad flags"]
         raise ValueError(f"train_args: {line[0].removeprefix('quietsync train: error: ')}") from None
+    if train.max_steps < PILOT_MIN_STEPS:  # every pilot stops there, before the curve has its evaluations
+        raise ValueError(f"train_args: --max-steps {train.max_steps} stops every pilot before the {PILOT_MIN_STEPS} "
+                         "evaluations the baseline's loss curve is fitted to")
     return argv
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made from what its pilots or its settings gave (one line, naming the flags)."""
 
 
 def _parse_slow(specs: list[str], world: int) -> dict[int, float]:

@@ -24,6 +24,7 @@ from ..cost.costmodel import Links
 from ..link import LinkModel
 from ..strategies.registry import baselines, declaration
 from .candidates import Candidate, parse_candidate
+from .config import PlanError
 from .critical_batch import CriticalBatch, measured
 from .curve_fit import PowerLaw, fit_power_law
 from .loss_model import RATIO_TAIL, BaselineCurve, LossEstimate, from_pilot_batch, from_pilot_tokens, from_prior
@@ -116,8 +117,8 @@ def baseline_curve(curve: PilotCurve, warmup_steps: int = 0, floor_cap: float = 
     pts = [(t, y) for t, y in zip(curve.tokens, curve.losses) if t > 0]
     if len(pts) < 4:
         if not pts or curve.reached is None:
-            raise ValueError(f"the baseline's pilot made {len(pts)} evaluations; a loss curve needs at least 4 "
-                             "(raise pilot_tokens)")
+            raise PlanError(f"the baseline's pilot made {len(pts)} evaluations; a loss curve needs at least 4: raise "
+                            "--pilot-tokens, or let the pilots evaluate more often (--train-args '--eval-every N')")
         # it reached the target before a curve could be fitted: measured up to there, a plain power law past it
         t, y = pts[-1]
         law = PowerLaw(0.0, y * t ** FALLBACK_C, FALLBACK_C)  # floor 0, through the last evaluation

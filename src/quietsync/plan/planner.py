@@ -31,7 +31,7 @@ from ..strategies.registry import declaration, ordered
 from ..topology import Topology
 from .candidates import Candidate, LeftOut, candidate, canonical_grid, unique
 from .cluster import Cluster, Device
-from .config import PlanConfig, transformer_shape
+from .config import PlanConfig, PlanError, transformer_shape
 from .objective import Objective, initial_objective
 from .recommend import HETEROGENEOUS, advise, is_baseline
 from .result import PlanResult
@@ -272,6 +272,7 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
     memory = cluster.device.memory_bytes if cluster.device is not None else None
     phases = link_phases(cluster.links) if changing else []
     speeds: dict[str, tuple[tuple[float, float], ...]] = {}
+    too_big: list[int] = []  # memory per worker of the settings that do not fit
     for c in cands:
         try:
             row = evaluate(c.strategy, c.knob_dict, w, topo, compute, phases[0][1] if phases else cluster.links)
@@ -284,10 +285,13 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
         if adjust is not None:  # e.g. the speed a pilot measured through the link
             row = adjust(row)
         if memory is not None and row.memory_bytes > memory:
+            too_big.append(row.memory_bytes)
             left.append(LeftOut(c.spec, c.strategy, f"does not fit: {row.memory_bytes / 1e9:.3g} GB per worker > "
                                                     f"{memory / 1e9:.3g} GB"))
             continue
         rows.append(row)
+    if not rows:
+        raise PlanError(_nothing_to_rank(left, too_big, memory))
     if objective is None:
         exact = [r for r in rows if is_baseline(r)] or rows
         objective = initial_objective(cfg, w.params, cluster.world, cluster.nodes,
@@ -301,6 +305,18 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
     out += [(f"`{x.spec}`", x.reason) for x in left if x.strategy in ranked]
     advice = advise(scored, compute, cluster.world, objective.description, out, varying=changing)
     return PlanResult(cfg, w, cluster, compute, rows, objective, scored, advice, left, probe, assumptions)
+
+
+def _nothing_to_rank(left: list[LeftOut], too_big: list[int], memory: int | None) -> str:
+    """One line on why every setting was left out: how many do not fit and the least memory one needs, then the
+    other reasons, each once."""
+    parts = []
+    if too_big and memory is not None:
+        parts.append(f"{len(too_big)} do not fit in the device's {memory / 1e9:.3g} GB (the smallest needs "
+                     f"{min(too_big) / 1e9:.3g} GB per worker; --device-memory)")
+    others = dict.fromkeys(f"{x.strategy}: {x.reason}" for x in left if not x.reason.startswith("does not fit"))
+    parts += list(others)
+    return f"no setting is left to rank: {'; '.join(parts) or 'none was given'}"
 
 
 def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
