@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cost.compute import ComputeProfile
-from ..strategies.registry import declaration, strategy_config
+from ..strategies.registry import baselines, declaration, strategy_config
 from .curve_fit import Interval
 from .loss_model import LossEstimate, TimeToTarget
 from .table import Row, fmt_bytes
@@ -235,6 +235,10 @@ def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective:
     scales = compute.scales(world)
     spread = max(scales) / min(scales)
     notes = []
+    if not any(is_baseline(s.row) for s in scored):
+        # the reference is then one of the ranked settings, itself "as fast as the baseline"
+        notes.append(f"no synchronous baseline among the ranked settings (add {baselines()[0]} to "
+                     f"--strategies): the diagnosis, the speed-ups and the bytes compare with `{base.row.spec}`")
     if spread > HETEROGENEOUS:
         notes.append(f"heterogeneous workers (slowest {spread:.2f}× the fastest): synchronous strategies run at the "
                      "slowest worker's pace; ACCO's fast workers compute more micro-batches instead of waiting"
