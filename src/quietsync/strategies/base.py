@@ -777,7 +777,13 @@ class Strategy(metaclass=_Constructed):
     ) -> list[dict[str, Any]]:
         if param_groups is None:
             return [{"params": [p for p in model.parameters() if p.requires_grad]}]
-        groups = normalize_param_groups(param_groups)
+        if isinstance(param_groups, (str, bytes, dict)) or not hasattr(param_groups, "__iter__"):
+            raise TypeError(f"param_groups must be a list of parameter groups (dicts with 'params') or of "
+                            f"parameters, got {type(param_groups).__name__}")
+        try:
+            groups = normalize_param_groups(param_groups)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"param_groups: {e}") from None
         owned = {id(p) for p in model.parameters()}
         for i, g in enumerate(groups):
             for p in g["params"]:

@@ -4,12 +4,39 @@ under each field, checks in ``__post_init__``); the command line makes its flags
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
+
+
+def _check_switches(config: Any) -> None:
+    """Every field annotated ``bool`` (or ``bool | None``) holds a bool: from Python a string such as ``"false"`` is
+    truthy and would switch the knob on."""
+    for f in dataclasses.fields(config):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        value = getattr(config, f.name)
+        if kind in ("bool", "bool | None") and not isinstance(value, bool) and not (kind != "bool" and value is None):
+            raise ValueError(f"{f.name} must be True or False, got {value!r}")
 
 
 @dataclasses.dataclass
 class StrategyConfig:
     """Base class of strategy configs (each strategy subclasses it with its own knobs)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__post_init__")
+        if own is not None and not getattr(own, "_checks_switches", False):
+            # the dataclass __init__ calls the subclass's own __post_init__ only: the switches are checked first there
+            @functools.wraps(own)
+            def post_init(self: Any, *args: Any) -> None:
+                _check_switches(self)
+                own(self, *args)
+
+            post_init._checks_switches = True  # type: ignore[attr-defined]
+            cls.__post_init__ = post_init  # type: ignore[attr-defined]
+
+    def __post_init__(self) -> None:
+        _check_switches(self)
 
     def replace(self, **changes: Any) -> StrategyConfig:
         return dataclasses.replace(self, **changes)

@@ -67,7 +67,13 @@ class AdaptiveConfig(AccumulationConfig):
         super().__post_init__()
         check_choice("inner_steps", self.inner_steps, INNER_STEPS)
         if self.worker_speeds is not None:
-            self.worker_speeds = tuple(float(v) for v in self.worker_speeds)
+            if isinstance(self.worker_speeds, (str, bytes)) or not hasattr(self.worker_speeds, "__iter__"):
+                raise ValueError(f"worker_speeds must be a sequence of numbers, one per worker, got "
+                                 f"{self.worker_speeds!r}")
+            try:
+                self.worker_speeds = tuple(float(v) for v in self.worker_speeds)
+            except (TypeError, ValueError):
+                raise ValueError(f"worker_speeds must be numbers, got {self.worker_speeds!r}") from None
             if not self.worker_speeds or any(not math.isfinite(v) or v <= 0 for v in self.worker_speeds):
                 given = ", ".join(f"{v:g}" for v in self.worker_speeds) or "none"
                 raise ValueError(f"worker_speeds must be finite numbers > 0 (one per worker), got {given}")
