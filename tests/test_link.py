@@ -33,6 +33,7 @@ def test_parse_links_cli_spelling():
     assert links["inter"].bandwidth == pytest.approx(12.5e6)
     assert links["intra"].latency == pytest.approx(5e-5)
     assert parse_links(["inter=1gbit"])["inter"].latency == 0
+    assert parse_links(["inter=50MB"])["inter"].bandwidth == parse_links(["inter=400mbit"])["inter"].bandwidth
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -41,6 +42,10 @@ def test_parse_links_cli_spelling():
     ("inter=fast", "bandwidth must be a number with a unit"),
     ("inter=100mbit,soon", "latency must be a number with a unit"),
     ("inter=0mbit", "bandwidth must be > 0"),
+    # a small b is bits to some, bytes to others: the unit must say which (8x either way)
+    ("inter=100mb", r"bandwidth '100mb' is ambiguous: write 100mbit \(bits per second\) or 100MB"),
+    ("inter=1Gb,5ms", "bandwidth '1Gb' is ambiguous"),
+    ("inter=100mbit@0s,10mb@60s", "bandwidth '10mb' is ambiguous"),
 ])
 def test_bad_link_specs(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -110,7 +115,7 @@ def _reference_seconds(rates, start, nbytes, messages):
 
 
 def test_transfer_time_follows_the_schedule_on_an_injected_clock():
-    link = LinkModel.parse("1000b,0.1s@0s,100b@2s,1000b,0s@3s")  # 1000 B/s, 100 B/s from 2 s, 1000 B/s from 3 s
+    link = LinkModel.parse("1000B,0.1s@0s,100B@2s,1000B,0s@3s")  # 1000 B/s, 100 B/s from 2 s, 1000 B/s from 3 s
     link.start_clock(50.0)  # the run's t = 0 is perf_counter 50 s
     rates = [(r.at_s, r.bandwidth, r.latency) for r in link.rates()]
     # before the drop: 1 message x 0.1 s + 500 B / 1000 B/s

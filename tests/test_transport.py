@@ -223,7 +223,7 @@ def test_default_backend_is_nccl_only_with_a_gpu_per_local_worker_process(monkey
 
 
 def _scheduled_all_reduces(rank: int, world: int, numel: int, change_s: float) -> dict:
-    link = LinkModel.parse(f"1mb@0s,0.25mb@{change_s}s")  # 1 MB/s, then 0.25 MB/s from change_s on
+    link = LinkModel.parse(f"1MB@0s,0.25MB@{change_s}s")  # 1 MB/s, then 0.25 MB/s from change_s on
     t = Transport(Topology.from_env(), links={"inter": link})
     t0 = time.perf_counter()
     t.all_reduce(torch.ones(numel))

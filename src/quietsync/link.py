@@ -328,6 +328,11 @@ def _parse_quantity(text: str, units: dict[str, float], what: str, examples: str
     unit = m.group(2) if m else ""
     if not m or (unit not in units and unit.lower() not in units):
         raise ValueError(f"{what} must be a number with a unit (e.g. {examples}), got {text!r}")
+    if what == "bandwidth" and unit.lower() in ("b", "kb", "mb", "gb") and not unit.endswith("B"):
+        # a small b means bits to some and bytes to others: 8x either way, so the unit must say which
+        prefix = unit[:-1].lower()
+        raise ValueError(f"bandwidth {text!r} is ambiguous: write {m.group(1)}{prefix}bit (bits per second) or "
+                         f"{m.group(1)}{prefix.upper()}B (bytes per second)")
     scale = units[unit] if unit in units else units[unit.lower()]
     value = float(m.group(1)) * scale
     if what == "bandwidth" and value <= 0:  # the pattern admits 0, and time() divides by the bandwidth
