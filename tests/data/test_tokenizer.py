@@ -148,3 +148,28 @@ def test_a_long_build_that_shows_life_is_waited_for(tmp_path, monkeypatch):
     build_in_place(done, lock, lambda: pytest.fail("built twice"), timeout_s=0.3)
     builder.join()
     assert done.read_text() == "x" and not lock.exists()
+
+
+def test_the_trained_bpe_read_back_through_transformers_has_its_own_fingerprint(small_corpus, tmp_path):
+    """transformers' tokenizer classes give a tokenizer without a post-processor the template ``$A`` (no special
+    tokens): the same ids, so a folder prepared with the trained BPE takes that tokenizer and a model exported
+    from a run on it."""
+    from quietsync.data.shards import tokenizer_fingerprint, tokenizer_fingerprints
+    from quietsync.data.tokenizer import load_pretrained_tokenizer
+
+    tok = load_or_train_tokenizer(small_corpus, 300, tmp_path)
+    assert tok.post_processor is None
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    back, _ = load_pretrained_tokenizer(str(folder))
+    text = " the miller grinds wheat\nand more"
+    assert back.encode(text).ids == tok.encode(text).ids
+    assert tokenizer_fingerprint(back) == tokenizer_fingerprint(tok)
+    # a post-processor that adds a token changes the ids, and the fingerprint with them
+    from tokenizers.processors import TemplateProcessing
+
+    eos = tok.token_to_id(EOS_TOKEN)
+    back.post_processor = TemplateProcessing(single=f"$A {EOS_TOKEN}", special_tokens=[(EOS_TOKEN, eos)])
+    assert back.encode(text).ids != tok.encode(text).ids and tokenizer_fingerprint(back) != tokenizer_fingerprint(tok)
+    assert tokenizer_fingerprints(back)[0] == tokenizer_fingerprint(back)

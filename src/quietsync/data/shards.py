@@ -71,13 +71,35 @@ def dtype_problem(dtype: str, vocab_size: int) -> str | None:
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A digest of what decides a ``tokenizers.Tokenizer``'s ids: its model (vocabulary, merges), normalizer,
-    pre-tokenizer, post-processor and added tokens (not its decoder, padding or truncation)."""
+    pre-tokenizer, post-processor and added tokens (not its decoder, padding or truncation). A post-processor that
+    adds nothing to a single sequence (the template ``$A`` without special tokens, which transformers' tokenizer
+    classes add to a tokenizer that has none) counts as none: the ids are the same."""
+    return _fingerprint(json.loads(tokenizer.to_str()), as_written=False)
+
+
+def tokenizer_fingerprints(tokenizer) -> tuple[str, str]:
+    """:func:`tokenizer_fingerprint`, and the digest of the post-processor as written (what folders prepared before
+    the no-op template counted as none hold)."""
     spec = json.loads(tokenizer.to_str())
+    return _fingerprint(spec, as_written=False), _fingerprint(spec, as_written=True)
+
+
+def _fingerprint(spec: dict[str, Any], as_written: bool) -> str:
     kept = {k: spec.get(k) for k in ("model", "normalizer", "pre_tokenizer", "post_processor")}
+    if not as_written and _adds_nothing(kept["post_processor"]):
+        kept["post_processor"] = None
     # sorted: the same tokens listed in another order give the same ids
     kept["added_tokens"] = sorted((t["id"], t["content"], bool(t.get("special"))) for t in spec.get("added_tokens", []))
     text = json.dumps(kept, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+
+
+def _adds_nothing(post: Any) -> bool:
+    """Whether a post-processor leaves a single sequence's ids as they are (documents are encoded one at a time)."""
+    if not isinstance(post, dict) or post.get("type") != "TemplateProcessing" or post.get("special_tokens"):
+        return False
+    single = post.get("single") or []
+    return len(single) == 1 and single[0].get("Sequence", {}).get("id") == "A"
 
 
 FOLIO_BYTES = 2 << 20

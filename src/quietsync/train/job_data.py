@@ -26,7 +26,7 @@ import torch
 
 from ..data.cache import DEFAULT_CACHE_DIR, build_in_place
 from ..data.prepare import PrepareConfig, plan_request, prepare, request_key
-from ..data.shards import INDEX, TokenShards, is_prepared, open_prepared, read_index, tokenizer_fingerprint
+from ..data.shards import INDEX, TokenShards, is_prepared, open_prepared, read_index, tokenizer_fingerprints
 from .config import TrainConfig
 
 IN_MEMORY_ENV = "QUIETSYNC_DATA_IN_MEMORY"
@@ -112,8 +112,8 @@ def tokenizer_problem(cfg: TrainConfig, index: dict[str, Any]) -> str | None:
     from ..data.tokenizer import load_pretrained_tokenizer
 
     tok, _ = load_pretrained_tokenizer(cfg.tokenizer)
-    theirs = tokenizer_fingerprint(tok)
-    if theirs != index["tokenizer"]["fingerprint"]:
+    theirs, as_written = tokenizer_fingerprints(tok)
+    if index["tokenizer"]["fingerprint"] not in (theirs, as_written):
         # the same as --model when --tokenizer was not given (TrainConfig's default)
         flag = "--tokenizer" if cfg.tokenizer != cfg.model else "--model"
         return (f"{flag} {cfg.tokenizer} is not the tokenizer --dataset {cfg.dataset} was prepared with "
