@@ -276,3 +276,25 @@ def test_the_default_tokenizer_samples_a_large_corpus_across_it(tmp_path):
     about = result.index["tokenizer"]["about"]
     assert "trained on 1 in every " in about and " training documents (" in about
     assert any("on 1 in every " in s for s in said)
+
+
+def test_inputs_a_reader_cannot_use_and_an_out_under_a_file_are_one_line(tmp_path, capsys):
+    from quietsync.commands.prepare import prepare_main
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": bad\n')
+    (tmp_path / "c.txt").write_text("hello world\n")
+    (tmp_path / "afile").write_text("")
+    cases = [
+        (["--dataset", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "o1")], "holds no rows (its files are "
+                                                                                      "empty)"),
+        (["--dataset", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o2")], "bad.jsonl: JSON parse error"),
+    ]
+    for argv, says in cases:
+        assert prepare_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("quietsync prepare: error: --dataset ") and says in err, err
+    with pytest.raises(SystemExit) as e:
+        prepare_main(["--dataset", str(tmp_path / "c.txt"), "--out", str(tmp_path / "afile" / "sub")])
+    assert e.value.code == 2 and "afile is a file, not a folder" in capsys.readouterr().err
+    assert not any((tmp_path / f"o{i}").exists() for i in (1, 2))

@@ -8,6 +8,7 @@ exits 130 and the same command resumes it. The last line says how to train on th
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..cli.flags import FlagError, OneLineParser, add_dataclass_flags, build_config, given_values
 from ..data.prepare import PrepareConfig, Refused, prepare
@@ -41,10 +42,18 @@ def prepare_main(argv: list[str]) -> int:
     if "progress" not in values:
         # not given: a progress bar on a terminal only, none in a log file
         cfg.progress = sys.stderr.isatty()
+    out = Path(cfg.out)
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        parser.error(f"--out {cfg.out}: {blocked} is a file, not a folder")
     try:
         result = prepare(cfg)
     except Refused as e:
         print(f"{PROG} prepare: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:  # from a reader (a hub name not reachable, a file it cannot parse): one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"{PROG} prepare: error: --dataset {cfg.dataset}: {first}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG} prepare: interrupted; the same command resumes where it stopped", file=sys.stderr)

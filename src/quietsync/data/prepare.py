@@ -581,8 +581,14 @@ def _check_column_first(source: Source) -> None:
     """Name the text column before anything is written (a missing or non-text column is refused here)."""
     try:
         next(iter(source.documents()), None)
-    except ValueError as e:
-        raise Refused(str(e)) from None
+    except ValueError as e:  # ours name their flag; a reader's (a JSON parse error) gets the file's
+        text = " ".join(str(e).split())
+        raise Refused(text if text.startswith("--") else f"--dataset {source.name}: {text}") from None
+    except RuntimeError as e:
+        if not isinstance(e.__cause__, StopIteration):
+            raise
+        # the table reader found not one row to infer its columns from
+        raise Refused(f"--dataset {source.name} holds no rows (its files are empty)") from None
 
 
 def _index(request: dict[str, Any], dtype: str, eos: int, vocab: int, tokenizer, about: str, source: Source,

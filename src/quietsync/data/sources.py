@@ -282,6 +282,8 @@ def _datasets():
         raise ValueError("--dataset: JSONL, Parquet and Arrow files need the datasets package "
                          "(pip install 'quietsync[train]')") from None
     datasets.disable_progress_bars()  # prepare's own bar is the one on stderr
+    # its error logs repeat what it raises, which reaches the user as one line
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
 
 
