@@ -14,12 +14,17 @@ from typing import Any
 def _bounds(low: float | None, high: float | None, low_open: bool = False, high_open: bool = False) -> str:
     """``"in [low, high)"``, ``">= low"``, ``"< high"``... or ``""`` when unbounded."""
     if low is not None and high is not None:
-        return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        return f"in {'(' if low_open else '['}{_num(low)}, {_num(high)}{')' if high_open else ']'}"
     if low is not None:
-        return f"{'>' if low_open else '>='} {low:g}"
+        return f"{'>' if low_open else '>='} {_num(low)}"
     if high is not None:
-        return f"{'<' if high_open else '<='} {high:g}"
+        return f"{'<' if high_open else '<='} {_num(high)}"
     return ""
+
+
+def _num(x: float) -> str:
+    """An integer bound as written (``:g`` would print 2**32 - 1 as 4.29497e+09), any other number short."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def _fail(name: str, want: str, value: Any, allow_none: bool) -> None:

@@ -194,7 +194,7 @@ class TrainConfig:
         check_int("seq_len", self.seq_len, 2)
         check_int("vocab_size", self.vocab_size, MIN_VOCAB)
         check_int("warmup_steps", self.warmup_steps, 0, allow_none=True)
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, 0, 2**32 - 1)  # the data order seeds torch with seed * 1_000_003 + epoch (int64)
         check_int("nonfinite_skip_limit", self.nonfinite_skip_limit, 1)
         check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
