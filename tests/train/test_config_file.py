@@ -105,6 +105,24 @@ def test_replay_from_summary_json_gives_the_same_config_and_loss_curve(tmp_path)
     assert cfg.out == first_cfg.out and not cfg.overwrite and out_problem(cfg) is not None
 
 
+def test_a_run_on_a_prepared_folder_replays_from_its_summary(tmp_path):
+    """The summary records every job field, defaults too (vocab_size 4096, eval_fraction 0.02); a prepared folder
+    decides those, so a replay must not give them as flags the folder would refuse."""
+    from quietsync.data.prepare import PrepareConfig, prepare
+    from quietsync.train.config import TrainConfig
+
+    data = tmp_path / "text.txt"
+    data.write_text(synthetic_text(3000))
+    folder = tmp_path / "prep"
+    prepare(PrepareConfig(dataset=str(data), out=str(folder), vocab_size=300, eval_fraction=0.1, progress=False),
+            say=lambda _: None)
+    ran = TrainConfig(dataset=str(folder), model="tiny", max_steps=2, out=str(tmp_path / "a"))
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"config": dataclasses.asdict(ran), "strategy_config": {}}))
+    cfg, _, _ = parse_train_args(["--config", str(summary), "--out", str(tmp_path / "b")])
+    assert (cfg.dataset, cfg.max_steps, cfg.model) == (str(folder), 2, "tiny")
+
+
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"quietsync {quietsync.__version__}"

@@ -58,6 +58,18 @@ def test_incompatible_changes_are_listed_in_one_line():
     assert len(note) == 1 and "clipped to the new norm" in note[0], note
 
 
+def test_the_same_dataset_spelled_another_way_is_the_same_and_another_one_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prep").mkdir()
+    (tmp_path / "other").mkdir()
+    scfg = get("zero1")[1]()
+    saved = _payload(TrainConfig(max_steps=8, dataset="prep"), scfg)
+    for spelling in ("./prep", str(tmp_path / "prep"), "prep/"):
+        assert check_checkpoint(saved, TrainConfig(max_steps=8, dataset=spelling), scfg, 2, 2) == []
+    with pytest.raises(ResumeMismatch, match="--dataset prep; this run has --dataset other"):
+        check_checkpoint(saved, TrainConfig(max_steps=8, dataset="other"), scfg, 2, 2)
+
+
 def test_safe_changes_pass_and_schedule_changes_get_a_note():
     scfg = get("zero1")[1]()
     saved = _payload(TrainConfig(max_steps=8, out="a", eval_every=50, progress=True), scfg)

@@ -89,7 +89,14 @@ def read_config_file(path: str) -> ConfigFile:
     if not isinstance(data, dict):
         raise ConfigFileError(f"--config {path}: expected a table of flag names, got {type(data).__name__}")
     if isinstance(data.get("config"), dict) and "strategy_config" in data:  # a run's summary.json
-        values = {_key(k): v for k, v in data["config"].items() if _key(k) not in NOT_REPLAYED}
+        from .config import TrainConfig
+
+        # a value at its default is not replayed as given: a prepared --dataset decides vocab_size and the split,
+        # and the recorded defaults would contradict it (a run that set them to their defaults ran the same)
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+                    if f.default is not dataclasses.MISSING}
+        values = {_key(k): v for k, v in data["config"].items()
+                  if _key(k) not in NOT_REPLAYED and not (_key(k) in defaults and defaults[_key(k)] == v)}
         strategy_values = data.get("strategy_config") or {}
         return ConfigFile(path, values, {_key(k): v for k, v in strategy_values.items()}, replay=True)
     values = {_key(k): v for k, v in data.items()}

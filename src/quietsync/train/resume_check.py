@@ -118,6 +118,20 @@ def _show(flag: str, value: Any) -> str:
     return f"{flag} {_value(value)}"
 
 
+PATHS = frozenset({"dataset", "model", "tokenizer"})
+"""Job fields that may name a file or folder: the same one spelled another way (``prep``, ``./prep``, its absolute
+path from here) is the same value."""
+
+
+def _same(name: str, old: Any, new: Any) -> bool:
+    if old == new:
+        return True
+    if name not in PATHS or not isinstance(old, str) or not isinstance(new, str):
+        return False
+    a, b = Path(old).expanduser(), Path(new).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
 def _strategy_flags(strategy: str) -> dict[str, str]:
     from .args import train_parser
 
@@ -232,7 +246,7 @@ def check_checkpoint(
     was, has, notes = [], [], []
     for name in now:
         # a field the checkpoint's config lacks has nothing to be compared with
-        if name not in saved or name in SAFE or name in TOPOLOGY or saved[name] == now[name]:
+        if name not in saved or name in SAFE or name in TOPOLOGY or _same(name, saved[name], now[name]):
             continue
         flag = flag_name(name)
         if name in NOTED:
