@@ -198,3 +198,22 @@ def test_a_quorum_number_names_the_lighthouse_number_and_the_incarnations_not_th
     # a restarted Lighthouse's quorum 1 over other incarnations, or its quorum 2 over the same ones, is another
     assert len({quorum_number(1, [a, b]), quorum_number(1, [a, b2]), quorum_number(2, [a, b])}) == 3
     assert all(0 <= quorum_number(n, [a, b]) < 2 ** 48 for n in range(50))
+
+
+def test_a_replica_group_out_of_restarts_is_left_dead_and_the_job_says_so_in_one_line(tmp_path, monkeypatch):
+    """--replica-restarts 0 and both groups killed at their second step: neither is started again, each is named
+    once, and the job's last line says every group ran out (exit 1) -- no hang, no restart."""
+    from tests.train._run import train_subprocess
+
+    monkeypatch.setenv("QUIETSYNC_FT_KILL", "step:2")  # both replica groups
+    out = tmp_path / "run"
+    proc = train_subprocess(*job_flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "6"), "--fault-tolerance",
+                            "torchft", "--nproc", "2", "--replica-restarts", "0", timeout=120)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text
+    assert "starting it again" not in text
+    for k in (0, 1):
+        assert (f"replica group {k} ended (killed by SIGKILL) and was restarted 0 time(s) already (--replica-restarts "
+                "0): it is not started again, the others go on without it") in proc.stderr, proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1] == ("quietsync train: error: every replica group ended more often "
+                                                     "than --replica-restarts 0 allows"), proc.stderr

@@ -30,6 +30,7 @@ import traceback
 from typing import Any
 
 from ..cli.launch import signal_name
+from ..faults.quorum import NoQuorum
 from .args import PROG
 from .nonfinite import NonFiniteError
 from .replica_loop import STORE_ENV, run_replica
@@ -62,6 +63,9 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
     except NonFiniteError as e:  # one worker, in this process
         print(f"{PROG} train: error: replica group {replica}: NonFiniteError: {e}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT
+    except NoQuorum as e:  # one worker, in this process: a Lighthouse gone for good (its message names it)
+        print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
+        return 1
     except WorkerFailed as e:
         print(e.details, file=sys.stderr)
         print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
@@ -129,6 +133,7 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
     children: dict[int, Any] = {}
     restarts = dict.fromkeys(range(replicas), 0)
     finished: set[int] = set()
+    given_up: set[int] = set()  # out of restarts: left dead while the others go on
     nonfinite: float | None = None  # when a replica group stopped for a non-finite value
 
     def start(k: int) -> None:
@@ -168,17 +173,19 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
                     finished.add(k)
                     continue
                 # the last one, after the others ended the run: a restart would find no live peer to heal from
-                if finished and len(finished) + 1 == replicas:
+                if finished - given_up and len(finished) + 1 == replicas:
                     print(f"{PROG} train: replica group {k} ended ({_ended(child.exitcode)}) after the others had "
                           "finished the run", file=sys.stderr, flush=True)
                     finished.add(k)
                     continue
                 if restarts[k] >= cfg.replica_restarts:
-                    print(f"{PROG} train: error: replica group {k} ended ({_ended(child.exitcode)}) and was restarted "
-                          f"{restarts[k]} time(s) already (--replica-restarts {cfg.replica_restarts}); stopping the "
-                          "job", file=sys.stderr, flush=True)
-                    stop_all()
-                    return 1
+                    # the others go on without it: stopping them would lose the run (torchft runs write no checkpoints)
+                    print(f"{PROG} train: replica group {k} ended ({_ended(child.exitcode)}) and was restarted "
+                          f"{restarts[k]} time(s) already (--replica-restarts {cfg.replica_restarts}): it is not "
+                          "started again, the others go on without it", file=sys.stderr, flush=True)
+                    finished.add(k)
+                    given_up.add(k)
+                    continue
                 restarts[k] += 1
                 print(f"{PROG} train: replica group {k} ended ({_ended(child.exitcode)}); starting it again (restart "
                       f"{restarts[k]} of {cfg.replica_restarts}): it heals from a live peer", flush=True)
@@ -194,7 +201,13 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
     finally:
         if server is not None:
             server.shutdown()
-    return NONFINITE_EXIT if nonfinite is not None else 0
+    if nonfinite is not None:
+        return NONFINITE_EXIT
+    if len(given_up) == replicas:
+        print(f"{PROG} train: error: every replica group ended more often than --replica-restarts "
+              f"{cfg.replica_restarts} allows", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 __all__ = ["run_local_replicas", "run_one_replica_group"]
