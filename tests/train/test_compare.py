@@ -110,3 +110,19 @@ def test_cli_and_compare_do_not_import_each_other():
     from quietsync.commands import compare, main
 
     assert main.compare_main is compare.compare_main and main.parse_train_args is compare.parse_train_args
+
+
+def test_runs_stopped_at_the_target_are_not_said_to_have_had_other_budgets():
+    from quietsync.commands.compare import _markdown
+
+    def row(label: str, tokens: int, stopped_by: str) -> dict:
+        return {"label": label, "first_eval_loss": 8.3, "last_eval_loss": 7.8, "stopped_by": stopped_by, "steps": 4,
+                "wall_s": 1.0, "tokens": tokens, "micro_batches_per_step": 1.0, "tokens_per_s": 100.0,
+                "bytes_sent_per_step": 1e6, "mb_sent_per_1k_tokens": 1.0, "compute_s_per_worker": 1.0,
+                "idle_s_per_worker": 0.0, "comm_s_per_worker": 0.0, "compute_fraction": 1.0, "target_loss": 7.8,
+                "time_to_target_s": 1.0, "tokens_to_target": tokens}
+
+    at_target = _markdown([row("zero1", 4096, "target_loss"), row("demo", 8192, "target_loss")])
+    assert "different token budgets" not in at_target
+    budgets = _markdown([row("zero1", 4096, "max_tokens"), row("demo", 8192, "max_steps")])
+    assert "different token budgets (4,096, 8,192)" in budgets

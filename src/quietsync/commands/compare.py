@@ -143,9 +143,10 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
             line += (f" {r['time_to_target_s']:.1f} | {r['tokens_to_target']:,} |" if reached
                      else " not reached | — |")
         lines.append(line)
-    tokens = [r["tokens"] for r in rows]
+    # runs stopped by the target trained to it, not to a budget: their tokens are the tokens-to-target column
+    tokens = [r["tokens"] for r in rows if r["stopped_by"] != "target_loss"]
     # 1% slack: a token budget ends after the step that reaches it, so equal budgets differ a little
-    if tokens and max(tokens) > 1.01 * min(tokens):
+    if len(tokens) > 1 and max(tokens) > 1.01 * min(tokens):
         lines += ["", f"Note: the runs used different token budgets ({', '.join(f'{t:,}' for t in tokens)}): compare "
                   "them at equal tokens (loss vs tokens in compare.png), not at equal steps."]
     return "\n".join(lines) + "\n"
