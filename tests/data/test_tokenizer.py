@@ -163,6 +163,12 @@ def test_the_trained_bpe_read_back_through_transformers_has_its_own_fingerprint(
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
     back, _ = load_pretrained_tokenizer(str(folder))
+    # the file itself names its folder (not a hub name tried online first); another file is refused
+    assert tokenizer_fingerprint(load_pretrained_tokenizer(str(folder / "tokenizer.json"))[0]) == \
+        tokenizer_fingerprint(back)
+    (folder / "vocab.txt").write_text("")
+    with pytest.raises(ValueError, match="is a file; give the folder that holds its tokenizer.json"):
+        load_pretrained_tokenizer(str(folder / "vocab.txt"))
     text = " the miller grinds wheat\nand more"
     assert back.encode(text).ids == tok.encode(text).ids
     assert tokenizer_fingerprint(back) == tokenizer_fingerprint(tok)

@@ -38,6 +38,7 @@ def _closed_port() -> int:
     (["--strategy", "ddp", "--replica-group", "0", "--nodes", "2", *FT], "--replica-group needs --lighthouse"),
     (["--strategy", "ddp", "--lighthouse", "h:1"], "--lighthouse needs --fault-tolerance torchft"),
     (["--strategy", "ddp", "--no-async-join"], "--no-async-join needs --fault-tolerance torchft"),
+    (["--strategy", "ddp", "--replica-restarts", "2"], "--replica-restarts needs --fault-tolerance torchft"),
     (["--strategy", "ddp", "--precision", "fp16", *FT], "--precision fp16 is not supported with --fault-tolerance"),
     (["--strategy", "ddp", "--save-every", "5", *FT], "--save-every is not supported with --fault-tolerance torchft"),
     (["--strategy", "ddp", "--batch-policy", "global", *FT], "--batch-policy global is not supported with"),

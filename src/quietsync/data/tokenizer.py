@@ -72,6 +72,10 @@ def load_pretrained_tokenizer(name: str) -> tuple[Any, int]:
     ``ValueError`` naming ``--tokenizer`` when it cannot be loaded or has no fast version or no end token."""
     from transformers import AutoTokenizer
 
+    if Path(name).is_file():  # its folder: from_pretrained would take a file's path for a hub name and retry online
+        if Path(name).name != "tokenizer.json":
+            raise ValueError(f"--tokenizer: {name!r} is a file; give the folder that holds its tokenizer.json")
+        name = str(Path(name).parent)
     try:
         fast = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:

@@ -46,6 +46,8 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
                 return f"{flag} needs --fault-tolerance torchft"
         if "async_join" in given and not cfg.async_join:  # the default (True) is what a replay's config file holds
             return "--no-async-join needs --fault-tolerance torchft"
+        if "replica_restarts" in given:
+            return "--replica-restarts needs --fault-tolerance torchft (it restarts torchft's replica groups)"
         return None
     if importlib.util.find_spec("torchft") is None:
         return "--fault-tolerance torchft needs the torchft package: pip install 'quietsync[ft]'"

@@ -191,9 +191,12 @@ def reshard_note(saved_world: int, world: int, policy: str = "worker", strategy_
         why = "--batch-policy worker" if policy == "worker" else "its micro-batches per step adapt to the link"
         batch = (f"each worker feeds as many micro-batches per step as before ({why}), so a step holds {ratio:g} x "
                  "the run's first tokens per step")
-    return (f"--resume: resharding a checkpoint of {saved_world} workers onto {world}: model, optimizer state, step "
-            f"and learning-rate schedule continue exactly; the data stream continues where the {saved_world} "
-            f"workers stopped, dealt over {world}; {batch}; the learning-rate schedule and --max-steps follow tokens")
+    return (f"--resume: resharding a checkpoint of {saved_world} workers onto {world}: the model, the state the "
+            "workers share, the step and the learning-rate schedule continue exactly (a worker's own state -- a "
+            "decoupled momentum, a local drift and its inner moments -- goes on for the workers that stay and is lost "
+            f"for those that leave: docs/train.md, logical checkpoints); the data stream continues where the "
+            f"{saved_world} workers stopped, dealt over {world}; {batch}; the learning-rate schedule and --max-steps "
+            "follow tokens")
 
 
 def _topology_problem(payload: dict[str, Any], world: int, nodes: int | None, where: str) -> str | None:
