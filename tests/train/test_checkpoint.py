@@ -63,3 +63,27 @@ def test_plain_checkpoint_round_trips(tmp_path):
     got = load_checkpoint(path.parent, 0)
     assert got["strategy"]["steps"] == 2 and torch.equal(got["strategy"]["w"], payload["strategy"]["w"])
     assert got["config"] == payload["config"]
+
+
+def test_a_checkpoint_write_that_failed_on_a_full_disk_is_put_down_to_it(tmp_path, monkeypatch):
+    """torch's own error for a write cut short ("unexpected pos") says nothing of the disk: a write that failed
+    with ENOSPC in its chain, or with almost nothing free, is named as a full --out."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from quietsync.train import checkpoint
+
+    cut = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert checkpoint.out_of_space(tmp_path, 4, cut) is None  # plenty free here: another failure
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("write failed") from inner
+    except RuntimeError as chained:
+        said = checkpoint.out_of_space(tmp_path, 4, chained)
+    assert said.startswith(f"--out {tmp_path}: no space left on its file system for the checkpoint of step 4")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 << 20, 10 << 20, 1 << 20))
+    assert "(1 MB free): free some, or save less often (--save-every)" in checkpoint.out_of_space(tmp_path, 4, cut)

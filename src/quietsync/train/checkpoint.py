@@ -17,9 +17,11 @@ Files are read back with ``weights_only=True``: tensors and plain data only, so 
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,30 @@ def save_checkpoint(out: str | os.PathLike, step: int, rank: int, payload: dict[
     mid_write(tmp, step, rank)  # a test's fault: nothing without its environment variable
     os.replace(tmp, path)
     return path
+
+
+FULL_BELOW = 16 << 20
+"""Free bytes under which a failed checkpoint write is put down to a full disk (the writers' own errors, such as
+torch's "unexpected pos", do not say so)."""
+
+
+def out_of_space(out: str | os.PathLike, step: int, error: BaseException) -> str | None:
+    """One line naming ``--out`` when ``error`` (a failed checkpoint write) came from a full file system: ENOSPC
+    anywhere in its chain, or less than :data:`FULL_BELOW` free there now; else None."""
+    seen, e, nospace = set(), error, False
+    while e is not None and id(e) not in seen:  # a cause chain can loop
+        seen.add(id(e))
+        nospace = nospace or getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+        e = e.__cause__ or e.__context__
+    try:
+        free = shutil.disk_usage(out).free
+    except OSError:
+        free = None
+    if not nospace and (free is None or free >= FULL_BELOW):
+        return None
+    left = f" ({free / 1e6:.0f} MB free)" if free is not None else ""
+    return (f"--out {out}: no space left on its file system for the checkpoint of step {step}{left}: free some, or "
+            "save less often (--save-every)")
 
 
 def _complete(folder: Path, ranks: list[int]) -> bool:

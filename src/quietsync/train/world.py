@@ -14,6 +14,7 @@ newest complete checkpoint every worker agrees on (:func:`agreed_checkpoint`), a
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from .checkpoint import (
     files_problem,
     latest_checkpoint,
     load_checkpoint,
+    out_of_space,
     rank_file,
     remove_partial_writes,
     resolve_resume,
@@ -279,9 +281,26 @@ def save(world: FixedWorld, strategy: Any, tokens_total: int) -> None:
     """Write this worker's checkpoint file, unless any worker's state is not finite (then all raise); first,
     for a strategy that can reshard, the world-size-independent part (every worker takes part). Returns once every
     worker's file is written, so the checkpoint is complete when any worker goes on."""
-    cfg, stream = world.cfg, world.stream
+    cfg = world.cfg
     state = strategy.state_dict()
     world.guard.check_state(state, strategy.steps)
+    try:
+        _write(world, strategy, state, tokens_total)
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        full = out_of_space(cfg.out, strategy.steps, e)
+        if full is None:
+            raise
+        raise OSError(errno.ENOSPC, full) from e
+    # every worker's file is on disk before any worker trains on: a worker that fails later names this checkpoint
+    # (checkpoint_note) whichever worker wrote last, rather than a race deciding between it and "none"
+    world.guard.agree(0)
+
+
+def _write(world: FixedWorld, strategy: Any, state: dict[str, Any], tokens_total: int) -> None:
+    """The checkpoint's files of this worker: the logical part (with every worker), then its rank file."""
+    cfg, stream = world.cfg, world.stream
     # logical/ before the rank files: a step whose rank files are complete has it complete too
     if strategy.reshard_refusal is None:
         from .logical_checkpoint import save_logical  # torch.distributed.checkpoint: imported when first used
@@ -296,9 +315,6 @@ def save(world: FixedWorld, strategy: Any, tokens_total: int) -> None:
         "schedule_position": world.clock.position(strategy.steps),
         "world_size": strategy.world_size, "nodes": strategy.transport.topology.nodes,
     })
-    # every worker's file is on disk before any worker trains on: a worker that fails later names this checkpoint
-    # (checkpoint_note) whichever worker wrote last, rather than a race deciding between it and "none"
-    world.guard.agree(0)
 
 
 def gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
