@@ -27,6 +27,9 @@ WHAT_IF = ["--what-if", "--model", "1b", "--nodes", "2", "--workers-per-node", "
     (["--slow-worker", "5:2"], "--slow-worker must look like RANK:FACTOR"),
     (["--strategies", "nosuch"], "'nosuch' in 'nosuch' is not a strategy"),
     (["--strategies", "diloco:sync_every=0"], "sync_every must be an integer >= 1"),
+    (["--strategies", "diloco:adapt=yes"], "'diloco:adapt=yes': adapt takes true or false, got 'yes'"),
+    (["--strategies", "diloco:adapt_knobs=bits"], "adapt_knobs needs adapt=true"),
+    (["--strategies", "diloco:sync_every=16,,fragments=4"], "with no empty field, got 'diloco:sync_every=16,,"),
     (["--target-loss", "-1"], "--target-loss must be > 0 (or leave the flag out), got -1.0"),
     (["--target-loss", "4", "--pilot-tokens", "0"], "--pilot-tokens must be an integer >= 1"),
     (["--target-loss", "4"], "--target-loss needs --pilot-tokens N in a measured plan"),
@@ -50,6 +53,13 @@ def test_bad_input_is_one_line_and_exit_2_before_any_worker(argv, says, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("quietsync plan: error: "), err
     assert says in err, err
+
+
+def test_one_link_and_one_strategy_given_as_strings_from_python_are_lists_of_one():
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=1, seq_len=2048,
+                                 micro_batch_size=4, link="inter=1gbit,20ms", strategies="diloco:sync_every=64",
+                                 only=True)
+    assert [r.strategy for r in result.rows] == ["diloco"] and result.cluster.links.model["inter"].bandwidth == 1.25e8
 
 
 def test_an_out_that_is_a_file_is_refused_before_anything_runs(tmp_path, capsys):
@@ -199,3 +209,12 @@ def test_crossovers_are_where_the_fastest_strategy_changes():
     a, b = (result.score(result.predict(n, k, at)).objective
             for n, k in (("ddp", {}), ("demo", {"replicator": "random", "compression": 0.001})))
     assert a == pytest.approx(b, rel=0.02)  # equal predicted time to target where the best setting changes
+
+
+def test_worker_speeds_of_another_count_than_the_workers_are_left_out_as_train_refuses_them():
+    from quietsync.plan.config import PlanError
+
+    with pytest.raises(PlanError, match=r"localsgd: worker_speeds must have one value per worker \(2\), got 1"):
+        quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=1, seq_len=2048, micro_batch_size=4,
+                            link=["inter=1gbit,20ms"], strategies=["localsgd:inner_steps=adaptive,worker_speeds=1"],
+                            only=True)

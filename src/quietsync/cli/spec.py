@@ -13,9 +13,11 @@ def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
     spelled ``true``/``false`` becomes its ``--field``/``--no-field`` flag. A value may hold commas (a list, as
     ``adapt_sync_every=8,16,32`` or ``adapt_tokens=16:2e6,32:3e6``): an item without ``=`` continues the value
     before it."""
-    name, _, rest = spec.partition(":")
+    name, colon, rest = spec.partition(":")
+    if colon and any(not s.strip() for s in rest.split(",")):  # "diloco:", "a=1,,b=2": a field left out
+        raise ValueError(f"--strategies items must look like NAME[:FIELD=VALUE,...] with no empty field, got {spec!r}")
     items: list[tuple[str, str]] = []
-    for item in filter(None, (s.strip() for s in rest.split(","))):
+    for item in (s.strip() for s in rest.split(",") if s.strip()):
         key, sep, value = item.partition("=")
         if not sep and items:
             items[-1] = (items[-1][0], f"{items[-1][1]},{item}")

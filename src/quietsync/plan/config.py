@@ -120,6 +120,10 @@ class PlanConfig:
         check_int("workers_per_node", self.workers_per_node, 1, allow_none=True)
         if self.workers_per_node is not None and not self.what_if:
             raise ValueError("workers_per_node is only used with what_if (measured runs use nproc and nodes)")
+        if isinstance(self.link, str):  # one link given from Python: a list of one, not its characters
+            self.link = [self.link]
+        if isinstance(self.strategies, str):
+            self.strategies = [self.strategies]
         try:
             self.links = parse_links(self.link)
         except ValueError as e:

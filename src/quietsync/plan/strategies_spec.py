@@ -8,6 +8,7 @@ an error naming the spec.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 
@@ -26,6 +27,11 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     if name not in available():
         raise ValueError(f"strategies: {name!r} in {spec!r} is not a strategy (choose from {', '.join(available())})")
     _, cls = get(name)
+    switches = {f.name.replace("_", "-") for f in dataclasses.fields(cls) if f.type in ("bool", bool)}
+    for flag, value in zip(flags, flags[1:]):
+        # a switch spelled anything but true/false would reach argparse as a stray argument
+        if flag.startswith("--") and flag[2:] in switches and not value.startswith("--"):
+            raise ValueError(f"strategies: {spec!r}: {flag[2:].replace('-', '_')} takes true or false, got {value!r}")
     parser = _Raising(prog=name, add_help=False)
     fields = add_dataclass_flags(parser, cls)
     try:
@@ -34,9 +40,14 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"strategies: {spec!r}: {e}") from None
     values = given_values(args, fields)
     try:
-        cls(**values)  # the config's own checks refuse a bad value now
+        config = cls(**values)  # the config's own checks refuse a bad value now
     except (TypeError, ValueError) as e:
         raise ValueError(f"strategies: {spec!r}: {e}") from None
+    if hasattr(config, "adapt") and not config.adapt:  # as quietsync train refuses it: the knob would be ignored
+        unused = [k for k in values if k.startswith("adapt_")]
+        if unused:
+            raise ValueError(f"strategies: {spec!r}: {unused[0]} needs adapt=true (without it no knob is re-picked "
+                             "during the run)")
     return name, values
 
 

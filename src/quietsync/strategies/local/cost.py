@@ -44,6 +44,8 @@ class SpeedShares(Term):
         # each worker's inner step alone, at its own speed (the inner term costs the slowest of the profile's scales)
         each = [self.inner.cost(Ctx(dataclasses.replace(ctx.compute, worker_scale=(s,) * len(scales)), ctx.links,
                                     ctx.topo)) for s in scales]
+        if self.speeds and len(self.speeds) != len(scales):  # as the run refuses it (adaptive.AdaptivePlan)
+            raise ValueError(f"worker_speeds must have one value per worker ({len(scales)}), got {len(self.speeds)}")
         speeds = list(self.speeds) if self.speeds else [1.0 / c.time if c.time > 0 else 1.0 for c in each]
         plan = plan_from_speeds(speeds, self.period)
         ends = [h * c.time for h, c in zip(plan, each)]
