@@ -93,7 +93,12 @@ def test_compare_refuses_a_bad_target_loss(tmp_path, capsys):
 def test_compare_checks_flags_first(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare_main(["--strategies", "zero1", "nope", "--out", str(tmp_path)])
-    assert "--strategy must be one of" in capsys.readouterr().err
+    assert "--strategies: 'nope' in 'nope' is not a strategy (choose from" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a knob's typo names the spec it is in, and the command
+        compare_main(["--strategies", "zero1", "diloco:sync_evry=2", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert err.startswith("quietsync compare: error: --strategies: 'diloco:sync_evry=2': unrecognized arguments: "
+                          "--sync-evry 2"), err
     assert not (tmp_path / "zero1").exists()  # nothing ran
 
 

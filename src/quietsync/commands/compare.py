@@ -44,6 +44,7 @@ from ..cli.figures import pyplot, save_figure
 from ..cli.flags import OneLineParser
 from ..cli.spec import parse_strategy_spec
 from ..plan import plan
+from ..plan.strategies_spec import parse_spec
 from ..train.args import parse_train_args
 from ..train.metrics import read_jsonl
 from ..train.outputs import COMPARE_OUTPUTS, compare_out_problem, remove_outputs
@@ -237,8 +238,11 @@ def compare_main(argv: list[str]) -> int:
         parser.error("--strategy and --resume are set per run by quietsync compare; use --strategies")
     try:
         specs = [parse_strategy_spec(s) for s in args.strategies]
+        for spec in args.strategies:  # each spec's knobs against its strategy's config: an error names the spec
+            parse_spec(spec)
     except ValueError as e:
-        parser.error(str(e))
+        text = str(e)
+        parser.error(text if text.startswith("--") else f"--{text}")
     labels = [label for _, label, _ in specs]
     if len(set(labels)) != len(labels):
         parser.error(f"--strategies has duplicate runs: {' '.join(labels)}")
