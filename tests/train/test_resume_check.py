@@ -167,3 +167,22 @@ def test_the_reshard_note_says_what_a_step_holds_under_each_batch_policy(tmp_pat
     saved = _payload(TrainConfig(strategy="acco", max_steps=8), acco, world=4, nodes=4)
     adaptive = check_checkpoint(saved, TrainConfig(strategy="acco", max_steps=8), acco, 2, 2, tmp_path)[0]
     assert "(its micro-batches per step adapt to the link), so a step holds 0.5 x" in adaptive, adaptive
+
+
+def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path):
+    """Resuming from step 2 of a run that saved 2, 4, 6 abandons 4 and 6 (the metrics are cut back to 2): they move
+    aside, so a later bare --resume takes this branch's newest checkpoint, not the abandoned run's."""
+    from quietsync.train.checkpoint import checkpoint_root, set_aside_later, step_folder
+
+    for step in (2, 4, 6):
+        step_folder(tmp_path, step).mkdir(parents=True)
+    note = set_aside_later(tmp_path, step_folder(tmp_path, 2))
+    root = checkpoint_root(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == ["before-resume-from-step-2", "step-0000002"]
+    assert sorted(p.name for p in (root / "before-resume-from-step-2").iterdir()) == ["step-0000004", "step-0000006"]
+    assert note.startswith("--resume: the checkpoints of steps 4, 6 belong to the run this resume leaves")
+    assert set_aside_later(tmp_path, step_folder(tmp_path, 2)) is None  # nothing later any more
+    other = tmp_path / "elsewhere" / "checkpoints" / "step-0000001"
+    other.mkdir(parents=True)
+    step_folder(tmp_path, 3).mkdir()
+    assert set_aside_later(tmp_path, other) is None and step_folder(tmp_path, 3).is_dir()  # another run's: untouched

@@ -177,6 +177,28 @@ def step_folder(out: str | os.PathLike, step: int) -> Path:
     return checkpoint_root(out) / f"step-{step:07d}"
 
 
+def set_aside_later(out: str | os.PathLike, resumed: str | os.PathLike) -> str | None:
+    """Move the step folders of ``OUT/checkpoints`` after the one a run resumes from (``resumed``, under ``OUT``)
+    into ``OUT/checkpoints/before-resume-from-step-N/``: they hold the run this resume abandons, whose metrics it cuts
+    back, and a later bare ``--resume`` would otherwise take the newest of them. Returns the note to print, or None."""
+    resumed = Path(resumed)
+    root = checkpoint_root(out)
+    m = STEP_DIR.match(resumed.name)
+    if m is None or not root.is_dir() or resumed.resolve().parent != root.resolve():
+        return None  # a checkpoint of another folder: this one's are not abandoned by it
+    step = int(m.group(1))
+    later = sorted(p for p in root.iterdir() if p.is_dir() and (n := STEP_DIR.match(p.name)) and int(n.group(1)) > step)
+    if not later:
+        return None
+    aside = root / f"before-resume-from-step-{step}"
+    aside.mkdir(exist_ok=True)
+    for p in later:
+        os.replace(p, aside / p.name)
+    steps = ", ".join(str(int(STEP_DIR.match(p.name).group(1))) for p in later)
+    return (f"--resume: the checkpoints of steps {steps} belong to the run this resume leaves: moved to {aside} "
+            "(a bare --resume takes the newest checkpoint of this branch)")
+
+
 def resolve_resume(resume: str, out: str | os.PathLike, ranks: Iterable[int]) -> Path:
     """The folder ``--resume`` names: ``latest`` (newest complete under OUT) or an explicit folder."""
     if resume == "latest":

@@ -34,6 +34,7 @@ from .checkpoint import (
     load_checkpoint,
     rank_file,
     resolve_resume,
+    set_aside_later,
 )
 from .config import TrainConfig
 
@@ -317,4 +318,5 @@ def check_resume(cfg: TrainConfig, strategy_config: Any, world: int, nodes: int 
     problem = files_problem(folder, world, nodes)
     if problem is not None:
         raise ResumeMismatch(f"--resume: {problem}")
-    return notes
+    moved = set_aside_later(cfg.out, folder)
+    return notes + ([moved] if moved else [])
