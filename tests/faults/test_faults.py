@@ -151,7 +151,8 @@ def _resume_matches_reference(job: str, out: Path, corpus, reference) -> None:
     assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
 
 
-def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, reference, *, named: bool) -> float:
+def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, reference, *, named: bool,
+                 says: str | None = None) -> float:
     """Signal worker ``rank`` where it holds after its first checkpoint, then release the others into their next
     step, where they meet it in a collective; check the job ends as promised and resumes exactly; return the
     seconds from the signal to the launcher's exit, and from the peers' exit to the victim's (0: the victim
@@ -184,6 +185,8 @@ def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, ref
     assert "leaked" not in err, err[-3000:]  # no resource_tracker noise after the one line
     if named:
         assert f"worker {rank} failed" in line, line
+    if says is not None:
+        assert says in line, line
     _resume_matches_reference(job, out, corpus, reference)
     return elapsed, after_peers
 
@@ -207,7 +210,9 @@ def test_sigstop_of_a_worker_is_caught_by_the_timeout(tmp_path, corpus, referenc
     worker was gone within 5 s of the peer's exit (the documented --timeout-s + 5 s; the launcher's own exit, a
     torch interpreter's teardown, and a peer's start-up and teardown, all slower on a loaded machine, are not
     what the launcher decides)."""
-    elapsed, after_peer = _kill_worker("zero1", signal.SIGSTOP, 1, tmp_path, corpus, reference, named=False)
+    elapsed, after_peer = _kill_worker("zero1", signal.SIGSTOP, 1, tmp_path, corpus, reference, named=False,
+                                       says="(worker 1 was stopped (SIGSTOP) and answered nothing: worker 0 timed "
+                                            "out waiting for it)")
     print(f"the job ended {elapsed:.1f} s after the SIGSTOP; the frozen worker was gone {after_peer:.1f} s after "
           "the peer's exit")
     assert elapsed >= TIMEOUT_S, f"the job ended {elapsed:.1f} s after the SIGSTOP, inside the {TIMEOUT_S} s timeout"

@@ -278,8 +278,14 @@ def _wait_for_workers(context: Any, errors: str, poll_s: float) -> bool:
         multiprocessing.connection.wait(running, timeout=poll_s)
     failed = [i for i, p in enumerate(context.processes) if p.exitcode not in (None, 0)]
     if failed:
+        # a stopped worker raises nothing: its peers time out waiting for it, and one of them is the failure seen
+        frozen = [i for i, p in enumerate(context.processes) if p.exitcode is None and _stopped(p.pid)]
         stop_workers(context.processes)
-        raise first_failure(errors, failed[0], _exit_details(context, failed[0]))
+        failure = first_failure(errors, failed[0], _exit_details(context, failed[0]))
+        if frozen and failure.rank not in frozen:
+            failure.args = (f"{failure.args[0]} (worker {', '.join(map(str, frozen))} was stopped (SIGSTOP) and "
+                            f"answered nothing: worker {failure.rank} timed out waiting for it)",)
+        raise failure
     if any(p.exitcode is None for p in context.processes):
         return False
     return context.join(timeout=0)
