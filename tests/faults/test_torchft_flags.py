@@ -44,6 +44,7 @@ def _closed_port() -> int:
     (["--strategy", "ddp", "--batch-policy", "global", *FT], "--batch-policy global is not supported with"),
     (["--strategy", "ddp", "--comm-hook", "powersgd", *FT], "--comm-hook powersgd is not supported with"),
     (["--strategy", "ddp", "--lighthouse", "nowhere", *FT], "--lighthouse must be HOST:PORT"),
+    (["--strategy", "ddp", "--lighthouse", "127.0.0.1:99999", *FT], "with a port in [1, 65535], got '127.0.0.1:99999'"),
     (["--strategy", "diloco", "--on-nonfinite", "skip", *FT], "--on-nonfinite skip is not supported by --strategy "
      "diloco with --fault-tolerance torchft (localsgd and diloco take their inner steps alone between commits"),
     (["--strategy", "demo", "--on-nonfinite", "skip", *FT], "--on-nonfinite skip is not supported by --strategy demo "

@@ -209,8 +209,9 @@ class TrainConfig:
         check_int("replica_restarts", self.replica_restarts, 0)
         if self.lighthouse is not None:
             host, _, port = self.lighthouse.rpartition("://")[2].rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"lighthouse must be HOST:PORT (or http://HOST:PORT), got {self.lighthouse!r}")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"lighthouse must be HOST:PORT (or http://HOST:PORT) with a port in [1, 65535], got "
+                                 f"{self.lighthouse!r}")
         check_choice("token_dtype", self.token_dtype, ("uint16", "uint32"))
         if self.elastic and self.overwrite:
             raise ValueError("overwrite cannot be combined with --elastic: every restart would delete the "
