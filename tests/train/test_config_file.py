@@ -65,7 +65,17 @@ def test_config_file_errors_are_one_line(tmp_path, capsys):
     assert _error(["--config", str(bad)], capsys).endswith("--max-steps must be an integer >= 1, got 0")
     bad.write_text("max_steps = [\n")
     assert "not valid TOML" in _error(["--config", str(bad)], capsys)
+    bad.write_text("max-steps = 2\nmax_steps = 3\n")  # one would silently win
+    assert _error(["--config", str(bad)], capsys).endswith("max-steps and max_steps name the same flag: keep one")
     assert "cannot read" in _error(["--config", str(tmp_path / "missing.toml")], capsys)
+
+
+def test_a_bare_resume_is_written_true_in_a_config_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("resume = true\n")
+    assert parse_train_args(["--config", str(path)])[0].resume == "latest"
+    path.write_text("resume = false\n")
+    assert parse_train_args(["--config", str(path)])[0].resume is None
 
 
 def test_a_plain_json_file_works_like_toml(tmp_path):

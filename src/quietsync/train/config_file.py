@@ -99,6 +99,9 @@ def read_config_file(path: str) -> ConfigFile:
                   if _key(k) not in NOT_REPLAYED and not (_key(k) in defaults and defaults[_key(k)] == v)}
         strategy_values = data.get("strategy_config") or {}
         return ConfigFile(path, values, {_key(k): v for k, v in strategy_values.items()}, replay=True)
+    twice = [k for k in data if k != _key(k) and _key(k) in data]
+    if twice:  # max-steps and max_steps: one value would silently win
+        raise ConfigFileError(f"--config {path}: {twice[0]} and {_key(twice[0])} name the same flag: keep one")
     values = {_key(k): v for k, v in data.items()}
     strategy_values = values.pop("strategy_config", {})
     if not isinstance(strategy_values, dict):
@@ -146,6 +149,8 @@ def _checked(path: str, key: str, tp: Any, value: Any) -> Any:
             raise bad("a number")
         return float(value)  # an integer (lr = 1) is a float value too
     if tp is str:
+        if key == "resume" and isinstance(value, bool):  # a bare --resume: true takes the latest, false none
+            return "latest" if value else None
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return ",".join(value)  # a comma list (--log-with) written as a TOML array
         if not isinstance(value, str):
