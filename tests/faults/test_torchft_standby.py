@@ -20,6 +20,10 @@ FT = ["--fault-tolerance", "torchft"]
     (["--standby", "go", *FT], "--standby needs --replica-group K and one worker (--nproc 1): it stands by for one "
                                "replica group's single worker, got no --replica-group"),
     (["--standby", "go"], "--standby needs --fault-tolerance torchft"),
+    (["--standby", "/no/such/folder/go", *FT, "--replica-group", "0", "--nodes", "2", "--nproc", "1",
+      "--lighthouse", "127.0.0.1:1"], "its folder /no/such/folder does not exist, so the file could never be created"),
+    (["--standby", ".", *FT, "--replica-group", "0", "--nodes", "2", "--nproc", "1", "--lighthouse", "127.0.0.1:1"],
+     "--standby must name a file whose creation activates the standby, got '.'"),
 ])
 def test_a_standby_without_one_replica_group_is_refused_in_one_line(flags, message, monkeypatch, capsys):
     assert message in refused(monkeypatch, capsys, "--strategy", "ddp", *flags)

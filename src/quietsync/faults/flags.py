@@ -10,6 +10,7 @@ elsewhere.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 from ..strategies.declaration import ReplicaPolicy
@@ -94,6 +95,14 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
     if getattr(cfg, "standby", None) is not None and (cfg.replica_group is None or workers != 1):
         return ("--standby needs --replica-group K and one worker (--nproc 1): it stands by for one replica group's "
                 f"single worker, got {'no --replica-group' if cfg.replica_group is None else f'{workers} workers'}")
+    standby = getattr(cfg, "standby", None)
+    if standby is not None:
+        # the activation file must be one that can be created: else the standby would wait for it forever
+        folder = Path(standby).expanduser().parent
+        if not standby.strip() or Path(standby).is_dir():
+            return f"--standby must name a file whose creation activates the standby, got {standby!r}"
+        if not folder.is_dir():
+            return f"--standby {standby}: its folder {folder} does not exist, so the file could never be created"
     if replicas < 2:
         return (f"--fault-tolerance torchft needs at least 2 replica groups (--nodes, default one per worker), got "
                 f"{replicas}")
