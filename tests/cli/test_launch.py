@@ -41,6 +41,32 @@ def test_in_process_when_single_or_under_torchrun(monkeypatch):
     assert launch(lambda x: x * 3, (2,), nproc=4) == 6  # under torchrun: run unchanged, --nproc ignored
 
 
+def test_a_single_worker_in_process_fails_as_a_worker_process_does(monkeypatch):
+    """One worker runs in the launcher's process, but its error reaches the caller as a worker process's would:
+    WorkerFailed for worker 0, its traceback in the details, the error in the one line; Ctrl-C stays Ctrl-C and
+    under torchrun the error is the worker's own."""
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+
+    def broken():
+        raise ValueError("broke on purpose")
+
+    with pytest.raises(WorkerFailed) as e:
+        launch(broken, (), nproc=1)
+    assert e.value.rank == 0 and str(e.value) == "worker 0 failed: ValueError: broke on purpose"
+    assert "Traceback" in e.value.details
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        launch(interrupted, (), nproc=1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="broke on purpose"):
+        launch(broken, (), nproc=1)
+
+
 def test_the_worker_that_failed_first_is_blamed(monkeypatch, tmp_path):
     for k in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)

@@ -207,13 +207,19 @@ def launch(fn: Callable[..., Any], args: tuple = (), nproc: int = 1, preload: Se
 
     ``fn`` and ``args`` must be picklable (module-level function, dataclass arguments). ``preload``: modules the
     forkserver imports besides :data:`FORKSERVER_PRELOAD` and ``fn``'s own (what the job loads lazily). Raises
-    :class:`WorkerFailed` for the worker that failed first; re-raises ``KeyboardInterrupt`` after stopping
-    every worker.
+    :class:`WorkerFailed` for the worker that failed first (one worker runs in this process: its error too, so a
+    caller ends in the same one line whatever ``nproc``); re-raises ``KeyboardInterrupt`` after stopping every
+    worker.
     """
     if under_torchrun() and "TORCHELASTIC_RUN_ID" in os.environ:
         _die_with_launcher(os.getppid())  # torchrun's agent: a node whose agent is killed takes its workers along
-    if under_torchrun() or nproc <= 1:
+    if under_torchrun():
         return fn(*args)
+    if nproc <= 1:
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise WorkerFailed(0, traceback.format_exc()) from e
     workers = LocalWorkers(fn, args, nproc, preload)
     try:
         while not workers.poll():

@@ -8,7 +8,6 @@ an error naming the spec.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
 
@@ -21,16 +20,17 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"diloco:sync_every=16"`` → ``("diloco", {"sync_every": 16})`` (values checked by the config)."""
     from ..cli.flags import add_dataclass_flags, given_values
     from ..cli.spec import parse_strategy_spec
+    from ..strategies.config import switches
     from ..strategies.registry import available, get
 
     name, _, flags = parse_strategy_spec(spec)
     if name not in available():
         raise ValueError(f"strategies: {name!r} in {spec!r} is not a strategy (choose from {', '.join(available())})")
     _, cls = get(name)
-    switches = {f.name.replace("_", "-") for f in dataclasses.fields(cls) if f.type in ("bool", bool)}
+    on_off = {name.replace("_", "-") for name in switches(cls)}
     for flag, value in zip(flags, flags[1:]):
         # a switch spelled anything but true/false would reach argparse as a stray argument
-        if flag.startswith("--") and flag[2:] in switches and not value.startswith("--"):
+        if flag.startswith("--") and flag[2:] in on_off and not value.startswith("--"):
             raise ValueError(f"strategies: {spec!r}: {flag[2:].replace('-', '_')} takes true or false, got {value!r}")
     parser = _Raising(prog=name, add_help=False)
     fields = add_dataclass_flags(parser, cls)

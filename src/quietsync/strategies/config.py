@@ -8,14 +8,23 @@ import functools
 from typing import Any
 
 
-def _check_switches(config: Any) -> None:
-    """Every field annotated ``bool`` (or ``bool | None``) holds a bool: from Python a string such as ``"false"`` is
-    truthy and would switch the knob on."""
-    for f in dataclasses.fields(config):
+def switches(cls: Any) -> dict[str, bool]:
+    """A config class's on/off fields, each with whether it may also be None (annotated ``bool | None``)."""
+    out = {}
+    for f in dataclasses.fields(cls):
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        value = getattr(config, f.name)
-        if kind in ("bool", "bool | None") and not isinstance(value, bool) and not (kind != "bool" and value is None):
-            raise ValueError(f"{f.name} must be True or False, got {value!r}")
+        if kind in ("bool", "bool | None"):
+            out[f.name] = kind != "bool"
+    return out
+
+
+def _check_switches(config: Any) -> None:
+    """Every on/off field holds a bool: from Python a string such as ``"false"`` is truthy and would switch the knob
+    on."""
+    for name, nullable in switches(config).items():
+        value = getattr(config, name)
+        if not isinstance(value, bool) and not (nullable and value is None):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 @dataclasses.dataclass

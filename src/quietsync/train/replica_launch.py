@@ -60,13 +60,15 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
     try:
         launch(run_replica, (cfg, strategy_config, replica, replicas, lighthouse), nproc=workers,
                preload=worker_preload(cfg.model))
-    except NonFiniteError as e:  # one worker, in this process
-        print(f"{PROG} train: error: replica group {replica}: NonFiniteError: {e}", file=sys.stderr, flush=True)
-        return NONFINITE_EXIT
-    except NoQuorum as e:  # one worker, in this process: a Lighthouse gone for good (its message names it)
-        print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
-        return 1
-    except WorkerFailed as e:
+    except (NonFiniteError, NoQuorum, WorkerFailed) as e:
+        # a worker run in this process (one worker, or under torchrun): its own error, said in one clean line
+        own = e.__cause__ if isinstance(e, WorkerFailed) else e
+        if isinstance(own, NonFiniteError):
+            print(f"{PROG} train: error: replica group {replica}: NonFiniteError: {own}", file=sys.stderr, flush=True)
+            return NONFINITE_EXIT
+        if isinstance(own, NoQuorum):  # a Lighthouse gone for good (its message names it)
+            print(f"{PROG} train: error: replica group {replica}: {own}", file=sys.stderr, flush=True)
+            return 1
         print(e.details, file=sys.stderr)
         print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT if "NonFiniteError: " in str(e) else 1  # a worker's error arrives as text

@@ -301,7 +301,9 @@ def _resume_folder(cfg: TrainConfig, world: int) -> Path:
 
 def check_resume(cfg: TrainConfig, strategy_config: Any, world: int, nodes: int | None) -> list[str]:
     """The launcher's check of ``--resume``, before any worker starts: reads rank 0's file of the checkpoint
-    (tensors memory-mapped, not read) and compares it with this run; returns the notes to print.
+    (tensors memory-mapped, not read) and compares it with this run; once it passes, sets aside the checkpoints of
+    the branch a resume from an earlier checkpoint leaves (:func:`~quietsync.train.checkpoint.set_aside_later`);
+    returns the notes to print.
 
     Raises :class:`ResumeMismatch` (one line) when there is nothing to resume or it cannot be continued.
     """

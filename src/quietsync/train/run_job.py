@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from typing import Any
 
 from ..cli.flags import FlagError
@@ -93,7 +92,6 @@ def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_
             return run_local_replicas(cfg, strategy_config, nodes or cfg.nproc)
         workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
         return run_one_replica_group(cfg, strategy_config, cfg.replica_group, cfg.nodes, cfg.lighthouse, workers)
-    in_process = not under_torchrun() and cfg.nproc <= 1
     try:
         launch(run, (cfg, strategy_config, nodes), nproc=cfg.nproc, preload=worker_preload(cfg.model))
     except WorkerFailed as e:
@@ -103,12 +101,4 @@ def run_job(cfg: TrainConfig, strategy_config: Any, nodes: int | None, *, nproc_
     except KeyboardInterrupt:
         print(f"{PROG} train: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:
-        if not in_process:
-            raise
-        # the one worker ran in this process: its error ends in one line, as a worker process's does
-        print(traceback.format_exc().rstrip(), file=sys.stderr)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"{PROG} train: error: worker 0 failed: {type(e).__name__}: {first}".rstrip(": "), file=sys.stderr)
-        return 1
     return 0
