@@ -38,6 +38,16 @@ the transport starts it on every worker at the same moment: ``Transport.start_li
 has the rate and latency of the last entry at or before ``t``. A transfer pays the latency in force when it starts
 being served, then its bytes drain at whatever rate is in force second by second: a transfer that straddles a
 change is served partly at the old rate and partly at the new one, as on a real wire whose shaper is changed.
+
+**One collective, one moment.** A collective on a scheduled link starts being served when the *last* of its
+workers is ready (has issued it and has its link's queues free): the transport takes the largest of the
+workers' ready times on the run's clock (``Transport.latest_in``, one tiny gloo all-reduce per collective, on
+scheduled links only, so issuing a collective there, even an asynchronous one, waits until the group's other
+workers issue it), and every worker books the collective from that moment. So all ends charge the same
+rates over the same stretch and end at the same moment, whichever side of a change each worker reached it
+on (unless another thread of one worker books the same link in between: that worker then starts it later).
+A steady link needs no such agreement (its rate does not depend on the moment); a point-to-point
+transfer is still timed by each end from its own ready time.
 """
 
 from __future__ import annotations
@@ -188,6 +198,12 @@ class LinkModel:
         # the latency in force at the start; the bytes drain only after it, at the rates in force from then on
         alpha = messages * self.rate_at(at).latency
         return alpha + self._drain(at + alpha, sent)
+
+    def ready_at(self, start: float, tx: bool = True, rx: bool = True) -> float:
+        """``perf_counter`` seconds at which a transfer issued at ``start`` could start being served here: once
+        the queues it uses are free (books nothing)."""
+        with self._lock:
+            return max(start, self._tx_free_at if tx else start, self._rx_free_at if rx else start)
 
     def book_transfer(self, kind: str, nbytes: int, n: int, start: float | None = None, tx: bool = True,
                       rx: bool = True) -> tuple[float, float]:

@@ -112,6 +112,7 @@ class ProcessGroups:
         )
         self._groups: dict[str, Any] = {}
         self._control: Any = None  # the gloo group of agree(), created on first use
+        self._clock_groups: dict[str, Any] | None = None  # gloo twins of _groups, for latest_in (see there)
         self._meshes: dict[str, Any] = {}
         self._global_ranks: dict[str, tuple[int, ...]] = {g: self.topology.ranks(g) for g in GROUPS}
         self.initialized_default_group = False
@@ -172,7 +173,8 @@ class ProcessGroups:
         if self._closed:
             return
         self._closed = True
-        groups = [*self._groups.values(), self._control]
+        groups = [*self._groups.values(), *(self._clock_groups or {}).values(), self._control]
+        self._clock_groups = None
         self._control = None
         for pg in {id(g): g for g in groups if g is not None}.values():
             try:
@@ -228,6 +230,32 @@ class ProcessGroups:
             # every other row is 0 on this worker, so the sum is each worker's row (NaN + 0 stays NaN)
             dist.all_reduce(table, group=self._control_group())
         return table.tolist()
+
+    def latest_in(self, group: str, value: float) -> float:
+        """The largest ``value`` over the workers of ``group``: a collective of that group, made by each of its
+        workers at the same point as the group's own collectives (from the thread that issues those).
+
+        On a gloo twin of the group (under NCCL too: the value is a CPU number), so it never interleaves with
+        the group's data; not metered, not link-emulated. The twins are made by :meth:`make_clock_groups`."""
+        if self._clock_groups is None:
+            raise RuntimeError("latest_in needs make_clock_groups() first (a collective every worker makes)")
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._clock_groups[group])
+        return float(t)
+
+    def make_clock_groups(self) -> None:
+        """Create the gloo twins of ``world``, ``shard`` and ``replicate`` used by :meth:`latest_in`, once: every
+        worker calls it at the same point (creating a group is a collective of the whole world)."""
+        if self._clock_groups is not None or self.topology.world_size == 1:
+            return
+        topo, twins = self.topology, {}
+        twins["world"] = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=self._timeout)
+        for name, all_groups in (("shard", topo.all_shard_groups()), ("replicate", topo.all_replicate_groups())):
+            for ranks in all_groups:
+                pg = dist.new_group(list(ranks), backend="gloo", timeout=self._timeout) if len(ranks) > 1 else None
+                if topo.rank in ranks:
+                    twins[name] = pg
+        self._clock_groups = twins
 
     def _control_group(self) -> Any:
         """The gloo group of the agreements, created on first use (every worker calls at the same point)."""

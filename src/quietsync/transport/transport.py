@@ -87,13 +87,16 @@ class Transport(ProcessGroups):
         network latency across machines), with no clock synchronised between machines. The transport starts the
         clocks when it is built; the trainer starts them again when training starts, with ``elapsed`` = the
         training time a resumed run already had (agreed: the largest any worker reports), so the schedule
-        follows training time and a resumed run continues it where it stopped.
+        follows training time and a resumed run continues it where it stopped. The first call also creates the
+        gloo groups on which each collective agrees when it starts (``ProcessGroups.latest_in``; the rule is in
+        :mod:`quietsync.link`).
         """
         if not any(link.scheduled for link in self.links.values()):
             return
         if self.fault_tolerant:  # replicas start and restart on their own: no moment they all share
             raise ValueError("a --link schedule needs one clock shared by every worker, which --fault-tolerance "
                              "torchft's replicas do not have (they start and restart on their own); use a steady link")
+        self.make_clock_groups()
         elapsed = self.agree(float(elapsed), "max")
         epoch = time.perf_counter() - elapsed
         for link in self.links.values():
@@ -338,7 +341,12 @@ class Transport(ProcessGroups):
         t_wire: float | None = None
         deadline = 0.0
         if link is not None and n > 1:
-            t_wire, deadline = link.book_transfer(kind, nbytes, n, t_issue)
+            start = t_issue
+            if link.scheduled:
+                # every end must read the schedule at one moment: when the last of them is ready to be served
+                ready = link.ready_at(t_issue) - link.epoch
+                start = link.epoch + self.latest_in(group, ready)
+            t_wire, deadline = link.book_transfer(kind, nbytes, n, start)
             # on a scheduled link: at the rates in force while it is served
             modeled = deadline - t_wire if link.scheduled else link.time(kind, nbytes, n)
         if sent is None or recv is None:
