@@ -120,6 +120,9 @@ def test_diloco_survivor_commits_the_outer_sync_alone_and_the_returning_replica_
     held = summary["windows_held"]
     assert sorted(committed + held) == list(range(summary["windows_dealt"])) and held == [], "a window skipped"
     assert summary["heals"] == [0, 1]
+    # the job's committed micro-batches, not the present replicas' own counters (replica 1's restarted at 0)
+    whole = json.loads((out / "summary.json").read_text())
+    assert whole["micro_batches"] * 2 == len(committed) and whole["tokens"] == len(committed) * 32, whole
     evals = [[json.loads(line)["loss"] for line in (out / f"metrics-rank{k}.jsonl").read_text().splitlines()
               if '"eval"' in line][-1] for k in (0, 1)]
     assert evals[0] == evals[1], f"the replicas ended on different theta_global: {evals}"

@@ -388,11 +388,12 @@ def check_same_start(strategy: Any, transport: FaultTolerantTransport) -> None:
 
 def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: int, strategy: Any) -> dict[str, Any]:
     """Every present replica's counters summed (inside the replica group, then across the replicas), in the form
-    of :func:`quietsync.train.loop.job_summary`'s totals, and ``nonfinite_params``: whether any worker's committed
-    parameters are not finite (the same on every replica: one all-reduce)."""
+    of :func:`quietsync.train.loop.job_summary`'s totals but ``micro_batches`` (:func:`_summary` counts the
+    committed ones), and ``nonfinite_params``: whether any worker's committed parameters are not finite (the same on
+    every replica: one all-reduce)."""
     snap = transport.meter.snapshot()
     keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
-    values = [float(tokens), float(strategy.micro_batches), finite_flag(strategy), *(float(sums[k]) for k in STEP_SUMS)]
+    values = [float(tokens), finite_flag(strategy), *(float(sums[k]) for k in STEP_SUMS)]
     values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
     heals = [0.0] * transport.replicas  # this group's own heals, at its index (one worker of the group counts them)
     if transport.local_rank == 0 and transport.quorum is not None:
@@ -404,10 +405,10 @@ def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: i
     transport.all_reduce(t, "replicate", op="sum", name="summary")
     v = t.tolist()
     by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}
-    for (g, d), x in zip(keys, v[3 + len(STEP_SUMS):]):
+    for (g, d), x in zip(keys, v[2 + len(STEP_SUMS):]):
         by_group[g][d] = int(x)
-    return {"tokens": int(v[0]), "micro_batches": int(v[1]), "nonfinite_params": v[2] > 0,
-            "nonfinite_workers": v[2], **dict(zip(STEP_SUMS, v[3:3 + len(STEP_SUMS)])),
+    return {"tokens": int(v[0]), "nonfinite_params": v[1] > 0,
+            "nonfinite_workers": v[1], **dict(zip(STEP_SUMS, v[2:2 + len(STEP_SUMS)])),
             "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]},
             "heals": [int(x) for x in v[len(v) - transport.replicas:]]}
 
@@ -415,11 +416,14 @@ def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: i
 def _summary(cfg: Any, strategy_config: StrategyConfig | None, membership: TorchftQuorum, strategy: Any, n_params: int,
              result: dict[str, Any]) -> dict[str, Any]:
     """``summary.json``: :func:`quietsync.train.loop.job_summary`'s fields (counters summed over the replicas
-    present at the end; ``tokens`` the committed ones) and ``fault_tolerance``."""
+    present at the end; ``tokens`` and ``micro_batches`` the committed ones) and ``fault_tolerance``."""
     quorum, dealer, transport = membership.quorum, membership.dealer, membership.transport
     totals = dict(result["totals"])
     fed = totals["tokens"]
     totals["tokens"] = dealer.committed * cfg.seq_len
+    # the micro-batches the whole job committed (every replica group, every incarnation), as tokens: a strategy's
+    # own count starts at 0 in a restarted replica and dies with a killed one; the dealer's count heals
+    totals["micro_batches"] = dealer.committed // cfg.micro_batch_size
     summary = job_summary(cfg, strategy, strategy_config, transport.topology, n_params,
                           {**result, "stopped_by": "max_steps"}, totals)  # torchft refuses the other budgets
     summary["fault_tolerance"] = {
