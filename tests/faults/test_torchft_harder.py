@@ -12,17 +12,25 @@ no step committed twice, no window lost or read twice (:func:`~tests.faults.torc
   asked again (``faults/quorum.py``), and the Lighthouse started again at the same address forms the quorum afresh
   from the replicas that ask. Every replica says so in one line; a replica lost before the Lighthouse died (so the
   new Lighthouse's quorum numbers repeat ones the job used) heals after it came back.
+* **A replica group out of restarts** -- under the local launcher, replica group 1 dies more often than
+  ``--replica-restarts`` allows (``QUIETSYNC_FT_KILL_GROUP``): it is left dead, replica group 0 finishes the run
+  alone and the job's last line names group 1.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import quietsync.faults  # noqa: F401  (before torchft: its Rust log level is read at import)
 
-from .torchft_replicas import KILLED, Replicas, audit, job_flags, merged, records, wait_exit
+from .torchft_replicas import AUDIT, KILLED, OFFLINE, Replicas, audit, job_flags, merged, records, wait_exit
 
 torchft = pytest.importorskip("torchft")
 
@@ -217,3 +225,66 @@ def test_a_replica_group_out_of_restarts_is_left_dead_and_the_job_says_so_in_one
                 "0): it is not started again, the others go on without it") in proc.stderr, proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1] == ("quietsync train: error: every replica group ended more often "
                                                      "than --replica-restarts 0 allows"), proc.stderr
+
+
+def test_a_replica_group_out_of_restarts_is_left_dead_while_the_other_finishes_the_run(tmp_path):
+    """The local launcher, --replica-restarts 1, replica group 1 killed at its first step in every incarnation:
+    started again once (it heals, and dies again), then left dead; replica group 0 finishes the run alone (exit 0),
+    the job's last line names group 1, and the audit holds."""
+    from quietsync.faults.inject import HOLD_ENV, KILL_ENV, KILL_GROUP_ENV
+
+    out, go, back = tmp_path / "run", tmp_path / "go", tmp_path / "back"
+    replicas = Replicas(tmp_path, 2, [])  # its Lighthouse and heartbeat checks; the launcher starts the groups
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    # one environment for both groups (the launcher's): both start in the first quorum, group 0 waits at step 6
+    env.update({**OFFLINE, **AUDIT, KILL_ENV: "step:1", KILL_GROUP_ENV: "1", HOLD_ENV: f"step:0:{go},step:6:{back}"})
+    argv = [sys.executable, "-m", "quietsync", "train", *job_flags(tmp_path, out, "--strategy", "ddp", "--max-steps",
+            "12"), "--fault-tolerance", "torchft", "--lighthouse", replicas.address, "--nodes", "2", "--nproc", "2",
+            "--replica-restarts", "1"]
+    with open(tmp_path / "launcher.out", "w") as stdout, open(tmp_path / "launcher.err", "w") as stderr:
+        proc = subprocess.Popen(argv, stdout=stdout, stderr=stderr, env=env)
+    try:
+        replicas.go(go, [0, 1])
+        # group 0 must not end the run before group 1's second incarnation died: released at step 6 once that one
+        # asks to join (it heals there and dies in its first step), or once it died (it healed before step 6)
+        deadline = time.monotonic() + 120
+        while not ("restarted 1 time(s) already" in (tmp_path / "launcher.err").read_text()
+                   or (Path(f"{back}.waiting").exists() and replicas.asking() >= 1)):
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "launcher.err").read_text()
+            time.sleep(0.05)
+        back.write_text("")
+        proc.wait(150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # its replica groups die with it
+            proc.wait(10)
+        replicas.close()
+    text, err = (tmp_path / "launcher.out").read_text(), (tmp_path / "launcher.err").read_text()
+    assert proc.returncode == 0, text + err
+    assert "replica group 1 ended (killed by SIGKILL); starting it again (restart 1 of 1)" in text, text
+    assert ("replica group 1 ended (killed by SIGKILL) and was restarted 1 time(s) already (--replica-restarts 1): "
+            "it is not started again, the others go on without it") in err, err
+    assert "replica group 0 ended" not in text + err
+    assert err.rstrip().splitlines()[-1] == ("quietsync train: replica group 1 ended more often than "
+                                             "--replica-restarts 1 allows and was left dead; the others finished the "
+                                             "run without it"), err
+    survivor = records(out, 0)
+    # each incarnation of group 1 died inside a step of group 0's quorum (retried alone); the second healed first
+    assert sum(r["retries"] >= 1 for r in survivor) == 2 and {tuple(r["members"]) for r in survivor} == {(0,)}
+    assert any("sent_bytes" in p for r in survivor for p in r.get("rounds", [])), "group 1 never healed"
+    _steps(out, 0)
+    summary = _audited(out, 2)
+    assert summary["final_members"] == [0] and summary["schedule_position"] >= 12
+    whole = json.loads((out / "summary.json").read_text())
+    assert whole["micro_batches"] * 2 == summary["windows_committed"], whole
+
+
+def test_a_kill_confined_to_one_replica_group_leaves_the_others_environment_without_it():
+    from quietsync.faults.inject import KILL_ENV, KILL_GROUP_ENV, group_environment
+
+    env = {KILL_ENV: "step:2", KILL_GROUP_ENV: "1", "OTHER": "x"}
+    assert group_environment(env, 1) == env
+    assert group_environment(env, 0) == {KILL_GROUP_ENV: "1", "OTHER": "x"}
+    assert group_environment({KILL_ENV: "step:2"}, 0) == {KILL_ENV: "step:2"}  # without it: every group
+    with pytest.raises(ValueError, match=KILL_GROUP_ENV):
+        group_environment({KILL_ENV: "step:2", KILL_GROUP_ENV: "one"}, 0)

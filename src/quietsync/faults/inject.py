@@ -8,6 +8,11 @@ does: no clean-up, its connections closed by the kernel) at a named point of the
 * ``heal_send`` -- while sending its state to a replica that heals from it (after the length, before the bytes);
 * ``step`` -- after the N-th step's micro-batches were computed, before its exchange.
 
+``QUIETSYNC_FT_KILL_GROUP=K`` confines ``QUIETSYNC_FT_KILL`` to replica group K under the local launcher
+(``--nodes`` groups on one machine), which hands its environment to every group it starts
+(:func:`group_environment`): the others never see the kill. Each incarnation of group K counts afresh, so one
+started again dies again at the same point (a test runs it out of ``--replica-restarts``).
+
 ``QUIETSYNC_FT_HOLD=step:N:PATH`` (several, comma-separated) makes a replica wait at the top of its N-th step
 (before the step's quorum; N = 0: before its first quorum) until the file ``PATH`` exists (at most
 :data:`HOLD_LIMIT_S`): a test starts every replica in the first quorum, or holds the survivors until a restarted
@@ -45,6 +50,7 @@ import time
 from typing import Any
 
 KILL_ENV = "QUIETSYNC_FT_KILL"
+KILL_GROUP_ENV = "QUIETSYNC_FT_KILL_GROUP"
 HOLD_ENV = "QUIETSYNC_FT_HOLD"
 READY_ENV = "QUIETSYNC_FT_READY"
 NONFINITE_ENV = "QUIETSYNC_FT_NONFINITE"
@@ -75,6 +81,19 @@ def reached(point: str) -> None:
     _counts[point] = _counts.get(point, 0) + 1
     if _counts[point] == target[1]:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def group_environment(environ: dict[str, str], group: int) -> dict[str, str]:
+    """The environment the local launcher gives replica group ``group``: ``environ``, less ``QUIETSYNC_FT_KILL``
+    where ``QUIETSYNC_FT_KILL_GROUP`` names another group."""
+    only = environ.get(KILL_GROUP_ENV, "")
+    if not only:
+        return environ
+    if not only.isdigit():
+        raise ValueError(f"{KILL_GROUP_ENV} must be a replica group's index, got {only!r}")
+    if int(only) == group:
+        return environ
+    return {k: v for k, v in environ.items() if k != KILL_ENV}
 
 
 def reached_heal_send() -> None:
@@ -174,5 +193,6 @@ def poison(step: int, loss: Any, module: Any) -> Any:
     return loss
 
 
-__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "HOLD_POINTS", "KILL_ENV", "NONFINITE_ENV", "PAUSE_ENV", "POINTS", "READY_ENV",
-           "hold", "pause", "poison", "reached", "reached_heal_send", "ready"]
+__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "HOLD_POINTS", "KILL_ENV", "KILL_GROUP_ENV", "NONFINITE_ENV", "PAUSE_ENV",
+           "POINTS", "READY_ENV", "group_environment", "hold", "pause", "poison", "reached", "reached_heal_send",
+           "ready"]

@@ -4,9 +4,9 @@
   ``--lighthouse`` names one), then ``--nodes`` replica groups, each a child process with ``--nproc / --nodes``
   workers (one: the child trains itself; several: it spawns them, :mod:`quietsync.cli.launch`). When a replica
   group dies -- ``kill -9``, a crash, or a replica that fell behind its peers -- the launcher starts it again, up
-  to ``--replica-restarts`` times: it heals from a live peer and rejoins, while the others never restart. The job
-  ends when every replica group has finished (exit 0), or fails when one died more often than allowed (exit 1,
-  the others stopped). A replica group stopped by ``--on-nonfinite`` (exit 3,
+  to ``--replica-restarts`` times: it heals from a live peer and rejoins, while the others never restart. One that
+  dies more often is left dead and the others finish the run (exit 0; the job's last line names it); the job
+  fails (exit 1) only when every replica group ran out. A replica group stopped by ``--on-nonfinite`` (exit 3,
   :data:`~quietsync.train.replica_nonfinite.NONFINITE_EXIT`: every replica raises at the same commit vote) is not
   started again -- it would heal and train into the same values -- and the job exits 3 once the others have
   stopped too (at most ``--timeout-s`` later; then they are stopped). An interrupt stops everything (exit 130).
@@ -30,6 +30,7 @@ import traceback
 from typing import Any
 
 from ..cli.launch import signal_name
+from ..faults.inject import group_environment
 from ..faults.quorum import NoQuorum
 from .args import PROG
 from .nonfinite import NonFiniteError
@@ -141,7 +142,8 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
     def start(k: int) -> None:
         child = context.Process(target=_replica_main, name=f"quietsync-replica{k}",
                                 args=(cfg, strategy_config, k, replicas, address, workers, os.getpid(),
-                                      dict(os.environ)))  # a forkserver child starts with the forkserver's environment
+                                      # a forkserver child starts with the forkserver's environment
+                                      group_environment(dict(os.environ), k)))
         child.start()
         children[k] = child
 
@@ -209,6 +211,11 @@ def run_local_replicas(cfg: Any, strategy_config: Any, replicas: int) -> int:
         print(f"{PROG} train: error: every replica group ended more often than --replica-restarts "
               f"{cfg.replica_restarts} allows", file=sys.stderr, flush=True)
         return 1
+    if given_up:  # said when it happened too: the job's last line is where a reader looks
+        dead, many = sorted(given_up), len(given_up) > 1
+        print(f"{PROG} train: replica group{'s' if many else ''} {', '.join(map(str, dead))} ended more often than "
+              f"--replica-restarts {cfg.replica_restarts} allows and {'were' if many else 'was'} left dead; the "
+              f"others finished the run without {'them' if many else 'it'}", file=sys.stderr, flush=True)
     return 0
 
 
