@@ -148,7 +148,7 @@ FLOORS: dict[str, int] = {
     "quietsync.comm_worker": 3,
     "quietsync.transport": 2, "quietsync.models": 2,
     "quietsync.topology": 1, "quietsync.link": 1, "quietsync.events": 1, "quietsync.validate": 1,
-    "quietsync.activation_memory": 1, "quietsync._versions": 1,
+    "quietsync.activation_memory": 1, "quietsync._versions": 1, "quietsync.errors": 1,
 }
 """Module prefix (a room: a package or a module) -> its floor; an import may go down or stay on its floor, never up.
 The face (``quietsync`` itself) is that one module only; every other room holds the modules under it."""

@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from ..errors import cause_chain
 from .peer_checkpoint import PeerCheckpoint
 from .replica_group import replica_id
 from .transport import FaultTolerantTransport, ReplicaLost
@@ -427,12 +428,9 @@ class ReplicaQuorum:
 
 def _clear_frames(error: BaseException) -> None:
     """Clear the local variables of the finished frames in ``error``'s traceback and in those of its causes."""
-    seen = set()
-    while error is not None and id(error) not in seen:  # a cause chain may loop back on itself
-        seen.add(id(error))
-        if error.__traceback__ is not None:
-            traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
+    for e in cause_chain(error):
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
 
 
 __all__ = ["FellBehind", "HEAL_KEY", "HealFailed", "LIGHTHOUSE_ATTEMPT_S", "NoQuorum", "ReplicaQuorum", "RoundDropped",

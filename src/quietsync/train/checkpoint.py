@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..errors import cause_chain
 from ..faults.inject import mid_write
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -95,11 +96,7 @@ torch's "unexpected pos", do not say so)."""
 def out_of_space(out: str | os.PathLike, step: int, error: BaseException) -> str | None:
     """One line naming ``--out`` when ``error`` (a failed checkpoint write) came from a full file system: ENOSPC
     anywhere in its chain, or less than :data:`FULL_BELOW` free there now; else None."""
-    seen, e, nospace = set(), error, False
-    while e is not None and id(e) not in seen:  # a cause chain can loop
-        seen.add(id(e))
-        nospace = nospace or getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
-        e = e.__cause__ or e.__context__
+    nospace = any(getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e) for e in cause_chain(error))
     try:
         free = shutil.disk_usage(out).free
     except OSError:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..errors import cause_chain
 from ..faults.quorum import ReplicaQuorum, RoundDropped
 from .nonfinite import WHAT, NonFiniteError, RoundCheck, parameters_finite
 
@@ -116,13 +117,7 @@ def finite_flag(strategy: Any) -> float:
 
 def dropped_in(e: BaseException) -> RoundDropped | None:
     """The :class:`RoundDropped` ``e`` is, or was raised from (a unit run on a communication thread)."""
-    seen = set()
-    while e is not None and id(e) not in seen:  # a cause chain can loop
-        if isinstance(e, RoundDropped):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+    return next((x for x in cause_chain(e) if isinstance(x, RoundDropped)), None)
 
 
 __all__ = ["NONFINITE_EXIT", "ReplicaNonFinite", "dropped_in", "finite_flag"]
