@@ -20,6 +20,7 @@ decoupled momentum.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -99,3 +100,5 @@ def test_the_survivor_goes_on_alone_and_the_returning_replica_heals(tmp_path, ca
     assert len(set(committed)) == len(committed), "a window trained twice"
     held = summary["windows_held"]
     assert sorted(committed + held) == list(range(summary["windows_dealt"])), "a window skipped"
+    # the job's committed micro-batches (2 windows each), whatever the returning replica's own counter says
+    assert json.loads((out / "summary.json").read_text())["micro_batches"] * 2 == len(committed)
