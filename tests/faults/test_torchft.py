@@ -134,3 +134,8 @@ def test_the_closing_line_names_every_group_that_healed():
     assert heals_text([0, 1]) == "replica group 1 healed 1 time"
     assert heals_text([2, 0, 1]) == "replica group 0 healed 2 times, replica group 2 healed 1 time"
     assert heals_text([0, 0]) == "no replica group healed"
+    # a group gone at the end took its own count with it: it is not said to have healed 0 times
+    assert heals_text([0, 0], present=[0]) == "no replica group present at the end healed (replica group 1 not " \
+        "present at the end)"
+    assert heals_text([1, 0, 0], present=[0]) == "replica group 0 healed 1 time (replica groups 1, 2 not present " \
+        "at the end)"

@@ -36,7 +36,7 @@ import dataclasses
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -327,9 +327,10 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         if lead:
             summary = _summary(cfg, strategy_config, membership, strategy, n_params, result)
             write_summary(cfg.out, summary)
+            ft = summary["fault_tolerance"]
             print(f"quietsync train: --fault-tolerance torchft: {summary['steps']} steps, {summary['tokens']} tokens "
                   f"committed in {summary['wall_s']:.1f}s; last eval loss {summary['last_eval_loss']:.4f}; "
-                  f"{heals_text(summary['fault_tolerance']['heals'])}; results in {os.path.abspath(cfg.out)}",
+                  f"{heals_text(ft['heals'], ft['final_members'])}; results in {os.path.abspath(cfg.out)}",
                   flush=True)
         return summary
     except BaseException:
@@ -436,11 +437,18 @@ def _summary(cfg: Any, strategy_config: StrategyConfig | None, membership: Torch
     return summary
 
 
-def heals_text(heals: list[int]) -> str:
+def heals_text(heals: list[int], present: Sequence[int] | None = None) -> str:
     """``replica group 1 healed 1 time`` (every group that healed, as the groups present at the end count their
-    own heals), or ``no replica group healed``."""
-    said = [f"replica group {k} healed {n} time{'s' if n > 1 else ''}" for k, n in enumerate(heals) if n]
-    return ", ".join(said) if said else "no replica group healed"
+    own heals), or ``no replica group healed``; a group not in ``present`` (the final quorum's groups) is named as
+    absent, since its heals died with it."""
+    absent = [k for k in range(len(heals)) if present is not None and k not in present]
+    said = [f"replica group {k} healed {n} time{'s' if n > 1 else ''}" for k, n in enumerate(heals)
+            if n and k not in absent]
+    text = ", ".join(said) if said else "no replica group present at the end healed" if absent else \
+        "no replica group healed"
+    if absent:
+        text += f" (replica group{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} not present at the end)"
+    return text
 
 
 __all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STANDBY_POLL_S", "STORE_ENV", "advertised_host", "check_same_start",
