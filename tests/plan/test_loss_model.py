@@ -63,6 +63,22 @@ def test_chinchilla_curve_is_hoffmanns_law():
     assert float(chinchilla_curve(n).loss(d)) == pytest.approx(1.69 + 406.4 / n ** 0.34 + 410.7 / d ** 0.28)
 
 
+def test_with_a_vocabulary_the_law_starts_at_a_uniform_guess_and_is_unchanged_where_it_was_fitted():
+    for n, vocab in ((953_088, 4096), (467_200, 300), (1e9, 50257)):
+        law = chinchilla_curve(n, vocab)
+        assert float(law.loss(0)) == pytest.approx(math.log(vocab))  # an untrained model's loss
+        assert law.a < float(law.loss(20 * n)) < math.log(vocab)
+        target = (law.a + math.log(vocab)) / 2
+        assert float(law.loss(law.tokens_to(target))) == pytest.approx(target)
+    # at a size it was fitted on, in its own vocabulary or a larger one, it is Hoffmann's law (~1e6 tokens earlier)
+    n, d = 1e9, 2e10
+    for vocab in (32000, 50257):
+        assert chinchilla_curve(n, vocab).a == chinchilla_curve(n).a
+        assert float(chinchilla_curve(n, vocab).loss(d)) == pytest.approx(float(chinchilla_curve(n).loss(d)), rel=1e-4)
+    # a target at or above where it starts is reached at once: one token, not 0 (tokens are divided by)
+    assert chinchilla_curve(953_088, 4096).tokens_to(9.0) == 1.0
+
+
 def _pilot(k: float, end: float, n: int = 16) -> tuple[list[float], list[float]]:
     """A candidate's pilot that needs ``k`` times the baseline's tokens for every loss: 4 + 200·(t/k)^-0.4."""
     ts = [end * (i + 1) / n for i in range(n)]

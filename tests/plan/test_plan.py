@@ -106,6 +106,27 @@ def test_what_if_predicts_every_strategy_with_exact_bytes_and_recommends_the_fas
     assert "Diagnosis" in text and "Assumptions" in text and "6 × parameters" in text
 
 
+def test_with_no_target_a_small_model_aims_below_its_untrained_loss_and_says_why():
+    """The Chinchilla law after 20 tokens per parameter is above ln(vocabulary) for a 1 M-parameter model (9.2 nats
+    at 4,096 tokens): its curve, carried to the smaller vocabulary and started at ln V, gives a target below."""
+    import math
+
+    for vocab in (4096, 300):
+        result = quietsync.plan.plan(what_if=True, model="tiny", nproc=2, nodes=2, vocab_size=vocab,
+                                     link=["inter=100mbit,10ms"])
+        objective = result.objective
+        assert objective.target < math.log(vocab) and objective.priors.target_loss == objective.target
+        assert result.workload.vocab == vocab
+        assert objective.baseline.law.a < objective.target  # and above the curve's floor
+        said = " ".join(objective.notes)
+        assert "the law alone gives" in said and f"not below ln {vocab:,}" in said and "--target-loss X" in said
+    # a target given at or above the untrained loss is kept, and said to be there already
+    result = quietsync.plan.plan(what_if=True, model="tiny", nproc=2, nodes=2, link=["inter=100mbit,10ms"],
+                                 target_loss=9.0)
+    assert result.objective.target == 9.0
+    assert any("not below ln 4,096" in n and "already" in n for n in result.objective.notes)
+
+
 def test_the_advice_says_faster_or_slower_than_the_baseline_the_right_way_round():
     from quietsync.plan.recommend import versus_baseline
 

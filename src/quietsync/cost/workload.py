@@ -53,6 +53,9 @@ class Workload:
     flops_per_token: float = 0.0
     """Training FLOPs per token (forward + backward), for compute derived from FLOP/s; 6 × parameters when
     unknown."""
+    vocab: int | None = None
+    """Tokens the model predicts over (a language model's embedding rows); None when unknown. The planner bounds its
+    default loss curve by ``ln(vocab)``, the loss of an untrained model's uniform guess."""
 
     def __post_init__(self) -> None:
         if not self.shapes:
@@ -104,7 +107,7 @@ class Workload:
     @classmethod
     def from_model(cls, model: torch.nn.Module, *, tokens_per_micro_batch: int,
                    param_groups: list[dict[str, Any]] | None = None, name: str = "model",
-                   stages: Sequence[int] = ()) -> Workload:
+                   stages: Sequence[int] = (), vocab: int | None = None) -> Workload:
         """Read a model's trainable parameters (as a strategy built with ``param_groups`` sees them).
 
         Args:
@@ -114,6 +117,7 @@ class Workload:
                 ``make_strategy`` without ``param_groups``).
             name: for reports.
             stages: CDP stage counts to cut the model for (each a valid ``stages`` of ``cdp``).
+            vocab: a language model's vocabulary (None: unknown).
         """
         if param_groups is None:
             param_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
@@ -135,7 +139,7 @@ class Workload:
         layers = tuple(tuple(u) for u in layer_units(model, ordered))
         return cls(name=name, shapes=tuple(tuple(p.shape) for p in ordered), group_sizes=tuple(sizes),
                    module_order=tuple(module_order), units=units, tokens_per_micro_batch=tokens_per_micro_batch,
-                   dtype_bytes=ordered[0].element_size(), stage_numels=stage_numels, layers=layers)
+                   dtype_bytes=ordered[0].element_size(), stage_numels=stage_numels, layers=layers, vocab=vocab)
 
     @classmethod
     def transformer(cls, *, hidden: int, layers: int, vocab: int, seq_len: int, micro_batch_size: int,
@@ -177,7 +181,7 @@ class Workload:
         w = cls(name=name or f"transformer d={hidden} L={layers} V={vocab}", shapes=tuple(shape_of[n] for n in order),
                 group_sizes=(len(decay), len(no_decay)), module_order=tuple(idx[n] for n, _ in module),
                 units=units, tokens_per_micro_batch=seq_len * micro_batch_size, dtype_bytes=dtype_bytes,
-                flops_per_token=flops, layers=layer_list)
+                flops_per_token=flops, layers=layer_list, vocab=vocab)
         if stages:
             # in module order: CDP's stages are consecutive pieces of the forward
             w = w.with_stages({n: _balanced_stages([math.prod(shape_of[n]) for n, _ in module], n) for n in stages})

@@ -33,21 +33,26 @@ C_GRID = np.exp(np.linspace(math.log(0.02), math.log(4.0), 160))
 
 @dataclass(frozen=True)
 class PowerLaw:
-    """``L(t) = a + b·t^(−c)`` over tokens ``t``."""
+    """``L(t) = a + b·(t + offset)^(−c)`` over tokens ``t``."""
 
     a: float
     """The floor the curve approaches (the loss after infinitely many tokens)."""
     b: float
     c: float
+    offset: float = 0.0
+    """Tokens the curve has already run at ``t = 0`` (0 for a fit): it then starts at ``a + b·offset^(−c)``."""
 
     def loss(self, tokens: float | np.ndarray) -> float | np.ndarray:
-        return self.a + self.b * np.power(np.maximum(tokens, 1.0), -self.c)  # t^(−c) is infinite at 0 tokens
+        # t^(−c) is infinite at 0 tokens
+        return self.a + self.b * np.power(np.maximum(np.add(tokens, self.offset), 1.0), -self.c)
 
     def tokens_to(self, target: float) -> float:
         """Tokens at which the curve reaches ``target`` (``inf`` when the target is at or below the floor)."""
         if target <= self.a:
             return math.inf
-        return float((self.b / (target - self.a)) ** (1.0 / self.c))
+        t = float((self.b / (target - self.a)) ** (1.0 / self.c)) - self.offset
+        # a target at or above where a shifted curve starts is reached at once: one token, not 0 (a divisor)
+        return max(t, 1.0) if self.offset else t
 
 
 @dataclass(frozen=True)

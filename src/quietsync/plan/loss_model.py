@@ -3,12 +3,13 @@
 The **baseline curve** is the synchronous baseline's held-out loss over tokens, ``L_b(t) = a + b·t^(−c)``
 (:mod:`~quietsync.plan.curve_fit`): fitted to its pilot run (:mod:`~quietsync.plan.pilots`), or — with
 ``--what-if``, where nothing runs — the data term of the Chinchilla law at the model's size (Hoffmann et al.
-2022, approach 3: ``E + A/N^α + B/D^β``, E = 1.69, A = 406.4, B = 410.7, α = 0.34, β = 0.28), an assumption
-stated in the output. A candidate's curve is the baseline's transformed by its prior
-(:mod:`~quietsync.plan.priors`): ``L(t) = (1 + δ)·L_b(t / k)``, so its tokens to a target ``L*`` are
-``k · L_b⁻¹(L* / (1 + δ))`` — a small loss penalty costs many tokens near the curve's floor, and a penalty that
-lifts ``L*/(1+δ)`` to the floor means the target is **not predicted to be reached**. A candidate whose pilot ran
-gives its own token multiplier at equal loss instead (:func:`from_pilot_tokens`).
+2022, approach 3: ``E + A/N^α + B/D^β``, E = 1.69, A = 406.4, B = 410.7, α = 0.34, β = 0.28), carried to a smaller
+vocabulary and started at the untrained loss ``ln(vocabulary)`` (:func:`chinchilla_curve`), an assumption stated in
+the output. A candidate's curve is the baseline's transformed by its prior (:mod:`~quietsync.plan.priors`):
+``L(t) = (1 + δ)·L_b(t / k)``, so its tokens to a target ``L*`` are ``k · L_b⁻¹(L* / (1 + δ))`` — a small loss
+penalty costs many tokens near the curve's floor, and a penalty that lifts ``L*/(1+δ)`` to the floor means the
+target is **not predicted to be reached**. A candidate whose pilot ran gives its own token multiplier at equal loss
+instead (:func:`from_pilot_tokens`).
 
 **Time to target** = tokens to target ÷ predicted tokens/s (:mod:`~quietsync.plan.table`), with an interval
 that multiplies the loss model's with the speed model's (:data:`SPEED_ERROR`).
@@ -17,7 +18,7 @@ that multiplies the loss model's with the speed model's (:data:`SPEED_ERROR`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .curve_fit import CurveFit, Interval, PowerLaw
@@ -31,12 +32,31 @@ CHINCHILLA = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 """Hoffmann et al. (2022), approach 3: ``L(N, D) = E + A/N^α + B/D^β`` (nats, MassiveText)."""
 CHINCHILLA_TOKENS_PER_PARAM = 20
 """Chinchilla-optimal tokens per parameter (Hoffmann et al. 2022)."""
+CHINCHILLA_FITTED = "over 400 models of 70 M to 16 B parameters trained on 5 to 500 B tokens"
+"""What the Chinchilla law was fitted on (Hoffmann et al. 2022, abstract)."""
+CHINCHILLA_VOCAB = 32000
+"""Tokens in the vocabulary of the Chinchilla law's models (Gopher's SentencePiece vocabulary, Rae et al. 2021): its
+losses are nats per one of those tokens."""
 
 
-def chinchilla_curve(params: float) -> PowerLaw:
-    """The Chinchilla law at ``params`` parameters, over tokens."""
+def chinchilla_curve(params: float, vocab: int | None = None) -> PowerLaw:
+    """The Chinchilla law at ``params`` parameters, over tokens. With ``vocab``: for a vocabulary smaller than the
+    law's, its nats scaled by ``ln(vocab) / ln(32000)``; then started at ``ln(vocab)`` (its tokens counted from where
+    it reaches that loss, :attr:`PowerLaw.offset`), unless its floor is not below ``ln(vocab)``."""
     c = CHINCHILLA
-    return PowerLaw(c["E"] + c["A"] / params ** c["alpha"], c["B"], c["beta"])
+    law = PowerLaw(c["E"] + c["A"] / params ** c["alpha"], c["B"], c["beta"])
+    if not vocab or vocab < 2:
+        return law
+    # A uniform guess scores ln V nats per token. The law's losses are per token of 32,000: for fewer tokens they
+    # are carried over in that proportion, else a small model's floor alone would lie near or above ln V (the
+    # multipliers at equal loss do not change). A larger vocabulary's ln V lies above the law's start: kept as is.
+    unit = min(1.0, math.log(vocab) / math.log(CHINCHILLA_VOCAB))
+    law = PowerLaw(law.a * unit, law.b * unit, law.c)
+    # An untrained model starts at that guess, but the law grows without bound towards 0 tokens and, for a model far
+    # smaller than those it was fitted on, stays above ln V for many tokens: started there instead (this moves a 1 B
+    # model's curve by ~1e6 tokens, nothing; a 1 M model's by 0.4× its 20 tokens per parameter).
+    start = law.tokens_to(math.log(vocab))
+    return replace(law, offset=start) if math.isfinite(start) else law
 
 
 @dataclass(frozen=True)
@@ -302,6 +322,6 @@ def time_to_target(estimate: LossEstimate, tokens_per_s: float, speed_error: flo
                                  t.high / (tokens_per_s * (1 - speed_error))), tokens_per_s)
 
 
-__all__ = ["CHINCHILLA", "SPEED_ERROR", "BaselineCurve", "LossEstimate", "TimeToTarget", "chinchilla_curve",
-           "from_pilot_batch", "from_pilot_tokens", "from_prior", "loss_at", "matched_multipliers",
-           "time_to_target"]
+__all__ = ["CHINCHILLA", "CHINCHILLA_FITTED", "CHINCHILLA_VOCAB", "SPEED_ERROR", "BaselineCurve", "LossEstimate",
+           "TimeToTarget", "chinchilla_curve", "from_pilot_batch", "from_pilot_tokens", "from_prior", "loss_at",
+           "matched_multipliers", "time_to_target"]

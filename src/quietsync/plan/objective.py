@@ -4,7 +4,8 @@
 where it comes from, the priors' context, the pilot estimates, and the evaluation overhead of the planned run;
 :meth:`Objective.score` turns a predicted row (speed) into a :class:`~quietsync.plan.recommend.Scored` (tokens and
 time to target, or loss after the budget). :func:`initial_objective` builds it before any pilot: the Chinchilla
-law's shape for the baseline (what-if, or a measured plan without a target), with the assumption stated.
+law's shape for the baseline, started at the untrained model's loss (what-if, or a measured plan without a target),
+with the assumption stated.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 from .config import PlanConfig
 from .curve_fit import Interval
 from .loss_model import (
+    CHINCHILLA_FITTED,
     CHINCHILLA_TOKENS_PER_PARAM,
+    CHINCHILLA_VOCAB,
     SPEED_ERROR,
     BaselineCurve,
     LossEstimate,
@@ -141,6 +144,7 @@ class Objective:
         return {"target": self.target, "budget_s": self.budget_s, "description": self.description,
                 "baseline": {"source": self.baseline.source, "description": self.baseline.description,
                              "a": self.baseline.law.a, "b": self.baseline.law.b, "c": self.baseline.law.c,
+                             "offset": self.baseline.law.offset,
                              "measured": list(self.baseline.measured)},
                 "notes": self.notes, "eval_every": self.eval_every, "eval_s": self.eval_s,
                 "step_overhead_s": self.step_overhead_s,
@@ -176,33 +180,55 @@ def _phased_time(est: LossEstimate, phases: tuple[tuple[float, float], ...], fac
     return TimeToTarget(Interval(value, low, high), mean)
 
 
-def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, baseline_tokens_per_step: float
-                      ) -> Objective:
+def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, baseline_tokens_per_step: float,
+                      vocab: int | None = None) -> Objective:
     """The objective before any pilot: the Chinchilla law's curve at ``params`` as the baseline (what-if, or a
-    measured plan without a target, whose ranking is then by the priors alone), the target as given or the loss
-    after 20 tokens per parameter (Chinchilla-optimal)."""
-    law = chinchilla_curve(params)
+    measured plan without a target, whose ranking is then by the priors alone), carried to a smaller vocabulary and
+    started at ``ln(vocab)`` where it is known (:func:`~quietsync.plan.loss_model.chinchilla_curve`); the target as
+    given or the loss after 20 tokens per parameter (Chinchilla-optimal)."""
+    law = chinchilla_curve(params, vocab)
     tokens = cfg.target_tokens or CHINCHILLA_TOKENS_PER_PARAM * params
     desc = (f"the Chinchilla law at N = {params:,} parameters (Hoffmann et al. 2022, approach 3: L = 1.69 + "
-            f"406.4/N^0.34 + 410.7/D^0.28, nats on MassiveText)")
+            f"406.4/N^0.34 + 410.7/D^0.28, nats per token of its {CHINCHILLA_VOCAB:,}-token vocabulary on MassiveText)")
     notes = []
+    untrained = math.log(vocab) if vocab and vocab >= 2 else math.inf
+    if math.isfinite(untrained):
+        if vocab < CHINCHILLA_VOCAB:
+            desc += (f", scaled by ln {vocab:,}/ln {CHINCHILLA_VOCAB:,} = {untrained / math.log(CHINCHILLA_VOCAB):.3g} "
+                     "to this vocabulary (a uniform guess scores ln V in both)")
+        if law.offset:
+            desc += (f", started at ln {vocab:,} = {untrained:.3g}, an untrained model's loss: D counts from the "
+                     f"{law.offset:,.3g} tokens at which it reaches that")
+        else:
+            notes.append(f"the baseline curve's floor {law.a:.4g} is not below ln {vocab:,} = {untrained:.4g}, an "
+                         f"untrained model's loss: the law, fitted on {CHINCHILLA_FITTED}, cannot describe "
+                         f"{params:,} parameters; give --target-loss X for your own")
     if cfg.budget_s is not None:
         target = None
-        notes.append(f"baseline loss curve: {desc} — an assumption: only its shape matters for the ranking")
+        notes.insert(0, f"baseline loss curve: {desc} — an assumption: only its shape matters for the ranking")
     elif cfg.target_loss is not None:
         target = cfg.target_loss
         t = law.tokens_to(target)
-        notes.append(f"target: held-out loss {target:g}; baseline curve: {desc}, which reaches it after "
+        notes.insert(0, f"target: held-out loss {target:g}; baseline curve: {desc}, which reaches it after "
                      + (f"{t:,.3g} tokens" if math.isfinite(t) else "no number of tokens (below its floor "
                         f"{law.a:.3g})") + " — an assumption about your data")
+        if target >= untrained:
+            notes.append(f"target {target:g} is not below ln {vocab:,} = {untrained:.4g}, the loss of a uniform guess: "
+                         "an untrained model is about there already")
     else:
         target = float(law.loss(tokens))
         why = (f"--target-tokens {tokens:,}" if cfg.target_tokens else
                f"no target given: {CHINCHILLA_TOKENS_PER_PARAM} tokens per parameter ({tokens:,.3g}), "
                "Chinchilla-optimal")
-        notes.append(f"target: the loss the synchronous baseline reaches after {tokens:,.3g} tokens ({why}); "
+        notes.insert(0, f"target: the loss the synchronous baseline reaches after {tokens:,.3g} tokens ({why}); "
                      f"baseline curve: {desc} — an assumption: the priors shift this curve, a pilot run "
                      "(--target-loss X --pilot-tokens N) measures yours")
+        alone = float(chinchilla_curve(params).loss(tokens))
+        if alone >= untrained and law.offset:
+            notes.append(f"the law alone gives {alone:.4g} after {tokens:,.3g} tokens, not below ln {vocab:,} = "
+                         f"{untrained:.4g} where an untrained model starts: it was fitted on {CHINCHILLA_FITTED}, "
+                         f"not {params:,} parameters; the target {target:.4g} is its curve started there — give "
+                         "--target-loss X for your own")
     priors = PriorContext(params=params, workers=workers, nodes=nodes,
                           baseline_tokens_per_step=baseline_tokens_per_step,
                           # budget mode: the batch rule still needs a loss to evaluate B_crit at

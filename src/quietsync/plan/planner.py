@@ -55,8 +55,15 @@ def build_workload(cfg: PlanConfig, *, real: bool) -> tuple[Workload, torch.nn.M
     groups = param_groups(model, 0.1)
     ok_stages = tuple(s for s in stages if _can_cut(model, s))
     w = Workload.from_model(model, tokens_per_micro_batch=tokens, param_groups=groups, name=cfg.model,
-                            stages=ok_stages)
+                            stages=ok_stages, vocab=_vocab(model))
     return w, model
+
+
+def _vocab(model: torch.nn.Module) -> int | None:
+    """The rows of a language model's input embedding (None for a model without one)."""
+    embed = getattr(model, "get_input_embeddings", None)
+    rows = getattr(embed() if callable(embed) else None, "num_embeddings", None)
+    return rows if isinstance(rows, int) else None
 
 
 def _can_cut(model: torch.nn.Module, n: int) -> bool:
@@ -295,7 +302,7 @@ def predict(cfg: PlanConfig, w: Workload, cluster: Cluster, compute: ComputeProf
     if objective is None:
         exact = [r for r in rows if is_baseline(r)] or rows
         objective = initial_objective(cfg, w.params, cluster.world, cluster.nodes,
-                                      exact[0].tokens_per_step if exact else w.tokens_per_micro_batch)
+                                      exact[0].tokens_per_step if exact else w.tokens_per_micro_batch, vocab=w.vocab)
     if phases:
         objective = dataclasses.replace(objective, link_phases=speeds)
     scored = [objective.score(r) for r in rows]
