@@ -105,11 +105,12 @@ def grid(wide: bool = False, uneven: bool = False, varying: bool = False) -> tup
     return tuple(out)
 
 
-def applies(strategy: str, topo: Topology, stage_counts: tuple[int, ...] = ()) -> str | None:
-    """Why ``strategy`` does not apply to ``topo`` (None when it does): one worker has nothing to hide or shrink
-    unless the strategy is exact; the rest the strategy declares (``PlanFacts.applies``)."""
+def applies(strategy: str, topo: Topology, stage_counts: tuple[int, ...] = (), asked: bool = False) -> str | None:
+    """Why ``strategy`` does not apply to ``topo`` (None when it does): what the strategy declares
+    (``PlanFacts.applies``), and for the grid's settings one worker, which has nothing to hide or shrink unless the
+    strategy is exact (``asked``: a setting named in ``--strategies`` is ranked there all the same)."""
     facts = declaration(strategy).plan
-    if topo.world_size == 1 and not facts.exact:
+    if topo.world_size == 1 and not facts.exact and not asked:
         return "one worker: nothing to hide or shrink"
     return facts.applies(topo, stage_counts) if facts.applies is not None else None
 

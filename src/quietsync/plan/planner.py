@@ -29,7 +29,7 @@ from ..cost.workload import Workload
 from ..link import LinkModel
 from ..strategies.registry import declaration, ordered
 from ..topology import Topology
-from .candidates import Candidate, LeftOut, candidate, canonical_grid, unique
+from .candidates import Candidate, LeftOut, applies, candidate, canonical_grid, unique
 from .cluster import Cluster, Device
 from .config import PlanConfig, PlanError, transformer_shape
 from .objective import Objective, initial_objective
@@ -136,13 +136,21 @@ def candidates(cfg: PlanConfig, w: Workload, topo: Topology, uneven: bool | None
                ) -> tuple[list[Candidate], list[LeftOut]]:
     """The settings to evaluate — the canonical grid (with its wide settings for ``what_if``, its uneven ones for
     workers of different speeds, its varying ones for a link that changes) unless ``only``, and the ``strategies``
-    given — one per setting, and the grid's settings left out with why. ``uneven`` None: as the slow workers given
-    say (before the calibration has measured them)."""
+    given — one per setting, and the settings left out with why (a strategy given where its declaration says it does
+    not apply too, e.g. FlexDeMo with one worker per node). ``uneven`` None: as the slow workers given say (before
+    the calibration has measured them)."""
     stages = tuple(sorted(w.stage_numels)) if w.stage_numels else ()
     uneven = bool(cfg.slow) if uneven is None else uneven
     grid, left = ([], []) if cfg.only else canonical_grid(topo, stages, wide=cfg.what_if, uneven=uneven,
                                                           varying=varying)
-    return unique(grid + [candidate(n, k) for n, k in cfg.extra]), left
+    asked = []
+    for c in (candidate(n, k) for n, k in cfg.extra):
+        why = applies(c.strategy, topo, stages, asked=True)
+        if why is None:
+            asked.append(c)
+        elif all(x.spec != c.spec for x in left):  # the grid's own may already be left out for it
+            left.append(LeftOut(c.spec, c.strategy, why))
+    return unique(grid + asked), left
 
 
 def codec_keys(cfg: PlanConfig, w: Workload, topo: Topology) -> list[str]:
@@ -344,6 +352,8 @@ def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
         cfg = dataclasses.replace(cfg, nproc=world, nodes=cfg.nodes or max(1, world // max(1, local)))
     w, _ = build_workload(cfg, real=False)
     topo = Topology(0, cfg.world, cfg.node_count)
+    if not candidates(cfg, w, topo)[0]:  # e.g. --only with settings that do not apply: before any worker starts
+        raise PlanError(_nothing_to_rank(candidates(cfg, w, topo)[1], [], None))
     measured = measure(cfg, codec_keys(cfg, w, topo))
     if measured is None:
         return None
