@@ -84,6 +84,30 @@ def test_compare_two_strategies(tmp_path, monkeypatch, capsys):
     assert "| zero1 |" in (out / "compare.md").read_text()
 
 
+@pytest.mark.timeout(240)
+def test_mb_per_1k_tokens_counts_the_bytes_mb_per_step_counts(tmp_path, monkeypatch, capsys):
+    """Both columns are the training steps' bytes: the initial parameter broadcast (rank 0's parameters, once) is
+    left out of both and named below the table."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    data = tmp_path / "text.txt"
+    data.write_text(synthetic_text(2000))
+    out = tmp_path / "cmp"
+    assert compare_main([
+        "--strategies", "zero1", "--out", str(out), "--nproc", "2", "--model", "tiny", "--max-steps", "3",
+        "--micro-batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--dataset", str(data),
+        "--cache-dir", str(tmp_path / "cache"), "--eval-windows", "4", "--no-progress", "--no-plot", "--no-export",
+    ]) == 0
+    [row] = json.loads((out / "compare.json").read_text())
+    summary = json.loads((out / "zero1" / "summary.json").read_text())
+    per_step = row["bytes_sent_per_step"]
+    assert per_step > 0 and row["steps"] == 3
+    assert row["mb_sent_per_1k_tokens"] == pytest.approx(per_step * 3 / row["tokens"] * 1000 / 1e6)
+    assert row["bytes_sent_outside_steps"] == summary["bytes_sent"] - 3 * per_step == 4 * summary["parameters"]
+    broadcast = f"{4 * summary['parameters'] / 1e6:.3g} MB"
+    assert f"the initial parameter broadcast — is left out (zero1 {broadcast})" in (out / "compare.md").read_text()
+
+
 def test_compare_refuses_a_bad_target_loss(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare_main(["--strategies", "zero1", "--out", str(tmp_path), "--target-loss", "nan"])

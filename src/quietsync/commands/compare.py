@@ -5,10 +5,10 @@ slow worker, budgets), each into ``OUT/<label>``, then writes the files below. A
 ``--overwrite`` is given (then each run replaces its own outputs, see :mod:`quietsync.train.outputs`):
 
 * ``OUT/compare.json`` and ``OUT/compare.md``: one row per strategy (final eval loss, what stopped it, wall
-  time, tokens,
-  micro-batches per step, tokens/s, bytes sent per step and per 1k tokens, compute / idle / comm seconds per
-  worker, compute-busy fraction, and with ``--target-loss X`` the training time and tokens at which the
-  held-out loss first reached X);
+  time, tokens, micro-batches per step, tokens/s, bytes sent per step and per 1k tokens — both of the training
+  steps, the initial parameter broadcast named below the table — compute / idle / comm seconds per worker,
+  compute-busy fraction, and with ``--target-loss X`` the training time and tokens at which the held-out loss
+  first reached X);
 * ``OUT/compare.png``: eval loss vs wall-clock time and vs tokens (all workers), bytes sent per step per
   group, and the per-worker compute / idle time of each run;
 * ``OUT/timelines.png`` (with ``--trace``): every run's timeline (a few steps from the middle of the run, one
@@ -101,6 +101,8 @@ def _rows(out: Path, labels: list[str], target_loss: float | None = None) -> lis
         curve = _eval_curve(out / label)
         hit = next((e for e in curve if e["loss"] is not None and target_loss is not None and e["loss"] <= target_loss),
                    None)
+        # the steps' bytes, as MB sent/step counts them: bytes_sent holds the initial parameter broadcast too
+        step_bytes = s["bytes_sent_per_step"] * s["steps"]
         rows.append({
             "label": label, "strategy": s["strategy"], "workers": world, "steps": s["steps"],
             "stopped_by": s.get("stopped_by"),
@@ -108,7 +110,8 @@ def _rows(out: Path, labels: list[str], target_loss: float | None = None) -> lis
             "wall_s": s["wall_s"], "tokens": s["tokens"], "tokens_per_s": s["tokens_per_s"],
             "micro_batches_per_step": _micro_batches_per_step(out / label),
             "bytes_sent_per_step": s["bytes_sent_per_step"],
-            "mb_sent_per_1k_tokens": s["bytes_sent"] / max(1, s["tokens"]) * 1000 / 1e6,
+            "mb_sent_per_1k_tokens": step_bytes / max(1, s["tokens"]) * 1000 / 1e6,
+            "bytes_sent_outside_steps": round(s["bytes_sent"] - step_bytes),
             "target_loss": target_loss,
             "time_to_target_s": hit["time_s"] if hit else None,
             "tokens_to_target": hit["tokens"] if hit else None,
@@ -144,6 +147,11 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
             line += (f" {r['time_to_target_s']:.1f} | {r['tokens_to_target']:,} |" if reached
                      else " not reached | — |")
         lines.append(line)
+    outside = [f"{r['label']} {r['bytes_sent_outside_steps'] / 1e6:.3g} MB" for r in rows
+               if r.get("bytes_sent_outside_steps")]
+    if outside:
+        lines += ["", "MB sent: the training steps' bytes (all workers); what was sent outside them — the initial "
+                  f"parameter broadcast — is left out ({', '.join(outside)})."]
     # runs stopped by the target trained to it, not to a budget: their tokens are the tokens-to-target column
     tokens = [r["tokens"] for r in rows if r["stopped_by"] != "target_loss"]
     # 1% slack: a token budget ends after the step that reaches it, so equal budgets differ a little
