@@ -152,3 +152,24 @@ def test_pages_read_are_let_go_of(tmp_path):
         starts = torch.from_numpy(rng.integers(0, ids.size - 128, size=32))
         assert torch.equal(mapped.windows(starts, 128), memory[starts[:, None] + torch.arange(128)[None, :]])
     assert _rss_file() - before < (2 << 20), (_rss_file() - before) / 2**20  # 6 400 windows over 32 MB
+
+
+def test_the_data_identity_follows_the_ids_not_their_shards(tmp_path, ids):
+    """What a checkpoint records of its data: the same ids in other shards (or dtype) are the same data; one id
+    changed anywhere a sample reads, or another tokenizer, is other data; an empty split is fine."""
+    from quietsync.data.shards import Prepared, data_identity
+
+    def identity(train, held, fingerprint="tok"):
+        return data_identity(Prepared(tmp_path, {"tokenizer": {"fingerprint": fingerprint}}, train, held))
+
+    for name in "abce":
+        (tmp_path / name).mkdir()
+    held = _shards(tmp_path / "e", ids[:3_000], [])
+    one = identity(_shards(tmp_path / "a", ids, [5_000]), held)
+    assert one == identity(_shards(tmp_path / "b", ids, [7, 12_345], np.uint32), held)
+    assert one["train_tokens"] == ids.size and one["eval_tokens"] == 3_000 and one["tokenizer"] == "tok"
+    changed = ids.copy()
+    changed[-1] += 1  # the last id: the end of a split is sampled
+    assert identity(_shards(tmp_path / "c", changed, []), held)["digest"] != one["digest"]
+    assert identity(_shards(tmp_path / "a", ids, [5_000]), held, "other")["digest"] != one["digest"]
+    assert identity(_shards(tmp_path / "a", ids, [5_000]), TokenShards([]))["eval_tokens"] == 0

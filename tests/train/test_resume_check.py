@@ -186,3 +186,68 @@ def test_a_resume_from_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path)
     other.mkdir(parents=True)
     step_folder(tmp_path, 3).mkdir()
     assert set_aside_later(tmp_path, other) is None and step_folder(tmp_path, 3).is_dir()  # another run's: untouched
+
+
+def _prepare_text(folder, text: str):
+    """``quietsync prepare`` of ``text`` into ``folder`` (replacing what it held)."""
+    from quietsync.data.prepare import PrepareConfig, prepare
+
+    source = folder.with_suffix(".txt")
+    source.write_text(text)
+    prepare(PrepareConfig(dataset=str(source), vocab_size=300, progress=False, overwrite=True), folder,
+            say=lambda _: None)
+    return folder
+
+
+def test_a_resume_on_other_data_at_the_same_path_is_refused_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+    """The folder a run trained on, prepared again from other text: the checkpoint's data position would index other
+    ids. The launcher refuses in one line naming what the checkpoint trained on and what the folder holds now, and
+    what to do; the same text prepared again (the same ids) resumes; a checkpoint that does not record its data (an
+    older quietsync's) resumes with a note."""
+    from quietsync.data.shards import data_identity, open_prepared
+    from quietsync.train.args import parse_train_args
+    from quietsync.train.checkpoint import save_checkpoint
+    from quietsync.train.preflight import job_data_identity
+
+    from .conftest import synthetic_text
+
+    monkeypatch.chdir(tmp_path)
+    flags = ["--dataset", "prep", "--out", "run", "--resume", "--max-steps", "8", "--model", "tiny", "--nproc", "2"]
+    cfg, scfg, nodes = parse_train_args(flags)
+    prep = _prepare_text(tmp_path / "prep", synthetic_text(600, seed=0))
+    trained = data_identity(open_prepared(prep))
+    for rank in (0, 1):
+        save_checkpoint("run", 4, rank, {**_payload(cfg, scfg, nodes=nodes), "data_identity": trained})
+
+    _prepare_text(prep, synthetic_text(600, seed=0))  # the same text again: the same ids
+    assert check_resume(cfg, scfg, 2, nodes, data=lambda: job_data_identity(cfg)) == []
+
+    _prepare_text(prep, synthetic_text(600, seed=7))
+    now = data_identity(open_prepared(prep))
+    line = refused(monkeypatch, capsys, *flags)
+    step4 = "run/checkpoints/step-0000004"
+    assert line.startswith(f"quietsync train: error: --resume: the checkpoint {step4} was trained on other data than "
+                           "--dataset prep holds now (then: "), line
+    for identity in (trained, now):
+        assert f"{identity['train_tokens']:,} training and {identity['eval_tokens']:,} held-out tokens" in line
+        assert f"ids digest {identity['digest'][:12]}" in line
+    assert line.endswith("resume with the data it was trained on, or train on this data as a new run (a new --out)")
+
+    for rank in (0, 1):
+        save_checkpoint("run", 4, rank, _payload(cfg, scfg, nodes=nodes))
+    notes = check_resume(cfg, scfg, 2, nodes, data=lambda: job_data_identity(cfg))
+    assert notes == [f"--resume: the checkpoint {step4} does not record which data it was trained on (an older "
+                     "quietsync wrote it): --dataset prep is taken to hold the same"]
+
+
+def test_a_checkpoint_records_the_data_it_was_trained_on(finished_zero1_run):
+    """Every rank file of a run holds the identity of the ids it trained on: the job's prepared folder's."""
+    from quietsync.train.args import parse_train_args
+    from quietsync.train.checkpoint import load_checkpoint
+    from quietsync.train.preflight import job_data_identity
+
+    shared, job = finished_zero1_run
+    cfg, _, _ = parse_train_args([*job, "--out", str(shared)])
+    expected = job_data_identity(cfg)
+    for rank in (0, 1):
+        assert load_checkpoint(shared / "checkpoints" / "step-0000004", rank, mmap=True)["data_identity"] == expected

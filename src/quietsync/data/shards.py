@@ -331,3 +331,33 @@ def open_prepared(folder: str | os.PathLike) -> Prepared:
     folder = Path(folder)
     index = read_index(folder)
     return Prepared(folder, index, _open_split(folder, index, "train"), _open_split(folder, index, "eval"))
+
+
+IDENTITY_SAMPLES = 9
+"""Places of each split whose ids :func:`data_identity` digests (its start, its end and evenly between)."""
+
+IDENTITY_SAMPLE_TOKENS = 1024
+"""Ids digested at each place."""
+
+
+def data_identity(prepared: Prepared) -> dict[str, Any]:
+    """What the ids of a prepared folder are, cheaply (a resumed run checks it is given the data it trained on):
+    each split's length and :data:`IDENTITY_SAMPLES` runs of :data:`IDENTITY_SAMPLE_TOKENS` ids spread over it,
+    with the tokenizer's fingerprint — a few kilobytes read whatever the corpus's size. Not the shard layout or the
+    index's times: the same data prepared again, or cut into other shards, is the same data.
+
+    Returns ``{"digest", "tokenizer", "train_tokens", "eval_tokens"}``."""
+    h = hashlib.sha256(prepared.fingerprint.encode("utf-8"))
+    sizes = {}
+    for name, split in (("train", prepared.train), ("eval", prepared.eval)):
+        n = split.numel()
+        sizes[name] = n
+        h.update(f"{name}:{n};".encode())
+        span = min(n, IDENTITY_SAMPLE_TOKENS)
+        for i in range(IDENTITY_SAMPLES if span else 0):
+            start = (n - span) * i // (IDENTITY_SAMPLES - 1)
+            # int64: the same ids give the same digest whether the shards hold uint16 or uint32
+            h.update(split.read(start, start + span).astype("<i8").tobytes())
+        split.release()
+    return {"digest": h.hexdigest()[:24], "tokenizer": prepared.fingerprint, "train_tokens": sizes["train"],
+            "eval_tokens": sizes["eval"]}

@@ -26,7 +26,15 @@ import torch
 
 from ..data.cache import DEFAULT_CACHE_DIR, build_in_place
 from ..data.prepare import PrepareConfig, plan_request, prepare, request_key
-from ..data.shards import INDEX, TokenShards, is_prepared, open_prepared, read_index, tokenizer_fingerprints
+from ..data.shards import (
+    INDEX,
+    TokenShards,
+    data_identity,
+    is_prepared,
+    open_prepared,
+    read_index,
+    tokenizer_fingerprints,
+)
 from .config import TrainConfig
 
 IN_MEMORY_ENV = "QUIETSYNC_DATA_IN_MEMORY"
@@ -81,6 +89,9 @@ class JobData:
     """Training ids (mapped; in memory under :data:`IN_MEMORY_ENV`)."""
     eval: torch.Tensor | TokenShards
     """Held-out ids."""
+    identity: dict[str, Any]
+    """What the ids are (:func:`~quietsync.data.shards.data_identity`): saved with each checkpoint, compared on
+    resume."""
 
 
 def open_job_data(cfg: TrainConfig) -> JobData:
@@ -91,10 +102,11 @@ def open_job_data(cfg: TrainConfig) -> JobData:
     problem = tokenizer_problem(cfg, prepared.index)
     if problem:
         raise ValueError(problem)
+    identity = data_identity(prepared)
     train, held = prepared.train, prepared.eval
     if os.environ.get(IN_MEMORY_ENV) == "1":
         train, held = train.to_tensor(), held.to_tensor()
-    return JobData(folder, tokenizer, prepared.eos, train, held)
+    return JobData(folder, tokenizer, prepared.eos, train, held, identity)
 
 
 def split_tokens(folder: Path) -> tuple[int, int]:

@@ -67,6 +67,7 @@ from .membership import ABSTAIN, COMMITTED, DROPPED, OPEN, STEP_SUMS, Membership
 from .metrics import MetricsWriter, format_summary, write_summary
 from .preflight import data_problem
 from .profile import StepProfiler
+from .resume_check import ResumeMismatch, data_change
 from .schedule import warmup_cosine
 from .sinks import open_sinks
 from .slow_worker import MicroBatchTimer
@@ -170,6 +171,9 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         too_small = data_problem(train_tokens.numel(), eval_tokens.numel(), cfg, world)
         if too_small:
             raise ValueError(too_small)
+        changed = None if resume is None else data_change(resume.state, cfg, data.identity, resume.folder)
+        if changed:  # under torchrun no launcher compared it
+            raise ResumeMismatch(changed)
         model = job_model(cfg, tokenizer.get_vocab_size(), eos, device)
         n_params = count_parameters(model)
         run_config, clock, nominal = _step_plan(cfg, strategy_config, world, resume)
@@ -204,7 +208,8 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             print(f"quietsync train: {note}", flush=True)
         clock_offset = time.time() - time.perf_counter()  # once per run: turns span times into wall clock (trace.py)
         audit = os.environ.get(AUDIT_ENV, "") not in ("", "0")
-        membership = kind(cfg, strategy, strategy_config, clock, nominal, stream, resume_step is not None, audit)
+        membership = kind(cfg, strategy, strategy_config, clock, nominal, stream, resume_step is not None, audit,
+                          data.identity)
         metrics = MetricsWriter(cfg.out, rank, resume_step, sinks=open_sinks(
             cfg.log_with, cfg.out, rank, resume=resume_step is not None,
             config={"config": dataclasses.asdict(cfg), "strategy_config": dataclasses.asdict(strategy.config)}))

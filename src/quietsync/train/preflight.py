@@ -126,6 +126,39 @@ def data_problem(train_tokens: int, eval_tokens: int, cfg: TrainConfig, world: i
     return None
 
 
+def _data_error(cfg: TrainConfig, e: Exception) -> FlagError:
+    flag, text = flag_message(str(e), ["dataset", "eval_fraction", "text_column", "token_dtype", "tokenizer",
+                                       "vocab_size"])
+    return FlagError(flag or "--dataset", text if flag else f"--dataset {cfg.dataset}: {text}")
+
+
+def _job_index(cfg: TrainConfig) -> tuple[Path, dict]:
+    """The job's prepared folder (prepared now if it is not) and its index, its shards checked (:class:`FlagError`,
+    one line)."""
+    from ..data.shards import check_shards, read_index
+    from .job_data import job_folder
+
+    try:
+        folder = job_folder(cfg, progress=cfg.progress and sys.stderr.isatty())  # no bar redraws into a log file
+        index = read_index(folder)
+        check_shards(folder, index)  # a shard truncated or changed since it was prepared: here, not in the workers
+    except (ValueError, OSError) as e:
+        raise _data_error(cfg, e) from None
+    return folder, index
+
+
+def job_data_identity(cfg: TrainConfig) -> dict:
+    """:func:`~quietsync.data.shards.data_identity` of the job's data, prepared first if it is not (what a resume
+    compares with its checkpoint's; :class:`FlagError`, one line, for data that cannot be prepared or read)."""
+    from ..data.shards import data_identity, open_prepared
+
+    folder, _ = _job_index(cfg)
+    try:
+        return data_identity(open_prepared(folder))
+    except (ValueError, OSError) as e:
+        raise _data_error(cfg, e) from None
+
+
 def check_data(cfg: TrainConfig, world: int) -> None:
     """Prepare the job's data if it is not (once, into the cache: :mod:`quietsync.train.job_data`), then check it
     from its index: its tokenizer and its size for the job. Never reads the tokens, so it takes the same time for
@@ -134,20 +167,13 @@ def check_data(cfg: TrainConfig, world: int) -> None:
     The workers find everything prepared afterwards. Raises :class:`FlagError` for a dataset that cannot be
     prepared, whose tokenizer is not the job's, or that is too small for the job.
     """
-    import sys
+    from .job_data import split_tokens, tokenizer_problem
 
-    from ..data.shards import check_shards, read_index
-    from .job_data import job_folder, split_tokens, tokenizer_problem
-
+    folder, index = _job_index(cfg)
     try:
-        folder = job_folder(cfg, progress=cfg.progress and sys.stderr.isatty())  # no bar redraws into a log file
-        index = read_index(folder)
-        check_shards(folder, index)  # a shard truncated or changed since it was prepared: here, not in the workers
         problem = tokenizer_problem(cfg, index)
     except (ValueError, OSError) as e:
-        flag, text = flag_message(str(e), ["dataset", "eval_fraction", "text_column", "token_dtype", "tokenizer",
-                                           "vocab_size"])
-        raise FlagError(flag or "--dataset", text if flag else f"--dataset {cfg.dataset}: {text}") from None
+        raise _data_error(cfg, e) from None
     if problem is not None:
         raise FlagError(problem.split()[0], problem)  # the line starts with the flag it blames
     train, held = split_tokens(folder)

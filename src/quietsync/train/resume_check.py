@@ -15,14 +15,17 @@ world-size-independent part (``logical/``, see :mod:`~quietsync.train.logical_ch
 from that part, and the node count may change with it. Otherwise another world size, or another node count,
 is refused in one line naming the strategy and why.
 
-A field in no class (say, one added later) counts as incompatible. The launcher runs
-:func:`check_resume` before any worker starts; every worker runs :func:`check_checkpoint` again on the
-payload it loads (under torchrun there is no launcher).
+A field in no class (say, one added later) counts as incompatible. The same ``--dataset`` may hold other data by
+now (prepared again at the same path, or a raw input edited): each checkpoint records what its ids were
+(``data_identity``: :func:`~quietsync.data.shards.data_identity`), and :func:`data_change` refuses a resume on other
+ones. The launcher runs :func:`check_resume` before any worker starts; every worker runs :func:`check_checkpoint`
+and :func:`data_change` again on the payload it loads (under torchrun there is no launcher).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,8 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 
-__all__ = ["INCOMPATIBLE", "NOTED", "SAFE", "TOPOLOGY", "ResumeMismatch", "check_checkpoint", "check_resume"]
+__all__ = ["INCOMPATIBLE", "NOTED", "SAFE", "TOPOLOGY", "ResumeMismatch", "check_checkpoint", "check_resume",
+           "data_change"]
 
 INCOMPATIBLE: dict[str, str] = {
     "strategy": "the checkpoint holds that strategy's state",
@@ -285,6 +289,24 @@ def check_checkpoint(
     return topology_notes + notes
 
 
+def _data_about(identity: dict[str, Any]) -> str:
+    return (f"{identity['train_tokens']:,} training and {identity['eval_tokens']:,} held-out tokens, tokenizer "
+            f"{identity['tokenizer'][:12]}, ids digest {identity['digest'][:12]}")
+
+
+def data_change(payload: dict[str, Any], cfg: TrainConfig, identity: dict[str, Any],
+                where: str | Path = "") -> str | None:
+    """Why the checkpoint ``payload`` cannot go on with the data ``--dataset`` holds now, whose
+    :func:`~quietsync.data.shards.data_identity` is ``identity`` (one line naming both), or None: the same data, or
+    a checkpoint that does not record it (an older quietsync's)."""
+    saved = payload.get("data_identity")
+    if not isinstance(saved, dict) or saved.get("digest") == identity["digest"]:
+        return None
+    return (f"--resume: the checkpoint {where} was trained on other data than --dataset {cfg.dataset} holds now "
+            f"(then: {_data_about(saved)}; now: {_data_about(identity)}), so its data position would point into "
+            "other text: resume with the data it was trained on, or train on this data as a new run (a new --out)")
+
+
 def _resume_folder(cfg: TrainConfig, world: int) -> Path:
     """The checkpoint folder ``--resume`` names, for a world of ``world`` (another world's is found too)."""
     if cfg.resume == "latest":
@@ -299,11 +321,13 @@ def _resume_folder(cfg: TrainConfig, world: int) -> Path:
     return folder
 
 
-def check_resume(cfg: TrainConfig, strategy_config: Any, world: int, nodes: int | None) -> list[str]:
+def check_resume(cfg: TrainConfig, strategy_config: Any, world: int, nodes: int | None,
+                 data: Callable[[], dict[str, Any]] | None = None) -> list[str]:
     """The launcher's check of ``--resume``, before any worker starts: reads rank 0's file of the checkpoint
-    (tensors memory-mapped, not read) and compares it with this run; once it passes, sets aside the checkpoints of
-    the branch a resume from an earlier checkpoint leaves (:func:`~quietsync.train.checkpoint.set_aside_later`);
-    returns the notes to print.
+    (tensors memory-mapped, not read) and compares it with this run, and, when ``data`` is given, with the
+    :func:`~quietsync.data.shards.data_identity` it returns (called once the flags passed: it may prepare the data);
+    once it passes, sets aside the checkpoints of the branch a resume from an earlier checkpoint leaves
+    (:func:`~quietsync.train.checkpoint.set_aside_later`); returns the notes to print.
 
     Raises :class:`ResumeMismatch` (one line) when there is nothing to resume or it cannot be continued.
     """
@@ -320,5 +344,12 @@ def check_resume(cfg: TrainConfig, strategy_config: Any, world: int, nodes: int 
     problem = files_problem(folder, world, nodes)
     if problem is not None:
         raise ResumeMismatch(f"--resume: {problem}")
+    if data is not None:
+        problem = data_change(payload, cfg, data(), folder)
+        if problem is not None:
+            raise ResumeMismatch(problem)
+        if not isinstance(payload.get("data_identity"), dict):
+            notes.append(f"--resume: the checkpoint {folder} does not record which data it was trained on (an older "
+                         f"quietsync wrote it): --dataset {cfg.dataset} is taken to hold the same")
     moved = set_aside_later(cfg.out, folder)
     return notes + ([moved] if moved else [])

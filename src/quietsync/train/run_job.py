@@ -26,7 +26,7 @@ def before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) ->
     from ..cli.launch import under_torchrun
     from .model_check import model_problem
     from .outputs import out_problem, remove_outputs
-    from .preflight import check_data
+    from .preflight import check_data, job_data_identity
     from .resume_check import check_resume
 
     torchrun = under_torchrun()
@@ -40,7 +40,7 @@ def before_workers(cfg: TrainConfig, strategy_config: Any, nodes: int | None) ->
         raise FlagError(problem.split()[0], problem)
     notes: list[str] = []
     if cfg.resume is not None and not torchrun:
-        notes += check_resume(cfg, strategy_config, cfg.nproc, nodes)
+        notes += check_resume(cfg, strategy_config, cfg.nproc, nodes, data=lambda: job_data_identity(cfg))
     if not torchrun:
         check_data(cfg, cfg.nproc)
     sync_every = getattr(strategy_config, "sync_every", None)

@@ -143,13 +143,17 @@ class FixedWorld:
         stream: this worker's micro-batches.
         resumed: whether the run resumed from a checkpoint (else it starts here).
         audit: whether records hold the windows fed (``QUIETSYNC_AUDIT_DATA``).
+        data_identity: what the training ids are (:func:`~quietsync.data.shards.data_identity`); saved with each
+            checkpoint.
     """
 
     speaks: bool
 
     def __init__(self, cfg: TrainConfig, strategy: Any, strategy_flags: StrategyConfig | None, clock: TokenSchedule,
-                 nominal: Nominal, stream: ShardedSequences, resumed: bool, audit: bool) -> None:
+                 nominal: Nominal, stream: ShardedSequences, resumed: bool, audit: bool,
+                 data_identity: dict[str, Any] | None = None) -> None:
         self.cfg, self.strategy_flags, self.clock, self.nominal = cfg, strategy_flags, clock, nominal
+        self.data_identity = data_identity
         self.stream = stream
         self.topology = strategy.transport.topology
         self.rank = self.topology.rank
@@ -314,6 +318,7 @@ def _write(world: FixedWorld, strategy: Any, state: dict[str, Any], tokens_total
         "nominal": world.nominal.state(),
         "schedule_position": world.clock.position(strategy.steps),
         "world_size": strategy.world_size, "nodes": strategy.transport.topology.nodes,
+        "data_identity": world.data_identity,
     })
 
 
