@@ -194,7 +194,7 @@ def test_bad_columns_are_refused_in_one_line_with_nothing_written(tmp_path):
     cases = {
         "n": "--text-column n of --dataset .* holds int64, not text \\(text columns: text, title\\)",
         "nope": "--text-column nope is not a column of --dataset .* \\(columns: text, n, title\\)",
-        None: "--dataset must hold at least 2 documents .* holds 0",  # `text` holds only blanks
+        None: "--dataset must hold at least 2 documents .* holds none \\(only blank text\\)",  # `text`: only blanks
     }
     for column, message in cases.items():
         out = tmp_path / f"out-{column}"
@@ -204,6 +204,22 @@ def test_bad_columns_are_refused_in_one_line_with_nothing_written(tmp_path):
     pq.write_table(pa.table({"a": ["x"], "b": ["y"]}), folder / "a.parquet")
     with pytest.raises(Refused, match="several text columns \\(a, b\\): choose one with --text-column"):
         prepare(_cfg(folder, tmp_path / "o"), say=lambda _: None)
+
+
+def test_one_document_is_refused_as_taken_for_held_out_evaluation_not_as_empty(tmp_path, tokenizer_folder):
+    """The held-out split takes the only document, leaving 0 to train on: the line counts the input's documents and
+    says where the one went (with the default tokenizer and a pretrained one: two places that refuse)."""
+    (tmp_path / "one.txt").write_text("just one short line of text\n")
+    expected = ("--dataset must hold at least 2 documents (non-blank chunks or rows) to split off a held-out part; "
+                f"{tmp_path / 'one.txt'} holds 1 document (text is cut into documents of about 4,000 characters), "
+                "taken for held-out evaluation, so none is left to train on")
+    for i, tokenizer in enumerate((None, str(tokenizer_folder[0]))):
+        with pytest.raises(Refused) as e:
+            prepare(_cfg(tmp_path / "one.txt", tmp_path / f"o{i}", tokenizer=tokenizer), say=lambda _: None)
+        assert str(e.value) == expected and not (tmp_path / f"o{i}").exists()
+    (tmp_path / "rows.jsonl").write_text('{"text": "a row"}\n{"text": "  "}\n')
+    with pytest.raises(Refused, match=r"rows.jsonl holds 1 document, taken for held-out evaluation, so none is left"):
+        prepare(_cfg(tmp_path / "rows.jsonl", tmp_path / "o2"), say=lambda _: None)
 
 
 def test_inputs_that_are_not_one_kind_are_refused(tmp_path):

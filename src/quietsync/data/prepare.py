@@ -198,16 +198,20 @@ def labelled_documents(source: Source, k: int, by_file: bool) -> Iterator[tuple[
 
 
 def _bpe_sample(source: Source, k: int, by_file: bool, sample_chars: int, total: int | None
-                ) -> tuple[Iterator[str], int]:
-    """(the training documents the default tokenizer learns from, the stride m: every m-th document)."""
+                ) -> tuple[Iterator[str], int, dict[str, int]]:
+    """(the training documents the default tokenizer learns from, the stride m: every m-th document, the count of
+    held-out documents passed over so far: ``{"held": n}``)."""
     # m rounded up, so 1 in m documents comes to at most about sample_chars characters
     stride = 1 if total is None or total <= sample_chars else -(-total // sample_chars)
+
+    passed = {"held": 0}
 
     def docs() -> Iterator[str]:
         seen = 0
         taken = 0
         for doc, held, _ in labelled_documents(source, k, by_file):
             if held:
+                passed["held"] += 1
                 continue
             if seen % stride == 0:
                 yield doc
@@ -216,7 +220,7 @@ def _bpe_sample(source: Source, k: int, by_file: bool, sample_chars: int, total:
                     return  # a stream of unknown size: its first sample_chars characters
             seen += 1
 
-    return docs(), stride
+    return docs(), stride, passed
 
 
 def _default_tokenizer(cfg: PrepareConfig, source: Source, k: int, by_file: bool, say: Callable[[str], None]):
@@ -224,7 +228,7 @@ def _default_tokenizer(cfg: PrepareConfig, source: Source, k: int, by_file: bool
     from .tokenizer import train_bpe
 
     total = source.total_bytes() if source.kind != "kjv" else None
-    docs, stride = _bpe_sample(source, k, by_file, cfg.tokenizer_sample_chars, total)
+    docs, stride, passed = _bpe_sample(source, k, by_file, cfg.tokenizer_sample_chars, total)
     what = "every training document" if stride == 1 else f"1 in every {stride} training documents"
     if stride == 1 and total is None and source.kind == "hub":
         what = f"the first {cfg.tokenizer_sample_chars:,} characters of training text"
@@ -233,18 +237,24 @@ def _default_tokenizer(cfg: PrepareConfig, source: Source, k: int, by_file: bool
     counted = _Counted(docs)
     tok = train_bpe(counted, cfg.vocab_size)
     if counted.documents == 0:  # known only once the trainer has read the stream
-        raise Refused(_no_text(cfg.dataset, by_file, 0))
+        raise Refused(_no_text(source, by_file, passed["held"]))
     about = f"byte-level BPE, {cfg.vocab_size} entries, trained on {what} ({counted.chars:,} characters)"
     return tok, about, time.perf_counter() - t0
 
 
-def _no_text(dataset: str, by_file: bool, documents: int, held_out: bool = False) -> str:
-    """Why the input has too little text to split (one line)."""
+def _no_text(source: Source, by_file: bool, documents: int, held_out: bool = False) -> str:
+    """Why the input has too little text to split (one line); ``documents``: all of them, held out or not."""
     if by_file:
         part = "held-out files / split" if held_out else "training files / split"
-        return f"--dataset {dataset}: its {part} hold no text (no non-blank document)"
-    return (f"--dataset must hold at least 2 documents (non-blank chunks or rows) to split off a held-out part; "
-            f"{dataset} holds {documents}")
+        return f"--dataset {source.name}: its {part} hold no text (no non-blank document)"
+    first = "--dataset must hold at least 2 documents (non-blank chunks or rows) to split off a held-out part"
+    if documents == 0:
+        return f"{first}; {source.name} holds none (only blank text)"
+    # one document is the held-out one (split_stream): the training count, 0, read as an empty input
+    chunks = (f" (text is cut into documents of about {source.options['chunk_chars']:,} characters)"
+              if source.kind == "text" else "")
+    return (f"{first}; {source.name} holds {documents:,} document{'s' if documents > 1 else ''}{chunks}, taken for "
+            "held-out evaluation, so none is left to train on")
 
 
 class _Counted:
@@ -557,7 +567,7 @@ def _encode_corpus(cfg: PrepareConfig, source: Source, folder: Path, tokenizer, 
     encode_s = time.perf_counter() - t_encode
     entries = {s: w.close() for s, w in writers.items()}
     if writers["train"].documents == 0 or writers["eval"].documents == 0:
-        raise Refused(_no_text(cfg.dataset, by_file, documents, held_out=writers["train"].documents > 0))
+        raise Refused(_no_text(source, by_file, documents, held_out=writers["train"].documents > 0))
     tokens = sum(w.tokens for w in writers.values())
     # the rate counts only this run's tokens, not those kept from before a resume
     new_tokens = tokens - progress.start_tokens
