@@ -314,3 +314,50 @@ def test_inputs_a_reader_cannot_use_and_an_out_under_a_file_are_one_line(tmp_pat
         prepare_main(["--dataset", str(tmp_path / "c.txt"), "--out", str(tmp_path / "afile" / "sub")])
     assert e.value.code == 2 and "afile is a file, not a folder" in capsys.readouterr().err
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2))
+
+
+def test_an_unfinished_prepare_given_as_dataset_says_how_to_finish_it(tmp_path, monkeypatch, capsys):
+    """An interrupted prepare's folder (its journal, tokenizer.json and shards, no index) read as "mixes kinds of
+    files (2 json, 2 tokens)". It is named as an unfinished prepare, with the command that finishes it: that command,
+    run as printed (from another folder: with the cd to where the input's name was spelled), resumes it."""
+    import shlex
+
+    from quietsync.commands.prepare import prepare_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "book.txt").write_text(synthetic_text(3000, seed=3))
+    monkeypatch.setattr(prep, "BATCH_CHARS", 4_000)
+    monkeypatch.setattr(prep, "CHECKPOINT_S", 0.0)
+    real = prep.encode_ids
+    calls = {"n": 0}
+
+    def dies_after_three(*args):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(prep, "encode_ids", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_cfg("book.txt", "half", workers=1, eval_fraction=0.1), say=lambda _: None)
+    monkeypatch.setattr(prep, "encode_ids", real)
+    assert (tmp_path / "half" / prep.STATE).exists() and not (tmp_path / "half" / "index.json").exists()
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(Refused) as e:
+        prepare(_cfg("../half", tmp_path / "o"), say=lambda _: None)
+    line = str(e.value)
+    assert line.startswith("--dataset ../half is an unfinished quietsync prepare (it holds prepare-state.json and no "
+                           "index.json yet: it was interrupted): finish it with the same command, which resumes where "
+                           "it stopped ("), line
+    assert "mixes kinds" not in line and line.endswith("), then train on it")
+    command = line[line.index("(cd ") + 1: -len("), then train on it")]
+    assert command == (f"cd {tmp_path} && quietsync prepare --dataset book.txt --out {tmp_path / 'half'} "
+                       "--vocab-size 300 --eval-fraction 0.1")
+    where, argv = command.split(" && ")
+    monkeypatch.chdir(where.removeprefix("cd "))
+    capsys.readouterr()
+    assert prepare_main([*shlex.split(argv)[2:], "--no-progress"]) == 0
+    assert "quietsync prepare: resuming " in capsys.readouterr().out
+    assert open_prepared(tmp_path / "half").train.numel() > 0

@@ -50,10 +50,10 @@ from .shards import (
     token_dtype,
     tokenizer_fingerprint,
 )
-from .sources import Source, cpu_count, resolve_source, saved_has_held_out
+from .sources import PREPARE_STATE, Source, cpu_count, resolve_source, saved_has_held_out
 from .token_files import TokenFileError, index_token_files
 
-STATE = "prepare-state.json"
+STATE = PREPARE_STATE
 """The journal of an unfinished prepare (removed when the index is written)."""
 
 BATCH_CHARS = 1 << 20

@@ -54,6 +54,9 @@ HELD_OUT_NAME = re.compile(r"(^|[-_.])(val|valid|validation|dev|test|eval|evalua
 PREPARED_INDEX = "index.json"
 """The file that marks a prepared folder (:mod:`quietsync.data.shards`)."""
 
+PREPARE_STATE = "prepare-state.json"
+"""The journal of an unfinished prepare (:mod:`quietsync.data.prepare`), removed when its index is written."""
+
 READ_BLOCK = 1 << 22
 """Characters of a text file read at a time."""
 
@@ -169,6 +172,8 @@ def resolve_source(dataset: str, text_column: str | None = None, *, chunk_chars:
             raise ValueError(f"{str(e).rstrip('.')}; the folder is not a usable prepared dataset: prepare it again "
                              "from its source (quietsync prepare --dataset SOURCE --out FOLDER)") from None
         raise ValueError(f"--dataset {dataset} is already prepared (it holds {PREPARED_INDEX}): train on it as it is")
+    if path.is_dir() and (path / PREPARE_STATE).is_file():  # its shards and JSON would read as mixed kinds
+        raise ValueError(unfinished_prepare(path, dataset))
     if path.is_dir() and any((path / name).is_file() for name in ("dataset_info.json", "state.json",
                                                                   "dataset_dict.json")):
         return Source("saved", dataset, (path,), text_column=text_column)
@@ -193,6 +198,40 @@ def resolve_source(dataset: str, text_column: str | None = None, *, chunk_chars:
             raise ValueError(f"--token-dtype must be uint16 or uint32, got {token_dtype!r}")
         return Source("tokens", dataset, train, held, options={"token_dtype": token_dtype})
     return Source(kind, dataset, train, held, text_column=text_column)
+
+
+def unfinished_prepare(folder: Path, dataset: str) -> str:
+    """Why ``folder``, a prepare that was interrupted, is no dataset yet, and the command that finishes it (one
+    line; the command from its journal's request, as far as it can be read)."""
+    import json
+    from dataclasses import fields
+
+    from .prepare import PrepareConfig
+
+    what = (f"--dataset {dataset} is an unfinished quietsync prepare (it holds {PREPARE_STATE} and no "
+            f"{PREPARED_INDEX} yet: it was interrupted)")
+    try:
+        request = json.loads((folder / PREPARE_STATE).read_text())["request"]
+        source, tokenizer = request["source"], request["tokenizer"]
+        name, out, where = source["name"], dataset, ""
+        tail, files = Path(name).parts, source.get("files") or []
+        if files and not Path(name).expanduser().exists():
+            # the request holds the name as spelled: run it again from where it was spelled (found from the files)
+            first = Path(files[0][0])
+            named = next((p for p in (first, *first.parents) if p.parts[-len(tail):] == tail), None)
+            if named is not None and len(named.parts) > len(tail):
+                where, out = f"cd {Path(*named.parts[:-len(tail)])} && ", str(folder.resolve())
+        flags = [f"--dataset {name}", f"--out {out}"]
+        default = {f.name: f.default for f in fields(PrepareConfig)}
+        given = {"text_column": source.get("text_column"), "tokenizer": tokenizer.get("pretrained"),
+                 "vocab_size": tokenizer.get("bpe"), "tokenizer_sample_chars": tokenizer.get("sample_chars"),
+                 "eval_fraction": request.get("eval_fraction"), "shard_tokens": request.get("shard_tokens")}
+        flags += [f"--{name.replace('_', '-')} {value}" for name, value in given.items()
+                  if value is not None and value != default[name]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a journal cut short: no command to give
+        return f"{what}: run the prepare that wrote it again (it resumes where it stopped), then train on it"
+    return (f"{what}: finish it with the same command, which resumes where it stopped ({where}quietsync prepare "
+            f"{' '.join(flags)}), then train on it")
 
 
 def _no_column(text_column: str | None, dataset: str, what: str) -> None:
