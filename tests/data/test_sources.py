@@ -68,6 +68,30 @@ def test_kinds_are_named_from_the_disk(tmp_path):
         resolve_source(str(_bin(tmp_path)), token_dtype="int8")
 
 
+def test_a_tokenizer_saved_beside_the_data_is_not_data(tmp_path):
+    """nanoGPT's layout with the tokenizer saved next to it (train.bin, val.bin, meta.pkl, save_pretrained's JSON and
+    merges): token files, not "mixes kinds of files (1 json, 2 tokens)"; a JSONL folder keeps only its tables; the
+    hub's dataset_infos.json beside Parquet files is no table either. A tokenizer file given by name is still read."""
+    ng = tmp_path / "nanogpt"
+    ng.mkdir()
+    for name in ("train.bin", "val.bin"):
+        (ng / name).write_bytes(b"\0\0")
+    for name in ("meta.pkl", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                 "merges.txt"):
+        (ng / name).write_text("{}")
+    s = resolve_source(str(ng), token_dtype="uint16")
+    assert (s.kind, s.files, s.held_out_files) == ("tokens", (ng / "train.bin",), (ng / "val.bin",))
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "rows.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "j" / "tokenizer.json").write_text("{}")
+    assert resolve_source(str(tmp_path / "j")).files == (tmp_path / "j" / "rows.jsonl",)
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "train-0.parquet").write_bytes(b"")
+    (tmp_path / "hub" / "dataset_infos.json").write_text("{}")
+    assert resolve_source(str(tmp_path / "hub")).kind == "parquet"
+    assert resolve_source(str(ng / "tokenizer.json")).kind == "json"
+
+
 def _bin(tmp_path: Path) -> Path:
     (tmp_path / "train.bin").write_bytes(b"\0\0")
     return tmp_path / "train.bin"

@@ -45,6 +45,14 @@ SUFFIXES: dict[str, SourceKind] = {
 }
 """File suffix -> kind, for files and folders given as ``--dataset``."""
 
+NOT_DATA = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "config.json", "generation_config.json",  # a tokenizer or model saved beside the data
+    "dataset_infos.json",  # a hub dataset repository's card metadata beside its data files
+})
+"""Names of files in a ``--dataset`` folder that are not data, whatever their suffix (a nanoGPT-style folder's
+``tokenizer.json`` beside ``train.bin`` is no JSON table); a file given by name is read whatever it is called."""
+
 TABLES: tuple[SourceKind, ...] = ("json", "parquet", "arrow", "saved", "hub")
 """Kinds whose documents are the rows of a text column."""
 
@@ -247,11 +255,11 @@ def _kind_of(path: Path) -> SourceKind:
 
 def _files_of(path: Path, dataset: str) -> list[Path]:
     """The input files of a file or folder given as ``--dataset``: a file of any name (an unknown suffix is text:
-    :func:`_kind_of`), or a folder's files of the known suffixes, recursively, sorted."""
+    :func:`_kind_of`), or a folder's files of the known suffixes but for :data:`NOT_DATA`, recursively, sorted."""
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
-                   and not p.name.startswith("."))
+                   and not p.name.startswith(".") and p.name.lower() not in NOT_DATA)
     if not files:
         raise ValueError(f"--dataset folder {dataset} holds no {', '.join(SUFFIXES)} files")
     return files
