@@ -103,3 +103,82 @@ def _bin(tmp_path: Path) -> Path:
     ("train-val-free.bin", True), ("devices.txt", False)])
 def test_held_out_files_are_recognised_by_name(name, held):
     assert is_held_out_file(Path(name)) is held
+
+
+@pytest.fixture
+def hub_at(monkeypatch):
+    """Point the hub's endpoint at a URL (online mode), the probe's answer forgotten before and after."""
+    pytest.importorskip("datasets")
+    from huggingface_hub import constants
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    sources.hub_unreachable.cache_clear()
+    yield lambda url: monkeypatch.setattr(constants, "ENDPOINT", url)
+    sources.hub_unreachable.cache_clear()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_missing_name_fails_at_once_when_the_hub_is_unreachable_and_says_no_local_path_has_it(
+        tmp_path, monkeypatch, capsys, hub_at):
+    """A plain name that is no local path is looked up on the hub; with the hub unreachable (here: a closed port)
+    the hub's client retried 5 times over 25 s before failing. One request without retries finds out instead, and
+    the line says no file or folder of that name is here either (a mistyped path lands here too)."""
+    import time
+
+    import datasets  # noqa: F401  (imported before the clock starts)
+
+    from quietsync.commands.prepare import prepare_main
+
+    monkeypatch.chdir(tmp_path)
+    hub_at(f"http://127.0.0.1:{_closed_port()}")
+    t0 = time.perf_counter()
+    assert prepare_main(["--dataset", "mydata", "--out", "o", "--no-progress"]) == 2
+    assert time.perf_counter() - t0 < 5
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"quietsync prepare: error: --dataset mydata: no file or folder of that name here ({tmp_path}), and the "
+        "Hugging Face hub, where such a name is looked up as a dataset, http://127.0.0.1:"), err
+    assert " cannot be reached (ConnectError: " in err and "Retrying" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_hub_counts_as_reachable_when_it_answers_and_a_name_it_lacks_says_no_local_path_has_it(
+        tmp_path, monkeypatch, hub_at):
+    """Any answer of the endpoint (an error status too) means the hub is there: the look-up goes on as before, and
+    a name the hub does not have is one line saying no local path has it either."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import datasets
+
+    from quietsync.data.prepare import PrepareConfig, plan_request
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers every HEAD with 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        hub_at(f"http://127.0.0.1:{server.server_address[1]}")
+        assert sources.hub_unreachable() is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    def not_on_the_hub(path, *args, **kwargs):
+        raise datasets.exceptions.DatasetNotFoundError(f"Dataset '{path}' doesn't exist on the Hub or cannot be "
+                                                       "accessed.")
+
+    monkeypatch.setattr(datasets, "load_dataset", not_on_the_hub)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        plan_request(PrepareConfig(dataset="owner/mydata", progress=False))
+    assert str(e.value) == (f"--dataset owner/mydata: no file or folder of that name here ({tmp_path}), nor a hub "
+                            "dataset that can be read (Dataset 'owner/mydata' doesn't exist on the Hub or cannot be "
+                            "accessed.)")

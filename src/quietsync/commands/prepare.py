@@ -53,7 +53,9 @@ def prepare_main(argv: list[str]) -> int:
         return 2
     except (ValueError, OSError) as e:  # from a reader (a hub name not reachable, a file it cannot parse): one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"{PROG} prepare: error: --dataset {cfg.dataset}: {first}", file=sys.stderr)
+        if not first.startswith("--"):  # ours name their flag already
+            first = f"--dataset {cfg.dataset}: {first}"
+        print(f"{PROG} prepare: error: {first}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG} prepare: interrupted; the same command resumes where it stopped", file=sys.stderr)

@@ -28,6 +28,7 @@ Every problem is a ``ValueError`` whose message is one line naming the flag (``-
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterator
@@ -438,15 +439,53 @@ def saved_has_held_out(source: Source) -> bool:
 # ------------------------------------------------------------------------------------------------------- hub
 
 
+HUB_PROBE_S = 10.0
+"""Seconds the hub's endpoint may take to answer :func:`hub_unreachable`'s one request."""
+
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+"""Variables that put the Hugging Face libraries in offline mode (they then answer from their caches, at once)."""
+
+
+@functools.cache
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached from here (one line), or None: one HEAD of its endpoint, no
+    retries, through ``huggingface_hub``'s own client (so ``HF_ENDPOINT``, proxies and a custom client count as they
+    do for the real requests). Without it a name that is no local path and no reachable dataset was tried with 5
+    retries, 25 s of back-off, before failing. Asked once per process; not in offline mode."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+                                       for v in OFFLINE_VARS):
+        return None
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_S)
+    except Exception as e:  # any request that gets no answer (DNS, refused, timeout, TLS): the hub's would not
+        reason = " ".join(str(e).split()) or "no answer"
+        return f"{constants.ENDPOINT} cannot be reached ({type(e).__name__}: {reason})"
+    return None
+
+
 def hub_splits(source: Source):
-    """The streamed splits of a hub dataset (``owner/name`` or ``name:config``)."""
+    """The streamed splits of a hub dataset (``owner/name`` or ``name:config``); a name the hub cannot answer for
+    is refused (``ValueError``, one line) saying it is no local path either."""
     try:
         import datasets
     except ImportError:
         raise ValueError(f"--dataset {source.name!r} is neither 'kjv' nor an existing path; hub datasets need "
                          "`pip install datasets` and a network") from None
+    # the user may have meant a local path: a mistyped one lands here too
+    missing = f"--dataset {source.name}: no file or folder of that name here ({os.getcwd()})"
+    unreachable = hub_unreachable()
+    if unreachable is not None:
+        raise ValueError(f"{missing}, and the Hugging Face hub, where such a name is looked up as a dataset, "
+                         f"{unreachable}")
     path, _, config = source.name.partition(":")
-    return datasets.load_dataset(path, config or None, streaming=True)
+    try:
+        return datasets.load_dataset(path, config or None, streaming=True)
+    except (ConnectionError, FileNotFoundError) as e:  # DatasetNotFoundError is a FileNotFoundError
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"{missing}, nor a hub dataset that can be read ({reason})") from None
 
 
 def _hub_documents(source: Source, held_out: bool) -> Iterator[tuple[str, int]]:
