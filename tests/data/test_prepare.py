@@ -361,3 +361,8 @@ def test_an_unfinished_prepare_given_as_dataset_says_how_to_finish_it(tmp_path, 
     assert prepare_main([*shlex.split(argv)[2:], "--no-progress"]) == 0
     assert "quietsync prepare: resuming " in capsys.readouterr().out
     assert open_prepared(tmp_path / "half").train.numel() > 0
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / prep.STATE).write_text('{"request": ')  # a journal cut short: no command to give
+    with pytest.raises(Refused, match=r"^--dataset cut is an unfinished quietsync prepare .*: run the prepare that "
+                                      r"wrote it again \(it resumes where it stopped\), then train on it$"):
+        prepare(_cfg("cut", tmp_path / "o"), say=lambda _: None)

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,7 +50,7 @@ from .shards import (
     token_dtype,
     tokenizer_fingerprint,
 )
-from .sources import PREPARE_STATE, Source, cpu_count, resolve_source, saved_has_held_out
+from .sources import PREPARE_STATE, Source, UnfinishedPrepare, cpu_count, resolve_source, saved_has_held_out
 from .token_files import TokenFileError, index_token_files
 
 STATE = PREPARE_STATE
@@ -132,10 +132,40 @@ def plan_request(cfg: PrepareConfig) -> tuple[Source, Any, int | None, dict[str,
     reading the input (:class:`Refused`, one line, when it cannot be read as asked)."""
     try:
         source = resolve_source(cfg.dataset, cfg.text_column, token_dtype=cfg.token_dtype)
+    except UnfinishedPrepare as e:
+        raise Refused(unfinished_prepare(e)) from None
     except ValueError as e:
         raise Refused(str(e)) from None
     pretrained, eos, tokenizer_about = _tokenizer_request(cfg, source)
     return source, pretrained, eos, _request(cfg, source, tokenizer_about)
+
+
+def unfinished_prepare(e: UnfinishedPrepare) -> str:
+    """:class:`~quietsync.data.sources.UnfinishedPrepare`'s line with the command that finishes the prepare, from
+    its journal's request (the flags that differ from the defaults); its plain line when the journal is unreadable."""
+    folder = e.folder
+    try:
+        request = json.loads((folder / STATE).read_text())["request"]
+        source, tokenizer = request["source"], request["tokenizer"]
+        name, out, where = source["name"], e.dataset, ""
+        tail, files = Path(name).parts, source.get("files") or []
+        if files and not Path(name).expanduser().exists():
+            # the request holds the name as spelled: run it again from where it was spelled (found from the files)
+            first = Path(files[0][0])
+            named = next((p for p in (first, *first.parents) if p.parts[-len(tail):] == tail), None)
+            if named is not None and len(named.parts) > len(tail):
+                where, out = f"cd {Path(*named.parts[:-len(tail)])} && ", str(folder.resolve())
+        flags = [f"--dataset {name}", f"--out {out}"]
+        default = {f.name: f.default for f in fields(PrepareConfig)}
+        given = {"text_column": source.get("text_column"), "tokenizer": tokenizer.get("pretrained"),
+                 "vocab_size": tokenizer.get("bpe"), "tokenizer_sample_chars": tokenizer.get("sample_chars"),
+                 "eval_fraction": request.get("eval_fraction"), "shard_tokens": request.get("shard_tokens")}
+        flags += [f"--{field.replace('_', '-')} {value}" for field, value in given.items()
+                  if value is not None and value != default[field]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a journal cut short: no command to give
+        return str(e)
+    return (f"{e.what}: finish it with the same command, which resumes where it stopped ({where}quietsync prepare "
+            f"{' '.join(flags)}), then train on it")
 
 
 def request_key(request: dict[str, Any]) -> str:

@@ -182,7 +182,7 @@ def resolve_source(dataset: str, text_column: str | None = None, *, chunk_chars:
                              "from its source (quietsync prepare --dataset SOURCE --out FOLDER)") from None
         raise ValueError(f"--dataset {dataset} is already prepared (it holds {PREPARED_INDEX}): train on it as it is")
     if path.is_dir() and (path / PREPARE_STATE).is_file():  # its shards and JSON would read as mixed kinds
-        raise ValueError(unfinished_prepare(path, dataset))
+        raise UnfinishedPrepare(path, dataset)
     if path.is_dir() and any((path / name).is_file() for name in ("dataset_info.json", "state.json",
                                                                   "dataset_dict.json")):
         return Source("saved", dataset, (path,), text_column=text_column)
@@ -209,38 +209,16 @@ def resolve_source(dataset: str, text_column: str | None = None, *, chunk_chars:
     return Source(kind, dataset, train, held, text_column=text_column)
 
 
-def unfinished_prepare(folder: Path, dataset: str) -> str:
-    """Why ``folder``, a prepare that was interrupted, is no dataset yet, and the command that finishes it (one
-    line; the command from its journal's request, as far as it can be read)."""
-    import json
-    from dataclasses import fields
+class UnfinishedPrepare(ValueError):
+    """``--dataset`` names the folder of an interrupted prepare: its journal, no index (one line; ``quietsync
+    prepare`` adds the command that finishes it, from the journal)."""
 
-    from .prepare import PrepareConfig
-
-    what = (f"--dataset {dataset} is an unfinished quietsync prepare (it holds {PREPARE_STATE} and no "
-            f"{PREPARED_INDEX} yet: it was interrupted)")
-    try:
-        request = json.loads((folder / PREPARE_STATE).read_text())["request"]
-        source, tokenizer = request["source"], request["tokenizer"]
-        name, out, where = source["name"], dataset, ""
-        tail, files = Path(name).parts, source.get("files") or []
-        if files and not Path(name).expanduser().exists():
-            # the request holds the name as spelled: run it again from where it was spelled (found from the files)
-            first = Path(files[0][0])
-            named = next((p for p in (first, *first.parents) if p.parts[-len(tail):] == tail), None)
-            if named is not None and len(named.parts) > len(tail):
-                where, out = f"cd {Path(*named.parts[:-len(tail)])} && ", str(folder.resolve())
-        flags = [f"--dataset {name}", f"--out {out}"]
-        default = {f.name: f.default for f in fields(PrepareConfig)}
-        given = {"text_column": source.get("text_column"), "tokenizer": tokenizer.get("pretrained"),
-                 "vocab_size": tokenizer.get("bpe"), "tokenizer_sample_chars": tokenizer.get("sample_chars"),
-                 "eval_fraction": request.get("eval_fraction"), "shard_tokens": request.get("shard_tokens")}
-        flags += [f"--{name.replace('_', '-')} {value}" for name, value in given.items()
-                  if value is not None and value != default[name]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a journal cut short: no command to give
-        return f"{what}: run the prepare that wrote it again (it resumes where it stopped), then train on it"
-    return (f"{what}: finish it with the same command, which resumes where it stopped ({where}quietsync prepare "
-            f"{' '.join(flags)}), then train on it")
+    def __init__(self, folder: Path, dataset: str) -> None:
+        self.folder, self.dataset = folder, dataset
+        self.what = (f"--dataset {dataset} is an unfinished quietsync prepare (it holds {PREPARE_STATE} and no "
+                     f"{PREPARED_INDEX} yet: it was interrupted)")
+        super().__init__(f"{self.what}: run the prepare that wrote it again (it resumes where it stopped), then "
+                         "train on it")
 
 
 def _no_column(text_column: str | None, dataset: str, what: str) -> None:
