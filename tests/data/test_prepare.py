@@ -238,6 +238,25 @@ def test_inputs_that_are_not_one_kind_are_refused(tmp_path):
     assert (tmp_path / "busy" / "mine.txt").read_text() == "keep me"
 
 
+
+def _interrupted(monkeypatch, cfg, after: int) -> dict[str, int]:
+    """Run ``prepare(cfg)`` and stop it with Ctrl-C (a ``KeyboardInterrupt``) after ``after`` encoded batches.
+    Returns the count of ``encode_ids`` calls, set far below zero: the counting stays, the dying does not."""
+    real = prep.encode_ids
+    calls = {"n": 0}
+
+    def dies(*args):
+        calls["n"] += 1
+        if calls["n"] > after:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(prep, "encode_ids", dies)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg, say=lambda _: None)
+    calls["n"] = -10**9
+    return calls
+
 def test_an_interrupted_prepare_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     text = tmp_path / "book.txt"
     text.write_text(synthetic_text(3000, seed=3))
@@ -246,19 +265,8 @@ def test_an_interrupted_prepare_resumes_to_the_same_bytes(tmp_path, monkeypatch)
     whole = tmp_path / "whole"
     prepare(_cfg(text, whole, shard_tokens=2_000), say=lambda _: None)
 
-    real = prep.encode_ids
-    calls = {"n": 0}
-
-    def dies_after_ten(*args):
-        calls["n"] += 1
-        if calls["n"] > 10:
-            raise KeyboardInterrupt
-        return real(*args)
-
-    monkeypatch.setattr(prep, "encode_ids", dies_after_ten)
     out = tmp_path / "out"
-    with pytest.raises(KeyboardInterrupt):
-        prepare(_cfg(text, out, shard_tokens=2_000, workers=1), say=lambda _: None)
+    calls = _interrupted(monkeypatch, _cfg(text, out, shard_tokens=2_000, workers=1), after=10)
     assert (out / prep.STATE).exists() and not (out / "index.json").exists()
     # a different prepare into the half-written folder is refused; the same one resumes
     with pytest.raises(Refused, match="holds an unfinished prepare of other input or settings: --overwrite"):
@@ -328,19 +336,7 @@ def test_an_unfinished_prepare_given_as_dataset_says_how_to_finish_it(tmp_path, 
     (tmp_path / "book.txt").write_text(synthetic_text(3000, seed=3))
     monkeypatch.setattr(prep, "BATCH_CHARS", 4_000)
     monkeypatch.setattr(prep, "CHECKPOINT_S", 0.0)
-    real = prep.encode_ids
-    calls = {"n": 0}
-
-    def dies_after_three(*args):
-        calls["n"] += 1
-        if calls["n"] > 3:
-            raise KeyboardInterrupt
-        return real(*args)
-
-    monkeypatch.setattr(prep, "encode_ids", dies_after_three)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(_cfg("book.txt", "half", workers=1, eval_fraction=0.1), say=lambda _: None)
-    monkeypatch.setattr(prep, "encode_ids", real)
+    _interrupted(monkeypatch, _cfg("book.txt", "half", workers=1, eval_fraction=0.1), after=3)
     assert (tmp_path / "half" / prep.STATE).exists() and not (tmp_path / "half" / "index.json").exists()
 
     (tmp_path / "elsewhere").mkdir()
