@@ -294,6 +294,14 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
     # a resumed run goes on from the records kept up to its checkpoint: its evaluations and sums
     evals = [r for r in metrics.kept if r.get("event") == "eval"]
     sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in STEP_SUMS}
+    # the meter restarts with the process: the kept steps' bytes, per group, are added to it for the totals
+    # (set-up traffic is the resumed process's own, so each byte of an unbroken run is counted once)
+    bytes_before: dict[str, dict[str, int]] = {}
+    for r in (r for r in metrics.kept if "event" not in r):
+        for group, v in r.get("bytes_by_group", {}).items():
+            c = bytes_before.setdefault(group, {"sent": 0, "recv": 0})
+            c["sent"] += int(v["sent"])
+            c["recv"] += int(v["recv"])
     tokens_logged = 0  # the tokens of the steps this loop logged
     setup_s = time.perf_counter() - t_setup
     # time_s continues across a resume (the clock restarts where the kept records end)
@@ -428,7 +436,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         result = {
             "setup_s": setup_s, "tokens_total": tokens_fed, "evals": evals, "micro_batches": strategy.micro_batches,
             "nonfinite_skips": skipped_before + guard.skipped, "stopped_by": stopped_by, "tokens_logged": tokens_logged,
-            **sums,
+            "bytes_before": bytes_before, **sums,
         }
         result.update(membership.close(strategy, result))
     except Exception as e:

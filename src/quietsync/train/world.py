@@ -326,9 +326,10 @@ def gather_totals(transport: Transport, result: dict) -> dict[str, Any]:
     """The run's counters summed over the workers with one all-reduce (after the strategy is closed): the totals
     of the summary."""
     snap = transport.meter.snapshot()
+    before = result.get("bytes_before", {})  # a resumed run's steps before the checkpoint (train_steps)
     keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
     values = [float(result["tokens_total"]), float(result["micro_batches"]), *(float(result[k]) for k in STEP_SUMS)]
-    values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
+    values += [float(snap.get(g, {}).get(d, 0)) + float(before.get(g, {}).get(d, 0)) for g, d in keys]
     t = torch.tensor(values, dtype=torch.float64, device=transport.device)  # float64: byte and token counts stay exact
     transport.all_reduce(t, group="world", op="sum", name="summary")
     v = t.tolist()
