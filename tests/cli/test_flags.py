@@ -236,6 +236,8 @@ def test_strategy_fields_named_like_job_flags_are_prefixed():
     ("eval_every", -1, "eval_every must be an integer >= 0, got -1"),
     ("seq_len", 1, "seq_len must be an integer >= 2, got 1"),
     ("warmup_steps", 2.5, "warmup_steps must be an integer >= 0 or None, got 2.5"),
+    ("warmup_steps", 301, "warmup_steps must be <= max_steps (300), got 301: the learning rate would never reach "
+                          "its peak"),
     ("seed", "0", "seed must be an integer in [0, 4294967295], got '0'"),
     ("seed", 2**64, "seed must be an integer in [0, 4294967295], got 18446744073709551616"),
     ("lr", float("inf"), "lr must be > 0, got inf"),
@@ -363,3 +365,14 @@ def test_adapt_is_refused_where_it_cannot_work(argv, expect, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("quietsync train: error: ")
     assert expect in err, err
+
+
+def test_a_warm_up_longer_than_the_run_is_refused_naming_both_flags(monkeypatch, capsys):
+    from tests.train._run import refused
+
+    line = refused(monkeypatch, capsys, "--max-steps", "4", "--warmup-steps", "10")
+    assert line == ("quietsync train: error: --warmup-steps must be <= --max-steps (4), got 10: the learning rate "
+                    "would never reach its peak")
+    # as long as the run is fine: the peak is reached at its last step
+    cfg, _, _ = parse_train_args(["--max-steps", "4", "--warmup-steps", "4"])
+    assert cfg.warmup == 4

@@ -194,6 +194,11 @@ class TrainConfig:
         check_int("seq_len", self.seq_len, 2)
         check_int("vocab_size", self.vocab_size, MIN_VOCAB)
         check_int("warmup_steps", self.warmup_steps, 0, allow_none=True)
+        # the schedule warms up over steps the run never takes: the lr would stay below its peak the whole run (a
+        # run stopped early by another budget still follows the --max-steps schedule, so no use is lost)
+        if self.warmup_steps is not None and self.warmup_steps > self.max_steps:
+            raise ValueError(f"warmup_steps must be <= max_steps ({self.max_steps}), got {self.warmup_steps}: the "
+                             "learning rate would never reach its peak")
         check_int("seed", self.seed, 0, 2**32 - 1)  # the data order seeds torch with seed * 1_000_003 + epoch (int64)
         check_int("nonfinite_skip_limit", self.nonfinite_skip_limit, 1)
         check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
