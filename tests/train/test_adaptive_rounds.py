@@ -113,6 +113,10 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
      "--max-steps must be a multiple of 4 with --inner-steps adaptive"),
     (["--strategy", "diloco", "--inner-steps", "adaptive", "--sync-every", "8", "--fragments", "2", "--max-steps",
       "16", "--eval-every", "6"], "--eval-every must be a multiple of 4 with --inner-steps adaptive"),
+    # the defaults (300 steps, an evaluation every 50) fit no round of 64: both named at once, with values that fit
+    (["--strategy", "diloco", "--inner-steps", "adaptive", "--eval-every", "50"],
+     "--max-steps and --eval-every must be multiples of 64 with --inner-steps adaptive (the workers meet only at "
+     "round ends, every 64 steps), got --max-steps 300, --eval-every 50; e.g. --max-steps 320 --eval-every 64"),
     (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
       "--on-nonfinite", "skip"], "--on-nonfinite must be stop with --inner-steps adaptive"),
     (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",

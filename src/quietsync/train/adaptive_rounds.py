@@ -50,10 +50,16 @@ def adaptive_problem(cfg: Any, strategy_config: Any, world: int | None) -> str |
                 "fixed world of workers; a torchft quorum decides who syncs)")
     if cfg.on_nonfinite == "skip":
         return f"--on-nonfinite must be stop {why}: skip agrees on every round"
-    for flag, value in (("--max-steps", cfg.max_steps), ("--eval-every", cfg.eval_every),
-                        ("--save-every", cfg.save_every)):
-        if value and value % period:
-            return f"{flag} must be a multiple of {period} {why}, got {value}"
+    # every flag off the round in one line (the defaults, 300 steps and an evaluation every 50, fit no round of a
+    # power of two): one refusal per flag would send the user round once per flag
+    off = [(flag, value) for flag, value in (("--max-steps", cfg.max_steps), ("--eval-every", cfg.eval_every),
+                                             ("--save-every", cfg.save_every)) if value and value % period]
+    if off:
+        flags = " and ".join(flag for flag, _ in off)
+        multiple = "a multiple" if len(off) == 1 else "multiples"
+        got = ", ".join(f"{flag} {value}" for flag, value in off)
+        fits = " ".join(f"{flag} {max(1, round(value / period)) * period}" for flag, value in off)  # the nearest
+        return f"{flags} must be {multiple} of {period} {why}, got {got}; e.g. {fits}"
     speeds = getattr(strategy_config, "worker_speeds", None)
     if speeds is not None and world is not None and len(speeds) != world:
         return f"--worker-speeds must give one value per worker ({world}), got {len(speeds)}"
