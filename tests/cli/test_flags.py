@@ -100,6 +100,9 @@ def test_a_message_names_the_flags_a_user_types():
     assert flag_message("--strategies diloco:pilot_tokens=0 in /runs/what_if/x: no_such thing", fields)[1] == \
         "--strategies diloco:pilot_tokens=0 in /runs/what_if/x: no_such thing"
     assert flag_message("n must be >= 0 or None, got -1", fields) == (None, "n must be >= 0 or None, got -1")
+    # a field set as the API sets it becomes the flag as typed: a bool's flag pair, a value after its flag
+    assert flag_message("use one of them (what_if=False or target_loss=True or budget_s='2.5')", fields)[1] == \
+        "use one of them (--no-what-if or --target-loss or --budget-s 2.5)"
 
 
 def test_train_config_defaults_are_the_embedded_job():

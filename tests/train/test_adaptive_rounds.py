@@ -117,6 +117,9 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
     (["--strategy", "diloco", "--inner-steps", "adaptive", "--eval-every", "50"],
      "--max-steps and --eval-every must be multiples of 64 with --inner-steps adaptive (the workers meet only at "
      "round ends, every 64 steps), got --max-steps 300, --eval-every 50; e.g. --max-steps 320 --eval-every 64"),
+    # the strategy's own refusal, in the flags the user types (not adapt=False or inner_steps='fixed')
+    (["--strategy", "diloco", "--inner-steps", "adaptive", "--adapt", "--sync-every", "4", "--max-steps", "8"],
+     "use one of them (--no-adapt or --inner-steps fixed)"),
     (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
       "--on-nonfinite", "skip"], "--on-nonfinite must be stop with --inner-steps adaptive"),
     (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",

@@ -173,13 +173,29 @@ _SNAKE_NAME = re.compile(r"(?<![\w\-./:'=])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w=(
 """A snake_case word standing alone in a message (not in a path, a spec ``k=v`` or a call): a field's name."""
 
 
+_FIELD_VALUE = re.compile(r"(?<![\w\-./:'=])([a-z][a-z0-9_]*)=(True|False|'[^']*'|\"[^\"]*\"|[\w.\-]+)")
+"""``field=value`` in a message, as the API is called: the CLI user types the flag instead."""
+
+
+def _typed(match: re.Match[str], mapping: dict[str, str]) -> str:
+    """``adapt=False`` → ``--no-adapt``, ``inner_steps='fixed'`` → ``--inner-steps fixed`` (fields in ``mapping``)."""
+    name, value = match.group(1), match.group(2)
+    flag = mapping.get(name)
+    if flag is None:
+        return match.group(0)
+    if value in ("True", "False"):  # a bool field's flag pair (add_dataclass_flags)
+        return flag if value == "True" else "--no-" + flag[2:]
+    return f"{flag} {value.strip(chr(39) + chr(34))}"
+
+
 def flag_message(message: str, fields: dict[str, str] | typing.Iterable[str]) -> tuple[str | None, str]:
     """Rewrite ``"<field> must be ..."`` as ``"--<flag> must be ..."``; return ``(flag or None, text)``.
 
     The rest of the message speaks the user's language too: another field named in it (``needs pilot_tokens N
     ... or what_if``) becomes its flag (``needs --pilot-tokens N ... or --what-if``), and ``or None`` (a value no
-    one can type) becomes "or leave the flag out". ``fields`` maps field names to their flags (or lists field
-    names whose flag is ``--<field>``).
+    one can type) becomes "or leave the flag out"; a field set as the API sets it becomes the flag typed
+    (``adapt=False or inner_steps='fixed'`` → ``--no-adapt or --inner-steps fixed``).
+    ``fields`` maps field names to their flags (or lists field names whose flag is ``--<field>``).
     """
     mapping = fields if isinstance(fields, dict) else {n: flag_name(n) for n in fields}
     message = " ".join(str(message).split())
@@ -190,6 +206,7 @@ def flag_message(message: str, fields: dict[str, str] | typing.Iterable[str]) ->
     elif m and m.group(1) in mapping:
         flag = mapping[m.group(1)]
         message = flag + m.group(2)
+    message = _FIELD_VALUE.sub(lambda w: _typed(w, mapping), message)
     message = _SNAKE_NAME.sub(lambda w: mapping.get(w.group(0), w.group(0)), message)
     if flag is not None:
         message = re.sub(r" or None\b", " (or leave the flag out)", message)
