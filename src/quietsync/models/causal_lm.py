@@ -117,6 +117,18 @@ def load_pretrained(name: str, vocab_size: int | None = None):
     return model
 
 
+def check_hub_model(name: str) -> None:
+    """``ValueError`` (one line, naming ``--model`` and the presets) when hub name ``name`` is no model there: only
+    its config is fetched. Asked before the model's tokenizer is loaded, whose failure would blame ``--tokenizer``."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--model: cannot load {name!r} ({first}); presets: {', '.join(PRESETS)}") from None
+
+
 def build_model(preset: str | ModelPreset, vocab_size: int, eos_id: int = 0, seed: int | None = None) -> GPTNeo:
     """A freshly initialised GPT-Neo of ``preset`` (seeded with ``seed`` when given): :class:`~.gpt_neo.GPTNeo`,
     transformers' ``GPTNeoForCausalLM`` bit for bit without importing transformers."""

@@ -33,6 +33,33 @@ def _hub_offline() -> bool:
                for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+def _looks_like_path(name: str) -> bool:
+    """Whether ``--model name`` can only be a local path: no valid hub repo id (``./x``, ``~/x``, ``a/b/c``), or
+    ``owner/name`` whose ``owner`` is a local folder."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return "/" in name and Path(name).parent.is_dir()
+
+
+def _check_hub_model_name(name: str, presets: tuple[str, ...]) -> None:
+    """Refuse (one line naming the model, not the tokenizer it would lend) a ``--model`` that is no folder here
+    when it is a path, or when the hub that would look it up cannot be reached: the tokenizer, defaulting to the
+    model's, was loaded first and failed as ``--tokenizer``, after a minute of the hub client's retries."""
+    if _looks_like_path(name):
+        raise ValueError(f"model {name}: no such folder")
+    from ..data.sources import hub_unreachable
+
+    unreachable = hub_unreachable()  # one request, no retries; asked once per process
+    if unreachable is not None:
+        raise ValueError(f"model must be one of {', '.join(presets)}, a Hugging Face model folder or a hub name; "
+                         f"{name!r} is no folder here, and the Hugging Face hub, where such a name is looked up "
+                         f"as a model, {unreachable}")
+
+
 @dataclass
 class TrainConfig:
     """One training job (rank-independent; every worker receives the same)."""
@@ -239,6 +266,8 @@ class TrainConfig:
             elif _hub_offline():
                 raise ValueError(f"model must be one of {', '.join(presets)}, a Hugging Face model folder or a hub "
                                  f"name (the hub is offline here), got {self.model!r}")
+            else:
+                _check_hub_model_name(self.model, presets)
             if self.tokenizer is None:  # the model's own: its folder's tokenizer.json, or the hub repo's
                 self.tokenizer = self.model
         try:

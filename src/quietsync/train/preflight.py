@@ -136,8 +136,15 @@ def _job_index(cfg: TrainConfig) -> tuple[Path, dict]:
     """The job's prepared folder (prepared now if it is not) and its index, its shards checked (:class:`FlagError`,
     one line)."""
     from ..data.shards import check_shards, read_index
+    from ..models.causal_lm import check_hub_model, is_pretrained
     from .job_data import job_folder
 
+    # a hub name: the model first, as its tokenizer (the default --tokenizer) is loaded by the prepare below
+    if is_pretrained(cfg.model) and not Path(cfg.model).exists() and cfg.tokenizer == cfg.model:
+        try:
+            check_hub_model(cfg.model)
+        except ValueError as e:
+            raise FlagError("--model", str(e)) from None
     try:
         folder = job_folder(cfg, progress=cfg.progress and sys.stderr.isatty())  # no bar redraws into a log file
         index = read_index(folder)
