@@ -362,3 +362,34 @@ def test_an_unfinished_prepare_given_as_dataset_says_how_to_finish_it(tmp_path, 
     with pytest.raises(Refused, match=r"^--dataset cut is an unfinished quietsync prepare .*: run the prepare that "
                                       r"wrote it again \(it resumes where it stopped\), then train on it$"):
         prepare(_cfg("cut", tmp_path / "o"), say=lambda _: None)
+
+
+def _few_words(path) -> None:
+    """A JSONL of few distinct words: its BPE runs out of merges well before 512 entries."""
+    path.write_text("".join(json.dumps({"text": "the cat sat on the mat and the dog ran far away " * 3}) + "\n"
+                            for _ in range(40)))
+
+
+def test_a_vocabulary_the_text_cannot_fill_is_said_and_recorded(tmp_path, capsys):
+    """The BPE stops when no pair is seen twice more: prepare said nothing and index.json held the smaller size,
+    which a train with the --vocab-size asked for then refused, advising to prepare again (which gives the same)."""
+    from quietsync.commands.prepare import prepare_main
+    from quietsync.train.config import TrainConfig
+    from quietsync.train.job_data import prepared_flag_problem
+
+    _few_words(tmp_path / "docs.jsonl")
+    out = tmp_path / "prep"
+    assert prepare_main(["--dataset", str(tmp_path / "docs.jsonl"), "--out", str(out), "--vocab-size", "512",
+                         "--no-progress"]) == 0
+    got = json.loads((out / "index.json").read_text())["vocab_size"]
+    assert got < 512
+    said = [line for line in capsys.readouterr().out.splitlines() if "stopped at" in line]
+    assert said == [f"quietsync prepare: the tokenizer stopped at {got} of the 512 entries asked for: the text has "
+                    f"no more merges to learn (pairs seen at least twice); --vocab-size above {got} gives the same"]
+    for size in (512, got + 1):
+        problem = prepared_flag_problem(TrainConfig(dataset=str(out), vocab_size=size), {"vocab_size"})
+        assert problem == (f"--vocab-size {size} differs from the {got} --dataset {out} was prepared with (512 were "
+                           f"asked for, and its text gives at most {got}): leave --vocab-size out"), problem
+    # a smaller one can be prepared: the plain advice
+    problem = prepared_flag_problem(TrainConfig(dataset=str(out), vocab_size=got - 1), {"vocab_size"})
+    assert problem is not None and "prepare it again, or leave --vocab-size out" in problem

@@ -268,7 +268,12 @@ def _default_tokenizer(cfg: PrepareConfig, source: Source, k: int, by_file: bool
     tok = train_bpe(counted, cfg.vocab_size)
     if counted.documents == 0:  # known only once the trainer has read the stream
         raise Refused(_no_text(source, by_file, passed["held"]))
-    about = f"byte-level BPE, {cfg.vocab_size} entries, trained on {what} ({counted.chars:,} characters)"
+    entries = tok.get_vocab_size()
+    asked = "" if entries >= cfg.vocab_size else f" (of {cfg.vocab_size} asked for)"
+    if asked:  # a small text runs out of pairs seen twice: the vocabulary is smaller, and preparing again won't help
+        say(f"the tokenizer stopped at {entries} of the {cfg.vocab_size} entries asked for: the text has no more "
+            f"merges to learn (pairs seen at least twice); --vocab-size above {entries} gives the same")
+    about = f"byte-level BPE, {entries} entries{asked}, trained on {what} ({counted.chars:,} characters)"
     return tok, about, time.perf_counter() - t0
 
 

@@ -149,6 +149,12 @@ def prepared_flag_problem(cfg: TrainConfig, given: set[str]) -> str | None:
             "token_dtype": index.get("dtype") if source.get("kind") == "tokens" else None}
     for name, flag in FIXED_BY_FOLDER.items():
         if name in given and have[name] is not None and getattr(cfg, name) != have[name]:
+            asked = request.get("tokenizer", {}).get("bpe")
+            if name == "vocab_size" and asked is not None and have[name] < asked and getattr(cfg, name) > have[name]:
+                # the BPE stopped short of what was asked: preparing again with any larger size gives the same
+                return (f"{flag} {getattr(cfg, name)} differs from the {have[name]} --dataset {cfg.dataset} was "
+                        f"prepared with ({asked} were asked for, and its text gives at most {have[name]}): leave "
+                        f"{flag} out")
             return (f"{flag} {getattr(cfg, name)} differs from the {have[name]} --dataset {cfg.dataset} was prepared "
                     f"with: prepare it again, or leave {flag} out")
         if name in given and have[name] is None:
