@@ -81,3 +81,24 @@ def test_a_hub_name_is_checked_as_the_model_before_its_tokenizer_is_loaded(onlin
         check_data(cfg, 1)
     assert str(e.value).startswith("--model: cannot load 'huge' (huge is not a local folder"), str(e.value)
     assert str(e.value).endswith("; presets: tiny, default, 10m")
+
+
+def test_a_vocab_size_other_than_the_model_folders_is_refused_and_the_record_holds_the_models(
+        tmp_path, capsys, monkeypatch):
+    """``--model FOLDER --vocab-size 2000`` trained at the folder's 4096 and recorded 2000 in summary.json."""
+    import json
+
+    from quietsync.train.config import TrainConfig
+    from quietsync.train.loop import job_record
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 4096}))
+    (folder / "tokenizer.json").write_text("{}")
+    err = _error(["--model", str(folder), "--vocab-size", "2000"], capsys)
+    assert err == (f"quietsync train: error: --vocab-size 2000 differs from the 4096 of --model {folder} (its "
+                   "config.json): leave --vocab-size out\n")
+    cfg = parse_train_args(["--model", str(folder), "--vocab-size", "4096"])[0]  # the same: fine
+    assert job_record(cfg, 4096)["vocab_size"] == 4096
+    assert job_record(TrainConfig(), 284)["vocab_size"] == 284  # a prepared folder's smaller BPE, not the default

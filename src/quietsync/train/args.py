@@ -185,8 +185,10 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
     except FlagError as e:
         parser.error(str(e))
     from .job_data import prepared_flag_problem
+    from .job_model import model_vocab_problem
 
-    problem = prepared_flag_problem(cfg, set(job_values))  # only flags given: a default never conflicts
+    # only flags given: a default never conflicts
+    problem = prepared_flag_problem(cfg, set(job_values)) or model_vocab_problem(cfg, set(job_values))
     if problem:
         parser.error(problem)
     if cfg.on_nonfinite == "skip" and not cls.discards_rounds:

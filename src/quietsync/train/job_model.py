@@ -45,4 +45,24 @@ def job_model(cfg: Any, vocab_size: int, eos: int, device: torch.device) -> torc
     return model
 
 
-__all__ = ["job_model", "worker_preload"]
+def model_vocab_problem(cfg: Any, given: set[str]) -> str | None:
+    """A ``--vocab-size`` given with a ``--model`` folder whose ``config.json`` says another (one line), or None:
+    the folder's embedding decides the vocabulary, and the flag was silently ignored (yet recorded in summary.json),
+    as a prepared ``--dataset`` refuses it."""
+    import json
+    from pathlib import Path
+
+    config = Path(cfg.model) / "config.json"
+    if "vocab_size" not in given or not is_pretrained(cfg.model) or not config.is_file():
+        return None
+    try:
+        theirs = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # loading the model says what is wrong with it
+    if isinstance(theirs, int) and theirs != cfg.vocab_size:
+        return (f"--vocab-size {cfg.vocab_size} differs from the {theirs} of --model {cfg.model} (its config.json): "
+                f"leave --vocab-size out")
+    return None
+
+
+__all__ = ["job_model", "model_vocab_problem", "worker_preload"]

@@ -175,6 +175,7 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
         if changed:  # under torchrun no launcher compared it
             raise ResumeMismatch(changed)
         model = job_model(cfg, tokenizer.get_vocab_size(), eos, device)
+        vocab_size = model.config.vocab_size  # what trains, whatever --vocab-size said
         n_params = count_parameters(model)
         run_config, clock, nominal = _step_plan(cfg, strategy_config, world, resume)
         strategy = make_strategy(
@@ -212,7 +213,7 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
                           data.identity)
         metrics = MetricsWriter(cfg.out, rank, resume_step, sinks=open_sinks(
             cfg.log_with, cfg.out, rank, resume=resume_step is not None,
-            config={"config": dataclasses.asdict(cfg), "strategy_config": dataclasses.asdict(strategy.config)}))
+            config={"config": job_record(cfg, vocab_size), "strategy_config": dataclasses.asdict(strategy.config)}))
         result = train_steps(cfg, strategy, membership, metrics, held_out, t_setup, tokens_total)
         result["memory_bytes"] = strategy.memory_report()  # before export: buffers as training held them
         if cfg.export:  # the committed parameters, as from_pretrained loads them (every worker: fsdp gathers)
@@ -228,7 +229,7 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
             write_merged_trace(cfg.out, transport, spans, clock_offset)
         summary = None
         if rank == 0:
-            summary = job_summary(cfg, strategy, strategy_config, topology, n_params, result, totals)
+            summary = job_summary(cfg, strategy, strategy_config, topology, n_params, result, totals, vocab_size)
             write_summary(cfg.out, summary)
             if cfg.plot:
                 from .plots import plot_loss
@@ -452,6 +453,11 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
     return result
 
 
+def job_record(cfg: Any, vocab_size: int | None) -> dict[str, Any]:
+    """The job's fields as recorded (summary.json, the loggers), with the vocabulary size the model has."""
+    return {**dataclasses.asdict(cfg), **({"vocab_size": int(vocab_size)} if vocab_size is not None else {})}
+
+
 def job_summary(
     cfg: TrainConfig,
     strategy: Strategy,
@@ -460,8 +466,10 @@ def job_summary(
     n_params: int,
     result: dict[str, Any],
     totals: dict[str, Any],
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    """The ``summary.json`` object (rank 0)."""
+    """The ``summary.json`` object (rank 0); ``config.vocab_size`` is the model's (``vocab_size``), not the flag's:
+    a prepared folder or a model folder decides it."""
     evals = result["evals"]
     busy = totals["compute_s"] + totals["idle_s"]
     sent = sum(c["sent"] for c in totals["bytes_by_group"].values())
@@ -497,6 +505,6 @@ def job_summary(
                             if strategy.transport.device.type == "cuda" else None),
         "links": list(cfg.link),
         "slow_worker": cfg.slow_worker,
-        "config": dataclasses.asdict(cfg),
+        "config": job_record(cfg, vocab_size),
         "strategy_config": dataclasses.asdict(strategy_config) if strategy_config is not None else None,
     }

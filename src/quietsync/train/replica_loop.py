@@ -59,7 +59,7 @@ from .elastic import accumulation_field
 from .export import MODEL_DIR, export_model
 from .job_data import open_job_data
 from .job_model import job_model
-from .loop import ADAMW_BETAS, AUDIT_ENV, job_summary, lm_loss, train_steps
+from .loop import ADAMW_BETAS, AUDIT_ENV, job_record, job_summary, lm_loss, train_steps
 from .membership import ABSTAIN, COMMITTED, DROPPED, OPEN, STEP_SUMS
 from .metrics import MetricsWriter, write_summary
 from .nonfinite import NonFiniteError
@@ -269,6 +269,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
             raise ValueError(too_small)
         marks["data"] = time.time()
         model = job_model(cfg, tokenizer.get_vocab_size(), eos, transport.device)
+        vocab_size = model.config.vocab_size  # what trains, whatever --vocab-size said
         marks["model"] = time.time()
         warm_up(model, cfg, transport.device)
         marks["warm"] = time.time()
@@ -304,7 +305,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         quorum.async_join = cfg.async_join and async_join_problem(strategy) is None
         metrics = MetricsWriter(cfg.out, transport.topology.rank, append=True, sinks=open_sinks(
             cfg.log_with, cfg.out, transport.topology.rank, append=True,
-            config={"config": dataclasses.asdict(cfg), "strategy_config": dataclasses.asdict(strategy.config)}))
+            config={"config": job_record(cfg, vocab_size), "strategy_config": dataclasses.asdict(strategy.config)}))
         marks["ready"] = time.time()
         hold(0)  # a test's hold before the first quorum
         ready()
@@ -325,7 +326,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
                     export_model(module, tokenizer, os.path.join(cfg.out, MODEL_DIR))
         summary = None
         if lead:
-            summary = _summary(cfg, strategy_config, membership, strategy, n_params, result)
+            summary = _summary(cfg, strategy_config, membership, strategy, n_params, result, vocab_size)
             write_summary(cfg.out, summary)
             ft = summary["fault_tolerance"]
             print(f"quietsync train: --fault-tolerance torchft: {summary['steps']} steps, {summary['tokens']} tokens "
@@ -415,7 +416,7 @@ def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: i
 
 
 def _summary(cfg: Any, strategy_config: StrategyConfig | None, membership: TorchftQuorum, strategy: Any, n_params: int,
-             result: dict[str, Any]) -> dict[str, Any]:
+             result: dict[str, Any], vocab_size: int | None = None) -> dict[str, Any]:
     """``summary.json``: :func:`quietsync.train.loop.job_summary`'s fields (counters summed over the replicas
     present at the end; ``tokens`` and ``micro_batches`` the committed ones) and ``fault_tolerance``."""
     quorum, dealer, transport = membership.quorum, membership.dealer, membership.transport
@@ -426,7 +427,7 @@ def _summary(cfg: Any, strategy_config: StrategyConfig | None, membership: Torch
     # own count starts at 0 in a restarted replica and dies with a killed one; the dealer's count heals
     totals["micro_batches"] = dealer.committed // cfg.micro_batch_size
     summary = job_summary(cfg, strategy, strategy_config, transport.topology, n_params,
-                          {**result, "stopped_by": "max_steps"}, totals)  # torchft refuses the other budgets
+                          {**result, "stopped_by": "max_steps"}, totals, vocab_size)  # torchft: no other budgets
     summary["fault_tolerance"] = {
         "engine": "torchft", "replicas": transport.replicas, "final_members": quorum.members,
         "schedule_position": dealer.position(), "windows_committed": dealer.committed,
