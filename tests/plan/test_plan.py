@@ -239,3 +239,37 @@ def test_worker_speeds_of_another_count_than_the_workers_are_left_out_as_train_r
         quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=1, seq_len=2048, micro_batch_size=4,
                             link=["inter=1gbit,20ms"], strategies=["localsgd:inner_steps=adaptive,worker_speeds=1"],
                             only=True)
+
+
+def test_a_target_below_the_baseline_curves_floor_is_refused_in_one_line_naming_the_floor(capsys):
+    """No setting can be predicted to reach a loss below the curve every prior shifts: the plan says so first,
+    instead of a ranking of settings that all miss."""
+    argv = ["plan", *WHAT_IF, "--link", "inter=1gbit,20ms", "--target-loss", "1.0"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("quietsync plan: error: --target-loss 1 is below 2.04, the floor of the baseline's loss "
+                          "curve for this model (the Chinchilla law at N = "), err
+    assert "no setting is predicted to reach it; give a higher --target-loss, or a --budget-s" in err, err
+
+
+def test_where_the_baseline_misses_the_target_each_setting_says_so_and_no_strategy_claims_a_least_time():
+    """A fitted curve (a pilot's) may flatten above the target: every row then misses it because the baseline does,
+    not for its own multiplier or penalty, and no 'then' list repeats the setting it follows."""
+    import dataclasses
+
+    from quietsync.plan.recommend import advise
+
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=1, seq_len=2048,
+                                 micro_batch_size=4, link=["inter=1gbit,20ms"], target_loss=2.6)
+    missed = dataclasses.replace(result.objective, target=1.0, priors=dataclasses.replace(
+        result.objective.priors, baseline_tokens=None, target_loss=1.0))
+    scored = [missed.score(r) for r in result.rows]
+    advice = advise(scored, result.compute, 2, missed.description, [])
+    assert not advice.recommendations and not advice.tuned
+    assert advice.unreachable and all(u.endswith("the baseline's loss curve, which every setting's follows, "
+                                                 "flattens above the target") for u in advice.unreachable)
+    # with the target reached, the chosen setting is never among those after it
+    for line in result.advice.tuned:
+        chosen = line.split("`")[1]
+        assert f"`{chosen}`" not in line.split("(then ", 1)[1], line

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import PlanConfig
+from .config import PlanConfig, PlanError
 from .curve_fit import Interval
 from .loss_model import (
     CHINCHILLA_FITTED,
@@ -180,6 +180,24 @@ def _phased_time(est: LossEstimate, phases: tuple[tuple[float, float], ...], fac
     return TimeToTarget(Interval(value, low, high), mean)
 
 
+def below_floor(target: float, floor: float, params: int, source: str | None = None) -> str:
+    """The line refusing a target no setting is predicted to reach: below the baseline curve's floor."""
+    source = source or f"the Chinchilla law at N = {params:,} parameters"
+    return (f"--target-loss {target:g} is below {floor:.3g}, the floor of the baseline's loss curve for this model "
+            f"({source}): no setting is predicted to reach it; give a higher --target-loss, or a --budget-s to rank "
+            "by loss after a time")
+
+
+def check_target(cfg: PlanConfig, params: int, vocab: int | None) -> None:
+    """Raise :class:`~quietsync.plan.config.PlanError` where the target lies below the baseline curve known before
+    anything runs (no pilot to fit it): a what-if plan's, before any setting is evaluated."""
+    if cfg.target_loss is None or cfg.budget_s is not None or cfg.pilot_tokens is not None:
+        return
+    law = chinchilla_curve(params, vocab)
+    if not math.isfinite(law.tokens_to(cfg.target_loss)):
+        raise PlanError(below_floor(cfg.target_loss, law.a, params))
+
+
 def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, baseline_tokens_per_step: float,
                       vocab: int | None = None) -> Objective:
     """The objective before any pilot: the Chinchilla law's curve at ``params`` as the baseline (what-if, or a
@@ -197,8 +215,8 @@ def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, ba
             desc += (f", scaled by ln {vocab:,}/ln {CHINCHILLA_VOCAB:,} = {untrained / math.log(CHINCHILLA_VOCAB):.3g} "
                      "to this vocabulary (a uniform guess scores ln V in both)")
         if law.offset:
-            desc += (f", started at ln {vocab:,} = {untrained:.3g}, an untrained model's loss: D counts from the "
-                     f"{law.offset:,.3g} tokens at which it reaches that")
+            desc += (f", started at ln {vocab:,} = {untrained:.3g}, an untrained model's loss (D counted from the "
+                     f"{law.offset:,.3g} tokens where the law reaches that loss)")
         else:
             notes.append(f"the baseline curve's floor {law.a:.4g} is not below ln {vocab:,} = {untrained:.4g}, an "
                          f"untrained model's loss: the law, fitted on {CHINCHILLA_FITTED}, cannot describe "
@@ -209,9 +227,14 @@ def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, ba
     elif cfg.target_loss is not None:
         target = cfg.target_loss
         t = law.tokens_to(target)
-        notes.insert(0, f"target: held-out loss {target:g}; baseline curve: {desc}, which reaches it after "
-                     + (f"{t:,.3g} tokens" if math.isfinite(t) else "no number of tokens (below its floor "
-                        f"{law.a:.3g})") + " — an assumption about your data")
+        if not math.isfinite(t) and cfg.pilot_tokens is None:
+            # nothing runs that could move the curve: no setting can be ranked by time to the target
+            raise PlanError(below_floor(target, law.a, params))
+        # a pilot fits the curve to the data: the Chinchilla floor does not bind then
+        reach = (f"the baseline curve reaches it after {t:,.3g} tokens" if math.isfinite(t) else
+                 f"the baseline curve never reaches it (its floor is {law.a:.3g}) until the pilot fits yours")
+        notes.insert(0, f"target: held-out loss {target:g}; {reach} — an assumption about your data. Baseline "
+                     f"curve: {desc}")
         if target >= untrained:
             notes.append(f"target {target:g} is not below ln {vocab:,} = {untrained:.4g}, the loss of a uniform guess: "
                          "an untrained model is about there already")
@@ -236,4 +259,4 @@ def initial_objective(cfg: PlanConfig, params: int, workers: int, nodes: int, ba
     return Objective(BaselineCurve(law, "chinchilla", desc), target, cfg.budget_s, priors, notes)
 
 
-__all__ = ["Objective", "initial_objective"]
+__all__ = ["Objective", "below_floor", "check_target", "initial_objective"]

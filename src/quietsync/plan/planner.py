@@ -32,7 +32,7 @@ from ..topology import Topology
 from .candidates import Candidate, LeftOut, applies, candidate, canonical_grid, unique
 from .cluster import Cluster, Device
 from .config import PlanConfig, PlanError, transformer_shape
-from .objective import Objective, initial_objective
+from .objective import Objective, check_target, initial_objective
 from .recommend import HETEROGENEOUS, advise, is_baseline
 from .result import PlanResult
 from .schedules import strategy_config
@@ -342,7 +342,9 @@ def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
     if config is not None and kwargs:
         cfg = dataclasses.replace(config, **kwargs)
     if cfg.what_if:
-        return _what_if(cfg, build_workload(cfg, real=False)[0])
+        w = build_workload(cfg, real=False)[0]
+        check_target(cfg, w.params, w.vocab)
+        return _what_if(cfg, w)
     if _under_torchrun() and cfg.pilot_tokens is not None:
         raise ValueError("pilot_tokens launches local pilot workers: not under torchrun (plan with local workers, "
                          "or use what_if)")

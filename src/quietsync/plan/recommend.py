@@ -253,13 +253,15 @@ def advise(scored: list[Scored], compute: ComputeProfile, world: int, objective:
                                 + ", ".join(sorted({s.row.strategy for s in scored if s.row.knobs.get("adapt")}))
                                 + ")"))
     tuned = []
-    for s in ranked:
-        same = sorted((x for x in scored if x.row.strategy == s.row.strategy), key=lambda x: x.objective)
-        if len(same) > 1:
-            others = ", ".join(f"`{x.row.spec}` {_short(x)}" for x in same[1:])
+    for s in reaching:  # a strategy none of whose settings reaches the target has no least time: named below
+        # the chosen one is the best by (objective, tokens/s): the others follow in that order, it not among them
+        same = sorted((x for x in scored if x.row.strategy == s.row.strategy and x is not s),
+                      key=lambda x: (x.objective, -x.row.tokens_per_s))
+        if same:
+            others = ", ".join(f"`{x.row.spec}` {_short(x)}" for x in same)
             tuned.append(f"{s.row.strategy}: `{s.row.spec}` {_short(s)} — least {objective} of its settings "
                          f"(then {others})")
-    unreachable = [f"`{s.row.spec}` ({s.row.label}): {_why_not(s)}" for s in scored if not s.reaches]
+    unreachable = [f"`{s.row.spec}` ({s.row.label}): {_why_not(s, base.reaches)}" for s in scored if not s.reaches]
     out: list[str] = []
     for name, why in left_out:  # one line per reason: a strategy whose every setting is left out for it, once
         line = f"{name}: {why}"
@@ -295,9 +297,14 @@ def _short(s: Scored) -> str:
     return f"({fmt_duration(s.time.seconds.value)})"
 
 
-def _why_not(s: Scored) -> str:
+def _why_not(s: Scored, base_reaches: bool = True) -> str:
     e = s.estimate
-    if e.source == "prior" and any(e.penalty):
+    if not base_reaches:
+        # the baseline's own curve flattens above the target: every multiplier or penalty on it is beside the point
+        return "the baseline's loss curve, which every setting's follows, flattens above the target"
+    if not math.isfinite(e.multiplier.value):
+        head = "no number of tokens reaches the target"
+    elif e.source == "prior" and e.penalty[1] > 0:
         lo, d, hi = e.penalty
         head = (f"its loss penalty δ = {d:+.2%} ({lo:+.2%} to {hi:+.2%}) puts its floor (the "
                 f"baseline curve's × (1 + δ)) above the target")
