@@ -273,3 +273,11 @@ def test_where_the_baseline_misses_the_target_each_setting_says_so_and_no_strate
     for line in result.advice.tuned:
         chosen = line.split("`")[1]
         assert f"`{chosen}`" not in line.split("(then ", 1)[1], line
+
+
+def test_a_plan_by_budget_heads_its_column_with_the_loss_after_the_budget_not_a_time_to_target():
+    result = quietsync.plan.plan(what_if=True, model="1b", nodes=2, workers_per_node=1, seq_len=2048,
+                                 micro_batch_size=4, link=["inter=1gbit,20ms"], budget_s=3600)
+    head = next(line for line in result.markdown().splitlines() if line.startswith("| setting"))
+    assert head.endswith("| memory/worker | loss after 3600 s |"), head
+    assert "to target" not in head

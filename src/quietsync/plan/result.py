@@ -22,7 +22,7 @@ from .cluster import Cluster
 from .config import PlanConfig
 from .objective import Objective
 from .recommend import Advice, Scored, best_per_strategy, fmt_interval
-from .table import Row, evaluate, markdown
+from .table import TARGET_HEADS, Row, evaluate, markdown
 
 TIE = 0.01
 """Strategies within 1% of each other's objective count as tied (no crossover between them)."""
@@ -102,12 +102,18 @@ class PlanResult:
                 lead = b
         return kind, bws, curves, crossovers
 
-    def columns(self) -> dict[str, tuple[str, str]]:
-        """Spec → (tokens to target, time to target) as the table prints them (budget mode: loss after it)."""
-        out = {}
+    def headings(self) -> tuple[str, ...]:
+        """The objective's column headings: a budget ranks by loss, which has no tokens or time to show."""
+        if self.objective.budget_s is not None:
+            return (f"loss after {self.objective.budget_s:g} s",)
+        return TARGET_HEADS
+
+    def columns(self) -> dict[str, tuple[str, ...]]:
+        """Spec → (tokens to target, time to target) as the table prints them (budget mode: (loss after it,))."""
+        out: dict[str, tuple[str, ...]] = {}
         for s in self.scored:
             if s.loss is not None:
-                out[s.row.spec] = ("—", f"loss {s.loss.value:.3f} ({s.loss.low:.3f}–{s.loss.high:.3f})")
+                out[s.row.spec] = (f"{s.loss.value:.3f} ({s.loss.low:.3f}–{s.loss.high:.3f})",)
             elif s.reaches and s.time is not None:
                 t = s.estimate.tokens
                 out[s.row.spec] = (f"{t.value:,.3g} (×{s.estimate.multiplier.value:.3g}, {s.estimate.source})",
@@ -137,7 +143,8 @@ class PlanResult:
             head += ["Pilots:", ""] + [f"- {a}" for a in self.pilot_report] + [""]
         order = [s.row.spec for s in sorted(self.scored, key=lambda s: (s.objective, -s.row.tokens_per_s))]
         text = ("\n".join(head) + f"Ranked by {self.objective.description} (the interval: the loss model's and the "
-                "speed model's):\n\n" + markdown(self.rows, self.columns(), order) + "\n" + self.advice.markdown())
+                "speed model's):\n\n" + markdown(self.rows, self.columns(), order, self.headings()) + "\n"
+                + self.advice.markdown())
         if self.cluster.world > 1:  # one worker has no link to sweep
             kind, _, _, crossovers = self.sweep()
             lines = [f"- at {b * 8 / 1e6:,.4g} Mbit/s: `{a}` → `{c}`" for b, a, c in crossovers]

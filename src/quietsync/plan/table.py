@@ -118,16 +118,21 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e6:.3g} µs"
 
 
-def markdown(rows: list[Row], extra: dict[str, tuple[str, str]] | None = None,
-             order: list[str] | None = None) -> str:
-    """The table as Markdown: one row per setting. ``extra``: spec → (tokens to target, time to target) columns;
-    ``order``: specs in the order to print (default: fastest tokens/s first)."""
+TARGET_HEADS = ("tokens to target", "time to target")
+"""The objective's columns when ranking by time to a target loss."""
+
+
+def markdown(rows: list[Row], extra: dict[str, tuple[str, ...]] | None = None,
+             order: list[str] | None = None, heads: tuple[str, ...] = TARGET_HEADS) -> str:
+    """The table as Markdown: one row per setting. ``extra``: spec → the objective's columns, headed ``heads``
+    (default: tokens to target, time to target); ``order``: specs in the order to print (default: fastest tokens/s
+    first)."""
     head = ("| setting | step | compute | exposed comm | compute-busy | micro-batches/step | tokens/s "
             "| inter B/step | intra B/step | memory/worker |")
     cols = 10
     if extra is not None:
-        head += " tokens to target | time to target |"
-        cols += 2
+        head += "".join(f" {h} |" for h in heads)
+        cols += len(heads)
     lines = [head, "|" + "---|" * cols]
     by_spec = {r.spec: r for r in rows}
     specs = order if order is not None else [r.spec for r in sorted(rows, key=lambda r: -r.tokens_per_s)]
@@ -139,7 +144,6 @@ def markdown(rows: list[Row], extra: dict[str, tuple[str, str]] | None = None,
             f"| {fmt_bytes(r.bytes_per_link.get('inter', 0))} | {fmt_bytes(r.bytes_per_link.get('intra', 0))} "
             f"| {fmt_bytes(r.memory_bytes)} |")
         if extra is not None:
-            tokens, time_s = extra.get(spec, ("—", "—"))
-            line += f" {tokens} | {time_s} |"
+            line += "".join(f" {v} |" for v in extra.get(spec, ("—",) * len(heads)))
         lines.append(line)
     return "\n".join(lines) + "\n"
