@@ -155,3 +155,15 @@ def test_runs_stopped_at_the_target_are_not_said_to_have_had_other_budgets():
     assert "different token budgets" not in at_target
     budgets = _markdown([row("zero1", 4096, "max_tokens"), row("demo", 8192, "max_steps")])
     assert "different token budgets (4,096, 8,192)" in budgets
+
+
+def test_the_columns_to_the_target_name_it_a_loss_not_a_number_of_seconds():
+    from quietsync.commands.compare import _markdown
+
+    row = {"label": "zero1", "first_eval_loss": 8.3, "last_eval_loss": 7.0, "stopped_by": "target_loss", "steps": 4,
+           "wall_s": 1.0, "tokens": 4096, "micro_batches_per_step": 1.0, "tokens_per_s": 100.0,
+           "bytes_sent_per_step": 1e6, "mb_sent_per_1k_tokens": 1.0, "compute_s_per_worker": 1.0,
+           "idle_s_per_worker": 0.0, "comm_s_per_worker": 0.0, "compute_fraction": 1.0, "target_loss": 7.0,
+           "time_to_target_s": 1.0, "tokens_to_target": 4096}
+    head = _markdown([row]).splitlines()[0]
+    assert head.endswith("| s to loss 7 | tokens to loss 7 |"), head

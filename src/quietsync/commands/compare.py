@@ -130,7 +130,8 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
             "| compute-busy |")
     cols = 14
     if target is not None:
-        head += f" time to {target:g} s | tokens to {target:g} |"
+        # "loss" named: "time to 7" read as seven seconds
+        head += f" s to loss {target:g} | tokens to loss {target:g} |"
         cols += 2
     lines = [head, "|" + "---|" * cols]
     for r in rows:
