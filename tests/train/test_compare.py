@@ -117,12 +117,17 @@ def test_compare_refuses_a_bad_target_loss(tmp_path, capsys):
 def test_compare_checks_flags_first(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare_main(["--strategies", "zero1", "nope", "--out", str(tmp_path)])
-    assert "--strategies: 'nope' in 'nope' is not a strategy (choose from" in capsys.readouterr().err
+    assert "--strategies: 'nope' is not a strategy (choose from" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a knob's typo names the spec it is in, and the command
         compare_main(["--strategies", "zero1", "diloco:sync_evry=2", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert err.startswith("quietsync compare: error: --strategies: 'diloco:sync_evry=2': unrecognized arguments: "
                           "--sync-evry 2"), err
+    with pytest.raises(SystemExit):  # a knob of another strategy names its owners, as train does
+        compare_main(["--strategies", "ddp:reduce_dtype=bf16", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "'ddp:reduce_dtype=bf16': reduce_dtype is not a knob of strategy ddp (it belongs to " in err, err
+    assert "zero1" in err and "unrecognized" not in err, err
     assert not (tmp_path / "zero1").exists()  # nothing ran
 
 
@@ -167,3 +172,13 @@ def test_the_columns_to_the_target_name_it_a_loss_not_a_number_of_seconds():
            "time_to_target_s": 1.0, "tokens_to_target": 4096}
     head = _markdown([row]).splitlines()[0]
     assert head.endswith("| s to loss 7 | tokens to loss 7 |"), head
+
+
+def test_a_config_dict_with_a_misspelt_field_is_a_value_error_naming_it_and_the_fields():
+    import torch
+
+    import quietsync
+
+    with pytest.raises(ValueError, match=r"'accumulaton' is not a field of Zero1Config \(did you mean "
+                                         r"'accumulation'\?\); its fields: accumulation"):
+        quietsync.make_strategy("zero1", torch.nn.Linear(2, 2), config={"accumulaton": 4})

@@ -16,6 +16,25 @@ class _Raising(argparse.ArgumentParser):
         raise ValueError(message)  # argparse would print and exit; a bad spec is a ValueError
 
 
+def _elsewhere(name: str, flags: list[str]) -> str | None:
+    """As ``train`` says it: the first knob ``name`` does not have, and the strategies that have it (None when it
+    is not a field of another strategy, or every knob is ``name``'s)."""
+    import dataclasses
+
+    from ..strategies.registry import available, get
+
+    def fields(strategy: str) -> set[str]:
+        return {f.name for f in dataclasses.fields(get(strategy)[1]) if f.init and not f.name.startswith("_")}
+
+    mine = fields(name)
+    for flag in flags:
+        key = flag.removeprefix("--").split("=")[0].replace("-", "_")
+        if flag.startswith("--") and key not in mine:
+            owners = [other for other in available() if other != name and key in fields(other)]
+            return f"{key} is not a knob of strategy {name} (it belongs to {', '.join(owners)})" if owners else None
+    return None
+
+
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"diloco:sync_every=16"`` → ``("diloco", {"sync_every": 16})`` (values checked by the config)."""
     from ..cli.flags import add_dataclass_flags, given_values
@@ -25,7 +44,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
     name, _, flags = parse_strategy_spec(spec)
     if name not in available():
-        raise ValueError(f"strategies: {name!r} in {spec!r} is not a strategy (choose from {', '.join(available())})")
+        where = f" (in {spec!r})" if spec != name else ""  # the name alone is the spec: said once
+        raise ValueError(f"strategies: {name!r}{where} is not a strategy (choose from {', '.join(available())})")
     _, cls = get(name)
     on_off = {name.replace("_", "-") for name in switches(cls)}
     for flag, value in zip(flags, flags[1:]):
@@ -37,7 +57,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     try:
         args = parser.parse_args(flags)
     except ValueError as e:
-        raise ValueError(f"strategies: {spec!r}: {e}") from None
+        raise ValueError(f"strategies: {spec!r}: {_elsewhere(name, flags) or e}") from None
     values = given_values(args, fields)
     try:
         config = cls(**values)  # the config's own checks refuse a bad value now

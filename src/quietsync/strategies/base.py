@@ -73,7 +73,7 @@ from ..flat import normalize_param_groups
 from ..transport import Transport
 from .checkpoint.logical import Reader, ReshardError, SavedTensors, open_round_problem
 from .checkpoint.positions import check_positions_agree
-from .config import StrategyConfig
+from .config import StrategyConfig, config_from_dict
 from .declaration import Declaration
 from .parts.accounting import StepAccounting, StepMetrics
 from .parts.buffers import ModuleBuffers
@@ -228,7 +228,7 @@ class Strategy(metaclass=_Constructed):
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError("lr_schedule must be a callable f(step) -> multiplier")
         if isinstance(config, dict):
-            config = self.config_cls(**config)
+            config = config_from_dict(self.config_cls, config)
         if config is None:
             config = self.config_cls()
         if not isinstance(config, self.config_cls):

@@ -8,6 +8,21 @@ import functools
 from typing import Any
 
 
+def config_from_dict(cls: Any, values: dict[str, Any]) -> Any:
+    """``cls(**values)``, a field it does not have refused by name (with the close match, and the valid fields)
+    rather than by the raw ``TypeError`` of ``__init__``."""
+    import difflib
+
+    known = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
+    unknown = [k for k in values if k not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"config: {unknown[0]!r} is not a field of {cls.__name__}{hint}; its fields: "
+                         f"{', '.join(known)}")
+    return cls(**values)
+
+
 def switches(cls: Any) -> dict[str, bool]:
     """A config class's on/off fields, each with whether it may also be None (annotated ``bool | None``)."""
     out = {}

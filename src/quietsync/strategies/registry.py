@@ -22,6 +22,7 @@ from dataclasses import is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .config import config_from_dict
 from .declaration import Declaration
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ def strategy_config(name: str, config: Any = None) -> StrategyConfig:
     if is_dataclass(config) and isinstance(config, cls):
         return config
     if isinstance(config, dict):
-        return cls(**config)
+        return config_from_dict(cls, config)
     raise TypeError(f"config must be a {cls.__name__} or a dict of its fields, got {type(config).__name__}")
 
 
