@@ -82,9 +82,11 @@ def pilot_result(tmp_path, warmup_steps: int, link: str = "inter=10mbit,5ms"):
     import copy
 
     result = quietsync.plan.plan(what_if=True, model="tiny", nodes=2, workers_per_node=1, seq_len=128,
-                                 micro_batch_size=8, link=[link], only=True, target_loss=3.5,
+                                 micro_batch_size=8, link=[link], only=True, target_loss=5.0,
                                  strategies=["zero1", "acco", "demo"])
     cfg = copy.copy(result.config)
+    # 3.5 lies below the Chinchilla floor for this model, which a what-if plan refuses; the pilots fit their own
+    cfg.target_loss = 3.5
     cfg.pilot_tokens, cfg.pilot_out, cfg.pilot_args = BUDGET, str(tmp_path), ["--warmup-steps", str(warmup_steps)]
     result.config = cfg
     return result
