@@ -54,3 +54,21 @@ def test_forward_loss_near_uniform_at_init():
     x = torch.randint(0, 512, (2, 32))
     loss = model(input_ids=x, labels=x).loss
     assert abs(float(loss.detach()) - torch.log(torch.tensor(512.0)).item()) < 0.5
+
+
+def test_a_model_folder_loads_without_loading_bars_under_no_progress_and_leaves_them_as_they_were(tmp_path, capfd):
+    """``--no-progress`` reaches transformers' "Loading weights" bars too, for that load only: transformers' switch
+    is process-wide, and a library user's bars stay on."""
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    from quietsync.models.causal_lm import load_pretrained
+    from tests.hf_models import build_folders
+
+    folder = build_folders(tmp_path, ["gpt2"])["gpt2"]
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    load_pretrained(str(folder), progress=False)
+    quiet = capfd.readouterr()
+    assert "Loading weights" not in quiet.err + quiet.out
+    assert hf_logging.is_progress_bar_enabled()  # switched back on after the load

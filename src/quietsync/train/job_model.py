@@ -30,7 +30,7 @@ def job_model(cfg: Any, vocab_size: int, eos: int, device: torch.device) -> torc
     position limit checked against ``--seq-len``, then ``--activation-checkpointing`` and ``--compile`` applied block
     by block (``cfg``: the job's :class:`~quietsync.train.config.TrainConfig`)."""
     if is_pretrained(cfg.model):
-        model = load_pretrained(cfg.model, vocab_size)
+        model = load_pretrained(cfg.model, vocab_size, progress=cfg.progress)
     else:
         model = build_model(cfg.model, vocab_size, eos, seed=cfg.seed)
     # a hub model's limit is known only once loaded (the parser checked presets and folders)
