@@ -141,3 +141,13 @@ def test_a_scheduled_link_needs_its_clock():
     link = LinkModel.parse("100mbit@0s,10mbit@1s")
     with pytest.raises(RuntimeError, match="clock started"):
         link.book_transfer("send", 1000, 2, rx=False)
+
+
+def test_a_link_prints_in_the_units_a_person_writes_and_parses_back_to_it():
+    measured = LinkModel(bandwidth=4702.34e6 / 8, latency=0.369138e-3)  # a probe's floor: six digits mean nothing
+    assert str(measured) == "4.702gbit,369.1us"
+    assert str(LinkModel.parse("900gbit,2us")) == "900gbit,2us"
+    assert str(LinkModel.parse("100mbit,5ms")) == "100mbit,5ms"
+    again = LinkModel.parse(str(measured))
+    assert again.rate_at(0).bandwidth == pytest.approx(measured.rate_at(0).bandwidth, rel=1e-3)
+    assert again.rate_at(0).latency == pytest.approx(measured.rate_at(0).latency, rel=1e-3)

@@ -310,7 +310,12 @@ class LinkModel:
 
     def __str__(self) -> str:
         def one(r: LinkRate) -> str:
-            return f"{r.bandwidth * 8 / 1e6:g}mbit,{r.latency * 1e3:g}ms"
+            # four significant digits in the unit a person writes (a measured floor is 4.702gbit,369.1us, not
+            # 4702.34mbit,0.369138ms); the text parses back to the same link within that rounding
+            mbit, ms = r.bandwidth * 8 / 1e6, r.latency * 1e3
+            rate = f"{mbit / 1e3:.4g}gbit" if mbit >= 1e3 else f"{mbit:.4g}mbit"
+            delay = f"{ms * 1e3:.4g}us" if 0 < ms < 1 else f"{ms:.4g}ms"
+            return f"{rate},{delay}"
 
         if not self.changes:
             return one(self.rates()[0])

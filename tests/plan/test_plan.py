@@ -282,3 +282,12 @@ def test_a_plan_by_budget_heads_its_column_with_the_loss_after_the_budget_not_a_
     head = next(line for line in result.markdown().splitlines() if line.startswith("| setting"))
     assert head.endswith("| memory/worker | loss after 3600 s |"), head
     assert "to target" not in head
+
+
+def test_long_predicted_times_read_in_days_and_years_not_tens_of_thousands_of_hours():
+    from quietsync.plan.recommend import fmt_duration
+
+    assert fmt_duration(95) == "95 s" and fmt_duration(3 * 3600) == "3 h"
+    assert fmt_duration(3.13e4 * 3600) == "3.57 years"
+    assert fmt_duration(10 * 86400) == "10 days"
+    assert fmt_duration(float("inf")) == "∞"

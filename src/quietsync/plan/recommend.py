@@ -132,14 +132,18 @@ class Advice:
 
 
 def fmt_duration(s: float) -> str:
-    """``95 s``, ``4.2 min``, ``3.1 h``; ``∞`` when not reached."""
+    """``95 s``, ``4.2 min``, ``3.1 h``, ``9.5 days``, ``3.2 years``; ``∞`` when not reached."""
     if not math.isfinite(s):
         return "∞"
     if s < 120:
         return f"{s:.3g} s"
     if s < 7200:
         return f"{s / 60:.3g} min"
-    return f"{s / 3600:.3g} h"
+    if s < 48 * 3600:
+        return f"{s / 3600:.3g} h"
+    if s < 730 * 86400:  # up to two years in days (3.13e+04 h reads as nothing)
+        return f"{s / 86400:.3g} days"
+    return f"{s / (365 * 86400):.3g} years"
 
 
 def fmt_interval(i: Interval, fmt: Any = fmt_duration) -> str:
