@@ -63,8 +63,10 @@ def test_the_plan_ranks_it_on_its_pilot(own_strategy, tmp_path):
     from quietsync.plan.planner import predict
 
     pytest.importorskip("optuna")
-    result = quietsync.plan.plan(**PLAN)
+    # the what-if refuses 3.5, below the assumed (Chinchilla) curve's floor for this model; the pilots fit their own
+    result = quietsync.plan.plan(**{**PLAN, "target_loss": 5.0})
     cfg = copy.copy(result.config)
+    cfg.target_loss = 3.5
     cfg.pilot_tokens, cfg.pilot_out, cfg.pilot_args = 160_000, str(tmp_path), []
     result.config = cfg
     floors = {"zero1": 4.0, "ddp": 4.0, "signsgd": 3.4}  # signsgd's pilot learns faster than its prior says

@@ -249,9 +249,11 @@ def test_a_target_below_the_baseline_curves_floor_is_refused_in_one_line_naming_
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert err.startswith("quietsync plan: error: --target-loss 1 is below 2.04, the floor of the baseline's loss "
-                          "curve for this model (the Chinchilla law at N = "), err
-    assert "no setting is predicted to reach it; give a higher --target-loss, or a --budget-s" in err, err
+    assert err.startswith("quietsync plan: error: --target-loss 1 is below 2.04, the floor of the loss curve "
+                          "assumed for this model (the Chinchilla law at N = "), err
+    # the floor is an assumption about the data: the line says what measures the user's own curve
+    assert "no setting is predicted to reach it; give a higher --target-loss, --target-tokens N or --budget-s S, " \
+        "or plan with pilots on your data" in err, err
 
 
 def test_where_the_baseline_misses_the_target_each_setting_says_so_and_no_strategy_claims_a_least_time():

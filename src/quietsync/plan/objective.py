@@ -182,10 +182,11 @@ def _phased_time(est: LossEstimate, phases: tuple[tuple[float, float], ...], fac
 
 def below_floor(target: float, floor: float, params: int, source: str | None = None) -> str:
     """The line refusing a target no setting is predicted to reach: below the baseline curve's floor."""
-    source = source or f"the Chinchilla law at N = {params:,} parameters"
-    return (f"--target-loss {target:g} is below {floor:.3g}, the floor of the baseline's loss curve for this model "
-            f"({source}): no setting is predicted to reach it; give a higher --target-loss, or a --budget-s to rank "
-            "by loss after a time")
+    source = source or (f"the Chinchilla law at N = {params:,} parameters, fitted on MassiveText: your data may go "
+                        "lower")
+    return (f"--target-loss {target:g} is below {floor:.3g}, the floor of the loss curve assumed for this model "
+            f"({source}): no setting is predicted to reach it; give a higher --target-loss, --target-tokens N or "
+            "--budget-s S, or plan with pilots on your data (a measured plan with --pilot-tokens N fits your curve)")
 
 
 def check_target(cfg: PlanConfig, params: int, vocab: int | None) -> None:
