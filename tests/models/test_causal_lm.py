@@ -66,9 +66,35 @@ def test_a_model_folder_loads_without_loading_bars_under_no_progress_and_leaves_
     from tests.hf_models import build_folders
 
     folder = build_folders(tmp_path, ["gpt2"])["gpt2"]
-    capfd.readouterr()
-    assert hf_logging.is_progress_bar_enabled()
-    load_pretrained(str(folder), progress=False)
-    quiet = capfd.readouterr()
-    assert "Loading weights" not in quiet.err + quiet.out
-    assert hf_logging.is_progress_bar_enabled()  # switched back on after the load
+    was = hf_logging.is_progress_bar_enabled()  # whatever an earlier test in this process left
+    try:
+        for before in (True, False):
+            (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+            capfd.readouterr()
+            load_pretrained(str(folder), progress=False)
+            quiet = capfd.readouterr()
+            assert "Loading weights" not in quiet.err + quiet.out
+            assert hf_logging.is_progress_bar_enabled() == before  # as it was before the load
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def test_exporting_a_model_leaves_the_loading_bars_as_they_were(tmp_path):
+    """The export silences transformers' bars for its own write, not for the rest of a library user's process."""
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    from quietsync.data.corpus import Corpus
+    from quietsync.data.tokenizer import train_tokenizer
+    from quietsync.train.export import export_model
+    from tests.train.conftest import synthetic_text
+
+    tok = train_tokenizer(Corpus("synthetic", (synthetic_text(40, seed=1),), (synthetic_text(40, seed=2),)), 300)
+    was = hf_logging.is_progress_bar_enabled()
+    try:
+        hf_logging.enable_progress_bar()
+        export_model(build_model("tiny", tok.get_vocab_size()), tok, tmp_path / "model")
+        assert hf_logging.is_progress_bar_enabled()
+        assert (tmp_path / "model" / "config.json").is_file()
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()

@@ -18,6 +18,8 @@ with ``AutoModelForCausalLM.from_pretrained`` (:func:`load_pretrained`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +93,22 @@ def config_max_positions(config: object) -> int | None:
     return None
 
 
+@contextmanager
+def loading_bars_off(off: bool = True) -> Iterator[None]:
+    """transformers' progress bars off inside the block (``off``), then as they were: their switch is process-wide,
+    and a library user's own loads keep theirs."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if off:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if off and was:
+            hf_logging.enable_progress_bar()
+
+
 def load_pretrained(name: str, vocab_size: int | None = None, progress: bool = True):
     """``AutoModelForCausalLM.from_pretrained(name)`` in train mode; checks the tokenizer's vocabulary fits.
     ``progress=False``: without transformers' loading bars (``--no-progress``), which are restored as they were.
@@ -105,20 +123,13 @@ def load_pretrained(name: str, vocab_size: int | None = None, progress: bool = T
     if folder.exists() and not (folder / "config.json").is_file():
         raise ValueError(f"--model: {name} is not a Hugging Face model folder (no config.json); "
                          f"presets: {', '.join(PRESETS)}")
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    if not progress:  # a process-wide switch of transformers': off for this load only
-        hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(name)
+        with loading_bars_off(not progress):
+            model = AutoModelForCausalLM.from_pretrained(name)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--model: cannot load {name!r} as a causal LM ({first}); presets: "
                          f"{', '.join(PRESETS)}") from None
-    finally:
-        if bars and not progress:
-            hf_logging.enable_progress_bar()
     embed = model.get_input_embeddings().num_embeddings
     if vocab_size is not None and vocab_size > embed:  # a larger embedding is fine (padded vocabularies)
         raise ValueError(f"--model: the tokenizer has {vocab_size} tokens but {name} embeds only {embed}")

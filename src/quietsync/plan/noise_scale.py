@@ -148,18 +148,16 @@ def measure_pilot(model_dir: str | Path, job: Any, micro_batches: int = MICRO_BA
     (``job``: its :class:`~quietsync.train.config.TrainConfig`), micro-batches drawn at random (another seed than
     the run's). ``ValueError`` (one line) when the folder holds no model."""
     from ..data.sequences import ShardedSequences
-    from ..models.causal_lm import load_pretrained
     from ..train.job_data import open_job_data
 
     t0 = time.perf_counter()
     folder = Path(model_dir)
     if not (folder / "config.json").is_file():
         raise ValueError(f"the noise scale needs the pilot's exported model, and {folder} holds none")
-    from transformers.utils import logging as hf_logging
+    from ..models.causal_lm import load_pretrained
 
-    hf_logging.disable_progress_bar()  # no loading progress bars in the plan's output
     data = open_job_data(job)
-    model = load_pretrained(str(folder))
+    model = load_pretrained(str(folder), progress=False)  # no loading bars in the plan's output
     model.train()
     stream = iter(ShardedSequences(data.train, job.seq_len, job.micro_batch_size, 0, 1, seed=job.seed + 1))
 

@@ -31,9 +31,8 @@ def export_model(model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLi
     """Write ``model`` (a transformers ``PreTrainedModel``, or the presets' GPT-Neo) and ``tokenizer`` (a
     ``tokenizers.Tokenizer``) to ``folder`` atomically (a temporary sibling renamed into place); return the folder."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # one folder, one shard: no bar in the run's output
+    from ..models.causal_lm import loading_bars_off
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # ddp's strategy.model is the wrapper
         model = model.module
@@ -45,7 +44,8 @@ def export_model(model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLi
     folder = Path(folder)
     tmp = folder.with_name(f".{folder.name}.tmp")  # a sibling: the rename below stays on one file system
     shutil.rmtree(tmp, ignore_errors=True)  # what an export cut short left
-    model.save_pretrained(tmp, safe_serialization=True)
+    with loading_bars_off():  # one folder, one shard: no bar in the run's output
+        model.save_pretrained(tmp, safe_serialization=True)
     # as the model's config has it: end-of-text is its bos, eos and pad (data/tokenizer.py)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
                                    unk_token=EOS_TOKEN, pad_token=EOS_TOKEN)
