@@ -179,3 +179,20 @@ def test_the_trained_bpe_read_back_through_transformers_has_its_own_fingerprint(
     back.post_processor = TemplateProcessing(single=f"$A {EOS_TOKEN}", special_tokens=[(EOS_TOKEN, eos)])
     assert back.encode(text).ids != tok.encode(text).ids and tokenizer_fingerprint(back) != tokenizer_fingerprint(tok)
     assert tokenizer_fingerprints(back)[0] == tokenizer_fingerprint(back)
+
+
+def test_a_hub_tokenizer_name_fails_at_once_naming_tokenizer_when_the_hub_cannot_be_reached(monkeypatch, tmp_path):
+    """``--tokenizer owner/name`` asks whether the hub answers before the hub client's minute of retries."""
+    pytest.importorskip("transformers")
+    from quietsync.data import sources
+
+    monkeypatch.chdir(tmp_path)  # no folder of that name here
+    import transformers
+
+    monkeypatch.setattr(sources, "hub_unreachable", lambda: "https://hub.example cannot be reached (ConnectError)")
+    # the hub client (and its retries) is never asked
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: pytest.fail("asked the hub"))
+    with pytest.raises(ValueError) as e:
+        tokmod.load_pretrained_tokenizer("owner/nosuch")
+    assert str(e.value) == ("--tokenizer: 'owner/nosuch' is no folder here, and the Hugging Face hub, where such a "
+                            "name is looked up, https://hub.example cannot be reached (ConnectError)")

@@ -424,6 +424,18 @@ OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 """Variables that put the Hugging Face libraries in offline mode (they then answer from their caches, at once)."""
 
 
+def only_a_path(name: str) -> bool:
+    """Whether a ``--model``/``--tokenizer`` name can only be a local path: no valid hub repo id (``./x``, ``~/x``,
+    ``a/b/c``, ``/abs``), or ``owner/name`` whose ``owner`` is a local folder."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return "/" in name and Path(name).parent.is_dir()
+
+
 @functools.cache
 def hub_unreachable() -> str | None:
     """Why the Hugging Face hub cannot be reached from here (one line), or None: one HEAD of its endpoint, no

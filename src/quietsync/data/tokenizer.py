@@ -76,6 +76,15 @@ def load_pretrained_tokenizer(name: str) -> tuple[Any, int]:
         if Path(name).name != "tokenizer.json":
             raise ValueError(f"--tokenizer: {name!r} is a file; give the folder that holds its tokenizer.json")
         name = str(Path(name).parent)
+    if not Path(name).exists():  # a hub name: asked first, or the hub client spends a minute on retries
+        from .sources import hub_unreachable, only_a_path
+
+        if only_a_path(name):
+            raise ValueError(f"--tokenizer {name}: no such folder")
+        unreachable = hub_unreachable()
+        if unreachable is not None:
+            raise ValueError(f"--tokenizer: {name!r} is no folder here, and the Hugging Face hub, where such a name is "
+                             f"looked up, {unreachable}")
     try:
         fast = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:

@@ -33,25 +33,14 @@ def _hub_offline() -> bool:
                for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def _looks_like_path(name: str) -> bool:
-    """Whether ``--model name`` can only be a local path: no valid hub repo id (``./x``, ``~/x``, ``a/b/c``), or
-    ``owner/name`` whose ``owner`` is a local folder."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return True
-    return "/" in name and Path(name).parent.is_dir()
-
-
 def _check_hub_model_name(name: str, presets: tuple[str, ...]) -> None:
     """Refuse (one line naming the model, not the tokenizer it would lend) a ``--model`` that is no folder here
     when it is a path, or when the hub that would look it up cannot be reached: the tokenizer, defaulting to the
     model's, was loaded first and failed as ``--tokenizer``, after a minute of the hub client's retries."""
-    if _looks_like_path(name):
+    from ..data.sources import hub_unreachable, only_a_path
+
+    if only_a_path(name):
         raise ValueError(f"model {name}: no such folder")
-    from ..data.sources import hub_unreachable
 
     unreachable = hub_unreachable()  # one request, no retries; asked once per process
     if unreachable is not None:
