@@ -354,8 +354,9 @@ def plan(config: PlanConfig | None = None, **kwargs: Any) -> PlanResult | None:
         cfg = dataclasses.replace(cfg, nproc=world, nodes=cfg.nodes or max(1, world // max(1, local)))
     w, _ = build_workload(cfg, real=False)
     topo = Topology(0, cfg.world, cfg.node_count)
-    if not candidates(cfg, w, topo)[0]:  # e.g. --only with settings that do not apply: before any worker starts
-        raise PlanError(_nothing_to_rank(candidates(cfg, w, topo)[1], [], None))
+    ranked, left = candidates(cfg, w, topo)
+    if not ranked:  # e.g. --only with settings that do not apply: before any worker starts
+        raise PlanError(_nothing_to_rank(left, [], None))
     measured = measure(cfg, codec_keys(cfg, w, topo))
     if measured is None:
         return None

@@ -18,19 +18,15 @@ class _Raising(argparse.ArgumentParser):
 
 def _elsewhere(name: str, flags: list[str]) -> str | None:
     """As ``train`` says it: the first knob ``name`` does not have, and the strategies that have it (None when it
-    is not a field of another strategy, or every knob is ``name``'s)."""
-    import dataclasses
+    is not a knob of another strategy, or every knob is ``name``'s)."""
+    from ..strategies.config import knobs
+    from ..strategies.registry import get, knob_owners
 
-    from ..strategies.registry import available, get
-
-    def fields(strategy: str) -> set[str]:
-        return {f.name for f in dataclasses.fields(get(strategy)[1]) if f.init and not f.name.startswith("_")}
-
-    mine = fields(name)
+    mine = set(knobs(get(name)[1]))
     for flag in flags:
         key = flag.removeprefix("--").split("=")[0].replace("-", "_")
         if flag.startswith("--") and key not in mine:
-            owners = [other for other in available() if other != name and key in fields(other)]
+            owners = knob_owners(key)
             return f"{key} is not a knob of strategy {name} (it belongs to {', '.join(owners)})" if owners else None
     return None
 

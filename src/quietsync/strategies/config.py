@@ -8,12 +8,17 @@ import functools
 from typing import Any
 
 
+def knobs(cls: Any) -> list[str]:
+    """A config class's fields a user sets (what its flags and a config dict may name), in declaration order."""
+    return [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
+
+
 def config_from_dict(cls: Any, values: dict[str, Any]) -> Any:
     """``cls(**values)``, a field it does not have refused by name (with the close match, and the valid fields)
     rather than by the raw ``TypeError`` of ``__init__``."""
     import difflib
 
-    known = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
+    known = knobs(cls)
     unknown = [k for k in values if k not in known]
     if unknown:
         close = difflib.get_close_matches(unknown[0], known, n=1)

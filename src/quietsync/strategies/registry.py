@@ -22,7 +22,7 @@ from dataclasses import is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .config import config_from_dict
+from .config import config_from_dict, knobs
 from .declaration import Declaration
 
 if TYPE_CHECKING:
@@ -95,6 +95,11 @@ def get(name: str) -> tuple[type[Strategy], type[StrategyConfig]]:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"strategy must be one of {', '.join(available())}; got {name!r}") from None
+
+
+def knob_owners(knob: str) -> list[str]:
+    """The registered strategies whose config has the knob (field) ``knob``."""
+    return [name for name in available() if knob in knobs(_REGISTRY[name][1])]
 
 
 def declaration(name: str) -> Declaration:

@@ -93,11 +93,13 @@ def _flags_elsewhere(flag: str) -> list[str]:
     """Strategies whose generated flags include ``flag``."""
     import dataclasses
 
+    from ..strategies.config import knobs
+
     names, get = _strategies()
     job = {f.name for f in dataclasses.fields(TrainConfig)}
     owners = []
     for name in names:
-        fields = [f.name for f in dataclasses.fields(get(name)[1]) if f.init and not f.name.startswith("_")]
+        fields = knobs(get(name)[1])
         # a field a job flag already uses is spelled --<strategy>-<field> (train_parser)
         if flag in {flag_name(f"{name}_{f}" if f in job else f) for f in fields}:
             owners.append(name)
