@@ -249,6 +249,9 @@ def test_misuse_fails_early_and_clearly():
     model = _model()
     with pytest.raises(ValueError, match="strategy must be one of .*zero1"):
         QuietOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "nope")
+    # the Accelerate/Trainer path names a misspelt config field as make_strategy does (it was a raw TypeError)
+    with pytest.raises(ValueError, match=r"'sync_evry' is not a field of DiLoCoConfig \(did you mean 'sync_every'"):
+        QuietOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "diloco", config={"sync_evry": 4})
     with pytest.raises(ValueError, match="decides its own accumulation"):
         QuietOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "acco", accumulation=2)
     with pytest.raises(ValueError, match="conflicts"):

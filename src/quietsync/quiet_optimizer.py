@@ -22,7 +22,7 @@ import torch
 
 from .strategies import StepMetrics, Strategy, StrategyConfig, make_strategy
 from .strategies.base import LossFn
-from .strategies.registry import get as get_strategy
+from .strategies.registry import strategy_config
 from .transport import Transport
 
 __all__ = ["QuietOptimizer", "strategy_kwargs_from_optimizer"]
@@ -150,13 +150,8 @@ class QuietOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already a QuietOptimizer; pass the plain torch optimizer")
         if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
             raise ValueError(f"accumulation must be an integer >= 1, got {accumulation!r}")
-        _, config_cls = get_strategy(strategy)  # ValueError listing the choices
-        if isinstance(config, dict):
-            config = config_cls(**config)
-        if config is None:
-            config = config_cls()
-        if not isinstance(config, config_cls):
-            raise TypeError(f"config must be a {config_cls.__name__} or a dict, got {type(config).__name__}")
+        # the choices listed for an unknown name, a misspelt field named with its close match
+        config = strategy_config(strategy, config)
         fields = {f.name for f in dataclasses.fields(config)}
         if "accumulation" in fields:
             if accumulation != 1 and config.accumulation not in (1, accumulation):
