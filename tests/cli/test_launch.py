@@ -118,3 +118,33 @@ def test_local_workers_listen_on_loopback_only(tmp_path, monkeypatch):
         addresses = (tmp_path / f"listen-{r}").read_text().split()
         assert addresses, "expected gloo's own sockets"
         assert all(a.startswith(("127.0.0.1:", "[::1]:")) for a in addresses), addresses
+
+
+def test_stopping_a_worker_that_ends_between_the_check_and_the_signal_is_no_error():
+    """``stop_workers`` sees a worker alive, and it exits before the signal is sent (a worker ending on its own error
+    while the launcher stops the others): the stop goes on instead of raising ProcessLookupError."""
+    import subprocess
+    import sys
+
+    from quietsync.cli.launch import stop_workers
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    class JustEnded:  # alive when asked first, gone by the time it is signalled
+        pid = gone.pid
+
+        def __init__(self) -> None:
+            self.asked = 0
+
+        def is_alive(self) -> bool:
+            self.asked += 1
+            return self.asked == 1
+
+        def join(self, timeout: float | None = None) -> None:
+            pass
+
+        def kill(self) -> None:
+            raise AssertionError("killed a worker that was no longer alive")
+
+    stop_workers([JustEnded()], grace_s=0.1)

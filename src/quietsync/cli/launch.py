@@ -358,7 +358,10 @@ def stop_workers(processes: list[Any], grace_s: float = GRACE_S) -> None:
     ``grace_s`` for all, then SIGKILL the rest."""
     for p in processes:
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL if _stopped(p.pid) else signal.SIGTERM)
+            try:
+                os.kill(p.pid, signal.SIGKILL if _stopped(p.pid) else signal.SIGTERM)
+            except ProcessLookupError:  # it ended between the check and the signal
+                pass
     deadline = time.monotonic() + grace_s
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))  # one grace for all, not one each
