@@ -1,8 +1,6 @@
 """``python -m quietsync COMMAND [flags]``: the ``quietsync`` command (:mod:`quietsync.commands.main`)."""
 
-import sys
-
-from .commands.main import main
+from .commands.main import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

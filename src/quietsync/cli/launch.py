@@ -83,9 +83,10 @@ def note_failure() -> None:
             os.replace(part, path)
 
 
-FORKSERVER_PRELOAD: list[str] = ["torch"]
+FORKSERVER_PRELOAD: list[str] = ["quietsync.cli.forkserver_exit", "torch"]
 """Modules the local workers' forkserver imports once before it forks them (the job function's own module is
-added at each launch): what every worker would otherwise import afresh."""
+added at each launch): what every worker would otherwise import afresh; first, the forkserver's exit without
+the interpreter's teardown (:mod:`quietsync.cli.forkserver_exit`)."""
 
 
 def _parent_of(pid: int) -> int | None:
