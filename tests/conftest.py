@@ -31,6 +31,28 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Long tests (``pytest.mark.long``: real processes for tens of seconds) first in each test process's share of
+    the order. pytest-xdist's work stealing hands each process a contiguous share of the collected order and moves
+    queued tests, never running ones: a long test started last keeps one process busy while the others are idle.
+    The shuffled order is kept within the long and the other tests, and every test process computes the same one
+    (they must collect alike)."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    long = [item for item in items if item.get_closest_marker("long")]
+    if not long:
+        return
+    rest = [item for item in items if not item.get_closest_marker("long")]
+    shares = [long[k::workers] for k in range(workers)]  # the long tests dealt out in turn
+    size = len(items) // workers  # each share's length as the scheduler cuts it (the last takes the remainder)
+    order: list[pytest.Item] = []
+    for k, share in enumerate(shares):
+        take = (len(items) - size * (workers - 1) if k == workers - 1 else size) - len(share)
+        order += share + rest[:max(0, take)]
+        rest = rest[max(0, take):]
+    items[:] = order + rest
+
+
 def _loaded_from_a_script(module: object) -> bool:
     """A module a test loaded from a file of this checkout that no package owns (``examples/custom_strategy.py``,
     a benchmark script): importing it again must run it again, as in a fresh process."""

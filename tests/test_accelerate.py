@@ -312,6 +312,7 @@ def test_a_background_update_applies_the_schedulers_lr_of_its_own_step(strategy)
 
 
 # ---------------------------------------------------------------------------------- the real launcher
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_example_with_gradient_accumulation_and_forward_backward_under_accelerate_launch(tmp_path):

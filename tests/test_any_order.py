@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_a_trainer_built_with_fp16_leaves_the_next_accelerator_at_its_own_precision():
     """A ``QuietTrainer`` built with ``fp16=True`` (refused for cdp) set 🤗 Accelerate's process-wide state to fp16,

@@ -80,6 +80,7 @@ def _cli_worker(rank: int, world: int, folders: dict[str, str], text: str, root:
     return out
 
 
+@pytest.mark.long
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("families", [("gpt2", "gpt_neo"), ("llama", "qwen2")], ids=lambda f: "+".join(f))
 def test_quietsync_train_takes_gpt2_gptneo_llama_and_qwen2_folders_under_every_strategy(families, hf_folders,
@@ -108,6 +109,7 @@ def test_quietsync_train_takes_gpt2_gptneo_llama_and_qwen2_folders_under_every_s
         assert type(exported).__name__ == type(AutoModelForCausalLM.from_pretrained(folders[family])).__name__
 
 
+@pytest.mark.long
 def test_the_readme_models_in_path_a_previous_runs_export_trains_from_the_command_line(hf_folders, text_file,
                                                                                         tmp_path, monkeypatch,
                                                                                         capsys):
@@ -240,6 +242,7 @@ def torchrun_trainer(out: Path, *flags: str, timeout: float = 280) -> dict[str, 
     return _records(out)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_strategy_under_accelerate_launch(tmp_path):
@@ -253,6 +256,7 @@ def test_every_strategy_under_accelerate_launch(tmp_path):
         assert r0["final_loss"] is not None and math.isfinite(r0["final_loss"]), name
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_strategy_under_the_trainer(tmp_path):

@@ -51,3 +51,31 @@ def test_each_xdist_test_process_computes_on_its_share_of_the_cores():
     if workers < 2:
         pytest.skip("a share of the cores is taken only under pytest-xdist with 2 or more test processes")
     assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // workers)  # not torch's thread per core
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_long_tests_start_each_test_processs_share_of_the_shuffled_order(workers):
+    """tests/conftest.py: pytest-xdist's work stealing gives each test process a contiguous share of the order; the
+    long tests (``pytest.mark.long``) are dealt to the front of the shares, the rest keeps its shuffled order."""
+    from types import SimpleNamespace
+
+    from tests.conftest import pytest_collection_modifyitems
+
+    class Item:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def get_closest_marker(self, marker: str):
+            return marker if marker == "long" and self.name.startswith("L") else None
+
+    names = ["a", "L1", "b", "c", "L2", "d", "e", "L3", "f", "g", "h"]
+    items = [Item(n) for n in names]
+    config = SimpleNamespace(workerinput={"workercount": workers}) if workers > 1 else SimpleNamespace()
+    pytest_collection_modifyitems(config, items)
+    order = [x.name for x in items]
+    assert sorted(order) == sorted(names)
+    assert [n for n in order if not n.startswith("L")] == [n for n in names if not n.startswith("L")]
+    size = len(names) // workers
+    starts = [order[k * size] for k in range(workers)]
+    assert starts == ["L1", "L2", "L3"][:workers], order  # each share opens with a long test
+    assert all(n.startswith("L") for n in order[:3 // workers]), order  # and holds its deal of them first

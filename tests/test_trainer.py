@@ -10,6 +10,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_trainer_with_gradient_accumulation_under_torchrun_keeps_replicas_identical(tmp_path):

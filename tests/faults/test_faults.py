@@ -191,16 +191,19 @@ def _kill_worker(job: str, sig: signal.Signals, rank: int, tmp_path, corpus, ref
     return elapsed, after_peers
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("job", list(JOBS))
 def test_kill_9_of_a_worker_stops_the_job_names_it_and_the_run_resumes_exactly(job, tmp_path, corpus, reference):
     """acco: the victim dies with its communication thread running (it runs every step)."""
     _kill_worker(job, signal.SIGKILL, 1, tmp_path, corpus, reference, named=True)
 
 
+@pytest.mark.long
 def test_sigint_of_a_worker_stops_the_job_and_names_it(tmp_path, corpus, reference):
     _kill_worker("zero1", signal.SIGINT, 1, tmp_path, corpus, reference, named=True)
 
 
+@pytest.mark.long
 def test_sigstop_of_a_worker_is_caught_by_the_timeout(tmp_path, corpus, reference):
     """A frozen worker raises nothing: its peer times out after --timeout-s and the job ends (the launcher
     reports the peer's timeout, which says a peer died, raised or exceeded the timeout). The frozen worker is
@@ -219,6 +222,7 @@ def test_sigstop_of_a_worker_is_caught_by_the_timeout(tmp_path, corpus, referenc
     assert after_peer < 5, f"the frozen worker was gone {after_peer:.1f} s after the peer's exit"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_the_launcher_killed_takes_every_worker_with_it(sig, tmp_path, corpus, reference):
     """kill -9 of `quietsync train` (the kernel signals the orphaned workers) and Ctrl-C (the launcher stops

@@ -92,6 +92,7 @@ def test_a_replica_that_gives_up_on_a_collective_releases_the_peer_waiting_in_it
     assert "RESULT reported" in outs[1], outs
 
 
+@pytest.mark.long
 def test_connecting_waits_the_connect_timeout_and_collectives_the_collective_timeout() -> None:
     """A quorum member that died after the Lighthouse's answer never connects: the others give up after the
     connect timeout (then ask for a quorum without it), not after the collective timeout (300 s by default, longer

@@ -137,6 +137,7 @@ def test_a_replica_lost_while_another_heals_from_a_third(tmp_path):
     assert summary["final_members"] == [0, 1, 2]
 
 
+@pytest.mark.long
 def test_the_replicas_go_on_when_the_lighthouse_is_lost_and_started_again(tmp_path):
     out = tmp_path / "run"
     replicas = Replicas(tmp_path, 3, job_flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "24"),

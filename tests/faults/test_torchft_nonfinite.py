@@ -93,6 +93,7 @@ def test_skip_drops_the_round_on_every_replica_and_the_audit_holds(tmp_path):
     assert ft["schedule_position"] >= 6 and ft["commits"] == 1 + 6 + 1  # the start check, six steps, the totals
 
 
+@pytest.mark.long
 def test_the_local_launcher_does_not_restart_a_replica_stopped_by_a_non_finite_value(tmp_path, monkeypatch):
     monkeypatch.setenv("QUIETSYNC_FT_NONFINITE", "gradient:2")  # both replica groups, step 2
     out = tmp_path / "run"

@@ -58,6 +58,7 @@ def test_every_supported_strategy_is_exercised_here_or_in_test_torchft():
     assert exercised == set(policies()) - {"signsgd"}  # signsgd: the example's, if imported
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("case", CASES)
 def test_the_survivor_goes_on_alone_and_the_returning_replica_heals(tmp_path, case):
     flags, workers = CASES[case]

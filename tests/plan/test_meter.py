@@ -164,6 +164,7 @@ def test_two_workers_on_two_nodes_every_strategy_bytes_and_memory_equal_the_mete
     _check(cases, results, 2, 2)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_two_nodes_of_two_workers_every_strategy_bytes_and_memory_equal_the_meter():
     cases = BOTH + HIERARCHICAL + CDP4

@@ -28,6 +28,7 @@ def _steps(folder, rank: int) -> dict[int, dict]:
     return {r["step"]: r for r in recs if "event" not in r}
 
 
+@pytest.mark.long
 @pytest.mark.timeout(280)
 def test_a_slow_worker_pilot_reports_the_slowest_workers_pace(tmp_path):
     runner = ProcessRunner(JOB, [], tmp_path, None, lambda c: float(STEP_TOKENS), lambda c: False, log=lambda s: None,

@@ -87,6 +87,7 @@ def test_activation_checkpointing_keeps_the_trajectory(name):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)  # the same ops again: equal on CPU
 
 
+@pytest.mark.long
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("name", ["zero1", "acco", "fsdp", "cdp"])
 def test_compiled_blocks_keep_the_trajectory(name):

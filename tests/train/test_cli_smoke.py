@@ -18,6 +18,7 @@ from .conftest import synthetic_text
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_cli_two_workers_smoke(tmp_path):
     """The command as a user runs it (the launcher's own workers), end to end; then the same job through the

@@ -150,6 +150,7 @@ def _final_loss(out: Path) -> float:
     return json.loads((out / "summary.json").read_text())["last_eval_loss"]
 
 
+@pytest.mark.long
 def test_a_node_lost_and_regained(job, tmp_path):
     root, out = job["root"], tmp_path / "run"
     agents = Agents(tmp_path, 3, [*_flags(root, out), *SAVE_EVERY, *SLOWER], nnodes="2:3", max_restarts=3, env=AUDIT)
@@ -187,6 +188,7 @@ def test_a_node_lost_and_regained(job, tmp_path):
     print(f"final held-out loss {_final_loss(out):.4f} vs {ref:.4f} uninterrupted")
 
 
+@pytest.mark.long
 def test_a_worker_killed_during_a_checkpoint_write(job, tmp_path):
     root, out, marker = job["root"], tmp_path / "run", tmp_path / "cut-short"
     # worker 1 dies with its rank file of step CUT_STEP half-written (the fault is injected: deterministic)

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(300)
     sys.executable), "torchrun")), reason="torchrun not installed")
 @pytest.mark.parametrize("strategy,groups", [("flexdemo", {"shard", "replicate"}),
                                              ("diloco", {"shard", "replicate"})])
+@pytest.mark.long
 def test_two_torchrun_agents_make_two_nodes(strategy, groups, tmp_path):
     data = tmp_path / "text.txt"
     data.write_text(synthetic_text(2000))

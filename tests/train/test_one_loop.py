@@ -97,6 +97,7 @@ def _run(tmp_path: Path, name: str, *mode: str) -> tuple[list[dict], list[dict],
     return [r for r in lines if r.get("event") == "eval"], [r for r in lines if "event" not in r], out
 
 
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_a_loop_feature_fires_alike_in_a_fixed_world_and_under_a_torchft_quorum(tmp_path):
     pytest.importorskip("torchft")
