@@ -10,8 +10,8 @@ WHEELS ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(WHEELS)),--find-links $(WHEELS),)
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist; 0 = in this process). Many tests wait on workers they start or on timeouts, so
-# two test processes finish sooner than one even on two cores.
-PYTEST_WORKERS ?= 2
+# three test processes keep two cores busier than two do (tests/conftest.py gives each its share of the cores).
+PYTEST_WORKERS ?= 3
 # The test order is shuffled on every run (pytest-randomly prints its seed): PYTEST_ARGS="-p randomly
 # --randomly-seed=N" repeats an order, PYTEST_ARGS="-p no:randomly" keeps the files' own order.
 
