@@ -15,3 +15,22 @@ def test_an_older_torch_is_refused_in_one_line():
                        match=r"^quietsync needs torch >= 2\.13, found 2\.12\.1\+cu121: pip install") as got:
         check_torch("2.12.1+cu121")
     assert "\n" not in str(got.value)
+
+
+def test_the_command_list_and_version_answer_without_importing_torch():
+    """``quietsync --help`` and ``--version`` load no torch (seconds of start-up); the version check reads torch's
+    installed metadata, which agrees with the imported torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from quietsync.commands.main import main; main(['--help']); main(['--version']); "
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "commands:" in proc.stdout and proc.stdout.splitlines()[-1] == "False", proc.stdout
+
+    import torch
+
+    from quietsync._versions import installed_torch
+
+    assert installed_torch() == torch.__version__

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import warnings
 
-import torch
-
 __version__ = "0.1.0"
 """quietsync's own version (re-exported as ``quietsync.__version__``)."""
 
@@ -32,4 +30,17 @@ def check_torch(version: str) -> None:
         raise ImportError(f"quietsync needs torch >= {need}, found {version}: pip install 'torch>={need}'")
 
 
-check_torch(torch.__version__)
+def installed_torch() -> str:
+    """torch's version from its installed metadata, without importing it (that takes seconds, and ``quietsync
+    --help`` needs none of it); ``torch.__version__`` where torch has no metadata (a source checkout on the path)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        import torch
+
+        return torch.__version__
+
+
+check_torch(installed_torch())

@@ -22,6 +22,9 @@ import types
 import typing
 from typing import Any, Literal, NoReturn, Union
 
+PROG = "quietsync"
+"""The command's name in its messages."""
+
 
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line on stderr (exit status 2), without the usage block."""

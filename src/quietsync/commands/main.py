@@ -5,7 +5,8 @@ The entry points live here, above the applications they dispatch to: parsing a j
 :mod:`quietsync.train.args` (flags, one-line errors) and running it in :mod:`quietsync.train.run_job` (in place under
 torchrun, else on ``--nproc`` local workers, see :mod:`quietsync.cli.launch`), so that ``compare`` shares both
 without importing this module; ``plan`` is :mod:`quietsync.plan.cli`, ``prepare``
-:mod:`quietsync.commands.prepare`.
+:mod:`quietsync.commands.prepare`. Each is imported when its command runs, so ``quietsync --help`` and
+``--version`` answer without importing torch.
 """
 
 from __future__ import annotations
@@ -14,11 +15,7 @@ import sys
 from typing import NoReturn
 
 from ..cli.exit import exit_now
-from ..cli.flags import OneLineParser
-from ..plan.cli import plan_main as _plan_main
-from ..train.args import PROG, parse_train_args, train_parser
-from ..train.run_job import run_job
-from .compare import compare_main
+from ..cli.flags import PROG
 
 
 def prepare_main(argv: list[str]) -> int:
@@ -30,7 +27,16 @@ def prepare_main(argv: list[str]) -> int:
 
 def plan_main(argv: list[str]) -> int:
     """``quietsync plan``: see :mod:`quietsync.plan.cli`."""
-    return _plan_main(argv)
+    from ..plan.cli import plan_main as main_
+
+    return main_(argv)
+
+
+def compare_main(argv: list[str]) -> int:
+    """``quietsync compare``: see :mod:`quietsync.commands.compare`."""
+    from .compare import compare_main as main_
+
+    return main_(argv)
 
 def lighthouse_main(argv: list[str]) -> int:
     """``quietsync lighthouse``: see :mod:`quietsync.faults.lighthouse`."""
@@ -39,11 +45,14 @@ def lighthouse_main(argv: list[str]) -> int:
     return main_(argv)
 
 
-__all__ = ["main", "train_main", "compare_main", "COMMANDS", "OneLineParser", "parse_train_args", "train_parser"]
+__all__ = ["main", "run", "train_main", "compare_main", "COMMANDS"]
 
 
 def train_main(argv: list[str]) -> int:
     """``quietsync train``: parse (exit 2 on a bad value), then run the job; return its exit status."""
+    from ..train.args import parse_train_args
+    from ..train.run_job import run_job
+
     cfg, strategy_config, nodes = parse_train_args(argv)
     return run_job(cfg, strategy_config, nodes, nproc_given="--nproc" in argv)
 

@@ -17,12 +17,10 @@ import importlib.util
 import os
 from typing import Any
 
-from ..cli.flags import FlagError, OneLineParser, add_dataclass_flags, build_config, flag_name, given_values
+from ..cli.flags import PROG, FlagError, OneLineParser, add_dataclass_flags, build_config, flag_name, given_values
 from .config import DEFAULT_STRATEGY, TrainConfig
 
 __all__ = ["PROG", "train_parser", "parse_train_args"]
-
-PROG = "quietsync"
 
 
 def _strategies() -> tuple[list[str], Any]:
