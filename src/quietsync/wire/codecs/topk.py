@@ -97,17 +97,9 @@ def _k_largest(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _group_size(n: int, k: int) -> int | None:
-    """Entries per group of :func:`_topk_by_groups` for rows of ``n``: the power of two nearest ``sqrt(n / k)``
-    (ties up), which balances the two selections' sizes -- ``n / s`` group maxima, then ``k * s`` candidates. None
-    where grouping does not pay (short rows).
-
-    Measured on 2,600 rows of 4,096 Gaussian entries (one thread): k = 32 takes 17.1 ms with s = 16 against 23-25 ms
-    with s = 32 (a quarter of the row as candidates, the rule before); k = 8, 16, 64 likewise fastest at 32 (or 16),
-    16 and 8. On DeMo's momentum (``benchmarks/demo_step_breakdown.py --model 10m``) the step's top-k went from
-    32-33 ms to 31 ms."""
-    if n < k:
-        return None
-    s = 1 << (((n // k).bit_length()) // 2)  # 2 ** round(log2(n / k) / 2) for a power of two n / k
+    """Entries per group of :func:`_topk_by_groups` for rows of ``n``: ``k * s`` candidates, about a quarter of
+    ``n``; None where grouping does not pay (short rows)."""
+    s = 1 << max(0, (n // (4 * k)).bit_length() - 1)
     return None if s < 4 or n % s else s  # s must divide n for the (rows, s, n // s) view
 
 
