@@ -34,3 +34,18 @@ def test_the_command_list_and_version_answer_without_importing_torch():
     from quietsync._versions import installed_torch
 
     assert installed_torch() == torch.__version__
+
+
+def test_a_torch_without_metadata_is_imported_for_its_version(monkeypatch):
+    """A torch on the path without installed metadata (a source checkout): the version check imports it."""
+    import importlib.metadata
+
+    import torch
+
+    from quietsync._versions import installed_torch
+
+    def none(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", none)
+    assert installed_torch() == torch.__version__

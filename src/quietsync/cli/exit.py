@@ -1,10 +1,10 @@
 """Ending a command's process without the interpreter's teardown.
 
 Once torch is loaded, Python's teardown (every module's objects collected, then libtorch's static destructors) costs
-about 2 CPU-seconds, and as much wall time after a command has printed its last line. Nothing a command leaves
-depends on it: :func:`exit_now` does what a normal exit does first -- non-daemon threads joined, ``atexit``
-handlers run, stdout and stderr flushed -- and ends the process there. The local workers' forkserver, which holds
-torch for as long as the launcher runs, ends the same way (:mod:`quietsync.cli.forkserver_exit`).
+about a CPU-second (0.7-2.5 measured), and as much wall time after a command has printed its last line. Nothing a
+command leaves depends on it: :func:`exit_now` does what a normal exit does first -- non-daemon threads joined,
+``atexit`` handlers run, stdout and stderr flushed -- and ends the process there. The local workers' forkserver,
+which holds torch for as long as the launcher runs, ends the same way (:mod:`quietsync.cli.forkserver_exit`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,14 @@ def exit_now(code: int | str | None) -> NoReturn:
     if shutdown is not None:
         shutdown()
     atexit._run_exitfuncs()
+    end(0 if code is None else int(code))
+
+
+def end(code: int) -> NoReturn:
+    """Flush stdout and stderr and end the process with ``code`` at once (no handlers, no teardown)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):  # closed, or replaced by something without a flush
             pass
-    os._exit(0 if code is None else int(code))
+    os._exit(code)

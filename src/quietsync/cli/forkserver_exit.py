@@ -11,17 +11,7 @@ nothing)."""
 from __future__ import annotations
 
 import atexit
-import os
-import sys
 
+from .exit import end
 
-def _end() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):  # closed, or replaced by something without a flush
-            pass
-    os._exit(0)
-
-
-atexit.register(_end)
+atexit.register(end, 0)

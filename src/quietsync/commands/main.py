@@ -38,6 +38,7 @@ def compare_main(argv: list[str]) -> int:
 
     return main_(argv)
 
+
 def lighthouse_main(argv: list[str]) -> int:
     """``quietsync lighthouse``: see :mod:`quietsync.faults.lighthouse`."""
     from ..faults.lighthouse import lighthouse_main as main_
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> NoReturn:
     """The ``quietsync`` console script and ``python -m quietsync``: :func:`main`, then the process ends without the
-    interpreter's teardown (:func:`quietsync.cli.exit.exit_now`: about 2 CPU-seconds once torch is loaded)."""
+    interpreter's teardown (:func:`quietsync.cli.exit.exit_now`: about a CPU-second once torch is loaded)."""
     try:
         code: int | str | None = main()
     except SystemExit as e:  # argparse's usage errors and --help
