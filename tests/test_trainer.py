@@ -44,6 +44,28 @@ def test_trainer_takes_its_default_clipping_and_refuses_what_it_cannot_do(tmp_pa
     with pytest.raises(ValueError, match="fp16 is not supported by strategy cdp"):
         QuietTrainer(model=model, args=fp16, strategy="cdp")
 
+
+@pytest.mark.timeout(120)
+def test_the_trainer_declares_the_collectives_its_loop_runs_between_steps(tmp_path):
+    """The Trainer gathers between steps (token counts, the logged loss); QuietTrainer says so to the strategy
+    (``Strategy.loop_collectives``), so a drifting worker never waits inside a step for a peer that waits in such a
+    gather (tests/strategies/overlap/test_acco.py). A plain ``QuietOptimizer`` declares none."""
+    import torch
+    from transformers import TrainingArguments
+
+    from quietsync.hf_trainer import QuietTrainer
+    from quietsync.quiet_optimizer import QuietOptimizer
+
+    model = torch.nn.Linear(2, 2)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = QuietTrainer(model=model, args=args, strategy="acco")
+    trainer.create_optimizer()
+    assert trainer.quiet_optimizer is not None and trainer.quiet_optimizer.strategy.loop_collectives
+    trainer.quiet_optimizer.strategy.close()
+    plain = QuietOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), "acco")
+    assert not plain.strategy.loop_collectives
+    plain.strategy.close()
+
 def _regression_trainer(cls, tmp_path, args_overrides=None, seen=None, **kwargs):
     import torch
     from transformers import TrainingArguments

@@ -42,6 +42,13 @@ in ``training_step`` and evaluation, fp32 master weights; fp16 adds the strategy
 decision every worker shares), and ``max_grad_norm`` (the Trainer's default 1.0 included; 0 = off) its
 ``max_grad_norm``: the strategy clips the gradient it commits and the Trainer logs the pre-clip ``grad_norm``.
 
+The Trainer communicates between steps (it gathers the token counts before each step and the loss at its
+logging steps), which the strategy is told (``Strategy.loop_collectives``): a worker of ``acco``/``dpu``/``wp``
+never waits inside a step for a peer that may be waiting in one of those gathers (``acco``'s straggler rule is
+off). A stage cap (``max_accumulation``) still waits, safely: the per-step gather (``average_tokens_across_devices``,
+the default, with labels in the batch) keeps the workers within one step of each other, and a peer then has
+submitted the job waited for by the time it reaches the step where the cap is hit.
+
 Not supported: DeepSpeed/FSDP, resuming the *optimizer* from a Trainer
 checkpoint (the strategy state is per rank and the Trainer saves one optimizer file; use
 ``save_only_model=True`` or save ``trainer.optimizer.state_dict()`` per rank yourself).
@@ -134,6 +141,7 @@ class QuietTrainer(Trainer):
             accumulation=self.args.gradient_accumulation_steps, transport=self.quiet_transport,
             # the Trainer's max_grad_norm 0 (no clipping) is the strategy's None
             precision=self.quiet_precision, max_grad_norm=self.args.max_grad_norm or None,
+            loop_collectives=True,  # the Trainer gathers token counts before each step and the loss when it logs
         )
         if self.optimizer.strategy.world_size != self.accelerator.num_processes:
             raise ValueError(

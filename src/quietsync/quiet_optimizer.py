@@ -94,6 +94,9 @@ class QuietOptimizer(torch.optim.Optimizer):
         precision: the strategy's ``precision`` (``"fp32"``, ``"bf16"``, ``"fp16"``; Accelerate's
             ``mixed_precision``, the Trainer's ``bf16``/``fp16``).
         max_grad_norm: the strategy's ``max_grad_norm`` (None: no clipping; :meth:`clip_grad_norm_` sets it too).
+        loop_collectives: whether the training loop runs collectives of its own between steps (the HF Trainer's
+            gathers; ``Strategy.loop_collectives``): a strategy whose workers drift apart then never waits inside
+            a step for a peer.
 
     Behaviour:
         * :meth:`forward_backward` runs one micro-batch through the strategy's per-micro-batch contract,
@@ -135,6 +138,7 @@ class QuietOptimizer(torch.optim.Optimizer):
         transport: Transport | None = None,
         precision: str = "fp32",
         max_grad_norm: float | None = None,
+        loop_collectives: bool = False,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called on purpose: param_groups/defaults/state are the
         # specification's and the strategy's (properties below). These are what torch's hooks expect.
@@ -182,6 +186,7 @@ class QuietOptimizer(torch.optim.Optimizer):
             lr_schedule=self._lr_scale, precision=precision, max_grad_norm=max_grad_norm, **spec,
         )
         """The quietsync strategy doing the work."""
+        self.strategy.loop_collectives = bool(loop_collectives)
         self._committed_since_step = False
         self._was_skipped = False
         self._owed = False  # a backward whose Strategy.step() has not run yet

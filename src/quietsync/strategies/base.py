@@ -188,6 +188,12 @@ class Strategy(metaclass=_Constructed):
     those from each worker's own data, with no collective between micro-batches, and stop on a committed step
     (or on ``steps + steps_in_flight``) or after a number of micro-batches; :meth:`finish` brings drifted workers
     level."""
+    loop_collectives: bool = False
+    """Whether the loop that drives this strategy runs collectives of its own between steps, set by the front
+    door that knows (``QuietTrainer``: the HF Trainer gathers token counts before each step and the loss at its
+    logging steps). A strategy whose workers are not in ``lockstep`` must then never wait inside :meth:`step` for
+    a job that a peer submits only in a later step: that peer may be waiting in the loop's collective for this
+    worker (acco turns its straggler rule off)."""
     fp16_refusal: ClassVar[str | None] = None
     """Why this strategy cannot train with ``precision="fp16"`` (dynamic loss scaling needs one skip decision
     that every worker takes before anything of the round commits); None where it can."""

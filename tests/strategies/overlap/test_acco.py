@@ -4,6 +4,8 @@ resumes exactly, rejects bad knobs."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -183,6 +185,44 @@ def test_a_straggler_leaves_its_estimate_stages_empty_and_the_count_weighting_st
     assert all(c[0] >= 1 for c in stage2), history  # the fastest worker never skips: ΣÑ ≥ 1
     assert sum(c[1] == 0 for c in stage2) >= len(stage2) // 2, history  # once measured, the straggler skips
     expected = reference("acco", world, "adamw", steps, counts=history)
+    for r in results:
+        torch.testing.assert_close(r["theta"], flat(expected.committed[-1]), rtol=RTOL, atol=ATOL)
+
+
+def _straggler_in_a_loop_that_gathers(rank: int, world: int, micro_batches: int, every: int) -> dict:
+    # as _straggler, but the loop feeds a fixed number of micro-batches and runs a collective of its own every
+    # `every` steps on the main thread (the HF Trainer's loss gather at its logging steps)
+    transport = Transport(Topology.from_env(), links={"inter": LinkModel(bandwidth=1e9, latency=0.001)})
+    strategy = make("acco", "adamw", {"straggler_factor": 2.0}, transport=transport)
+    strategy.loop_collectives = True  # what QuietTrainer declares
+    for index in range(micro_batches):
+        loss = loss_fn(strategy.model, batch(rank, index))
+        time.sleep(0.3 if rank == world - 1 else 0.03)
+        strategy.backward(loss)
+        strategy.step()
+        if index % every == every - 1:
+            torch.distributed.all_reduce(torch.ones(1))
+    strategy.finish()
+    out = {"theta": flat_params(strategy.module), "history": list(strategy.overlap.stage_history),
+           "speeds": strategy.overlap.peer_micro_batch_s, "steps": strategy.steps}
+    strategy.close()
+    transport.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_under_a_loop_with_collectives_of_its_own_a_straggler_never_waits_inside_a_step():
+    """A straggler's empty stage 2 waits for the commit inside ``step()``; a peer that has not yet ended its stage 1
+    may meanwhile wait in the loop's own collective for the straggler -- a deadlock. Where the front door declares
+    such collectives (``loop_collectives``: the HF Trainer), the straggler rule is off: the run ends, every worker
+    computes in both stages, and the count weighting stays exact."""
+    world = 2
+    results = run_ranks(_straggler_in_a_loop_that_gathers, world, 48, 16, timeout=120)
+    history = results[0]["history"]
+    assert all(r["history"] == history for r in results) and results[0]["steps"] >= 2, history
+    assert results[0]["speeds"][1] > 4 * results[0]["speeds"][0] > 0  # the straggler was measured as one
+    assert all(min(c) >= 1 for c in history), history
+    expected = reference("acco", world, "adamw", results[0]["steps"], counts=history)
     for r in results:
         torch.testing.assert_close(r["theta"], flat(expected.committed[-1]), rtol=RTOL, atol=ATOL)
 

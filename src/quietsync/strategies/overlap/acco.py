@@ -76,7 +76,8 @@ class ACCOConfig(CapAdaptConfig):
     """A worker whose micro-batch takes more than this many times the fastest worker's, and longer than the
     commit job it would overlap, leaves its estimate stage empty (Ñᵢ = 0: it waits for the commit instead of
     making every worker wait for its micro-batch at θ̃); its stage-1 micro-batches still enter every commit.
-    Adaptive mode only; 0 = off (every worker computes at least ``min_accumulation`` in both stages)."""
+    Adaptive mode only; 0 = off (every worker computes at least ``min_accumulation`` in both stages). Off under a
+    loop that runs collectives of its own between steps (``QuietTrainer``; ``Strategy.loop_collectives``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -160,7 +161,9 @@ class ACCO(Strategy):
         commit (stage 2 would last that micro-batch instead of the commit job); the fastest worker never
         qualifies, so ΣÑ ≥ ``min_accumulation`` ≥ 1."""
         o, factor = self.overlap, self.config.straggler_factor
-        if not factor or self.config.deterministic_accumulation is not None or o.ending:
+        # under a loop with collectives of its own (Strategy.loop_collectives) the wait for the commit would sit
+        # inside step() while a peer that has not yet submitted it may wait in that collective for this worker
+        if not factor or self.loop_collectives or self.config.deterministic_accumulation is not None or o.ending:
             return False
         speeds, commit_s = o.peer_micro_batch_s, o.job_s.get("commit")
         if not speeds or min(speeds) <= 0.0 or commit_s is None:  # not measured yet
