@@ -292,6 +292,38 @@ def test_accelerator_backward_is_refused_for_a_strategy_that_owns_its_schedule_n
     optimizer.close()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["acco", "zero1"])
+def test_a_collective_between_micro_batches_of_drifting_workers_is_refused_in_one_line(strategy):
+    """acco's workers reach a step after different numbers of micro-batches: a gather in the loop could wait
+    forever for a peer waiting inside its step (or already stopped), so it is refused until ``finish()``; a
+    strategy in lockstep (zero1) gathers as Accelerate does."""
+    from quietsync.accelerate import QuietAccelerator
+
+    accelerator = QuietAccelerator(strategy=strategy)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for batch in _batches(3, 4):
+        accelerator.backward(_loss(model, batch))
+        optimizer.step()
+    calls = {"gather": lambda: accelerator.gather(torch.ones(2)),
+             "gather_for_metrics": lambda: accelerator.gather_for_metrics(torch.ones(2)),
+             "reduce": lambda: accelerator.reduce(torch.ones(2)),
+             "pad_across_processes": lambda: accelerator.pad_across_processes(torch.ones(2)),
+             "wait_for_everyone": accelerator.wait_for_everyone}
+    for name, call in calls.items():
+        if strategy == "acco":
+            with pytest.raises(RuntimeError, match=rf"^accelerator\.{name} while strategy acco trains: .*"
+                                                   r"after optimizer\.finish\(\)"):
+                call()
+        else:
+            call()
+    optimizer.finish()
+    assert accelerator.gather(torch.ones(2)).tolist() == [1.0, 1.0]  # finished: nothing drifts any more
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
 @pytest.mark.parametrize("strategy", ["dpu", "wp", "acco"])
 def test_a_background_update_applies_the_schedulers_lr_of_its_own_step(strategy):
     """dpu/wp/acco compute an update on their communication thread, started when the previous step commits --

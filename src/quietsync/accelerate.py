@@ -55,9 +55,9 @@ How the pieces map (see ``docs/accelerate.md``):
   a stage when *they* see the job done) may stop while a peer still needs a batch, so nothing may communicate
   between micro-batches: data loaders are prepared without dispatching (each process reads its own batches;
   ``dispatch_batches=True`` is refused at construction), and the loop must not call collectives (``gather``,
-  ``reduce``, ``wait_for_everyone``) before ``finish()``. Stop the loop on ``optimizer.steps +
-  optimizer.steps_in_flight``, after a number of micro-batches or at the end of the data: ``finish()`` then
-  brings every worker level.
+  ``reduce``, ``wait_for_everyone``) before ``finish()``: the accelerator refuses them in one line until then.
+  Stop the loop on ``optimizer.steps + optimizer.steps_in_flight``, after a number of micro-batches or at the end
+  of the data: ``finish()`` then brings every worker level.
 * **Topology** comes from the environment the launcher set (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_*);
   the transport reuses the default process group Accelerate already initialised.
 
@@ -273,6 +273,44 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         the micro-batch(es) whose backward completed in this call, or None while ``cdp``'s pipeline fills.
         """
         return self._quiet("forward_backward").forward_backward(batch, loss_fn)
+
+    def gather(self, tensor: Any) -> Any:
+        """``Accelerator.gather``; refused while a strategy whose workers drift apart trains (see :meth:`_meet`)."""
+        self._meet("gather")
+        return super().gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """``Accelerator.gather_for_metrics``; refused while a strategy whose workers drift apart trains."""
+        self._meet("gather_for_metrics")
+        return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """``Accelerator.reduce``; refused while a strategy whose workers drift apart trains."""
+        self._meet("reduce")
+        return super().reduce(tensor, reduction=reduction, scale=scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """``Accelerator.pad_across_processes``; refused while a strategy whose workers drift apart trains."""
+        self._meet("pad_across_processes")
+        return super().pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    def wait_for_everyone(self) -> None:
+        """``Accelerator.wait_for_everyone``; refused while a strategy whose workers drift apart trains."""
+        self._meet("wait_for_everyone")
+        super().wait_for_everyone()
+
+    def _meet(self, call: str) -> None:
+        """Refuse a collective of the loop's between micro-batches of a strategy whose workers are not in lockstep
+        (``Strategy.lockstep``), in one line on every process that calls it: a peer a stage ahead may be waiting
+        inside its step for this worker, or may have stopped already, and the collective would never complete."""
+        quiet = self.quiet_optimizer
+        if quiet is None or quiet.strategy.lockstep or quiet.strategy.finished:
+            return
+        raise RuntimeError(
+            f"accelerator.{call} while strategy {quiet.strategy.name} trains: its workers do not reach a step "
+            "together, so a collective between micro-batches can wait forever; call it after optimizer.finish() "
+            "(or accelerator.end_training()), or log each process's own values"
+        )
 
     def _quiet(self, call: str) -> QuietOptimizer:
         if self.quiet_optimizer is None:
