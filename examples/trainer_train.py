@@ -10,7 +10,8 @@ own clipping (``max_grad_norm``, 1.0 by default) and ``bf16``/``fp16`` go to the
 ``--strategy`` takes any registered name, several separated by commas, or ``all`` (each trained in turn, from
 the same initial model, in the same processes). ``--out FILE`` appends one JSON line per rank and strategy
 (for the tests). ``--stage-cap N`` caps the stages of the strategies that size them as the network allows (acco,
-dpu, wp: their ``max_accumulation``), so a short run commits even when the machine is loaded.
+dpu, wp: their ``max_accumulation``), so a short run commits even when the machine is loaded. ``--save-every N``
+saves a checkpoint (the model) every N Trainer steps and ``--eval-every N`` evaluates every N.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import tempfile
 
 import torch
@@ -75,11 +77,13 @@ def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str
         output_dir=out_dir, max_steps=args.steps, learning_rate=args.lr, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.accumulation, lr_scheduler_type="cosine", warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm, bf16=args.precision == "bf16", fp16=args.precision == "fp16",
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
+        logging_steps=1, report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
+        save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, save_only_model=True,
+        eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every,
     )
     config = {"max_accumulation": args.stage_cap} if args.stage_cap and _has_stages(strategy) else None
     trainer = QuietTrainer(model=model, args=training_args, train_dataset=train_set, strategy=strategy,
-                           strategy_config=config)
+                           strategy_config=config, eval_dataset=train_set[:8] if args.eval_every else None)
     committed = CommittedSteps(trainer)
     trainer.add_callback(committed)
     result = trainer.train()  # ends with the strategy finished: the last round synced or drained
@@ -100,6 +104,9 @@ def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str
               "train_loss": result.training_loss, "finite": all(math.isfinite(x) for x in losses),
               "bytes_sent": metrics.bytes_sent if metrics else 0, "finished": optimizer.strategy.finished,
               "moved": float((flat.cpu() - initial).abs().max()),
+              "evals": sum("eval_loss" in h for h in trainer.state.log_history),
+              "checkpoints": sum(name.startswith("checkpoint-") for name in os.listdir(out_dir))
+              if os.path.isdir(out_dir) else 0,
               "checksum": hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()}
     optimizer.close()
     return record
@@ -119,6 +126,8 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--stage-cap", type=int, default=None,
                         help="at most this many micro-batches per stage for acco, dpu and wp (max_accumulation)")
+    parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N Trainer steps (0: none)")
+    parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N Trainer steps (0: never)")
     parser.add_argument("--out", default=None, help="append one JSON line per rank and strategy with the outcome")
     args = parser.parse_args()
     names = quietsync.available() if args.strategy == "all" else args.strategy.split(",")
@@ -131,10 +140,13 @@ def main() -> None:
         if not any(_has_stages(n) for n in names):
             parser.error(f"--stage-cap applies to acco, dpu and wp (their stages); --strategy names none: {names}")
 
+    for flag in ("save_every", "eval_every"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be an integer >= 0, got {getattr(args, flag)}")
     train_set = byte_windows(corpus_bytes(), args.seq_len, count=args.steps * args.accumulation * args.batch_size * 8)
     with tempfile.TemporaryDirectory() as out_dir:
         for name in names:
-            record = train(args, name, train_set, out_dir)
+            record = train(args, name, train_set, os.path.join(out_dir, name))
             if args.out:
                 with open(args.out, "a", encoding="utf-8") as f:
                     f.write(json.dumps(record) + "\n")

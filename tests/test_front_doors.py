@@ -276,6 +276,23 @@ def test_every_strategy_under_the_trainer(tmp_path):
             assert r0["steps"] == 6, name  # one commit per Trainer step
 
 
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_trainer_saves_and_evaluates_during_training_under_every_kind_of_strategy(tmp_path):
+    """Checkpoints every 3 Trainer steps and evaluations every 2: acco/dpu/wp workers, which may be a stage apart,
+    are brought level first (without it each waited on a job the other had not submitted: a hang); cdp saves the
+    model alone; an evaluation on two CPU processes leaves the parameters in the strategy's buffers (Accelerate
+    would move the model to "cpu:0", a copy). The replicas end identical and every checkpoint is written."""
+    records = torchrun_trainer(tmp_path / "out.jsonl", "--strategy", "acco,dpu,wp,cdp,zero1", "--steps", "8",
+                               "--warmup-steps", "0", "--stage-cap", "2", "--save-every", "3", "--eval-every", "2")
+    assert sorted(records) == ["acco", "cdp", "dpu", "wp", "zero1"]
+    for name, (r0, r1) in records.items():
+        assert r0["checksum"] == r1["checksum"] and r0["finished"] and r0["global_step"] == 8, name
+        assert r0["evals"] == r1["evals"] == 4 and r0["checkpoints"] == 3, name  # steps 3, 6 and the last
+        assert r0["steps"] >= 1 and r0["finite"] and math.isfinite(r0["train_loss"]), name
+
+
 @pytest.mark.timeout(120)
 def test_the_trainer_example_refuses_a_stage_cap_no_strategy_takes():
     """``--stage-cap`` caps acco/dpu/wp stages; named with strategies that have none it is refused, not ignored."""

@@ -40,6 +40,13 @@ def test_trainer_takes_its_default_clipping_and_refuses_what_it_cannot_do(tmp_pa
     negative = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_grad_norm=-1.0)
     with pytest.raises(ValueError, match="max_grad_norm must be >= 0"):
         QuietTrainer(model=model, args=negative, strategy="zero1")
+    # cdp's micro-batches are in flight at every step: a checkpoint during training holds the model alone
+    with pytest.raises(ValueError, match=r"^strategy cdp keeps micro-batches in flight across steps.*"
+                                         r"save_only_model=True"):
+        QuietTrainer(model=model, args=args, strategy="cdp")
+    model_only = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_only_model=True)
+    assert QuietTrainer(model=model, args=model_only, strategy="cdp").quiet_strategy == "cdp"
+    # last: an fp16 Trainer fixes the process's AcceleratorState at fp16 for every Trainer after it
     fp16 = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, fp16=True)
     with pytest.raises(ValueError, match="fp16 is not supported by strategy cdp"):
         QuietTrainer(model=model, args=fp16, strategy="cdp")

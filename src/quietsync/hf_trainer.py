@@ -37,6 +37,14 @@ Accumulation: the Trainer's ``gradient_accumulation_steps`` becomes the strategy
 zero1, demo, ...); strategies that decide their own (acco, dpu, wp) need it to be 1. Evaluation and
 ``save_model`` run inside ``committed_params()``.
 
+Checkpoints and evaluations during training (``save_strategy``, ``eval_strategy``): before either, the workers
+are brought level (``QuietOptimizer.level``). For a strategy in lockstep that is nothing; ``acco``/``dpu``/``wp``,
+whose workers may be a stage apart, each waiting on a job the other has not submitted yet, drain the round in flight
+as ``finish()`` does (``acco`` drops the gradients of its estimate stage) and refill their pipeline afterwards, as
+after a resume: a save or an evaluation costs them a few micro-batches' worth of overlap, not a hang. A strategy
+that keeps micro-batches in flight across steps (``cdp``: ``Strategy.resumable`` False) takes checkpoints with
+``save_only_model=True`` only.
+
 Precision and clipping are the strategy's: ``bf16``/``fp16`` become its ``precision`` (autocast of the forward
 in ``training_step`` and evaluation, fp32 master weights; fp16 adds the strategy's loss scaling, whose skip
 decision every worker shares), and ``max_grad_norm`` (the Trainer's default 1.0 included; 0 = off) its
@@ -123,6 +131,13 @@ class QuietTrainer(Trainer):
         cls, _ = get_strategy(strategy)
         if self.quiet_precision == "fp16" and cls.fp16_problem():  # the strategy's own line (args.fp16)
             raise ValueError(cls.fp16_problem())
+        saves = getattr(self.args.save_strategy, "value", self.args.save_strategy) != "no"
+        if not cls.resumable and saves and not self.args.save_only_model:  # Strategy.resumable
+            raise ValueError(
+                f"strategy {strategy} keeps micro-batches in flight across steps, so a checkpoint taken during "
+                "training cannot hold its optimizer state: pass save_only_model=True (the model alone) or "
+                "save_strategy='no'"
+            )
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("quietsync strategies replace data parallelism; DeepSpeed/FSDP are not supported")
 
@@ -150,6 +165,10 @@ class QuietTrainer(Trainer):
             )
         # A model the Trainer considers wrapped is not passed through accelerator.prepare (no DDP).
         self.model_wrapped = QuietModule(self.optimizer)
+        # ... and one Accelerate holds is not prepared by an evaluation either: its model.to(accelerator.device) --
+        # "cpu:0" on several CPU processes -- would copy the parameters out of the strategy's buffers
+        if self.model not in self.accelerator._models:
+            self.accelerator._models.append(self.model)
         return self.optimizer
 
     def training_step(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any],
@@ -180,6 +199,12 @@ class QuietTrainer(Trainer):
         # strategy before the Trainer's last save and evaluation see the model.
         if self.control.should_training_stop:
             self.finish()
+        elif self.control.should_save or self.control.should_evaluate:
+            quiet = self.quiet_optimizer
+            if quiet is not None and not quiet.strategy.finished:
+                # acco/dpu/wp workers may be a stage apart, each waiting on a job the other has not submitted: the
+                # save's and evaluation's collectives would interleave with those jobs (a hang)
+                quiet.level()
         return super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

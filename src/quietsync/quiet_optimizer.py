@@ -379,6 +379,29 @@ class QuietOptimizer(torch.optim.Optimizer):
             self._committed_since_step = True
         return added
 
+    def level(self) -> int:
+        """Bring the workers level with nothing in flight and go on training (``Strategy.level``: a no-op for a
+        strategy in lockstep); returns the steps it committed. Call it on every process at the same point, before
+        saving or evaluating between two steps; ``QuietTrainer`` does at its checkpoints and evaluations."""
+        if self.strategy.finished:
+            return 0
+        self._release_lrs()
+        added = int(self.pay_step())
+        # The drain can wait on an update submitted inside it (dpu/wp: the step after the one a worker catching up
+        # commits), whose lr only the loop's next call would release: it takes the lr the groups hold now, as the
+        # last update of finish() does. Nothing is in flight afterwards, so the gate may close again.
+        with self._release:
+            gate, self._released = self._released, math.inf
+            self._release.notify_all()
+        try:
+            added += self.strategy.level()
+        finally:
+            with self._release:
+                self._released = gate
+        if added:
+            self._committed_since_step = True
+        return added
+
     def close(self) -> None:
         """Stop the strategy's background work and release its process groups; safe to call twice. It does not
         finish the run (see :meth:`finish`): it also runs on failure paths, where peers may be gone."""

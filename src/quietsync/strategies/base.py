@@ -417,6 +417,39 @@ class Strategy(metaclass=_Constructed):
             self.accounting.mark = time.perf_counter()
         return self.steps - before
 
+    def level(self) -> int:
+        """Bring the workers level with nothing in flight, and go on training; returns the committed steps it added.
+
+        For a front door that saves or evaluates between two steps (``QuietTrainer``'s checkpoints and
+        evaluations). Workers in :attr:`lockstep` are level after every step: nothing to do. Workers that drift
+        apart may be a stage apart, each waiting on a job the other has not submitted yet, so a checkpoint's or an
+        evaluation's collectives would interleave with those jobs; this does what :meth:`finish` does for such a
+        strategy (a worker a stage behind ends that stage, the round in flight is drained: its
+        :attr:`finish_policy`) without ending the run, and training goes on from a refilled pipeline, as after a
+        resume. A collective: every worker calls it at the same point of the loop, which must have declared
+        :attr:`loop_collectives` (a worker waiting inside a step for a peer already in here would wait forever).
+
+        Raises:
+            RuntimeError: a strategy not in lockstep whose :attr:`loop_collectives` is False.
+        """
+        self._check_training()
+        if self.lockstep:
+            return 0
+        if not self.loop_collectives:
+            raise RuntimeError(
+                f"level() is a collective between two steps: set loop_collectives = True on the {self.name} strategy "
+                "before training (QuietOptimizer(loop_collectives=True)), so that no worker waits inside a step for a "
+                "peer already in level()"
+            )
+        before = self.steps
+        self.accounting.lap()
+        try:
+            with label("quietsync/level"):
+                self._finish(True)
+        finally:
+            self.accounting.mark = time.perf_counter()
+        return self.steps - before
+
     def discard_round(self) -> None:
         """Drop the open round on this worker as if its micro-batches had never been fed: gradients zeroed in
         place, round counters reset; nothing is committed and the lr schedule does not advance. Every worker
