@@ -11,7 +11,14 @@ own clipping (``max_grad_norm``, 1.0 by default) and ``bf16``/``fp16`` go to the
 the same initial model, in the same processes). ``--out FILE`` appends one JSON line per rank and strategy
 (for the tests). ``--stage-cap N`` caps the stages of the strategies that size them as the network allows (acco,
 dpu, wp: their ``max_accumulation``), so a short run commits even when the machine is loaded. ``--save-every N``
-saves a checkpoint (the model) every N Trainer steps and ``--eval-every N`` evaluates every N.
+saves a checkpoint (the model; with ``--save-optimizer`` the strategy's state too) every N Trainer steps and
+``--eval-every N`` evaluates every N. ``--stop-at N`` stops after N steps of the ``--steps`` schedule (as an
+interrupted run would) and ``--resume`` continues from the last checkpoint in ``--output-dir``::
+
+    torchrun --nproc_per_node 2 examples/trainer_train.py --strategy zero1 --steps 8 --save-every 4 \
+        --save-optimizer --output-dir run --stop-at 4
+    torchrun --nproc_per_node 2 examples/trainer_train.py --strategy zero1 --steps 8 --save-every 4 \
+        --save-optimizer --output-dir run --resume
 """
 
 from __future__ import annotations
@@ -49,6 +56,17 @@ def byte_windows(data: bytes, seq_len: int, count: int, seed: int = 0) -> list[d
     return [{"input_ids": ids[s : s + seq_len], "labels": ids[s : s + seq_len]} for s in starts.tolist()]
 
 
+class StopAt(TrainerCallback):
+    """Stops training after ``step`` Trainer steps (an interruption that keeps the run's schedule)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
 class CommittedSteps(TrainerCallback):
     """Records the lr of every step the strategy committed (the Trainer's own log shows its scheduler's lr at
     every Trainer step, committed or not)."""
@@ -58,8 +76,10 @@ class CommittedSteps(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         optimizer = self.trainer.quiet_optimizer
-        if optimizer is not None and not optimizer.step_was_skipped:
-            self.lrs.append(optimizer.last_step_metrics().lr)
+        # (after a resume the first step may count a commit made before the checkpoint: no metrics here)
+        metrics = None if optimizer is None or optimizer.step_was_skipped else optimizer.last_step_metrics()
+        if metrics is not None:
+            self.lrs.append(metrics.lr)
 
 
 def _has_stages(strategy: str) -> bool:
@@ -78,7 +98,8 @@ def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str
         gradient_accumulation_steps=args.accumulation, lr_scheduler_type="cosine", warmup_steps=args.warmup_steps,
         max_grad_norm=args.max_grad_norm, bf16=args.precision == "bf16", fp16=args.precision == "fp16",
         logging_steps=1, report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
-        save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500, save_only_model=True,
+        save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or 500,
+        save_only_model=not args.save_optimizer,
         eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every,
     )
     config = {"max_accumulation": args.stage_cap} if args.stage_cap and _has_stages(strategy) else None
@@ -86,7 +107,10 @@ def train(args: argparse.Namespace, strategy: str, train_set: list, out_dir: str
                            strategy_config=config, eval_dataset=train_set[:8] if args.eval_every else None)
     committed = CommittedSteps(trainer)
     trainer.add_callback(committed)
-    result = trainer.train()  # ends with the strategy finished: the last round synced or drained
+    if args.stop_at:
+        trainer.add_callback(StopAt(args.stop_at))
+    # ends with the strategy finished: the last round synced or drained
+    result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     optimizer = trainer.quiet_optimizer
     if optimizer.steps > len(committed.lrs):  # the step finish() committed (dpu, wp, acco: the update in flight)
         committed.lrs.append(optimizer.last_step_metrics().lr)
@@ -128,6 +152,12 @@ def main() -> None:
                         help="at most this many micro-batches per stage for acco, dpu and wp (max_accumulation)")
     parser.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N Trainer steps (0: none)")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate every N Trainer steps (0: never)")
+    parser.add_argument("--save-optimizer", action="store_true",
+                        help="checkpoints hold every rank's strategy state too (save_only_model=False), to resume")
+    parser.add_argument("--stop-at", type=int, default=0, help="stop after N Trainer steps of the schedule (0: all)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    parser.add_argument("--output-dir", default=None,
+                        help="the Trainer's output_dir (a folder per strategy in it); default: a temporary one")
     parser.add_argument("--out", default=None, help="append one JSON line per rank and strategy with the outcome")
     args = parser.parse_args()
     names = quietsync.available() if args.strategy == "all" else args.strategy.split(",")
@@ -140,11 +170,14 @@ def main() -> None:
         if not any(_has_stages(n) for n in names):
             parser.error(f"--stage-cap applies to acco, dpu and wp (their stages); --strategy names none: {names}")
 
-    for flag in ("save_every", "eval_every"):
+    if args.resume and not args.output_dir:
+        parser.error("--resume continues from the checkpoints in --output-dir: name it")
+    for flag in ("save_every", "eval_every", "stop_at"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be an integer >= 0, got {getattr(args, flag)}")
     train_set = byte_windows(corpus_bytes(), args.seq_len, count=args.steps * args.accumulation * args.batch_size * 8)
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as scratch:
+        out_dir = args.output_dir or scratch
         for name in names:
             record = train(args, name, train_set, os.path.join(out_dir, name))
             if args.out:

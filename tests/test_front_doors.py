@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -291,6 +292,29 @@ def test_the_trainer_saves_and_evaluates_during_training_under_every_kind_of_str
         assert r0["checksum"] == r1["checksum"] and r0["finished"] and r0["global_step"] == 8, name
         assert r0["evals"] == r1["evals"] == 4 and r0["checkpoints"] == 3, name  # steps 3, 6 and the last
         assert r0["steps"] >= 1 and r0["finite"] and math.isfinite(r0["train_loss"]), name
+
+
+@pytest.mark.long
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_trainer_run_resumed_from_its_checkpoint_ends_where_the_uninterrupted_run_ends(tmp_path):
+    """Every rank saves its own strategy state into the Trainer's checkpoint and loads it back on resume: from the
+    checkpoint at step 4 of 8 the run ends bit for bit where the uninterrupted one did -- a shard (zero1), an outer
+    optimizer mid-round (diloco), a decoupled momentum (demo). acco resumes and ends with identical replicas (its
+    stages follow the clock, so not the same trajectory)."""
+    flags = ("--strategy", "zero1,diloco,demo,acco", "--steps", "8", "--save-every", "4", "--save-optimizer",
+             "--stage-cap", "2")
+    whole = torchrun_trainer(tmp_path / "whole.jsonl", *flags, "--output-dir", str(tmp_path / "run"))
+    shutil.copytree(tmp_path / "run", tmp_path / "resumed")
+    for late in (tmp_path / "resumed").glob("*/checkpoint-8"):  # as if interrupted after the checkpoint at step 4
+        shutil.rmtree(late)
+    resumed = torchrun_trainer(tmp_path / "resumed.jsonl", *flags, "--output-dir", str(tmp_path / "resumed"),
+                               "--resume")
+    for name in ("zero1", "diloco", "demo"):
+        (w0, _), (r0, r1) = whole[name], resumed[name]
+        assert r0["checksum"] == r1["checksum"] == w0["checksum"] and r0["steps"] == w0["steps"] == 8, name
+    r0, r1 = resumed["acco"]
+    assert r0["checksum"] == r1["checksum"] and r0["finished"] and r0["global_step"] == 8
 
 
 @pytest.mark.timeout(120)

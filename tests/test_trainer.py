@@ -73,6 +73,28 @@ def test_the_trainer_declares_the_collectives_its_loop_runs_between_steps(tmp_pa
     assert not plain.strategy.loop_collectives
     plain.strategy.close()
 
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_another_number_of_processes_is_refused_on_resume_naming_it(tmp_path):
+    import torch
+    from transformers import TrainingArguments
+
+    from quietsync.hf_trainer import QuietTrainer, optimizer_file
+
+    model = torch.nn.Linear(2, 2)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = QuietTrainer(model=model, args=args, strategy="zero1")
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    trainer._load_optimizer_and_scheduler(str(checkpoint))  # the model alone (save_only_model): nothing to load
+    for rank in range(4):
+        torch.save({}, checkpoint / optimizer_file(rank, 4))
+    with pytest.raises(ValueError, match=r"holds the quietsync optimizer state of another number of processes "
+                                         r"\(quietsync-optimizer-rank0-of-4\.pt, \.\.\.\), this run has 1"):
+        trainer._load_optimizer_and_scheduler(str(checkpoint))
+    trainer.quiet_optimizer.close()
+
+
 def _regression_trainer(cls, tmp_path, args_overrides=None, seen=None, **kwargs):
     import torch
     from transformers import TrainingArguments

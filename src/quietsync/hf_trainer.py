@@ -57,14 +57,20 @@ off). A stage cap (``max_accumulation``) still waits, safely: the per-step gathe
 the default, with labels in the batch) keeps the workers within one step of each other, and a peer then has
 submitted the job waited for by the time it reaches the step where the cap is hit.
 
-Not supported: DeepSpeed/FSDP, resuming the *optimizer* from a Trainer
-checkpoint (the strategy state is per rank and the Trainer saves one optimizer file; use
-``save_only_model=True`` or save ``trainer.optimizer.state_dict()`` per rank yourself).
+Resuming (``trainer.train(resume_from_checkpoint=...)``): the strategy's state is per rank (a shard, a decoupled
+momentum, an outer optimizer), so every rank saves its own ``QuietOptimizer.state_dict()`` into the checkpoint
+(``quietsync-optimizer-rank{R}-of-{W}.pt``, where the Trainer would write one ``optimizer.pt`` from rank 0) and loads
+it back on resume, with the same number of processes; the Trainer restores the model, scheduler, RNG and data
+position as usual.
+
+Not supported: DeepSpeed/FSDP; resuming on another number of processes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
 from typing import Any
 
 import torch
@@ -77,6 +83,7 @@ from .transport import Transport
 
 try:
     from transformers import Trainer
+    from transformers.trainer import SCHEDULER_NAME
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("quietsync.hf_trainer needs 🤗 transformers: pip install transformers") from exc
 
@@ -220,6 +227,43 @@ class QuietTrainer(Trainer):
             return 0
         return quiet.finish(sync)
 
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank saves its own strategy state (the Trainer's one ``optimizer.pt`` would hold rank 0's); rank 0
+        the scheduler, as the Trainer does."""
+        quiet = self.quiet_optimizer
+        if quiet is None:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(quiet.state_dict(), os.path.join(output_dir, optimizer_file(self.args.process_index,
+                                                                               self.args.world_size)))
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """This rank's strategy state and the scheduler from ``checkpoint`` (nothing there, as the Trainer does when
+        a checkpoint holds the model alone).
+
+        Raises:
+            ValueError: the checkpoint was saved by another number of processes.
+        """
+        quiet = self.quiet_optimizer
+        if checkpoint is None or quiet is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        rank, world = self.args.process_index, self.args.world_size
+        path = os.path.join(checkpoint, optimizer_file(rank, world))
+        if not os.path.isfile(path):
+            others = sorted(glob.glob(os.path.join(checkpoint, optimizer_file("*", "*"))))
+            if others:
+                raise ValueError(f"{checkpoint} holds the quietsync optimizer state of another number of processes "
+                                 f"({os.path.basename(others[0])}, ...), this run has {world}: resume with as many")
+            return
+        quiet.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))  # this run's own file
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> contextlib.AbstractContextManager:
         """The strategy's autocast (``bf16``/``fp16``) around the forward of training and evaluation: the
         Trainer leaves autocast to Accelerate's model preparation, which a quietsync model skips."""
@@ -258,3 +302,8 @@ class QuietTrainer(Trainer):
         else:
             with quiet.committed_params():
                 yield
+
+
+def optimizer_file(rank: int | str, world: int | str) -> str:
+    """The name of one rank's strategy state in a ``QuietTrainer`` checkpoint."""
+    return f"quietsync-optimizer-rank{rank}-of-{world}.pt"
