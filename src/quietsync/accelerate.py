@@ -82,7 +82,7 @@ from typing import Any
 
 import torch
 
-from .quiet_optimizer import QuietOptimizer, strategy_kwargs_from_optimizer
+from .quiet_optimizer import QuietOptimizer, optimizer_file, strategy_kwargs_from_optimizer
 from .strategies import StrategyConfig
 from .strategies.base import LossFn
 from .strategies.registry import get as get_strategy
@@ -90,6 +90,14 @@ from .topology import Topology
 from .transport import Transport, default_backend
 
 __all__ = ["QuietAccelerator", "QuietOptimizer", "strategy_kwargs_from_optimizer"]
+
+
+def _own_storage(models: list[torch.nn.Module], weights: list[dict[str, Any]], folder: str) -> None:
+    """A ``save_state`` pre-hook: every tensor of the state dicts about to be saved gets storage of its own."""
+    for state in weights:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.detach().clone()
 
 
 def _accelerate() -> Any:
@@ -298,6 +306,66 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         """``Accelerator.wait_for_everyone``; refused while a strategy whose workers drift apart trains."""
         self._meet("wait_for_everyone")
         super().wait_for_everyone()
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """``Accelerator.save_state``, with every rank writing its own strategy state (a shard, a decoupled
+        momentum, an outer optimizer: ``quietsync-optimizer-rank{R}-of-{W}.pt``) where Accelerate would write one
+        optimizer file from the main process. Every process calls it; refused while a strategy whose workers
+        drift apart trains (see :meth:`_meet`). Returns the folder."""
+        quiet = self.quiet_optimizer
+        if quiet is None:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        self._meet("save_state")
+        # the parameters view the strategy's flat buffers, whose shared storage safetensors refuses: save copies
+        handle = self.register_save_state_pre_hook(_own_storage)
+        try:
+            with self._without(quiet):
+                location = super().save_state(output_dir, safe_serialization, **kwargs)
+        finally:
+            handle.remove()
+        os.makedirs(location, exist_ok=True)
+        torch.save(quiet.state_dict(), os.path.join(location, optimizer_file(self.process_index, self.num_processes)))
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """``Accelerator.load_state``, with every rank loading its own strategy state (see :meth:`save_state`).
+
+        Raises:
+            ValueError: the folder holds no strategy state for this rank and number of processes.
+        """
+        quiet = self.quiet_optimizer
+        if quiet is None:
+            super().load_state(input_dir, load_kwargs, **kwargs)
+            return
+        self._meet("load_state")
+        where: list[str] = []  # the folder Accelerate resolved (the latest checkpoint under automatic naming)
+        handle = self.register_load_state_pre_hook(lambda models, folder: where.append(folder))
+        try:
+            # the model too: its parameters are part of the strategy's state, and safetensors refuses to load into
+            # tensors that share the strategy's flat buffers
+            with self._without(quiet, model=True):
+                super().load_state(input_dir, load_kwargs, **kwargs)
+        finally:
+            handle.remove()
+        path = os.path.join(where[0], optimizer_file(self.process_index, self.num_processes))
+        if not os.path.isfile(path):
+            raise ValueError(f"{where[0]} holds no quietsync optimizer state for rank {self.process_index} of "
+                             f"{self.num_processes} ({os.path.basename(path)}): save it with "
+                             "QuietAccelerator.save_state on as many processes")
+        quiet.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))  # this run's own file
+
+    @contextlib.contextmanager
+    def _without(self, quiet: QuietOptimizer, model: bool = False) -> Iterator[None]:
+        """Accelerate's own checkpointing without the strategy's optimizer (saved per rank instead) and, with
+        ``model``, without its model (whose parameters the strategy's state holds)."""
+        optimizers, models = self._optimizers, self._models
+        self._optimizers = [o for o in optimizers if o is not quiet]
+        if model:
+            self._models = [m for m in models if m is not quiet.model and m is not quiet.strategy.module]
+        try:
+            yield
+        finally:
+            self._optimizers, self._models = optimizers, models
 
     def _meet(self, call: str) -> None:
         """Refuse a collective of the loop's between micro-batches of a strategy whose workers are not in lockstep

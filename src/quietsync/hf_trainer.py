@@ -76,7 +76,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .quiet_optimizer import QuietOptimizer
+from .quiet_optimizer import QuietOptimizer, optimizer_file
 from .strategies import StrategyConfig
 from .strategies.registry import get as get_strategy
 from .transport import Transport
@@ -87,7 +87,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("quietsync.hf_trainer needs 🤗 transformers: pip install transformers") from exc
 
-__all__ = ["QuietModule", "QuietTrainer"]
+__all__ = ["QuietModule", "QuietTrainer", "optimizer_file"]
 
 
 class QuietModule(nn.Module):
@@ -302,8 +302,3 @@ class QuietTrainer(Trainer):
         else:
             with quiet.committed_params():
                 yield
-
-
-def optimizer_file(rank: int | str, world: int | str) -> str:
-    """The name of one rank's strategy state in a ``QuietTrainer`` checkpoint."""
-    return f"quietsync-optimizer-rank{rank}-of-{world}.pt"

@@ -25,7 +25,7 @@ from .strategies.base import LossFn
 from .strategies.registry import strategy_config
 from .transport import Transport
 
-__all__ = ["QuietOptimizer", "strategy_kwargs_from_optimizer"]
+__all__ = ["QuietOptimizer", "optimizer_file", "strategy_kwargs_from_optimizer"]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -453,3 +453,9 @@ class QuietOptimizer(torch.optim.Optimizer):
             # max: never lowered, so what was released stays released (inf once finishing or closing)
             self._released = math.inf if everything else max(self._released, self.strategy.steps + 1)
             self._release.notify_all()
+
+
+def optimizer_file(rank: int | str, world: int | str) -> str:
+    """The name of one rank's :meth:`QuietOptimizer.state_dict` in a checkpoint folder (``QuietTrainer``'s
+    checkpoints, ``QuietAccelerator.save_state``): every rank writes its own."""
+    return f"quietsync-optimizer-rank{rank}-of-{world}.pt"
