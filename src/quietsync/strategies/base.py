@@ -407,15 +407,10 @@ class Strategy(metaclass=_Constructed):
             return 0
         if not isinstance(sync, bool):
             raise TypeError(f"sync must be a bool, got {sync!r}")
-        before = self.steps
-        self.accounting.lap()
         try:
-            with label("quietsync/finish"):
-                self._finish(sync)
+            return self._drain("quietsync/finish", sync)
         finally:
             self._finished = True
-            self.accounting.mark = time.perf_counter()
-        return self.steps - before
 
     def level(self) -> int:
         """Bring the workers level with nothing in flight, and go on training; returns the committed steps it added.
@@ -441,11 +436,15 @@ class Strategy(metaclass=_Constructed):
                 "before training (QuietOptimizer(loop_collectives=True)), so that no worker waits inside a step for a "
                 "peer already in level()"
             )
+        return self._drain("quietsync/level", True)
+
+    def _drain(self, name: str, sync: bool) -> int:
+        """:meth:`_finish` outside the main thread's compute accounting, labelled ``name``; the steps it added."""
         before = self.steps
         self.accounting.lap()
         try:
-            with label("quietsync/level"):
-                self._finish(True)
+            with label(name):
+                self._finish(sync)
         finally:
             self.accounting.mark = time.perf_counter()
         return self.steps - before
