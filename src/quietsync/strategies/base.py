@@ -408,7 +408,7 @@ class Strategy(metaclass=_Constructed):
         if not isinstance(sync, bool):
             raise TypeError(f"sync must be a bool, got {sync!r}")
         try:
-            return self._drain("quietsync/finish", sync)
+            return self._drain("quietsync/finish", lambda: self._finish(sync))
         finally:
             self._finished = True
 
@@ -436,15 +436,15 @@ class Strategy(metaclass=_Constructed):
                 "before training (QuietOptimizer(loop_collectives=True)), so that no worker waits inside a step for a "
                 "peer already in level()"
             )
-        return self._drain("quietsync/level", True)
+        return self._drain("quietsync/level", self._level)
 
-    def _drain(self, name: str, sync: bool) -> int:
-        """:meth:`_finish` outside the main thread's compute accounting, labelled ``name``; the steps it added."""
+    def _drain(self, name: str, end: Callable[[], None]) -> int:
+        """``end()`` outside the main thread's compute accounting, labelled ``name``; the steps it added."""
         before = self.steps
         self.accounting.lap()
         try:
             with label(name):
-                self._finish(sync)
+                end()
         finally:
             self.accounting.mark = time.perf_counter()
         return self.steps - before
@@ -657,6 +657,11 @@ class Strategy(metaclass=_Constructed):
 
     def _finish(self, sync: bool) -> None:
         """What :meth:`finish` does for this strategy (see :attr:`finish_policy`); the default: nothing."""
+
+    def _level(self) -> None:
+        """What :meth:`level` does for a strategy not in lockstep; the default: what :meth:`finish` does (it must
+        then leave a state that training goes on from)."""
+        self._finish(True)
 
     def _scales_own_loss(self) -> bool:
         """Whether this strategy holds the fp16 loss scale itself (False where an inner strategy it runs does)."""

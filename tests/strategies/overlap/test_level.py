@@ -1,6 +1,6 @@
 """``Strategy.level``: workers of acco, dpu and wp that drifted apart are brought to one committed step with nothing
-in flight, and training goes on from there -- what a front door needs before a checkpoint or an evaluation between
-two steps (``QuietTrainer``)."""
+in flight -- the round in flight committed -- and training goes on from there: what a front door needs before a
+checkpoint or an evaluation between two steps (``QuietTrainer``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _level_then_go_on(rank: int, world: int, name: str, before: int, after: int)
     strategy.loop_collectives = True  # level() is a collective between steps (what QuietTrainer declares)
     _feed(strategy, rank, world, 0, before)
     out = {"stages_before": strategy.overlap.hand_overs}
-    strategy.level()
+    out["added"] = strategy.level()
     out.update(steps=strategy.steps, in_flight=strategy.steps_in_flight, idle=strategy.overlap.job is None)
     with strategy.committed_params() as model:
         out["levelled"] = flat_params(model)
@@ -50,6 +50,8 @@ def test_level_brings_drifted_workers_to_one_committed_step_and_training_goes_on
     first = results[0]
     for r in results:
         assert r["steps"] == first["steps"] >= 1 and r["in_flight"] == 0 and r["idle"], (name, r["steps"])
+        # the round in flight was committed, not dropped (acco: a stage 1 ends as a straggler's does)
+        assert r["added"] >= 1, (name, r["added"])  # (one more on a worker that caught up with a commit)
         torch.testing.assert_close(r["levelled"], first["levelled"], rtol=0, atol=0)  # the same committed θ
         assert r["final_steps"] == first["final_steps"] > first["steps"], name  # it trained on after level()
         torch.testing.assert_close(r["final"], first["final"], rtol=0, atol=0)

@@ -225,6 +225,28 @@ class ACCO(Strategy):
         o.drop_stage()
         self.stage = "init"  # nothing in flight: a run resumed from here restarts the pipeline
 
+    def _level(self) -> None:
+        """:meth:`_finish`, except that a stage 1 is not dropped: every worker ends it as a straggler does (P keeps
+        θ⁽ᵗ⁾, stage 2 empty everywhere), so its gradients at θ⁽ᵗ⁾ enter the commit, Opt(θ⁽ᵗ⁾, (Σg + Σg̃)/(ΣN + ΣÑ)),
+        where dropping them would leave the round without a commit -- a loop that levels every few steps (the
+        Trainer's evaluations) would then never commit. An initial stage keeps its micro-batches (nothing is in
+        flight). Training goes on from ``init`` at θ⁽ᵗ⁺¹⁾."""
+        o = self.overlap
+        if o.behind_peers():  # a peer ended one stage more: end this one now (every worker then in the same stage)
+            with o.ending_stage():
+                self._step()
+        if self.stage == "init":
+            return
+        if self.stage == "stage1":  # every worker here: hand stage 1 over and commit it, nothing computed at θ̃
+            scale = stage_scale(self)
+            o.wait("acco/estimate")
+            o.submit(self._commit_job, o.hand_over(install=None), self.steps, scale, self.max_grad_norm, None)
+        result = o.wait("acco/commit")
+        o.install()
+        collected(self, self.overlap, result)
+        o.drop_stage()  # a stage 2's gradients at θ̃, as finish() drops them (none where stage 1 ended here)
+        self.stage = "init"
+
     # ------------------------------------------------------------------ contract
     @contextmanager
     def committed_params(self) -> Iterator[torch.nn.Module]:
