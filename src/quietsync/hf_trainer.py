@@ -40,10 +40,11 @@ zero1, demo, ...); strategies that decide their own (acco, dpu, wp) need it to b
 Checkpoints and evaluations during training (``save_strategy``, ``eval_strategy``): before either, the workers
 are brought level (``QuietOptimizer.level``). For a strategy in lockstep that is nothing; ``acco``/``dpu``/``wp``,
 whose workers may be a stage apart, each waiting on a job the other has not submitted yet, commit the round in
-flight (``acco`` ends a stage 1 as its straggler rule does, so its gradients are committed, and drops a stage 2's
-gradients at the estimate, as ``finish()`` does) and refill their pipeline afterwards, as after a resume: a save or
-an evaluation costs them some overlap, not a hang. A strategy that keeps micro-batches in flight across steps
-(``cdp``: ``Strategy.resumable`` False) takes checkpoints with ``save_only_model=True`` only.
+flight (``dpu``/``wp`` with one more update for the stage in progress; ``acco`` ends a stage 1 as its straggler rule
+does, so its gradients are committed, and drops a stage 2's gradients at the estimate, as ``finish()`` does) and
+refill their pipeline afterwards, as after a resume: a save or an evaluation costs them some overlap, not a hang.
+A strategy that keeps micro-batches in flight across steps (``cdp``: ``Strategy.resumable`` False) takes
+checkpoints with ``save_only_model=True`` only.
 
 Precision and clipping are the strategy's: ``bf16``/``fp16`` become its ``precision`` (autocast of the forward
 in ``training_step`` and evaluation, fp32 master weights; fp16 adds the strategy's loss scaling, whose skip

@@ -142,16 +142,40 @@ class DPU(Strategy):
             with o.ending_stage():
                 self._step()
         if o.job is not None:  # the update on the last stage's gradients: its optimizer step is committed
-            result = o.wait("delayed_update")
-            if self.predicts:  # B holds the prediction θ̃⁽ᵗ⁺¹⁾: θ⁽ᵗ⁺¹⁾ is gathered below
-                o.outdated()
-            else:
-                o.install()
-            collected(self, self.overlap, result)  # (an fp16 overflow was skipped by the job on every worker: no step)
+            self._collect_last()
         o.install_committed(self.steps)  # wp: θ, not the prediction B holds
         o.drop_stage()
         if self.phase == "overlap":  # nothing in flight: a run resumed from here refills the pipeline
             self.phase = "fill"
+
+    def _level(self) -> None:
+        """:meth:`_finish`, except that the stage in progress is not dropped: its gradients (computed at the
+        parameters before the update in flight, as every delayed update's are) go into one more update, run at
+        once on every worker (one that computed nothing since its hand-over adds none). Nothing is in flight
+        afterwards; the pipeline refills. Warm-up steps are blocking: nothing is in flight between two of them."""
+        o = self.overlap
+        if self.phase == "warmup":
+            return
+        if o.behind_peers():  # a peer ended one stage more: end this one now
+            with o.ending_stage():
+                self._step()
+        if o.job is not None:
+            self._collect_last()
+        if self.transport.agree(o.stage_count, "max") > 0:  # the stage in progress, on every worker or none
+            o.submit(self._job, o.hand_over(install=None), self.steps, True, stage_scale(self), self.max_grad_norm)
+            self._collect_last()
+        o.install_committed(self.steps)  # wp: θ, not the prediction B holds
+        self.phase = "fill"
+
+    def _collect_last(self) -> None:
+        """Wait for the update in flight and count it; P ← θ⁽ᵗ⁺¹⁾ (wp: B holds the prediction, gathered later)."""
+        o = self.overlap
+        result = o.wait("delayed_update")
+        if self.predicts:
+            o.outdated()
+        else:
+            o.install()
+        collected(self, self.overlap, result)  # (an fp16 overflow was skipped by the job on every worker: no step)
 
     def _update(self, local_count: int, step: int, scale: float | None, max_norm: float | None,
                 probe: tuple[float, float] | None = None) -> tuple[list[int], dict[str, Any]]:
