@@ -170,6 +170,8 @@ def main() -> None:
         if not any(_has_stages(n) for n in names):
             parser.error(f"--stage-cap applies to acco, dpu and wp (their stages); --strategy names none: {names}")
 
+    if args.stop_at > args.steps:
+        parser.error(f"--stop-at must be at most --steps ({args.steps}), got {args.stop_at}")
     if args.resume and not args.output_dir:
         parser.error("--resume continues from the checkpoints in --output-dir: name it")
     for flag in ("save_every", "eval_every", "stop_at"):

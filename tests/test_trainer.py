@@ -78,7 +78,8 @@ def test_a_checkpoint_of_another_number_of_processes_is_refused_on_resume_naming
     import torch
     from transformers import TrainingArguments
 
-    from quietsync.hf_trainer import QuietTrainer, optimizer_file
+    from quietsync.hf_trainer import QuietTrainer
+    from quietsync.quiet_optimizer import optimizer_file
 
     model = torch.nn.Linear(2, 2)
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)

@@ -88,7 +88,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("quietsync.hf_trainer needs 🤗 transformers: pip install transformers") from exc
 
-__all__ = ["QuietModule", "QuietTrainer", "optimizer_file"]
+__all__ = ["QuietModule", "QuietTrainer"]
 
 
 class QuietModule(nn.Module):

@@ -418,11 +418,11 @@ class Strategy(metaclass=_Constructed):
         For a front door that saves or evaluates between two steps (``QuietTrainer``'s checkpoints and
         evaluations). Workers in :attr:`lockstep` are level after every step: nothing to do. Workers that drift
         apart may be a stage apart, each waiting on a job the other has not submitted yet, so a checkpoint's or an
-        evaluation's collectives would interleave with those jobs; this does what :meth:`finish` does for such a
-        strategy (a worker a stage behind ends that stage, the round in flight is drained: its
-        :attr:`finish_policy`) without ending the run, and training goes on from a refilled pipeline, as after a
-        resume. A collective: every worker calls it at the same point of the loop, which must have declared
-        :attr:`loop_collectives` (a worker waiting inside a step for a peer already in here would wait forever).
+        evaluation's collectives would interleave with those jobs; this runs the strategy's :meth:`_level` (a
+        worker a stage behind ends that stage and the round in flight is committed, as :meth:`finish` does, without
+        ending the run), and training goes on from a refilled pipeline, as after a resume. A collective: every worker
+        calls it at the same point of the loop, which must have declared :attr:`loop_collectives` (a worker
+        waiting inside a step for a peer already in here would wait forever).
 
         Raises:
             RuntimeError: a strategy not in lockstep whose :attr:`loop_collectives` is False.
