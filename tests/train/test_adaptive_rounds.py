@@ -113,8 +113,8 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
      "--max-steps must be a multiple of 4 with --inner-steps adaptive"),
     (["--strategy", "diloco", "--inner-steps", "adaptive", "--sync-every", "8", "--fragments", "2", "--max-steps",
       "16", "--eval-every", "6"], "--eval-every must be a multiple of 4 with --inner-steps adaptive"),
-    # the defaults (300 steps, an evaluation every 50) fit no round of 64: both named at once, with values that fit
-    (["--strategy", "diloco", "--inner-steps", "adaptive", "--eval-every", "50"],
+    # typed values that fit no round of 64: both named at once, with values that fit
+    (["--strategy", "diloco", "--inner-steps", "adaptive", "--max-steps", "300", "--eval-every", "50"],
      "--max-steps and --eval-every must be multiples of 64 with --inner-steps adaptive (the workers meet only at "
      "round ends, every 64 steps), got --max-steps 300, --eval-every 50; e.g. --max-steps 320 --eval-every 64"),
     # the strategy's own refusal, in the flags the user types (not adapt=False or inner_steps='fixed')
@@ -133,3 +133,19 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
 def test_bad_flags_refused_in_one_line(tmp_path, monkeypatch, capsys, flags, message):
     line = refused(monkeypatch, capsys, *small_job(tmp_path), *flags, "--out", str(tmp_path / "out"))
     assert message in line, line
+
+
+def test_defaults_that_fit_no_round_are_moved_up_to_the_next_round_end_and_said_so(monkeypatch, capsys):
+    from quietsync.train.args import parse_train_args
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    # the defaults are 300 steps and an evaluation every 50: no round of 64 ends there
+    cfg, strategy_config, _ = parse_train_args(["--strategy", "diloco", "--inner-steps", "adaptive"])
+    assert strategy_config.round_length() == 64
+    assert (cfg.max_steps, cfg.eval_every, cfg.save_every) == (320, 64, 0)
+    assert "--max-steps 300 -> 320, --eval-every 50 -> 64" in capsys.readouterr().err
+    # a value the user gave is theirs: kept where it fits
+    cfg, _, _ = parse_train_args(["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4",
+                                  "--max-steps", "12", "--save-every", "8"])
+    assert (cfg.max_steps, cfg.eval_every, cfg.save_every) == (12, 52, 8)

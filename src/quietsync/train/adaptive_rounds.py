@@ -14,7 +14,7 @@ not hold a whole round is left, as the fixed stream leaves the tail that does no
 
 **Flags.** Every worker must meet each sync: the run stops, evaluates and checkpoints only at the end of a round
 (``--max-steps``, ``--eval-every`` and ``--save-every`` multiples of the round length L, the steps between two
-syncs), and nothing adds a collective to every round (``--on-nonfinite skip`` agrees on every round, so it is
+syncs: a default is moved up to the next multiple, with a note, a value the user gave is refused), and nothing adds a collective to every round (``--on-nonfinite skip`` agrees on every round, so it is
 refused). Under ``--fault-tolerance torchft`` the plan cannot be agreed (the quorum, not a fixed world, decides who
 syncs): refused, so a slow replica is never taken for a dead one by a change here.
 """
@@ -39,6 +39,24 @@ def round_length(strategy_config: Any) -> int | None:
     return int(strategy_config.round_length())
 
 
+def fit_defaults(cfg: Any, strategy_config: Any, given: set[str]) -> list[str]:
+    """Move each of ``--max-steps``, ``--eval-every`` and ``--save-every`` the user did not give (its default) up to
+    the next multiple of the round length, in ``cfg``; returns a note per flag moved. A value the user typed is
+    left for :func:`adaptive_problem` to refuse: a default that fits no round is ours to fit, a typed one theirs."""
+    period = round_length(strategy_config)
+    notes: list[str] = []
+    if period is None:
+        return notes
+    for name in ("max_steps", "eval_every", "save_every"):
+        value = getattr(cfg, name)
+        if name in given or not value or value % period == 0:
+            continue
+        fitted = -(-value // period) * period
+        setattr(cfg, name, fitted)
+        notes.append(f"--{name.replace('_', '-')} {value} -> {fitted}")
+    return notes
+
+
 def adaptive_problem(cfg: Any, strategy_config: Any, world: int | None) -> str | None:
     """The one-line refusal of a job that adaptive inner steps cannot run, or None."""
     period = round_length(strategy_config)
@@ -50,8 +68,7 @@ def adaptive_problem(cfg: Any, strategy_config: Any, world: int | None) -> str |
                 "fixed world of workers; a torchft quorum decides who syncs)")
     if cfg.on_nonfinite == "skip":
         return f"--on-nonfinite must be stop {why}: skip agrees on every round"
-    # every flag off the round in one line (the defaults, 300 steps and an evaluation every 50, fit no round of a
-    # power of two): one refusal per flag would send the user round once per flag
+    # every flag off the round in one line: one refusal per flag would send the user round once per flag
     off = [(flag, value) for flag, value in (("--max-steps", cfg.max_steps), ("--eval-every", cfg.eval_every),
                                              ("--save-every", cfg.save_every)) if value and value % period]
     if off:

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import sys
 from typing import Any
 
 from ..cli.flags import PROG, FlagError, OneLineParser, add_dataclass_flags, build_config, flag_name, given_values
@@ -204,8 +205,12 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
                          else cfg.nproc, under_torchrun())
     if problem:
         parser.error(problem)
-    from .adaptive_rounds import adaptive_problem
+    from .adaptive_rounds import adaptive_problem, fit_defaults
 
+    fitted = fit_defaults(cfg, strategy_config, set(job_values))
+    if fitted and os.environ.get("RANK", "0") == "0":  # once per job, not once per worker
+        print(f"quietsync train: defaults fitted to the rounds of --inner-steps adaptive (every "
+              f"{strategy_config.round_length()} steps): {', '.join(fitted)}", file=sys.stderr)
     problem = adaptive_problem(cfg, strategy_config, int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc)
     if problem:
         parser.error(problem)
