@@ -104,6 +104,15 @@ def test_summary_file_and_table(tmp_path):
     table = format_summary(summary)
     assert "8.300 -> 6.100" in table and "zero1" in table and "88.9%" in table and "bytes world" in table
     assert "0.70 MB (all workers)" in table
+    assert "--adapt" not in table  # a run without changes lists none
+
+    changes = [{"step": 16 * i, "knob": "topk", "old": 2 ** (7 - i), "new": 2 ** (6 - i)} for i in range(1, 7)]
+    table = format_summary({**summary, "adapt": changes})
+    rows = dict(line.split(" | ", 1) for line in table.splitlines() if " | " in line)
+    label = "--adapt topk".ljust(len(next(iter(rows))))
+    assert rows[label] == "64 -> 32 (step 16), 32 -> 16 (step 32), 16 -> 8 (step 48), 8 -> 4 (step 64), and 2 more"
+    table = format_summary({**summary, "adapt": [{**changes[0], "knob": "cap"}, changes[1]]})
+    assert "--adapt changes " in table and "| cap 64 -> 32 (step 16), topk 32 -> 16 (step 32)\n" in table
 
 
 def test_loss_curves_and_plot(tmp_path):
@@ -163,3 +172,18 @@ def test_adapt_changes_are_read_from_the_step_records_and_drawn(tmp_path):
     assert knob_changes(tmp_path) == []
     plain = plot_loss(tmp_path).read_bytes()
     assert drawn[:8] == plain[:8] == b"\x89PNG\r\n\x1a\n" and drawn != plain  # the change's line is on the plot
+
+
+@pytest.mark.timeout(120)
+def test_a_run_says_each_knob_change_of_adapt_as_it_happens_and_lists_it_in_its_summary(tmp_path):
+    from ._run import small_job, train
+
+    out = tmp_path / "run"
+    # a link of 2 Mbit/s: at the first decision k = 16's exchange takes ~40% of the step, far over 10%: k = 4
+    run = train(*small_job(tmp_path), "--strategy", "demo", "--topk", "16", "--adapt", "--adapt-every", "1",
+                "--adapt-topk", "16,4", "--link", "inter=2mbit", "--max-steps", "2", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    change = json.loads((out / "summary.json").read_text())["adapt"]
+    assert change == [{"step": 1, "knob": "topk", "old": 16, "new": 4}]
+    assert "step      1  --adapt: topk 16 -> 4; " in run.stdout  # and why, in the controller's words
+    assert "| 16 -> 4 (step 1)" in run.stdout

@@ -13,10 +13,11 @@ the fixed order ``perm[r::W]``. A round that would run past the epoch's end star
 not hold a whole round is left, as the fixed stream leaves the tail that does not hold a micro-batch per worker).
 
 **Flags.** Every worker must meet each sync: the run stops, evaluates and checkpoints only at the end of a round
-(``--max-steps``, ``--eval-every`` and ``--save-every`` multiples of the round length L, the steps between two
-syncs: a default is moved up to the next multiple, with a note, a value the user gave is refused), and nothing adds a collective to every round (``--on-nonfinite skip`` agrees on every round, so it is
-refused). Under ``--fault-tolerance torchft`` the plan cannot be agreed (the quorum, not a fixed world, decides who
-syncs): refused, so a slow replica is never taken for a dead one by a change here.
+(``--max-steps``, ``--eval-every`` and ``--save-every`` multiples of the round length L, the steps between two syncs:
+a default is moved up to the next multiple, with a note, a value the user gave is refused), and nothing adds a
+collective to every round (``--on-nonfinite skip`` agrees on every round, so it is refused). Under
+``--fault-tolerance torchft`` the plan cannot be agreed (the quorum, not a fixed world, decides who syncs): refused,
+so a slow replica is never taken for a dead one by a change here.
 """
 
 from __future__ import annotations

@@ -294,6 +294,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
     say = _Printer(membership.speaks, bar)
     # a resumed run goes on from the records kept up to its checkpoint: its evaluations and sums
     evals = [r for r in metrics.kept if r.get("event") == "eval"]
+    adapted = [r["extra"]["adapt"] for r in metrics.kept if "event" not in r and _adapt_of(r) is not None]
     sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in STEP_SUMS}
     # the meter restarts with the process: the kept steps' bytes, per group, are added to it for the totals
     # (set-up traffic is the resumed process's own, so each byte of an unbroken run is counted once)
@@ -338,6 +339,10 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         }
         if m.extra:
             record["extra"] = m.extra
+        change = _adapt_of(record)
+        if change is not None:  # --adapt re-picked a knob: said as it happens, listed in the summary
+            adapted.append(change)
+            say(f"step {m.step:>6}  --adapt: {change['knob']} {change['old']} -> {change['new']}; {change['why']}")
         skipped = guard.committed()
         if skipped:
             record["skipped_rounds"] = skipped
@@ -435,7 +440,8 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         if not ended:  # nothing was left to train, or a torchft replica healed at the last step
             end_run()
         result = {
-            "setup_s": setup_s, "tokens_total": tokens_fed, "evals": evals, "micro_batches": strategy.micro_batches,
+            "setup_s": setup_s, "tokens_total": tokens_fed, "evals": evals, "adapted": adapted,
+            "micro_batches": strategy.micro_batches,
             "nonfinite_skips": skipped_before + guard.skipped, "stopped_by": stopped_by, "tokens_logged": tokens_logged,
             "bytes_before": bytes_before, **sums,
         }
@@ -451,6 +457,13 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         metrics.close()
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def _adapt_of(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The knob change ``--adapt`` made at this step record (its ``extra.adapt``), or None."""
+    extra = record.get("extra")
+    change = extra.get("adapt") if isinstance(extra, dict) else None
+    return change if isinstance(change, dict) else None
 
 
 def job_record(cfg: Any, vocab_size: int | None) -> dict[str, Any]:
@@ -492,6 +505,7 @@ def job_summary(
         "first_eval_loss": evals[0]["loss"] if evals else None,
         "last_eval_loss": evals[-1]["loss"] if evals else None,
         "eval": [{"step": e["step"], "loss": e["loss"]} for e in evals],
+        "adapt": [{k: c[k] for k in ("step", "knob", "old", "new")} for c in result.get("adapted", [])],
         "bytes_sent": sent,
         "bytes_recv": recv,
         "bytes_by_group": totals["bytes_by_group"],

@@ -185,6 +185,10 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.2f} MB"
 
 
+_CHANGES_SHOWN = 4
+"""Knob changes of ``--adapt`` the terminal's summary lists (summary.json keeps them all)."""
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as an aligned two-column table for the terminal."""
     first, last = summary.get("first_eval_loss"), summary.get("last_eval_loss")
@@ -205,6 +209,14 @@ def format_summary(summary: dict[str, Any]) -> str:
             summary["compute_s"], summary["comm_s"], summary["idle_s"])),
         ("compute-busy fraction", f"{summary['compute_fraction']:.1%}"),
     ]
+    changes = summary.get("adapt") or []
+    if changes:  # --adapt's knob changes, the first few (every one is in metrics-rank0.jsonl and summary.json)
+        knobs = {c["knob"] for c in changes}
+        one = len(knobs) == 1
+        shown = ", ".join(("" if one else f"{c['knob']} ") + f"{c['old']} -> {c['new']} (step {c['step']})"
+                          for c in changes[:_CHANGES_SHOWN])
+        more = f", and {len(changes) - _CHANGES_SHOWN} more" if len(changes) > _CHANGES_SHOWN else ""
+        rows.append(("--adapt " + (knobs.pop() if one else "changes"), shown + more))
     if summary.get("memory_bytes"):
         rows.append(("buffers held (rank 0)", _mb(sum(summary["memory_bytes"].values()))))
     if summary.get("cuda_peak_bytes"):
