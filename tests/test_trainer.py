@@ -44,6 +44,10 @@ def test_trainer_takes_its_default_clipping_and_refuses_what_it_cannot_do(tmp_pa
     with pytest.raises(ValueError, match=r"^strategy cdp keeps micro-batches in flight across steps.*"
                                          r"save_only_model=True"):
         QuietTrainer(model=model, args=args, strategy="cdp")
+    # a slow worker takes fewer steps per round: the Trainer's gathers at every step would pair up wrong and hang
+    with pytest.raises(ValueError, match=r"^inner_steps='adaptive' gives each worker its own number of inner steps.*"
+                                         r"the HF Trainer's gathers\) cannot drive it"):
+        QuietTrainer(model=model, args=args, strategy="localsgd", strategy_config={"inner_steps": "adaptive"})
     model_only = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_only_model=True)
     assert QuietTrainer(model=model, args=model_only, strategy="cdp").quiet_strategy == "cdp"
     # last: an fp16 Trainer fixes the process's AcceleratorState at fp16 for every Trainer after it

@@ -86,6 +86,7 @@ from .quiet_optimizer import QuietOptimizer, optimizer_file, strategy_kwargs_fro
 from .strategies import StrategyConfig
 from .strategies.base import LossFn
 from .strategies.registry import get as get_strategy
+from .strategies.registry import strategy_config as resolve_config
 from .topology import Topology
 from .transport import Transport, default_backend
 
@@ -174,7 +175,7 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
                 f"Accelerate runs {self.num_processes} processes but WORLD_SIZE is {env_world}: launch with "
                 "`accelerate launch --multi_gpu --num_processes N` (or torchrun)"
             )
-        if not strategy_cls.lockstep:
+        if not strategy_cls.lockstep or resolve_config(strategy, strategy_config).uneven_steps():
             # Its workers drift apart (Strategy.lockstep): one may stop while a peer still needs a batch -- and a
             # dispatching DataLoader broadcasts every batch from process 0.
             if self.dataloader_config.dispatch_batches:
@@ -372,7 +373,8 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         (``Strategy.lockstep``), in one line on every process that calls it: a peer a stage ahead may be waiting
         inside its step for this worker, or may have stopped already, and the collective would never complete."""
         quiet = self.quiet_optimizer
-        if quiet is None or quiet.strategy.lockstep or quiet.strategy.finished:
+        if quiet is None or quiet.strategy.finished or (quiet.strategy.lockstep
+                                                         and not quiet.strategy.config.uneven_steps()):
             return
         raise RuntimeError(
             f"accelerator.{call} while strategy {quiet.strategy.name} trains: its workers do not reach a step "

@@ -77,9 +77,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .quiet_optimizer import QuietOptimizer, optimizer_file
+from .quiet_optimizer import QuietOptimizer, loop_collectives_problem, optimizer_file
 from .strategies import StrategyConfig
 from .strategies.registry import get as get_strategy
+from .strategies.registry import strategy_config as resolve_config
 from .transport import Transport
 
 try:
@@ -127,6 +128,9 @@ class QuietTrainer(Trainer):
     def __init__(self, *args: Any, strategy: str, strategy_config: StrategyConfig | dict[str, Any] | None = None,
                  transport: Transport | None = None, **kwargs: Any) -> None:
         get_strategy(strategy)  # an unknown name fails before the Trainer builds anything
+        problem = loop_collectives_problem(resolve_config(strategy, strategy_config))  # the Trainer gathers per step
+        if problem:
+            raise ValueError(problem)
         self.quiet_strategy = strategy
         self.quiet_config = strategy_config
         self.quiet_transport = transport

@@ -187,7 +187,8 @@ class Strategy(metaclass=_Constructed):
     where workers drift apart: acco/dpu/wp, whose workers each end a stage when *they* see the job done. Feed
     those from each worker's own data, with no collective between micro-batches, and stop on a committed step
     (or on ``steps + steps_in_flight``) or after a number of micro-batches; :meth:`finish` brings drifted workers
-    level."""
+    level. A config whose workers call :meth:`step` unevenly (``StrategyConfig.uneven_steps``: adaptive inner
+    steps) is not in lockstep either, whatever this says."""
     loop_collectives: bool = False
     """Whether the loop that drives this strategy runs collectives of its own between steps, set by the front
     door that knows (``QuietTrainer``: the HF Trainer gathers token counts before each step and the loss at its

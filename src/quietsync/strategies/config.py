@@ -69,3 +69,10 @@ class StrategyConfig:
 
     def replace(self, **changes: Any) -> StrategyConfig:
         return dataclasses.replace(self, **changes)
+
+    def uneven_steps(self) -> str | None:
+        """Why the workers of this config call ``step()`` a different number of times between two syncs (a phrase
+        naming the knob), or None where every worker calls it as often as the others. Such workers are not in
+        lockstep (``Strategy.lockstep``), and a loop that runs a collective of its own at every step (the HF
+        Trainer's gathers) cannot drive them: each worker would meet it a different number of times."""
+        return None

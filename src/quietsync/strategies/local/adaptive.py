@@ -80,6 +80,12 @@ class AdaptiveConfig(AccumulationConfig):
             if self.inner_steps != "adaptive":
                 raise ValueError("worker_speeds needs inner_steps adaptive")
 
+    def uneven_steps(self) -> str | None:
+        """Adaptive inner steps: a slow worker takes fewer inner steps (``step()`` calls) per round."""
+        if self.inner_steps != "adaptive":
+            return None
+        return "inner_steps='adaptive' gives each worker its own number of inner steps (step() calls) per round"
+
 
 def plan_from_speeds(speeds: list[float], period: int) -> list[int]:
     """H_i = max(1, round(L · v_i / max v)) for every worker (all L while nothing is measured)."""
