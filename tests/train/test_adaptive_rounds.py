@@ -5,6 +5,8 @@ refused in one line before any worker starts."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 
 import pytest
@@ -78,6 +80,10 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
     assert [x["step"] for x in steps[0]] == list(range(1, 17))
     assert [x["step"] for x in steps[1]] == [2, 4, 6, 8, 10, 12, 14, 16]
     assert all(x["tokens"] == 2 * 32 for r in range(2) for x in steps[r])  # one micro-batch per inner step
+    # the run's summary says what each worker did
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["strategy_summary"] == {"inner steps per worker": "16, 8 (last round: 4, 2)"}
+    assert re.search(r"\ninner steps per worker +\| 16, 8 \(last round: 4, 2\)\n", done.stdout), done.stdout
     # nothing read twice or skipped: the windows of both workers are a prefix of the permutation
     windows = [tuple(w) for r in range(2) for x in steps[r] for w in x["windows"]]
     assert len(windows) == 2 * (16 + 8)

@@ -525,6 +525,11 @@ class Strategy(metaclass=_Constructed):
         communication buffers), one entry each."""
         return {**self._from_parts(lambda part: part.memory_report()), **self._memory()}
 
+    def summary(self) -> dict[str, str]:
+        """Lines the run's summary shows about what the strategy did (label: value), from its held parts: e.g.
+        adaptive inner steps, each worker's inner steps. The same on every worker (from agreed numbers)."""
+        return self._from_parts(lambda part: part.summary())
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume this worker exactly (model, optimizer shard, pending buffers).
 
@@ -853,6 +858,9 @@ class _HeldStrategy(Part):
 
     def memory_report(self) -> dict[str, int]:
         return self.strategy.memory_report()
+
+    def summary(self) -> dict[str, str]:
+        return self.strategy.summary()
 
     @property
     def round_full(self) -> bool | None:

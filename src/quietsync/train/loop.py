@@ -506,6 +506,7 @@ def job_summary(
         "last_eval_loss": evals[-1]["loss"] if evals else None,
         "eval": [{"step": e["step"], "loss": e["loss"]} for e in evals],
         "adapt": [{k: c[k] for k in ("step", "knob", "old", "new")} for c in result.get("adapted", [])],
+        "strategy_summary": strategy.summary(),
         "bytes_sent": sent,
         "bytes_recv": recv,
         "bytes_by_group": totals["bytes_by_group"],

@@ -209,6 +209,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             summary["compute_s"], summary["comm_s"], summary["idle_s"])),
         ("compute-busy fraction", f"{summary['compute_fraction']:.1%}"),
     ]
+    rows += list((summary.get("strategy_summary") or {}).items())  # what the strategy says it did
     changes = summary.get("adapt") or []
     if changes:  # --adapt's knob changes, the first few (every one is in metrics-rank0.jsonl and summary.json)
         knobs = {c["knob"] for c in changes}

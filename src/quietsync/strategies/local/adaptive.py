@@ -123,6 +123,8 @@ class AdaptivePlan(Part):
         """Inner steps of each worker in the current round."""
         self.done = [0] * self.n
         """Inner steps of each worker in the rounds ended so far (agreed)."""
+        self.ran: list[int] = []
+        """The plan of the last round that ended (none yet in this process: not checkpointed, for the summary)."""
         self.launched = [[0] * self.n for _ in range(fragments)]
         """``done`` at each fragment's previous sync."""
         self.taken = 0
@@ -159,6 +161,7 @@ class AdaptivePlan(Part):
             # one number per worker through the control group: a sum in which only worker j's term is non-zero is
             # exactly worker j's value, so every worker derives the plan from the same numbers
             self.speeds = [self.transport.agree(mine if j == self.me else 0.0, "sum") for j in range(self.n)]
+        self.ran = self.plan
         self.plan = plan_from_speeds(self.speeds, self.period)
         self.taken, self.busy_s = 0, 0.0
         self.rounds += 1
@@ -194,6 +197,11 @@ class AdaptivePlan(Part):
         return {"round_inner_steps": self.plan[self.me]}
 
     # ------------------------------------------------------------------ part protocol
+    def summary(self) -> dict[str, str]:
+        """Each worker's inner steps in all (agreed at the syncs) and in the last round that ended."""
+        last = f" (last round: {', '.join(str(h) for h in self.ran)})" if self.ran else ""
+        return {"inner steps per worker": ", ".join(str(d) for d in self.done) + last}
+
     def state_dict(self) -> dict[str, Any]:
         return {"speeds": list(self.speeds), "plan": list(self.plan), "done": list(self.done),
                 "launched": [list(x) for x in self.launched], "taken": self.taken, "busy_s": self.busy_s,

@@ -43,6 +43,10 @@ class Part:
         """Bytes of each buffer the part holds."""
         return {}
 
+    def summary(self) -> dict[str, str]:
+        """Lines the run's summary shows about what the part did (label: value; empty: none)."""
+        return {}
+
     @property
     def round_full(self) -> bool | None:
         """For the part that counts the open round: whether the next step commits; None for other parts."""
