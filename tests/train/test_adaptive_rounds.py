@@ -155,3 +155,20 @@ def test_defaults_that_fit_no_round_are_moved_up_to_the_next_round_end_and_said_
     cfg, _, _ = parse_train_args(["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4",
                                   "--max-steps", "12", "--save-every", "8"])
     assert (cfg.max_steps, cfg.eval_every, cfg.save_every) == (12, 52, 8)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_resumed_on_more_workers_ends_at_a_round_end_on_every_worker(tmp_path):
+    """On 3 workers a step holds 1.5 steps of 2 workers' tokens, so the schedule reaches --max-steps 16 at step 14,
+    inside a round of 4 where the workers' nominal steps differ: the round is finished first, on every worker."""
+    flags = ["--strategy", "diloco", "--sync-every", "4", "--inner-steps", "adaptive", "--threads", "1",
+             "--no-export", "--save-every", "4", "--out", str(tmp_path / "run")]
+    first = train(*small_job(tmp_path, 2), *flags, "--max-steps", "8", timeout=250)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = train(*small_job(tmp_path, 3), *flags, "--max-steps", "16", "--resume", "latest", timeout=250)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 16 and summary["stopped_by"] == "max_steps"
+    for r in range(3):
+        steps = [x["step"] for x in read_jsonl(tmp_path / "run" / f"metrics-rank{r}.jsonl") if "event" not in x]
+        assert steps[-1] == 16, (r, steps)

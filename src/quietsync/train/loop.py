@@ -55,7 +55,7 @@ from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import Strategy, StrategyConfig, make_strategy
 from ..topology import Topology
 from ..transport import Transport
-from .adaptive_rounds import training_stream
+from .adaptive_rounds import round_length, training_stream
 from .allocator import keep_freed_memory
 from .budgets import BudgetWatch
 from .config import TrainConfig
@@ -360,6 +360,13 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         bar.set_postfix(shown, refresh=False)
 
     budgets = BudgetWatch(cfg.budgets(), strategy)
+    rounds = round_length(strategy.config)  # adaptive inner steps: L, the steps of a round (None: any step ends)
+
+    def mid_round() -> bool:
+        """Adaptive inner steps inside a round: the workers' nominal steps agree only at round ends, where
+        --max-steps falls, except after a resume on another number of workers (the schedule follows tokens); the
+        round is finished first, as --max-tokens may be passed by up to a round."""
+        return bool(rounds) and strategy.steps % rounds != 0
     stopped_by = "max_steps" if membership.position(strategy) >= cfg.max_steps else None  # nothing left to train
     profiler = StepProfiler(cfg.profile_steps, cfg.out, rank, device)
     # the summary's nonfinite_skips counts the whole run, the kept records' skips too
@@ -388,8 +395,8 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
             membership.begin_step(strategy)
             if membership.ended:  # a torchft replica that healed into a run that ended meanwhile
                 return None
-            if membership.position(strategy) >= cfg.max_steps:  # a torchft replica that healed at the last step
-                stopped_by = "max_steps"
+            if membership.position(strategy) >= cfg.max_steps and not mid_round():
+                stopped_by = "max_steps"  # a torchft replica that healed at the last step
                 break
             losses = []
             outcome, index, batches = OPEN, -1, membership.micro_batches(strategy)
@@ -429,6 +436,8 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
                 eval_loss = run_eval() if evaluated else None
                 stopped_by = budgets.check(tokens_fed, time.perf_counter() - t0, eval_loss,
                                            steps=membership.position(strategy), evaluated=evaluated)
+                if stopped_by == "max_steps" and mid_round():
+                    stopped_by = None
             # the micro-batch loop broke off with the last step in flight: finish() commits it
             elif strategy.steps_in_flight and membership.position(strategy) >= cfg.max_steps:
                 stopped_by = "max_steps"
