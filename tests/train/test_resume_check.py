@@ -251,3 +251,29 @@ def test_a_checkpoint_records_the_data_it_was_trained_on(finished_zero1_run):
     expected = job_data_identity(cfg)
     for rank in (0, 1):
         assert load_checkpoint(shared / "checkpoints" / "step-0000004", rank, mmap=True)["data_identity"] == expected
+
+
+@pytest.mark.timeout(200)
+def test_a_run_whose_adapt_changed_a_knob_resumes_from_the_same_command_line(tmp_path):
+    """--adapt re-picks H during the run; the checkpoint keeps the flags as given (H = 4), so the same command with
+    --resume goes on (it was refused: "written with --sync-every 64"), at the adapted H."""
+    from ._run import small_job
+
+    out = tmp_path / "run"
+    # 20 Mbit/s: a sync of the tiny model takes ~0.8 s, over 10% of 4 inner steps on any machine, so H grows at step 4
+    flags = [*small_job(tmp_path), "--strategy", "diloco", "--sync-every", "4", "--adapt", "--adapt-every", "1",
+             "--link", "inter=20mbit", "--save-every", "4", "--out", str(out)]
+    first = train(*flags, "--max-steps", "8")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = train(*flags, "--max-steps", "12", "--resume", "latest")
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [r for r in read_jsonl(out / "metrics-rank0.jsonl") if "event" not in r]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    changes = {r["step"]: r["extra"]["adapt"]["new"] for r in rows if "adapt" in r.get("extra", {})}
+    assert 4 in changes and changes[4] > 4, changes
+    h, expected = 4, []  # a sync at every multiple of the H in force; a change takes effect after its step
+    for r in rows:
+        if r["step"] % h == 0:
+            expected.append(r["step"])
+        h = changes.get(r["step"], h)
+    assert [r["step"] for r in rows if r.get("extra", {}).get("synced")] == expected

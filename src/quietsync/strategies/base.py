@@ -59,6 +59,7 @@ has a world-size-independent form (``reshard_refusal is None``: every strategy b
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 from abc import ABCMeta, abstractmethod
@@ -240,7 +241,8 @@ class Strategy(metaclass=_Constructed):
             config = self.config_cls()
         if not isinstance(config, self.config_cls):
             raise TypeError(f"config must be a {self.config_cls.__name__}, got {type(config).__name__}")
-        self.config = config
+        # its own copy: --adapt re-picks knobs in it during the run, the caller's (the flags as given) stays as given
+        self.config = copy.copy(config)
         self.module = model
         self.optimizer_factory = optimizer
         self.optimizer_kwargs = dict(optimizer_kwargs)
