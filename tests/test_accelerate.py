@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,6 +303,8 @@ def _save_load_worker(rank: int, world: int, strategy: str, folder: str) -> dict
     model, optimizer, scheduler = accelerator.prepare(model, optimizer,
                                                       torch.optim.lr_scheduler.LambdaLR(optimizer, _factor))
     data = _batches(8, 4, seed=20 + rank)
+    if rank == 0:  # the main process writes the model and scheduler: late, the other rank must still find them
+        accelerator.register_save_state_pre_hook(lambda models, weights, folder: time.sleep(1.0))
 
     def train(batches):
         for batch in batches:

@@ -311,8 +311,9 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """``Accelerator.save_state``, with every rank writing its own strategy state (a shard, a decoupled
         momentum, an outer optimizer: ``quietsync-optimizer-rank{R}-of-{W}.pt``) where Accelerate would write one
-        optimizer file from the main process. Every process calls it; refused while a strategy whose workers
-        drift apart trains (see :meth:`_meet`). Returns the folder."""
+        optimizer file from the main process; it returns once every process has written its files. Every process
+        calls it; refused while a strategy whose workers drift apart trains (see :meth:`_meet`). Returns the
+        folder."""
         quiet = self.quiet_optimizer
         if quiet is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
@@ -326,6 +327,9 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
             handle.remove()
         os.makedirs(location, exist_ok=True)
         torch.save(quiet.state_dict(), os.path.join(location, optimizer_file(self.process_index, self.num_processes)))
+        # Accelerate writes the model and schedulers from the main process and does not wait for it: a rank that
+        # loads right after (no collective between: a local method's inner steps) found scheduler.bin missing
+        super().wait_for_everyone()
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
