@@ -409,3 +409,21 @@ def test_example_with_gradient_accumulation_and_forward_backward_under_accelerat
         assert r0["steps"] == 3 and r0["micro_batches"] == 6 and r0["moved"] > 0, name
         assert math.isfinite(r0["final_loss"]) and r0["final_loss"] != r1["final_loss"], name  # own data
         assert r0["bytes_sent"] > 0 or name == "diloco", name  # diloco: its one sync is finish()'s
+
+
+@pytest.mark.timeout(60)
+def test_save_state_of_a_strategy_that_cannot_checkpoint_now_writes_nothing(tmp_path):
+    """cdp keeps micro-batches in flight at every step: its refusal comes before Accelerate writes any file, so no
+    half checkpoint is left for a later load_state to find."""
+    from quietsync.accelerate import QuietAccelerator
+
+    accelerator = QuietAccelerator(strategy="cdp")
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for batch in _batches(4, 4):
+        accelerator.forward_backward(batch, _loss)
+        optimizer.step()
+    with pytest.raises(RuntimeError, match="cdp: state_dict\\(\\) with micro-batches in flight"):
+        accelerator.save_state(str(tmp_path / "state"))
+    assert not (tmp_path / "state").exists()
+    accelerator.end_training()

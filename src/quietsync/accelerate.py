@@ -318,6 +318,7 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         if quiet is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
         self._meet("save_state")
+        state = quiet.state_dict()  # first: a strategy that cannot checkpoint now (cdp mid-run) refuses unwritten
         # the parameters view the strategy's flat buffers, whose shared storage safetensors refuses: save copies
         handle = self.register_save_state_pre_hook(_own_storage)
         try:
@@ -326,7 +327,7 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
         finally:
             handle.remove()
         os.makedirs(location, exist_ok=True)
-        torch.save(quiet.state_dict(), os.path.join(location, optimizer_file(self.process_index, self.num_processes)))
+        torch.save(state, os.path.join(location, optimizer_file(self.process_index, self.num_processes)))
         # Accelerate writes the model and schedulers from the main process and does not wait for it: a rank that
         # loads right after (no collective between: a local method's inner steps) found scheduler.bin missing
         super().wait_for_everyone()
