@@ -77,7 +77,6 @@ def strategy_kwargs_from_optimizer(optimizer: torch.optim.Optimizer) -> dict[str
     return {"optimizer": cls, "param_groups": groups, **kwargs}
 
 
-
 def loop_collectives_problem(config: StrategyConfig) -> str | None:
     """Why a loop that runs collectives of its own at every step (``loop_collectives``: the HF Trainer's gathers)
     cannot drive a strategy of ``config`` (one line), or None. Workers that call ``step()`` a different number of
@@ -88,6 +87,7 @@ def loop_collectives_problem(config: StrategyConfig) -> str | None:
     return (f"{uneven}, so a loop that runs collectives of its own at every step (the HF Trainer's gathers) cannot "
             "drive it: each worker would reach them a different number of times; train it with quietsync train, "
             "or from a loop with no collective between syncs")
+
 
 class QuietOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` front for a quietsync strategy (what ``QuietAccelerator.prepare`` returns).
@@ -182,8 +182,9 @@ class QuietOptimizer(torch.optim.Optimizer):
                 f"strategy {strategy!r} decides its own accumulation (see its config: "
                 f"{', '.join(sorted(fields))}); use gradient_accumulation_steps=1, got {accumulation}"
             )
-        if loop_collectives and loop_collectives_problem(config):
-            raise ValueError(loop_collectives_problem(config))
+        problem = loop_collectives_problem(config) if loop_collectives else None
+        if problem:
+            raise ValueError(problem)
         self.optimizer = optimizer
         """The specification optimizer (its ``param_groups`` are this object's)."""
         spec = strategy_kwargs_from_optimizer(optimizer)

@@ -367,6 +367,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         --max-steps falls, except after a resume on another number of workers (the schedule follows tokens); the
         round is finished first, as --max-tokens may be passed by up to a round."""
         return bool(rounds) and strategy.steps % rounds != 0
+
     stopped_by = "max_steps" if membership.position(strategy) >= cfg.max_steps else None  # nothing left to train
     profiler = StepProfiler(cfg.profile_steps, cfg.out, rank, device)
     # the summary's nonfinite_skips counts the whole run, the kept records' skips too
