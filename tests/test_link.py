@@ -2,7 +2,7 @@
 
 import pytest
 
-from quietsync.link import LinkModel, parse_links, traffic
+from quietsync.link import LinkModel, idle_links, parse_links, traffic
 
 
 def test_ring_traffic_formulas():
@@ -151,3 +151,13 @@ def test_a_link_prints_in_the_units_a_person_writes_and_parses_back_to_it():
     again = LinkModel.parse(str(measured))
     assert again.rate_at(0).bandwidth == pytest.approx(measured.rate_at(0).bandwidth, rel=1e-3)
     assert again.rate_at(0).latency == pytest.approx(measured.rate_at(0).latency, rel=1e-3)
+
+
+def test_a_link_no_traffic_crosses_is_named_with_the_flag_that_would_use_it():
+    # torchrun --nnodes 1: every worker on one node, so nothing crosses inter; the local launcher's default (one
+    # worker per node) leaves intra unused
+    (inter,) = idle_links(["inter"], nodes=1, workers_per_node=2)
+    assert inter.startswith("--link inter emulates the link between nodes") and "--nodes N" in inter
+    (intra,) = idle_links(["intra", "inter"], nodes=2, workers_per_node=1)
+    assert intra.startswith("--link intra emulates the link inside a node")
+    assert idle_links(["inter", "intra"], nodes=2, workers_per_node=2) == []

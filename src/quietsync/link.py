@@ -322,6 +322,20 @@ class LinkModel:
         return ",".join(f"{one(r)}@{r.at_s:g}s" for r in self.rates())
 
 
+def idle_links(names: Iterable[str], nodes: int, workers_per_node: int) -> list[str]:
+    """One line for each link in ``names`` that no traffic of this world crosses: ``inter`` where every worker is on
+    one node (e.g. ``torchrun --nnodes 1``), ``intra`` where every node holds one worker; empty where each is used."""
+    out = []
+    for name in names:
+        if name == "inter" and nodes == 1:
+            out.append("--link inter emulates the link between nodes, and all workers are on one node here: nothing "
+                       "crosses it (give --nodes N to emulate N nodes on this machine)")
+        elif name == "intra" and workers_per_node == 1:
+            out.append("--link intra emulates the link inside a node, and every node holds one worker here: nothing "
+                       "crosses it")
+    return out
+
+
 def parse_links(specs: Iterable[str]) -> dict[str, LinkModel]:
     """Parse repeated ``--link NAME=BANDWIDTH[,LATENCY]`` values into ``{name: LinkModel}``."""
     links: dict[str, LinkModel] = {}

@@ -50,7 +50,7 @@ import torch
 
 from ..cli.launch import note_failure
 from ..data.sequences import eval_batches
-from ..link import parse_links
+from ..link import idle_links, parse_links
 from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import Strategy, StrategyConfig, make_strategy
 from ..topology import Topology
@@ -155,7 +155,11 @@ def run(cfg: TrainConfig, strategy_config: StrategyConfig | None = None, nodes: 
     slow = cfg.slow()
     if slow is not None and slow.rank >= world:
         raise ValueError(f"--slow-worker rank must be < the world size {world}, got {slow.rank}")
-    transport = Transport(topology, links=parse_links(cfg.link), timeout_s=cfg.timeout_s)
+    links = parse_links(cfg.link)
+    transport = Transport(topology, links=links, timeout_s=cfg.timeout_s)
+    if rank == 0:  # a link no traffic crosses would leave the run unthrottled without a word
+        for line in idle_links(links, topology.nodes, topology.workers_per_node):
+            print(f"quietsync train: {line}", flush=True)
     device = transport.device
     strategy = None
     kind = ElasticWorld if cfg.elastic else FixedWorld  # the membership: how resume is agreed, how it steps
