@@ -62,3 +62,17 @@ def test_a_registration_does_not_outlive_its_test_one():
 def test_a_registration_does_not_outlive_its_test_two():
     _define("probe-left-behind")
     assert "probe-left-behind" in available()
+
+
+def test_a_config_that_is_not_a_strategy_config_dataclass_is_refused_when_registered():
+    """The front doors call the config's methods (``replace``, ``uneven_steps``): a plain dataclass is refused at
+    registration, naming the class to subclass, not deep inside a Trainer."""
+
+    @dataclass
+    class Plain:
+        lr: float = 0.1
+
+    with pytest.raises(TypeError, match=r"^register\('plain', \.\.\.\): the config must be a dataclass subclassing "
+                                        r"quietsync\.strategies\.StrategyConfig"):
+        register("plain", Plain)
+    assert "plain" not in available()

@@ -22,7 +22,7 @@ from dataclasses import is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .config import config_from_dict, knobs
+from .config import StrategyConfig, config_from_dict, knobs
 from .declaration import Declaration
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
     from ..cost.schedule import Schedule
     from .base import Strategy
-    from .config import StrategyConfig
 
 _REGISTRY: dict[str, tuple[type[Strategy], type[StrategyConfig]]] = {}
 _SCHEDULES: dict[str, Callable[..., Schedule]] = {}
@@ -45,6 +44,11 @@ def register(name: str, config_cls: type[StrategyConfig], schedule: Callable[...
     ``facts`` (:class:`~quietsync.strategies.declaration.Declaration`: what the planner, the fault tolerance and
     the checks must know of it); ``schedule`` — ``f(workload, topology, config) -> Schedule`` — is the
     declaration's cost schedule (None: the planner cannot predict it)."""
+    if not (isinstance(config_cls, type) and issubclass(config_cls, StrategyConfig)
+            and dataclasses.is_dataclass(config_cls)):
+        # the front doors call its methods (replace, uneven_steps): a plain dataclass would fail there, not here
+        raise TypeError(f"register({name!r}, ...): the config must be a dataclass subclassing "
+                        f"quietsync.strategies.StrategyConfig (or AccumulationConfig), got {config_cls!r}")
     declared = facts if facts is not None else Declaration()
     if schedule is not None:
         declared = dataclasses.replace(declared, schedule=schedule)
