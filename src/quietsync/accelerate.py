@@ -175,8 +175,8 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
                 f"Accelerate runs {self.num_processes} processes but WORLD_SIZE is {env_world}: launch with "
                 "`accelerate launch --multi_gpu --num_processes N` (or torchrun)"
             )
-        if not strategy_cls.lockstep or resolve_config(strategy, strategy_config).uneven_steps():
-            # Its workers drift apart (Strategy.lockstep): one may stop while a peer still needs a batch -- and a
+        if not strategy_cls.steps_together(resolve_config(strategy, strategy_config)):
+            # Its workers drift apart (Strategy.steps_together): one may stop while a peer still needs a batch -- and a
             # dispatching DataLoader broadcasts every batch from process 0.
             if self.dataloader_config.dispatch_batches:
                 raise ValueError(
@@ -375,11 +375,10 @@ class QuietAccelerator(_Accelerator):  # type: ignore[misc, valid-type]
 
     def _meet(self, call: str) -> None:
         """Refuse a collective of the loop's between micro-batches of a strategy whose workers are not in lockstep
-        (``Strategy.lockstep``), in one line on every process that calls it: a peer a stage ahead may be waiting
+        (``Strategy.steps_together``), in one line on every process that calls it: a peer a stage ahead may be waiting
         inside its step for this worker, or may have stopped already, and the collective would never complete."""
         quiet = self.quiet_optimizer
-        if quiet is None or quiet.strategy.finished or (quiet.strategy.lockstep
-                                                         and not quiet.strategy.config.uneven_steps()):
+        if quiet is None or quiet.strategy.finished or quiet.strategy.steps_together(quiet.strategy.config):
             return
         raise RuntimeError(
             f"accelerator.{call} while strategy {quiet.strategy.name} trains: its workers do not reach a step "

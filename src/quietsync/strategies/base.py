@@ -188,8 +188,8 @@ class Strategy(metaclass=_Constructed):
     where workers drift apart: acco/dpu/wp, whose workers each end a stage when *they* see the job done. Feed
     those from each worker's own data, with no collective between micro-batches, and stop on a committed step
     (or on ``steps + steps_in_flight``) or after a number of micro-batches; :meth:`finish` brings drifted workers
-    level. A config whose workers call :meth:`step` unevenly (``StrategyConfig.uneven_steps``: adaptive inner
-    steps) is not in lockstep either, whatever this says."""
+    level. A config may also make the workers step unevenly (adaptive inner steps): :meth:`steps_together` asks
+    both."""
     loop_collectives: bool = False
     """Whether the loop that drives this strategy runs collectives of its own between steps, set by the front
     door that knows (``QuietTrainer``: the HF Trainer gathers token counts before each step and the loss at its
@@ -431,7 +431,7 @@ class Strategy(metaclass=_Constructed):
             RuntimeError: a strategy not in lockstep whose :attr:`loop_collectives` is False.
         """
         self._check_training()
-        if self.lockstep:
+        if self.steps_together(self.config):
             return 0
         if not self.loop_collectives:
             raise RuntimeError(
@@ -623,6 +623,13 @@ class Strategy(metaclass=_Constructed):
         drifts between syncs starts from the agreed state, as its checkpoint's :data:`join rule
         <quietsync.strategies.checkpoint.replicas.JoinRule>` has a joining worker do. By default nothing: the
         peer's state is this replica's exactly (every replica holds the same)."""
+
+    @classmethod
+    def steps_together(cls, config: StrategyConfig) -> bool:
+        """Whether the workers of this strategy with ``config`` reach each step together, so that a loop may stop or
+        communicate between any two steps: :attr:`lockstep`, and a config that calls :meth:`step` as often on every
+        worker (``StrategyConfig.uneven_steps`` None; adaptive inner steps give a slow worker fewer)."""
+        return cls.lockstep and config.uneven_steps() is None
 
     @classmethod
     def fp16_problem(cls) -> str | None:

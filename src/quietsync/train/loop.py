@@ -64,7 +64,7 @@ from .export import MODEL_DIR, export_model
 from .job_data import open_job_data
 from .job_model import job_model
 from .membership import ABSTAIN, COMMITTED, DROPPED, OPEN, STEP_SUMS, Membership
-from .metrics import MetricsWriter, format_summary, write_summary
+from .metrics import MetricsWriter, format_summary, knob_change, write_summary
 from .preflight import data_problem
 from .profile import StepProfiler
 from .resume_check import ResumeMismatch, data_change
@@ -298,7 +298,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
     say = _Printer(membership.speaks, bar)
     # a resumed run goes on from the records kept up to its checkpoint: its evaluations and sums
     evals = [r for r in metrics.kept if r.get("event") == "eval"]
-    adapted = [r["extra"]["adapt"] for r in metrics.kept if "event" not in r and _adapt_of(r) is not None]
+    adapted = [c for c in map(knob_change, (r for r in metrics.kept if "event" not in r)) if c is not None]
     sums = {k: sum(r[k] for r in metrics.kept if "event" not in r) for k in STEP_SUMS}
     # the meter restarts with the process: the kept steps' bytes, per group, are added to it for the totals
     # (set-up traffic is the resumed process's own, so each byte of an unbroken run is counted once)
@@ -343,7 +343,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         }
         if m.extra:
             record["extra"] = m.extra
-        change = _adapt_of(record)
+        change = knob_change(record)
         if change is not None:  # --adapt re-picked a knob: said as it happens, listed in the summary
             adapted.append(change)
             say(f"step {m.step:>6}  --adapt: {change['knob']} {change['old']} -> {change['new']}; {change['why']}")
@@ -471,13 +471,6 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         metrics.close()
     result["wall_s"] = time.perf_counter() - t0
     return result
-
-
-def _adapt_of(record: dict[str, Any]) -> dict[str, Any] | None:
-    """The knob change ``--adapt`` made at this step record (its ``extra.adapt``), or None."""
-    extra = record.get("extra")
-    change = extra.get("adapt") if isinstance(extra, dict) else None
-    return change if isinstance(change, dict) else None
 
 
 def job_record(cfg: Any, vocab_size: int | None) -> dict[str, Any]:

@@ -172,6 +172,14 @@ def _ends_a_line(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
+def knob_change(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The knob change ``--adapt`` made at this step record (its ``extra.adapt``: ``step``, ``knob``, ``old``,
+    ``new``, ``why``), or None."""
+    extra = record.get("extra")
+    change = extra.get("adapt") if isinstance(extra, dict) else None
+    return change if isinstance(change, dict) else None
+
+
 def write_summary(out: str | os.PathLike, summary: dict[str, Any]) -> Path:
     """Write ``OUT/summary.json`` (atomically)."""
     path = Path(out) / "summary.json"

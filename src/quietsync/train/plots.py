@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..cli.figures import pyplot, save_figure
-from .metrics import read_jsonl
+from .metrics import knob_change, read_jsonl
 
 
 def loss_curves(out: str | os.PathLike, world_size: int | None = None) -> dict[str, list[float]]:
@@ -62,8 +62,7 @@ def knob_changes(out: str | os.PathLike) -> list[dict]:
     files = sorted(Path(out).glob("metrics-rank*.jsonl"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
     if not files:
         return []
-    return [r["extra"]["adapt"] for r in read_jsonl(files[0]) if isinstance(r.get("extra"), dict)
-            and isinstance(r["extra"].get("adapt"), dict)]
+    return [c for c in map(knob_change, read_jsonl(files[0])) if c is not None]
 
 
 def plot_loss(out: str | os.PathLike, world_size: int | None = None, title: str = "") -> Path:
