@@ -202,9 +202,11 @@ def _straggler_in_a_loop_that_gathers(rank: int, world: int, micro_batches: int,
         strategy.step()
         if index % every == every - 1:
             torch.distributed.all_reduce(torch.ones(1))
+    # finish() may end a stage short of a peer's with no micro-batch (the loop's end, not the straggler rule)
+    before_finish = len(strategy.overlap.stage_history)
     strategy.finish()
     out = {"theta": flat_params(strategy.module), "history": list(strategy.overlap.stage_history),
-           "speeds": strategy.overlap.peer_micro_batch_s, "steps": strategy.steps}
+           "speeds": strategy.overlap.peer_micro_batch_s, "steps": strategy.steps, "during_loop": before_finish}
     strategy.close()
     transport.close()
     return out
@@ -221,7 +223,7 @@ def test_under_a_loop_with_collectives_of_its_own_a_straggler_never_waits_inside
     history = results[0]["history"]
     assert all(r["history"] == history for r in results) and results[0]["steps"] >= 2, history
     assert results[0]["speeds"][1] > 4 * results[0]["speeds"][0] > 0  # the straggler was measured as one
-    assert all(min(c) >= 1 for c in history), history
+    assert all(min(c) >= 1 for c in history[: min(r["during_loop"] for r in results)]), history
     expected = reference("acco", world, "adamw", results[0]["steps"], counts=history)
     for r in results:
         torch.testing.assert_close(r["theta"], flat(expected.committed[-1]), rtol=RTOL, atol=ATOL)
