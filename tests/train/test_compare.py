@@ -16,6 +16,11 @@ def test_parse_strategy_spec():
     assert parse_strategy_spec("zero1") == ("zero1", "zero1", [])
     assert parse_strategy_spec("ddp:accumulation=2,bucket_cap_mb=1") == (
         "ddp", "ddp-accumulation2-bucket-cap-mb1", ["--accumulation", "2", "--bucket-cap-mb", "1"])
+    # a word stands apart from its field in the label (a run's folder), an on/off field reads as its flag
+    assert parse_strategy_spec("localsgd:inner_steps=adaptive,sync_every=4")[1] == (
+        "localsgd-inner-steps-adaptive-sync-every4")
+    assert parse_strategy_spec("demo:sign=false,compression=0.125")[1] == "demo-no-sign-compression0.125"
+    assert parse_strategy_spec("localsgd:average_optimizer_state=True")[1] == "localsgd-average-optimizer-state"
     with pytest.raises(ValueError, match="NAME"):
         parse_strategy_spec("ddp:accumulation")
     with pytest.raises(ValueError, match="NAME"):

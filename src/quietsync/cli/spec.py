@@ -10,7 +10,9 @@ BOOLEAN = {"true": True, "false": False}
 
 def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
     """``"ddp:accumulation=2"`` → ``("ddp", "ddp-accumulation2", ["--accumulation", "2"])``; an on/off field
-    spelled ``true``/``false`` becomes its ``--field``/``--no-field`` flag. A value may hold commas (a list, as
+    spelled ``true``/``false`` becomes its ``--field``/``--no-field`` flag (label ``-field``/``-no-field``), and a
+    word is set off from its field in the label (``localsgd:inner_steps=adaptive`` → ``localsgd-inner-steps-adaptive``,
+    not ``...-inner-stepsadaptive``). A value may hold commas (a list, as
     ``adapt_sync_every=8,16,32`` or ``adapt_tokens=16:2e6,32:3e6``): an item without ``=`` continues the value
     before it."""
     name, colon, rest = spec.partition(":")
@@ -30,5 +32,8 @@ def parse_strategy_spec(spec: str) -> tuple[str, str, list[str]]:
     for key, value in items:
         on = BOOLEAN.get(value.lower())
         flags += [f"--{key}", value] if on is None else [f"--{key}" if on else f"--no-{key}"]
-        label += f"-{key}{value}"
+        if on is not None:
+            label += f"-{key}" if on else f"-no-{key}"
+        else:
+            label += f"-{key}-{value}" if value[:1].isalpha() else f"-{key}{value}"
     return name, label, flags
