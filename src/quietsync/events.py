@@ -158,6 +158,12 @@ class ByteMeter:
             self._by_kind[(group, kind)] += sent
             self._seconds[group] += seconds
 
+    def add_seconds(self, group: str, seconds: float) -> None:
+        """Count ``seconds`` of waiting on ``group`` that no completed collective measured (a failed attempt that
+        is run again), with no bytes."""
+        with self._lock:
+            self._seconds[group] += seconds
+
     def add_peer(self, peer: int, sent: int = 0, recv: int = 0) -> None:
         """Count point-to-point bytes sent to / received from global rank ``peer`` (on top of :meth:`add`)."""
         with self._lock:

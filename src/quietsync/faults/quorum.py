@@ -295,6 +295,14 @@ class ReplicaQuorum:
                 self.manager._quorum_future = None
                 why = reachable(self.lighthouse, 2.0)
                 if time.monotonic() >= deadline:
+                    others = [k for k in self.members if k != self.transport.replica]
+                    if why is None and shrink_only and others:  # inside a unit: a live member has not reached it
+                        raise NoQuorum(
+                            f"quietsync: replica group {self.transport.replica}: no quorum for "
+                            f"{self.quorum_timeout_s:g}s inside a collective: the Lighthouse at {self.lighthouse} "
+                            f"is up, and replica group(s) {others} of the last quorum, alive, have not reached this "
+                            "collective: slower ones, whose sync comes later; the replica stops. To wait longer for "
+                            f"slower replica groups, give --timeout-s above {self.quorum_timeout_s:g}") from None
                     raise NoQuorum(f"quietsync: replica group {self.transport.replica}: the Lighthouse at "
                                    f"{self.lighthouse} answered no quorum request for {self.quorum_timeout_s:g}s ("
                                    f"{why or 'it is up, but formed no quorum'}); the replica stops") from None
@@ -353,6 +361,7 @@ class ReplicaQuorum:
         deadline = time.monotonic() + self.quorum_timeout_s
         while True:
             dropped = None
+            attempt = time.perf_counter()
             try:
                 self._running = True
                 self.contributing = None
@@ -361,6 +370,8 @@ class ReplicaQuorum:
                 out = op() if dropped is None else None
             except ReplicaLost as e:
                 out = None
+                # waiting on the others (a collective timed out on a slower replica): idle, as a collective's wait
+                self._waited(time.perf_counter() - attempt)
                 for t, s in zip(restore, saved):
                     t.copy_(s)
                 _clear_frames(e)  # they hold the failed group: report() must drop the last reference
@@ -382,7 +393,16 @@ class ReplicaQuorum:
             if time.monotonic() > deadline:
                 raise NoQuorum(f"quietsync: no quorum of replicas committed a collective within "
                                f"{self.quorum_timeout_s:g}s")
-            self._regroup()
+            regroup = time.perf_counter()
+            try:
+                self._regroup()
+            finally:
+                self._waited(time.perf_counter() - regroup)
+
+    def _waited(self, seconds: float) -> None:
+        """Meter ``seconds`` this replica waited on the others inside a unit (a failed attempt, a quorum asked again)
+        as the replicate dimension's: a strategy counts its collectives' metered time as idle, not compute."""
+        self.transport.meter.add_seconds("replicate", seconds)
 
     def _vote(self) -> RoundDropped | None:
         """The unit's first collective: every present replica group's verdict (module docstring), and whether it
