@@ -159,6 +159,13 @@ class FaultTolerantTransport(Transport):
                 raise ReplicaLost(str(e)) from e
         return run
 
+    def meet(self, patience_s: float) -> None:
+        """Nothing: replicas wait for one another inside the quorum's units (a slower replica group is asked again,
+        not dropped: docs/faults.md, "Uneven replica groups"), and a replica group's own workers step together."""
+
+    def ready_control(self) -> None:
+        """Nothing to create (see :meth:`meet`)."""
+
     def vote(self, flags: torch.Tensor) -> None:
         """Sum ``flags`` over the replicas present, inside a unit the quorum runs (its non-finite vote,
         :meth:`~quietsync.faults.quorum.ReplicaQuorum.run`): metered and link-emulated like any collective, not a

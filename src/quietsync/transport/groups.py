@@ -217,6 +217,33 @@ class ProcessGroups:
         dist.all_reduce(t, op=ops[op], group=self._control_group())
         return float(t)
 
+    def meet(self, patience_s: float) -> None:
+        """Return once every worker has called ``meet``, waiting at most ``patience_s`` -- which may be longer than
+        ``timeout_s``: before an outer sync a worker slower than this one is late by a round's worth of its slowness,
+        not dead (:mod:`~quietsync.strategies.local.arrival`). On the control group of :meth:`agree` (create it with
+        :meth:`ready_control` while the workers are together), with the wait as that one collective's own timeout;
+        not metered, not link-emulated. Raises ``RuntimeError`` naming the wait when a peer does not come."""
+        if self.topology.world_size == 1:
+            return
+        if self._closed:
+            raise RuntimeError("the transport is closed")
+        if patience_s <= 0:
+            raise ValueError(f"patience_s must be > 0, got {patience_s}")
+        opts = dist.AllreduceOptions()
+        opts.timeout = datetime.timedelta(seconds=patience_s)  # gloo honours a collective's own timeout
+        try:
+            self._control_group().allreduce([torch.zeros(1)], opts).wait(opts.timeout)
+        except Exception as exc:  # noqa: BLE001 - re-raised with what was waited for
+            raise RuntimeError(f"quietsync: rank {self.topology.rank} waited {patience_s:g}s at an outer sync for the "
+                               f"other workers, and one did not come (it died, raised, or is slower than that): "
+                               f"{exc}") from exc
+
+    def ready_control(self) -> None:
+        """Create the control group of :meth:`agree` and :meth:`meet` now (a collective of every worker), so that
+        a later first use does not wait for the others with the default timeout."""
+        if self.topology.world_size > 1 and not self._closed:
+            self._control_group()
+
     def agree_rows(self, row: Sequence[float]) -> list[list[float]]:
         """Every worker's ``row`` (the same length on each), by rank: one collective every worker makes at the same
         point, on the control group of :meth:`agree` -- the one place the trainer's agreements (its budgets, its

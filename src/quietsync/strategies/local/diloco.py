@@ -91,6 +91,7 @@ from . import facts
 from .adapt import AdaptConfig, SyncPeriod
 from .adapt_bits import bits_candidates
 from .adaptive import AdaptivePlan
+from .arrival import Arrival
 from .outer import OuterSync
 from .outer_config import OuterConfig
 
@@ -174,6 +175,8 @@ class DiLoCo(Strategy):
         self.adaptive = None if cfg.inner_steps == "fixed" else self.hold("adaptive", AdaptivePlan(
             self.transport, self.sync_group, self.period, cfg.fragments, cfg.worker_speeds))
         """Adaptive inner steps: each worker's inner steps per round and the token weights (None: fixed)."""
+        self.arrival = Arrival(self.transport)
+        """Every worker waits for the slower ones before a sync, as long as a round of theirs can take (arrival.py)."""
         self.adapter: SyncPeriod | None = None
         if cfg.adapt:  # H re-picked during the run (adapt.py); the outer sync runs on the adapter's schedule
             if self.transport.fault_tolerant:
@@ -273,7 +276,10 @@ class DiLoCo(Strategy):
                 self.adaptive.inner_step_done(self.accounting.compute_s)
                 check = {**check, **self.adaptive.extra()}
                 if (self.steps + 1) % self.period == 0:  # the round's last inner step, on every worker
+                    self.arrival.meet(self.accounting.idle)  # before the plan's agreement, the sync's first collective
                     self.adaptive.end_round()
+        if self.adaptive is None and self.outer.schedule.due(self.steps + 1):
+            self.arrival.meet(self.accounting.idle)
         extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
         if extra["applied"] != -1:
             self.buffers.sync()
@@ -286,6 +292,8 @@ class DiLoCo(Strategy):
 
     def _finish(self, sync: bool) -> None:
         fragments = None
+        if sync:  # a last sync may come: a slower worker reaches the end later
+            self.arrival.meet(self.accounting.idle)
         if self.adaptive is not None and sync:
             # workers may stand at different nominal steps inside a round: the fragments to sync follow the agreed
             # inner steps, the same on every worker

@@ -61,6 +61,7 @@ from ..registry import register
 from ..substrates.sharded_optimizer import build_optimizer
 from . import facts
 from .adaptive import AdaptiveConfig, AdaptivePlan
+from .arrival import Arrival
 
 
 @dataclass
@@ -118,6 +119,8 @@ class LocalSGD(Strategy):
         self.adaptive = None if self.config.inner_steps == "fixed" else self.hold("adaptive", AdaptivePlan(
             self.transport, "world", self.config.sync_every, speeds=self.config.worker_speeds))
         """Adaptive inner steps: each worker's inner steps per round and the token weights (None: fixed)."""
+        self.arrival = Arrival(self.transport)
+        """Every worker waits for the slower ones before a sync, as long as a round of theirs can take (arrival.py)."""
 
     @property
     def window_plan(self) -> tuple[int, list[int]] | None:
@@ -140,6 +143,8 @@ class LocalSGD(Strategy):
             self.steps += self.adaptive.stride() - 1
         self.round.step(self._lr_scale(self.steps), self.accounting)
         sync = (self.steps + 1) % self.config.sync_every == 0
+        if sync:  # before the plan's agreement and the average
+            self.arrival.meet(self.accounting.idle)
         if self.adaptive is not None:
             self.adaptive.inner_step_done(self.accounting.compute_s)
             plan = self.adaptive.extra()
@@ -151,6 +156,8 @@ class LocalSGD(Strategy):
         return True
 
     def _finish(self, sync: bool) -> None:
+        if sync:  # a last average may come: a slower worker reaches the end later
+            self.arrival.meet(self.accounting.idle)
         if self.adaptive is not None:
             # workers may stand at different nominal steps inside the round: decide on the agreed inner steps
             # (sync=False: every worker resets, the buffers' average being a collective)
