@@ -159,11 +159,11 @@ class FaultTolerantTransport(Transport):
                 raise ReplicaLost(str(e)) from e
         return run
 
-    def meet(self, patience_s: float) -> None:
+    def meet(self, patience_s: float, group: str | None = None) -> None:
         """Nothing: replicas wait for one another inside the quorum's units (a slower replica group is asked again,
         not dropped: docs/faults.md, "Uneven replica groups"), and a replica group's own workers step together."""
 
-    def ready_control(self) -> None:
+    def ready_control(self, group: str | None = None) -> None:
         """Nothing to create (see :meth:`meet`)."""
 
     def vote(self, flags: torch.Tensor) -> None:

@@ -217,32 +217,45 @@ class ProcessGroups:
         dist.all_reduce(t, op=ops[op], group=self._control_group())
         return float(t)
 
-    def meet(self, patience_s: float) -> None:
-        """Return once every worker has called ``meet``, waiting at most ``patience_s`` -- which may be longer than
-        ``timeout_s``: before an outer sync a worker slower than this one is late by a round's worth of its slowness,
-        not dead (:mod:`~quietsync.strategies.local.arrival`). On the control group of :meth:`agree` (create it with
-        :meth:`ready_control` while the workers are together), with the wait as that one collective's own timeout;
-        not metered, not link-emulated. Raises ``RuntimeError`` naming the wait when a peer does not come."""
+    def meet(self, patience_s: float, group: str | None = None) -> None:
+        """Return once every worker (of ``group``) has called ``meet``, waiting at most ``patience_s`` -- which may be
+        longer than ``timeout_s``: before an outer sync a worker slower than this one is late by a round's worth of
+        its slowness, not dead (:mod:`~quietsync.strategies.local.arrival`). With ``group`` None on the control group
+        of :meth:`agree` (the main thread's), else on the gloo twin of ``group`` (:meth:`make_clock_groups`; from the
+        thread that issues that group's collectives); create it with :meth:`ready_control` while the workers are
+        together. The wait is that one collective's own timeout; not metered, not link-emulated. Raises
+        ``RuntimeError`` naming the wait when a peer does not come."""
         if self.topology.world_size == 1:
             return
         if self._closed:
             raise RuntimeError("the transport is closed")
         if patience_s <= 0:
             raise ValueError(f"patience_s must be > 0, got {patience_s}")
+        if group is None:
+            pg = self._control_group()
+        elif self._clock_groups is None:
+            raise RuntimeError("meet on a group needs ready_control(group) first (a collective every worker makes)")
+        else:
+            pg = self._clock_groups.get(group)
+            if pg is None:  # a group of one: nobody to wait for
+                return
         opts = dist.AllreduceOptions()
         opts.timeout = datetime.timedelta(seconds=patience_s)  # gloo honours a collective's own timeout
         try:
-            self._control_group().allreduce([torch.zeros(1)], opts).wait(opts.timeout)
+            pg.allreduce([torch.zeros(1)], opts).wait(opts.timeout)
         except Exception as exc:  # noqa: BLE001 - re-raised with what was waited for
             raise RuntimeError(f"quietsync: rank {self.topology.rank} waited {patience_s:g}s at an outer sync for the "
                                f"other workers, and one did not come (it died, raised, or is slower than that): "
                                f"{exc}") from exc
 
-    def ready_control(self) -> None:
-        """Create the control group of :meth:`agree` and :meth:`meet` now (a collective of every worker), so that
-        a later first use does not wait for the others with the default timeout."""
+    def ready_control(self, group: str | None = None) -> None:
+        """Create the control group of :meth:`agree` and :meth:`meet` now (and with ``group`` the gloo twins of
+        :meth:`meet` on a group), a collective of every worker, so that a later first use does not wait for the
+        others with the default timeout."""
         if self.topology.world_size > 1 and not self._closed:
             self._control_group()
+            if group is not None:
+                self.make_clock_groups()
 
     def agree_rows(self, row: Sequence[float]) -> list[list[float]]:
         """Every worker's ``row`` (the same length on each), by rank: one collective every worker makes at the same

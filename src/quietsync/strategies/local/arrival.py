@@ -6,7 +6,9 @@ timeout (``--timeout-s``) is there to catch a worker that died or hangs; counted
 run whose workers were merely uneven. So every worker first *meets* the others (:meth:`Transport.meet`, one
 control-group collective) with a patience of ``max(--timeout-s, SYNC_PATIENCE x`` its own seconds since the last
 sync``)`` -- a peer may take up to ``1 + SYNC_PATIENCE`` times this worker's round -- and then runs the sync's
-collectives, which start together and keep ``--timeout-s``. The wait is idle time (``sync_arrival``). With
+collectives, which start together and keep ``--timeout-s``. The wait is idle time (``sync_arrival``). A sync in
+flight behind ``overlap_delay`` inner steps (Streaming DiLoCo) meets on its communication thread, so those steps
+still hide the wait. With
 ``inner_steps = adaptive`` (docs/local.md) the slower workers take fewer inner steps and the lag all but goes.
 """
 
@@ -18,19 +20,22 @@ from contextlib import AbstractContextManager
 
 from ...transport import Transport
 
-SYNC_PATIENCE = 4.0
+SYNC_PATIENCE = 9.0
 """How many of its own rounds a worker waits at an outer sync for a slower peer (beyond ``--timeout-s``) before it
-takes that peer for dead: a peer up to 5x slower is waited for."""
+takes that peer for dead: a peer up to 10x slower is waited for (a shared machine's load moves a 4x slower worker
+past 5x); a hung one is found after that many rounds, a dead one at once (its connections close)."""
 
 
 class Arrival:
     """The meeting before each outer sync of one local strategy's workers (module docstring)."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, group: str | None = None) -> None:
+        """``group``: the sync group, whose gloo twin a sync launched on a communication thread meets on."""
         self.transport = transport
         self.since = time.perf_counter()
         """When this worker left its last meeting (or was built): its round is timed from there."""
-        transport.ready_control()  # now, while every worker is here: created at a first sync it would wait itself
+        # now, while every worker is here: created at a first sync it would wait for the others itself
+        transport.ready_control(group)
 
     def patience_s(self) -> float:
         """How long this worker waits at the coming sync."""
@@ -41,4 +46,13 @@ class Arrival:
         patience = self.patience_s()
         with idle("sync_arrival"):
             self.transport.meet(patience)
+        self.since = time.perf_counter()
+
+    def launch(self) -> float:
+        """The patience of a sync launched now onto a communication thread, which meets the others there (on the
+        sync group's twin) before its collectives, so the inner steps in flight still hide the wait."""
+        return self.patience_s()
+
+    def joined(self) -> None:
+        """A sync launched by :meth:`launch` finished: every worker was there, so this worker's round restarts."""
         self.since = time.perf_counter()

@@ -175,8 +175,11 @@ class DiLoCo(Strategy):
         self.adaptive = None if cfg.inner_steps == "fixed" else self.hold("adaptive", AdaptivePlan(
             self.transport, self.sync_group, self.period, cfg.fragments, cfg.worker_speeds))
         """Adaptive inner steps: each worker's inner steps per round and the token weights (None: fixed)."""
-        self.arrival = Arrival(self.transport)
-        """Every worker waits for the slower ones before a sync, as long as a round of theirs can take (arrival.py)."""
+        self.arrival = Arrival(self.transport, self.sync_group)
+        """Every worker waits for the slower ones before a sync, as long as a round of theirs can take (arrival.py):
+        with adaptive inner steps here, before the plan's agreement; else in the outer sync, before its collectives."""
+        if self.adaptive is None:
+            self.outer.arrival = self.arrival
         self.adapter: SyncPeriod | None = None
         if cfg.adapt:  # H re-picked during the run (adapt.py); the outer sync runs on the adapter's schedule
             if self.transport.fault_tolerant:
@@ -278,8 +281,6 @@ class DiLoCo(Strategy):
                 if (self.steps + 1) % self.period == 0:  # the round's last inner step, on every worker
                     self.arrival.meet(self.accounting.idle)  # before the plan's agreement, the sync's first collective
                     self.adaptive.end_round()
-        if self.adaptive is None and self.outer.schedule.due(self.steps + 1):
-            self.arrival.meet(self.accounting.idle)
         extra = self.outer.after_inner_step(self.steps + 1, self.accounting.timed, self.accounting.idle)
         if extra["applied"] != -1:
             self.buffers.sync()

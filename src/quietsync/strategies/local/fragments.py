@@ -67,3 +67,5 @@ class Pending:
     """Inner step after which its merge is applied."""
     job: Job | None
     """The outer step running on the communication worker; None once it finished."""
+    patience_s: float | None = None
+    """How long the job may wait for slower workers before its collectives (arrival.py); None: it does not."""

@@ -46,6 +46,7 @@ from ..checkpoint.logical import SavedTensors
 from ..checkpoint.replicas import JoinRule
 from ..parts.part import Part
 from . import outer_checkpoint
+from .arrival import Arrival
 from .exchange import fragment_exchange
 from .fragments import FragmentSchedule, Pending, split_fragments, strided_fragments
 from .outer_config import OuterConfig
@@ -118,6 +119,8 @@ class OuterSync(Part):
         self.worker = CommWorker(transport.device, timeout_s=transport.timeout_s, name="quietsync-outer") \
             if self.tau > 0 else None
         self.pending: Pending | None = None
+        self.arrival: Arrival | None = None
+        """Set by a strategy whose workers meet before each sync (arrival.py); None: the sync's collectives wait."""
 
     # ------------------------------------------------------------------ when the recurrence runs
     def after_inner_step(self, step: int, timed: Callable[[Callable[[], Any], str], None],
@@ -134,7 +137,7 @@ class OuterSync(Part):
             f, job = self.pending.fragment, self.pending.job
             if job is not None:
                 with idle("outer_wait"):
-                    job.wait()
+                    self._wait_pending()
             r.merge(f, self.alpha)
             self.pending = None
             extra["applied"] = f
@@ -142,13 +145,32 @@ class OuterSync(Part):
             delta = r.pseudo_gradient(f)
             extra.update(synced=True, fragment=f, sync_bytes=self.exchanges[f].payload_bytes())
             if self.tau == 0:
+                if self.arrival is not None:
+                    self.arrival.meet(idle)
                 timed(lambda f=f, d=delta: r.outer_step(f, d), "outer_sync")
                 r.merge(f, 0.0)
                 extra["applied"] = f
             else:
-                job = self.worker.submit(r.outer_step, f, delta)
-                self.pending = Pending(f, step + self.tau, job)
+                patience = self.arrival.launch() if self.arrival is not None else None
+                job = self.worker.submit(self._launched, f, delta, patience)
+                self.pending = Pending(f, step + self.tau, job, patience)
         return extra
+
+    def _wait_pending(self) -> None:
+        """Wait for the sync in flight: the communication worker's timeout, plus the wait for slower workers it may
+        hold before its collectives (:meth:`_launched`)."""
+        assert self.pending is not None and self.pending.job is not None and self.worker is not None
+        patience = self.pending.patience_s
+        self.pending.job.wait(None if patience is None else patience + self.worker.timeout_s)
+        if self.arrival is not None and patience is not None:
+            self.arrival.joined()
+
+    def _launched(self, f: int, delta: torch.Tensor, patience: float | None) -> None:
+        """A sync in flight, on the communication thread: the slower workers launch it later, so it waits for them
+        here (off the main thread, behind the τ inner steps) before its collectives."""
+        if patience is not None:
+            self.transport.meet(patience, self.group)
+        self.recurrence.outer_step(f, delta)
 
     def finish(self, step: int, sync: bool, timed: Callable[[Callable[[], Any], str], None],
                idle: Callable[[str], Any], fragments: list[int] | None = None) -> list[int]:
@@ -160,7 +182,7 @@ class OuterSync(Part):
         if self.pending is not None:
             if self.pending.job is not None:
                 with idle("outer_wait"):
-                    self.pending.job.wait()
+                    self._wait_pending()
             self.pending = None
         if fragments is None:
             fragments = [f for f in range(self.F) if self.schedule.last_launch(f, step) < step]
@@ -176,7 +198,7 @@ class OuterSync(Part):
     def quiesce(self) -> None:
         """Wait for the fragment in flight (its outer step done; its merge stays due)."""
         if self.pending is not None and self.pending.job is not None:
-            self.pending.job.wait()
+            self._wait_pending()
             self.pending.job = None
 
     @contextmanager
