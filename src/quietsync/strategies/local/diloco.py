@@ -175,7 +175,8 @@ class DiLoCo(Strategy):
         self.adaptive = None if cfg.inner_steps == "fixed" else self.hold("adaptive", AdaptivePlan(
             self.transport, self.sync_group, self.period, cfg.fragments, cfg.worker_speeds))
         """Adaptive inner steps: each worker's inner steps per round and the token weights (None: fixed)."""
-        self.arrival = Arrival(self.transport, self.sync_group)
+        # a sync in flight (overlap_delay > 0) meets on the sync group's twin, from the communication thread
+        self.arrival = Arrival(self.transport, self.sync_group if cfg.overlap_delay > 0 else None)
         """Every worker waits for the slower ones before a sync, as long as a round of theirs can take (arrival.py):
         with adaptive inner steps here, before the plan's agreement; else in the outer sync, before its collectives."""
         if self.adaptive is None:
