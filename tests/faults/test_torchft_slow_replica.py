@@ -1,8 +1,8 @@
 """A slower replica group is waited for, not taken for a dead one (docs/faults.md, "Uneven replica groups").
 
 Two replica groups run synchronous DiLoCo under ``--fault-tolerance torchft``; replica group 1 is ~10x slower
-(``--slow-worker 1:10``), so it reaches each outer sync seconds after replica group 0 -- longer than
-``--timeout-s``, so replica group 0's collective times out and is asked again. Every sync still commits with both
+(``--slow-worker 1:10``), so it reaches the outer sync seconds after replica group 0 -- longer than
+``--timeout-s``, so replica group 0's collective times out and is asked again. The sync still commits with both
 (the slow one keeps sending heartbeats: the quorum waits for it), nobody heals or restarts, and the fast replica's
 wait is idle time in its step record, not compute.
 """
@@ -26,16 +26,16 @@ TIMEOUT_S = 2
 def test_a_slower_replica_group_is_waited_for_at_every_sync_and_the_wait_is_idle(tmp_path):
     out = tmp_path / "run"
     proc = train_subprocess(*small_job(tmp_path, nproc=2), "--nodes", "2", "--fault-tolerance", "torchft",
-                            "--strategy", "diloco", "--sync-every", str(H), "--max-steps", str(2 * H),
+                            "--strategy", "diloco", "--sync-every", str(H), "--max-steps", str(H),
                             "--slow-worker", "1:10", "--timeout-s", str(TIMEOUT_S), "--threads", "1",
                             "--no-export", "--out", str(out), timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "no replica group healed" in proc.stdout, proc.stdout[-2000:]
     fast, slow = ([json.loads(x) for x in (out / f"metrics-rank{r}.jsonl").read_text().splitlines()
                    if '"event"' not in x] for r in (0, 1))
-    assert [r["step"] for r in fast] == [r["step"] for r in slow] == list(range(1, 2 * H + 1))
+    assert [r["step"] for r in fast] == [r["step"] for r in slow] == list(range(1, H + 1))
     assert all(r["members"] == [0, 1] and r["healed"] == 0 for r in fast + slow)  # never left out, never healed
     syncs = [r for r in fast if r["step"] % H == 0]
-    assert any(r["retries"] for r in syncs), syncs  # the wait outlasted --timeout-s: the collective was asked again
+    assert syncs and all(r["retries"] for r in syncs), syncs  # the wait outlasted --timeout-s: asked again
     for r in syncs:  # the fast replica waited seconds for the slow one: idle, as a collective's wait is
         assert r["idle_s"] > TIMEOUT_S and r["compute_s"] < r["idle_s"], r
