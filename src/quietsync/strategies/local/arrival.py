@@ -4,12 +4,12 @@ Local SGD and DiLoCo meet only at outer syncs, so a worker ``k`` times slower th
 ``(k - 1)`` rounds of the fastest's compute after it: 100 s at H = 500, 1-s steps and k = 1.2. A collective's
 timeout (``--timeout-s``) is there to catch a worker that died or hangs; counted against that lag, it stopped a
 run whose workers were merely uneven. So every worker first *meets* the others (:meth:`Transport.meet`, one
-control-group collective) with a patience of ``max(--timeout-s, SYNC_PATIENCE x`` its own seconds since the last
-sync``)`` -- a peer may take up to ``1 + SYNC_PATIENCE`` times this worker's round -- and then runs the sync's
-collectives, which start together and keep ``--timeout-s``. The wait is idle time (``sync_arrival``). A sync in
-flight behind ``overlap_delay`` inner steps (Streaming DiLoCo) meets on its communication thread, so those steps
-still hide the wait. With
-``inner_steps = adaptive`` (docs/local.md) the slower workers take fewer inner steps and the lag all but goes.
+collective with its own timeout), with a patience of ``max(--timeout-s, SYNC_PATIENCE x`` its own seconds since
+the workers last met``)`` -- a peer may take up to ``1 + SYNC_PATIENCE`` times this worker's round -- and then
+runs the sync's collectives, which start together and keep ``--timeout-s``. The wait is idle time
+(``sync_arrival``). A sync in flight behind ``overlap_delay`` inner steps (Streaming DiLoCo) meets on its
+communication thread, so those steps still hide the wait. With ``inner_steps = adaptive`` (docs/local.md) the
+slower workers take fewer inner steps and the lag all but goes.
 """
 
 from __future__ import annotations
