@@ -48,11 +48,7 @@ class Arrival:
             self.transport.meet(patience)
         self.since = time.perf_counter()
 
-    def launch(self) -> float:
-        """The patience of a sync launched now onto a communication thread, which meets the others there (on the
-        sync group's twin) before its collectives, so the inner steps in flight still hide the wait."""
-        return self.patience_s()
-
     def joined(self) -> None:
-        """A sync launched by :meth:`launch` finished: every worker was there, so this worker's round restarts."""
+        """A sync in flight (met on its communication thread) finished: every worker was there, so this worker's
+        round restarts."""
         self.since = time.perf_counter()

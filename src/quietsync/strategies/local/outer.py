@@ -151,7 +151,7 @@ class OuterSync(Part):
                 r.merge(f, 0.0)
                 extra["applied"] = f
             else:
-                patience = self.arrival.launch() if self.arrival is not None else None
+                patience = self.arrival.patience_s() if self.arrival is not None else None  # met on the comm thread
                 job = self.worker.submit(self._launched, f, delta, patience)
                 self.pending = Pending(f, step + self.tau, job, patience)
         return extra
