@@ -10,12 +10,46 @@ elsewhere.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
 from ..strategies.declaration import ReplicaPolicy
 from ..strategies.registry import declaration
 from .support import refusal, skip_problem
+
+QUORUM_TIMEOUT_S = 120.0
+"""The longest a round start waits for the Lighthouse and the other replicas, unless ``--timeout-s`` or
+:data:`QUORUM_TIMEOUT_ENV` says more (a replica that restarts after the run ended waits this long, then stops)."""
+
+QUORUM_TIMEOUT_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
+"""torchft's own variable for the quorum timeout, which takes precedence in its Manager: quietsync's waits follow it
+too, so the two agree."""
+
+
+def quorum_timeout_problem() -> str | None:
+    """Why :data:`QUORUM_TIMEOUT_ENV` is not a usable number of seconds, or None (unset or fine)."""
+    raw = os.environ.get(QUORUM_TIMEOUT_ENV)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        return f"--fault-tolerance torchft: {QUORUM_TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}"
+    return None
+
+
+def quorum_timeout_s(timeout_s: float) -> float:
+    """How long a quorum waits for the Lighthouse and the other replicas: :data:`QUORUM_TIMEOUT_ENV` where set, else
+    the larger of :data:`QUORUM_TIMEOUT_S` and ``timeout_s`` (``--timeout-s``)."""
+    why = quorum_timeout_problem()
+    if why:
+        raise ValueError(why)
+    raw = os.environ.get(QUORUM_TIMEOUT_ENV)
+    return float(raw) if raw is not None else max(QUORUM_TIMEOUT_S, timeout_s)
+
 
 UNSUPPORTED = {
     "elastic": "--elastic and --fault-tolerance torchft are two ways to survive lost nodes: choose one (torchft: no "
@@ -52,6 +86,8 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
         return None
     if importlib.util.find_spec("torchft") is None:
         return "--fault-tolerance torchft needs the torchft package: pip install 'quietsync[ft]'"
+    if quorum_timeout_problem():
+        return quorum_timeout_problem()
     facts = declaration(cfg.strategy).faults  # what the strategy declares for torchft: its one look-up here
     why = refusal(cfg.strategy, facts)
     if why or not isinstance(facts, ReplicaPolicy):

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import time
 import traceback
@@ -62,6 +63,7 @@ from typing import Any
 import torch
 
 from ..errors import cause_chain
+from ..strategies.local.arrival import SYNC_PATIENCE
 from .peer_checkpoint import PeerCheckpoint
 from .replica_group import replica_id
 from .transport import FaultTolerantTransport, ReplicaLost
@@ -162,6 +164,8 @@ class ReplicaQuorum:
         self._loads: dict[str, Callable[[Any], None]] = {}
         self._listeners: list[Callable[[list[int], int], None]] = []
         self._running = False
+        self.since = time.monotonic()
+        """When this replica last committed a unit or started a round: a unit's patience is timed from there."""
         self.round_due = True
         """Whether a round boundary is due (a commit happened since the last quorum; or nothing yet)."""
         self.joined = False
@@ -271,18 +275,30 @@ class ReplicaQuorum:
                 raise NoQuorum(f"no quorum formed within {self.quorum_timeout_s:g}s "
                                f"({self.manager.errored() or 'not a participant'})")
         self.round_due = False
+        self.since = time.monotonic()
         self._marks["returned"] = time.time()
         if (self.transport.replica_group.generation != generation or self.checkpoint.sent_bytes != sent
                 or self.healed != before):
             self.rounds.append(self._phases(sent_bytes=self.checkpoint.sent_bytes - sent))
         return self.healed > before
 
-    def _ask(self, allow_heal: bool, shrink_only: bool = False) -> None:
-        """torchft's ``start_quorum``, asked again while the Lighthouse does not answer (module docstring), at most
-        ``quorum_timeout_s`` in all (:class:`NoQuorum`, naming the Lighthouse)."""
+    def patience_s(self) -> float:
+        """How long a unit waits for the other replica groups in all: ``quorum_timeout_s``, or ``SYNC_PATIENCE``
+        times this replica's seconds since its last commit or round start where that is longer -- a slower replica
+        group, still heartbeating, reaches a local strategy's outer sync up to that many of this one's rounds later
+        (the rule of :mod:`~quietsync.strategies.local.arrival`)."""
+        return max(self.quorum_timeout_s, SYNC_PATIENCE * (time.monotonic() - self.since))
+
+    def _ask(self, allow_heal: bool, shrink_only: bool = False, patience_s: float | None = None,
+             deadline: float | None = None) -> None:
+        """torchft's ``start_quorum``, asked again while the Lighthouse does not answer (module docstring), until
+        ``deadline`` (``time.monotonic()``; default ``patience_s`` from now, itself ``quorum_timeout_s`` by default:
+        :class:`NoQuorum`, naming the Lighthouse, or the replica groups that did not come)."""
         from .lighthouse import reachable
 
-        deadline = time.monotonic() + self.quorum_timeout_s
+        patience = self.quorum_timeout_s if patience_s is None else patience_s
+        if deadline is None:
+            deadline = time.monotonic() + patience
         lost = False
         while True:
             # floored: near the deadline the time left may be zero or negative
@@ -298,20 +314,23 @@ class ReplicaQuorum:
                     others = [k for k in self.members if k != self.transport.replica]
                     if why is None and shrink_only and others:  # inside a unit: a live member has not reached it
                         raise NoQuorum(
-                            f"quietsync: replica group {self.transport.replica}: no quorum for "
-                            f"{self.quorum_timeout_s:g}s inside a collective: the Lighthouse at {self.lighthouse} "
-                            f"is up, and replica group(s) {others} of the last quorum, alive, have not reached this "
-                            "collective: slower ones, whose sync comes later; the replica stops. To wait longer for "
-                            f"slower replica groups, give --timeout-s above {self.quorum_timeout_s:g}") from None
+                            f"quietsync: replica group {self.transport.replica}: no quorum for {patience:g}s inside "
+                            f"a collective: the Lighthouse at {self.lighthouse} is up, and replica group(s) {others} "
+                            "of the last quorum, alive, have not reached this collective in "
+                            f"{SYNC_PATIENCE:g} of this replica's rounds (more than {SYNC_PATIENCE + 1:g}x slower, "
+                            "or hung); the replica stops. To wait longer for slower replica groups, "
+                            f"{_longer(patience)}") from None
                     raise NoQuorum(f"quietsync: replica group {self.transport.replica}: the Lighthouse at "
-                                   f"{self.lighthouse} answered no quorum request for {self.quorum_timeout_s:g}s ("
+                                   f"{self.lighthouse} answered no quorum request for {patience:g}s ("
                                    f"{why or 'it is up, but formed no quorum'}); the replica stops") from None
+                if why is None and shrink_only and any(k != self.transport.replica for k in self.members):
+                    continue  # the Lighthouse is up and waits for a slower member of the last quorum: no outage
                 if not lost:  # said once per outage, not at every attempt
                     lost = True
                     self.lighthouse_lost += 1
                     print(f"quietsync: replica group {self.transport.replica}: the Lighthouse at {self.lighthouse} did "
                           f"not answer a quorum request within {attempt:g}s ({why or 'it is up'}); asking again, for "
-                          f"at most {self.quorum_timeout_s:g}s", file=sys.stderr, flush=True)
+                          f"at most {patience:g}s", file=sys.stderr, flush=True)
                 continue
             if lost:
                 print(f"quietsync: replica group {self.transport.replica}: the Lighthouse at {self.lighthouse} "
@@ -340,9 +359,10 @@ class ReplicaQuorum:
         rounds, self.rounds = self.rounds, []
         return rounds
 
-    def _regroup(self) -> None:
-        """A quorum inside a round: the previous members still alive, no join, no heal."""
-        self._ask(allow_heal=False, shrink_only=True)
+    def _regroup(self, patience_s: float | None = None, deadline: float | None = None) -> None:
+        """A quorum inside a round: the previous members still alive, no join, no heal (asked until ``deadline``, a
+        unit's :meth:`patience_s` from its start; see :meth:`_ask`)."""
+        self._ask(allow_heal=False, shrink_only=True, patience_s=patience_s, deadline=deadline)
         if self.manager.participating_rank() is None:
             raise FellBehind("quietsync: this replica missed a commit the other replicas made (its collective failed "
                              "where theirs succeeded); it stops, and once restarted it heals from a live peer")
@@ -351,14 +371,16 @@ class ReplicaQuorum:
     def run(self, op: Callable[[], Any], restore: Sequence[torch.Tensor]) -> Any:
         """``op()`` (collectives over the replicate dimension) committed by the quorum: retried with the same
         inputs (``restore`` are put back first: tensors ``op`` changes in place) among the survivors until a
-        quorum commits it, or ``quorum_timeout_s`` has passed (:class:`NoQuorum`)."""
+        quorum commits it, or :meth:`patience_s` has passed (:class:`NoQuorum`): a slower replica group is waited
+        for, not taken for a dead one (the Lighthouse keeps it in the quorum while it sends heartbeats)."""
         if self._running:  # inside a unit already run here (Transport.across_replicas): its failure is the unit's
             return op()
+        patience = self.patience_s()
+        deadline = time.monotonic() + patience
         if self.round_due:  # a commit since the last quorum: this unit asks for its own (mid-round: no joins)
-            self._regroup()
+            self._regroup(patience, deadline)
         # cloned before the first attempt: a failed collective may leave them half-reduced
         saved = [t.detach().clone() for t in restore]
-        deadline = time.monotonic() + self.quorum_timeout_s
         while True:
             dropped = None
             attempt = time.perf_counter()
@@ -391,11 +413,10 @@ class ReplicaQuorum:
                 return out
             self.retries += 1
             if time.monotonic() > deadline:
-                raise NoQuorum(f"quietsync: no quorum of replicas committed a collective within "
-                               f"{self.quorum_timeout_s:g}s")
+                raise NoQuorum(f"quietsync: no quorum of replicas committed a collective within {patience:g}s")
             regroup = time.perf_counter()
             try:
-                self._regroup()
+                self._regroup(patience, deadline)
             finally:
                 self._waited(time.perf_counter() - regroup)
 
@@ -428,6 +449,7 @@ class ReplicaQuorum:
 
     def _committed(self) -> None:
         self.commits += 1
+        self.since = time.monotonic()
         self.round_due = True
         self.abstains = False
         # the replica groups whose contribution the commit holds (an abstaining one's windows go back)
@@ -444,6 +466,16 @@ class ReplicaQuorum:
     def shutdown(self) -> None:
         """Stop this replica's manager server and the peer checkpoint (local; the others see it leave)."""
         self.manager.shutdown(wait=False)
+
+
+def _longer(patience_s: float) -> str:
+    """What makes a unit wait longer than ``patience_s``: the quorum timeout where the user set it, else
+    ``--timeout-s``."""
+    from .flags import QUORUM_TIMEOUT_ENV
+
+    if os.environ.get(QUORUM_TIMEOUT_ENV) is not None:
+        return f"set {QUORUM_TIMEOUT_ENV} above {patience_s:g}"
+    return f"give --timeout-s above {patience_s:g}"
 
 
 def _clear_frames(error: BaseException) -> None:

@@ -44,6 +44,7 @@ import torch
 from ..cli.launch import note_failure
 from ..data.sequences import ShardedSequences, eval_batches
 from ..faults.async_join import abstain_micro_batch, async_join_problem
+from ..faults.flags import QUORUM_TIMEOUT_S, quorum_timeout_s
 from ..faults.heal import heal_state, load_heal_state
 from ..faults.inject import hold, poison, reached, ready
 from ..faults.quorum import ReplicaQuorum
@@ -72,11 +73,6 @@ from .window_dealer import WindowDealer
 HOST_ENV = "QUIETSYNC_FT_HOST"
 """The address other replica groups reach this one at (default: 127.0.0.1 when the Lighthouse is on this machine's
 loopback, else the host name)."""
-
-QUORUM_TIMEOUT_S = 120.0
-"""The longest a round start waits for the Lighthouse and the other replicas (a replica that restarts after the
-run ended waits this long, then stops)."""
-
 
 def advertised_host(lighthouse: str) -> str:
     """The address the other replica groups reach this one at (:data:`HOST_ENV`)."""
@@ -256,7 +252,7 @@ def run_replica(cfg: Any, strategy_config: StrategyConfig | None, replica: int, 
         def connect() -> tuple[Any, ReplicaQuorum]:
             address, server = replica_store(transport, host, cfg.timeout_s)
             manager = ReplicaQuorum(transport, lighthouse, address, timeout_s=cfg.timeout_s,
-                                    quorum_timeout_s=max(QUORUM_TIMEOUT_S, cfg.timeout_s), hostname=host)
+                                    quorum_timeout_s=quorum_timeout_s(cfg.timeout_s), hostname=host)
             marks["manager"] = time.time()
             return server, manager
 
