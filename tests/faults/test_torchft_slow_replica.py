@@ -55,3 +55,31 @@ def test_a_quorum_timeout_that_is_not_a_positive_number_is_refused_in_one_line(t
     line = refused(monkeypatch, capsys, *small_job(tmp_path, nproc=2), "--nodes", "2", "--fault-tolerance",
                    "torchft", "--strategy", "diloco")
     assert "TORCHFT_QUORUM_TIMEOUT_SEC must be a positive number of seconds" in line and repr(value) in line, line
+
+
+def test_the_lighthouse_status_names_its_last_quorums_members_so_a_replica_left_out_knows_it():
+    """A replica group that reaches a collective after the others went on without it (more than half asked and the
+    Lighthouse's join timeout passed) learns it from the Lighthouse's status page: no incarnation of it is in the
+    last quorum (``ReplicaQuorum._left_out``), so it stops at once and heals, rather than waiting out its patience."""
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    from quietsync.faults.lighthouse import latest_members
+    from quietsync.faults.replica_group import replica_id
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        address = server.address()
+        assert latest_members(address, 5.0) is None  # no quorum formed yet
+        me = f"{replica_id(1)}:incarnation-a"
+        LighthouseClient(address, connect_timeout=timedelta(seconds=5)).quorum(replica_id=me,
+                                                                                 timeout=timedelta(seconds=5))
+        members = latest_members(address, 5.0)
+        assert members == [me], members
+        # replica group 1's prefix is in it; replica group 0's and 10's are not (the ':' ends the group's id)
+        assert any(m.startswith(replica_id(1) + ":") for m in members)
+        assert not any(m.startswith(replica_id(0) + ":") or m.startswith(replica_id(10) + ":") for m in members)
+    finally:
+        server.shutdown()
+    assert latest_members(address, 2.0) is None  # gone: nothing to read

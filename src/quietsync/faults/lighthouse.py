@@ -15,6 +15,7 @@ to each as ``--lighthouse HOST:PORT``. Its knobs (torchft's own, defaults chosen
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -70,6 +71,20 @@ def reachable(address: str, timeout_s: float) -> str | None:
         return str(e.reason)
     except (OSError, ValueError) as e:
         return str(e)
+
+
+def latest_members(address: str, timeout_s: float) -> list[str] | None:
+    """The replica ids (torchft's, ``<replica group's id>:<incarnation>``) of the last quorum the Lighthouse at
+    ``address`` formed, read from its status page; None when it formed none yet or does not answer."""
+    try:
+        with urllib.request.urlopen(http_address(address).rstrip("/") + "/status", timeout=timeout_s) as reply:
+            page = reply.read().decode(errors="replace")
+    except (OSError, ValueError):  # URLError is an OSError
+        return None
+    if "Previous quorum id:" not in page:
+        return None
+    # each member of the previous quorum is a <div class="member ..."> opening with its id in bold
+    return re.findall(r'<div class="member[^"]*"\s*>\s*<b>([^<]*)</b>', page)
 
 
 def lighthouse_main(argv: list[str]) -> int:

@@ -324,6 +324,12 @@ class ReplicaQuorum:
                                    f"{self.lighthouse} answered no quorum request for {patience:g}s ("
                                    f"{why or 'it is up, but formed no quorum'}); the replica stops") from None
                 if why is None and shrink_only and any(k != self.transport.replica for k in self.members):
+                    if self._left_out():
+                        raise FellBehind(
+                            f"quietsync: replica group {self.transport.replica} reached this collective after the "
+                            "other replica groups had gone on without it (the Lighthouse forms a quorum without a "
+                            "heartbeating replica group once more than half of them ask and its --join-timeout-ms "
+                            "has passed); it stops, and once restarted it heals from them") from None
                     continue  # the Lighthouse is up and waits for a slower member of the last quorum: no outage
                 if not lost:  # said once per outage, not at every attempt
                     lost = True
@@ -336,6 +342,15 @@ class ReplicaQuorum:
                 print(f"quietsync: replica group {self.transport.replica}: the Lighthouse at {self.lighthouse} "
                       "answered again; training goes on", file=sys.stderr, flush=True)
             return
+
+    def _left_out(self) -> bool:
+        """Whether the Lighthouse's last quorum holds no incarnation of this replica group: the others went on
+        without it while it was still in a unit of theirs."""
+        from .lighthouse import latest_members
+
+        members = latest_members(self.lighthouse, 2.0)
+        mine = replica_id(self.transport.replica) + ":"
+        return members is not None and not any(m.startswith(mine) for m in members)
 
     def _phases(self, sent_bytes: int) -> dict[str, Any]:
         """A round start that changed the quorum, as seconds from the request (``asked``, wall clock ``unix_s``):
