@@ -164,6 +164,7 @@ class ReplicaQuorum:
         self._loads: dict[str, Callable[[Any], None]] = {}
         self._listeners: list[Callable[[list[int], int], None]] = []
         self._running = False
+        self._deadline = 0.0
         self.since = time.monotonic()
         """When this replica last committed a unit or started a round: a unit's patience is timed from there."""
         self.round_due = True
@@ -391,7 +392,7 @@ class ReplicaQuorum:
         if self._running:  # inside a unit already run here (Transport.across_replicas): its failure is the unit's
             return op()
         patience = self.patience_s()
-        deadline = time.monotonic() + patience
+        deadline = self._deadline = time.monotonic() + patience
         if self.round_due:  # a commit since the last quorum: this unit asks for its own (mid-round: no joins)
             self._regroup(patience, deadline)
         # cloned before the first attempt: a failed collective may leave them half-reduced
@@ -452,7 +453,8 @@ class ReplicaQuorum:
         flags = torch.zeros(3 * n, dtype=torch.int64, device=self.transport.device)
         flags[me], flags[n + me] = self.verdict
         flags[2 * n + me] = 0 if self.abstains else 1
-        self.transport.vote(flags)
+        # the unit's meeting: a slower replica group is waited for here, up to what is left of the unit's patience
+        self.transport.vote(flags, max(0.5, self._deadline - time.monotonic()))
         self._contributors = [k for k in range(n) if int(flags[2 * n + k])]
         verdicts = {k: (int(flags[k]), int(flags[n + k])) for k in range(n) if int(flags[k])}
         return RoundDropped(verdicts) if verdicts else None
