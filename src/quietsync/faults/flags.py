@@ -86,8 +86,9 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
         return None
     if importlib.util.find_spec("torchft") is None:
         return "--fault-tolerance torchft needs the torchft package: pip install 'quietsync[ft]'"
-    if quorum_timeout_problem():
-        return quorum_timeout_problem()
+    why = quorum_timeout_problem()
+    if why:
+        return why
     facts = declaration(cfg.strategy).faults  # what the strategy declares for torchft: its one look-up here
     why = refusal(cfg.strategy, facts)
     if why or not isinstance(facts, ReplicaPolicy):

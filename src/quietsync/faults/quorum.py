@@ -31,6 +31,11 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   :mod:`~quietsync.faults.async_join`): the unit's averages divide by their number (:attr:`contributing`), and the
   commit holds their data only.
 
+  The vote is also where the replicas meet: it waits for the others as long as the unit's patience
+  (:meth:`ReplicaQuorum.patience_s`: the quorum timeout, or 9 of this replica's rounds where longer), so a slower
+  replica group, alive, is waited for there -- without a quorum request, which the Lighthouse would answer without
+  a heartbeating minority once its join timeout passed.
+
 * **a lost Lighthouse** — the replicas go on: a quorum request the Lighthouse does not answer within
   :data:`LIGHTHOUSE_ATTEMPT_S` is asked again (torchft 0.2.0's manager never answers a request whose Lighthouse
   call failed -- its own "resulting in a hang" -- until the request's timeout; asked again, the request reaches a

@@ -162,8 +162,9 @@ class FaultTolerantTransport(Transport):
         return run
 
     def meet(self, patience_s: float, group: str | None = None) -> None:
-        """Nothing: replicas wait for one another inside the quorum's units (a slower replica group is asked again,
-        not dropped: docs/faults.md, "Uneven replica groups"), and a replica group's own workers step together."""
+        """Nothing: replicas wait for one another in the vote that opens each of the quorum's units (:meth:`vote`,
+        with the unit's patience: docs/faults.md, "Uneven replica groups"), and a replica group's own workers step
+        together."""
 
     def ready_control(self, group: str | None = None) -> None:
         """Nothing to create (see :meth:`meet`)."""

@@ -74,6 +74,7 @@ HOST_ENV = "QUIETSYNC_FT_HOST"
 """The address other replica groups reach this one at (default: 127.0.0.1 when the Lighthouse is on this machine's
 loopback, else the host name)."""
 
+
 def advertised_host(lighthouse: str) -> str:
     """The address the other replica groups reach this one at (:data:`HOST_ENV`)."""
     if os.environ.get(HOST_ENV):
