@@ -4,7 +4,7 @@ Three replica groups run synchronous DiLoCo under ``--fault-tolerance torchft``;
 (``--slow-worker 2:6``), so it reaches the outer sync many seconds after the other two: longer than ``--timeout-s``,
 than the quorum timeout (torchft's ``TORCHFT_QUORUM_TIMEOUT_SEC``, lowered here so the lag outlasts it) and than the
 Lighthouse's join timeout (10 s), after which a quorum asked for by the two fast ones would form without it. The
-fast ones wait in the unit's first collective (the vote) as long as its patience: 9 of their rounds. So the sync
+fast ones meet it in the quorum's store before the unit, as long as its patience: 9 of their rounds. So the sync
 commits with all three, nobody retries, heals or restarts, and the fast replicas' wait is idle time in their step
 records, not compute. A quorum timeout that is not a positive number is refused before any worker starts.
 """
@@ -41,7 +41,7 @@ def test_a_slower_minority_is_waited_for_at_every_sync_past_the_timeouts_and_the
                 if '"event"' not in x] for r in range(3)]
     assert all([r["step"] for r in rows] == list(range(1, H + 1)) for rows in records)
     assert all(r["members"] == [0, 1, 2] and r["healed"] == 0 for rows in records for r in rows)  # none left out
-    for rows in records[:2]:  # the fast ones waited in the vote, past the quorum timeout: idle, and no retry
+    for rows in records[:2]:  # the fast ones waited at the meeting, past the quorum timeout: idle, and no retry
         sync = rows[H - 1]
         assert sync["retries"] == 0 and sync["idle_s"] > QUORUM_TIMEOUT_S and sync["compute_s"] < sync["idle_s"], sync
 
@@ -81,4 +81,70 @@ def test_the_lighthouse_status_names_its_last_quorums_members_so_a_replica_left_
         assert not any(m.startswith(replica_id(0) + ":") or m.startswith(replica_id(10) + ":") for m in members)
     finally:
         server.shutdown()
-    assert latest_members(address, 2.0) is None  # gone: nothing to read
+    assert latest_members(f"127.0.0.1:{_closed_port()}", 2.0) is None  # nothing answers: nothing to read
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound for a moment, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _store():
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+
+
+def test_the_replicas_meet_in_the_store_and_a_silent_or_late_one_ends_the_meeting():
+    """Before a unit every member sets its key in the quorum's store and waits for the others' (faults/meeting.py):
+    a slower one is waited for as long as it arrives before the deadline; one whose heartbeats stopped (frozen, its
+    connections open) ends the wait at the first slice after it is found silent; past the deadline it is late."""
+    import threading
+    import time
+
+    from quietsync.faults.meeting import ARRIVED, meet
+
+    store = _store()
+    later = threading.Timer(0.6, lambda: store.set(f"{ARRIVED}/7/1", b"1"))  # replica group 1 arrives 0.6 s later
+    later.start()
+    asked = []
+    t0 = time.monotonic()
+    assert meet(store, 7, 0, [1], time.monotonic() + 30, lambda: asked.append(1) or True, alive_every_s=0.2) is None
+    assert 0.5 < time.monotonic() - t0 < 5 and asked  # it waited for the late one, asking after the others meanwhile
+    assert store.check([f"{ARRIVED}/7/0"])  # and said it was there
+
+    answers = iter([True, False])
+    t0 = time.monotonic()
+    assert meet(store, 8, 0, [1, 2], time.monotonic() + 30, lambda: next(answers), alive_every_s=0.2) == "silent"
+    assert time.monotonic() - t0 < 5  # at the second slice, not at the deadline
+
+    assert meet(store, 9, 0, [1], time.monotonic() + 0.3, lambda: True, alive_every_s=0.1) == "late"
+    store.set(f"{ARRIVED}/10/1", b"1")
+    assert meet(store, 10, 0, [1], time.monotonic() + 0.3, lambda: pytest.fail("no wait")) is None
+
+
+def test_the_lighthouse_status_names_the_replicas_whose_heartbeats_stopped():
+    import time
+    from datetime import timedelta
+
+    from torchft._torchft import LighthouseClient, LighthouseServer
+
+    from quietsync.faults.lighthouse import stale_heartbeats
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
+    try:
+        address = server.address()
+        client = LighthouseClient(address, connect_timeout=timedelta(seconds=5))
+        client.heartbeat("quietsync_replica_0:a")  # and nothing more: a frozen replica's last word
+        time.sleep(1.3)  # past the heartbeat timeout
+        client.heartbeat("quietsync_replica_1:b")  # just seen
+        assert stale_heartbeats(address, 5.0) == ["quietsync_replica_0:a"]
+    finally:
+        server.shutdown()
+    assert stale_heartbeats(f"127.0.0.1:{_closed_port()}", 2.0) is None  # nothing answers: nothing to read

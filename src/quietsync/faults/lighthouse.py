@@ -87,6 +87,19 @@ def latest_members(address: str, timeout_s: float) -> list[str] | None:
     return re.findall(r'<div class="member[^"]*"\s*>\s*<b>([^<]*)</b>', page)
 
 
+def stale_heartbeats(address: str, timeout_s: float) -> list[str] | None:
+    """The replica ids whose last heartbeat the Lighthouse at ``address`` counts as too old (past its
+    ``--heartbeat-timeout-ms``: dead, or frozen), read from its status page; None when it does not answer."""
+    try:
+        with urllib.request.urlopen(http_address(address).rstrip("/") + "/status", timeout=timeout_s) as reply:
+            page = reply.read().decode(errors="replace")
+    except (OSError, ValueError):  # URLError is an OSError
+        return None
+    # <li class="heartbeat [old]">ID: seen T ago</li>; an id holds a ':' of its own (group:incarnation)
+    return [rid.strip() for cls, rid in re.findall(r'<li class="heartbeat([^"]*)">\s*(.*?): seen ', page, re.S)
+            if "old" in cls.split()]
+
+
 def lighthouse_main(argv: list[str]) -> int:
     """``quietsync lighthouse``: run a Lighthouse until interrupted (SIGINT/SIGTERM); prints its address."""
     from ..cli.flags import OneLineParser
@@ -126,5 +139,5 @@ def lighthouse_main(argv: list[str]) -> int:
     return 0
 
 
-__all__ = ["HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "LighthouseConfig", "http_address", "lighthouse_main",
-           "reachable", "start_lighthouse"]
+__all__ = ["HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "LighthouseConfig", "http_address", "latest_members",
+           "lighthouse_main", "reachable", "stale_heartbeats", "start_lighthouse"]

@@ -31,10 +31,10 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   :mod:`~quietsync.faults.async_join`): the unit's averages divide by their number (:attr:`contributing`), and the
   commit holds their data only.
 
-  The vote is also where the replicas meet: it waits for the others as long as the unit's patience
-  (:meth:`ReplicaQuorum.patience_s`: the quorum timeout, or 9 of this replica's rounds where longer), so a slower
-  replica group, alive, is waited for there -- without a quorum request, which the Lighthouse would answer without
-  a heartbeating minority once its join timeout passed.
+  Before the vote the replicas meet (:mod:`~quietsync.faults.meeting`): each waits in the quorum's store for the
+  others to reach the unit, as long as the unit's patience (:meth:`ReplicaQuorum.patience_s`: the quorum timeout,
+  or 9 of this replica's rounds where longer), so a slower replica group, alive, is waited for there -- without a
+  quorum request, which the Lighthouse would answer without a heartbeating minority once its join timeout passed.
 
 * **a lost Lighthouse** — the replicas go on: a quorum request the Lighthouse does not answer within
   :data:`LIGHTHOUSE_ATTEMPT_S` is asked again (torchft 0.2.0's manager never answers a request whose Lighthouse
@@ -69,6 +69,7 @@ import torch
 
 from ..errors import cause_chain
 from ..strategies.local.arrival import SYNC_PATIENCE
+from .meeting import meet
 from .peer_checkpoint import PeerCheckpoint
 from .replica_group import replica_id
 from .transport import FaultTolerantTransport, ReplicaLost
@@ -122,6 +123,7 @@ class _Renumbered:
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         result = self._client._quorum(*args, **kwargs)
         self._group.quorum_step = int(result.max_step)
+        self._group.member_ids = list(result.replica_ids)
         return _Answer(result, quorum_number(result.quorum_id, result.replica_ids))
 
     def __getattr__(self, name: str) -> Any:
@@ -169,7 +171,6 @@ class ReplicaQuorum:
         self._loads: dict[str, Callable[[Any], None]] = {}
         self._listeners: list[Callable[[list[int], int], None]] = []
         self._running = False
-        self._deadline = 0.0
         self.since = time.monotonic()
         """When this replica last committed a unit or started a round: a unit's patience is timed from there."""
         self.round_due = True
@@ -349,6 +350,30 @@ class ReplicaQuorum:
                       "answered again; training goes on", file=sys.stderr, flush=True)
             return
 
+    def _meet(self, deadline: float) -> None:
+        """Wait for the other members of the quorum to reach this unit (:mod:`~quietsync.faults.meeting`), until
+        ``deadline``, booked as idle time; a meeting that ends without them leaves it to the unit's collectives."""
+        group = self.transport.replica_group
+        others = [k for k in group.members if k != self.transport.replica]
+        if group.store is None or group.group is None or not others:
+            return
+        started = time.perf_counter()
+        try:
+            meet(group.store, self.manager.current_step(), self.transport.replica, others, deadline,
+                 self._others_alive)
+        finally:
+            self._waited(time.perf_counter() - started)
+
+    def _others_alive(self) -> bool:
+        """Whether every other member of the current quorum still sends heartbeats, as far as the Lighthouse says (a
+        Lighthouse that does not answer says nothing: True): a replica waiting for a frozen one learns it here."""
+        from .lighthouse import stale_heartbeats
+
+        stale = stale_heartbeats(self.lighthouse, 2.0)
+        mine = replica_id(self.transport.replica) + ":"
+        return stale is None or not any(m in stale for m in self.transport.replica_group.member_ids
+                                        if not m.startswith(mine))
+
     def _left_out(self) -> bool:
         """Whether the Lighthouse's last quorum holds no incarnation of this replica group: the others went on
         without it while it was still in a unit of theirs."""
@@ -397,9 +422,11 @@ class ReplicaQuorum:
         if self._running:  # inside a unit already run here (Transport.across_replicas): its failure is the unit's
             return op()
         patience = self.patience_s()
-        deadline = self._deadline = time.monotonic() + patience
+        deadline = time.monotonic() + patience
         if self.round_due:  # a commit since the last quorum: this unit asks for its own (mid-round: no joins)
             self._regroup(patience, deadline)
+        if patience > self.timeout_s:  # a wait the unit's collectives would not make: meet first
+            self._meet(deadline)
         # cloned before the first attempt: a failed collective may leave them half-reduced
         saved = [t.detach().clone() for t in restore]
         while True:
@@ -458,8 +485,7 @@ class ReplicaQuorum:
         flags = torch.zeros(3 * n, dtype=torch.int64, device=self.transport.device)
         flags[me], flags[n + me] = self.verdict
         flags[2 * n + me] = 0 if self.abstains else 1
-        # the unit's meeting: a slower replica group is waited for here, up to what is left of the unit's patience
-        self.transport.vote(flags, max(0.5, self._deadline - time.monotonic()))
+        self.transport.vote(flags)
         self._contributors = [k for k in range(n) if int(flags[2 * n + k])]
         verdicts = {k: (int(flags[k]), int(flags[n + k])) for k in range(n) if int(flags[k])}
         return RoundDropped(verdicts) if verdicts else None

@@ -84,6 +84,9 @@ class ReplicaProcessGroup(TorchftProcessGroup):
             CONNECT_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s)))
         self.group: Any = None
         """The c10d group of the current quorum (None before the first quorum)."""
+        self.store: Any = None
+        """The current quorum's store, under this group's prefix (None before the first quorum): the replicas meet in
+        it before a unit (:mod:`~quietsync.faults.meeting`)."""
         self.rank = 0
         """This replica's rank in the current quorum."""
         self.world = 1
@@ -91,6 +94,9 @@ class ReplicaProcessGroup(TorchftProcessGroup):
         self.members: list[int] = []
         """Replica group indices of the current quorum's members, in rank order."""
         self.quorum_id: int | None = None
+        self.member_ids: list[str] = []
+        """torchft's replica ids (``<replica group's id>:<incarnation>``) of the last quorum's members (set by its
+        answer)."""
         self.quorum_step = 0
         """The step of the quorum being configured (set by the quorum's answer): part of the store prefix, so a
         Lighthouse started again, whose quorum numbers repeat, never meets an earlier quorum's keys."""
@@ -116,6 +122,7 @@ class ReplicaProcessGroup(TorchftProcessGroup):
             self.members = [int(g) // width for g in (global_ranks or [])] or [0]
             store = _store_client(f"{store_addr}/{self.quorum_step}", self.connect_timeout)
             self.group = connect_gloo(store, rank, world_size, self.timeout, self.connect_timeout)
+            self.store = store
             self.rank, self.world, self.quorum_id = int(rank), int(world_size), quorum_id
             self.generation += 1
             self.connecting = (started, time.time())
@@ -135,7 +142,7 @@ class ReplicaProcessGroup(TorchftProcessGroup):
     def _release(self) -> None:
         """Drop this object's and the listeners' references to the group: the last one gone closes its
         connections (gloo's ``abort``/``shutdown`` leave them open)."""
-        self.group = None
+        self.group = self.store = None
         for release in self.on_release:
             release()
 

@@ -22,11 +22,9 @@ its ranks are the nominal ones (every replica group present), so per-replica see
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from ..events import EventRecorder
 from ..link import LinkModel
@@ -162,45 +160,25 @@ class FaultTolerantTransport(Transport):
         return run
 
     def meet(self, patience_s: float, group: str | None = None) -> None:
-        """Nothing: replicas wait for one another in the vote that opens each of the quorum's units (:meth:`vote`,
-        with the unit's patience: docs/faults.md, "Uneven replica groups"), and a replica group's own workers step
-        together."""
+        """Nothing: replicas meet before each of the quorum's units, in its store, as long as the unit's patience
+        (:mod:`~quietsync.faults.meeting`; docs/faults.md, "Uneven replica groups"), and a replica group's own
+        workers step together."""
 
     def ready_control(self, group: str | None = None) -> None:
         """Nothing to create (see :meth:`meet`)."""
 
-    def vote(self, flags: torch.Tensor, patience_s: float | None = None) -> None:
+    def vote(self, flags: torch.Tensor) -> None:
         """Sum ``flags`` over the replicas present, inside a unit the quorum runs (its non-finite vote,
         :meth:`~quietsync.faults.quorum.ReplicaQuorum.run`): metered and link-emulated like any collective, not a
-        kill point of its own (``QUIETSYNC_FT_KILL=exchange`` counts the units' collectives).
-
-        The vote is every unit's first collective, so it is where the replicas meet: with ``patience_s`` it waits
-        that long for the others (its own timeout, which may exceed ``--timeout-s``) -- a slower replica group,
-        alive, arrives within it, and nobody asks the Lighthouse for a quorum meanwhile (which, with three or more
-        replica groups, would form without a slower minority after its join timeout). A dead one is found at once:
-        its connections close."""
+        kill point of its own (``QUIETSYNC_FT_KILL=exchange`` counts the units' collectives)."""
         self._sync_groups()
         try:
-            if patience_s is None or patience_s <= self.timeout_s or self.group_size("replicate") == 1:
-                # the base class's: this class's own would count it as an 'exchange' kill point
-                Transport.all_reduce(self, flags, "replicate", "sum", False, "nonfinite_vote")
-                return
-            opts = dist.AllreduceOptions()
-            opts.timeout = timedelta(seconds=patience_s)  # gloo honours a collective's own timeout
-            handle = self._groups["replicate"].allreduce([flags], opts)
-            self._patience_s = patience_s
-            try:
-                self._collective(handle, "all_reduce", "replicate", flags.numel() * flags.element_size(),
-                                 "nonfinite_vote", None, False)
-            finally:
-                self._patience_s = None
+            # the base class's: this class's own would count it as an 'exchange' kill point
+            Transport.all_reduce(self, flags, "replicate", "sum", False, "nonfinite_vote")
         except ReplicaLost:
             raise
         except RuntimeError as e:
             raise ReplicaLost(str(e)) from e
-
-    _patience_s: float | None = None
-    """While a vote waits with a patience of its own: that patience (:meth:`_wait_handle` waits as long)."""
 
     _solo = False
     """True while a collective runs before the first quorum: the replicate dimension is this replica alone."""
@@ -216,13 +194,6 @@ class FaultTolerantTransport(Transport):
         return super().group_rank(group)
 
     def _wait_handle(self, handle: Any, work: Work) -> None:
-        if self._patience_s is not None and work.name == "nonfinite_vote":
-            try:
-                handle.wait(timeout=timedelta(seconds=self._patience_s))
-            except Exception as exc:  # noqa: BLE001 - a replica lost, whatever gloo says
-                raise ReplicaLost(f"quietsync: the replicas' vote waited {self._patience_s:g}s for the other replica "
-                                  f"groups, and one did not come (it died, or is slower than that): {exc}") from exc
-            return
         try:
             super()._wait_handle(handle, work)
         except RuntimeError as e:
