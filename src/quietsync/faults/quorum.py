@@ -425,8 +425,8 @@ class ReplicaQuorum:
         deadline = time.monotonic() + patience
         if self.round_due:  # a commit since the last quorum: this unit asks for its own (mid-round: no joins)
             self._regroup(patience, deadline)
-        if patience > self.timeout_s:  # a wait the unit's collectives would not make: meet first
-            self._meet(deadline)
+        if SYNC_PATIENCE * (time.monotonic() - self.since) > self.timeout_s:
+            self._meet(deadline)  # a slower member may lag by more than the collectives wait: meet first
         # cloned before the first attempt: a failed collective may leave them half-reduced
         saved = [t.detach().clone() for t in restore]
         while True:
