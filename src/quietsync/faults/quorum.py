@@ -323,10 +323,10 @@ class ReplicaQuorum:
                         raise NoQuorum(
                             f"quietsync: replica group {self.transport.replica}: no quorum for {patience:g}s inside "
                             f"a collective: the Lighthouse at {self.lighthouse} is up, and replica group(s) {others} "
-                            "of the last quorum, alive, have not reached this collective in "
-                            f"{SYNC_PATIENCE:g} of this replica's rounds (more than {SYNC_PATIENCE + 1:g}x slower, "
-                            "or hung); the replica stops. To wait longer for slower replica groups, "
-                            f"{_longer(patience)}") from None
+                            "of the last quorum, alive, have not reached this collective (the longer of the quorum "
+                            f"timeout and {SYNC_PATIENCE:g} of this replica's rounds: more than "
+                            f"{SYNC_PATIENCE + 1:g}x slower, or hung); the replica stops. To wait longer for slower "
+                            f"replica groups, {_longer(patience)}") from None
                     raise NoQuorum(f"quietsync: replica group {self.transport.replica}: the Lighthouse at "
                                    f"{self.lighthouse} answered no quorum request for {patience:g}s ("
                                    f"{why or 'it is up, but formed no quorum'}); the replica stops") from None
