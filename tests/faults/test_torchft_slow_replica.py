@@ -1,12 +1,13 @@
 """A slower replica group is waited for, not taken for a dead one (docs/faults.md, "Uneven replica groups").
 
 Three replica groups run synchronous DiLoCo under ``--fault-tolerance torchft``; replica group 2 is ~6x slower
-(``--slow-worker 2:6``), so it reaches the outer sync many seconds after the other two: longer than ``--timeout-s``,
-than the quorum timeout (torchft's ``TORCHFT_QUORUM_TIMEOUT_SEC``, lowered here so the lag outlasts it) and than the
-Lighthouse's join timeout (10 s), after which a quorum asked for by the two fast ones would form without it. The
-fast ones meet it in the quorum's store before the unit, as long as its patience: 9 of their rounds. So the sync
-commits with all three, nobody retries, heals or restarts, and the fast replicas' wait is idle time in their step
-records, not compute. A quorum timeout that is not a positive number is refused before any worker starts.
+(``--slow-worker 2:6``), so it reaches the outer sync many seconds after the other two (17-21 s here): longer than
+``--timeout-s`` and than the Lighthouse's join timeout (10 s), after which a quorum asked for by the two fast ones
+would form without it. Their
+collective times out, and they wait for it in the failed quorum's store before asking for the next quorum, as long
+as the unit's patience: 9 of their rounds. So the sync is asked again and commits with all three, nobody heals or
+restarts, and the fast replicas' wait is idle time in their step records, not compute. A quorum timeout that is
+not a positive number is refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ pytest.importorskip("torchft")
 
 H = 288
 TIMEOUT_S = 1
-QUORUM_TIMEOUT_S = 3
 
 
 @pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_slower_minority_is_waited_for_at_every_sync_past_the_timeouts_and_the_wait_is_idle(tmp_path,
                                                                                               monkeypatch):
-    monkeypatch.setenv("TORCHFT_QUORUM_TIMEOUT_SEC", str(QUORUM_TIMEOUT_S))
+    # the default quorum timeout: its 20-s quorum attempts outlast the join timeout, as a user's do
+    monkeypatch.delenv("TORCHFT_QUORUM_TIMEOUT_SEC", raising=False)
     out = tmp_path / "run"
     proc = train_subprocess(*small_job(tmp_path, nproc=3), "--nodes", "3", "--fault-tolerance", "torchft",
                             "--strategy", "diloco", "--sync-every", str(H), "--max-steps", str(H),
@@ -41,9 +42,18 @@ def test_a_slower_minority_is_waited_for_at_every_sync_past_the_timeouts_and_the
                 if '"event"' not in x] for r in range(3)]
     assert all([r["step"] for r in rows] == list(range(1, H + 1)) for rows in records)
     assert all(r["members"] == [0, 1, 2] and r["healed"] == 0 for rows in records for r in rows)  # none left out
-    for rows in records[:2]:  # the fast ones waited at the meeting, past the quorum timeout: idle, and no retry
+    for rows in records[:2]:  # the fast ones' collective timed out and they waited in the store: idle, asked again
         sync = rows[H - 1]
-        assert sync["retries"] == 0 and sync["idle_s"] > QUORUM_TIMEOUT_S and sync["compute_s"] < sync["idle_s"], sync
+        assert sync["retries"] >= 1 and sync["idle_s"] > TIMEOUT_S and sync["compute_s"] < sync["idle_s"], sync
+
+
+def test_the_quorum_timeout_is_torchfts_variable_where_set_else_the_longer_of_120_s_and_the_timeout(monkeypatch):
+    from quietsync.faults.flags import quorum_timeout_s
+
+    monkeypatch.delenv("TORCHFT_QUORUM_TIMEOUT_SEC", raising=False)
+    assert quorum_timeout_s(30) == 120 and quorum_timeout_s(300) == 300
+    monkeypatch.setenv("TORCHFT_QUORUM_TIMEOUT_SEC", "7.5")
+    assert quorum_timeout_s(300) == 7.5  # torchft's Manager obeys it too: the two agree
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf"])
@@ -102,9 +112,10 @@ def _store():
 
 
 def test_the_replicas_meet_in_the_store_and_a_silent_or_late_one_ends_the_meeting():
-    """Before a unit every member sets its key in the quorum's store and waits for the others' (faults/meeting.py):
-    a slower one is waited for as long as it arrives before the deadline; one whose heartbeats stopped (frozen, its
-    connections open) ends the wait at the first slice after it is found silent; past the deadline it is late."""
+    """After a collective timed out every member sets its key in the quorum's store and waits for the others'
+    (faults/meeting.py): a slower one is waited for as long as it arrives before the deadline; one whose heartbeats
+    stopped (frozen, its connections open) ends the wait at the first check after it is found silent; past the
+    deadline it is late. A member that does not wait (its collective failed on a closed connection) only arrives."""
     import threading
     import time
 
@@ -127,6 +138,8 @@ def test_the_replicas_meet_in_the_store_and_a_silent_or_late_one_ends_the_meetin
     assert meet(store, 9, 0, [1], time.monotonic() + 0.3, lambda: True, alive_every_s=0.1) == "late"
     store.set(f"{ARRIVED}/10/1", b"1")
     assert meet(store, 10, 0, [1], time.monotonic() + 0.3, lambda: pytest.fail("no wait")) is None
+    assert meet(store, 11, 2, [], time.monotonic() + 0.3, lambda: pytest.fail("no wait")) is None
+    assert store.check([f"{ARRIVED}/11/2"])  # arrived without waiting
 
 
 def test_the_lighthouse_status_names_the_replicas_whose_heartbeats_stopped():

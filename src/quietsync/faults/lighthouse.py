@@ -73,15 +73,20 @@ def reachable(address: str, timeout_s: float) -> str | None:
         return str(e)
 
 
+def _status_page(address: str, timeout_s: float) -> str | None:
+    """The Lighthouse's status page (torchft 0.2.0's HTML), or None when it does not answer."""
+    try:
+        with urllib.request.urlopen(http_address(address).rstrip("/") + "/status", timeout=timeout_s) as reply:
+            return reply.read().decode(errors="replace")
+    except (OSError, ValueError):  # URLError is an OSError
+        return None
+
+
 def latest_members(address: str, timeout_s: float) -> list[str] | None:
     """The replica ids (torchft's, ``<replica group's id>:<incarnation>``) of the last quorum the Lighthouse at
     ``address`` formed, read from its status page; None when it formed none yet or does not answer."""
-    try:
-        with urllib.request.urlopen(http_address(address).rstrip("/") + "/status", timeout=timeout_s) as reply:
-            page = reply.read().decode(errors="replace")
-    except (OSError, ValueError):  # URLError is an OSError
-        return None
-    if "Previous quorum id:" not in page:
+    page = _status_page(address, timeout_s)
+    if page is None or "Previous quorum id:" not in page:
         return None
     # each member of the previous quorum is a <div class="member ..."> opening with its id in bold
     return re.findall(r'<div class="member[^"]*"\s*>\s*<b>([^<]*)</b>', page)
@@ -90,10 +95,8 @@ def latest_members(address: str, timeout_s: float) -> list[str] | None:
 def stale_heartbeats(address: str, timeout_s: float) -> list[str] | None:
     """The replica ids whose last heartbeat the Lighthouse at ``address`` counts as too old (past its
     ``--heartbeat-timeout-ms``: dead, or frozen), read from its status page; None when it does not answer."""
-    try:
-        with urllib.request.urlopen(http_address(address).rstrip("/") + "/status", timeout=timeout_s) as reply:
-            page = reply.read().decode(errors="replace")
-    except (OSError, ValueError):  # URLError is an OSError
+    page = _status_page(address, timeout_s)
+    if page is None:
         return None
     # <li class="heartbeat [old]">ID: seen T ago</li>; an id holds a ':' of its own (group:incarnation)
     return [rid.strip() for cls, rid in re.findall(r'<li class="heartbeat([^"]*)">\s*(.*?): seen ', page, re.S)

@@ -1,16 +1,15 @@
-"""The replicas' meeting before a unit: a slower replica group is waited for in the quorum's store, not in a collective.
+"""The replicas' meeting after a collective timed out: a slower replica group is waited for in the quorum's store.
 
 Local methods meet only at outer syncs, so a replica group k times slower reaches a sync (k − 1) rounds after the
-others. Waiting for it inside a collective has two costs. A collective times out at ``--timeout-s``, after which the
-waiting replicas ask the Lighthouse for a quorum, and with three or more replica groups the Lighthouse forms one
-without a heartbeating minority once its join timeout passes. And a collective issued with a longer timeout of its
-own cannot be abandoned: when the peer it waits for is frozen (its connections open, its heartbeats stopped), the
-group's teardown waits for that collective to end. So before a unit's collectives every member sets a key of its own
-in the quorum's store and waits for the others' keys (:func:`meet`), asking the Lighthouse every second whether the
-others still send heartbeats (a dead or frozen one is found by its silence). The unit's collectives then start
-together and keep ``--timeout-s``. Nothing is left pending when a member turns out to be gone: the unit's
-collectives find it, as before, and the unit runs again among the survivors. Only a unit whose round-based patience
-(9 of the replica's rounds) exceeds ``--timeout-s`` meets first: a shorter lag is the collectives' own wait.
+others, and the unit's first collective times out at ``--timeout-s`` on the fast ones. Asking the Lighthouse for
+the next quorum right then would leave a slower minority out: with three or more replica groups it forms a quorum
+without a heartbeating one that has not asked once more than half of them ask and its join timeout passed. So a
+replica whose attempt timed out first sets its key in the failed quorum's store and waits for the others' keys
+(:func:`meet`), asking the Lighthouse every so often whether they still send heartbeats (a dead or frozen one is
+found by its silence); a replica whose attempt failed on a closed connection (the others gave up on the group, or
+a member died) sets its key and goes on. They then ask for the next quorum together. Waiting in a collective with a
+long timeout of its own instead cannot be abandoned: when the member it waits for is frozen, the group's teardown
+waits for that collective to end.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ POLL_S = 0.05
 """How often a waiting member looks for the others' keys at most (one small store request each time): the first
 looks come sooner (from 2 ms, doubling), so a meeting the others have all but reached costs little."""
 
-ALIVE_EVERY_S = 1.0
+ALIVE_EVERY_S = 0.25
 """How often a waiting member asks the Lighthouse whether the others still send heartbeats (a dead one's key never
 comes: it is found by its silence, within the Lighthouse's heartbeat timeout and this)."""
 

@@ -31,10 +31,12 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   :mod:`~quietsync.faults.async_join`): the unit's averages divide by their number (:attr:`contributing`), and the
   commit holds their data only.
 
-  Before the vote the replicas meet (:mod:`~quietsync.faults.meeting`): each waits in the quorum's store for the
-  others to reach the unit, as long as the unit's patience (:meth:`ReplicaQuorum.patience_s`: the quorum timeout,
-  or 9 of this replica's rounds where longer), so a slower replica group, alive, is waited for there -- without a
-  quorum request, which the Lighthouse would answer without a heartbeating minority once its join timeout passed.
+  A unit whose collective timed out (a member is late, or frozen) does not ask for the next quorum at once: its
+  replicas first meet in the failed quorum's store (:mod:`~quietsync.faults.meeting`), each waiting for the others to
+  reach the unit, as long as the unit's patience (:meth:`ReplicaQuorum.patience_s`: the quorum timeout, or 9 of this
+  replica's rounds where longer) -- a quorum request now would be answered without a slower, heartbeating minority
+  once the Lighthouse's join timeout passed. A member whose attempt failed on a closed connection says it arrived
+  and does not wait (a death is the Lighthouse's to see).
 
 * **a lost Lighthouse** — the replicas go on: a quorum request the Lighthouse does not answer within
   :data:`LIGHTHOUSE_ATTEMPT_S` is asked again (torchft 0.2.0's manager never answers a request whose Lighthouse
@@ -68,7 +70,8 @@ from typing import Any
 import torch
 
 from ..errors import cause_chain
-from ..strategies.local.arrival import SYNC_PATIENCE
+from ..strategies.local.arrival import SYNC_PATIENCE, sync_patience
+from .flags import QUORUM_TIMEOUT_ENV
 from .meeting import meet
 from .peer_checkpoint import PeerCheckpoint
 from .replica_group import replica_id
@@ -294,7 +297,7 @@ class ReplicaQuorum:
         times this replica's seconds since its last commit or round start where that is longer -- a slower replica
         group, still heartbeating, reaches a local strategy's outer sync up to that many of this one's rounds later
         (the rule of :mod:`~quietsync.strategies.local.arrival`)."""
-        return max(self.quorum_timeout_s, SYNC_PATIENCE * (time.monotonic() - self.since))
+        return sync_patience(self.quorum_timeout_s, time.monotonic() - self.since)
 
     def _ask(self, allow_heal: bool, shrink_only: bool = False, patience_s: float | None = None,
              deadline: float | None = None) -> None:
@@ -350,19 +353,17 @@ class ReplicaQuorum:
                       "answered again; training goes on", file=sys.stderr, flush=True)
             return
 
-    def _meet(self, deadline: float) -> None:
-        """Wait for the other members of the quorum to reach this unit (:mod:`~quietsync.faults.meeting`), until
-        ``deadline``, booked as idle time; a meeting that ends without them leaves it to the unit's collectives."""
+    def _meet(self, deadline: float, wait: bool) -> None:
+        """After a failed attempt, before the regroup: say this replica reached the unit in the failed quorum's store
+        and, with ``wait`` (the attempt timed out: a member is late or frozen), wait there for the others until
+        ``deadline`` (:mod:`~quietsync.faults.meeting`) -- they ask for the next quorum together; a meeting that ends
+        without them leaves it to the regroup."""
         group = self.transport.replica_group
         others = [k for k in group.members if k != self.transport.replica]
-        if group.store is None or group.group is None or not others:
+        if group.store is None or not others:
             return
-        started = time.perf_counter()
-        try:
-            meet(group.store, self.manager.current_step(), self.transport.replica, others, deadline,
-                 self._others_alive)
-        finally:
-            self._waited(time.perf_counter() - started)
+        meet(group.store, self.manager.current_step(), self.transport.replica, others if wait else [], deadline,
+             self._others_alive)
 
     def _others_alive(self) -> bool:
         """Whether every other member of the current quorum still sends heartbeats, as far as the Lighthouse says (a
@@ -425,12 +426,10 @@ class ReplicaQuorum:
         deadline = time.monotonic() + patience
         if self.round_due:  # a commit since the last quorum: this unit asks for its own (mid-round: no joins)
             self._regroup(patience, deadline)
-        if SYNC_PATIENCE * (time.monotonic() - self.since) > self.timeout_s:
-            self._meet(deadline)  # a slower member may lag by more than the collectives wait: meet first
         # cloned before the first attempt: a failed collective may leave them half-reduced
         saved = [t.detach().clone() for t in restore]
         while True:
-            dropped = None
+            dropped, late = None, False
             attempt = time.perf_counter()
             try:
                 self._running = True
@@ -440,6 +439,8 @@ class ReplicaQuorum:
                 out = op() if dropped is None else None
             except ReplicaLost as e:
                 out = None
+                # gloo's words for a wait that ran out (a slower or frozen member), not a closed connection (a death)
+                late = "timed out" in str(e).lower()
                 # waiting on the others (a collective timed out on a slower replica): idle, as a collective's wait
                 self._waited(time.perf_counter() - attempt)
                 for t, s in zip(restore, saved):
@@ -464,6 +465,7 @@ class ReplicaQuorum:
                 raise NoQuorum(f"quietsync: no quorum of replicas committed a collective within {patience:g}s")
             regroup = time.perf_counter()
             try:
+                self._meet(deadline, wait=late)  # before any quorum request: a slower member is not left out
                 self._regroup(patience, deadline)
             finally:
                 self._waited(time.perf_counter() - regroup)
@@ -519,8 +521,6 @@ class ReplicaQuorum:
 def _longer(patience_s: float) -> str:
     """What makes a unit wait longer than ``patience_s``: the quorum timeout where the user set it, else
     ``--timeout-s``."""
-    from .flags import QUORUM_TIMEOUT_ENV
-
     if os.environ.get(QUORUM_TIMEOUT_ENV) is not None:
         return f"set {QUORUM_TIMEOUT_ENV} above {patience_s:g}"
     return f"give --timeout-s above {patience_s:g}"

@@ -142,7 +142,7 @@ class ReplicaProcessGroup(TorchftProcessGroup):
     def _release(self) -> None:
         """Drop this object's and the listeners' references to the group: the last one gone closes its
         connections (gloo's ``abort``/``shutdown`` leave them open)."""
-        self.group = self.store = None
+        self.group = None  # the store stays: the replicas meet in it after a failed collective (faults/meeting.py)
         for release in self.on_release:
             release()
 

@@ -160,9 +160,9 @@ class FaultTolerantTransport(Transport):
         return run
 
     def meet(self, patience_s: float, group: str | None = None) -> None:
-        """Nothing: replicas meet before each of the quorum's units, in its store, as long as the unit's patience
-        (:mod:`~quietsync.faults.meeting`; docs/faults.md, "Uneven replica groups"), and a replica group's own
-        workers step together."""
+        """Nothing: a unit whose collective times out on a slower replica waits for it in the quorum's store, as long
+        as the unit's patience (:mod:`~quietsync.faults.meeting`; docs/faults.md, "Uneven replica groups"), and a
+        replica group's own workers step together."""
 
     def ready_control(self, group: str | None = None) -> None:
         """Nothing to create (see :meth:`meet`)."""

@@ -26,6 +26,12 @@ takes that peer for dead: a peer up to 10x slower is waited for (a shared machin
 past 5x); a hung one is found after that many rounds, a dead one at once (its connections close)."""
 
 
+def sync_patience(floor_s: float, round_s: float) -> float:
+    """How long to wait at a sync for slower peers: ``floor_s`` (the collectives' or the quorum's timeout), or
+    ``SYNC_PATIENCE`` rounds of ``round_s`` where that is longer."""
+    return max(floor_s, SYNC_PATIENCE * round_s)
+
+
 class Arrival:
     """The meeting before each outer sync of one local strategy's workers (module docstring)."""
 
@@ -39,7 +45,7 @@ class Arrival:
 
     def patience_s(self) -> float:
         """How long this worker waits at the coming sync."""
-        return max(self.transport.timeout_s, SYNC_PATIENCE * (time.perf_counter() - self.since))
+        return sync_patience(self.transport.timeout_s, time.perf_counter() - self.since)
 
     def meet(self, idle: Callable[[str], AbstractContextManager[None]]) -> None:
         """Wait for every worker to reach this sync (at most :meth:`patience_s`), the wait booked by ``idle``."""
