@@ -137,8 +137,7 @@ def run_strategy(strategy: str, steps: int, slow: int, root: Path) -> dict:
     agents = Agents(folder, 3, _flags(root, out, strategy, steps, slow), nnodes="2:3", max_restarts=3,
                     env={"QUIETSYNC_AUDIT_DATA": "1"})
     try:
-        agents.start(0)
-        time.sleep(1.0)
+        agents.start_host()
         agents.start(1)
         agents.start(2)
         _wait(lambda: _newest(out)[0] >= 2 * save_every and _newest(out)[1] == 3)

@@ -353,7 +353,7 @@ def run_elastic(strategy: str, root: Path, out: Path, steps: int, seed: int, sch
     t0 = time.time()
     try:
         start(0)
-        time.sleep(1.0)  # agent 0 hosts the rendezvous store
+        agents.wait_for_store()  # agent 0 hosts the rendezvous store
         for i in range(1, replicas):
             start(i)
         schedule.drive(t0, lambda: agents.procs[0].poll() is None and time.time() < t0 + limit, kill,

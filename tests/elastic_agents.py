@@ -7,16 +7,17 @@ Agent ``i`` is ``torchrun --nnodes MIN:MAX --nproc-per-node P --max-restarts K -
 keep_alive_max_attempt=3 --monitor-interval M -m quietsync train --elastic ...`` with its output in
 ``agent{i}.{k}.log`` (the k-th start). A node whose agent was killed is declared dead after 6 s without its
 heartbeat instead of torch's default 15 s (5 s × 3): the survivors' restart waits for that. Agent 0 is
-started first and hosts the rendezvous store (the c10d backend's first agent on the endpoint does): kill the
-others. A thread records every process under the agents as it appears, so :meth:`Agents.survivors` can say
-whether anything outlived the job, and when each process was first and last seen (the timeline of a
-membership change).
+started first (:meth:`Agents.start_host`) and hosts the rendezvous store -- the c10d backend's first agent to
+bind the endpoint does, so the others start only once the store listens: kill the others. A thread records
+every process under the agents as it appears, so :meth:`Agents.survivors` can say whether anything outlived the
+job, and when each process was first and last seen (the timeline of a membership change).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -132,6 +133,31 @@ class Agents:
         with self._lock:
             self.procs[i] = proc
         return proc
+
+    def start_host(self, timeout: float = 120.0) -> subprocess.Popen:
+        """Start agent 0 and return once the rendezvous store it hosts listens (:meth:`wait_for_store`)."""
+        proc = self.start(0)
+        self.wait_for_store(timeout)
+        return proc
+
+    def wait_for_store(self, timeout: float = 120.0) -> None:
+        """Return once agent 0's rendezvous store accepts connections. On this machine every agent's endpoint is
+        local, so whichever binds it first hosts the store: an agent started before agent 0 had bound it (a loaded
+        machine can take seconds to import torch) would host it, and killing that agent would take the store, and
+        the job, with it."""
+        proc, deadline = self.procs[0], time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
+                return
+            except OSError:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"agent 0 ended (exit {proc.returncode}) before its rendezvous store "
+                                       f"listened\n{self.logs()}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"agent 0's rendezvous store did not listen on port {self.port} within "
+                                       f"{timeout:g} s\n{self.logs()}") from None
+                time.sleep(0.1)
 
     def workers(self, i: int) -> list[int]:
         """Live worker processes of agent ``i``."""

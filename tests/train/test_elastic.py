@@ -155,8 +155,7 @@ def test_a_node_lost_and_regained(job, tmp_path):
     root, out = job["root"], tmp_path / "run"
     agents = Agents(tmp_path, 3, [*_flags(root, out), *SAVE_EVERY, *SLOWER], nnodes="2:3", max_restarts=3, env=AUDIT)
     try:
-        agents.start(0)
-        time.sleep(1.0)  # agent 0 hosts the rendezvous store: the others may come and go
+        agents.start_host()  # agent 0 hosts the rendezvous store: the others may come and go
         agents.start(1)
         agents.start(2)
         _wait(lambda: _newest(out)[0] >= 4, agents, 300, "checkpoint at step 4 on 3 workers")
@@ -195,8 +194,7 @@ def test_a_worker_killed_during_a_checkpoint_write(job, tmp_path):
     agents = Agents(tmp_path, 3, [*_flags(root, out), *SAVE_EVERY], nnodes="3:3", max_restarts=2,
                     env={**AUDIT, MID_WRITE_ENV: f"1:{CUT_STEP}:{marker}"})
     try:
-        agents.start(0)
-        time.sleep(1.0)
+        agents.start_host()
         agents.start(1)
         agents.start(2)
         codes = agents.wait(400)
