@@ -161,3 +161,50 @@ def test_the_lighthouse_status_names_the_replicas_whose_heartbeats_stopped():
     finally:
         server.shutdown()
     assert stale_heartbeats(f"127.0.0.1:{_closed_port()}", 2.0) is None  # nothing answers: nothing to read
+
+
+class _Manager:
+    """torchft's Manager as ``_ask`` sees it: ``start_quorum`` times out ``fails`` times, then answers."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails, self.asked, self._quorum_future = fails, 0, None
+
+    def start_quorum(self, allow_heal: bool, shrink_only: bool, timeout) -> None:
+        self.asked += 1
+        if self.asked <= self.fails:
+            raise TimeoutError("quorum timed out")
+
+
+def _quorum(monkeypatch, fails: int, last_members: list[str] | None):
+    """A ReplicaQuorum of replica group 0 whose last quorum held groups 0 and 1, against an up Lighthouse whose
+    last quorum holds ``last_members``."""
+    import quietsync.faults.lighthouse as lighthouse
+    from quietsync.faults.quorum import ReplicaQuorum
+
+    monkeypatch.setattr(lighthouse, "reachable", lambda address, timeout: None)  # up
+    monkeypatch.setattr(lighthouse, "latest_members", lambda address, timeout: last_members)
+    q = object.__new__(ReplicaQuorum)
+    group = type("Group", (), {"members": [0, 1]})()
+    q.transport = type("Transport", (), {"replica": 0, "replica_group": group})()
+    q.manager, q.lighthouse, q.attempt_s, q.quorum_timeout_s, q.lighthouse_lost = _Manager(fails), "lh:1", 0.01, 5.0, 0
+    return q
+
+
+def test_a_quorum_that_waits_for_a_slower_member_is_asked_again_and_is_no_lighthouse_outage(monkeypatch, capsys):
+    from quietsync.faults.replica_group import replica_id
+
+    q = _quorum(monkeypatch, fails=3, last_members=[f"{replica_id(0)}:a", f"{replica_id(1)}:b"])
+    q._ask(allow_heal=False, shrink_only=True, patience_s=5.0)
+    assert q.manager.asked == 4 and q.lighthouse_lost == 0
+    assert "did not answer" not in capsys.readouterr().err
+
+
+def test_a_replica_the_others_went_on_without_stops_at_once_to_heal(monkeypatch):
+    from quietsync.faults.quorum import FellBehind
+    from quietsync.faults.replica_group import replica_id
+
+    # the others' last quorum holds no incarnation of replica group 0
+    q = _quorum(monkeypatch, fails=100, last_members=[f"{replica_id(1)}:b"])
+    with pytest.raises(FellBehind, match="gone on without it"):
+        q._ask(allow_heal=False, shrink_only=True, patience_s=5.0)
+    assert q.manager.asked == 1  # not after its patience: at the first attempt that found it left out
