@@ -293,3 +293,30 @@ def test_a_setting_ranked_above_the_last_to_try_first_on_its_prior_is_confirmed_
     nxt = to_confirm(best, piloted, exact)
     assert nxt is not None and nxt.row.spec == "diloco:sync_every=16"
     assert to_confirm(best, piloted | {"diloco:sync_every=16"}, exact) is None
+
+
+def test_a_setting_the_user_adds_to_the_grid_is_piloted_beyond_the_grids_pilot_candidates(tmp_path, monkeypatch):
+    """One grid setting may run in the first round (``pilot_candidates`` 1, no confirming round): the planner's own
+    pick, the best on its prior. The setting the user added to the grid, second on its prior, runs too -- its prior
+    alone does not decide what the user asked about; the grid's third does not."""
+    import collections
+    import copy
+
+    from quietsync.plan import pilot_plan
+    from quietsync.plan.pilot_plan import run_pilots
+    from quietsync.plan.planner import predict
+
+    monkeypatch.setattr(pilot_plan, "CONFIRM", 0)
+    mine = "diloco:sync_every=128,outer_lr=1.0,pseudo_grad_dtype=fp4,outer=sparseloco"
+    result = quietsync.plan.plan(what_if=True, model="tiny", nodes=2, workers_per_node=1, seq_len=128,
+                                 micro_batch_size=8, link=["inter=50mbit,20ms"], target_loss=5.3, strategies=[mine])
+    cfg = copy.copy(result.config)
+    cfg.pilot_tokens, cfg.pilot_out, cfg.pilot_args = BUDGET, str(tmp_path), ["--warmup-steps", "1"]
+    cfg.pilot_candidates = 1
+    result.config = cfg
+    floors = collections.defaultdict(lambda: 4.3, {"zero1": 4.0})
+    new = run_pilots(result, predict, power_law_runner(floors, base=5.0, all_through_link=True))
+    assert mine in new.pilots
+    assert not any(line.startswith(f"not piloted: `{mine}`") for line in new.pilot_report)
+    capped = [line for line in new.pilot_report if line.endswith("(pilot_candidates)")]
+    assert capped and len(new.pilots) == 3, new.pilot_report  # the baseline, the grid's best and the user's

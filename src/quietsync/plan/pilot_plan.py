@@ -23,7 +23,7 @@ from pathlib import Path
 from ..cost.costmodel import Links
 from ..link import LinkModel
 from ..strategies.registry import baselines, declaration
-from .candidates import Candidate, parse_candidate
+from .candidates import Candidate, candidate, parse_candidate
 from .config import PlanError
 from .critical_batch import CriticalBatch, measured
 from .curve_fit import PowerLaw, fit_power_law
@@ -330,6 +330,9 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
 
     picked: list[str] = []
     skipped: list[str] = []
+    # beside the grid, the settings the user added (--strategies) were asked about: each is piloted beyond the
+    # grid's pilot_candidates; with --only they are the whole list, which the cap ranks
+    named = set() if cfg.only else {candidate(name, knobs).spec for name, knobs in cfg.extra}
 
     def order() -> Iterator[Candidate]:
         yield parse_candidate(base_spec)
@@ -347,8 +350,9 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
         scored = sorted((prior.score(r) for r in result.rows if (not declaration(r.strategy).plan.exact
                          or r.knobs) and r.spec != base_spec), key=lambda s: s.objective)
         best_high = min((_high(s) for s in scored), default=math.inf)
+        chosen = 0  # the planner's own picks: a setting the user named is piloted beyond pilot_candidates
         for s in scored:
-            if len(picked) >= cfg.pilot_candidates:
+            if s.row.spec not in named and chosen >= cfg.pilot_candidates:
                 skipped.append(f"`{s.row.spec}`: not among the {cfg.pilot_candidates} most promising "
                                f"(pilot_candidates)")
                 continue
@@ -357,6 +361,7 @@ def run_pilots(result: PlanResult, predict: Callable[..., PlanResult], runner: P
                                f"setting at worst {fmt_duration(best_high) if target is not None else best_high})")
                 continue
             picked.append(s.row.spec)
+            chosen += s.row.spec not in named
             yield parse_candidate(s.row.spec)
 
     prefixes: dict[str, tuple[str, float]] = {}

@@ -7,7 +7,8 @@ held-out loss curves replace the priors (``quietsync plan --target-loss X --pilo
    (:mod:`~quietsync.plan.curve_fit`) past that.
 2. **Candidates by promise.** The others are ranked by their prior time to target (the papers' priors on the pilot
    baseline's curve, over the cost model's tokens/s); a candidate whose optimistic time is beyond the best one's
-   pessimistic time is clearly losing and not piloted; at most ``pilot_candidates`` run, then up to
+   pessimistic time is clearly losing and not piloted; at most ``pilot_candidates`` of the grid's run, and every
+   setting ``--strategies`` adds to the grid that is not clearly losing (the user asked about it), then up to
    :data:`~quietsync.plan.pilot_plan.CONFIRM` more for the settings to try first that still rest on their priors.
 3. **Successive halving** (Optuna's :class:`optuna.pruners.SuccessiveHalvingPruner`, asynchronous SH): each pilot
    reports, at every evaluation, the time to target predicted from its curve so far; at the rungs ``N/η`` and ``N``
