@@ -13,6 +13,7 @@ not a positive number is refused before any worker starts.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -45,6 +46,35 @@ def test_a_slower_minority_is_waited_for_at_every_sync_past_the_timeouts_and_the
     for rows in records[:2]:  # the fast ones' collective timed out and they waited in the store: idle, asked again
         sync = rows[H - 1]
         assert sync["retries"] >= 1 and sync["idle_s"] > TIMEOUT_S and sync["compute_s"] < sync["idle_s"], sync
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_replica_group_past_the_patience_is_left_behind_by_the_majority_which_goes_on(tmp_path, monkeypatch):
+    """Replica group 2 is ~400x slower: still heartbeating, it is far past the fast ones' patience (a 4-s quorum
+    timeout here) when they reach the sync. They wait that long, then ask for a quorum without it, which the
+    Lighthouse forms once its join timeout has passed (two of three ask: more than half), commit the sync without
+    it and finish the run; replica group 2, arriving later, finds itself left out and stops to heal, after the others
+    had finished. Before, the two fast ones stopped at the patience and, restarted, stopped again until their
+    restarts ran out."""
+    monkeypatch.setenv("TORCHFT_QUORUM_TIMEOUT_SEC", "4")
+    out, h = tmp_path / "run", 4
+    proc = train_subprocess(*small_job(tmp_path, nproc=3), "--nodes", "3", "--fault-tolerance", "torchft",
+                            "--strategy", "diloco", "--sync-every", str(h), "--max-steps", str(h),
+                            "--slow-worker", "2:400", "--timeout-s", str(TIMEOUT_S), "--threads", "1",
+                            "--no-export", "--out", str(out), timeout=240)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-3000:]
+    for k in (0, 1):
+        assert f"replica group {k}: replica group(s) [2] did not reach this collective within 4s" in said, said[-3000:]
+    assert "replica group 2 reached this collective after the other replica groups had gone on" in said, said[-3000:]
+    assert "replica group 2 ended (exit status 1) after the others had finished the run" in said, said[-3000:]
+    for r in (0, 1):
+        rows = [json.loads(x) for x in (out / f"metrics-rank{r}.jsonl").read_text().splitlines() if '"event"' not in x]
+        assert all(x["members"] == [0, 1, 2] for x in rows[:h - 1])
+        sync = rows[h - 1]  # waited the patience, then committed without replica group 2
+        assert sync["members"] == [0, 1] and sync["retries"] >= 1 and sync["idle_s"] > 4, sync
+        assert all(x["members"] == [0, 1] for x in rows[h - 1:])
 
 
 def test_the_quorum_timeout_is_torchfts_variable_where_set_else_the_longer_of_120_s_and_the_timeout(monkeypatch):
@@ -208,3 +238,29 @@ def test_a_replica_the_others_went_on_without_stops_at_once_to_heal(monkeypatch)
     with pytest.raises(FellBehind, match="gone on without it"):
         q._ask(allow_heal=False, shrink_only=True, patience_s=5.0)
     assert q.manager.asked == 1  # not after its patience: at the first attempt that found it left out
+
+
+def test_a_replica_whose_collective_failed_after_the_others_went_on_without_it_stops_before_asking(monkeypatch):
+    """The others committed without replica group 0 and may be gone already (their heartbeats stopped): a quorum
+    request now could form a quorum of 0 alone, which would commit a unit the others never see. So 0 reads the
+    Lighthouse's last quorum first and stops to heal, without asking for one."""
+    from quietsync.faults.quorum import FellBehind
+    from quietsync.faults.replica_group import replica_id
+    from quietsync.faults.transport import ReplicaLost
+
+    q = _quorum(monkeypatch, fails=0, last_members=[f"{replica_id(1)}:b", f"{replica_id(2)}:c"])
+    q.manager.report_error = lambda e: None
+    q.manager.should_commit = lambda timeout: False
+    q.transport.group_size = lambda group: 1
+    q.transport.meter = type("Meter", (), {"add_seconds": lambda self, group, s: None})()
+    q.transport.replica_group.report, q.transport.replica_group.store = (lambda e: None), None
+    q.manager.participating_rank = lambda: 0
+    q._running, q.round_due, q.verdict, q.abstains, q.retries = False, False, (0, 0), False, 0
+    q.since, q.quorum_timeout_s, q.timeout_s = time.monotonic(), 5.0, 1.0
+
+    def collective() -> None:
+        raise ReplicaLost("Connection closed by peer")
+
+    with pytest.raises(FellBehind, match="gone on without it"):
+        q.run(collective, [])
+    assert q.manager.asked == 0  # no quorum asked for

@@ -36,7 +36,13 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   reach the unit, as long as the unit's patience (:meth:`ReplicaQuorum.patience_s`: the quorum timeout, or 9 of this
   replica's rounds where longer) -- a quorum request now would be answered without a slower, heartbeating minority
   once the Lighthouse's join timeout passed. A member whose attempt failed on a closed connection says it arrived
-  and does not wait (a death is the Lighthouse's to see).
+  and does not wait (a death is the Lighthouse's to see). Members still missing when the patience has passed
+  (more than 10x slower, or hung with their heartbeats going) are **left behind**: the replicas that met ask for a
+  quorum without them for up to :data:`LEAVE_S` more -- the Lighthouse forms one once more than half of the live
+  replica groups ask and its join timeout has passed -- and go on; only where they are not such a majority do they
+  stop (:class:`NoQuorum`). A replica whose attempt failed and whom the Lighthouse's last quorum no longer holds
+  (the others went on without it) stops with :class:`FellBehind` before it asks for anything: a quorum of its own
+  would commit a unit the others never see.
 
 * **a lost Lighthouse** — the replicas go on: a quorum request the Lighthouse does not answer within
   :data:`LIGHTHOUSE_ATTEMPT_S` is asked again (torchft 0.2.0's manager never answers a request whose Lighthouse
@@ -81,6 +87,11 @@ LIGHTHOUSE_ATTEMPT_S = 20.0
 """A quorum request the Lighthouse has not answered within this long is asked again (module docstring). Longer than
 any wait a live Lighthouse makes a request do (its join timeout, 10 s by default, then a tick): keep the
 Lighthouse's ``--join-timeout-ms`` under it."""
+
+LEAVE_S = LIGHTHOUSE_ATTEMPT_S
+"""How long replicas that waited a unit's patience for late members ask for a quorum without them (module docstring):
+one request of this length, longer than the Lighthouse's join timeout, which a shorter request asked again would
+start afresh."""
 
 HEAL_KEY = "quietsync"
 """The key under which a replica's heal state travels (torchft's ``register_state_dict_fn``)."""
@@ -300,10 +311,11 @@ class ReplicaQuorum:
         return sync_patience(self.quorum_timeout_s, time.monotonic() - self.since)
 
     def _ask(self, allow_heal: bool, shrink_only: bool = False, patience_s: float | None = None,
-             deadline: float | None = None) -> None:
+             deadline: float | None = None, attempt_s: float | None = None) -> None:
         """torchft's ``start_quorum``, asked again while the Lighthouse does not answer (module docstring), until
         ``deadline`` (``time.monotonic()``; default ``patience_s`` from now, itself ``quorum_timeout_s`` by default:
-        :class:`NoQuorum`, naming the Lighthouse, or the replica groups that did not come)."""
+        :class:`NoQuorum`, naming the Lighthouse, or the replica groups that did not come); each request waits at
+        most ``attempt_s`` (default :attr:`attempt_s`)."""
         from .lighthouse import reachable
 
         patience = self.quorum_timeout_s if patience_s is None else patience_s
@@ -312,7 +324,7 @@ class ReplicaQuorum:
         lost = False
         while True:
             # floored: near the deadline the time left may be zero or negative
-            attempt = max(0.5, min(self.attempt_s, deadline - time.monotonic()))
+            attempt = max(0.5, min(attempt_s or self.attempt_s, deadline - time.monotonic()))
             try:
                 self.manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only,
                                           timeout=timedelta(seconds=attempt))
@@ -335,11 +347,7 @@ class ReplicaQuorum:
                                    f"{why or 'it is up, but formed no quorum'}); the replica stops") from None
                 if why is None and shrink_only and any(k != self.transport.replica for k in self.members):
                     if self._left_out():
-                        raise FellBehind(
-                            f"quietsync: replica group {self.transport.replica} reached this collective after the "
-                            "other replica groups had gone on without it (the Lighthouse forms a quorum without a "
-                            "heartbeating replica group once more than half of them ask and its --join-timeout-ms "
-                            "has passed); it stops, and once restarted it heals from them") from None
+                        raise FellBehind(_LEFT_OUT.format(self.transport.replica)) from None
                     continue  # the Lighthouse is up and waits for a slower member of the last quorum: no outage
                 if not lost:  # said once per outage, not at every attempt
                     lost = True
@@ -353,17 +361,38 @@ class ReplicaQuorum:
                       "answered again; training goes on", file=sys.stderr, flush=True)
             return
 
-    def _meet(self, deadline: float, wait: bool) -> None:
+    def _meet(self, deadline: float, wait: bool) -> str | None:
         """After a failed attempt, before the regroup: say this replica reached the unit in the failed quorum's store
         and, with ``wait`` (the attempt timed out: a member is late or frozen), wait there for the others until
         ``deadline`` (:mod:`~quietsync.faults.meeting`) -- they ask for the next quorum together; a meeting that ends
-        without them leaves it to the regroup."""
+        without them leaves it to the regroup. Returns :func:`~quietsync.faults.meeting.meet`'s answer (None: all
+        came, or there was nothing to wait for; ``"late"``: the deadline passed without them)."""
         group = self.transport.replica_group
         others = [k for k in group.members if k != self.transport.replica]
         if group.store is None or not others:
-            return
-        meet(group.store, self.manager.current_step(), self.transport.replica, others if wait else [], deadline,
-             self._others_alive)
+            return None
+        return meet(group.store, self.manager.current_step(), self.transport.replica, others if wait else [],
+                    deadline, self._others_alive)
+
+    def _leave_behind(self, patience_s: float) -> None:
+        """The unit's patience passed with members missing: ask for a quorum without them for up to :data:`LEAVE_S`
+        (module docstring), or stop (:class:`NoQuorum`) where the Lighthouse forms none -- these replicas are not more
+        than half of the live ones."""
+        late = [k for k in self.members if k != self.transport.replica]
+        try:
+            self._regroup(patience_s, time.monotonic() + LEAVE_S, attempt_s=LEAVE_S)
+        except NoQuorum:
+            raise NoQuorum(
+                f"quietsync: replica group {self.transport.replica}: replica group(s) {late}, alive, did not reach "
+                f"this collective within {patience_s:g}s (the longer of the quorum timeout and {SYNC_PATIENCE:g} of "
+                f"this replica's rounds: more than {SYNC_PATIENCE + 1:g}x slower, or hung), and the Lighthouse formed "
+                f"no quorum without them within {LEAVE_S:g}s (it does once more than half of the live replica groups "
+                f"ask); the replica stops. To wait longer for slower replica groups, {_longer(patience_s)}") from None
+        gone = [k for k in late if k not in self.members]
+        if gone:
+            print(f"quietsync: replica group {self.transport.replica}: replica group(s) {gone} did not reach this "
+                  f"collective within {patience_s:g}s (more than {SYNC_PATIENCE + 1:g}x slower, or hung): going on "
+                  "without them; each heals from the others when it returns", file=sys.stderr, flush=True)
 
     def _others_alive(self) -> bool:
         """Whether every other member of the current quorum still sends heartbeats, as far as the Lighthouse says (a
@@ -406,10 +435,11 @@ class ReplicaQuorum:
         rounds, self.rounds = self.rounds, []
         return rounds
 
-    def _regroup(self, patience_s: float | None = None, deadline: float | None = None) -> None:
+    def _regroup(self, patience_s: float | None = None, deadline: float | None = None,
+                 attempt_s: float | None = None) -> None:
         """A quorum inside a round: the previous members still alive, no join, no heal (asked until ``deadline``, a
         unit's :meth:`patience_s` from its start; see :meth:`_ask`)."""
-        self._ask(allow_heal=False, shrink_only=True, patience_s=patience_s, deadline=deadline)
+        self._ask(allow_heal=False, shrink_only=True, patience_s=patience_s, deadline=deadline, attempt_s=attempt_s)
         if self.manager.participating_rank() is None:
             raise FellBehind("quietsync: this replica missed a commit the other replicas made (its collective failed "
                              "where theirs succeeded); it stops, and once restarted it heals from a live peer")
@@ -461,12 +491,17 @@ class ReplicaQuorum:
                 self._committed()
                 return out
             self.retries += 1
+            if self._left_out():  # the others went on without this replica: a quorum of its own would split the run
+                raise FellBehind(_LEFT_OUT.format(self.transport.replica))
             if time.monotonic() > deadline:
                 raise NoQuorum(f"quietsync: no quorum of replicas committed a collective within {patience:g}s")
             regroup = time.perf_counter()
             try:
-                self._meet(deadline, wait=late)  # before any quorum request: a slower member is not left out
-                self._regroup(patience, deadline)
+                # before any quorum request: a slower member is not left out
+                if self._meet(deadline, wait=late) == "late":
+                    self._leave_behind(patience)
+                else:
+                    self._regroup(patience, deadline)
             finally:
                 self._waited(time.perf_counter() - regroup)
 
@@ -518,6 +553,11 @@ class ReplicaQuorum:
         self.manager.shutdown(wait=False)
 
 
+_LEFT_OUT = ("quietsync: replica group {} reached this collective after the other replica groups had gone on "
+             "without it (the Lighthouse forms a quorum without a heartbeating replica group once more than half of "
+             "them ask and its --join-timeout-ms has passed); it stops, and once restarted it heals from them")
+
+
 def _longer(patience_s: float) -> str:
     """What makes a unit wait longer than ``patience_s``: the quorum timeout where the user set it, else
     ``--timeout-s``."""
@@ -533,5 +573,5 @@ def _clear_frames(error: BaseException) -> None:
             traceback.clear_frames(e.__traceback__)
 
 
-__all__ = ["FellBehind", "HEAL_KEY", "HealFailed", "LIGHTHOUSE_ATTEMPT_S", "NoQuorum", "ReplicaQuorum", "RoundDropped",
-           "quorum_number"]
+__all__ = ["FellBehind", "HEAL_KEY", "HealFailed", "LEAVE_S", "LIGHTHOUSE_ATTEMPT_S", "NoQuorum", "ReplicaQuorum",
+           "RoundDropped", "quorum_number"]
