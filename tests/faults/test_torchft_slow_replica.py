@@ -145,11 +145,12 @@ def test_the_replicas_meet_in_the_store_and_a_silent_or_late_one_ends_the_meetin
     """After a collective timed out every member sets its key in the quorum's store and waits for the others'
     (faults/meeting.py): a slower one is waited for as long as it arrives before the deadline; one whose heartbeats
     stopped (frozen, its connections open) ends the wait at the first check after it is found silent; past the
-    deadline it is late. A member that does not wait (its collective failed on a closed connection) only arrives."""
+    deadline it is late, and the store says who is missing. A member that does not wait (its collective failed on a
+    closed connection) only arrives."""
     import threading
     import time
 
-    from quietsync.faults.meeting import ARRIVED, meet
+    from quietsync.faults.meeting import ARRIVED, meet, missing
 
     store = _store()
     later = threading.Timer(0.6, lambda: store.set(f"{ARRIVED}/7/1", b"1"))  # replica group 1 arrives 0.6 s later
@@ -165,7 +166,9 @@ def test_the_replicas_meet_in_the_store_and_a_silent_or_late_one_ends_the_meetin
     assert meet(store, 8, 0, [1, 2], time.monotonic() + 30, lambda: next(answers), alive_every_s=0.2) == "silent"
     assert time.monotonic() - t0 < 5  # at the second slice, not at the deadline
 
-    assert meet(store, 9, 0, [1], time.monotonic() + 0.3, lambda: True, alive_every_s=0.1) == "late"
+    store.set(f"{ARRIVED}/9/2", b"1")
+    assert meet(store, 9, 0, [1, 2], time.monotonic() + 0.3, lambda: True, alive_every_s=0.1) == "late"
+    assert missing(store, 9, [1, 2]) == [1]  # the one to leave behind; 2 came
     store.set(f"{ARRIVED}/10/1", b"1")
     assert meet(store, 10, 0, [1], time.monotonic() + 0.3, lambda: pytest.fail("no wait")) is None
     assert meet(store, 11, 2, [], time.monotonic() + 0.3, lambda: pytest.fail("no wait")) is None

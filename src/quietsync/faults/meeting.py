@@ -59,4 +59,13 @@ def meet(store: Any, unit: int, me: int, others: Sequence[int], deadline: float,
         return str(exc)
 
 
-__all__ = ["ALIVE_EVERY_S", "ARRIVED", "POLL_S", "meet"]
+def missing(store: Any, unit: int, others: Sequence[int]) -> list[int]:
+    """Which of ``others`` have not set their key of ``unit`` in ``store`` (all of them where the store does not
+    answer)."""
+    try:
+        return [k for k in others if not store.check([f"{ARRIVED}/{unit}/{k}"])]
+    except Exception:  # noqa: BLE001 - the store's host died: nobody is known to have arrived
+        return list(others)
+
+
+__all__ = ["ALIVE_EVERY_S", "ARRIVED", "POLL_S", "meet", "missing"]

@@ -78,7 +78,7 @@ import torch
 from ..errors import cause_chain
 from ..strategies.local.arrival import SYNC_PATIENCE, sync_patience
 from .flags import QUORUM_TIMEOUT_ENV
-from .meeting import meet
+from .meeting import meet, missing
 from .peer_checkpoint import PeerCheckpoint
 from .replica_group import replica_id
 from .transport import FaultTolerantTransport, ReplicaLost
@@ -378,7 +378,9 @@ class ReplicaQuorum:
         """The unit's patience passed with members missing: ask for a quorum without them for up to :data:`LEAVE_S`
         (module docstring), or stop (:class:`NoQuorum`) where the Lighthouse forms none -- these replicas are not more
         than half of the live ones."""
-        late = [k for k in self.members if k != self.transport.replica]
+        group = self.transport.replica_group
+        late = missing(group.store, self.manager.current_step(), [k for k in self.members
+                                                                  if k != self.transport.replica])
         try:
             self._regroup(patience_s, time.monotonic() + LEAVE_S, attempt_s=LEAVE_S)
         except NoQuorum:
