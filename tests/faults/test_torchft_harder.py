@@ -290,3 +290,13 @@ def test_a_kill_confined_to_one_replica_group_leaves_the_others_environment_with
     assert group_environment({KILL_ENV: "step:2"}, 0) == {KILL_ENV: "step:2"}  # without it: every group
     with pytest.raises(ValueError, match=KILL_GROUP_ENV):
         group_environment({KILL_ENV: "step:2", KILL_GROUP_ENV: "one"}, 0)
+
+
+def test_a_hold_confined_to_one_replica_group_leaves_the_others_environment_without_it():
+    from quietsync.faults.inject import HOLD_ENV, HOLD_GROUP_ENV, KILL_ENV, KILL_GROUP_ENV, group_environment
+
+    env = {HOLD_ENV: "step:4:/x", HOLD_GROUP_ENV: "2", KILL_ENV: "step:2", KILL_GROUP_ENV: "1"}
+    assert group_environment(env, 2) == {HOLD_ENV: "step:4:/x", HOLD_GROUP_ENV: "2", KILL_GROUP_ENV: "1"}
+    assert group_environment(env, 1) == {HOLD_GROUP_ENV: "2", KILL_ENV: "step:2", KILL_GROUP_ENV: "1"}
+    with pytest.raises(ValueError, match=HOLD_GROUP_ENV):
+        group_environment({HOLD_ENV: "step:2:/x", HOLD_GROUP_ENV: "-1"}, 0)

@@ -51,18 +51,37 @@ def test_a_slower_minority_is_waited_for_at_every_sync_past_the_timeouts_and_the
 @pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_replica_group_past_the_patience_is_left_behind_by_the_majority_which_goes_on(tmp_path, monkeypatch):
-    """Replica group 2 is ~400x slower: still heartbeating, it is far past the fast ones' patience (a 4-s quorum
-    timeout here) when they reach the sync. They wait that long, then ask for a quorum without it, which the
-    Lighthouse forms once its join timeout has passed (two of three ask: more than half), commit the sync without
-    it and finish the run; replica group 2, arriving later, finds itself left out and stops to heal, after the others
-    had finished. Before, the two fast ones stopped at the patience and, restarted, stopped again until their
-    restarts ran out."""
+    """Replica group 2 hangs at the top of its last step before the sync (its main thread waits, its heartbeats go
+    on, as with a stuck data loader) until the others have finished. They wait for it at the sync as long as the
+    unit's patience (a 4-s quorum timeout here), then ask for a quorum without it, which the Lighthouse forms once
+    its join timeout has passed (two of three ask: more than half), commit the sync without it and finish the run.
+    Replica group 2, going on afterwards, finds itself left out and stops to heal. Before, the two fast ones
+    stopped at the patience and, restarted, stopped again until their restarts ran out."""
+    import threading
+
+    from quietsync.faults.inject import HOLD_ENV, HOLD_GROUP_ENV
+
+    out, h, go = tmp_path / "run", 4, tmp_path / "go"
     monkeypatch.setenv("TORCHFT_QUORUM_TIMEOUT_SEC", "4")
-    out, h = tmp_path / "run", 4
-    proc = train_subprocess(*small_job(tmp_path, nproc=3), "--nodes", "3", "--fault-tolerance", "torchft",
-                            "--strategy", "diloco", "--sync-every", str(h), "--max-steps", str(h),
-                            "--slow-worker", "2:400", "--timeout-s", str(TIMEOUT_S), "--threads", "1",
-                            "--no-export", "--out", str(out), timeout=240)
+    monkeypatch.setenv(HOLD_ENV, f"step:{h}:{go}")
+    monkeypatch.setenv(HOLD_GROUP_ENV, "2")
+    done = threading.Event()
+
+    def release_once_the_others_finished() -> None:
+        while not done.is_set() and not (out / "summary.json").exists():
+            time.sleep(0.1)
+        go.touch()
+
+    releaser = threading.Thread(target=release_once_the_others_finished, daemon=True)
+    releaser.start()
+    try:
+        proc = train_subprocess(*small_job(tmp_path, nproc=3), "--nodes", "3", "--fault-tolerance", "torchft",
+                                "--strategy", "diloco", "--sync-every", str(h), "--max-steps", str(h),
+                                "--timeout-s", str(TIMEOUT_S), "--threads", "1", "--no-export", "--out", str(out),
+                                timeout=240)
+    finally:
+        done.set()
+        releaser.join(5)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-3000:]
     for k in (0, 1):

@@ -20,6 +20,10 @@ replica is up, so the run cannot end before it rejoins, whatever the machine's l
 heal source the N-th time it sends its state (after the length, before the bytes: the joiner waits in the
 transfer). A replica that reaches a hold creates ``PATH.waiting`` first, so a test acts once it is there.
 
+``QUIETSYNC_FT_HOLD_GROUP=K`` confines ``QUIETSYNC_FT_HOLD`` to replica group K under the local launcher, as
+``QUIETSYNC_FT_KILL_GROUP`` does the kill: one replica group hangs at a step -- its main thread waits, its heartbeats
+go on, as a stuck data loader's would -- while the others run.
+
 ``QUIETSYNC_FT_READY=PATH`` makes a replica create the file ``PATH`` when it is about to ask for its first quorum
 (its model and strategy built): a test releases the survivors once a restarted replica is there, not merely
 started.
@@ -52,6 +56,7 @@ from typing import Any
 KILL_ENV = "QUIETSYNC_FT_KILL"
 KILL_GROUP_ENV = "QUIETSYNC_FT_KILL_GROUP"
 HOLD_ENV = "QUIETSYNC_FT_HOLD"
+HOLD_GROUP_ENV = "QUIETSYNC_FT_HOLD_GROUP"
 READY_ENV = "QUIETSYNC_FT_READY"
 NONFINITE_ENV = "QUIETSYNC_FT_NONFINITE"
 PAUSE_ENV = "QUIETSYNC_PAUSE"
@@ -85,15 +90,18 @@ def reached(point: str) -> None:
 
 def group_environment(environ: dict[str, str], group: int) -> dict[str, str]:
     """The environment the local launcher gives replica group ``group``: ``environ``, less ``QUIETSYNC_FT_KILL``
-    where ``QUIETSYNC_FT_KILL_GROUP`` names another group."""
-    only = environ.get(KILL_GROUP_ENV, "")
-    if not only:
-        return environ
-    if not only.isdigit():
-        raise ValueError(f"{KILL_GROUP_ENV} must be a replica group's index, got {only!r}")
-    if int(only) == group:
-        return environ
-    return {k: v for k, v in environ.items() if k != KILL_ENV}
+    where ``QUIETSYNC_FT_KILL_GROUP`` names another group, and less ``QUIETSYNC_FT_HOLD`` where
+    ``QUIETSYNC_FT_HOLD_GROUP`` does."""
+    out = environ
+    for confine, confined in ((KILL_GROUP_ENV, KILL_ENV), (HOLD_GROUP_ENV, HOLD_ENV)):
+        only = environ.get(confine, "")
+        if not only:
+            continue
+        if not only.isdigit():
+            raise ValueError(f"{confine} must be a replica group's index, got {only!r}")
+        if int(only) != group:
+            out = {k: v for k, v in out.items() if k != confined}
+    return out
 
 
 def reached_heal_send() -> None:
@@ -193,6 +201,6 @@ def poison(step: int, loss: Any, module: Any) -> Any:
     return loss
 
 
-__all__ = ["HOLD_ENV", "HOLD_LIMIT_S", "HOLD_POINTS", "KILL_ENV", "KILL_GROUP_ENV", "NONFINITE_ENV", "PAUSE_ENV",
-           "POINTS", "READY_ENV", "group_environment", "hold", "pause", "poison", "reached", "reached_heal_send",
-           "ready"]
+__all__ = ["HOLD_ENV", "HOLD_GROUP_ENV", "HOLD_LIMIT_S", "HOLD_POINTS", "KILL_ENV", "KILL_GROUP_ENV", "NONFINITE_ENV",
+           "PAUSE_ENV", "POINTS", "READY_ENV", "group_environment", "hold", "pause", "poison", "reached",
+           "reached_heal_send", "ready"]
