@@ -286,3 +286,42 @@ def test_a_replica_whose_collective_failed_after_the_others_went_on_without_it_s
     with pytest.raises(FellBehind, match="gone on without it"):
         q.run(collective, [])
     assert q.manager.asked == 0  # no quorum asked for
+
+
+class _Store:
+    """A quorum store in which only the replica groups in ``came`` set their meeting keys."""
+
+    def __init__(self, came: set[int]) -> None:
+        self.came = came
+
+    def check(self, keys: list[str]) -> bool:
+        return all(int(key.rsplit("/", 1)[1]) in self.came for key in keys)
+
+
+@pytest.mark.parametrize("majority", [True, False])
+def test_members_missing_after_the_patience_are_left_behind_by_a_majority_or_the_waiting_replica_stops(
+        monkeypatch, capsys, majority):
+    """Past the patience, replica group 0 asks for a quorum without the missing group 1: where the Lighthouse forms
+    one (0 is among more than half of the live groups) it goes on, saying so; where it forms none, 0 stops, naming
+    the group it waited for and why no quorum formed without it."""
+    from quietsync.faults import quorum as quorum_module
+    from quietsync.faults.quorum import NoQuorum
+    from quietsync.faults.replica_group import replica_id
+
+    monkeypatch.setattr(quorum_module, "LEAVE_S", 1.0)
+    q = _quorum(monkeypatch, fails=0 if majority else 10**9, last_members=[f"{replica_id(0)}:a", f"{replica_id(1)}:b"])
+    group = q.transport.replica_group
+    group.store = _Store(came={0})
+    q.manager.current_step = lambda: 3
+
+    def answered(**kwargs) -> None:  # the Lighthouse's quorum without group 1
+        group.members = [0]
+    if majority:
+        q.manager.start_quorum = answered
+        q.manager.participating_rank = lambda: 0
+        q._leave_behind(30.0)
+        assert group.members == [0]
+        assert "replica group(s) [1] did not reach this collective within 30s" in capsys.readouterr().err
+    else:
+        with pytest.raises(NoQuorum, match=r"replica group\(s\) \[1\], alive, did not reach .* more than half"):
+            q._leave_behind(30.0)

@@ -384,6 +384,10 @@ class ReplicaQuorum:
         try:
             self._regroup(patience_s, time.monotonic() + LEAVE_S, attempt_s=LEAVE_S)
         except NoQuorum:
+            from .lighthouse import reachable
+
+            if reachable(self.lighthouse, 2.0) is not None:  # the Lighthouse is gone: its own message says so
+                raise
             raise NoQuorum(
                 f"quietsync: replica group {self.transport.replica}: replica group(s) {late}, alive, did not reach "
                 f"this collective within {patience_s:g}s (the longer of the quorum timeout and {SYNC_PATIENCE:g} of "
