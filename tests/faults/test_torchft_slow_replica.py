@@ -6,8 +6,10 @@ Three replica groups run synchronous DiLoCo under ``--fault-tolerance torchft``;
 would form without it. Their
 collective times out, and they wait for it in the failed quorum's store before asking for the next quorum, as long
 as the unit's patience: 9 of their rounds. So the sync is asked again and commits with all three, nobody heals or
-restarts, and the fast replicas' wait is idle time in their step records, not compute. A quorum timeout that is
-not a positive number is refused before any worker starts.
+restarts, and the fast replicas' wait is idle time in their step records, not compute. One hung past that patience
+(its heartbeats going) is left behind by a majority, which goes on; a replica that finds itself left out stops to
+heal before it asks for a quorum. A quorum timeout that is not a positive number is refused before any worker
+starts.
 """
 
 from __future__ import annotations
@@ -55,8 +57,7 @@ def test_a_replica_group_past_the_patience_is_left_behind_by_the_majority_which_
     on, as with a stuck data loader) until the others have finished. They wait for it at the sync as long as the
     unit's patience (a 4-s quorum timeout here), then ask for a quorum without it, which the Lighthouse forms once
     its join timeout has passed (two of three ask: more than half), commit the sync without it and finish the run.
-    Replica group 2, going on afterwards, finds itself left out and stops to heal. Before, the two fast ones
-    stopped at the patience and, restarted, stopped again until their restarts ran out."""
+    Replica group 2, going on afterwards, finds itself left out and stops to heal."""
     import threading
 
     from quietsync.faults.inject import HOLD_ENV, HOLD_GROUP_ENV
@@ -167,7 +168,6 @@ def test_the_replicas_meet_in_the_store_and_a_silent_or_late_one_ends_the_meetin
     deadline it is late, and the store says who is missing. A member that does not wait (its collective failed on a
     closed connection) only arrives."""
     import threading
-    import time
 
     from quietsync.faults.meeting import ARRIVED, meet, missing
 
@@ -195,7 +195,6 @@ def test_the_replicas_meet_in_the_store_and_a_silent_or_late_one_ends_the_meetin
 
 
 def test_the_lighthouse_status_names_the_replicas_whose_heartbeats_stopped():
-    import time
     from datetime import timedelta
 
     from torchft._torchft import LighthouseClient, LighthouseServer
