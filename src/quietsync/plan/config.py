@@ -70,9 +70,10 @@ class PlanConfig:
     """Pilot runs: each promising setting trains up to N tokens (all workers) on this model and data, and its
     held-out curve replaces the priors (successive halving stops the losing ones early)."""
     pilot_candidates: int = 6
-    """Settings besides the baseline that may run a pilot in the first round (the most promising by prior time to
-    target); up to five more confirm, after it, the best settings, those to try first and those ranked above them
-    that still rest on their priors (``pilot_plan.CONFIRM``)."""
+    """Settings of the grid besides the baseline that may run a pilot in the first round (the most promising by prior
+    time to target; a setting --strategies adds to the grid runs one beyond them unless clearly losing); up to five
+    more confirm, after it, the best settings, those to try first and those ranked above them that still rest on
+    their priors (``pilot_plan.CONFIRM``)."""
     train_args: str = ""
     """quietsync train flags for the pilots (the run being planned), e.g. '--max-steps 2000 --lr 1e-3'."""
     pilot_out: str | None = None
