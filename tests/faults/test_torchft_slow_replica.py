@@ -15,6 +15,7 @@ starts.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -25,6 +26,8 @@ pytest.importorskip("torchft")
 
 H = 288
 TIMEOUT_S = 1
+QUORUM_S = 12
+"""The left-behind test's quorum timeout (``TORCHFT_QUORUM_TIMEOUT_SEC``), the fast replicas' patience there."""
 
 
 @pytest.mark.long
@@ -55,7 +58,8 @@ def test_a_slower_minority_is_waited_for_at_every_sync_past_the_timeouts_and_the
 def test_a_replica_group_past_the_patience_is_left_behind_by_the_majority_which_goes_on(tmp_path, monkeypatch):
     """Replica group 2 hangs at the top of its last step before the sync (its main thread waits, its heartbeats go
     on, as with a stuck data loader) until the others have finished. They wait for it at the sync as long as the
-    unit's patience (a 4-s quorum timeout here), then ask for a quorum without it, which the Lighthouse forms once
+    unit's patience (a 12-s quorum timeout here: above the join timeout, as docs/faults.md asks, and room for a
+    loaded machine to start all three), then ask for a quorum without it, which the Lighthouse forms once
     its join timeout has passed (two of three ask: more than half), commit the sync without it and finish the run.
     Replica group 2, going on afterwards, finds itself left out and stops to heal."""
     import threading
@@ -63,7 +67,7 @@ def test_a_replica_group_past_the_patience_is_left_behind_by_the_majority_which_
     from quietsync.faults.inject import HOLD_ENV, HOLD_GROUP_ENV
 
     out, h, go = tmp_path / "run", 4, tmp_path / "go"
-    monkeypatch.setenv("TORCHFT_QUORUM_TIMEOUT_SEC", "4")
+    monkeypatch.setenv("TORCHFT_QUORUM_TIMEOUT_SEC", str(QUORUM_S))
     monkeypatch.setenv(HOLD_ENV, f"step:{h}:{go}")
     monkeypatch.setenv(HOLD_GROUP_ENV, "2")
     done = threading.Event()
@@ -85,15 +89,17 @@ def test_a_replica_group_past_the_patience_is_left_behind_by_the_majority_which_
         releaser.join(5)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-3000:]
-    for k in (0, 1):
-        assert f"replica group {k}: replica group(s) [2] did not reach this collective within 4s" in said, said[-3000:]
+    for k in (0, 1):  # the patience: the quorum timeout, or 9 rounds where a loaded machine made the round longer
+        assert re.search(fr"replica group {k}: replica group\(s\) \[2\] did not reach this collective within "
+                         r"[0-9.]+s", said), said[-3000:]
     assert "replica group 2 reached this collective after the other replica groups had gone on" in said, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]  # a stop of the protocol's own: its one line says it all
     assert "replica group 2 ended (exit status 1) after the others had finished the run" in said, said[-3000:]
     for r in (0, 1):
         rows = [json.loads(x) for x in (out / f"metrics-rank{r}.jsonl").read_text().splitlines() if '"event"' not in x]
         assert all(x["members"] == [0, 1, 2] for x in rows[:h - 1])
         sync = rows[h - 1]  # waited the patience, then committed without replica group 2
-        assert sync["members"] == [0, 1] and sync["retries"] >= 1 and sync["idle_s"] > 4, sync
+        assert sync["members"] == [0, 1] and sync["retries"] >= 1 and sync["idle_s"] > QUORUM_S, sync
         assert all(x["members"] == [0, 1] for x in rows[h - 1:])
 
 

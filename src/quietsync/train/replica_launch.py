@@ -31,13 +31,16 @@ from typing import Any
 
 from ..cli.launch import signal_name
 from ..faults.inject import group_environment
-from ..faults.quorum import NoQuorum
+from ..faults.quorum import FellBehind, HealFailed, NoQuorum
 from .args import PROG
 from .nonfinite import NonFiniteError
 from .replica_loop import STORE_ENV, run_replica
 from .replica_nonfinite import NONFINITE_EXIT
 
 POLL_S = 0.2
+
+PROTOCOL_STOPS = (NoQuorum, FellBehind, HealFailed)
+"""A replica group's stops that its message explains in full: said in one line, without a traceback."""
 
 
 def _free_port() -> int:
@@ -67,8 +70,13 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
         if isinstance(own, NonFiniteError):
             print(f"{PROG} train: error: replica group {replica}: NonFiniteError: {own}", file=sys.stderr, flush=True)
             return NONFINITE_EXIT
-        if isinstance(own, NoQuorum):  # a Lighthouse gone for good (its message names it)
+        # the protocol's own stops (no quorum; left out, or a heal source lost: restarted, it heals): their
+        # messages say why, a traceback would only bury them
+        if isinstance(own, PROTOCOL_STOPS):
             print(f"{PROG} train: error: replica group {replica}: {own}", file=sys.stderr, flush=True)
+            return 1
+        if any(f".{stop.__name__}: " in str(e) for stop in PROTOCOL_STOPS):  # a spawned worker's, as text
+            print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
             return 1
         print(e.details, file=sys.stderr)
         print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
