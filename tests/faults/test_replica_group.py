@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,8 +38,16 @@ SCRIPT = textwrap.dedent("""
 
     rank, port, timeout, connect, mode = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), \
         sys.argv[5]
+    # rank 0 hosts the store on a port the system picks and tells the test, which starts rank 1 on it: a port
+    # picked free beforehand may be taken by another test's server before it is bound
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False,
                           timeout=timedelta(seconds=2 * timeout))
+    port = store.port
+    if rank == 0:
+        with open(sys.argv[6] + ".part", "w") as f:
+            f.write(str(port))
+        import os
+        os.replace(sys.argv[6] + ".part", sys.argv[6])
     group = ReplicaProcessGroup(timeout, connect_timeout_s=connect)
     # both are up (imports done) before either connects: a short connect timeout times the connect, not start-up
     store.set(f"up{rank}", "1")
@@ -66,12 +75,21 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _pair(timeout_s: float, connect_s: float, mode: str) -> tuple[float, list[str]]:
+def _pair(timeout_s: float, connect_s: float, mode: str, tmp_path: Path) -> tuple[float, list[str]]:
     """Run the two processes; the seconds the waiter waited in its all-reduce, and both outputs."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(rank), str(port), str(timeout_s), str(connect_s),
-                               mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    said = tmp_path / "port"
+
+    def start(rank: int, port: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", SCRIPT, str(rank), str(port), str(timeout_s), str(connect_s),
+                                 mode, str(said)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    procs = [start(0, 0)]
     try:
+        deadline = time.monotonic() + 60
+        while not said.exists() and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert said.exists(), procs[0].communicate(timeout=10)[0] if procs[0].poll() is not None else "no port"
+        procs.append(start(1, int(said.read_text())))
         outs = [p.communicate(timeout=100)[0] for p in procs]
     finally:
         for p in procs:
@@ -85,15 +103,15 @@ def _pair(timeout_s: float, connect_s: float, mode: str) -> tuple[float, list[st
     return float(waiter[0].split()[3]), outs
 
 
-def test_a_replica_that_gives_up_on_a_collective_releases_the_peer_waiting_in_it() -> None:
-    waited, outs = _pair(TIMEOUT_S, 5.0, "report")
+def test_a_replica_that_gives_up_on_a_collective_releases_the_peer_waiting_in_it(tmp_path) -> None:
+    waited, outs = _pair(TIMEOUT_S, 5.0, "report", tmp_path)
     assert waited < TIMEOUT_S / 3, f"the waiter was released only after {waited:.1f} s (collective timeout " \
         f"{TIMEOUT_S:g} s): the reporting replica kept its group open"
     assert "RESULT reported" in outs[1], outs
 
 
 @pytest.mark.long
-def test_connecting_waits_the_connect_timeout_and_collectives_the_collective_timeout() -> None:
+def test_connecting_waits_the_connect_timeout_and_collectives_the_collective_timeout(tmp_path) -> None:
     """A quorum member that died after the Lighthouse's answer never connects: the others give up after the
     connect timeout (then ask for a quorum without it), not after the collective timeout (300 s by default, longer
     than a round start waits). Collectives on the connected group keep the long timeout."""
@@ -114,5 +132,5 @@ def test_connecting_waits_the_connect_timeout_and_collectives_the_collective_tim
     del store
     # connected, a peer that never joins a collective is waited for the collective timeout (6 s), not the connect
     # timeout (2 s: not the claim, only shorter than the bound below; wider than a loaded machine's scheduling gaps)
-    waited, _ = _pair(6.0, 2.0, "idle")
+    waited, _ = _pair(6.0, 2.0, "idle", tmp_path)
     assert 4.5 < waited < 30, waited
