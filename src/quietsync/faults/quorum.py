@@ -338,10 +338,8 @@ class ReplicaQuorum:
                         raise NoQuorum(
                             f"quietsync: replica group {self.transport.replica}: no quorum for {patience:g}s inside "
                             f"a collective: the Lighthouse at {self.lighthouse} is up, and replica group(s) {others} "
-                            "of the last quorum, alive, have not reached this collective (the longer of the quorum "
-                            f"timeout and {SYNC_PATIENCE:g} of this replica's rounds: more than "
-                            f"{SYNC_PATIENCE + 1:g}x slower, or hung); the replica stops. To wait longer for slower "
-                            f"replica groups, {_longer(patience)}") from None
+                            f"of the last quorum, alive, have not reached this collective {_PATIENCE}; the replica "
+                            f"stops. To wait longer for slower replica groups, {_longer(patience)}") from None
                     raise NoQuorum(f"quietsync: replica group {self.transport.replica}: the Lighthouse at "
                                    f"{self.lighthouse} answered no quorum request for {patience:g}s ("
                                    f"{why or 'it is up, but formed no quorum'}); the replica stops") from None
@@ -378,9 +376,9 @@ class ReplicaQuorum:
         """The unit's patience passed with members missing: ask for a quorum without them for up to :data:`LEAVE_S`
         (module docstring), or stop (:class:`NoQuorum`) where the Lighthouse forms none -- these replicas are not more
         than half of the live ones."""
-        group = self.transport.replica_group
-        late = missing(group.store, self.manager.current_step(), [k for k in self.members
-                                                                  if k != self.transport.replica])
+        others = [k for k in self.members if k != self.transport.replica]
+        # all came in the meantime: the request below includes them, and a give-up would name the others
+        late = missing(self.transport.replica_group.store, self.manager.current_step(), others) or others
         try:
             self._regroup(patience_s, time.monotonic() + LEAVE_S, attempt_s=LEAVE_S)
         except NoQuorum:
@@ -390,10 +388,9 @@ class ReplicaQuorum:
                 raise
             raise NoQuorum(
                 f"quietsync: replica group {self.transport.replica}: replica group(s) {late}, alive, did not reach "
-                f"this collective within {patience_s:g}s (the longer of the quorum timeout and {SYNC_PATIENCE:g} of "
-                f"this replica's rounds: more than {SYNC_PATIENCE + 1:g}x slower, or hung), and the Lighthouse formed "
-                f"no quorum without them within {LEAVE_S:g}s (it does once more than half of the live replica groups "
-                f"ask); the replica stops. To wait longer for slower replica groups, {_longer(patience_s)}") from None
+                f"this collective within {patience_s:g}s {_PATIENCE}, and the Lighthouse formed no quorum without "
+                f"them within {LEAVE_S:g}s (it does once more than half of the live replica groups ask); the replica "
+                f"stops. To wait longer for slower replica groups, {_longer(patience_s)}") from None
         gone = [k for k in late if k not in self.members]
         if gone:
             print(f"quietsync: replica group {self.transport.replica}: replica group(s) {gone} did not reach this "
@@ -558,6 +555,10 @@ class ReplicaQuorum:
         """Stop this replica's manager server and the peer checkpoint (local; the others see it leave)."""
         self.manager.shutdown(wait=False)
 
+
+_PATIENCE = (f"(the longer of the quorum timeout and {SYNC_PATIENCE:g} of this replica's rounds: more than "
+             f"{SYNC_PATIENCE + 1:g}x slower, or hung)")
+"""Why a unit gave up on a member: the patience it waited, in the words of every message that says so."""
 
 _LEFT_OUT = ("quietsync: replica group {} reached this collective after the other replica groups had gone on "
              "without it (the Lighthouse forms a quorum without a heartbeating replica group once more than half of "
