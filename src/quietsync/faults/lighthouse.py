@@ -103,6 +103,16 @@ def stale_heartbeats(address: str, timeout_s: float) -> list[str] | None:
             if "old" in cls.split()]
 
 
+def pending_requests(address: str, timeout_s: float) -> int | None:
+    """How many replica groups' quorum requests the Lighthouse at ``address`` holds now (those of live replica groups:
+    its status page's ``[N/M participants healthy]``), or None when it does not answer."""
+    page = _status_page(address, timeout_s)
+    if page is None:
+        return None
+    found = re.search(r"\[(\d+)/\d+ participants healthy\]", page)
+    return int(found.group(1)) if found else 0
+
+
 def lighthouse_main(argv: list[str]) -> int:
     """``quietsync lighthouse``: run a Lighthouse until interrupted (SIGINT/SIGTERM); prints its address."""
     from ..cli.flags import OneLineParser
@@ -143,4 +153,4 @@ def lighthouse_main(argv: list[str]) -> int:
 
 
 __all__ = ["HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS", "LighthouseConfig", "http_address", "latest_members",
-           "lighthouse_main", "reachable", "stale_heartbeats", "start_lighthouse"]
+           "lighthouse_main", "pending_requests", "reachable", "stale_heartbeats", "start_lighthouse"]

@@ -70,6 +70,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -78,9 +79,10 @@ import torch
 from ..errors import cause_chain
 from ..strategies.local.arrival import SYNC_PATIENCE, sync_patience
 from .flags import QUORUM_TIMEOUT_ENV
-from .meeting import meet, missing
+from .meeting import ARRIVED, meet, missing
 from .peer_checkpoint import PeerCheckpoint
 from .replica_group import replica_id
+from .stall import StallWatch, stall_limit_s
 from .transport import FaultTolerantTransport, ReplicaLost
 
 LIGHTHOUSE_ATTEMPT_S = 20.0
@@ -213,6 +215,8 @@ class ReplicaQuorum:
         """Phases of the round starts that changed the quorum or moved state since :meth:`take_rounds` (see
         :meth:`_phases`)."""
         self._marks: dict[str, float] = {}
+        self.watch: StallWatch | None = None
+        """The stall watch (:mod:`~quietsync.faults.stall`), from the first quorum until :meth:`unwatch`."""
         address = lighthouse if "://" in lighthouse else f"http://{lighthouse}"
         self.checkpoint = PeerCheckpoint(transport, timeout_s)
         """How this replica sends its state to a healing peer, and receives one's."""
@@ -276,11 +280,16 @@ class ReplicaQuorum:
                                "already finished)")
             time.sleep(0.1)
         self.joined = True
+        self.watch = StallWatch(stall_limit_s(self.quorum_timeout_s), self._waiting_for_this, self._stall_line)
         return healed
 
     def start_round(self) -> bool:
         """A quorum at a round boundary (new replicas join; one behind heals here). Returns whether this replica
         healed. Asked again while a member fails during it, until ``quorum_timeout_s``."""
+        with self._waits():
+            return self._start_round()
+
+    def _start_round(self) -> bool:
         deadline = time.monotonic() + self.quorum_timeout_s
         before = self.healed
         generation, sent = self.transport.replica_group.generation, self.checkpoint.sent_bytes
@@ -455,6 +464,10 @@ class ReplicaQuorum:
         for, not taken for a dead one (the Lighthouse keeps it in the quorum while it sends heartbeats)."""
         if self._running:  # inside a unit already run here (Transport.across_replicas): its failure is the unit's
             return op()
+        with self._waits():
+            return self._run(op, restore)
+
+    def _run(self, op: Callable[[], Any], restore: Sequence[torch.Tensor]) -> Any:
         patience = self.patience_s()
         deadline = time.monotonic() + patience
         if self.round_due:  # a commit since the last quorum: this unit asks for its own (mid-round: no joins)
@@ -546,13 +559,59 @@ class ReplicaQuorum:
         for listener in self._listeners:
             listener(members, number)
 
+    # ------------------------------------------------------------------ the stall watch
+    def progress(self) -> None:
+        """The training loop's main thread made progress (a step began, a micro-batch was fed, a commit was asked):
+        the stall watch (:mod:`~quietsync.faults.stall`) counts from here."""
+        if self.watch is not None:
+            self.watch.progress()
+
+    def _waits(self) -> AbstractContextManager[None]:
+        """A wait of the protocol's own (a quorum, a unit's collectives and their retries): not a stall."""
+        return self.watch.inside() if self.watch is not None else nullcontext()
+
+    def _waiting_for_this(self) -> str | None:
+        """Who waits for this replica group now (asked by the stall watch once the main thread has stalled): the
+        other members of the quorum that reached this replica's next unit (their key is in the quorum's store), or
+        the Lighthouse's pending quorum requests; None when nobody does. A replica group alone in its quorum holds the
+        run's only state: nobody is said to wait for it."""
+        from .lighthouse import pending_requests
+
+        me = self.transport.replica
+        others = [k for k in self.members if k != me]
+        if not others:
+            return None
+        store, unit = self.transport.replica_group.store, self.manager.current_step()
+        if store is not None:
+            arrived = [k for k in others if k not in missing(store, unit, others)]
+            if arrived and not store.check([f"{ARRIVED}/{unit}/{me}"]):
+                return f"replica group(s) {arrived}, at the next collective,"
+        asking = pending_requests(self.lighthouse, 2.0)
+        if asking:
+            return f"{asking} replica group(s) asking the Lighthouse for the next quorum"
+        return None
+
+    def _stall_line(self, stalled_s: float, who: str) -> str:
+        limit = stall_limit_s(self.quorum_timeout_s)
+        return (f"quietsync: replica group {self.transport.replica}: its main thread made no progress for "
+                f"{stalled_s:.0f}s while {who} waited for it (a replica group stalled for half the quorum timeout, "
+                f"{limit:g}s, holds the others up); it exits so that it is started again, and it heals from them")
+
+    def unwatch(self) -> None:
+        """Stop the stall watch (the run is over: what follows, the export, is nobody's wait)."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+
     @property
     def members(self) -> list[int]:
         """The replica groups of the current quorum, in rank order."""
         return list(self.transport.replica_group.members)
 
     def shutdown(self) -> None:
-        """Stop this replica's manager server and the peer checkpoint (local; the others see it leave)."""
+        """Stop the stall watch, this replica's manager server and the peer checkpoint (local; the others see it
+        leave)."""
+        self.unwatch()
         self.manager.shutdown(wait=False)
 
 

@@ -140,6 +140,7 @@ class TorchftQuorum:
         return self.dealer.position()
 
     def begin_step(self, strategy: Any) -> None:
+        self.quorum.progress()  # the stall watch counts from each step's start, micro-batch and commit
         hold(strategy.steps + 1)  # a test's hold point (QUIETSYNC_FT_HOLD; nothing without it)
         if self.quorum.round_due:
             self.quorum.start_round()  # after a commit: joiners heal here
@@ -159,10 +160,12 @@ class TorchftQuorum:
         return None
 
     def fed(self, strategy: Any, index: int, loss: torch.Tensor | None) -> torch.Tensor | None:
+        self.quorum.progress()
         # a test's injected non-finite value (QUIETSYNC_FT_NONFINITE), on the step's first micro-batch
         return poison(strategy.steps + 1, loss, strategy.module) if index == 0 else loss
 
     def commit(self, strategy: Any, index: int) -> str:
+        self.quorum.progress()
         if index == self.accumulation - 1:
             reached("step")
         try:
@@ -225,6 +228,7 @@ class TorchftQuorum:
             raise NonFiniteError(f"the committed parameters after step {strategy.steps} are not finite on "
                                  f"{int(totals['nonfinite_workers'])} worker(s); the run is not exported")
         self.quorum.start_round()  # replicas waiting to join take the final state and stop
+        self.quorum.unwatch()  # the export that follows is nobody's wait
         return {"totals": totals, "finish_commits": self.finish_commits if self.audit else None}
 
     def failure(self, error: Exception, strategy: Any) -> Exception | None:
