@@ -64,7 +64,7 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
     try:
         launch(run_replica, (cfg, strategy_config, replica, replicas, lighthouse), nproc=workers,
                preload=worker_preload(cfg.model))
-    except (NonFiniteError, NoQuorum, WorkerFailed) as e:
+    except (NonFiniteError, WorkerFailed, *PROTOCOL_STOPS) as e:
         # a worker run in this process (one worker, or under torchrun): its own error, said in one clean line
         own = e.__cause__ if isinstance(e, WorkerFailed) else e
         if isinstance(own, NonFiniteError):
@@ -73,7 +73,8 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
         # the protocol's own stops (no quorum; left out, or a heal source lost: restarted, it heals): their
         # messages say why, a traceback would only bury them
         if isinstance(own, PROTOCOL_STOPS):
-            print(f"{PROG} train: error: replica group {replica}: {own}", file=sys.stderr, flush=True)
+            said = str(own).removeprefix("quietsync: ").removeprefix(f"replica group {replica}: ")  # said once below
+            print(f"{PROG} train: error: replica group {replica}: {said}", file=sys.stderr, flush=True)
             return 1
         if any(f".{stop.__name__}: " in str(e) for stop in PROTOCOL_STOPS):  # a spawned worker's, as text
             print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
