@@ -216,10 +216,7 @@ def test_two_replica_groups_one_hung_with_its_heartbeats_going_it_leaves_and_hea
         assert "it exits so that it is started again, and it heals from them" in said, said[-3000:]
         assert "in hold" in said  # the stack names where it was stuck: the injected hold
         wait_until(lambda: any(r["members"] == [0] for r in records(out, 0)), replicas)  # it went on alone
-        r1 = replicas.start(1, {**env, "QUIETSYNC_FT_READY": str(tmp_path / "ready")})
-        replicas.wait_file(tmp_path / "ready")
-        replicas.wait_asking(1, [release])  # its request is in: replica group 0, let go, takes it in
-        release.write_text("")
+        r1 = replicas.rejoin(1, release, env)
         assert wait_exit(replicas, r0) == 0, replicas.logs()
         assert wait_exit(replicas, r1) == 0, replicas.logs()
     finally:

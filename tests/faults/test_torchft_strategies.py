@@ -73,10 +73,7 @@ def test_the_survivor_goes_on_alone_and_the_returning_replica_heals(tmp_path, ca
         # one worker: SIGKILL; two: both die at the same point and the group's launcher reports the failure (1)
         assert wait_exit(replicas, r1) == (KILLED if workers == 1 else 1), replicas.logs()
         wait_until(lambda: any(r["members"] == [0] for r in records(out, 0)), replicas)  # it goes on alone
-        r1 = replicas.start(1, {"QUIETSYNC_FT_READY": str(tmp_path / "ready")}, workers=workers)
-        replicas.wait_file(tmp_path / "ready")  # about to ask for its first quorum
-        replicas.wait_asking(1, [release])  # and its request is in: the survivor, let go, takes it in
-        release.write_text("")
+        r1 = replicas.rejoin(1, release, workers=workers)  # the survivor, let go, takes it in
         assert wait_exit(replicas, r0) == 0, replicas.logs()
         assert wait_exit(replicas, r1) == 0, replicas.logs()
     finally:

@@ -175,6 +175,16 @@ class Replicas:
                                    f"{self.logs()}")
             time.sleep(0.05)
 
+    def rejoin(self, k: int, release: Path, env: dict[str, str] | None = None, workers: int = 1) -> Any:
+        """Start replica group ``k`` again and, once its first quorum request is in, let the survivors held at
+        ``release`` go: their next round start takes it in, and it heals there. Its process."""
+        ready = self.folder / f"ready{k}.{len(self.started)}"
+        proc = self.start(k, {**(env or {}), "QUIETSYNC_FT_READY": str(ready)}, workers=workers)
+        self.wait_file(ready)  # about to ask for its first quorum
+        self.wait_asking(1, [release])  # and its request is in
+        release.write_text("")
+        return proc
+
     def wait_file(self, path: Path, timeout: float = 90.0) -> None:
         """Wait until ``path`` exists (a replica's ``QUIETSYNC_FT_READY`` file, a survivor's records)."""
         deadline = time.monotonic() + timeout
