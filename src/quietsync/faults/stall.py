@@ -3,10 +3,10 @@
 A replica group can hang with its heartbeats still going: its main thread is stuck (a data loader, a file system,
 a deadlock in user code) while its torchft Manager's thread still heartbeats. The Lighthouse then keeps it in every
 quorum, and the others wait for it, either at a collective (they meet in the quorum's store:
-:mod:`~quietsync.faults.meeting`) or at a round start (their quorum request waits for it). With three or more replica
-groups, a majority leaves it behind once the unit's patience has passed (:mod:`~quietsync.faults.quorum`), but its
-process lives on, so the job never ends. With two replica groups, neither one is a majority, and the waiting one
-stops.
+:mod:`~quietsync.faults.meeting`) or at a round start (their quorum request waits for it). Left at that, with three or
+more replica groups a majority would leave it behind once the unit's patience has passed
+(:mod:`~quietsync.faults.quorum`), but its process would live on and the job would never end; with two, neither one
+is a majority, and the waiting one would stop.
 
 :class:`StallWatch` is a thread beside the main one. The training loop marks progress at each step, micro-batch and
 commit (:meth:`~quietsync.faults.quorum.ReplicaQuorum.progress`), and the protocol's own waits count as progress. The
