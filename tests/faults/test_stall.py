@@ -6,8 +6,8 @@ a wait of the protocol's own. When it fires it says where the main thread was st
 that reached this replica's next collective (their meeting keys), or the Lighthouse's pending quorum requests, but
 nobody when this replica group is alone in its quorum, because it then holds the run's only state. With real
 replica groups (two, one hung with its heartbeats going, at a collective and at a round start), the hung one
-leaves and the other goes on alone. The hung one is started again, heals and finishes the run with it. Before the
-watch existed, the other one stopped (neither is a majority of two) and the hung one never ended.
+leaves and the other goes on alone. The hung one is started again, heals and finishes the run with it. Without the
+watch, the other one stops (neither is a majority of two) and the hung one never ends.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def test_the_limit_is_half_the_quorum_timeout_leaving_the_others_the_rest_to_fin
 
 
 class _Store:
+    """A quorum store holding the meeting keys ``ARRIVED/<unit>/<replica group>`` of ``came``."""
+
     def __init__(self, came: set[tuple[int, int]]) -> None:
         self.came = came  # (unit, replica group) keys set
 
@@ -132,9 +134,6 @@ def _quorum(monkeypatch, members: list[int], came: set[tuple[int, int]], pending
 
 
 def test_who_waits_for_a_replica_group_the_members_at_its_next_collective_or_the_lighthouses_requests(monkeypatch):
-    from quietsync.faults.meeting import ARRIVED
-
-    assert ARRIVED  # the keys _Store reads: ARRIVED/<unit>/<replica group>
     at_unit = _quorum(monkeypatch, [0, 1, 2], came={(5, 2), (4, 1)}, pending=0)
     assert at_unit._waiting_for_this() == "replica group(s) [2], at the next collective,"  # (4, 1): an old unit
     # this replica is at that meeting itself (its key is set): the others wait for someone else
