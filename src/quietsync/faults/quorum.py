@@ -37,10 +37,12 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   replica's rounds where longer) -- a quorum request now would be answered without a slower, heartbeating minority
   once the Lighthouse's join timeout passed. A member whose attempt failed on a closed connection says it arrived
   and does not wait (a death is the Lighthouse's to see). Members still missing when the patience has passed
-  (more than 10x slower, or hung with their heartbeats going) are **left behind**: the replicas that met ask for a
-  quorum without them for up to :data:`LEAVE_S` more -- the Lighthouse forms one once more than half of the live
-  replica groups ask and its join timeout has passed -- and go on; only where they are not such a majority do they
-  stop (:class:`NoQuorum`). A replica whose attempt failed and whom the Lighthouse's last quorum no longer holds
+  (more than 10x slower while making progress) are **left behind**: the replicas that met ask for a quorum without
+  them for up to :data:`LEAVE_S` more -- the Lighthouse forms one once more than half of the live replica groups
+  ask and its join timeout has passed -- and go on; only where they are not such a majority do they stop
+  (:class:`NoQuorum`). A member hung with its heartbeats going leaves by itself before that, at half the quorum
+  timeout (:mod:`~quietsync.faults.stall`): it is restarted and heals, and the others go on even where they are
+  not a majority. A replica whose attempt failed and whom the Lighthouse's last quorum no longer holds
   (the others went on without it) stops with :class:`FellBehind` before it asks for anything: a quorum of its own
   would commit a unit the others never see.
 
