@@ -18,6 +18,7 @@ import time
 import pytest
 
 from quietsync.faults.stall import StallWatch, stall_limit_s
+from tests.distributed import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -170,12 +171,7 @@ def test_the_lighthouse_says_how_many_quorum_requests_it_holds():
         ask.join(10)
     finally:
         server.shutdown()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]
-    assert pending_requests(f"127.0.0.1:{closed}", 2.0) is None
+    assert pending_requests(f"127.0.0.1:{free_port()}", 2.0) is None  # nothing listens there
 
 
 def _quietly(fn, **kwargs) -> None:

@@ -5,21 +5,15 @@ workers for strategies whose state is per worker, a Lighthouse nobody answers at
 from __future__ import annotations
 
 import re
-import socket
 
 import pytest
 
 from quietsync.commands.main import main
 from quietsync.faults.support import policies, refusals
+from tests.distributed import free_port
 from tests.train._run import refused
 
 FT = ["--fault-tolerance", "torchft"]
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # nothing listens on it once the socket closes
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -55,7 +49,7 @@ def test_bad_combinations_are_one_line_and_start_nothing(flags, message, monkeyp
 
 
 def test_an_unreachable_lighthouse_is_one_line_before_any_worker_starts(monkeypatch, capsys, tmp_path):
-    port = _closed_port()
+    port = free_port()
     line = refused(monkeypatch, capsys, "--strategy", "ddp", *FT, "--replica-group", "0", "--nodes", "2", "--nproc",
                    "1", "--lighthouse", f"127.0.0.1:{port}", "--out", str(tmp_path / "run"))
     assert line.startswith(f"quietsync train: error: --lighthouse 127.0.0.1:{port}: no Lighthouse answered "), line

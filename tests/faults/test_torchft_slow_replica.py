@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from tests.distributed import free_port
 from tests.train._run import refused, small_job, train_subprocess
 
 pytest.importorskip("torchft")
@@ -150,16 +151,7 @@ def test_the_lighthouse_status_names_its_last_quorums_members_so_a_replica_left_
         assert not any(m.startswith(replica_id(0) + ":") or m.startswith(replica_id(10) + ":") for m in members)
     finally:
         server.shutdown()
-    assert latest_members(f"127.0.0.1:{_closed_port()}", 2.0) is None  # nothing answers: nothing to read
-
-
-def _closed_port() -> int:
-    """A port nothing listens on (bound for a moment, then closed)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    assert latest_members(f"127.0.0.1:{free_port()}", 2.0) is None  # nothing answers: nothing to read
 
 
 def _store():
@@ -220,7 +212,7 @@ def test_the_lighthouse_status_names_the_replicas_whose_heartbeats_stopped():
         assert stale_heartbeats(address, 5.0) == ["quietsync_replica_0:a"]
     finally:
         server.shutdown()
-    assert stale_heartbeats(f"127.0.0.1:{_closed_port()}", 2.0) is None  # nothing answers: nothing to read
+    assert stale_heartbeats(f"127.0.0.1:{free_port()}", 2.0) is None  # nothing answers: nothing to read
 
 
 class _Manager:
