@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from quietsync.faults.stall import StallWatch, stall_limit_s
 from tests.distributed import free_port
@@ -97,6 +99,45 @@ def test_a_wait_on_another_thread_counts_too_and_the_thread_fires_by_itself(caps
         assert "gone for replica group(s) [2]" in capsys.readouterr().err
     finally:
         watch.close()
+
+
+class _SlowEvalModel(torch.nn.Module):
+    """A model whose every forward stands for ``seconds`` of evaluation without progress: it moves the watch's
+    last progress back by that much (no sleep: the watch reads only how long ago progress was)."""
+
+    def __init__(self, watch: StallWatch, seconds: float) -> None:
+        super().__init__()
+        self.watch, self.seconds = watch, seconds
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> SimpleNamespace:
+        self.watch._last -= self.seconds
+        return SimpleNamespace(loss=torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_an_evaluation_longer_than_the_limit_is_progress_batch_by_batch(marked):
+    """The training loop's evaluation (``train/loop.py``'s ``evaluate``) marks progress after every batch, by the
+    membership's ``busy`` (a torchft replica's marks the stall watch): five batches of 4 s each, 20 s in all past
+    a 5-s limit while another replica group waits, do not make the replica group leave. Unmarked, they would."""
+    from quietsync.train.loop import evaluate
+
+    watch, left = _watch(lambda: "replica group(s) [1]")
+    try:
+        batches = [torch.zeros(1, 4, dtype=torch.long)] * 5
+        evaluate(_SlowEvalModel(watch, 4.0), batches, torch.device("cpu"), each=watch.progress if marked else None)
+        assert watch.check() is (not marked) and left == ([] if marked else [True])
+    finally:
+        watch.close()
+
+
+def test_a_torchft_replicas_busy_marks_its_quorums_progress():
+    from quietsync.train.replica_loop import TorchftQuorum
+
+    marked: list[bool] = []
+    membership = object.__new__(TorchftQuorum)
+    membership.quorum = SimpleNamespace(progress=lambda: marked.append(True))
+    membership.busy()
+    assert marked == [True]
 
 
 @pytest.mark.parametrize("limit", [0, -1.0, float("nan")])

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,8 +97,10 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
-    """Mean next-token loss of ``model`` over ``batches`` (model left in train mode)."""
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device,
+             each: Callable[[], None] | None = None) -> float:
+    """Mean next-token loss of ``model`` over ``batches`` (model left in train mode); ``each`` is called after every
+    batch (the loop's :meth:`~quietsync.train.membership.Membership.busy`)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -106,6 +109,8 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
         # weighted by windows: the last batch may be shorter (eval_batches)
         total += float(model(input_ids=batch, labels=batch).loss) * batch.shape[0]
         count += batch.shape[0]
+        if each is not None:
+            each()
     model.train(was_training)
     return total / max(1, count)
 
@@ -319,7 +324,7 @@ def train_steps(cfg: TrainConfig, strategy: Strategy, membership: Membership, me
         t = time.perf_counter()
         # the raw module: no wrapper hooks or collectives in eval; its time is not the next step's compute
         with strategy.paused(), strategy.committed_params(), strategy.autocast():  # the run's --precision
-            loss = evaluate(strategy.module, held_out, device)
+            loss = evaluate(strategy.module, held_out, device, each=membership.busy)
         now = time.perf_counter()
         evals.append(metrics.eval(strategy.steps, loss, membership.tokens_total(tokens_fed), now - t, now - t0))
         bar.set_postfix(eval=f"{loss:.3f}", refresh=False)

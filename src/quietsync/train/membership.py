@@ -96,6 +96,11 @@ class Membership(Protocol):
         """Right after a committed step, before it is logged."""
         ...
 
+    def busy(self) -> None:
+        """The loop's own long work goes on between steps (after each batch of an evaluation): under torchft, the
+        stall watch counts from here, so a long evaluation is not taken for a hang."""
+        ...
+
     def step_tokens(self, fed: int) -> int:
         """The ``tokens`` of the step just committed (``fed``: this worker's tokens fed since the last one)."""
         ...

@@ -187,6 +187,9 @@ class TorchftQuorum:
                 self.quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks,
                 # so a returning replica finds a round boundary to join at
 
+    def busy(self) -> None:
+        self.quorum.progress()
+
     def step_tokens(self, fed: int) -> int:
         return len(self.windows) * self.cfg.seq_len
 

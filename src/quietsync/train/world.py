@@ -213,6 +213,9 @@ class FixedWorld:
     def after_commit(self, strategy: Any) -> None:
         pass
 
+    def busy(self) -> None:
+        pass
+
     def step_tokens(self, fed: int) -> int:
         return fed
 
