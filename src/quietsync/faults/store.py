@@ -4,47 +4,31 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from datetime import timedelta
 from typing import Any
 
 from .transport import FaultTolerantTransport
 
-STORE_ENV = "QUIETSYNC_FT_STORE"
-"""``host:port`` of a replica group's own TCPStore (torchft's Manager meets its workers there), set by the local
-launcher for a replica group of several workers (its rank 0 serves it)."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+_KEY = "quietsync/fault_tolerance/store"
+"""Where rank 0 of a replica group publishes ``host:port`` of the store it serves, in the group's meeting store."""
 
 
 def replica_store(transport: FaultTolerantTransport, host: str, timeout_s: float) -> tuple[tuple[str, int], Any]:
     """``((host, port), server)``: the replica group's TCPStore for torchft's Manager; rank 0 serves it (the
-    server object is kept alive by the caller; None on the other ranks)."""
+    server object is kept alive by the caller; None on the other ranks).
+
+    Rank 0 binds the store to a port the system picks when it listens (port 0), so no other process can take that
+    port between its choice and its use, and tells the group's other workers where it is through their meeting
+    store (:meth:`~quietsync.faults.transport.FaultTolerantTransport.meeting_store`, fresh for each start of the
+    group, under the local launcher as under torchrun)."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    rank0 = transport.local_rank == 0
-    given = os.environ.get(STORE_ENV)
-    if given:
-        where, _, port = given.rpartition(":")
-        server = dist.TCPStore(where, int(port), is_master=rank0, wait_for_workers=False, timeout=timeout)
-        return (where, int(port)), server if rank0 else None
-    if transport.workers == 1:  # a lone worker serves its own store: nobody to tell its port
-        port = _free_port()
-        return (host, port), dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
-    # under torchrun: rank 0 serves a store of its own and tells the others through torchrun's
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          wait_for_workers=False, timeout=timeout)
-    key = "quietsync/fault_tolerance/store"
     server = None
-    if rank0:
-        port = _free_port()
-        server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
-        agent.set(key, f"{host}:{port}")
-    where, _, port = agent.get(key).decode().rpartition(":")
+    if transport.local_rank == 0:
+        server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        if transport.workers == 1:  # a lone worker serves its own store: nobody to tell its port
+            return (host, server.port), server
+        transport.meeting_store().set(_KEY, f"{host}:{server.port}")
+    where, _, port = transport.meeting_store().get(_KEY).decode().rpartition(":")
     return (where, int(port)), server

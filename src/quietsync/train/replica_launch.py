@@ -23,7 +23,6 @@ import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import sys
 import time
 import traceback
@@ -34,7 +33,7 @@ from ..faults.inject import group_environment
 from ..faults.quorum import FellBehind, HealFailed, NoQuorum
 from .args import PROG
 from .nonfinite import NonFiniteError
-from .replica_loop import STORE_ENV, run_replica
+from .replica_loop import run_replica
 from .replica_nonfinite import NONFINITE_EXIT
 
 POLL_S = 0.2
@@ -43,24 +42,13 @@ PROTOCOL_STOPS = (NoQuorum, FellBehind, HealFailed)
 """A replica group's stops that its message explains in full: said in one line, without a traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas: int, lighthouse: str,
                           workers: int) -> int:
     """Run replica group ``replica``'s workers here (in place under torchrun); its exit status (0, 1, 130, or
     :data:`NONFINITE_EXIT` when ``--on-nonfinite`` stopped it)."""
-    from ..cli.launch import WorkerFailed, launch, under_torchrun
+    from ..cli.launch import WorkerFailed, launch
     from .job_model import worker_preload
 
-    if workers > 1 and not under_torchrun():
-        # the group's workers meet at a store of their own (faults/store.py), on loopback with a local Lighthouse
-        host = "127.0.0.1" if lighthouse.rpartition("://")[2].startswith(("127.", "localhost")) else \
-            socket.gethostname()
-        os.environ.setdefault(STORE_ENV, f"{host}:{_free_port()}")
     try:
         launch(run_replica, (cfg, strategy_config, replica, replicas, lighthouse), nproc=workers,
                preload=worker_preload(cfg.model))

@@ -48,7 +48,7 @@ from ..faults.flags import QUORUM_TIMEOUT_S, quorum_timeout_s
 from ..faults.heal import heal_state, load_heal_state
 from ..faults.inject import hold, poison, reached, ready
 from ..faults.quorum import ReplicaQuorum
-from ..faults.store import STORE_ENV, replica_store
+from ..faults.store import replica_store
 from ..faults.transport import FaultTolerantTransport
 from ..link import parse_links
 from ..models.causal_lm import count_parameters, param_groups
@@ -456,5 +456,5 @@ def heals_text(heals: list[int], present: Sequence[int] | None = None) -> str:
     return text
 
 
-__all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STANDBY_POLL_S", "STORE_ENV", "advertised_host", "check_same_start",
+__all__ = ["HOST_ENV", "QUORUM_TIMEOUT_S", "STANDBY_POLL_S", "advertised_host", "check_same_start",
            "heals_text", "replica_store", "run_replica", "wait_for", "warm_up"]
