@@ -225,9 +225,11 @@ def wait_exit(replicas: Replicas, proc: Any, timeout: float = 150.0) -> int | No
 
 
 def records(out: Path, rank: int) -> list[dict[str, Any]]:
-    """Step records of worker ``rank`` (every incarnation, in file order)."""
+    """Step records of worker ``rank`` (every incarnation, in file order). Read while the worker writes: the text
+    after the last newline is a record still being written, left for a later read."""
     path = out / f"metrics-rank{rank}.jsonl"
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "event" not in r] if path.exists() else []
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [r for r in map(json.loads, lines) if "event" not in r]
 
 
 def merged(record: dict[str, Any]) -> dict[str, list[int]]:
