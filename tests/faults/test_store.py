@@ -1,5 +1,5 @@
 """The replica group's own store for torchft's Manager (faults/store.py): rank 0 serves it on a port the system
-picks as it listens, and the group's other workers learn where from their meeting store. A port chosen ahead and
+picks as it listens, and the group's other workers learn where from their rendezvous store. A port chosen ahead and
 bound later (by the launcher, then by rank 0) could be taken in between by any other process on the machine: the
 replica group then failed to start with ``EADDRINUSE``."""
 

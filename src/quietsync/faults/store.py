@@ -10,7 +10,7 @@ from typing import Any
 from .transport import FaultTolerantTransport
 
 _KEY = "quietsync/fault_tolerance/store"
-"""Where rank 0 of a replica group publishes ``host:port`` of the store it serves, in the group's meeting store."""
+"""Where rank 0 of a replica group publishes ``host:port`` of the store it serves, in the group's rendezvous store."""
 
 
 def replica_store(transport: FaultTolerantTransport, host: str, timeout_s: float) -> tuple[tuple[str, int], Any]:
@@ -19,7 +19,7 @@ def replica_store(transport: FaultTolerantTransport, host: str, timeout_s: float
 
     Rank 0 binds the store to a port the system picks when it listens (port 0), so no other process can take that
     port between its choice and its use, and tells the group's other workers where it is through their meeting
-    store (:meth:`~quietsync.faults.transport.FaultTolerantTransport.meeting_store`, fresh for each start of the
+    store (:meth:`~quietsync.faults.transport.FaultTolerantTransport.rendezvous_store`, fresh for each start of the
     group, under the local launcher as under torchrun)."""
     import torch.distributed as dist
 
@@ -29,6 +29,6 @@ def replica_store(transport: FaultTolerantTransport, host: str, timeout_s: float
         server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         if transport.workers == 1:  # a lone worker serves its own store: nobody to tell its port
             return (host, server.port), server
-        transport.meeting_store().set(_KEY, f"{host}:{server.port}")
-    where, _, port = transport.meeting_store().get(_KEY).decode().rpartition(":")
+        transport.rendezvous_store().set(_KEY, f"{host}:{server.port}")
+    where, _, port = transport.rendezvous_store().get(_KEY).decode().rpartition(":")
     return (where, int(port)), server

@@ -83,11 +83,11 @@ class FaultTolerantTransport(Transport):
             self._static = ProcessGroups(Topology(self.local_rank, self.workers, 1), self.timeout_s, self.backend)
             self._groups["shard"] = self._static.process_group("world")
 
-    def meeting_store(self) -> Any:
-        """The replica group's own workers' shared store (:meth:`ProcessGroups.meeting_store` of their world)."""
+    def rendezvous_store(self) -> Any:
+        """The replica group's own workers' shared store (:meth:`ProcessGroups.rendezvous_store` of their world)."""
         if self._static is None:
-            raise RuntimeError("meeting_store: a replica group of one worker has no world of its own")
-        return self._static.meeting_store()
+            raise RuntimeError("rendezvous_store: a replica group of one worker has no world of its own")
+        return self._static.rendezvous_store()
 
     @property
     def connected(self) -> bool:

@@ -320,13 +320,13 @@ class ProcessGroups:
     def global_rank(self, group: str, group_rank: int) -> int:
         return self._ranks(group)[group_rank]
 
-    def meeting_store(self) -> Any:
+    def rendezvous_store(self) -> Any:
         """A key-value store every worker of this transport shares, fresh for this generation of them (their
         rendezvous store under a prefix of its own): where one rank publishes what the others read before any
         collective, such as the address of a server it just bound to a free port. Raises ``RuntimeError`` where
         this transport did not set torch.distributed up (a default group of someone else's, or a world of one)."""
         if self._default_generation is None or _DEFAULT_GROUP.store is None:
-            raise RuntimeError("meeting_store: this transport did not initialise torch.distributed's default group")
+            raise RuntimeError("rendezvous_store: this transport did not initialise torch.distributed's default group")
         return dist.PrefixStore(f"quietsync/meeting{self._default_generation}/", _DEFAULT_GROUP.store)
 
     def process_group(self, group: str) -> Any:
