@@ -327,7 +327,7 @@ class ProcessGroups:
         this transport did not set torch.distributed up (a default group of someone else's, or a world of one)."""
         if self._default_generation is None or _DEFAULT_GROUP.store is None:
             raise RuntimeError("rendezvous_store: this transport did not initialise torch.distributed's default group")
-        return dist.PrefixStore(f"quietsync/meeting{self._default_generation}/", _DEFAULT_GROUP.store)
+        return dist.PrefixStore(f"quietsync/shared{self._default_generation}/", _DEFAULT_GROUP.store)
 
     def process_group(self, group: str) -> Any:
         """The torch ProcessGroup behind ``group`` (for torch DDP/FSDP construction only), None if size 1."""
