@@ -31,8 +31,13 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 
 
 def _children(pid: int) -> list[int]:
+    """The children of process ``pid`` (none once it has exited: its /proc folder may go while it is read)."""
     kids = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return kids
+    for task in tasks:
         try:
             kids += [int(k) for k in (task / "children").read_text().split()]
         except OSError:
