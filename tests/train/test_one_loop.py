@@ -120,3 +120,27 @@ def test_a_loop_feature_fires_alike_in_a_fixed_world_and_under_a_torchft_quorum(
     loop_fields = set(plain_steps[0])
     assert loop_fields <= set(ft_steps[0])
     assert {"members", "position", "healed", "retries"} <= set(ft_steps[0]) - loop_fields
+
+
+@pytest.mark.timeout(180)
+def test_the_loops_evaluation_tells_the_membership_it_is_busy_after_every_batch(tmp_path, monkeypatch, capsys):
+    """Every evaluation the loop runs (before the first step, every ``--eval-every`` steps, at the end) calls the
+    membership's ``busy`` once per held-out batch: under torchft that is the stall watch's progress, so a long
+    evaluation is not taken for a hang (tests/faults/test_stall.py). One worker, in this process."""
+    from quietsync.commands.main import main
+    from quietsync.train import world
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    calls: list[int] = []
+    monkeypatch.setattr(world.FixedWorld, "busy", lambda self: calls.append(1))
+    flags = small_job(tmp_path, nproc=1)
+    flags[flags.index("--eval-windows") + 1] = "6"
+    flags[flags.index("--eval-every") + 1] = "2"
+    out = tmp_path / "run"
+    assert main(["train", *flags, "--strategy", "ddp", "--max-steps", "3",
+                 "--threads", "1", "--no-export", "--out", str(out)]) in (0, None)
+    evals = [r for r in map(json.loads, (out / "metrics-rank0.jsonl").read_text().splitlines())
+             if r.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [0, 2, 3]
+    assert len(calls) == 3 * len(evals)  # 6 held-out windows in batches of --micro-batch-size 2, at each evaluation
