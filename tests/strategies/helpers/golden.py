@@ -5,6 +5,11 @@ every strategy and its main modes are covered) and kept in ``golden/``; the test
 ``test_golden.py`` replays the same runs and demands bit-identical parameters, so a refactor that changes
 numerics (an operation reordered, a division moved) fails loudly.
 
+The workers run Intel MKL in its conditional-numerical-reproducibility mode ``MKL_CBWR=COMPATIBLE`` (:data:`ENV`):
+by default MKL picks its matrix-product kernels by the processor's vendor and vector width, so the same code gives
+trajectories that differ in the last bits between, say, an Intel and an AMD machine (1e-8 at the first step);
+the compatible path gives the same bits on any x86-64 processor.
+
 Regenerate only when a numerics change is intended and documented::
 
     python -m tests.strategies.helpers.golden [CASE ...]   # rewrites helpers/golden/<case>.pt (all by default)
@@ -53,6 +58,8 @@ CASES: dict[str, dict[str, Any]] = {
     "cdp_v1": {"world": 2, "strategy": "cdp", "config": {"rule": "v1", "stages": 2}},
     "cdp_one_process": {"world": 1, "strategy": "cdp", "config": {"rule": "v2", "stages": 2}},
 }
+ENV = {"MKL_CBWR": "COMPATIBLE"}
+"""The workers' environment: MKL's processor-independent code path (read by MKL at its first call in a worker)."""
 OPT = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 
 
@@ -84,7 +91,7 @@ def run_case(case: str) -> list[list[torch.Tensor]]:
     from tests.distributed import run_ranks
 
     spec = CASES[case]
-    return run_ranks(trajectory, spec["world"], case, nodes=spec.get("nodes"), timeout=120)
+    return run_ranks(trajectory, spec["world"], case, nodes=spec.get("nodes"), timeout=120, env=ENV)
 
 
 def main(cases: list[str] | None = None) -> None:
