@@ -1,4 +1,4 @@
-"""DeMo replicator step ÷ forward+backward on 2 gloo workers, real collective, one run (issue 13, part 1).
+"""DeMo replicator step ÷ forward+backward on 2 gloo workers, real collective, one run.
 
 Two gloo workers (``--threads`` torch threads each; 2 workers × 1 thread on a 2-core box is how a user runs
 them), a GPT-Neo preset (``tiny`` ≈ 1 M, ``10m`` ≈ 10.6 M parameters at vocabulary 4096), one fixed 8×128
@@ -7,8 +7,7 @@ encode, top-k, error feedback, the real all-gather / all-reduce, decode, sign, a
 in the same loop, and the variants are interleaved round by round in a rotating order, so the drift of a
 shared machine hits them all alike. Reported: median step ÷ median forward+backward per variant. The workers
 meet at a barrier before the step (not timed), so a step's collective does not also wait for a peer whose
-backward ran slower on the shared cores (``--no-step-barrier`` times from the end of the local backward, as
-before).
+backward ran slower on the shared cores (``--no-step-barrier`` times from the end of the local backward).
 
 Variants: quietsync ``demo`` with the ``dct`` (chunk 64, compression 1/32), ``random`` and ``striding``
 replicators (DeMo-SGD, sign), and -- only when the PyPI package ``detonation`` is importable -- the reference
@@ -18,6 +17,10 @@ measured, never a dependency of quietsync.
 
 ``--phases`` also times DeMo's four phases inside every quietsync step (momentum, extract, exchange -- the
 all-gather included --, apply) and reports each one's median ÷ the median forward+backward.
+
+The ratio differs from one processor to another (the step is more memory-bound than the forward+backward), so the
+report names the CPU and gives one thread's rate on a large product and on the DCT's own products, measured before
+the workers start.
 
 ``--profile`` additionally records a ``torch.profiler`` table of a few quietsync ``dct`` steps on rank 0
 (after the timed rounds) into ``results/demo_codec_profile_<model>.txt``.
@@ -45,7 +48,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from common import RESULTS, init_local_worker, write_markdown  # noqa: E402
+from common import RESULTS, cpu_description, init_local_worker, write_markdown  # noqa: E402
 
 VOCAB = 4096
 BATCH, SEQ = 8, 128
@@ -192,6 +195,29 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     dist.destroy_process_group()
 
 
+def gemm_rates(reps: int = 20) -> dict[str, float]:
+    """GFLOP/s of one thread on a large fp32 product (1024³) and on the DCT's own shapes (chunk 64: a 64×64
+    basis times a block row of a 1024-wide matrix, and 4096 rows times a 64×64 basis), medians of ``reps``."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(1024, 1024, generator=g)
+    basis, rows, tall = torch.randn(64, 64, generator=g), torch.randn(4, 64, 1024, generator=g), torch.randn(4096, 64)
+
+    def rate(fn: Any, flops: float) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return flops / statistics.median(times) / 1e9
+
+    dct_flops = 2 * 4 * 64 * 64 * 1024
+    return {"large_gflops": rate(lambda: big @ big, 2 * 1024**3),
+            "dct_left_gflops": rate(lambda: torch.matmul(basis, rows), dct_flops),
+            "dct_right_gflops": rate(lambda: tall @ basis, dct_flops)}
+
+
 def _param_count_model(model_name: str) -> torch.nn.Module:
     from quietsync.models import build_model
 
@@ -215,6 +241,8 @@ def main() -> None:
                     help="time the step from the end of the local backward (includes waiting for the peer)")
     args = ap.parse_args()
     args.detonation = _have_detonation() and not args.no_detonation
+    rates = gemm_rates()
+    cpu = cpu_description()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -257,12 +285,16 @@ def main() -> None:
              + f"{ref} CPU: the worker process's CPU time (all its threads, gloo's included), which a loaded "
              "machine inflates far less than the wall time of a worker waiting for a core. Shared 2-core machine: "
              "compare ratios within this table only.\n\n"
+             + f"CPU: {cpu}; one thread: a 1024³ product at {rates['large_gflops']:.0f} GFLOP/s, the DCT's products "
+             f"at {rates['dct_left_gflops']:.0f} (basis × block row) and {rates['dct_right_gflops']:.0f} (rows × "
+             "basis) GFLOP/s. The ratio differs from one CPU to another (docs/demo.md).\n\n"
              + ("".join(f"Phases (median ÷ median forward+backward) {line}.\n\n" for line in phase_lines))
              + f"Reproduce: `{cmd}`")
     path = write_markdown(args.name, "DeMo replicator step ÷ forward+backward (2 gloo workers, one run)",
                           ["model", "params", "variant", "fwd+bwd ms", "step ms", "step ÷ fwd+bwd",
                            "CPU step ÷ CPU fwd+bwd"], rows, notes)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "command": cmd, "summary": summary,
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "command": cmd, "cpu": cpu,
+                                                           "gemm_rates": rates, "summary": summary,
                                                            "raw": raw}, indent=1))
     print(path.read_text())
 

@@ -88,7 +88,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from common import PY_MAIN, RESULTS, write_markdown  # noqa: E402
+from common import PY_MAIN, RESULTS, cpu_model, write_markdown  # noqa: E402
 
 from quietsync.cli.launch import free_port  # noqa: E402
 from quietsync.faults.lighthouse import HEARTBEAT_TIMEOUT_MS  # noqa: E402
@@ -494,15 +494,6 @@ def run_one(strategy: str, mode: str, steps: int, period: float, down: float, se
     print(f"{strategy} {mode}: {run['tokens']} tokens in {wall:.1f}s, final loss {run['final_loss']:.4f}, "
           f"{len(run['events'])} events, returns {run['returns']}", flush=True)
     return run
-
-
-def cpu_model() -> str:
-    """The processor's model name (Linux ``/proc/cpuinfo``; '' elsewhere)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return ""
 
 
 MACHINE = ""

@@ -7,6 +7,7 @@ fresh worker processes; results are read back from ``summary.json`` and ``metric
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -61,6 +62,31 @@ def step_stats(summary: dict[str, Any], skip: int = 2) -> dict[str, float]:
             "micro_batches": statistics.mean(r["micro_batches"] for r in body),
         })
     return {k: statistics.mean(p[k] for p in per_rank) for k in per_rank[0]}
+
+
+def cpu_model() -> str:
+    """The processor's model name (Linux ``/proc/cpuinfo``; '' elsewhere)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return ""
+
+
+def cpu_description() -> str:
+    """The processor as a report names it: model, widest vector extension and L2 cache per core (Linux; what it
+    cannot read is left out), e.g. ``AMD EPYC (avx512, L2 1024K)``."""
+    details = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.partition(":")[2].split())
+                details += [name for name, flag in (("avx512", "avx512f"), ("avx2", "avx2"), ("neon", "asimd"))
+                            if flag in flags][:1]
+                break
+    with contextlib.suppress(OSError):
+        details.append("L2 " + Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip())
+    return (cpu_model() or "unknown CPU") + (f" ({', '.join(details)})" if details else "")
 
 
 def write_markdown(name: str, title: str, header: list[str], rows: list[list[Any]], notes: str = "") -> Path:
