@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.strategies.helpers.golden import CASES, GOLDEN_DIR, STEPS, run_case
+from tests.strategies.helpers.golden import CASES, GOLDEN_DIR, PORTABLE, STEPS, run_case
 
 
+@pytest.mark.skipif(not PORTABLE, reason="recorded with MKL on x86-64; other processors' kernels round differently")
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_trajectory_is_bit_identical_to_the_recorded_one(case):
