@@ -19,6 +19,7 @@ Regenerate only when a numerics change is intended and documented::
 
 from __future__ import annotations
 
+import ctypes
 import platform
 from pathlib import Path
 from typing import Any
@@ -72,8 +73,23 @@ def lr_schedule(step: int) -> float:
     return 1.0 / (1.0 + 0.5 * step)
 
 
+def mkl_branch() -> int | None:
+    """The code path MKL runs in this process (``mkl_cbwr_get``: 3 is COMPATIBLE), or None where torch exposes no
+    MKL (another processor, another build)."""
+    lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        get = ctypes.CDLL(str(lib)).mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return None
+    torch.ones(2, 2) @ torch.ones(2, 2)  # MKL settles its path at its first call
+    return int(get(1))  # 1: MKL_CBWR_BRANCH
+
+
 def trajectory(rank: int, world: int, case: str) -> list[torch.Tensor]:
     """Worker body: the committed parameters after each of ``STEPS`` steps (micro-batches fed one by one)."""
+    branch = mkl_branch()
+    if branch not in (None, 3):  # MKL started before MKL_CBWR reached this worker: the bits would be the machine's
+        raise RuntimeError(f"MKL runs code path {branch}, not COMPATIBLE (3): {ENV} came too late for this worker")
     spec = CASES[case]
     model = tiny_model()
     strategy = quietsync.make_strategy(spec["strategy"], model, torch.optim.AdamW, param_groups=param_groups(model),
