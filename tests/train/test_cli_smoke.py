@@ -59,6 +59,7 @@ def test_cli_two_workers_smoke(tmp_path):
     assert set(SUMMARY_FIELDS) <= set(summary)
     assert summary["strategy"] == "zero1" and summary["world_size"] == 2 and summary["nodes"] == 2
     assert summary["steps"] == 4 and summary["tokens"] == 2 * 4 * 2 * 32
+    assert summary["replicas"] == {"checked": True, "differ": []}  # the workers' committed parameters, bit for bit
     assert summary["last_eval_loss"] < summary["first_eval_loss"]
     rank_bytes = sum(r["bytes_sent"] for k in (0, 1) for r in read_jsonl(out / f"metrics-rank{k}.jsonl")
                      if "event" not in r)

@@ -510,6 +510,7 @@ def job_summary(
         "budgets": dataclasses.asdict(cfg.budgets()),
         "micro_batches": totals["micro_batches"],
         "nonfinite_skips": result["nonfinite_skips"],
+        "replicas": result.get("replicas"),
         "tokens": totals["tokens"],
         "wall_s": result["wall_s"],
         "setup_s": result["setup_s"],

@@ -24,7 +24,8 @@ The questions, in the order the loop asks them (fixed/elastic world | torchft qu
 * the record's own fields: ``windows`` (audit) | members, position, heals, retries, commits, round phases;
 * tokens: fed by this worker | the windows the quorum committed;
 * after a step: the checkpoint when due | nothing (a returning replica heals from a live peer);
-* the run's close: the parameters checked | the totals over the replicas and a last round (joiners see the end);
+* the run's close: the parameters checked (finite, and the same on every worker) | the totals over the replicas and
+  a last round (joiners see the end);
 * a failure: named with the newest checkpoint | a vote met outside a step stops every replica.
 """
 

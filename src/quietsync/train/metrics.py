@@ -36,10 +36,11 @@ SUMMARY_FIELDS = (
     "tokens", "wall_s",
     "setup_s", "tokens_per_s", "first_eval_loss", "last_eval_loss", "eval", "bytes_sent", "bytes_recv",
     "bytes_by_group", "bytes_sent_per_step", "compute_s", "comm_s", "idle_s", "compute_fraction",
-    "memory_bytes", "cuda_peak_bytes", "links", "slow_worker", "config", "strategy_config",
+    "memory_bytes", "cuda_peak_bytes", "links", "slow_worker", "config", "strategy_config", "replicas",
 )
 """Keys of ``summary.json`` (``memory_bytes``: rank 0's ``memory_report()`` at the end of training;
-``cuda_peak_bytes``: the CUDA allocator's peak on rank 0's device, None on the CPU)."""
+``cuda_peak_bytes``: the CUDA allocator's peak on rank 0's device, None on the CPU; ``replicas``: whether the
+workers' committed parameters ended the same, :mod:`quietsync.train.replicas`)."""
 
 
 def _jsonable(value: Any) -> Any:

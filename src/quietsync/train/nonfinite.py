@@ -45,7 +45,7 @@ checks are agreed across workers, so all of them stop together.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -250,18 +250,23 @@ class NonFiniteGuard:
             raise NonFiniteError(f"the state after step {step} is not finite on {_ranks(ranks)}{mine}; "
                                  "no checkpoint of it is written")
 
-    def check_parameters(self) -> None:
+    def check_parameters(self, also: Callable[[torch.nn.Module], list[float]] | None = None) -> list[list[float]]:
         """At the end of the run: raise on every worker when the committed parameters are not finite on any
-        (the optimizer step itself can overflow, e.g. a huge ``--lr`` times the weight decay)."""
+        (the optimizer step itself can overflow, e.g. a huge ``--lr`` times the weight decay). ``also``: numbers of
+        the committed parameters that ride along in the same agreement (the replica check,
+        :mod:`quietsync.train.replicas`); returned, every worker's by rank."""
         strategy = self.strategy
         with strategy.paused():
             with strategy.committed_params() as module:
                 ok = parameters_finite(module)
-            codes = self.agree(0 if ok else 1)
+                extra = also(module) if also is not None else []
+            rows = strategy.transport.agree_rows([0 if ok else 1, *extra])
+        codes = [int(r[0]) for r in rows]
         if any(codes):
             ranks = [r for r, c in enumerate(codes) if c]
             raise NonFiniteError(f"the committed parameters after step {strategy.steps} are not finite on "
                                  f"{_ranks(ranks)}; the run is not exported")
+        return [r[1:] for r in rows]
 
     def agree(self, code: int, idle: bool = False) -> list[int]:
         """Every worker's ``code`` (0: all finite), by rank; every worker gets the same list. With ``idle`` its

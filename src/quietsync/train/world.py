@@ -28,6 +28,7 @@ from ..faults.inject import pause
 from ..strategies import StrategyConfig
 from ..topology import GROUPS, Topology
 from ..transport import Transport
+from . import replicas
 from .checkpoint import (
     checkpoint_root,
     complete_checkpoints,
@@ -239,9 +240,11 @@ class FixedWorld:
         pause(strategy.steps, self.rank)  # QUIETSYNC_PAUSE: a test holds the workers here (else one env lookup)
 
     def close(self, strategy: Any, result: dict[str, Any]) -> dict[str, Any]:
-        self.guard.check_parameters()
+        found = replicas.verdict(self.guard.check_parameters(replicas.fingerprint_row))
         self.guard.close()  # not on a failure: tearing its group down would cut the peers' view of who failed first
-        return {}
+        if found.get("differ") and self.speaks:
+            print(replicas.warning(found["differ"], strategy.steps), flush=True)
+        return {"replicas": found}
 
     def failure(self, error: Exception, strategy: Any) -> Exception | None:
         if isinstance(error, NonFiniteError):  # every worker raises it at the same point (agreed), except as documented

@@ -1,0 +1,76 @@
+"""Whether the workers end a run with the same committed parameters, bit for bit.
+
+Every strategy commits parameters that are the same on every worker: the replicated ones (a sharded parameter is
+each worker's own part and is left out). At the end of a run each worker takes a fingerprint of its committed
+parameters (:func:`fingerprint_row`), and the fingerprints cross in the agreement that already checks that they are
+finite (:meth:`~quietsync.train.nonfinite.NonFiniteGuard.check_parameters`): a few numbers per worker, no extra
+collective. :func:`verdict` says which workers differ from the others.
+
+They differ when a worker's memory or arithmetic went wrong (a flipped bit that nothing else noticed), or when the
+workers' math libraries round differently: on CPUs of two vendors, MKL's vector ``sqrt`` (in AdamW) differs in the
+last bit, so DDP's replicas do; GPUs of two generations can do the same in their matrix products. The run then says
+which ranks differ, and its summary records it; its checkpoint and export are rank 0's, as always.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+_MODULUS = 2**52
+"""The fingerprint's numbers are taken modulo this, so that they cross the control group's float64 exactly."""
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer type that reads a parameter's element size as its bits."""
+
+
+def _replicated(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a plain tensor when every worker holds all of it (a DTensor only when replicated), else None."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return t
+    if all(p.is_replicate() for p in placements):
+        return t.to_local()
+    return None
+
+
+def fingerprint_row(module: torch.nn.Module) -> list[float]:
+    """Two numbers of the replicated parameters' bits -- ``sum_i (i + 1) * sum(bits_i)`` and ``sum_i sum(bits_i *
+    (bits_i >> 7))`` over the parameters ``i``, integer sums that wrap, modulo 2**52 -- so that any one changed bit
+    changes the first; ``[-1, -1]`` when no parameter is replicated (a fully sharded model)."""
+    first = second = 0
+    seen = False
+    for i, p in enumerate(module.parameters()):
+        t = _replicated(p.detach())
+        if t is None or t.element_size() not in _BITS:
+            continue
+        seen = True
+        bits = t.contiguous().view(_BITS[t.element_size()]).reshape(-1)
+        first += (i + 1) * int(bits.sum(dtype=torch.int64))
+        second += int((bits * (bits >> 7)).sum(dtype=torch.int64))  # wraps: still the same on equal bits
+    if not seen:
+        return [-1.0, -1.0]
+    return [float(first % _MODULUS), float(second % _MODULUS)]
+
+
+def verdict(rows: list[list[float]]) -> dict[str, Any]:
+    """From every worker's :func:`fingerprint_row` (by rank): ``{"checked": False}`` when nothing is replicated,
+    else ``{"checked": True, "differ": [ranks]}`` -- the workers outside the largest group of equal fingerprints
+    (on a tie, the group that holds rank 0 counts as the largest)."""
+    marks = [tuple(r) for r in rows]
+    if not marks or marks[0] == (-1.0, -1.0):
+        return {"checked": False}
+    counts = Counter(marks)
+    most = max(counts.values())
+    common = marks[0] if counts[marks[0]] == most else next(m for m in marks if counts[m] == most)
+    return {"checked": True, "differ": [rank for rank, m in enumerate(marks) if m != common]}
+
+
+def warning(differ: list[int], step: int) -> str:
+    """The line a run prints when its workers' committed parameters differ at its end."""
+    who = f"rank {differ[0]}" if len(differ) == 1 else "ranks " + ", ".join(map(str, differ))
+    return (f"quietsync train: warning: after step {step} the committed parameters of {who} differ from the other "
+            "workers' (a flipped bit, or workers whose math libraries round differently: mixed CPU vendors or GPU "
+            "generations); the checkpoint and the export are rank 0's")
