@@ -22,6 +22,9 @@ import torch
 _MODULUS = 2**52
 """The fingerprint's numbers are taken modulo this, so that they cross the control group's float64 exactly."""
 
+_CHUNK = 2**24
+"""Elements summed at a time: the products' temporary stays at most 128 MiB."""
+
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """The integer type that reads a parameter's element size as its bits."""
 
@@ -48,8 +51,9 @@ def fingerprint_row(module: torch.nn.Module) -> list[float]:
             continue
         seen = True
         bits = t.contiguous().view(_BITS[t.element_size()]).reshape(-1)
-        first += (i + 1) * int(bits.sum(dtype=torch.int64))
-        second += int((bits * (bits >> 7)).sum(dtype=torch.int64))  # wraps: still the same on equal bits
+        for part in bits.split(_CHUNK):  # a bounded temporary, even for a large embedding on a full GPU
+            first += (i + 1) * int(part.sum(dtype=torch.int64))
+            second += int((part * (part >> 7)).sum(dtype=torch.int64))  # wraps: still the same on equal bits
     if not seen:
         return [-1.0, -1.0]
     return [float(first % _MODULUS), float(second % _MODULUS)]
