@@ -156,6 +156,7 @@ def test_strategies_with_work_in_flight_stop_on_a_budget_and_close_cleanly(strat
     summary = json.loads((out / "summary.json").read_text())
     steps = summary["steps"]
     assert summary["stopped_by"] == "max_tokens" and 1 <= steps < 100
+    assert summary["replicas"] == {"checked": True, "differ": []}  # drained: the same committed parameters
     _stopped_together(out, steps)
     assert _tokens_at(out, steps) >= budget and summary["tokens"] == _tokens_at(out, steps)
     if steps > 1:

@@ -47,6 +47,7 @@ def test_two_torchrun_agents_make_two_nodes(strategy, groups, tmp_path):
         assert p.returncode == 0, err[-3000:]
     summary = json.loads((tmp_path / "node0" / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["nodes"] == 2 and summary["steps"] == 4
+    assert summary["replicas"] == {"checked": True, "differ": []}  # the four workers' committed parameters
     sent = {g for g, v in summary["bytes_by_group"].items() if v["sent"] > 0}
     assert groups <= sent, summary["bytes_by_group"]
     # each node wrote its own workers' metrics
