@@ -20,14 +20,16 @@ from typing import Any
 
 import torch
 
-_MODULUS = 2**52
-"""The fingerprint's numbers are taken modulo this, so that they cross the control group's float64 exactly."""
+_MODULUS = 2**52 - 47
+"""The fingerprint's numbers are taken modulo this prime, below 2**53 so that they cross the control group's float64
+exactly, and odd so that no change of one bit (a power of two times a parameter's place) is a multiple of it."""
 
 _CHUNK = 2**24
 """Elements summed at a time: the products' temporary stays at most 128 MiB."""
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""The integer type that reads a parameter's element size as its bits."""
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
+"""The integer type that reads a parameter's bits for the sums: at most 32 bits wide (an 8-byte element as two), so
+that a chunk's sum in int64 is exact and any one changed bit changes it."""
 
 
 def _replicated(t: torch.Tensor) -> torch.Tensor | None:
@@ -41,9 +43,10 @@ def _replicated(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def fingerprint_row(module: torch.nn.Module) -> list[float]:
-    """Two numbers of the replicated parameters' bits -- ``sum_i (i + 1) * sum(bits_i)`` and ``sum_i sum(bits_i *
-    (bits_i >> 7))`` over the parameters ``i``, integer sums that wrap, modulo 2**52 -- so that any one changed bit
-    changes the first; ``[-1, -1]`` when no parameter is replicated (a fully sharded model)."""
+    """Two numbers of the replicated parameters' bits (read as integers of at most 32 bits) -- ``sum_i (i + 1) *
+    sum(bits_i)`` over the parameters ``i``, exact, and ``sum_i sum(bits_i * (bits_i >> 7))``, whose products wrap,
+    both modulo a prime below 2**52 -- so that any one changed bit changes the first; ``[-1, -1]`` when no parameter is
+    replicated (a fully sharded model)."""
     first = second = 0
     seen = False
     for i, p in enumerate(module.parameters()):
