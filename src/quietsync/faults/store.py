@@ -24,11 +24,10 @@ def replica_store(transport: FaultTolerantTransport, host: str, timeout_s: float
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    server = None
     if transport.local_rank == 0:
         server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        if transport.workers == 1:  # a lone worker serves its own store: nobody to tell its port
-            return (host, server.port), server
-        transport.rendezvous_store().set(_KEY, f"{host}:{server.port}")
+        if transport.workers > 1:  # a lone worker serves its own store: nobody to tell its port
+            transport.rendezvous_store().set(_KEY, f"{host}:{server.port}")
+        return (host, server.port), server
     where, _, port = transport.rendezvous_store().get(_KEY).decode().rpartition(":")
-    return (where, int(port)), server
+    return (where, int(port)), None
