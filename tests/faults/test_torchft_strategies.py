@@ -99,4 +99,7 @@ def test_the_survivor_goes_on_alone_and_the_returning_replica_heals(tmp_path, ca
     held = summary["windows_held"]
     assert sorted(committed + held) == list(range(summary["windows_dealt"])), "a window skipped"
     # the job's committed micro-batches (2 windows each), whatever the returning replica's own counter says
-    assert json.loads((out / "summary.json").read_text())["micro_batches"] * 2 == len(committed)
+    whole = json.loads((out / "summary.json").read_text())
+    assert whole["micro_batches"] * 2 == len(committed)
+    # the healed replica took the survivor's state: every worker of both groups ends with the same parameters
+    assert whole["replicas"] == {"checked": True, "differ": []}

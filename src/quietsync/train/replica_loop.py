@@ -55,6 +55,7 @@ from ..models.causal_lm import count_parameters, param_groups
 from ..strategies import StrategyConfig, make_strategy
 from ..strategies.parts.precision import parse_precision
 from ..topology import GROUPS
+from . import replicas as replica_check
 from .allocator import keep_freed_memory
 from .elastic import accumulation_field
 from .export import MODEL_DIR, export_model
@@ -232,7 +233,11 @@ class TorchftQuorum:
                                  f"{int(totals['nonfinite_workers'])} worker(s); the run is not exported")
         self.quorum.start_round()  # replicas waiting to join take the final state and stop
         self.quorum.unwatch()  # the export that follows is nobody's wait
-        return {"totals": totals, "finish_commits": self.finish_commits if self.audit else None}
+        found = totals.pop("replicas")
+        if found.get("differ") and self.quorum.members[0] == self.transport.replica and self.transport.local_rank == 0:
+            print(replica_check.warning(found["differ"], strategy.steps,
+                                        f"the export is replica group {self.quorum.members[0]}'s"), flush=True)
+        return {"totals": totals, "finish_commits": self.finish_commits if self.audit else None, "replicas": found}
 
     def failure(self, error: Exception, strategy: Any) -> Exception | None:
         vote = None if isinstance(error, NonFiniteError) else dropped_in(error)
@@ -399,24 +404,29 @@ def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: i
     every replica: one all-reduce)."""
     snap = transport.meter.snapshot()
     keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
-    values = [float(tokens), finite_flag(strategy), *(float(sums[k]) for k in STEP_SUMS)]
+    flag, mark = finite_flag(strategy)
+    values = [float(tokens), flag, *(float(sums[k]) for k in STEP_SUMS)]
     values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
     heals = [0.0] * transport.replicas  # this group's own heals, at its index (one worker of the group counts them)
     if transport.local_rank == 0 and transport.quorum is not None:
         heals[transport.replica] = float(transport.quorum.healed)
     values += heals
+    workers = transport.replicas * transport.workers
+    values += replica_check.slots(mark, transport.replica * transport.workers + transport.local_rank, workers)
     t = torch.tensor(values, dtype=torch.float64, device=transport.device)
     if transport.workers > 1:
         transport.all_reduce(t, "shard", op="sum", name="summary")
     transport.all_reduce(t, "replicate", op="sum", name="summary")
     v = t.tolist()
+    found = replica_check.verdict_of_slots(v[len(v) - 3 * workers:])
+    v = v[: len(v) - 3 * workers]
     by_group = {g: {"sent": 0, "recv": 0} for g in GROUPS}
     for (g, d), x in zip(keys, v[2 + len(STEP_SUMS):]):
         by_group[g][d] = int(x)
     return {"tokens": int(v[0]), "nonfinite_params": v[1] > 0,
             "nonfinite_workers": v[1], **dict(zip(STEP_SUMS, v[2:2 + len(STEP_SUMS)])),
             "bytes_by_group": {g: c for g, c in by_group.items() if c["sent"] or c["recv"]},
-            "heals": [int(x) for x in v[len(v) - transport.replicas:]]}
+            "heals": [int(x) for x in v[len(v) - transport.replicas:]], "replicas": found}
 
 
 def _summary(cfg: Any, strategy_config: StrategyConfig | None, membership: TorchftQuorum, strategy: Any, n_params: int,

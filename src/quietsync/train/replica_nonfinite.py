@@ -39,6 +39,7 @@ import torch
 from ..errors import cause_chain
 from ..faults.quorum import ReplicaQuorum, RoundDropped
 from .nonfinite import WHAT, NonFiniteError, RoundCheck, parameters_finite
+from .replicas import fingerprint_row
 
 NONFINITE_EXIT = 3
 """Exit status of a replica group's process (and of the local launcher) stopped by a non-finite value."""
@@ -108,11 +109,12 @@ class ReplicaNonFinite:
         return n
 
 
-def finite_flag(strategy: Any) -> float:
+def finite_flag(strategy: Any) -> tuple[float, list[float]]:
     """1.0 when this worker's committed parameters are not finite, else 0.0 (summed into the run's totals, so
-    every replica learns it from the same all-reduce)."""
+    every replica learns it from the same all-reduce), and their fingerprint
+    (:func:`~quietsync.train.replicas.fingerprint_row`: whether the replicas end the same)."""
     with strategy.paused(), strategy.committed_params() as module:
-        return 0.0 if parameters_finite(module) else 1.0
+        return 0.0 if parameters_finite(module) else 1.0, fingerprint_row(module)
 
 
 def dropped_in(e: BaseException) -> RoundDropped | None:

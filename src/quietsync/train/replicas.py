@@ -76,9 +76,29 @@ def verdict(rows: list[list[float]]) -> dict[str, Any]:
     return {"checked": True, "differ": [rank for rank, m in enumerate(marks) if m != common]}
 
 
-def warning(differ: list[int], step: int) -> str:
-    """The line a run prints when its workers' committed parameters differ at its end."""
+def slots(row: list[float], slot: int, count: int) -> list[float]:
+    """This worker's :func:`fingerprint_row` at its ``slot`` of ``count``, as ``[present, first, second]`` per slot and
+    zeros in the others: summed over the workers (one all-reduce, a slot has one writer, so the float64 sum is
+    exact), every worker reads every present worker's fingerprint. Under torchft, where the workers present at the
+    end are not known before it, a slot is a worker of the nominal job."""
+    out = [0.0] * (3 * count)
+    out[3 * slot: 3 * slot + 3] = [1.0, *row]
+    return out
+
+
+def verdict_of_slots(summed: list[float]) -> dict[str, Any]:
+    """:func:`verdict` over the present slots of :func:`slots`' sum; ``differ`` names slots (the job's ranks)."""
+    present = [k for k in range(len(summed) // 3) if summed[3 * k] > 0]
+    found = verdict([summed[3 * k + 1: 3 * k + 3] for k in present])
+    if found.get("differ"):
+        found["differ"] = [present[i] for i in found["differ"]]
+    return found
+
+
+def warning(differ: list[int], step: int, kept: str = "the checkpoint and the export are rank 0's") -> str:
+    """The line a run prints when its workers' committed parameters differ at its end (``kept``: whose parameters
+    the run keeps)."""
     who = f"rank {differ[0]}" if len(differ) == 1 else "ranks " + ", ".join(map(str, differ))
     return (f"quietsync train: warning: after step {step} the committed parameters of {who} differ from the other "
-            "workers' (a flipped bit, or workers whose math libraries round differently: mixed CPU vendors or GPU "
-            "generations); the checkpoint and the export are rank 0's")
+            f"workers' (a flipped bit, or workers whose math libraries round differently: mixed CPU vendors or GPU "
+            f"generations); {kept}")
