@@ -35,6 +35,9 @@ FT = ["--fault-tolerance", "torchft"]
     (["--strategy", "ddp", "--replica-restarts", "2"], "--replica-restarts needs --fault-tolerance torchft"),
     (["--strategy", "ddp", "--precision", "fp16", *FT], "--precision fp16 is not supported with --fault-tolerance"),
     (["--strategy", "ddp", "--save-every", "5", *FT], "--save-every is not supported with --fault-tolerance torchft"),
+    (["--strategy", "ddp", "--check-replicas-every", "5", *FT], "--check-replicas-every is not supported with "
+     "--fault-tolerance torchft: its replicas are compared at the run's end"),
+    (["--strategy", "ddp", "--check-replicas-every", "-1"], "--check-replicas-every must be an integer >= 0, got -1"),
     (["--strategy", "ddp", "--batch-policy", "global", *FT], "--batch-policy global is not supported with"),
     (["--strategy", "ddp", "--comm-hook", "powersgd", *FT], "--comm-hook powersgd is not supported with"),
     (["--strategy", "ddp", "--lighthouse", "nowhere", *FT], "--lighthouse must be HOST:PORT"),

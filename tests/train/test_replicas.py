@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import quietsync
 from quietsync.train.nonfinite import NonFiniteGuard
-from quietsync.train.replicas import fingerprint_row, verdict, warning
+from quietsync.train.replicas import fingerprint_row, slots, verdict, verdict_of_slots, warning
 from tests.distributed import run_ranks
 
 
@@ -52,6 +54,19 @@ def test_the_workers_outside_the_largest_group_of_equal_fingerprints_are_named()
     assert "ranks 1, 3 differ" in warning([1, 3], 7) and "after step 7" in warning([1, 3], 7)
 
 
+def test_fingerprints_in_slots_summed_over_the_present_workers_name_the_job_ranks_that_differ():
+    # torchft: each worker writes [present, fingerprint] at its rank's slot of the nominal job; one sum, every slot
+    # with one writer; a replica group absent at the end left its slots zero and is not compared
+    same, odd = [5.0, 7.0], [5.0, 8.0]
+    rows = [slots(same, 0, 4), slots(odd, 1, 4), slots(same, 3, 4)]  # rank 2 absent
+    summed = [sum(col) for col in zip(*rows)]
+    assert verdict_of_slots(summed) == {"checked": True, "differ": [1]}
+    assert verdict_of_slots([sum(c) for c in zip(slots(same, 0, 2), slots(same, 1, 2))]) == {
+        "checked": True, "differ": []}
+    assert verdict_of_slots(slots([-1.0, -1.0], 0, 1)) == {"checked": False}  # every parameter sharded
+    assert "export is replica group 1's" in warning([2], 9, "the export is replica group 1's")
+
+
 def _end(rank: int, world: int, name: str) -> list[dict]:
     s = quietsync.make_strategy(name, _model(), torch.optim.AdamW, lr=0.01)
     guard = NonFiniteGuard("stop", s)
@@ -78,24 +93,50 @@ def test_replicas_that_agree_are_said_to_and_one_flipped_bit_on_one_worker_is_na
     assert out == [want, want]
 
 
-def _every(rank: int, world: int, name: str) -> dict:
+def _every(rank: int, world: int, name: str) -> list[dict]:
     s = quietsync.make_strategy(name, _model(), torch.optim.AdamW, lr=0.01)
     guard = NonFiniteGuard("stop", s)
+    found = []
     try:
         g = torch.Generator().manual_seed(rank)  # each worker its own data: only the commits make them agree
-        while s.steps < 3:
+        while s.steps < 4:
             x = torch.randn(4, 6, generator=g)
             s.forward_backward((x, x[:, :3]), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
-            s.step()
+            if s.step():  # mid-run, as --check-replicas-every reads them: a step in flight, a round half done
+                found.append(verdict(guard.check_parameters(fingerprint_row)))
         s.finish()
-        return verdict(guard.check_parameters(fingerprint_row))
+        return [*found, verdict(guard.check_parameters(fingerprint_row))]
     finally:
         guard.close()
         s.close()
 
 
 @pytest.mark.timeout(200)
-def test_every_strategy_commits_the_same_parameters_on_every_worker():
+def test_every_strategy_commits_the_same_parameters_on_every_worker_after_every_step():
     for name in ("ddp", "zero1", "acco", "dpu", "wp", "demo", "fsdp", "localsgd", "diloco"):
         out = run_ranks(_every, 2, name, timeout=100)
-        assert out == [{"checked": True, "differ": []}] * 2, name
+        assert out[0] == out[1] and len(out[0]) == 5 and all(v == {"checked": True, "differ": []} for v in out[0]), (
+            name, out)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_a_bit_flipped_mid_run_is_named_at_the_next_periodic_check_and_said_once(tmp_path, monkeypatch):
+    from quietsync.train.metrics import read_jsonl
+
+    from ._run import small_job, train_subprocess
+
+    monkeypatch.setenv("QUIETSYNC_FLIP_BIT", "1:3")  # rank 1, after its step 3: one bit of its parameters
+    out = tmp_path / "run"
+    proc = train_subprocess(*small_job(tmp_path), "--strategy", "ddp", "--max-steps", "6",
+                            "--check-replicas-every", "2", "--no-export", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("warning: after step 4 the committed parameters of rank 1 differ") == 1, proc.stdout
+    assert "warning: after step 6" not in proc.stdout  # said once: the difference stays
+    for rank in (0, 1):  # every worker's record holds the same verdict at the checked steps, none elsewhere
+        steps = [r for r in read_jsonl(out / f"metrics-rank{rank}.jsonl") if "event" not in r]
+        assert {r["step"]: r.get("replicas") for r in steps} == {
+            1: None, 2: {"checked": True, "differ": []}, 3: None, 4: {"checked": True, "differ": [1]}, 5: None,
+            6: {"checked": True, "differ": [1]}}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["replicas"] == {"checked": True, "differ": [1], "first_differ_step": 4}

@@ -43,6 +43,10 @@ bytes and die (``SIGKILL``), as a worker killed in the middle of the write leave
 ``MARKER``, and does nothing where ``MARKER`` exists, so the worker restarted in its place writes that checkpoint
 whole.
 
+``QUIETSYNC_FLIP_BIT=RANK:STEP`` makes the worker of rank ``RANK`` (a fixed or torchrun world), once its step ``STEP``
+is committed, flip one bit of its parameters, as a memory error would: what the replica check
+(``--check-replicas-every``) must name.
+
 Nothing happens without the variables (one dictionary lookup per point).
 """
 
@@ -61,6 +65,7 @@ READY_ENV = "QUIETSYNC_FT_READY"
 NONFINITE_ENV = "QUIETSYNC_FT_NONFINITE"
 PAUSE_ENV = "QUIETSYNC_PAUSE"
 MID_WRITE_ENV = "QUIETSYNC_KILL_MID_WRITE"
+FLIP_ENV = "QUIETSYNC_FLIP_BIT"
 HOLD_LIMIT_S = 300.0
 POINTS = ("exchange", "heal_send", "step")
 HOLD_POINTS = ("step", "heal_send")
@@ -170,6 +175,25 @@ def mid_write(tmp: str | os.PathLike, step: int, rank: int) -> None:
         pass
     os.truncate(tmp, os.path.getsize(tmp) // 2)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def flip_bit(step: int, rank: int, module: Any) -> None:
+    """After committed step ``step``: if ``QUIETSYNC_FLIP_BIT=RANK:STEP`` names this worker and step, flip bit 5 of
+    the first element of ``module``'s first parameter (the live one), as a memory error would."""
+    spec = os.environ.get(FLIP_ENV, "")
+    if not spec:
+        return
+    who, _, when = spec.partition(":")
+    if not who.isdigit() or not when.isdigit():
+        raise ValueError(f"{FLIP_ENV} must be RANK:STEP, got {spec!r}")
+    if (int(who), int(when)) != (rank, step):
+        return
+    import torch  # here: the other points are read where torch is not imported
+
+    p = next(module.parameters())
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()]
+    with torch.no_grad():
+        p.data.view(-1)[:1].view(bits).bitwise_xor_(1 << 5)
 
 
 def ready() -> None:

@@ -24,7 +24,7 @@ import torch
 
 from ..cli.launch import ERRORS_ENV, under_torchrun
 from ..data.sequences import ShardedSequences
-from ..faults.inject import pause
+from ..faults.inject import flip_bit, pause
 from ..strategies import StrategyConfig
 from ..topology import GROUPS, Topology
 from ..transport import Transport
@@ -163,6 +163,8 @@ class FixedWorld:
         self.audit = audit
         self.guard = NonFiniteGuard(cfg.on_nonfinite, strategy, cfg.nonfinite_skip_limit)
         self.windows: list[list[int]] = []  # --audit: the windows fed since the last committed step
+        self.replicas_now: dict[str, Any] | None = None  # --check-replicas-every: this step's verdict, for its record
+        self.first_differ: int | None = None  # the first checked step whose workers differed
 
     @classmethod
     def resume_point(cls, cfg: TrainConfig, strategy_config: StrategyConfig | None, topology: Topology,
@@ -212,7 +214,14 @@ class FixedWorld:
         return COMMITTED if strategy.step() else OPEN
 
     def after_commit(self, strategy: Any) -> None:
-        pass
+        every = self.cfg.check_replicas_every
+        if every and strategy.steps % every == 0:
+            found = replicas.verdict(self.guard.check_parameters(replicas.fingerprint_row))
+            self.replicas_now = found
+            if found.get("differ") and self.first_differ is None:
+                self.first_differ = strategy.steps
+                if self.speaks:  # once: a difference stays (nothing makes the workers equal again)
+                    print(replicas.warning(found["differ"], strategy.steps), flush=True)
 
     def busy(self) -> None:
         pass
@@ -224,6 +233,8 @@ class FixedWorld:
         return fed
 
     def record(self, record: dict[str, Any]) -> None:
+        if self.replicas_now is not None:
+            record["replicas"], self.replicas_now = self.replicas_now, None
         if self.audit:
             record["windows"] = list(self.windows)
             record["world_size"] = self.topology.world_size
@@ -237,13 +248,16 @@ class FixedWorld:
         if cfg.save_every and (strategy.steps % cfg.save_every == 0 or stopping):
             with strategy.paused():  # the save stays out of the next step's compute_s
                 save(self, strategy, tokens_fed)
+        flip_bit(strategy.steps, self.rank, strategy.module)  # QUIETSYNC_FLIP_BIT: a test's memory error
         pause(strategy.steps, self.rank)  # QUIETSYNC_PAUSE: a test holds the workers here (else one env lookup)
 
     def close(self, strategy: Any, result: dict[str, Any]) -> dict[str, Any]:
         found = replicas.verdict(self.guard.check_parameters(replicas.fingerprint_row))
         self.guard.close()  # not on a failure: tearing its group down would cut the peers' view of who failed first
-        if found.get("differ") and self.speaks:
+        if found.get("differ") and self.speaks and self.first_differ is None:
             print(replicas.warning(found["differ"], strategy.steps), flush=True)
+        if self.cfg.check_replicas_every:
+            found["first_differ_step"] = self.first_differ
         return {"replicas": found}
 
     def failure(self, error: Exception, strategy: Any) -> Exception | None:
