@@ -37,6 +37,8 @@ FT = ["--fault-tolerance", "torchft"]
     (["--strategy", "ddp", "--save-every", "5", *FT], "--save-every is not supported with --fault-tolerance torchft"),
     (["--strategy", "ddp", "--check-replicas-every", "5", *FT], "--check-replicas-every is not supported with "
      "--fault-tolerance torchft: its replicas are compared at the run's end"),
+    (["--strategy", "ddp", "--on-replicas-differ", "stop", *FT], "--on-replicas-differ stop is not supported with "
+     "--fault-tolerance torchft"),
     (["--strategy", "ddp", "--check-replicas-every", "-1"], "--check-replicas-every must be an integer >= 0, got -1"),
     (["--strategy", "ddp", "--batch-policy", "global", *FT], "--batch-policy global is not supported with"),
     (["--strategy", "ddp", "--comm-hook", "powersgd", *FT], "--comm-hook powersgd is not supported with"),

@@ -140,3 +140,20 @@ def test_a_bit_flipped_mid_run_is_named_at_the_next_periodic_check_and_said_once
             6: {"checked": True, "differ": [1]}}
     summary = json.loads((out / "summary.json").read_text())
     assert summary["replicas"] == {"checked": True, "differ": [1], "first_differ_step": 4}
+
+
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_on_replicas_differ_stop_stops_every_worker_at_the_check_naming_the_last_agreed_step(tmp_path, monkeypatch):
+    from ._run import small_job, train_subprocess
+
+    monkeypatch.setenv("QUIETSYNC_FLIP_BIT", "1:3")
+    out = tmp_path / "run"
+    proc = train_subprocess(*small_job(tmp_path), "--strategy", "ddp", "--max-steps", "8", "--save-every", "2",
+                            "--check-replicas-every", "2", "--on-replicas-differ", "stop", "--out", str(out))
+    assert proc.returncode != 0
+    assert ("after step 4 the committed parameters of rank 1 differ from the other workers' (--on-replicas-differ "
+            "stop); the last check where every worker agreed was after step 2") in proc.stderr, proc.stderr[-3000:]
+    assert "newest checkpoint: " in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.split("newest checkpoint: ")[1].split()[0].endswith("step-0000002")  # step 4's was not written
+    assert not (out / "summary.json").exists() and not (out / "model").exists()  # nothing exported

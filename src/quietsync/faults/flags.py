@@ -101,6 +101,9 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
         # None, False and 0 are these fields' defaults: only a flag that was set is refused
         if value not in (None, False, 0):
             return text
+    if cfg.on_replicas_differ == "stop":
+        return ("--on-replicas-differ stop is not supported with --fault-tolerance torchft: its replicas are compared "
+                "at the run's end, after the last commit (a difference is said, and kept in the summary)")
     if cfg.on_nonfinite == "skip" and skip_problem(cfg.strategy, facts):
         return skip_problem(cfg.strategy, facts)
     if cfg.precision == "fp16":

@@ -183,6 +183,10 @@ class TrainConfig:
     """Every N committed steps, check that every worker holds the same committed parameters, bit for bit (a
     fingerprint of each worker's, in one agreement on the control group; docs/train.md): a difference is printed once
     and kept in that step's record. 0: at the run's end only, as every run does."""
+    on_replicas_differ: Literal["warn", "stop"] = "warn"
+    """Workers whose committed parameters differ (a replica check, periodic or at the end): ``warn`` (one line, and
+    the run goes on) or ``stop`` every worker, naming the ranks, the last check where all agreed and the newest
+    checkpoint (nothing is exported)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     plot: bool = True
@@ -222,6 +226,7 @@ class TrainConfig:
         check_int("seed", self.seed, 0, 2**32 - 1)  # the data order seeds torch with seed * 1_000_003 + epoch (int64)
         check_int("nonfinite_skip_limit", self.nonfinite_skip_limit, 1)
         check_int("check_replicas_every", self.check_replicas_every, 0)
+        check_choice("on_replicas_differ", self.on_replicas_differ, ("warn", "stop"))
         check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         if self.max_grad_norm is not None:

@@ -76,6 +76,21 @@ def verdict(rows: list[list[float]]) -> dict[str, Any]:
     return {"checked": True, "differ": [rank for rank, m in enumerate(marks) if m != common]}
 
 
+class ReplicasDiffer(RuntimeError):
+    """Raised on every worker (``--on-replicas-differ stop``) when a replica check finds workers that differ: every
+    worker holds the same verdict, so all stop at the same point."""
+
+
+def stop_message(differ: list[int], step: int, agreed: int | None) -> str:
+    """What ``--on-replicas-differ stop`` says: who differs, after which step, and the last check where all agreed
+    (``agreed``; None: no check before this one), whose checkpoints hold parameters every worker shared."""
+    who = f"rank {differ[0]}" if len(differ) == 1 else "ranks " + ", ".join(map(str, differ))
+    since = (f"the last check where every worker agreed was after step {agreed}: resume from a checkpoint no newer "
+             "than it" if agreed is not None else "no earlier check")
+    return (f"after step {step} the committed parameters of {who} differ from the other workers' "
+            f"(--on-replicas-differ stop); {since}")
+
+
 def slots(row: list[float], slot: int, count: int) -> list[float]:
     """This worker's :func:`fingerprint_row` at its ``slot`` of ``count``, as ``[present, first, second]`` per slot and
     zeros in the others: summed over the workers (one all-reduce, a slot has one writer, so the float64 sum is

@@ -165,6 +165,7 @@ class FixedWorld:
         self.windows: list[list[int]] = []  # --audit: the windows fed since the last committed step
         self.replicas_now: dict[str, Any] | None = None  # --check-replicas-every: this step's verdict, for its record
         self.first_differ: int | None = None  # the first checked step whose workers differed
+        self.agreed: int | None = None  # the last checked step whose workers agreed (--on-replicas-differ stop says)
 
     @classmethod
     def resume_point(cls, cfg: TrainConfig, strategy_config: StrategyConfig | None, topology: Topology,
@@ -216,12 +217,22 @@ class FixedWorld:
     def after_commit(self, strategy: Any) -> None:
         every = self.cfg.check_replicas_every
         if every and strategy.steps % every == 0:
-            found = replicas.verdict(self.guard.check_parameters(replicas.fingerprint_row))
+            found = self._check_replicas(strategy)
             self.replicas_now = found
             if found.get("differ") and self.first_differ is None:
                 self.first_differ = strategy.steps
                 if self.speaks:  # once: a difference stays (nothing makes the workers equal again)
                     print(replicas.warning(found["differ"], strategy.steps), flush=True)
+
+    def _check_replicas(self, strategy: Any) -> dict[str, Any]:
+        """The replica check's verdict (every worker the same); ``--on-replicas-differ stop``: raised on a
+        difference."""
+        found = replicas.verdict(self.guard.check_parameters(replicas.fingerprint_row))
+        if found.get("differ") and self.cfg.on_replicas_differ == "stop":
+            raise replicas.ReplicasDiffer(replicas.stop_message(found["differ"], strategy.steps, self.agreed))
+        if found.get("checked") and not found["differ"]:
+            self.agreed = strategy.steps
+        return found
 
     def busy(self) -> None:
         pass
@@ -252,7 +263,7 @@ class FixedWorld:
         pause(strategy.steps, self.rank)  # QUIETSYNC_PAUSE: a test holds the workers here (else one env lookup)
 
     def close(self, strategy: Any, result: dict[str, Any]) -> dict[str, Any]:
-        found = replicas.verdict(self.guard.check_parameters(replicas.fingerprint_row))
+        found = self._check_replicas(strategy)
         self.guard.close()  # not on a failure: tearing its group down would cut the peers' view of who failed first
         if found.get("differ") and self.speaks and self.first_differ is None:
             print(replicas.warning(found["differ"], strategy.steps), flush=True)
@@ -263,6 +274,8 @@ class FixedWorld:
     def failure(self, error: Exception, strategy: Any) -> Exception | None:
         if isinstance(error, NonFiniteError):  # every worker raises it at the same point (agreed), except as documented
             return NonFiniteError(f"{error}; {checkpoint_note(self.cfg, self.topology)}")
+        if isinstance(error, replicas.ReplicasDiffer):  # agreed: every worker holds the same verdict
+            return replicas.ReplicasDiffer(f"{error}; {checkpoint_note(self.cfg, self.topology)}")
         return None
 
 
