@@ -81,6 +81,7 @@ NOTED: dict[str, str] = {
 SAFE = frozenset({
     "out", "overwrite", "eval_every", "save_every", "resume", "cache_dir", "timeout_s", "progress", "plot",
     "trace", "profile_steps", "export", "on_nonfinite", "nonfinite_skip_limit", "log_with",
+    "check_replicas_every", "on_replicas_differ",  # checks of the parameters, which they do not change
     "max_tokens", "max_time_s", "target_loss",  # only when the run stops (tokens and time count from step 0)
     "elastic",  # how restarts find the checkpoint, not what it holds
     "activation_checkpointing", "compile",  # the same computation, other memory and speed
