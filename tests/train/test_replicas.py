@@ -157,3 +157,19 @@ def test_on_replicas_differ_stop_stops_every_worker_at_the_check_naming_the_last
     assert "newest checkpoint: " in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.split("newest checkpoint: ")[1].split()[0].endswith("step-0000002")  # step 4's was not written
     assert not (out / "summary.json").exists() and not (out / "model").exists()  # nothing exported
+
+
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_with_stop_every_checkpoint_is_checked_before_it_is_written(tmp_path, monkeypatch):
+    from ._run import small_job, train_subprocess
+
+    monkeypatch.setenv("QUIETSYNC_FLIP_BIT", "1:3")
+    out = tmp_path / "run"
+    # no periodic check before step 10, but a checkpoint every 2 steps: each is checked first
+    proc = train_subprocess(*small_job(tmp_path), "--strategy", "ddp", "--max-steps", "8", "--save-every", "2",
+                            "--check-replicas-every", "10", "--on-replicas-differ", "stop", "--out", str(out))
+    assert proc.returncode != 0
+    assert "after step 4 the committed parameters of rank 1 differ" in proc.stderr, proc.stderr[-3000:]
+    assert "the last check where every worker agreed was after step 2" in proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002"]

@@ -186,7 +186,8 @@ class TrainConfig:
     on_replicas_differ: Literal["warn", "stop"] = "warn"
     """Workers whose committed parameters differ (a replica check, periodic or at the end): ``warn`` (one line, and
     the run goes on) or ``stop`` every worker, naming the ranks, the last check where all agreed and the newest
-    checkpoint (nothing is exported)."""
+    checkpoint (nothing is exported); with ``stop`` every checkpoint is checked before it is written, so none holds
+    parameters the workers do not share."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     plot: bool = True

@@ -11,6 +11,10 @@ They differ when a worker's memory or arithmetic went wrong (a flipped bit that 
 workers' math libraries round differently: on CPUs of two vendors, MKL's vector ``sqrt`` (in AdamW) differs in the
 last bit, so DDP's replicas do; GPUs of two generations can do the same in their matrix products. The run then says
 which ranks differ, and its summary records it; its checkpoint and export are rank 0's, as always.
+
+``--check-replicas-every N`` runs the same check every N committed steps, and ``--on-replicas-differ stop`` stops
+every worker at a check that finds a difference (:class:`ReplicasDiffer`). Under torchft the fingerprints ride in the
+all-reduce of the run's totals instead, each at its worker's slot of the nominal job (:func:`slots`).
 """
 
 from __future__ import annotations
@@ -76,6 +80,10 @@ def verdict(rows: list[list[float]]) -> dict[str, Any]:
     return {"checked": True, "differ": [rank for rank, m in enumerate(marks) if m != common]}
 
 
+def _who(differ: list[int]) -> str:
+    return f"rank {differ[0]}" if len(differ) == 1 else "ranks " + ", ".join(map(str, differ))
+
+
 class ReplicasDiffer(RuntimeError):
     """Raised on every worker (``--on-replicas-differ stop``) when a replica check finds workers that differ: every
     worker holds the same verdict, so all stop at the same point."""
@@ -84,10 +92,9 @@ class ReplicasDiffer(RuntimeError):
 def stop_message(differ: list[int], step: int, agreed: int | None) -> str:
     """What ``--on-replicas-differ stop`` says: who differs, after which step, and the last check where all agreed
     (``agreed``; None: no check before this one), whose checkpoints hold parameters every worker shared."""
-    who = f"rank {differ[0]}" if len(differ) == 1 else "ranks " + ", ".join(map(str, differ))
     since = (f"the last check where every worker agreed was after step {agreed}: resume from a checkpoint no newer "
              "than it" if agreed is not None else "no earlier check")
-    return (f"after step {step} the committed parameters of {who} differ from the other workers' "
+    return (f"after step {step} the committed parameters of {_who(differ)} differ from the other workers' "
             f"(--on-replicas-differ stop); {since}")
 
 
@@ -113,7 +120,6 @@ def verdict_of_slots(summed: list[float]) -> dict[str, Any]:
 def warning(differ: list[int], step: int, kept: str = "the checkpoint and the export are rank 0's") -> str:
     """The line a run prints when its workers' committed parameters differ at its end (``kept``: whose parameters
     the run keeps)."""
-    who = f"rank {differ[0]}" if len(differ) == 1 else "ranks " + ", ".join(map(str, differ))
-    return (f"quietsync train: warning: after step {step} the committed parameters of {who} differ from the other "
-            f"workers' (a flipped bit, or workers whose math libraries round differently: mixed CPU vendors or GPU "
-            f"generations); {kept}")
+    return (f"quietsync train: warning: after step {step} the committed parameters of {_who(differ)} differ from the "
+            f"other workers' (a flipped bit, or workers whose math libraries round differently: mixed CPU vendors or "
+            f"GPU generations); {kept}")

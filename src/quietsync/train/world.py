@@ -166,6 +166,7 @@ class FixedWorld:
         self.replicas_now: dict[str, Any] | None = None  # --check-replicas-every: this step's verdict, for its record
         self.first_differ: int | None = None  # the first checked step whose workers differed
         self.agreed: int | None = None  # the last checked step whose workers agreed (--on-replicas-differ stop says)
+        self.checked: int | None = None  # the last step checked
 
     @classmethod
     def resume_point(cls, cfg: TrainConfig, strategy_config: StrategyConfig | None, topology: Topology,
@@ -228,6 +229,7 @@ class FixedWorld:
         """The replica check's verdict (every worker the same); ``--on-replicas-differ stop``: raised on a
         difference."""
         found = replicas.verdict(self.guard.check_parameters(replicas.fingerprint_row))
+        self.checked = strategy.steps
         if found.get("differ") and self.cfg.on_replicas_differ == "stop":
             raise replicas.ReplicasDiffer(replicas.stop_message(found["differ"], strategy.steps, self.agreed))
         if found.get("checked") and not found["differ"]:
@@ -257,6 +259,8 @@ class FixedWorld:
     def after_step(self, strategy: Any, stopping: bool, tokens_fed: int) -> None:
         cfg = self.cfg
         if cfg.save_every and (strategy.steps % cfg.save_every == 0 or stopping):
+            if cfg.on_replicas_differ == "stop" and self.checked != strategy.steps:
+                self._check_replicas(strategy)  # no checkpoint of parameters the workers do not share is written
             with strategy.paused():  # the save stays out of the next step's compute_s
                 save(self, strategy, tokens_fed)
         flip_bit(strategy.steps, self.rank, strategy.module)  # QUIETSYNC_FLIP_BIT: a test's memory error
