@@ -157,6 +157,14 @@ def test_on_replicas_differ_stop_stops_every_worker_at_the_check_naming_the_last
     assert "newest checkpoint: " in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.split("newest checkpoint: ")[1].split()[0].endswith("step-0000002")  # step 4's was not written
     assert not (out / "summary.json").exists() and not (out / "model").exists()  # nothing exported
+    # resumed from it (the memory error gone), every worker holds the same parameters again, to the end
+    monkeypatch.delenv("QUIETSYNC_FLIP_BIT")
+    again = train_subprocess(*small_job(tmp_path), "--strategy", "ddp", "--max-steps", "8", "--save-every", "2",
+                             "--check-replicas-every", "2", "--on-replicas-differ", "stop", "--out", str(out),
+                             "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["replicas"] == {"checked": True, "differ": [], "first_differ_step": None}
 
 
 @pytest.mark.long
