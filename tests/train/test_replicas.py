@@ -181,3 +181,26 @@ def test_with_stop_every_checkpoint_is_checked_before_it_is_written(tmp_path, mo
     assert "after step 4 the committed parameters of rank 1 differ" in proc.stderr, proc.stderr[-3000:]
     assert "the last check where every worker agreed was after step 2" in proc.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002"]
+
+
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_under_torchft_the_periodic_check_rides_in_the_next_vote_and_names_the_flipped_replica(tmp_path, monkeypatch):
+    pytest.importorskip("torchft")
+    from quietsync.train.metrics import read_jsonl
+
+    from ._run import small_job, train_subprocess
+
+    monkeypatch.setenv("QUIETSYNC_FLIP_BIT", "1:3")  # replica group 1's worker, after its step 3
+    out = tmp_path / "run"
+    proc = train_subprocess(*small_job(tmp_path), "--strategy", "ddp", "--max-steps", "8", "--fault-tolerance",
+                            "torchft", "--check-replicas-every", "2", "--no-export", "--out", str(out), timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("warning: after step 4 the committed parameters of rank 1 differ") == 1, proc.stdout
+    for rank in (0, 1):  # a check after step S is in the record of the step whose vote carried it, S + 1
+        steps = [r for r in read_jsonl(out / f"metrics-rank{rank}.jsonl") if "event" not in r]
+        assert {r["step"]: r["replicas"] for r in steps if "replicas" in r} == {
+            3: {"checked": True, "differ": [], "step": 2}, 5: {"checked": True, "differ": [1], "step": 4},
+            7: {"checked": True, "differ": [1], "step": 6}}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["replicas"] == {"checked": True, "differ": [1], "first_differ_step": 4}

@@ -67,9 +67,6 @@ UNSUPPORTED = {
                    "counted in tokens, which every replica knows from the quorum (evaluations are not agreed on)",
     "trace": "--trace is not supported with --fault-tolerance torchft (the merged trace gathers every worker's "
              "spans over a world whose members change)",
-    "check_replicas_every": "--check-replicas-every is not supported with --fault-tolerance torchft: its replicas are "
-                            "compared at the run's end, in the all-reduce of its totals (a check between steps would "
-                            "be a collective outside the quorum's commits)",
 }
 """Job flags refused with ``--fault-tolerance torchft``, when set."""
 

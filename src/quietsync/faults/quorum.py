@@ -209,6 +209,13 @@ class ReplicaQuorum:
         self.abstains = False
         """Whether this replica's next commit carries no contribution of its own (an asynchronous join's first
         step: set by a heal under :attr:`async_join`, cleared by the commit)."""
+        self.marks: tuple[int, int, int] | None = None
+        """``(step, first, second)``: this worker's fingerprint of its committed parameters after ``step``
+        (``--check-replicas-every``: :mod:`quietsync.train.replicas`), sent with the next unit's vote; cleared once
+        sent."""
+        self.received_marks: dict[int, tuple[int, int, int]] = {}
+        """What the last vote that carried any brought: replica group -> its counterpart worker's :attr:`marks`
+        (each worker meets the workers of its own place in the other groups); taken by the loop."""
         self.contributing: int | None = None
         """Inside a unit: how many replica groups contribute to it (its vote counts them; an abstaining one does
         not), the divisor of its averages; None outside a unit."""
@@ -534,13 +541,22 @@ class ReplicaQuorum:
         me = self.transport.replica
         if self.transport.group_size("replicate") == 1 and not self.verdict[0]:
             self._contributors = [] if self.abstains else [me]
+            self.marks = None  # alone: no one to compare the fingerprint with
             return None  # alone and finite: nothing to agree on
         n = self.transport.replicas
-        # rows of n slots (codes, steps, contributes), each replica setting only its own: the vote's sum gathers them
-        flags = torch.zeros(3 * n, dtype=torch.int64, device=self.transport.device)
+        # rows of n slots (codes, steps, contributes), each replica setting only its own: the vote's sum gathers them;
+        # then 3 slots a replica for its fingerprint, if one is due (the step + 1 first: 0 says none was sent)
+        flags = torch.zeros(6 * n, dtype=torch.int64, device=self.transport.device)
         flags[me], flags[n + me] = self.verdict
         flags[2 * n + me] = 0 if self.abstains else 1
+        if self.marks is not None:
+            step, first, second = self.marks
+            flags[3 * n + 3 * me: 3 * n + 3 * me + 3] = torch.tensor([step + 1, first, second])
         self.transport.vote(flags)
+        if self.marks is not None or bool(flags[3 * n::3].any()):
+            self.received_marks = {k: (int(flags[3 * n + 3 * k]) - 1, int(flags[3 * n + 3 * k + 1]),
+                                       int(flags[3 * n + 3 * k + 2])) for k in range(n) if int(flags[3 * n + 3 * k])}
+            self.marks = None
         self._contributors = [k for k in range(n) if int(flags[2 * n + k])]
         verdicts = {k: (int(flags[k]), int(flags[n + k])) for k in range(n) if int(flags[k])}
         return RoundDropped(verdicts) if verdicts else None

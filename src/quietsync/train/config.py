@@ -181,8 +181,9 @@ class TrainConfig:
     """With --on-nonfinite skip: the most non-finite rounds skipped in a row; the next one stops the job."""
     check_replicas_every: int = 0
     """Every N committed steps, check that every worker holds the same committed parameters, bit for bit (a
-    fingerprint of each worker's, in one agreement on the control group; docs/train.md): a difference is printed once
-    and kept in that step's record. 0: at the run's end only, as every run does."""
+    fingerprint of each worker's, in one agreement on the control group; under torchft, in the next unit's vote;
+    docs/train.md): a difference is printed once and kept in the step's record. 0: at the run's end only, as every
+    run does."""
     on_replicas_differ: Literal["warn", "stop"] = "warn"
     """Workers whose committed parameters differ (a replica check, periodic or at the end): ``warn`` (one line, and
     the run goes on) or ``stop`` every worker, naming the ranks, the last check where all agreed and the newest

@@ -46,7 +46,7 @@ from ..data.sequences import ShardedSequences, eval_batches
 from ..faults.async_join import abstain_micro_batch, async_join_problem
 from ..faults.flags import QUORUM_TIMEOUT_S, quorum_timeout_s
 from ..faults.heal import heal_state, load_heal_state
-from ..faults.inject import hold, poison, reached, ready
+from ..faults.inject import flip_bit, hold, poison, reached, ready
 from ..faults.quorum import ReplicaQuorum
 from ..faults.store import replica_store
 from ..faults.transport import FaultTolerantTransport
@@ -132,6 +132,7 @@ class TorchftQuorum:
         self.dropped_windows: list[int] = []  # windows of dropped rounds given back since the last record
         self.finish_commits: list[dict[str, Any]] = []
         self._commits = self._retries = 0  # the quorum's counters when the step began
+        self.first_differ: int | None = None  # --check-replicas-every: the first checked step whose workers differed
 
     @property
     def ended(self) -> bool:
@@ -187,6 +188,12 @@ class TorchftQuorum:
             if self.quorum.commits == self._commits:
                 self.quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks,
                 # so a returning replica finds a round boundary to join at
+        every = self.cfg.check_replicas_every
+        if every and strategy.steps % every == 0:  # the fingerprint rides in the next unit's vote
+            with strategy.paused(), strategy.committed_params() as module:
+                row = replica_check.fingerprint_row(module)
+            if row[0] >= 0:  # something replicated to compare
+                self.quorum.marks = (strategy.steps, int(row[0]), int(row[1]))
 
     def busy(self) -> None:
         self.quorum.progress()
@@ -214,6 +221,16 @@ class TorchftQuorum:
         rounds = quorum.take_rounds()
         if rounds:
             record["rounds"] = rounds
+        got, quorum.received_marks = quorum.received_marks, {}
+        found = replica_check.verdict_of_marks(got, self.transport.replica, self.transport.workers,
+                                               self.transport.local_rank)
+        if found is not None:  # this step's vote carried the fingerprints of the step it names
+            record["replicas"] = found
+            if found["differ"] and self.first_differ is None:
+                self.first_differ = found["step"]
+                if quorum.members and quorum.members[0] == self.transport.replica:  # said once, by the lead group
+                    print(replica_check.warning(found["differ"], found["step"],
+                                                f"the export is replica group {quorum.members[0]}'s"), flush=True)
 
     def finish(self, strategy: Any) -> bool:
         self._retries, self.windows = self.quorum.retries, []
@@ -223,7 +240,7 @@ class TorchftQuorum:
         return False
 
     def after_step(self, strategy: Any, stopping: bool, tokens_fed: int) -> None:
-        pass
+        flip_bit(strategy.steps, self.rank, strategy.module)  # QUIETSYNC_FLIP_BIT: a test's memory error
 
     def close(self, strategy: Any, result: dict[str, Any]) -> dict[str, Any]:
         self.state["finished"] = True  # part of the heal state: a late joiner sees the run ended
@@ -234,7 +251,10 @@ class TorchftQuorum:
         self.quorum.start_round()  # replicas waiting to join take the final state and stop
         self.quorum.unwatch()  # the export that follows is nobody's wait
         found = totals.pop("replicas")
-        if found.get("differ") and self.quorum.members[0] == self.transport.replica and self.transport.local_rank == 0:
+        if self.cfg.check_replicas_every:
+            found["first_differ_step"] = self.first_differ
+        if (found.get("differ") and self.first_differ is None and self.quorum.members[0] == self.transport.replica
+                and self.transport.local_rank == 0):
             print(replica_check.warning(found["differ"], strategy.steps,
                                         f"the export is replica group {self.quorum.members[0]}'s"), flush=True)
         return {"totals": totals, "finish_commits": self.finish_commits if self.audit else None, "replicas": found}

@@ -117,6 +117,19 @@ def verdict_of_slots(summed: list[float]) -> dict[str, Any]:
     return found
 
 
+def verdict_of_marks(marks: dict[int, tuple[int, int, int]], replica: int, workers: int,
+                     local_rank: int) -> dict[str, Any] | None:
+    """Under torchft, a periodic check's verdict from a vote's fingerprints (replica group -> ``(step, first,
+    second)`` of the worker at this worker's place in each group): among the groups that sent one for this worker's
+    own step, ``{"checked": True, "differ": [job ranks], "step": step}``; None when this worker sent none."""
+    if replica not in marks:
+        return None
+    step = marks[replica][0]
+    groups = sorted(k for k, m in marks.items() if m[0] == step)
+    found = verdict([[float(marks[k][1]), float(marks[k][2])] for k in groups])
+    return {"checked": True, "differ": [groups[i] * workers + local_rank for i in found["differ"]], "step": step}
+
+
 def warning(differ: list[int], step: int, kept: str = "the checkpoint and the export are rank 0's") -> str:
     """The line a run prints when its workers' committed parameters differ at its end (``kept``: whose parameters
     the run keeps)."""
