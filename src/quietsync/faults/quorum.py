@@ -29,7 +29,8 @@ does so before it computes anything) against the job's Lighthouse. :class:`Repli
   it runs :meth:`vote` at once, which meets the others' next unit. The same all-reduce says which replica groups
   contribute to the unit (all of them, but for one abstaining from its first step after a heal:
   :mod:`~quietsync.faults.async_join`): the unit's averages divide by their number (:attr:`contributing`), and the
-  commit holds their data only.
+  commit holds their data only. It also carries each worker's fingerprint of its committed parameters when a replica
+  check is due (:attr:`ReplicaQuorum.marks`, ``--check-replicas-every``), so that check adds no collective.
 
   A unit whose collective timed out (a member is late, or frozen) does not ask for the next quorum at once: its
   replicas first meet in the failed quorum's store (:mod:`~quietsync.faults.meeting`), each waiting for the others to
