@@ -35,6 +35,10 @@ FT = ["--fault-tolerance", "torchft"]
     (["--strategy", "ddp", "--replica-restarts", "2"], "--replica-restarts needs --fault-tolerance torchft"),
     (["--strategy", "ddp", "--precision", "fp16", *FT], "--precision fp16 is not supported with --fault-tolerance"),
     (["--strategy", "ddp", "--save-every", "5", *FT], "--save-every is not supported with --fault-tolerance torchft"),
+    (["--strategy", "ddp", "--on-replicas-differ", "heal"], "--on-replicas-differ heal needs --fault-tolerance "
+     "torchft"),
+    (["--strategy", "ddp", "--on-replicas-differ", "heal", *FT], "--on-replicas-differ heal needs "
+     "--check-replicas-every N"),
     (["--strategy", "ddp", "--on-replicas-differ", "stop", *FT], "--on-replicas-differ stop is not supported with "
      "--fault-tolerance torchft"),
     (["--strategy", "ddp", "--check-replicas-every", "-1"], "--check-replicas-every must be an integer >= 0, got -1"),

@@ -83,6 +83,9 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
             return "--no-async-join needs --fault-tolerance torchft"
         if "replica_restarts" in given:
             return "--replica-restarts needs --fault-tolerance torchft (it restarts torchft's replica groups)"
+        if cfg.on_replicas_differ == "heal":
+            return ("--on-replicas-differ heal needs --fault-tolerance torchft (a replica group that differs leaves "
+                    "and heals from a live peer); without it, stop or warn")
         return None
     if importlib.util.find_spec("torchft") is None:
         return "--fault-tolerance torchft needs the torchft package: pip install 'quietsync[ft]'"
@@ -98,9 +101,13 @@ def ft_problem(cfg: Any, strategy_config: Any, given: set[str], world: int, unde
         # None, False and 0 are these fields' defaults: only a flag that was set is refused
         if value not in (None, False, 0):
             return text
+    if cfg.on_replicas_differ == "heal" and not cfg.check_replicas_every:
+        return ("--on-replicas-differ heal needs --check-replicas-every N: the run's end is too late to heal (its "
+                "check there says which replica groups differ)")
     if cfg.on_replicas_differ == "stop":
         return ("--on-replicas-differ stop is not supported with --fault-tolerance torchft: its replicas are compared "
-                "at the run's end, after the last commit (a difference is said, and kept in the summary)")
+                "at the run's end, after the last commit, and a group that differs mid-run can heal from a live peer "
+                "instead (--on-replicas-differ heal)")
     if cfg.on_nonfinite == "skip" and skip_problem(cfg.strategy, facts):
         return skip_problem(cfg.strategy, facts)
     if cfg.precision == "fp16":

@@ -184,11 +184,13 @@ class TrainConfig:
     fingerprint of each worker's, in one agreement on the control group; under torchft, in the next unit's vote;
     docs/train.md): a difference is printed once and kept in the step's record. 0: at the run's end only, as every
     run does."""
-    on_replicas_differ: Literal["warn", "stop"] = "warn"
+    on_replicas_differ: Literal["warn", "stop", "heal"] = "warn"
     """Workers whose committed parameters differ (a replica check, periodic or at the end): ``warn`` (one line, and
-    the run goes on) or ``stop`` every worker, naming the ranks, the last check where all agreed and the newest
-    checkpoint (nothing is exported); with ``stop`` every checkpoint is checked before it is written, so none holds
-    parameters the workers do not share."""
+    the run goes on), ``stop`` every worker, naming the ranks, the last check where all agreed and the newest
+    checkpoint (nothing is exported; every checkpoint is checked before it is written, so none holds parameters the
+    workers do not share), or, under --fault-tolerance torchft with --check-replicas-every, ``heal``: the replica
+    groups outside the largest group of equal ones leave and, started again, heal from a live peer while the others
+    go on."""
     progress: bool = True
     """Show a progress bar on rank 0."""
     plot: bool = True
@@ -228,7 +230,7 @@ class TrainConfig:
         check_int("seed", self.seed, 0, 2**32 - 1)  # the data order seeds torch with seed * 1_000_003 + epoch (int64)
         check_int("nonfinite_skip_limit", self.nonfinite_skip_limit, 1)
         check_int("check_replicas_every", self.check_replicas_every, 0)
-        check_choice("on_replicas_differ", self.on_replicas_differ, ("warn", "stop"))
+        check_choice("on_replicas_differ", self.on_replicas_differ, ("warn", "stop", "heal"))
         check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         check_choice("precision", self.precision, ("fp32", "bf16", "fp16"))
         if self.max_grad_norm is not None:

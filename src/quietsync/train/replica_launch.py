@@ -35,11 +35,13 @@ from .args import PROG
 from .nonfinite import NonFiniteError
 from .replica_loop import run_replica
 from .replica_nonfinite import NONFINITE_EXIT
+from .replicas import ReplicasDiffer
 
 POLL_S = 0.2
 
-PROTOCOL_STOPS = (NoQuorum, FellBehind, HealFailed)
-"""A replica group's stops that its message explains in full: said in one line, without a traceback."""
+PROTOCOL_STOPS = (NoQuorum, FellBehind, HealFailed, ReplicasDiffer)
+"""A replica group's stops that its message explains in full: said in one line, without a traceback (the last: it
+leaves to heal, ``--on-replicas-differ heal``)."""
 
 
 def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas: int, lighthouse: str,

@@ -133,6 +133,7 @@ class TorchftQuorum:
         self.finish_commits: list[dict[str, Any]] = []
         self._commits = self._retries = 0  # the quorum's counters when the step began
         self.first_differ: int | None = None  # --check-replicas-every: the first checked step whose workers differed
+        self.leave: str | None = None  # --on-replicas-differ heal: why this replica group leaves after this step
 
     @property
     def ended(self) -> bool:
@@ -226,11 +227,23 @@ class TorchftQuorum:
                                                self.transport.local_rank)
         if found is not None:  # this step's vote carried the fingerprints of the step it names
             record["replicas"] = found
+            if self.cfg.on_replicas_differ == "heal":
+                self.leave = self._leaves(found)
             if found["differ"] and self.first_differ is None:
                 self.first_differ = found["step"]
                 if quorum.members and quorum.members[0] == self.transport.replica:  # said once, by the lead group
                     print(replica_check.warning(found["differ"], found["step"],
                                                 f"the export is replica group {quorum.members[0]}'s"), flush=True)
+
+    def _leaves(self, found: dict[str, Any]) -> str | None:
+        """``--on-replicas-differ heal``: why this replica group leaves (one decision for the whole group: each worker
+        compared its own counterparts), or None."""
+        mine = self.rank in found["differ"]
+        if self.transport.workers > 1:  # every worker of the group got a verdict from the same vote: all take part
+            flag = torch.tensor([int(mine)], dtype=torch.int64, device=self.transport.device)
+            self.transport.all_reduce(flag, "shard", op="max", name="replica_check")
+            mine = bool(flag)
+        return replica_check.heal_message(self.rank, self.transport.replica, found["step"]) if mine else None
 
     def finish(self, strategy: Any) -> bool:
         self._retries, self.windows = self.quorum.retries, []
@@ -240,6 +253,8 @@ class TorchftQuorum:
         return False
 
     def after_step(self, strategy: Any, stopping: bool, tokens_fed: int) -> None:
+        if self.leave is not None:  # after its record: the step is committed and logged, the others go on
+            raise replica_check.ReplicasDiffer(self.leave)
         flip_bit(strategy.steps, self.rank, strategy.module)  # QUIETSYNC_FLIP_BIT: a test's memory error
 
     def close(self, strategy: Any, result: dict[str, Any]) -> dict[str, Any]:

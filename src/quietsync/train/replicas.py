@@ -98,6 +98,12 @@ def stop_message(differ: list[int], step: int, agreed: int | None) -> str:
             f"(--on-replicas-differ stop); {since}")
 
 
+def heal_message(rank: int, group: int, step: int) -> str:
+    """What a replica group says when it leaves to heal (``--on-replicas-differ heal``)."""
+    return (f"after step {step} the committed parameters of rank {rank} differ from the other replica groups' "
+            f"(--on-replicas-differ heal): replica group {group} leaves, and heals from a live peer when started again")
+
+
 def slots(row: list[float], slot: int, count: int) -> list[float]:
     """This worker's :func:`fingerprint_row` at its ``slot`` of ``count``, as ``[present, first, second]`` per slot and
     zeros in the others: summed over the workers (one all-reduce, a slot has one writer, so the float64 sum is
