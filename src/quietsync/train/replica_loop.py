@@ -243,7 +243,7 @@ class TorchftQuorum:
             flag = torch.tensor([int(mine)], dtype=torch.int64, device=self.transport.device)
             self.transport.all_reduce(flag, "shard", op="max", name="replica_check")
             mine = bool(flag)
-        return replica_check.heal_message(self.rank, self.transport.replica, found["step"]) if mine else None
+        return replica_check.heal_message(self.transport.replica, found["step"]) if mine else None
 
     def finish(self, strategy: Any) -> bool:
         self._retries, self.windows = self.quorum.retries, []

@@ -98,10 +98,10 @@ def stop_message(differ: list[int], step: int, agreed: int | None) -> str:
             f"(--on-replicas-differ stop); {since}")
 
 
-def heal_message(rank: int, group: int, step: int) -> str:
+def heal_message(group: int, step: int) -> str:
     """What a replica group says when it leaves to heal (``--on-replicas-differ heal``)."""
-    return (f"after step {step} the committed parameters of rank {rank} differ from the other replica groups' "
-            f"(--on-replicas-differ heal): replica group {group} leaves, and heals from a live peer when started again")
+    return (f"after step {step} the committed parameters of replica group {group} differ from the other groups' "
+            f"(--on-replicas-differ heal): it leaves, and heals from a live peer when started again")
 
 
 def slots(row: list[float], slot: int, count: int) -> list[float]:
