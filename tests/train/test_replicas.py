@@ -142,16 +142,25 @@ def test_a_bit_flipped_mid_run_is_named_at_the_next_periodic_check_and_said_once
     assert summary["replicas"] == {"checked": True, "differ": [1], "first_differ_step": 4}
 
 
-@pytest.mark.long
-@pytest.mark.timeout(240)
-def test_on_replicas_differ_stop_stops_every_worker_at_the_check_naming_the_last_agreed_step(tmp_path, monkeypatch):
+def _stopped(tmp_path, monkeypatch, every: int):
+    """A ddp run of 8 steps, a checkpoint every 2, checks every ``every``, ``--on-replicas-differ stop``, with one bit
+    of rank 1's parameters flipped after step 3: its process and its output folder."""
     from ._run import small_job, train_subprocess
 
     monkeypatch.setenv("QUIETSYNC_FLIP_BIT", "1:3")
     out = tmp_path / "run"
     proc = train_subprocess(*small_job(tmp_path), "--strategy", "ddp", "--max-steps", "8", "--save-every", "2",
-                            "--check-replicas-every", "2", "--on-replicas-differ", "stop", "--out", str(out))
+                            "--check-replicas-every", str(every), "--on-replicas-differ", "stop", "--out", str(out))
     assert proc.returncode != 0
+    return proc, out
+
+
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_on_replicas_differ_stop_stops_every_worker_at_the_check_naming_the_last_agreed_step(tmp_path, monkeypatch):
+    from ._run import small_job, train_subprocess
+
+    proc, out = _stopped(tmp_path, monkeypatch, 2)
     assert ("after step 4 the committed parameters of rank 1 differ from the other workers' (--on-replicas-differ "
             "stop); the last check where every worker agreed was after step 2") in proc.stderr, proc.stderr[-3000:]
     assert "newest checkpoint: " in proc.stderr, proc.stderr[-3000:]
@@ -170,14 +179,7 @@ def test_on_replicas_differ_stop_stops_every_worker_at_the_check_naming_the_last
 @pytest.mark.long
 @pytest.mark.timeout(240)
 def test_with_stop_every_checkpoint_is_checked_before_it_is_written(tmp_path, monkeypatch):
-    from ._run import small_job, train_subprocess
-
-    monkeypatch.setenv("QUIETSYNC_FLIP_BIT", "1:3")
-    out = tmp_path / "run"
-    # no periodic check before step 10, but a checkpoint every 2 steps: each is checked first
-    proc = train_subprocess(*small_job(tmp_path), "--strategy", "ddp", "--max-steps", "8", "--save-every", "2",
-                            "--check-replicas-every", "10", "--on-replicas-differ", "stop", "--out", str(out))
-    assert proc.returncode != 0
+    proc, out = _stopped(tmp_path, monkeypatch, 10)  # no periodic check before step 10, a checkpoint every 2
     assert "after step 4 the committed parameters of rank 1 differ" in proc.stderr, proc.stderr[-3000:]
     assert "the last check where every worker agreed was after step 2" in proc.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002"]
