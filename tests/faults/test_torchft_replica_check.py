@@ -20,36 +20,44 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("workers", [1, 2])
-def test_a_replica_group_whose_parameters_differ_leaves_and_heals_while_the_other_goes_on(tmp_path, workers):
+@pytest.mark.parametrize(("groups", "workers", "odd"), [(2, 1, 1), (2, 2, 1), (3, 1, 0)])
+def test_a_replica_group_whose_parameters_differ_leaves_and_heals_while_the_others_go_on(tmp_path, groups, workers,
+                                                                                        odd):
+    """Two groups: no majority, the one without rank 0 leaves (with two workers a group, its last worker alone sees
+    its counterpart differ: the whole group leaves). Three: the majority stays, even when the odd one holds rank 0."""
     out = tmp_path / "run"
-    release = tmp_path / "replica1-is-up"
-    replicas = Replicas(tmp_path, 2, job_flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "12",
-                                               "--check-replicas-every", "2", "--on-replicas-differ", "heal",
-                                               "--no-export"))
-    flipped = 2 * workers - 1  # group 1's last worker: with two, its other worker sees its own counterpart agree
+    release = tmp_path / "odd-one-is-up"
+    replicas = Replicas(tmp_path, groups, job_flags(tmp_path, out, "--strategy", "ddp", "--max-steps", "12",
+                                                    "--check-replicas-every", "2", "--on-replicas-differ", "heal",
+                                                    "--no-export"))
+    flipped = odd * workers + workers - 1  # the odd group's last worker
+    others = [k for k in range(groups) if k != odd]
     try:
-        go = f"step:0:{tmp_path / 'go'}"  # both in the first quorum
-        r0 = replicas.start(0, {"QUIETSYNC_FT_HOLD": f"{go},step:9:{release}"}, workers=workers)
-        r1 = replicas.start(1, {"QUIETSYNC_FLIP_BIT": f"{flipped}:3", "QUIETSYNC_FT_HOLD": go}, workers=workers)
-        replicas.go(tmp_path / "go", [0, 1])
-        # step 4's check rides in step 5's vote; replica group 1 leaves after logging step 5, all its workers
-        assert wait_exit(replicas, r1) == 1, replicas.logs()
-        assert ("after step 4 the committed parameters of replica group 1 differ from the other groups' "
+        go = f"step:0:{tmp_path / 'go'}"  # all in the first quorum
+        procs = {k: replicas.start(k, {"QUIETSYNC_FT_HOLD": f"{go},step:9:{release}"}, workers=workers)
+                 for k in others}
+        procs[odd] = replicas.start(odd, {"QUIETSYNC_FLIP_BIT": f"{flipped}:3", "QUIETSYNC_FT_HOLD": go},
+                                    workers=workers)
+        replicas.go(tmp_path / "go", list(range(groups)))
+        # step 4's check rides in step 5's vote; the odd group leaves after logging step 5, all its workers
+        assert wait_exit(replicas, procs[odd]) == 1, replicas.logs()
+        assert (f"after step 4 the committed parameters of replica group {odd} differ from the other groups' "
                 "(--on-replicas-differ heal): it leaves, and heals from a live peer when started again"
                 ) in replicas.logs()
         deadline = time.monotonic() + 90
-        while not any(r["members"] == [0] for r in records(out, 0)):  # the other goes on alone
+        while not any(r["members"] == others for r in records(out, others[0] * workers)):  # the others go on
             assert time.monotonic() < deadline, replicas.logs()
             time.sleep(0.05)
-        r1 = replicas.rejoin(1, release, workers=workers)  # the memory error gone: it heals from replica group 0
-        assert wait_exit(replicas, r0) == 0, replicas.logs()
-        assert wait_exit(replicas, r1) == 0, replicas.logs()
+        procs[odd] = replicas.rejoin(odd, release, workers=workers)  # the memory error gone: it heals from a peer
+        for k in range(groups):
+            assert wait_exit(replicas, procs[k]) == 0, replicas.logs()
     finally:
         replicas.close()
-    survivor, returned = records(out, 0), records(out, workers)  # worker 0 of each group
-    checks = {r["step"]: r["replicas"]["differ"] for r in records(out, workers - 1) if "replicas" in r}
-    assert checks[3] == [] and checks[5] == [flipped], checks  # group 0's worker of the flipped one's place
+    survivor, returned = records(out, others[0] * workers), records(out, odd * workers)  # worker 0 of each
+    # the records of the worker at the flipped one's place in a group that stayed
+    checks = {r["step"]: r["replicas"]["differ"] for r in records(out, others[0] * workers + workers - 1)
+              if "replicas" in r}
+    assert checks[3] == [] and checks[5] == [flipped], checks  # the check of step 2, then of step 4
     after = [d for s, d in checks.items() if s > 5]
     assert after and all(d == [] for d in after), checks  # healed: the same parameters again
     assert survivor[-1]["healed"] == 0 and returned[-1]["healed"] == 1 and returned[-1]["step"] == survivor[-1]["step"]
