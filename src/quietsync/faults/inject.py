@@ -43,9 +43,10 @@ bytes and die (``SIGKILL``), as a worker killed in the middle of the write leave
 ``MARKER``, and does nothing where ``MARKER`` exists, so the worker restarted in its place writes that checkpoint
 whole.
 
-``QUIETSYNC_FLIP_BIT=RANK:STEP`` makes the worker of rank ``RANK`` (a fixed or torchrun world), once its step ``STEP``
-is committed, flip one bit of its parameters, as a memory error would: what the replica check
-(``--check-replicas-every``) must name.
+``QUIETSYNC_FLIP_BIT=RANK:STEP[:MARKER]`` makes the worker of rank ``RANK`` (any world), once its step ``STEP`` is
+committed, flip one bit of its parameters, as a memory error would: what the replica check
+(``--check-replicas-every``) must name. With ``MARKER`` it first creates that file, and does nothing where it exists:
+a run restarted from an earlier checkpoint passes that step again without the error.
 
 Nothing happens without the variables (one dictionary lookup per point).
 """
@@ -178,16 +179,21 @@ def mid_write(tmp: str | os.PathLike, step: int, rank: int) -> None:
 
 
 def flip_bit(step: int, rank: int, module: Any) -> None:
-    """After committed step ``step``: if ``QUIETSYNC_FLIP_BIT=RANK:STEP`` names this worker and step, flip bit 5 of
-    the first element of ``module``'s first parameter (the live one), as a memory error would."""
+    """After committed step ``step``: if ``QUIETSYNC_FLIP_BIT=RANK:STEP[:MARKER]`` names this worker and step (and its
+    marker is not there yet), flip bit 5 of the first element of ``module``'s first parameter (the live one), as a
+    memory error would."""
     spec = os.environ.get(FLIP_ENV, "")
     if not spec:
         return
-    who, _, when = spec.partition(":")
+    who, _, rest = spec.partition(":")
+    when, _, marker = rest.partition(":")
     if not who.isdigit() or not when.isdigit():
-        raise ValueError(f"{FLIP_ENV} must be RANK:STEP, got {spec!r}")
-    if (int(who), int(when)) != (rank, step):
+        raise ValueError(f"{FLIP_ENV} must be RANK:STEP or RANK:STEP:MARKER, got {spec!r}")
+    if (int(who), int(when)) != (rank, step) or (marker and os.path.exists(marker)):
         return
+    if marker:
+        with open(marker, "a"):
+            pass
     import torch  # here: the other points are read where torch is not imported
 
     p = next(module.parameters())
