@@ -88,7 +88,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from common import PY_MAIN, RESULTS, cpu_model, write_markdown  # noqa: E402
+from common import OFFLINE, PY_MAIN, RESULTS, cpu_model, write_markdown  # noqa: E402
 
 from quietsync.cli.launch import free_port  # noqa: E402
 from quietsync.faults.lighthouse import HEARTBEAT_TIMEOUT_MS  # noqa: E402
@@ -98,7 +98,6 @@ from tests.train.conftest import synthetic_text  # noqa: E402
 RUNS = ROOT / "runs" / "goodput"
 MODES = ("plain", "torchft-free", "elastic", "torchft")
 STRATEGIES = {"ddp": ["--strategy", "ddp"], "diloco": ["--strategy", "diloco", "--sync-every", "20"]}
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 HEAVY_IMPORTS = ("import transformers, datasets, pandas, pyarrow, matplotlib.pyplot, sympy, optuna, sqlalchemy, "
                  "tensorboard, torch._dynamo; from transformers import Trainer; ")
 """What ``--heavy-env`` makes every replica process import before quietsync (module docstring)."""

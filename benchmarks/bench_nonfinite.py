@@ -38,7 +38,6 @@ from common import RESULTS, run_train, step_stats, write_markdown  # noqa: E402
 
 from tests.train.conftest import synthetic_text  # noqa: E402
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 STRATEGIES = {"localsgd": ["--strategy", "localsgd", "--sync-every", "20"],
               "diloco": ["--strategy", "diloco", "--sync-every", "20"]}
 
@@ -78,7 +77,6 @@ def main() -> None:
     p.add_argument("--old-src", type=Path, default=None,
                    help="also run stop with the package from this src folder (the code before the change)")
     args = p.parse_args()
-    os.environ.update(OFFLINE)
     order = ["skip", "stop", "stop", "skip"]
     if args.old_src is not None:
         order = ["stop-before", "skip", "stop", "stop", "skip", "stop-before"]

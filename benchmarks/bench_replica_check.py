@@ -33,8 +33,6 @@ from common import RESULTS, cpu_description, run_train, step_stats, write_markdo
 
 from tests.train.conftest import synthetic_text  # noqa: E402
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
 
 def fingerprint_costs() -> list[dict]:
     import torch
@@ -70,7 +68,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     args = p.parse_args()
-    os.environ.update(OFFLINE)
     costs = fingerprint_costs()
     order = ["0", "1", "10", "10", "1", "0"]
     runs = []

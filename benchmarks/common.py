@@ -24,12 +24,17 @@ PY_MAIN = "import sys; from quietsync.commands.main import main; sys.exit(main()
 """``python -c PY_MAIN ARGS`` runs ``quietsync ARGS`` with this interpreter."""
 
 
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+"""The Hugging Face libraries told not to reach the network (the benchmarks run on offline machines)."""
+
+
 def run_train(out: Path, *flags: str, timeout: float = 1800) -> dict[str, Any]:
-    """Run ``quietsync train --out OUT FLAGS...``; return its summary plus per-rank step records."""
+    """Run ``quietsync train --out OUT FLAGS...`` (offline: :data:`OFFLINE`); return its summary plus per-rank step
+    records."""
     cmd = [sys.executable, "-c", PY_MAIN, "train", "--out", str(out), "--no-progress", "--no-plot", "--no-export",
            *flags]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **OFFLINE})
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(flags)} failed ({proc.returncode}):\n"
                            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

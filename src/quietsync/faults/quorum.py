@@ -554,12 +554,13 @@ class ReplicaQuorum:
             step, first, second = self.marks
             flags[3 * n + 3 * me: 3 * n + 3 * me + 3] = torch.tensor([step + 1, first, second])
         self.transport.vote(flags)
-        if self.marks is not None or bool(flags[3 * n::3].any()):
-            self.received_marks = {k: (int(flags[3 * n + 3 * k]) - 1, int(flags[3 * n + 3 * k + 1]),
-                                       int(flags[3 * n + 3 * k + 2])) for k in range(n) if int(flags[3 * n + 3 * k])}
-            self.marks = None
-        self._contributors = [k for k in range(n) if int(flags[2 * n + k])]
-        verdicts = {k: (int(flags[k]), int(flags[n + k])) for k in range(n) if int(flags[k])}
+        v = flags.tolist()  # one copy to the host (on a GPU, one sync), not one per slot read
+        marks = {k: (v[3 * n + 3 * k] - 1, v[3 * n + 3 * k + 1], v[3 * n + 3 * k + 2]) for k in range(n)
+                 if v[3 * n + 3 * k]}
+        if marks:
+            self.received_marks, self.marks = marks, None
+        self._contributors = [k for k in range(n) if v[2 * n + k]]
+        verdicts = {k: (v[k], v[n + k]) for k in range(n) if v[k]}
         return RoundDropped(verdicts) if verdicts else None
 
     def vote(self) -> None:

@@ -62,12 +62,14 @@ def run_one_replica_group(cfg: Any, strategy_config: Any, replica: int, replicas
             return NONFINITE_EXIT
         # the protocol's own stops (no quorum; left out, or a heal source lost: restarted, it heals): their
         # messages say why, a traceback would only bury them
+        # leaving to heal (--on-replicas-differ heal) is what was asked for, not an error
+        kind = "" if isinstance(own, ReplicasDiffer) or f".{ReplicasDiffer.__name__}: " in str(e) else "error: "
         if isinstance(own, PROTOCOL_STOPS):
             said = str(own).removeprefix("quietsync: ").removeprefix(f"replica group {replica}: ")  # said once below
-            print(f"{PROG} train: error: replica group {replica}: {said}", file=sys.stderr, flush=True)
+            print(f"{PROG} train: {kind}replica group {replica}: {said}", file=sys.stderr, flush=True)
             return 1
         if any(f".{stop.__name__}: " in str(e) for stop in PROTOCOL_STOPS):  # a spawned worker's, as text
-            print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)
+            print(f"{PROG} train: {kind}replica group {replica}: {e}", file=sys.stderr, flush=True)
             return 1
         print(e.details, file=sys.stderr)
         print(f"{PROG} train: error: replica group {replica}: {e}", file=sys.stderr, flush=True)

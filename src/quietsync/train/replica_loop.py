@@ -66,7 +66,7 @@ from .membership import ABSTAIN, COMMITTED, DROPPED, OPEN, STEP_SUMS
 from .metrics import MetricsWriter, write_summary
 from .nonfinite import NonFiniteError
 from .preflight import data_problem
-from .replica_nonfinite import ReplicaNonFinite, dropped_in, finite_flag
+from .replica_nonfinite import ReplicaNonFinite, dropped_in, finite_and_fingerprint
 from .schedule import warmup_cosine
 from .sinks import open_sinks
 from .window_dealer import WindowDealer
@@ -439,7 +439,7 @@ def _totals(transport: FaultTolerantTransport, sums: dict[str, float], tokens: i
     every replica: one all-reduce)."""
     snap = transport.meter.snapshot()
     keys = [(g, d) for g in GROUPS for d in ("sent", "recv")]
-    flag, mark = finite_flag(strategy)
+    flag, mark = finite_and_fingerprint(strategy)
     values = [float(tokens), flag, *(float(sums[k]) for k in STEP_SUMS)]
     values += [float(snap.get(g, {}).get(d, 0)) for g, d in keys]
     heals = [0.0] * transport.replicas  # this group's own heals, at its index (one worker of the group counts them)

@@ -26,8 +26,8 @@ The plain trainer's contract (:mod:`quietsync.train.nonfinite`), kept with torch
   the vote would leave the other replicas' share of it behind, so ``skip`` is refused for them.
 
 At the end of the run the committed parameters are checked on every replica and agreed with the run's totals
-(:func:`finite_flag`): a run whose parameters are not finite stops before its summary and export. torchft runs
-write no checkpoints (``--save-every`` is refused).
+(:func:`finite_and_fingerprint`): a run whose parameters are not finite stops before its summary and export. torchft
+runs write no checkpoints (``--save-every`` is refused).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class ReplicaNonFinite:
         return n
 
 
-def finite_flag(strategy: Any) -> tuple[float, list[float]]:
+def finite_and_fingerprint(strategy: Any) -> tuple[float, list[float]]:
     """1.0 when this worker's committed parameters are not finite, else 0.0 (summed into the run's totals, so
     every replica learns it from the same all-reduce), and their fingerprint
     (:func:`~quietsync.train.replicas.fingerprint_row`: whether the replicas end the same)."""
@@ -122,4 +122,4 @@ def dropped_in(e: BaseException) -> RoundDropped | None:
     return next((x for x in cause_chain(e) if isinstance(x, RoundDropped)), None)
 
 
-__all__ = ["NONFINITE_EXIT", "ReplicaNonFinite", "dropped_in", "finite_flag"]
+__all__ = ["NONFINITE_EXIT", "ReplicaNonFinite", "dropped_in", "finite_and_fingerprint"]
