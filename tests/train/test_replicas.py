@@ -119,6 +119,55 @@ def test_every_strategy_commits_the_same_parameters_on_every_worker_after_every_
             name, out)
 
 
+def _own_steps(rank: int, world: int, knobs: dict) -> list[float]:
+    s = quietsync.make_strategy("demo", _model(), torch.optim.SGD, config=knobs, lr=0.01)
+    try:
+        g = torch.Generator().manual_seed(rank)  # each worker its own data
+        while s.steps < 3:
+            x = torch.randn(4, 6, generator=g)
+            s.forward_backward((x, x[:, :3]), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+            s.step()
+        with s.committed_params() as m:
+            return fingerprint_row(m)
+    finally:
+        s.close()
+
+
+APART = [({"replicator": "none"}, "--replicator none"), ({"replicate_every": 2}, "--replicate-every 2"),
+         ({"skip_every": 2}, "--skip-every 2")]
+
+
+@pytest.mark.timeout(200)
+def test_settings_that_apply_each_workers_own_gradient_leave_the_workers_parameters_apart():
+    # DeToNATION's periodic replication: a step that does not replicate applies the worker's own gradient, and what it
+    # added stays (the later replicated updates are the same on every worker); without replication nothing is shared
+    for knobs, _ in APART:
+        a, b = run_ranks(_own_steps, 2, knobs, timeout=100)
+        assert a != b, knobs
+    a, b = run_ranks(_own_steps, 2, {}, timeout=100)  # replicating every step: the same
+    assert a == b
+
+
+@pytest.mark.long
+@pytest.mark.timeout(240)
+def test_a_run_whose_workers_keep_their_own_parameters_is_not_called_different_and_the_checks_are_refused(tmp_path):
+    from ._run import small_job, train, train_subprocess
+
+    out = tmp_path / "run"
+    done = train(*small_job(tmp_path), "--strategy", "demo", "--replicate-every", "2", "--max-steps", "4",
+                 "--no-export", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "differ" not in done.stdout + done.stderr  # no warning of a flipped bit where the workers part by design
+    found = json.loads((out / "summary.json").read_text())["replicas"]
+    assert found["checked"] is False and "--replicate-every 2" in found["why"], found
+    for flags, (_, flag) in zip((["--check-replicas-every", "2"], ["--on-replicas-differ", "stop"],
+                                 ["--check-replicas-every", "1"]), APART):
+        knob = flag.split()
+        refused = train_subprocess(*small_job(tmp_path), "--strategy", "demo", *knob, *flags, "--max-steps", "4")
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert f"has nothing to compare: with {flag} " in refused.stderr.strip().splitlines()[-1], refused.stderr
+
+
 @pytest.mark.long
 @pytest.mark.timeout(240)
 def test_a_bit_flipped_mid_run_is_named_at_the_next_periodic_check_and_said_once(tmp_path, monkeypatch):

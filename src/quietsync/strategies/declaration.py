@@ -12,6 +12,7 @@ read it through :func:`~quietsync.strategies.registry.declaration` and compare n
   replica's share, what a returning one takes (the heal reuses the strategy's own :meth:`Strategy.rejoin
   <quietsync.strategies.base.Strategy.rejoin>`);
 * what models it needs (a check of the job's model, built on the meta device, against its config);
+* the settings whose workers keep parameters of their own (which the replica check leaves alone);
 * the GPU check's flags and mixed precisions.
 
 The built-in strategies declare theirs in each family's ``facts.py``, beside its ``cost.py``; a strategy of your
@@ -176,6 +177,10 @@ class Declaration:
     models: Callable[[torch.nn.Module, Any, int], str | None] | None = None
     """``models(model, config, world)``: why the job's model (on the meta device) cannot carry ``config`` on
     ``world`` workers (one line naming the flag), or None; given, the model is always checked."""
+    apart: Callable[[Any], str | None] | None = None
+    """``apart(config)``: why its workers hold parameters of their own with ``config`` (one line naming the flag), so
+    that the replica check (:mod:`quietsync.train.replicas`) has nothing to compare; None (or no function): every
+    worker commits the same parameters after every step."""
     gpu_flags: tuple[str, ...] | None = ()
     """The ``quietsync train`` flags of its GPU check on one device (None: not checked there)."""
     gpu_precisions: tuple[str, ...] = ("bf16",)

@@ -198,6 +198,11 @@ def parse_train_args(argv: list[str]) -> tuple[TrainConfig, Any, int | None]:
                      f"so a round cannot be dropped first); use stop, or one of {skippers}")
     if cfg.precision == "fp16" and cls.fp16_problem():
         parser.error(f"--{cls.fp16_problem()}")  # the strategy's own line, as its constructor refuses it
+    apart = cls.declaration.apart(strategy_config) if cls.declaration.apart is not None else None
+    if apart and (cfg.check_replicas_every or cfg.on_replicas_differ != "warn"):
+        flag = ("--check-replicas-every" if cfg.check_replicas_every
+                else f"--on-replicas-differ {cfg.on_replicas_differ}")
+        parser.error(f"{flag} has nothing to compare: {apart}")
     from ..cli.launch import under_torchrun
     from ..faults.flags import ft_problem
 

@@ -190,7 +190,7 @@ class TorchftQuorum:
                 self.quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks,
                 # so a returning replica finds a round boundary to join at
         every = self.cfg.check_replicas_every
-        if every and strategy.steps % every == 0:  # the fingerprint rides in the next unit's vote
+        if every and strategy.steps % every == 0 and not replica_check.apart(strategy):  # rides in the next vote
             with strategy.paused(), strategy.committed_params() as module:
                 row = replica_check.fingerprint_row(module)
             if row[0] >= 0:  # something replicated to compare
@@ -266,6 +266,8 @@ class TorchftQuorum:
         self.quorum.start_round()  # replicas waiting to join take the final state and stop
         self.quorum.unwatch()  # the export that follows is nobody's wait
         found = totals.pop("replicas")
+        if not found["checked"]:
+            found = replica_check.unchecked(replica_check.apart(strategy))
         if self.cfg.check_replicas_every:
             found["first_differ_step"] = self.first_differ
         if (found.get("differ") and self.first_differ is None and self.quorum.members[0] == self.transport.replica

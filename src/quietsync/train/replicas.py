@@ -1,7 +1,9 @@
 """Whether the workers end a run with the same committed parameters, bit for bit.
 
 Every strategy commits parameters that are the same on every worker: the replicated ones (a sharded parameter is
-each worker's own part and is left out; the built-in strategies gather theirs whole for the check). At the end of a
+each worker's own part and is left out; the built-in strategies gather theirs whole for the check) -- except with
+a setting its declaration says keeps them apart (``apart``: ``demo --replicate-every 2``, ``--replicator none``),
+where nothing is compared (:func:`apart`). At the end of a
 run each worker takes a fingerprint of its committed parameters (:func:`fingerprint_row`), and the fingerprints
 cross in the agreement that already checks that they are finite
 (:meth:`~quietsync.train.nonfinite.NonFiniteGuard.check_parameters`): a few numbers per worker, no extra collective.
@@ -65,6 +67,19 @@ def fingerprint_row(module: torch.nn.Module) -> list[float]:
     if not seen:
         return [-1.0, -1.0]
     return [float(first % _MODULUS), float(second % _MODULUS)]
+
+
+def apart(strategy: Any) -> str | None:
+    """Why ``strategy``'s workers hold parameters of their own with its config (its declaration's ``apart``: e.g.
+    ``demo --replicate-every 2``), so there is nothing to compare; None when every worker commits the same ones."""
+    rule = type(strategy).declaration.apart
+    return rule(strategy.config) if rule is not None else None
+
+
+def unchecked(why: str | None) -> dict[str, Any]:
+    """The verdict of a check with nothing to compare: ``{"checked": False}``, with ``why`` where the strategy's
+    setting keeps the workers' parameters apart."""
+    return {"checked": False, "why": why} if why else {"checked": False}
 
 
 def verdict(rows: list[list[float]]) -> dict[str, Any]:

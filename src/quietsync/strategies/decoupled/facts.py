@@ -1,6 +1,7 @@
 """What demo and flexdemo declare beside their code (:mod:`~quietsync.strategies.declaration`): their loss per token
 (DeMo's and DeToNATION's papers), their grid of replicators and compressions, their codec for the calibration,
-and their policy under ``--fault-tolerance torchft`` (a missing replica's decoupled momentum is lost with it)."""
+their policy under ``--fault-tolerance torchft`` (a missing replica's decoupled momentum is lost with it), and the
+settings whose workers' parameters part (no replication, or not at every step)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,20 @@ def flexdemo_applies(topo: Topology, stage_counts: tuple[int, ...]) -> str | Non
     return None
 
 
+def parameters_apart(cfg: Any) -> str | None:
+    """Why the workers' parameters part with this setting, or None: only a step that replicates applies the same
+    update on every worker; the others apply each worker's own gradient, and what they add stays."""
+    if cfg.replicator == "none":
+        return "with --replicator none each worker trains its own parameters (nothing is exchanged)"
+    if cfg.replicate_every > 1:
+        return (f"with --replicate-every {cfg.replicate_every} the steps between replications apply each worker's "
+                "own gradient, so the workers' parameters part")
+    if cfg.skip_every:
+        return (f"with --skip-every {cfg.skip_every} a skipped step applies each worker's own gradient, so the "
+                "workers' parameters part")
+    return None
+
+
 SENDS = "sends {sent} per step across nodes instead of {baseline_sent}"
 
 DEMO = Declaration(
@@ -90,6 +105,7 @@ DEMO = Declaration(
         joining="the parameters and base-optimizer state (equal on every replica), and an empty decoupled momentum",
         workers="one", one_worker=True,
         skip_refusal="demo folds a round's gradient into its decoupled momentum before the exchange"),
+    apart=parameters_apart,
     order=6)
 
 FLEXDEMO = Declaration(
@@ -102,4 +118,5 @@ FLEXDEMO = Declaration(
         joining="worker i takes worker i's parameter and base-optimizer shards of the peer replica group, and an "
                 "empty decoupled momentum",
         skip_refusal="flexdemo folds a round's gradient into its decoupled momentum before the exchange"),
+    apart=parameters_apart,
     order=7)
