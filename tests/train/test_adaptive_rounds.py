@@ -72,8 +72,8 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
     monkeypatch.setenv("QUIETSYNC_AUDIT_DATA", "1")
     job = small_job(tmp_path)
     out = tmp_path / "run"
-    done = train(*job, *ADAPTIVE, "--max-steps", "16", "--save-every", "8", "--eval-every", "8", "--out", str(out),
-                 timeout=400)
+    done = train(*job, *ADAPTIVE, "--max-steps", "16", "--save-every", "8", "--eval-every", "8",
+                 "--check-replicas-every", "4", "--out", str(out), timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = {r: [x for x in read_jsonl(out / f"metrics-rank{r}.jsonl") if "event" not in x] for r in range(2)}
     # worker 1 (half the speed) takes 2 inner steps per round of 4, each spanning 2 nominal steps; both meet at 4k
@@ -83,6 +83,9 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
     # the run's summary says what each worker did
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strategy_summary"] == {"inner steps per worker": "16, 8 (last round: 4, 2)"}
+    # the replica checks meet at round ends, where both workers commit a step
+    assert [[x["step"] for x in steps[r] if "replicas" in x] for r in range(2)] == [[4, 8, 12, 16]] * 2
+    assert summary["replicas"] == {"checked": True, "differ": [], "first_differ_step": None}
     assert re.search(r"\ninner steps per worker +\| 16, 8 \(last round: 4, 2\)\n", done.stdout), done.stdout
     # nothing read twice or skipped: the windows of both workers are a prefix of the permutation
     windows = [tuple(w) for r in range(2) for x in steps[r] for w in x["windows"]]
@@ -126,6 +129,8 @@ def test_uneven_workers_read_each_window_once_and_resume_identically(tmp_path, m
     # the strategy's own refusal, in the flags the user types (not adapt=False or inner_steps='fixed')
     (["--strategy", "diloco", "--inner-steps", "adaptive", "--adapt", "--sync-every", "4", "--max-steps", "8"],
      "use one of them (--no-adapt or --inner-steps fixed)"),
+    (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
+      "--check-replicas-every", "1"], "--check-replicas-every must be a multiple of 4 with --inner-steps adaptive"),
     (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",
       "--on-nonfinite", "skip"], "--on-nonfinite must be stop with --inner-steps adaptive"),
     (["--strategy", "localsgd", "--inner-steps", "adaptive", "--sync-every", "4", "--max-steps", "8",

@@ -12,8 +12,9 @@ are a prefix of the permutation — nothing read twice, nothing skipped — and 
 the fixed order ``perm[r::W]``. A round that would run past the epoch's end starts the next epoch (the tail that does
 not hold a whole round is left, as the fixed stream leaves the tail that does not hold a micro-batch per worker).
 
-**Flags.** Every worker must meet each sync: the run stops, evaluates and checkpoints only at the end of a round
-(``--max-steps``, ``--eval-every`` and ``--save-every`` multiples of the round length L, the steps between two syncs:
+**Flags.** Every worker must meet each sync: the run stops, evaluates, checkpoints and checks its replicas only at
+the end of a round (``--max-steps``, ``--eval-every``, ``--save-every`` and ``--check-replicas-every`` multiples of the
+round length L, the steps between two syncs:
 a default is moved up to the next multiple, with a note, a value the user gave is refused), and nothing adds a
 collective to every round (``--on-nonfinite skip`` agrees on every round, so it is refused). Under
 ``--fault-tolerance torchft`` the plan cannot be agreed (the quorum, not a fixed world, decides who syncs): refused,
@@ -71,7 +72,9 @@ def adaptive_problem(cfg: Any, strategy_config: Any, world: int | None) -> str |
         return f"--on-nonfinite must be stop {why}: skip agrees on every round"
     # every flag off the round in one line: one refusal per flag would send the user round once per flag
     off = [(flag, value) for flag, value in (("--max-steps", cfg.max_steps), ("--eval-every", cfg.eval_every),
-                                             ("--save-every", cfg.save_every)) if value and value % period]
+                                             ("--save-every", cfg.save_every),
+                                             ("--check-replicas-every", cfg.check_replicas_every))
+           if value and value % period]
     if off:
         flags = " and ".join(flag for flag, _ in off)
         multiple = "a multiple" if len(off) == 1 else "multiples"
