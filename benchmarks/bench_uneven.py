@@ -68,6 +68,9 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--cap", type=int, default=4, help="slow runs stop at cap x --steps steps at the latest")
     ap.add_argument("--name", default="uneven")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="run each seed's synchronous and adaptive runs one after the other (every other seed in the "
+                         "other order) instead of side by side: half the processes per core where the cores are few")
     args = ap.parse_args()
     load = {"start": uptime()}
     print(load["start"], flush=True)
@@ -83,11 +86,15 @@ def main() -> None:
         slow = ["--slow-worker", f"1:{args.slow:g}", "--target-loss", f"{target:.6f}",
                 "--max-steps", str(args.cap * args.steps)]
         pairs: dict[int, dict[str, Any]] = {}
-        for s in args.seeds:
-            with ThreadPoolExecutor(2) as pool:  # side by side: the same load on both
-                sync_f = pool.submit(run_train, tmp / f"sync-{s}", *_flags(args, s), *slow)
-                adapt_f = pool.submit(run_train, tmp / f"adaptive-{s}", *_flags(args, s), *slow,
-                                      "--inner-steps", "adaptive")
+        for i, s in enumerate(args.seeds):
+            # side by side: the same load on both; one at a time: fewer processes per core, the order alternating
+            with ThreadPoolExecutor(1 if args.one_at_a_time else 2) as pool:
+                runs = [("sync", []), ("adaptive", ["--inner-steps", "adaptive"])]
+                if args.one_at_a_time and i % 2:
+                    runs.reverse()
+                futures = {label: pool.submit(run_train, tmp / f"{label}-{s}", *_flags(args, s), *slow, *extra)
+                           for label, extra in runs}
+                sync_f, adapt_f = futures["sync"], futures["adaptive"]
                 sync, adapt = _time_to(sync_f.result(), target), _time_to(adapt_f.result(), target)
             plans = sorted({r["extra"].get("round_inner_steps") for r in adapt_f.result()["records"][1]
                             if "event" not in r and "extra" in r})
@@ -111,13 +118,17 @@ def main() -> None:
                          r["tokens"] / r["time_s"] if r["reached"] else None,
                          p["speedup"] if label == "adaptive" else ""])
     spread = f"{min(finals.values()):.4f} to {max(finals.values()):.4f}"
+    extra = (f"{' --nproc ' + str(args.nproc) if args.nproc != 2 else ''}"
+             f"{' --one-at-a-time' if args.one_at_a_time else ''}"
+             f"{' --name ' + args.name if args.name != 'uneven' else ''}")
+    how = "one after the other" if args.one_at_a_time else "side by side"
     notes = (f"`python benchmarks/bench_uneven.py --method {args.method} --sync-every {args.sync_every} --steps "
              f"{args.steps} --eval-every {args.eval_every} --slow {args.slow:g} --seeds "
-             f"{' '.join(map(str, args.seeds))}`: {args.nproc} workers (one torch thread each), model "
+             f"{' '.join(map(str, args.seeds))}{extra}`: {args.nproc} workers (one torch thread each), model "
              f"{args.model}, worker 1 {args.slow:g}x slower (sleep), constant lr after a 4-step warm-up. Target = "
              f"the highest final held-out loss of the homogeneous synchronous runs at {args.steps} steps "
              f"(seeds {', '.join(map(str, args.seeds))}: {spread}) = {target:.4f}. Each seed's synchronous and "
-             f"adaptive runs ran side by side; time = training clock at the first evaluation at or below the "
+             f"adaptive runs ran {how}; time = training clock at the first evaluation at or below the "
              f"target (every {args.eval_every} steps). Slow worker's inner steps per round under adaptive: "
              f"{ {s: p['slow_worker_inner_steps_per_round'] for s, p in pairs.items()} }. Mean speed-up "
              f"(sync time / adaptive time): {result['speedup_mean']}. Load (`uptime`): {load}.")
