@@ -3,10 +3,10 @@
 Every strategy commits parameters that are the same on every worker: the replicated ones (a sharded parameter is
 each worker's own part and is left out; the built-in strategies gather theirs whole for the check) -- except with
 a setting its declaration says keeps them apart (``apart``: ``demo --replicate-every 2``, ``--replicator none``),
-where nothing is compared (:func:`apart`). At the end of a
-run each worker takes a fingerprint of its committed parameters (:func:`fingerprint_row`), and the fingerprints
-cross in the agreement that already checks that they are finite
-(:meth:`~quietsync.train.nonfinite.NonFiniteGuard.check_parameters`): a few numbers per worker, no extra collective.
+where nothing is compared (:func:`apart`). At the end of a run each worker takes a fingerprint of its committed
+parameters (:func:`fingerprint_row`), and the fingerprints cross in the agreement that already checks that they are
+finite (:meth:`~quietsync.train.nonfinite.NonFiniteGuard.check_parameters`): a few numbers per worker, no extra
+collective.
 :func:`verdict` says which workers differ from the others.
 
 They differ when a worker's memory or arithmetic went wrong (a flipped bit that nothing else noticed), or when the
