@@ -33,6 +33,21 @@ def _watch(waiting, limit_s: float = 5.0):
     return watch, left
 
 
+def test_each_line_of_the_stack_names_its_worker_so_that_stacks_written_together_can_be_told_apart(capsys):
+    left: list[bool] = []
+    watch = StallWatch(5.0, lambda: "replica group(s) [0]", lambda s, who: "LEAVING", leave=lambda: left.append(True),
+                       poll_s=3600, label="replica group 1, worker 1")
+    try:
+        watch._last = time.monotonic() - 6.0
+        assert watch.check() and left == [True]
+        said = capsys.readouterr().err.splitlines()
+        stack = said[1:-1]  # between the heading and the line that says why it leaves
+        assert stack and all(line.startswith("[replica group 1, worker 1] ") for line in stack), said
+        assert said[-1] == "LEAVING"
+    finally:
+        watch.close()
+
+
 def test_the_watch_leaves_only_past_its_limit_and_only_while_another_replica_group_waits(capsys):
     asked: list[bool] = []
 

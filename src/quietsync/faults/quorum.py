@@ -290,7 +290,8 @@ class ReplicaQuorum:
                                "already finished)")
             time.sleep(0.1)
         self.joined = True
-        self.watch = StallWatch(stall_limit_s(self.quorum_timeout_s), self._waiting_for_this, self._stall_line)
+        self.watch = StallWatch(stall_limit_s(self.quorum_timeout_s), self._waiting_for_this, self._stall_line,
+                                label=f"replica group {self.transport.replica}, worker {self.transport.local_rank}")
         return healed
 
     def start_round(self) -> bool:

@@ -60,10 +60,13 @@ class StallWatch:
     """
 
     def __init__(self, limit_s: float, waiting: Callable[[], str | None], describe: Callable[[float, str], str],
-                 leave: Callable[[], None] | None = None, poll_s: float = POLL_S) -> None:
+                 leave: Callable[[], None] | None = None, poll_s: float = POLL_S, label: str = "") -> None:
         if not limit_s > 0:
             raise ValueError(f"limit_s must be a positive number of seconds, got {limit_s!r}")
         self.limit_s, self.poll_s = float(limit_s), float(poll_s)
+        self.label = label
+        """Who prints (e.g. ``replica group 1, worker 0``): each line of the stack starts with it, so that the stacks
+        of a replica group's workers, written to one stderr at once, can be told apart."""
         self._waiting, self._describe, self._leave = waiting, describe, leave or _exit
         self._lock = threading.Lock()
         self._last = time.monotonic()
@@ -97,6 +100,8 @@ class StallWatch:
             return False
         frame = sys._current_frames().get(self._main.ident)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(not found)\n"
+        if self.label:
+            stack = "".join(f"[{self.label}] {line}\n" for line in stack.splitlines())
         print(f"quietsync: the main thread's stack, stalled for {stalled:.0f}s:\n{stack}{self._describe(stalled, who)}",
               file=sys.stderr, flush=True)
         self._leave()
