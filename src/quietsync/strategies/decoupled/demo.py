@@ -31,7 +31,10 @@ depend on the world size: every worker holds whole parameters) and base-optimize
 (:mod:`~quietsync.strategies.checkpoint.replicas`). On another number of workers a survivor keeps its δ and
 moments; a joiner starts with δ = 0 (it owes the others nothing, as at the start of a run) and the saved
 workers' mean moments (equal to each worker's where they agree: decoupled AdamW's moments of the shared
-update); a leaver's δ — the part of its gradients not yet sent — is dropped.
+update); a leaver's δ — the part of its gradients not yet sent — is dropped. With a setting whose workers'
+parameters part (``--replicate-every 2``: the facts' ``apart``) the model is saved once all the same, rank 0's,
+and on another number of workers every worker starts from it (a resume on the same workers reads each worker's
+own).
 """
 
 from __future__ import annotations
