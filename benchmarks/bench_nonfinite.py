@@ -14,7 +14,7 @@ run in ABBA order per strategy so drift of a shared machine hits both alike. Rep
 averaged, the first 2 steps left out): wall time per inner step, its compute part, the rest ("beyond compute":
 communication, the agreement's wait, the loop's own work), and the idle time per step.
 
-    timeout 900 .venv/bin/python benchmarks/bench_nonfinite.py [--steps 600]
+    python benchmarks/bench_nonfinite.py [--steps 600]
 
 Writes ``benchmarks/results/nonfinite.{md,json}``.
 """
@@ -99,7 +99,7 @@ def main() -> None:
              "stop-before": "stop, code before the change"}
     notes = (f"{args.steps} inner steps, 2 workers (one thread each), tiny model, H = K = 20; ABBA order, "
              "means over the repeats; `beyond compute` = wall per step - compute per step. Command: "
-             f"`timeout 900 .venv/bin/python benchmarks/bench_nonfinite.py --steps "
+             f"`python benchmarks/bench_nonfinite.py --steps "
              f"{args.steps}{' --old-src DIR' if args.old_src else ''}`; load average at the end "
              f"{os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d')}.")
     write_markdown("nonfinite", "Non-finite check: per-inner-step cost under stop and skip",

@@ -9,7 +9,7 @@ Two parts, side by side in one run:
   order so that drift of a shared machine hits every variant alike. Reported: wall time per step (workers
   averaged, the first 2 steps left out) and its ratio to the run without periodic checks.
 
-    timeout 900 .venv/bin/python benchmarks/bench_replica_check.py [--steps 200]
+    python benchmarks/bench_replica_check.py [--steps 200]
 
 Writes ``benchmarks/results/replica_check.{md,json}``.
 """
@@ -89,7 +89,7 @@ def main() -> None:
         mine = [r["step_ms"] for r in runs if r["every"] == every]
         whole.append([every if every else "0 (end only)", len(mine), statistics.mean(mine),
                       statistics.mean(mine) / base])
-    command = f"`timeout 900 .venv/bin/python benchmarks/bench_replica_check.py --steps {args.steps}`"
+    command = f"`python benchmarks/bench_replica_check.py --steps {args.steps}`"
     notes = (f"The whole run: {args.steps} steps, ddp, 2 workers (one thread each), tiny model, micro-batch 8×128; "
              f"ABBA order, means over the repeats. Command: {command}; {cpu_description()}; load average at the end "
              f"{os.getloadavg()[0]:.2f}, {time.strftime('%Y-%m-%d')}.")

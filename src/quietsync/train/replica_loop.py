@@ -190,9 +190,9 @@ class TorchftQuorum:
                 self.quorum.run(lambda: None, [])  # alone, a strategy skips its exchange: the quorum still ticks,
                 # so a returning replica finds a round boundary to join at
         every = self.cfg.check_replicas_every
-        if every and strategy.steps % every == 0 and not replica_check.apart(strategy):  # rides in the next vote
+        if every and strategy.steps % every == 0:  # the fingerprint rides in the next unit's vote
             with strategy.paused(), strategy.committed_params() as module:
-                row = replica_check.fingerprint_row(module)
+                row = replica_check.fingerprint_of(strategy, module)
             if row[0] >= 0:  # something replicated to compare
                 self.quorum.marks = (strategy.steps, int(row[0]), int(row[1]))
 
@@ -265,9 +265,7 @@ class TorchftQuorum:
                                  f"{int(totals['nonfinite_workers'])} worker(s); the run is not exported")
         self.quorum.start_round()  # replicas waiting to join take the final state and stop
         self.quorum.unwatch()  # the export that follows is nobody's wait
-        found = totals.pop("replicas")
-        if not found["checked"]:
-            found = replica_check.unchecked(replica_check.apart(strategy))
+        found = replica_check.with_why(totals.pop("replicas"), strategy)
         if self.cfg.check_replicas_every:
             found["first_differ_step"] = self.first_differ
         if (found.get("differ") and self.first_differ is None and self.quorum.members[0] == self.transport.replica

@@ -39,7 +39,7 @@ import torch
 from ..errors import cause_chain
 from ..faults.quorum import ReplicaQuorum, RoundDropped
 from .nonfinite import WHAT, NonFiniteError, RoundCheck, parameters_finite
-from .replicas import apart, fingerprint_row
+from .replicas import fingerprint_of
 
 NONFINITE_EXIT = 3
 """Exit status of a replica group's process (and of the local launcher) stopped by a non-finite value."""
@@ -112,10 +112,9 @@ class ReplicaNonFinite:
 def finite_and_fingerprint(strategy: Any) -> tuple[float, list[float]]:
     """1.0 when this worker's committed parameters are not finite, else 0.0 (summed into the run's totals, so
     every replica learns it from the same all-reduce), and their fingerprint
-    (:func:`~quietsync.train.replicas.fingerprint_row`: whether the replicas end the same)."""
+    (:func:`~quietsync.train.replicas.fingerprint_of`: whether the replicas end the same)."""
     with strategy.paused(), strategy.committed_params() as module:
-        # a setting that keeps the parameters apart: the "nothing replicated" row, so nothing is compared
-        return 0.0 if parameters_finite(module) else 1.0, [-1.0, -1.0] if apart(strategy) else fingerprint_row(module)
+        return 0.0 if parameters_finite(module) else 1.0, fingerprint_of(strategy, module)
 
 
 def dropped_in(e: BaseException) -> RoundDropped | None:

@@ -3,7 +3,7 @@
 Every strategy commits parameters that are the same on every worker: the replicated ones (a sharded parameter is
 each worker's own part and is left out; the built-in strategies gather theirs whole for the check) -- except with
 a setting its declaration says keeps them apart (``apart``: ``demo --replicate-every 2``, ``--replicator none``),
-where nothing is compared (:func:`apart`). At the end of a run each worker takes a fingerprint of its committed
+where nothing is compared (:func:`fingerprint_of`). At the end of a run each worker takes a fingerprint of its committed
 parameters (:func:`fingerprint_row`), and the fingerprints cross in the agreement that already checks that they are
 finite (:meth:`~quietsync.train.nonfinite.NonFiniteGuard.check_parameters`): a few numbers per worker, no extra
 collective.
@@ -52,21 +52,25 @@ def fingerprint_row(module: torch.nn.Module) -> list[float]:
     """Two numbers of the replicated parameters' bits (read as integers of at most 32 bits) -- ``sum_i (i + 1) *
     sum(bits_i)`` over the parameters ``i``, exact, and ``sum_i sum(bits_i * (bits_i >> 7))``, whose products wrap,
     both modulo a prime below 2**52 -- so that any one changed bit changes the first; ``[-1, -1]`` when no parameter is
-    replicated (a fully sharded model)."""
-    first = second = 0
-    seen = False
+    replicated (a fully sharded model). The sums stay on the parameters' device until one copy to the host."""
+    firsts: list[torch.Tensor] = []
+    seconds: list[torch.Tensor] = []
+    weights: list[int] = []
     for i, p in enumerate(module.parameters()):
         t = _replicated(p.detach())
         if t is None or t.element_size() not in _BITS:
             continue
-        seen = True
         bits = t.contiguous().view(_BITS[t.element_size()]).reshape(-1)
         for part in bits.split(_CHUNK):  # a bounded temporary, even for a large embedding on a full GPU
-            first += (i + 1) * int(part.sum(dtype=torch.int64))
-            second += int((part * (part >> 7)).sum(dtype=torch.int64))  # wraps: still the same on equal bits
-    if not seen:
+            firsts.append(part.sum(dtype=torch.int64))
+            seconds.append((part * (part >> 7)).sum(dtype=torch.int64))  # wraps: still the same on equal bits
+            weights.append(i + 1)
+    if not firsts:
         return [-1.0, -1.0]
-    return [float(first % _MODULUS), float(second % _MODULUS)]
+    device = firsts[0].device
+    sums = torch.stack([x.to(device) for x in firsts + seconds]).tolist()  # one host copy, not two per parameter
+    first = sum(w * x for w, x in zip(weights, sums[: len(weights)]))
+    return [float(first % _MODULUS), float(sum(sums[len(weights):]) % _MODULUS)]
 
 
 def apart(strategy: Any) -> str | None:
@@ -76,10 +80,16 @@ def apart(strategy: Any) -> str | None:
     return rule(strategy.config) if rule is not None else None
 
 
-def unchecked(why: str | None) -> dict[str, Any]:
-    """The verdict of a check with nothing to compare: ``{"checked": False}``, with ``why`` where the strategy's
-    setting keeps the workers' parameters apart."""
-    return {"checked": False, "why": why} if why else {"checked": False}
+def fingerprint_of(strategy: Any, module: torch.nn.Module) -> list[float]:
+    """:func:`fingerprint_row` of ``strategy``'s committed ``module``, or the row of nothing replicated (``[-1, -1]``,
+    so nothing is compared) where its setting keeps the workers' parameters :func:`apart`."""
+    return [-1.0, -1.0] if apart(strategy) else fingerprint_row(module)
+
+
+def with_why(found: dict[str, Any], strategy: Any) -> dict[str, Any]:
+    """A verdict, with ``why`` nothing was compared where the strategy's setting keeps the parameters apart."""
+    why = None if found["checked"] else apart(strategy)
+    return {**found, "why": why} if why else found
 
 
 def verdict(rows: list[list[float]]) -> dict[str, Any]:

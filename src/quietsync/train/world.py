@@ -228,10 +228,8 @@ class FixedWorld:
     def _check_replicas(self, strategy: Any) -> dict[str, Any]:
         """The replica check's verdict (every worker the same); ``--on-replicas-differ stop``: raised on a
         difference."""
-        why = replicas.apart(strategy)
-        # apart: the agreement still checks that the parameters are finite, with no fingerprint beside
-        rows = self.guard.check_parameters(None if why else replicas.fingerprint_row)
-        found = replicas.unchecked(why) if why else replicas.verdict(rows)
+        rows = self.guard.check_parameters(lambda module: replicas.fingerprint_of(strategy, module))
+        found = replicas.with_why(replicas.verdict(rows), strategy)
         self.checked = strategy.steps
         if found.get("differ") and self.cfg.on_replicas_differ == "stop":
             raise replicas.ReplicasDiffer(replicas.stop_message(found["differ"], strategy.steps, self.agreed))
